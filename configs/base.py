@@ -1,0 +1,54 @@
+"""Every jdp default lives here; variants import this module and override a few fields."""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    c = ml_collections.ConfigDict()
+    c.seed = 0
+
+    c.model = ml_collections.ConfigDict()
+    c.model.name = "cnn1d"
+    c.model.hidden_sizes = (256, 256)  # mlp
+    c.model.channels = (25, 25, 25)  # cnn1d, cnn2d
+    c.model.kernel_sizes = (5, 3, 3)  # cnn1d
+    c.model.strides = (2, 2, 2)  # cnn1d
+    c.model.dense_sizes = (128,)  # cnn2d
+    c.model.width = 64  # resnet
+    c.model.stage_sizes = ()  # resnet; empty = the standard stages of the named depth
+    c.model.stem = "auto"  # resnet: auto | cifar | imagenet
+    c.model.bn_sync = True  # average BatchNorm statistics across devices
+    c.model.bn_momentum = 0.9
+
+    c.data = ml_collections.ConfigDict()
+    c.data.name = "mnist1d"
+    c.data.num_classes = 0  # 0 = from the data
+    c.data.shape = (28, 28, 1)  # synthetic input shape
+    c.data.num_examples = 4096  # synthetic train size
+    c.data.num_eval_examples = 1024  # synthetic eval size
+    c.data.normalize = True
+
+    c.train = ml_collections.ConfigDict()
+    c.train.global_batch_size = 128
+    c.train.eval_batch_size = 0  # 0 = train.global_batch_size
+    c.train.steps = 3000
+    c.train.log_every = 50
+    c.train.eval_every = 500
+
+    c.optim = ml_collections.ConfigDict()
+    c.optim.name = "adamw"  # sgd | momentum | nesterov | adamw | lamb | lars
+    c.optim.lr = 1e-2
+    c.optim.momentum = 0.9  # momentum, nesterov, lars; b1 for adamw and lamb
+    c.optim.weight_decay = 0.0  # masked off biases and normalisation parameters
+    c.optim.schedule = "cosine"  # cosine | linear | constant, after linear warmup
+    c.optim.warmup_steps = 0
+    c.optim.grad_clip_norm = 0.0  # 0 = off; applied to the averaged gradient
+    c.optim.scale_lr_by_batch = False  # lr = optim.lr * global_batch / 256
+
+    c.parallel = ml_collections.ConfigDict()
+    c.parallel.backend = "shard_map"  # shard_map | pmap | jit
+    c.parallel.cpu_devices = 0  # >0: simulate this many CPU devices; 0 leaves JAX alone
+    c.parallel.num_devices = 0  # 0 = all devices, else the first N
+
+    c.compile_cache_dir = "~/.cache/jdp/xla"  # persistent XLA compilation cache; "" = off
+    return c

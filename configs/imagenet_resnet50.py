@@ -1,0 +1,24 @@
+"""ResNet-50 v1.5 on ImageNet (ILSVRC2012) from a prepared tensorflow-datasets copy.
+
+Goyal et al.'s recipe: momentum SGD, lr 0.1 x batch/256, 5 warmup epochs, weight decay 1e-4,
+90 epochs; reference top-1 ~76-77% (not measured here).
+"""
+
+from configs import base
+
+
+def get_config():
+    c = base.get_config()
+    c.model.name = "resnet50"
+    c.model.stem = "imagenet"
+    c.data.name = "tfds:imagenet2012"
+    c.train.global_batch_size = 1024
+    c.train.steps = 90 * 1_281_167 // 1024
+    c.train.log_every = 100
+    c.train.eval_every = 5000
+    c.optim.name = "momentum"
+    c.optim.lr = 0.1
+    c.optim.scale_lr_by_batch = True
+    c.optim.weight_decay = 1e-4
+    c.optim.warmup_steps = 5 * 1_281_167 // 1024
+    return c

@@ -1,0 +1,123 @@
+"""Config files: load, override from the command line, validate with one-line errors, save."""
+
+from __future__ import annotations
+
+import ast
+import difflib
+import importlib.util
+import json
+from pathlib import Path
+
+import ml_collections
+
+import configs
+
+DEFAULT_CONFIG = Path(configs.__file__).parent / "mnist1d_cnn.py"
+
+BACKENDS = ("shard_map", "pmap", "jit")
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adamw", "lamb", "lars")
+SCHEDULES = ("cosine", "linear", "constant")
+
+
+class ConfigError(ValueError):
+    """A bad config or command line: the message is one line naming the field and the fix."""
+
+
+def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
+    path = Path(path)
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.name for p in DEFAULT_CONFIG.parent.glob("[!_]*.py") if p.stem != "base"))
+        raise ConfigError(f"config file {path} not found; pass --config PATH.py (shipped configs in "
+                          f"{DEFAULT_CONFIG.parent}: {shipped})")
+    spec = importlib.util.spec_from_file_location(f"jdp_config_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "get_config"):
+        raise ConfigError(f"config file {path} defines no get_config(); it must return an ml_collections.ConfigDict")
+    return module.get_config()
+
+
+def _flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
+    keys = []
+    for k, v in cfg.items():
+        keys += _flat_keys(v, f"{prefix}{k}.") if isinstance(v, ml_collections.ConfigDict) else [prefix + k]
+    return keys
+
+
+def _parse_value(key: str, raw: str, current: object) -> object:
+    """Parse `raw` as the type the field already has, so `--config.train.steps=1e3` fails loudly."""
+    try:
+        if isinstance(current, bool):
+            lowered = raw.lower()
+            if lowered not in ("true", "false", "1", "0"):
+                raise ValueError
+            return lowered in ("true", "1")
+        if isinstance(current, int):
+            return int(raw)
+        if isinstance(current, float):
+            return float(raw)
+        if isinstance(current, tuple):
+            value = ast.literal_eval(raw) if raw.strip() else ()
+            return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+        return raw
+    except (ValueError, SyntaxError):
+        raise ConfigError(f"--config.{key}={raw} is not a valid {type(current).__name__}; "
+                          f"give a value like {current!r}") from None
+
+
+def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -> ml_collections.ConfigDict:
+    """Apply `--config.a.b=v` overrides; unknown keys are refused with the closest known key."""
+    known = _flat_keys(cfg)
+    for key, raw in overrides.items():
+        if key not in known:
+            close = difflib.get_close_matches(key, known, n=1)
+            hint = f"did you mean --config.{close[0]}?" if close else "see configs/base.py for the keys"
+            raise ConfigError(f"unknown config key --config.{key}; {hint}")
+        node = cfg
+        *parents, leaf = key.split(".")
+        for part in parents:
+            node = node[part]
+        node[leaf] = _parse_value(key, raw, node[leaf])
+    return cfg
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
+
+
+def validate(cfg: ml_collections.ConfigDict, *, model_names: tuple[str, ...], dataset_names: tuple[str, ...],
+             num_devices: int | None = None) -> None:
+    """Check the config before anything compiles. `num_devices` is the device count the run will use."""
+    def choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+        _require(value in choices, f"{key}={value!r} is unknown; choose one of {', '.join(choices)}")
+
+    choice("model.name", cfg.model.name, model_names)
+    if not cfg.data.name.startswith("tfds:"):
+        choice("data.name", cfg.data.name, dataset_names)
+    choice("optim.name", cfg.optim.name, OPTIMIZERS)
+    choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
+    choice("parallel.backend", cfg.parallel.backend, BACKENDS)
+    for key in ("train.steps", "train.global_batch_size", "train.log_every", "train.eval_every", "optim.lr"):
+        section, field = key.split(".")
+        value = cfg[section][field]
+        _require(value > 0, f"{key}={value} must be positive; set --config.{key} to a value > 0")
+    for key in ("train.eval_batch_size", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip_norm",
+                "parallel.cpu_devices", "parallel.num_devices"):
+        section, field = key.split(".")
+        value = cfg[section][field]
+        _require(value >= 0, f"{key}={value} must not be negative")
+    _require(cfg.optim.warmup_steps < cfg.train.steps,
+             f"optim.warmup_steps={cfg.optim.warmup_steps} is not shorter than train.steps={cfg.train.steps}; "
+             "lower --config.optim.warmup_steps or raise --config.train.steps")
+    if num_devices is not None:
+        for key in ("train.global_batch_size", "train.eval_batch_size"):
+            section, field = key.split(".")
+            value = cfg[section][field]
+            _require(value % num_devices == 0,
+                     f"{key}={value} is not divisible by the {num_devices} devices; use a multiple of "
+                     f"{num_devices} or set --config.parallel.num_devices")
+
+
+def save_config(cfg: ml_collections.ConfigDict, path: Path) -> None:
+    path.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True, default=list) + "\n")

@@ -1,0 +1,138 @@
+"""Offline data sources: MNIST-1D, scikit-learn digits and a synthetic task, all held in memory.
+
+Heavy libraries (mnist1d, scikit-learn) are imported inside the loader that needs them, so the synthetic
+source runs on a machine that has only numpy.
+"""
+
+import functools
+import random
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jdp.data.batching import Batcher, Split
+
+if TYPE_CHECKING:
+    import ml_collections
+
+DATASET_NAMES = ("mnist1d", "digits", "synthetic")
+
+_SYNTHETIC_SEED = 0  # fixed: the synthetic task is the same for every run seed
+
+
+def _read_only(*arrays: np.ndarray) -> None:
+    """Cached arrays are shared by every caller in the process: make accidental writes fail loudly."""
+    for a in arrays:
+        a.setflags(write=False)
+
+
+@functools.cache
+def _mnist1d() -> tuple[Split, Split]:
+    """Standard MNIST-1D (4000 train / 1000 test, 40 features, 10 classes), generated, never downloaded."""
+    from mnist1d.data import get_dataset_args, make_dataset
+
+    # make_dataset reseeds the global numpy and Python RNGs: give the caller theirs back.
+    np_state, py_state = np.random.get_state(), random.getstate()
+    try:
+        d = make_dataset(get_dataset_args())
+    finally:
+        np.random.set_state(np_state)
+        random.setstate(py_state)
+    x, x_test = d["x"].astype(np.float32), d["x_test"].astype(np.float32)
+    y, y_test = d["y"].astype(np.int32), d["y_test"].astype(np.int32)
+    _read_only(x, y, x_test, y_test)
+    return Split(x, y), Split(x_test, y_test)
+
+
+@functools.cache
+def _digits() -> tuple[Split, Split]:
+    """scikit-learn's 8x8 digits scaled to [0, 1], shape (8, 8, 1), 10 classes.
+
+    Fixed split: `train_test_split(test_size=0.2, random_state=0, stratify=y)` -> 1437 train / 360 test.
+    """
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = (digits.images / 16.0).astype(np.float32)[..., None]
+    y = digits.target.astype(np.int32)
+    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    _read_only(x_train, x_test, y_train, y_test)
+    return Split(x_train, y_train), Split(x_test, y_test)
+
+
+def _synthetic(
+    shape: tuple[int, ...], num_classes: int, num_train: int, num_eval: int
+) -> tuple[Split, Split]:
+    """Gaussian inputs labelled by a fixed random linear teacher (argmax), so the task is learnable.
+
+    Teacher, train and eval come from separate streams of one fixed seed, so each split does not depend on
+    the size of the other.
+    """
+    if num_classes < 2:
+        raise ValueError(f"the synthetic source needs data.num_classes >= 2, got {num_classes}")
+    dim = int(np.prod(shape))
+
+    def normal(stream: int, size: tuple[int, ...]) -> np.ndarray:
+        return np.random.default_rng([_SYNTHETIC_SEED, stream]).standard_normal(size, dtype=np.float32)
+
+    teacher = normal(0, (dim, num_classes))
+
+    def split(stream: int, n: int) -> Split:
+        x = normal(stream, (n, *shape))
+        return Split(x, np.argmax(x.reshape(n, dim) @ teacher, axis=1).astype(np.int32))
+
+    return split(1, num_train), split(2, num_eval)
+
+
+def _normalize(train: Split, eval: Split) -> tuple[Split, Split]:
+    """Standardise both splits with one scalar mean and std over every train feature.
+
+    A scalar keeps the relative scale of pixels and channels, and never divides by a constant feature's
+    zero std (digits' border pixels are always 0).
+    """
+    mean, std = train.x.mean(), train.x.std()
+    scale = 1 / std if std > 0 else np.float32(1)
+
+    def apply(s: Split) -> Split:
+        x = s.x - mean
+        x *= scale  # in place: one new array per split
+        return Split(x, s.y)
+
+    return apply(train), apply(eval)
+
+
+def build_source(
+    cfg: "ml_collections.ConfigDict",
+    *,
+    seed: int,
+    global_batch_size: int,
+    eval_batch_size: int,
+    process_index: int = 0,
+    process_count: int = 1,
+) -> Batcher:
+    """The source named by `cfg` (the config's `data` section), batched for this process.
+
+    `seed` (the run seed) orders the train split; the data itself does not depend on it.
+    """
+    if cfg.name == "mnist1d":
+        train, eval = _mnist1d()
+    elif cfg.name == "digits":
+        train, eval = _digits()
+    elif cfg.name == "synthetic":
+        shape = tuple(int(d) for d in cfg.shape)
+        train, eval = _synthetic(shape, cfg.num_classes, cfg.num_examples, cfg.num_eval_examples)
+    else:
+        raise ValueError(f"unknown data.name {cfg.name!r}; expected one of {DATASET_NAMES}")
+    if cfg.normalize:
+        train, eval = _normalize(train, eval)
+    return Batcher(
+        train,
+        eval,
+        seed=seed,
+        global_batch_size=global_batch_size,
+        eval_batch_size=eval_batch_size,
+        process_index=process_index,
+        process_count=process_count,
+        num_classes=cfg.num_classes,
+    )

@@ -1,0 +1,43 @@
+"""Devices -> a 1-D mesh over the `data` axis, its shardings, and host batches -> global arrays."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jdp.config import ConfigError
+
+DATA_AXIS = "data"
+
+
+def simulate_cpu_devices(count: int) -> None:
+    """Ask XLA:CPU for `count` devices; must run before JAX touches a device (0 leaves JAX alone)."""
+    if count > 0:
+        jax.config.update("jax_num_cpu_devices", count)
+
+
+def make_mesh(num_devices: int = 0) -> Mesh:
+    """A mesh over the first `num_devices` devices (0 = all), ordered so that each process's
+    devices are contiguous: process p then holds a contiguous block of every global batch."""
+    devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if num_devices > len(devices):
+        raise ConfigError(f"parallel.num_devices={num_devices} but only {len(devices)} devices exist; "
+                          "lower it, or simulate more with --cpu_devices N on a CPU")
+    chosen = devices[:num_devices] if num_devices else devices
+    return Mesh(np.array(chosen), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def data_sharded(mesh: Mesh) -> NamedSharding:
+    """Leading axis split across devices: step 1 of data parallelism."""
+    return NamedSharding(mesh, P(DATA_AXIS))
+
+
+def global_batch(local_rows: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
+    """This process's rows of a global batch -> global arrays split along `data`."""
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_rows.items()}

@@ -1,0 +1,112 @@
+"""What a run reports: metrics.jsonl and TensorBoard (process 0 only), a progress bar or plain
+lines, and a steady-state throughput clock that leaves out compile, eval and checkpoint time."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+class ThroughputClock:
+    """Counts examples per second of training only: pause it around eval and checkpoints."""
+
+    def __init__(self) -> None:
+        self.examples, self.seconds = 0, 0.0
+        self._interval_examples, self._interval_seconds = 0, 0.0
+        self._started: float | None = None
+
+    def start(self) -> None:
+        self._started = time.perf_counter()
+
+    def pause(self) -> None:
+        if self._started is not None:
+            elapsed = time.perf_counter() - self._started
+            self.seconds += elapsed
+            self._interval_seconds += elapsed
+            self._started = None
+
+    def add(self, examples: int) -> None:
+        self.examples += examples
+        self._interval_examples += examples
+
+    def interval_rate(self) -> float:
+        """Examples/sec since the previous call (the clock keeps running)."""
+        running = self._started is not None
+        self.pause()
+        rate = self._interval_examples / self._interval_seconds if self._interval_seconds else float("nan")
+        self._interval_examples, self._interval_seconds = 0, 0.0
+        if running:
+            self.start()
+        return rate
+
+    def rate(self) -> float:
+        return self.examples / self.seconds if self.seconds else float("nan")
+
+
+class MetricsWriter:
+    """Writes one JSON object per line to WORKDIR/metrics.jsonl, mirrors it to TensorBoard, and
+    shows progress. On processes other than 0 every method is a no-op."""
+
+    def __init__(self, workdir: Path, *, total_steps: int, enabled: bool = True) -> None:
+        self.enabled = enabled
+        if not enabled:
+            return
+        self._start = time.time()
+        self._file = open(workdir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+        self._tb = _tensorboard_writer(workdir)
+        self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True) if sys.stderr.isatty() else None
+
+    def _write(self, record: dict) -> None:
+        record["wall_time"] = round(time.time() - self._start, 3)
+        self._file.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for key, value in record.items():
+                if key not in ("step", "split", "wall_time") and isinstance(value, (int, float)):
+                    self._tb.add_scalar(f"{record['split']}/{key}", value, record.get("step", 0))
+
+    def train(self, step: int, *, loss: float, accuracy: float, lr: float, examples_per_sec: float) -> None:
+        if not self.enabled:
+            return
+        self._write({"step": step, "split": "train", "loss": loss, "accuracy": accuracy, "lr": lr,
+                     "examples_per_sec": examples_per_sec})
+        text = f"loss {loss:.4f}  acc {accuracy:.3f}  {examples_per_sec:,.0f} ex/s"
+        if self._bar is not None:
+            self._bar.set_postfix_str(text, refresh=False)
+            self._bar.update(step - self._bar.n)
+        else:
+            print(f"step {step}: {text}", flush=True)
+
+    def eval(self, step: int, *, loss: float, accuracy: float) -> None:
+        if not self.enabled:
+            return
+        self._write({"step": step, "split": "eval", "loss": loss, "accuracy": accuracy})
+        self.echo(f"eval at step {step}: loss {loss:.4f}  accuracy {accuracy:.4f}")
+
+    def summary(self, **fields: float) -> None:
+        if self.enabled:
+            self._write({"split": "summary", **fields})
+
+    def echo(self, line: str) -> None:
+        if self.enabled:
+            (self._bar.write if self._bar is not None else print)(line)
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        if self._tb is not None:
+            self._tb.close()
+        self._file.close()
+
+
+def _tensorboard_writer(workdir: Path):
+    try:  # optional: a bare GPU box may lack tensorboardX
+        from tensorboardX import SummaryWriter
+    except ImportError:
+        return None
+    return SummaryWriter(str(workdir / "tensorboard"))

@@ -1,0 +1,172 @@
+"""ResNet v1.5 (stride on the 3x3 conv of the bottleneck) with optionally cross-device BatchNorm.
+
+`axis_name='data'` makes every BatchNorm average its batch statistics over that mapped axis (inside
+shard_map / pmap); `axis_name=None` keeps per-device statistics.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+# name -> (block, stage sizes)
+ARCHS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "resnet18": ("basic", (2, 2, 2, 2)),
+    "resnet34": ("basic", (3, 4, 6, 3)),
+    "resnet50": ("bottleneck", (3, 4, 6, 3)),
+}
+
+
+class _Layers:
+    """Conv / BatchNorm constructors sharing one configuration."""
+
+    def __init__(self, axis_name: str | None, bn_momentum: float, dtype: Any, rngs: nnx.Rngs):
+        self.axis_name, self.bn_momentum, self.dtype, self.rngs = axis_name, bn_momentum, dtype, rngs
+
+    def conv(self, c_in: int, c_out: int, k: int, stride: int = 1) -> nnx.Conv:
+        # Symmetric padding k // 2, as in torchvision, rather than SAME (asymmetric for stride 2).
+        p = k // 2
+        return nnx.Conv(
+            c_in,
+            c_out,
+            (k, k),
+            (stride, stride),
+            padding=((p, p), (p, p)),
+            use_bias=False,
+            dtype=self.dtype,
+            rngs=self.rngs,
+        )
+
+    def bn(self, c: int) -> nnx.BatchNorm:
+        return nnx.BatchNorm(
+            c,
+            momentum=self.bn_momentum,
+            epsilon=1e-5,
+            axis_name=self.axis_name,
+            dtype=self.dtype,
+            rngs=self.rngs,
+        )
+
+
+class _Shortcut(nnx.Module):
+    """Identity, or 1x1 conv + BN when the shape changes."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int, layers: _Layers):
+        project = stride != 1 or c_in != c_out
+        self.proj = layers.conv(c_in, c_out, 1, stride) if project else None
+        self.bn = layers.bn(c_out) if project else None
+
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        if self.proj is None:
+            return x
+        return self.bn(self.proj(x), use_running_average=not train)
+
+
+class BasicBlock(nnx.Module):
+    expansion = 1
+
+    def __init__(self, c_in: int, filters: int, stride: int, layers: _Layers):
+        self.conv1, self.bn1 = layers.conv(c_in, filters, 3, stride), layers.bn(filters)
+        self.conv2, self.bn2 = layers.conv(filters, filters, 3), layers.bn(filters)
+        self.shortcut = _Shortcut(c_in, filters, stride, layers)
+
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        y = nnx.relu(self.bn1(self.conv1(x), use_running_average=not train))
+        y = self.bn2(self.conv2(y), use_running_average=not train)
+        return nnx.relu(y + self.shortcut(x, train))
+
+
+class BottleneckBlock(nnx.Module):
+    expansion = 4
+
+    def __init__(self, c_in: int, filters: int, stride: int, layers: _Layers):
+        c_out = filters * self.expansion
+        self.conv1, self.bn1 = layers.conv(c_in, filters, 1), layers.bn(filters)
+        self.conv2, self.bn2 = layers.conv(filters, filters, 3, stride), layers.bn(filters)
+        self.conv3, self.bn3 = layers.conv(filters, c_out, 1), layers.bn(c_out)
+        self.shortcut = _Shortcut(c_in, c_out, stride, layers)
+
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        y = nnx.relu(self.bn1(self.conv1(x), use_running_average=not train))
+        y = nnx.relu(self.bn2(self.conv2(y), use_running_average=not train))
+        y = self.bn3(self.conv3(y), use_running_average=not train)
+        return nnx.relu(y + self.shortcut(x, train))
+
+
+BLOCKS: dict[str, type[BasicBlock] | type[BottleneckBlock]] = {
+    "basic": BasicBlock,
+    "bottleneck": BottleneckBlock,
+}
+STEMS = ("cifar", "imagenet")
+
+
+class ResNet(nnx.Module):
+    """ResNet on (B, H, W, C) or (B, H, W) images; logits are float32 whatever `dtype` computes in.
+
+    Stems: 'cifar' = conv3x3 + BN + ReLU; 'imagenet' = conv7x7/2 + BN + ReLU + maxpool 3x3/2 (SAME).
+    """
+
+    def __init__(
+        self,
+        stage_sizes: Sequence[int],
+        block: str,
+        width: int,
+        stem: str,
+        in_channels: int,
+        num_classes: int,
+        *,
+        axis_name: str | None,
+        bn_momentum: float = 0.9,
+        dtype: Any = jnp.float32,
+        rngs: nnx.Rngs,
+    ):
+        if block not in BLOCKS:
+            raise ValueError(f"unknown ResNet block {block!r}; choose from {tuple(BLOCKS)}")
+        if stem not in STEMS:
+            raise ValueError(f"unknown ResNet stem {stem!r}; choose from {STEMS}")
+        layers = _Layers(axis_name, bn_momentum, dtype, rngs)
+        self.imagenet_stem = stem == "imagenet"
+        k, stride = (7, 2) if self.imagenet_stem else (3, 1)
+        self.stem_conv = layers.conv(in_channels, width, k, stride)
+        self.stem_bn = layers.bn(width)
+        block_cls = BLOCKS[block]
+        blocks, c = [], width
+        for i, n in enumerate(stage_sizes):
+            for j in range(n):
+                blocks.append(block_cls(c, width * 2**i, 2 if i > 0 and j == 0 else 1, layers))
+                c = width * 2**i * block_cls.expansion
+        self.blocks = nnx.List(blocks)
+        self.head = nnx.Linear(c, num_classes, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+        if x.ndim == 3:
+            x = x[..., None]
+        x = nnx.relu(self.stem_bn(self.stem_conv(x), use_running_average=not train))
+        if self.imagenet_stem:
+            x = nnx.max_pool(x, (3, 3), (2, 2), padding="SAME")
+        for block in self.blocks:
+            x = block(x, train)
+        return self.head(x.mean(axis=(1, 2))).astype(jnp.float32)
+
+
+def _standard(name: str, num_classes: int, kwargs: dict[str, Any]) -> ResNet:
+    block, stage_sizes = ARCHS[name]
+    kwargs = {"width": 64, "stem": "imagenet", "in_channels": 3, **kwargs}
+    return ResNet(stage_sizes, block, num_classes=num_classes, **kwargs)
+
+
+def resnet18(num_classes: int, **kwargs: Any) -> ResNet:
+    """ResNet-18; keyword arguments as ResNet's (width 64, ImageNet stem, 3 input channels by default)."""
+    return _standard("resnet18", num_classes, kwargs)
+
+
+def resnet34(num_classes: int, **kwargs: Any) -> ResNet:
+    """ResNet-34; keyword arguments as ResNet's (width 64, ImageNet stem, 3 input channels by default)."""
+    return _standard("resnet34", num_classes, kwargs)
+
+
+def resnet50(num_classes: int, **kwargs: Any) -> ResNet:
+    """ResNet-50; keyword arguments as ResNet's (width 64, ImageNet stem, 3 input channels by default)."""
+    return _standard("resnet50", num_classes, kwargs)

@@ -1,0 +1,55 @@
+"""Config -> optax: the only place that maps optimizer settings to optax."""
+
+from __future__ import annotations
+
+import jax
+import ml_collections
+import optax
+
+
+def learning_rate(cfg: ml_collections.ConfigDict, global_batch_size: int, total_steps: int) -> optax.Schedule:
+    """Linear warmup from 0, then cosine or linear decay to 0, or constant."""
+    peak = cfg.lr * global_batch_size / 256 if cfg.scale_lr_by_batch else cfg.lr
+    warmup = cfg.warmup_steps
+    decay_steps = total_steps - warmup
+    if cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(peak, decay_steps)
+    elif cfg.schedule == "linear":
+        after = optax.linear_schedule(peak, 0.0, decay_steps)
+    else:
+        after = optax.constant_schedule(peak)
+    if warmup == 0:
+        return after
+    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+def decay_mask(params: optax.Params) -> optax.Params:
+    """Weight decay applies to kernels only: biases and normalisation scales/offsets are vectors."""
+    return jax.tree.map(lambda p: p.ndim > 1, params)
+
+
+def build_optimizer(cfg: ml_collections.ConfigDict, global_batch_size: int,
+                    total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """Returns the optax transform and its schedule (the schedule is also used to log `lr`).
+
+    The transform runs after the gradient all-reduce, so clipping sees the averaged gradient,
+    exactly as on one device.
+    """
+    lr = learning_rate(cfg, global_batch_size, total_steps)
+    wd = cfg.weight_decay
+    if cfg.name in ("sgd", "momentum", "nesterov"):
+        momentum = None if cfg.name == "sgd" else cfg.momentum
+        tx = optax.chain(optax.add_decayed_weights(wd, decay_mask),
+                         optax.sgd(lr, momentum=momentum, nesterov=cfg.name == "nesterov"))
+    elif cfg.name == "adamw":
+        tx = optax.adamw(lr, b1=cfg.momentum, weight_decay=wd, mask=decay_mask)
+    elif cfg.name == "lamb":
+        tx = optax.lamb(lr, b1=cfg.momentum, weight_decay=wd, mask=decay_mask)
+    elif cfg.name == "lars":
+        tx = optax.lars(lr, weight_decay=wd, weight_decay_mask=decay_mask, trust_ratio_mask=decay_mask,
+                        momentum=cfg.momentum)
+    else:
+        raise ValueError(f"unknown optimizer {cfg.name!r}")
+    if cfg.grad_clip_norm > 0:
+        tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), tx)
+    return tx, lr

@@ -1,0 +1,62 @@
+"""`python -m jdp.plot RUN_DIR [RUN_DIR ...] --out curves.png`: overlay the loss and accuracy
+curves of several runs (their metrics.jsonl) in one PNG."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; pass run directories written by python -m jdp.train")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def plot_runs(run_dirs: list[Path], out: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for i, run_dir in enumerate(run_dirs):
+        records = read_metrics(run_dir)
+        for split, style in (("train", "-"), ("eval", "o--")):
+            rows = [r for r in records if r.get("split") == split]
+            if not rows:
+                continue
+            steps = [r["step"] for r in rows]
+            for ax, key in zip(axes, ("loss", "accuracy"), strict=True):
+                ax.plot(steps, [r[key] for r in rows], style, color=f"C{i}", markersize=3,
+                        label=f"{run_dir.name} {split}")
+    for ax, key in zip(axes, ("loss", "accuracy"), strict=True):
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[0].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jdp.plot", description=__doc__)
+    parser.add_argument("run_dirs", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("curves.png"))
+    args = parser.parse_args(argv)
+    try:
+        plot_runs(args.run_dirs, args.out)
+    except FileNotFoundError as e:
+        print(f"jdp.plot: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

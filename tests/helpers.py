@@ -1,0 +1,37 @@
+"""Small configs and comparisons shared by the tests."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from configs import base
+
+# Tiny models that compile in seconds on a 2-core CPU; resnet is built by the ResNet-18 class.
+MODELS = {
+    "mlp": dict(model={"name": "mlp", "hidden_sizes": (32, 32)}, data={"name": "mnist1d"}),
+    "cnn1d": dict(model={"name": "cnn1d"}, data={"name": "mnist1d"}),
+    "resnet": dict(model={"name": "resnet18", "stage_sizes": (1, 1, 1, 1), "width": 8},
+                   data={"name": "synthetic", "shape": (8, 8, 3), "num_classes": 10, "num_examples": 256,
+                         "num_eval_examples": 40},
+                   optim={"lr": 0.05}),  # stable at this lr, so float32 rounding is not amplified
+}
+
+
+def small_config(model: str, *, backend: str = "shard_map", num_devices: int = 0, steps: int = 5, **sections):
+    """Plain SGD with an lr large enough that a wrong gradient scale changes the losses."""
+    cfg = base.get_config()
+    cfg.train.update(global_batch_size=32, steps=steps, log_every=1, eval_every=steps)
+    cfg.optim.update(name="sgd", lr=0.2, schedule="constant")
+    cfg.parallel.update(backend=backend, num_devices=num_devices)
+    cfg.compile_cache_dir = ""
+    for fields in (MODELS[model], sections):
+        for section, values in fields.items():
+            cfg[section].update(values)
+    return cfg
+
+
+def max_abs_diff(a, b) -> float:
+    """Largest |a - b| over all leaves of two pytrees of the same structure."""
+    return max(float(np.max(np.abs(x - y), initial=0.0)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b),
+                                                                          strict=True))

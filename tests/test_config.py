@@ -1,0 +1,77 @@
+"""Bad input exits 2 with one clear line, before anything compiles; configs load from any directory."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from jdp import config as config_lib
+from jdp.train import main, parse_command_line
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = sorted(p for p in (REPO / "configs").glob("*.py") if p.stem not in ("__init__", "base"))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+def test_every_shipped_config_loads_and_validates(path):
+    cfg = config_lib.load_config_file(path)
+    from jdp import data, models
+    config_lib.validate(cfg, model_names=models.MODEL_NAMES, dataset_names=data.DATASET_NAMES)
+
+
+def test_overrides_parse_as_the_fields_type():
+    cfg, workdir = parse_command_line(["--config.train.steps=7", "--config.optim.lr", "0.5",
+                                       "--config.model.bn_sync=false", "--config.model.hidden_sizes=(8, 4)",
+                                       "--cpu_devices", "3"])
+    assert (cfg.train.steps, cfg.optim.lr, cfg.model.bn_sync, cfg.model.hidden_sizes) == (7, 0.5, False, (8, 4))
+    assert cfg.parallel.cpu_devices == 3 and workdir == Path("runs/mnist1d_cnn")
+
+
+BAD = {
+    "batch not divisible": (["--config.train.global_batch_size=30"], "not divisible by the 8 devices"),
+    "unknown model": (["--config.model.name=vgg"], "model.name='vgg' is unknown"),
+    "unknown dataset": (["--config.data.name=cifar"], "data.name='cifar' is unknown"),
+    "unknown optimizer": (["--config.optim.name=adam"], "optim.name='adam' is unknown"),
+    "zero steps": (["--config.train.steps=0"], "train.steps=0 must be positive"),
+    "negative lr": (["--config.optim.lr=-0.1"], "optim.lr=-0.1 must be positive"),
+    "missing file": (["--config", "no/such/config.py"], "config file no/such/config.py not found"),
+    "mistyped key": (["--config.optim.lrr=1"],
+                     "unknown config key --config.optim.lrr; did you mean --config.optim.lr?"),
+    "wrong type": (["--config.train.steps=ten"], "--config.train.steps=ten is not a valid int"),
+    "long warmup": (["--config.optim.warmup_steps=99999"], "optim.warmup_steps=99999 is not shorter than train.steps"),
+    "stray argument": (["--steps=5"], "unrecognised argument --steps=5"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_bad_input_exits_2_with_one_line(case, capsys, tmp_path):
+    argv, expected = BAD[case]
+    assert main([*argv, "--workdir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err
+    assert not (tmp_path / "config.json").exists()  # refused before the run started
+
+
+def test_bad_config_in_a_subprocess_has_no_traceback(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "jdp.train", "--config.optim.lrr=1"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines() == ["jdp: config error: unknown config key --config.optim.lrr; "
+                                               "did you mean --config.optim.lr?"]
+
+
+def test_runs_from_any_directory_with_and_without_config(tmp_path):
+    """Config files import their base, and the default config is found, outside the repo root."""
+    env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2"}
+    short = ["--config.train.steps=3", "--config.train.eval_every=3", "--config.train.log_every=1"]
+    for args in ([], ["--config", str(REPO / "configs" / "mnist1d_mlp.py")]):
+        out = subprocess.run([sys.executable, "-m", "jdp.train", *short, *args], cwd=tmp_path,
+                             capture_output=True, text=True, timeout=180, env=env)
+        assert out.returncode == 0, out.stderr
+    written = json.loads((tmp_path / "runs" / "mnist1d_cnn" / "config.json").read_text())
+    assert written["model"]["name"] == "cnn1d" and written["train"]["steps"] == 3
+    meta = json.loads((tmp_path / "runs" / "mnist1d_mlp" / "run.json").read_text())
+    assert meta["versions"]["jax"] and len(meta["devices"]) == 2 and meta["command"]

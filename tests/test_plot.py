@@ -1,0 +1,23 @@
+import json
+
+from jdp.plot import main
+
+
+def _write_run(path, losses):
+    path.mkdir()
+    lines = [{"step": i + 1, "split": "train", "loss": loss, "accuracy": 0.5} for i, loss in enumerate(losses)]
+    lines.append({"step": len(losses), "split": "eval", "loss": losses[-1], "accuracy": 0.6})
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+
+
+def test_plot_overlays_runs_into_a_png(tmp_path):
+    _write_run(tmp_path / "a", [2.0, 1.0, 0.5])
+    _write_run(tmp_path / "b", [2.0, 1.5, 1.0])
+    out = tmp_path / "curves.png"
+    assert main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 10_000
+
+
+def test_plot_of_a_missing_run_is_one_clear_error(tmp_path, capsys):
+    assert main([str(tmp_path / "nope"), "--out", str(tmp_path / "x.png")]) == 2
+    assert "metrics.jsonl not found" in capsys.readouterr().err
