@@ -28,14 +28,16 @@ class DataParallel:
     """The train and eval steps compiled for one backend, plus the layout of state and batches."""
 
     def __init__(self, backend: str, mesh: Mesh, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                 schedule: optax.Schedule):
+                 schedule: optax.Schedule, *, bn_sync: bool = True):
         self.backend, self.mesh = backend, mesh
         train = partial(step_lib.train_step, graphdef=graphdef, tx=tx, schedule=schedule)
         evaluate = partial(step_lib.eval_step, graphdef=graphdef)
         if backend == "jit":
             repl, split = replicated(mesh), data_sharded(mesh)
-            self._train = jax.jit(partial(train, axis_name=None), in_shardings=(repl, split),
-                                  out_shardings=(repl, repl), donate_argnums=0)
+            # Per-device BatchNorm: the global batch is normalised in groups of each device's rows.
+            bn_groups = 1 if bn_sync else mesh.size
+            self._train = jax.jit(partial(train, axis_name=None, bn_groups=bn_groups),
+                                  in_shardings=(repl, split), out_shardings=(repl, repl), donate_argnums=0)
             self._eval = jax.jit(partial(evaluate, axis_name=None), in_shardings=(repl, split), out_shardings=repl)
         elif backend == "shard_map":
             # check_vma=False: with it on, the gradient of a replicated parameter is already summed

@@ -24,9 +24,18 @@ class TrainState(NamedTuple):
     opt_state: optax.OptState
 
 
-def forward(graphdef: nnx.GraphDef, params: Tree, model_state: Tree, x: jax.Array,
-            train: bool) -> tuple[jax.Array, Tree]:
-    """Runs the NNX model functionally; returns logits and the updated model state."""
+def forward(graphdef: nnx.GraphDef, params: Tree, model_state: Tree, x: jax.Array, train: bool,
+            groups: int = 1) -> tuple[jax.Array, Tree]:
+    """Runs the NNX model functionally; returns logits and the updated model state.
+
+    `groups > 1` cuts the batch into that many equal groups of rows, each normalised by its own
+    BatchNorm statistics: per-device ("ghost") BatchNorm for the jit backend, which sees the global
+    batch. The groups' new running statistics are averaged.
+    """
+    if groups > 1:
+        x_GxBx = x.reshape(groups, -1, *x.shape[1:])
+        logits_GxBxC, states = jax.vmap(lambda xi: forward(graphdef, params, model_state, xi, train))(x_GxBx)
+        return logits_GxBxC.reshape(x.shape[0], -1), jax.tree.map(lambda s: s.mean(0), states)
     model = nnx.merge(graphdef, params, model_state)
     logits = model(x, train=train)
     return logits, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
@@ -43,13 +52,14 @@ def all_reduce_mean(tree: Tree, axis_name: str | None) -> Tree:
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
-               tx: optax.GradientTransformation, schedule: optax.Schedule,
-               axis_name: str | None) -> tuple[TrainState, dict[str, jax.Array]]:
+               tx: optax.GradientTransformation, schedule: optax.Schedule, axis_name: str | None,
+               bn_groups: int = 1) -> tuple[TrainState, dict[str, jax.Array]]:
     """One data-parallel step on this device's slice of the global batch (step 1, the split,
-    happened before: `batch` is already this device's rows)."""
+    happened before: `batch` is already this device's rows). `bn_groups`: see `forward`."""
 
     def local_loss(params: Tree) -> tuple[jax.Array, tuple[jax.Array, Tree]]:
-        logits_BxC, model_state = forward(graphdef, params, state.model_state, batch["x"], train=True)
+        logits_BxC, model_state = forward(graphdef, params, state.model_state, batch["x"], train=True,
+                                          groups=bn_groups)
         return cross_entropy(logits_BxC, batch["y"]).mean(), (logits_BxC, model_state)
 
     # 2. compute: forward and backward on the local slice.

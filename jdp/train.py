@@ -54,9 +54,6 @@ def build(cfg: ml_collections.ConfigDict):
     mesh = make_mesh(cfg.parallel.num_devices)
     config_lib.validate(cfg, model_names=models.MODEL_NAMES, dataset_names=data_lib.DATASET_NAMES,
                         num_devices=mesh.size)
-    if not cfg.model.bn_sync and cfg.parallel.backend == "jit":
-        raise config_lib.ConfigError("model.bn_sync=False (per-device BatchNorm) needs a per-device step; use "
-                                     "--config.parallel.backend=shard_map or pmap")
     eval_batch_size = cfg.train.eval_batch_size or cfg.train.global_batch_size
     try:
         source = data_lib.build_source(cfg.data, seed=cfg.seed, global_batch_size=cfg.train.global_batch_size,
@@ -79,7 +76,7 @@ def build(cfg: ml_collections.ConfigDict):
         return TrainState(jax.numpy.zeros((), jax.numpy.int32), params, model_state, tx.init(params))
 
     graphdef = nnx.graphdef(nnx.eval_shape(make_model))
-    parallel = DataParallel(cfg.parallel.backend, mesh, graphdef, tx, schedule)
+    parallel = DataParallel(cfg.parallel.backend, mesh, graphdef, tx, schedule, bn_sync=cfg.model.bn_sync)
     return mesh, source, parallel, init_state
 
 

@@ -18,14 +18,14 @@ MODELS = {
 }
 
 
-def small_config(model: str, *, backend: str = "shard_map", num_devices: int = 0, steps: int = 5, **sections):
+def small_config(name: str, *, backend: str = "shard_map", num_devices: int = 0, steps: int = 5, **sections):
     """Plain SGD with an lr large enough that a wrong gradient scale changes the losses."""
     cfg = base.get_config()
     cfg.train.update(global_batch_size=32, steps=steps, log_every=1, eval_every=steps)
     cfg.optim.update(name="sgd", lr=0.2, schedule="constant")
     cfg.parallel.update(backend=backend, num_devices=num_devices)
     cfg.compile_cache_dir = ""
-    for fields in (MODELS[model], sections):
+    for fields in (MODELS[name], sections):
         for section, values in fields.items():
             cfg[section].update(values)
     return cfg

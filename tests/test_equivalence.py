@@ -76,3 +76,14 @@ def test_a_summed_instead_of_averaged_gradient_is_caught(backend, references, mo
     assert max_abs_diff(result.params, reference.params) > 1e-2
     with pytest.raises(AssertionError):
         assert_same_run(result, reference)
+
+
+def test_per_device_batchnorm_agrees_across_backends(references, tmp_path):
+    """bn_sync=False normalises each device's rows alone (like DDP without SyncBatchNorm): the jit
+    backend must group the global batch by device to match shard_map and pmap."""
+    ghost = {"model": {"bn_sync": False}}
+    runs = {b: run(small_config("resnet", backend=b, num_devices=8, **ghost), tmp_path / b) for b in BACKENDS}
+    assert_same_run(runs["pmap"], runs["shard_map"])
+    assert_same_run(runs["jit"], runs["shard_map"])
+    with pytest.raises(AssertionError):  # per-device statistics really differ from global ones
+        assert_same_run(runs["shard_map"], references("resnet"))
