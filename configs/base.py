@@ -34,6 +34,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.steps = 3000
     c.train.log_every = 50
     c.train.eval_every = 500
+    c.train.on_nonfinite = "halt"  # halt: save the state from before the bad step and exit 3 | skip the update
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"  # sgd | momentum | nesterov | adamw | lamb | lars
@@ -49,6 +50,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.parallel.backend = "shard_map"  # shard_map | pmap | jit
     c.parallel.cpu_devices = 0  # >0: simulate this many CPU devices; 0 leaves JAX alone
     c.parallel.num_devices = 0  # 0 = all devices, else the first N
+    c.parallel.check_replicas_every = 500  # compare the replicas' parameters every N steps (0 = at the end only)
+
+    c.checkpoint = ml_collections.ConfigDict()
+    c.checkpoint.every_steps = 1000  # also saved at the end and on preemption; 0 = only then
+    c.checkpoint.keep = 3
+    c.checkpoint.allow_config_change = False  # resume even if model/optimizer settings changed
+
+    c.init_from = ""  # start from a parameter file written by `python -m jdp.export`
 
     c.compile_cache_dir = "~/.cache/jdp/xla"  # persistent XLA compilation cache; "" = off
     return c

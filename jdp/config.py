@@ -17,6 +17,9 @@ DEFAULT_CONFIG = Path(configs.__file__).parent / "mnist1d_cnn.py"
 BACKENDS = ("shard_map", "pmap", "jit")
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adamw", "lamb", "lars")
 SCHEDULES = ("cosine", "linear", "constant")
+NONFINITE_POLICIES = ("halt", "skip")
+# Settings a checkpoint's state depends on: changing them under a workdir is refused by default.
+STATE_DEFINING = ("model.", "optim.", "data.name", "data.shape", "data.num_classes")
 
 
 class ConfigError(ValueError):
@@ -35,13 +38,6 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path} defines no get_config(); it must return an ml_collections.ConfigDict")
     return module.get_config()
-
-
-def _flat_keys(cfg: ml_collections.ConfigDict, prefix: str = "") -> list[str]:
-    keys = []
-    for k, v in cfg.items():
-        keys += _flat_keys(v, f"{prefix}{k}.") if isinstance(v, ml_collections.ConfigDict) else [prefix + k]
-    return keys
 
 
 def _parse_value(key: str, raw: str, current: object) -> object:
@@ -67,7 +63,7 @@ def _parse_value(key: str, raw: str, current: object) -> object:
 
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -> ml_collections.ConfigDict:
     """Apply `--config.a.b=v` overrides; unknown keys are refused with the closest known key."""
-    known = _flat_keys(cfg)
+    known = list(_flatten(cfg.to_dict()))
     for key, raw in overrides.items():
         if key not in known:
             close = difflib.get_close_matches(key, known, n=1)
@@ -98,12 +94,15 @@ def validate(cfg: ml_collections.ConfigDict, *, model_names: tuple[str, ...], da
     choice("optim.name", cfg.optim.name, OPTIMIZERS)
     choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
     choice("parallel.backend", cfg.parallel.backend, BACKENDS)
+    choice("train.on_nonfinite", cfg.train.on_nonfinite, NONFINITE_POLICIES)
+    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1")
     for key in ("train.steps", "train.global_batch_size", "train.log_every", "train.eval_every", "optim.lr"):
         section, field = key.split(".")
         value = cfg[section][field]
         _require(value > 0, f"{key}={value} must be positive; set --config.{key} to a value > 0")
     for key in ("train.eval_batch_size", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip_norm",
-                "parallel.cpu_devices", "parallel.num_devices"):
+                "parallel.cpu_devices", "parallel.num_devices", "parallel.check_replicas_every",
+                "checkpoint.every_steps"):
         section, field = key.split(".")
         value = cfg[section][field]
         _require(value >= 0, f"{key}={value} must not be negative")
@@ -121,3 +120,26 @@ def validate(cfg: ml_collections.ConfigDict, *, model_names: tuple[str, ...], da
 
 def save_config(cfg: ml_collections.ConfigDict, path: Path) -> None:
     path.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True, default=list) + "\n")
+
+
+def load_saved_config(path: Path) -> ml_collections.ConfigDict:
+    """A workdir's config.json back as a ConfigDict with the field types of configs/base.py."""
+    from configs import base
+
+    cfg = base.get_config()
+    flat = _flatten(json.loads(path.read_text()))
+    return apply_overrides(cfg, {k: repr(tuple(v)) if isinstance(v, list) else str(v) for k, v in flat.items()})
+
+
+def state_changes(old: ml_collections.ConfigDict, new: ml_collections.ConfigDict) -> list[str]:
+    """`key: old -> new` for each setting that changes the model or the optimizer."""
+    before, after = _flatten(old.to_dict()), _flatten(new.to_dict())
+    return [f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in sorted(set(before) | set(after))
+            if k.startswith(STATE_DEFINING) and before.get(k) != after.get(k)]
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for k, v in tree.items():
+        flat.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return flat

@@ -51,14 +51,20 @@ class MetricsWriter:
     """Writes one JSON object per line to WORKDIR/metrics.jsonl, mirrors it to TensorBoard, and
     shows progress. On processes other than 0 every method is a no-op."""
 
-    def __init__(self, workdir: Path, *, total_steps: int, enabled: bool = True) -> None:
+    def __init__(self, workdir: Path, *, total_steps: int, start_step: int = 0, resume: bool = True,
+                 enabled: bool = True) -> None:
+        """`resume`: drop the lines past `start_step` that an interrupted run wrote, then append."""
         self.enabled = enabled
         if not enabled:
             return
         self._start = time.time()
-        self._file = open(workdir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115 - closed in close()
+        path = workdir / "metrics.jsonl"
+        if resume and path.exists():
+            _truncate_after(path, start_step)
+        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
         self._tb = _tensorboard_writer(workdir)
-        self._bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True) if sys.stderr.isatty() else None
+        self._bar = (tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
+                     if sys.stderr.isatty() else None)
 
     def _write(self, record: dict) -> None:
         record["wall_time"] = round(time.time() - self._start, 3)
@@ -68,11 +74,12 @@ class MetricsWriter:
                 if key not in ("step", "split", "wall_time") and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"{record['split']}/{key}", value, record.get("step", 0))
 
-    def train(self, step: int, *, loss: float, accuracy: float, lr: float, examples_per_sec: float) -> None:
+    def train(self, step: int, *, loss: float, accuracy: float, lr: float, examples_per_sec: float,
+              skipped_steps: int) -> None:
         if not self.enabled:
             return
         self._write({"step": step, "split": "train", "loss": loss, "accuracy": accuracy, "lr": lr,
-                     "examples_per_sec": examples_per_sec})
+                     "examples_per_sec": examples_per_sec, "skipped_steps": skipped_steps})
         text = f"loss {loss:.4f}  acc {accuracy:.3f}  {examples_per_sec:,.0f} ex/s"
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=False)
@@ -102,6 +109,15 @@ class MetricsWriter:
         if self._tb is not None:
             self._tb.close()
         self._file.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    """Keep the train and eval lines up to `step` (atomically), so a resumed run has no duplicates."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [r for r in records if r.get("split") in ("train", "eval") and r["step"] <= step]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    tmp.replace(path)
 
 
 def _tensorboard_writer(workdir: Path):

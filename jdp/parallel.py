@@ -3,6 +3,10 @@
 shard_map and pmap call the step once per device with `axis_name="data"`, so the explicit
 `lax.pmean` in the step is the all-reduce. jit calls it once on the global batch with
 `axis_name=None`, and XLA partitions it and inserts the all-reduce itself.
+
+Outside the step, the state is always "logical": one replicated copy per device, the same for
+every backend and device count (what checkpoints hold). pmap alone keeps a stacked copy
+internally, converted at its boundary.
 """
 
 from __future__ import annotations
@@ -28,12 +32,12 @@ class DataParallel:
     """The train and eval steps compiled for one backend, plus the layout of state and batches."""
 
     def __init__(self, backend: str, mesh: Mesh, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                 schedule: optax.Schedule, *, bn_sync: bool = True):
+                 schedule: optax.Schedule, *, bn_sync: bool = True, on_nonfinite: str = "halt"):
         self.backend, self.mesh = backend, mesh
-        train = partial(step_lib.train_step, graphdef=graphdef, tx=tx, schedule=schedule)
+        train = partial(step_lib.train_step, graphdef=graphdef, tx=tx, schedule=schedule, on_nonfinite=on_nonfinite)
         evaluate = partial(step_lib.eval_step, graphdef=graphdef)
+        repl, split = replicated(mesh), data_sharded(mesh)
         if backend == "jit":
-            repl, split = replicated(mesh), data_sharded(mesh)
             # Per-device BatchNorm: the global batch is normalised in groups of each device's rows.
             bn_groups = 1 if bn_sync else mesh.size
             self._train = jax.jit(partial(train, axis_name=None, bn_groups=bn_groups),
@@ -55,15 +59,27 @@ class DataParallel:
             self._eval = jax.pmap(partial(evaluate, axis_name=DATA_AXIS), axis_name=DATA_AXIS, devices=devices)
         else:
             raise ValueError(f"unknown backend {backend!r}")
+        n = mesh.size
+        self._stack = jax.jit(lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), t),
+                              out_shardings=split)
+        self._unstack = jax.jit(lambda t: jax.tree.map(lambda x: x[0], t), out_shardings=repl)
+        # Each device checksums the bits of its own copy; pmax != pmin flags a leaf that differs.
+        state_spec = P(DATA_AXIS) if backend == "pmap" else P()
+        self._differing_leaves = jax.jit(jax.shard_map(
+            _differing_leaves, mesh=mesh, in_specs=(state_spec,), out_specs=P(), check_vma=False))
         self._local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
 
-    def init_state(self, init_fn: Callable[[], step_lib.TrainState]) -> step_lib.TrainState:
-        """Creates the state directly on the devices, already replicated (no host copy, no broadcast)."""
-        if self.backend != "pmap":
-            return jax.jit(init_fn, out_shardings=replicated(self.mesh))()
-        n = self.mesh.size  # pmap wants one stacked copy per device along a leading axis
-        stacked = lambda: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), init_fn())  # noqa: E731
-        return jax.jit(stacked, out_shardings=data_sharded(self.mesh))()
+    def init_state(self, init_fn: Callable[..., step_lib.TrainState], *args: Tree) -> step_lib.TrainState:
+        """Creates the logical state directly on the devices, already replicated."""
+        return jax.jit(init_fn, out_shardings=replicated(self.mesh))(*args)
+
+    def to_devices(self, state: Tree) -> Tree:
+        """Logical state -> the layout the compiled step takes (a stacked copy for pmap)."""
+        return self._stack(state) if self.backend == "pmap" else state
+
+    def to_logical(self, state: Tree) -> Tree:
+        """The compiled step's layout -> the logical, replicated state."""
+        return self._unstack(state) if self.backend == "pmap" else state
 
     def shard_batch(self, local_rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Step 1, split: this process's rows of the global batch -> a global array on `data`."""
@@ -78,18 +94,26 @@ class DataParallel:
     def eval_step(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         return self._eval(state, batch)
 
-    def to_host(self, tree: Tree) -> Tree:
-        """One replica's copy as numpy (the copies are identical; see `replicas_identical`)."""
-        def first_copy(x: jax.Array) -> np.ndarray:
-            local = np.asarray(x.addressable_data(0))
-            return local[0] if self.backend == "pmap" else local  # pmap shards are (1, ...)
+    def to_host(self, state: Tree) -> Tree:
+        """A logical (replicated) tree as numpy: this process's first copy."""
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), state)
 
-        return jax.tree.map(first_copy, tree)
+    def fetch(self, outputs: dict[str, jax.Array]) -> dict[str, float]:
+        """A step's scalar outputs (metrics or eval sums) as floats; blocks until the step is done."""
+        return {k: float(np.asarray(v.addressable_data(0)).reshape(-1)[0]) for k, v in outputs.items()}
 
-    def replicas_identical(self, tree: Tree) -> str | None:
-        """None if every local device holds a bitwise-identical copy, else the first differing leaf's path."""
-        for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-            copies = [np.asarray(shard.data) for shard in leaf.addressable_shards]
-            if any(c.tobytes() != copies[0].tobytes() for c in copies[1:]):
-                return jax.tree_util.keystr(path)
-        return None
+    def first_differing_leaf(self, tree: Tree) -> str | None:
+        """The path of the first leaf whose copies differ across devices (compared with a collective
+        on bit checksums, cheap enough to run every few hundred steps), or None."""
+        differs = np.asarray(self._differing_leaves(tree).addressable_data(0))
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
+        return next((path for path, d in zip(paths, differs, strict=True) if d), None)
+
+
+def _differing_leaves(tree: Tree) -> jax.Array:
+    sums = []
+    for x in jax.tree.leaves(tree):
+        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}")).astype(jnp.uint32)
+        sums.append(jnp.sum(bits * (jnp.arange(bits.size, dtype=jnp.uint32).reshape(bits.shape) + 1)))
+    sums = jnp.stack(sums)
+    return jax.lax.pmax(sums, DATA_AXIS) != jax.lax.pmin(sums, DATA_AXIS)

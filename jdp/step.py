@@ -18,10 +18,11 @@ Tree = Any
 
 
 class TrainState(NamedTuple):
-    step: jax.Array  # int32 scalar: optimizer updates applied so far
+    step: jax.Array  # int32 scalar: training steps taken (the next batch's index)
     params: Tree  # trainable parameters, a pure dict
     model_state: Tree  # non-trainable model state (BatchNorm statistics), a pure dict
     opt_state: optax.OptState
+    skipped: jax.Array  # int32 scalar: steps whose update was dropped as non-finite
 
 
 def forward(graphdef: nnx.GraphDef, params: Tree, model_state: Tree, x: jax.Array, train: bool,
@@ -53,9 +54,14 @@ def all_reduce_mean(tree: Tree, axis_name: str | None) -> Tree:
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
                tx: optax.GradientTransformation, schedule: optax.Schedule, axis_name: str | None,
-               bn_groups: int = 1) -> tuple[TrainState, dict[str, jax.Array]]:
+               on_nonfinite: str = "halt", bn_groups: int = 1) -> tuple[TrainState, dict[str, jax.Array]]:
     """One data-parallel step on this device's slice of the global batch (step 1, the split,
-    happened before: `batch` is already this device's rows). `bn_groups`: see `forward`."""
+    happened before: `batch` is already this device's rows). `bn_groups`: see `forward`.
+
+    Non-finite guard: an update whose averaged loss or gradient is not finite is dropped on every
+    replica alike. With `on_nonfinite="skip"` training goes on; with "halt" the state freezes from
+    then on, so the host, which learns of it a step later, still finds the state from before.
+    """
 
     def local_loss(params: Tree) -> tuple[jax.Array, tuple[jax.Array, Tree]]:
         logits_BxC, model_state = forward(graphdef, params, state.model_state, batch["x"], train=True,
@@ -75,8 +81,15 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     # 4. update: the same optax update on every replica keeps the parameters in sync.
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics["lr"] = schedule(state.step)  # the rate this update used
-    return TrainState(state.step + 1, params, model_state, opt_state), metrics
+
+    finite = jnp.isfinite(metrics["loss"]) & jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]).all()
+    apply = finite if on_nonfinite == "skip" else finite & (state.skipped == 0)
+    updated = TrainState(state.step + 1, params, model_state, opt_state, state.skipped)
+    dropped = TrainState(state.step + (on_nonfinite == "skip"), state.params, state.model_state, state.opt_state,
+                         state.skipped + 1)
+    new_state = jax.tree.map(lambda new, old: jnp.where(apply, new, old), updated, dropped)
+    metrics.update(lr=schedule(state.step), nonfinite=1.0 - apply.astype(jnp.float32))
+    return new_state, metrics
 
 
 def eval_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,

@@ -12,23 +12,29 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 from flax import nnx
 
 from jdp import config as config_lib
 from jdp import data as data_lib
 from jdp import models
-from jdp.mesh import make_mesh, simulate_cpu_devices
+from jdp.checkpoint import Checkpointer, CheckpointError
+from jdp.export import load_into
+from jdp.faults import kill_if_requested
+from jdp.mesh import make_mesh, replicated, simulate_cpu_devices
 from jdp.metrics import MetricsWriter, ThroughputClock
 from jdp.optim import build_optimizer
 from jdp.parallel import DataParallel
+from jdp.preemption import PreemptionRequest
 from jdp.runinfo import write_run_metadata
 from jdp.step import TrainState
 
-EXIT_OK, EXIT_USAGE, EXIT_NONFINITE, EXIT_REPLICAS_DIFFER = 0, 2, 3, 4
+EXIT_OK, EXIT_USAGE, EXIT_NONFINITE, EXIT_REPLICAS_DIFFER, EXIT_PREEMPTED = 0, 2, 3, 4, 75
 
 
 class NonFiniteLossError(RuntimeError):
@@ -39,17 +45,29 @@ class ReplicaMismatchError(RuntimeError):
     pass
 
 
+class Preempted(RuntimeError):
+    pass
+
+
 @dataclasses.dataclass
 class RunResult:
-    losses: list[float]  # per-step train loss (mean over the global batch)
+    losses: list[float]  # per-step train loss (mean over the global batch), from the start step on
     eval_loss: float
     eval_accuracy: float
-    params: dict  # final parameters of one replica, as numpy
+    params: dict  # final parameters, as numpy
     model_state: dict
     examples_per_sec: float
 
 
-def build(cfg: ml_collections.ConfigDict):
+@dataclasses.dataclass
+class Built:
+    cfg: ml_collections.ConfigDict
+    source: data_lib.Batcher
+    parallel: DataParallel
+    init_state: Callable[..., TrainState]  # (params=None, model_state=None) -> a fresh TrainState
+
+
+def build(cfg: ml_collections.ConfigDict) -> Built:
     """Everything a run needs, checked before anything compiles."""
     mesh = make_mesh(cfg.parallel.num_devices)
     config_lib.validate(cfg, model_names=models.MODEL_NAMES, dataset_names=data_lib.DATASET_NAMES,
@@ -70,18 +88,16 @@ def build(cfg: ml_collections.ConfigDict):
 
     tx, schedule = build_optimizer(cfg.optim, cfg.train.global_batch_size, cfg.train.steps)
 
-    def init_state() -> TrainState:
-        _, params, model_state = nnx.split(make_model(), nnx.Param, ...)
-        params, model_state = nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
-        return TrainState(jax.numpy.zeros((), jax.numpy.int32), params, model_state, tx.init(params))
+    def init_state(params=None, model_state=None) -> TrainState:
+        if params is None:
+            _, params, model_state = nnx.split(make_model(), nnx.Param, ...)
+            params, model_state = nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
+        zero = jnp.zeros((), jnp.int32)
+        return TrainState(zero, params, model_state, tx.init(params), zero)
 
-    graphdef = nnx.graphdef(nnx.eval_shape(make_model))
-    parallel = DataParallel(cfg.parallel.backend, mesh, graphdef, tx, schedule, bn_sync=cfg.model.bn_sync)
-    return mesh, source, parallel, init_state
-
-
-def _fetch(parallel: DataParallel, metrics: dict) -> dict[str, float]:
-    return {k: float(v) for k, v in parallel.to_host(metrics).items()}
+    parallel = DataParallel(cfg.parallel.backend, mesh, nnx.graphdef(nnx.eval_shape(make_model)), tx, schedule,
+                            bn_sync=cfg.model.bn_sync, on_nonfinite=cfg.train.on_nonfinite)
+    return Built(cfg, source, parallel, init_state)
 
 
 def evaluate(parallel: DataParallel, state: TrainState, source: data_lib.Batcher) -> tuple[float, float]:
@@ -91,83 +107,202 @@ def evaluate(parallel: DataParallel, state: TrainState, source: data_lib.Batcher
     for rows in source.eval_batches():
         sums = parallel.eval_step(state, parallel.shard_batch(rows))
         if pending is not None:  # one batch late, so the host never queues the whole eval
-            totals = {k: totals[k] + v for k, v in _fetch(parallel, pending).items()}
+            totals = {k: totals[k] + v for k, v in parallel.fetch(pending).items()}
         pending = sums
-    totals = {k: totals[k] + v for k, v in _fetch(parallel, pending).items()}
+    totals = {k: totals[k] + v for k, v in parallel.fetch(pending).items()}
     return totals["loss_sum"] / totals["count"], totals["correct"] / totals["count"]
 
 
+def _restore_or_init(b: Built, checkpointer: Checkpointer, echo) -> tuple[int, TrainState]:
+    """The latest usable checkpoint, else the `init_from` file, else a fresh state; logical layout."""
+    abstract = jax.eval_shape(b.init_state)
+    sharding = replicated(b.parallel.mesh)
+    restored = checkpointer.restore_latest(
+        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract), echo)
+    if restored is not None:
+        step, state, position = restored
+        echo(f"resumed from {checkpointer.directory / str(step)} (data position {position})")
+        return step, state
+    if not b.cfg.init_from:
+        return 0, b.parallel.init_state(b.init_state)
+    try:
+        params, model_state = load_into(b.cfg.init_from, abstract.params, abstract.model_state)
+    except (OSError, ValueError) as e:
+        raise config_lib.ConfigError(f"init_from={b.cfg.init_from}: {e}") from None
+    echo(f"initialised from {b.cfg.init_from}")
+    return 0, b.parallel.init_state(b.init_state, params, model_state)
+
+
+def _check_workdir_config(cfg: ml_collections.ConfigDict, workdir: Path, echo) -> None:
+    saved = workdir / "config.json"
+    if not saved.exists():
+        return
+    old = config_lib.load_saved_config(saved)
+    changes = config_lib.state_changes(old, cfg)
+    if changes and not cfg.checkpoint.allow_config_change:
+        raise config_lib.ConfigError(
+            f"{workdir} holds a run whose model or optimizer differs ({'; '.join(changes)}); use a new --workdir, "
+            "or pass --config.checkpoint.allow_config_change=True")
+    if cfg.train.steps != old.train.steps:
+        echo(f"warning: train.steps changed from {old.train.steps} to {cfg.train.steps}: the learning-rate "
+             "schedule changes from here on")
+
+
 def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
-    """Trains `cfg` into `workdir`. Raises ConfigError before compiling anything if the config is bad."""
+    """Trains `cfg` into `workdir`, resuming from its latest checkpoint if there is one.
+
+    Raises ConfigError before compiling anything if the config is bad."""
     t_start = time.perf_counter()
-    mesh, source, parallel, init_state = build(cfg)
+    b = build(cfg)
+    parallel, source = b.parallel, b.source
     workdir = Path(workdir)
     is_main = jax.process_index() == 0
+    echo = print if is_main else (lambda *_: None)
+    checkpointer = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep,
+                                every_steps=cfg.checkpoint.every_steps)
+    if checkpointer.steps():
+        _check_workdir_config(cfg, workdir, echo)
     if is_main:
         workdir.mkdir(parents=True, exist_ok=True)
         config_lib.save_config(cfg, workdir / "config.json")
-        write_run_metadata(workdir, mesh)
+        write_run_metadata(workdir, parallel.mesh)
 
-    state = parallel.init_state(init_state)
+    start_step, logical = _restore_or_init(b, checkpointer, echo)
+    state = parallel.to_devices(logical)
     batch_size, steps = cfg.train.global_batch_size, cfg.train.steps
-    writer = MetricsWriter(workdir, total_steps=steps, enabled=is_main)
-    n_params = models.count_params(parallel.to_host(state.params))
+    writer = MetricsWriter(workdir, total_steps=steps, start_step=start_step, enabled=is_main)
+    mesh = parallel.mesh
     writer.echo(f"jdp: {mesh.size} {mesh.devices.flat[0].platform} devices x {batch_size // mesh.size} examples "
                 f"= global batch {batch_size} ({jax.process_count()} process(es)); {cfg.model.name}: "
-                f"{n_params:,} parameters; {cfg.data.name}: {source.num_train} train / {source.num_eval} eval, "
-                f"{steps} steps = {steps / source.steps_per_epoch:.1f} epochs; backend {cfg.parallel.backend}")
+                f"{models.count_params(jax.eval_shape(b.init_state).params):,} parameters; {cfg.data.name}: "
+                f"{source.num_train} train / {source.num_eval} eval, {steps} steps = "
+                f"{steps / source.steps_per_epoch:.1f} epochs; backend {cfg.parallel.backend}")
 
-    clock, losses = ThroughputClock(), []
+    clock, losses, save_stalls = ThroughputClock(), [], []
     window = {"loss": 0.0, "accuracy": 0.0, "n": 0}  # means over the steps since the last train line
     compile_time = eval_loss = eval_accuracy = math.nan
+    skipped = 0
 
     def record(step: int, metrics: dict) -> None:
         """Host side of step `step`, fetched one step late so the device queue stays short."""
-        nonlocal compile_time
-        values = _fetch(parallel, metrics)
-        if not math.isfinite(values["loss"]):
-            raise NonFiniteLossError(f"loss became {values['loss']} at step {step}; lower optim.lr or set "
-                                     "optim.grad_clip_norm")
-        losses.append(values["loss"])
-        if step == 1:  # the first step includes compilation: the steady-state clock starts after it
+        nonlocal compile_time, skipped
+        values = parallel.fetch(metrics)
+        if step == start_step + 1:  # the first step includes compilation: the clock starts after it
             compile_time = time.perf_counter() - t_first
             clock.start()
         else:
             clock.add(batch_size)
-        window["loss"] += values["loss"]
-        window["accuracy"] += values["accuracy"]
-        window["n"] += 1
-        if step % cfg.train.log_every == 0 or step == steps:
+        if values["nonfinite"]:
+            if cfg.train.on_nonfinite == "halt":
+                raise NonFiniteLossError(f"non-finite loss or gradient at step {step} (loss {values['loss']}); "
+                                         "lower optim.lr, set optim.grad_clip_norm, or train.on_nonfinite=skip")
+            skipped += 1
+            writer.echo(f"warning: step {step} had a non-finite loss or gradient; its update was skipped")
+        else:
+            losses.append(values["loss"])
+            window["loss"] += values["loss"]
+            window["accuracy"] += values["accuracy"]
+            window["n"] += 1
+        if (step % cfg.train.log_every == 0 or step == steps) and window["n"]:
             writer.train(step, loss=window["loss"] / window["n"], accuracy=window["accuracy"] / window["n"],
-                         lr=values["lr"], examples_per_sec=clock.interval_rate())
+                         lr=values["lr"], examples_per_sec=clock.interval_rate(), skipped_steps=skipped)
             window.update(loss=0.0, accuracy=0.0, n=0)
+
+    def save(step: int) -> None:
+        clock.pause()
+        t = time.perf_counter()
+        checkpointer.save(step, parallel.to_logical(state), {"step": step, "epoch": step // source.steps_per_epoch})
+        save_stalls.append(time.perf_counter() - t)
+        clock.start()
+
+    def check_replicas(step: int) -> None:
+        leaf = parallel.first_differing_leaf({"params": state.params, "model_state": state.model_state})
+        if leaf is not None:
+            raise ReplicaMismatchError(f"replicas differ at step {step}: first differing parameter {leaf}")
 
     pending = None
     t_first = time.perf_counter()
-    for step in range(1, steps + 1):
-        batch = parallel.shard_batch(source.train_batch(step - 1))
-        state, metrics = parallel.train_step(state, batch)
-        if pending is not None:
-            record(*pending)
-        pending = (step, metrics)
-        if step % cfg.train.eval_every == 0 or step == steps:
-            record(*pending)
-            pending = None
-            clock.pause()
-            eval_loss, eval_accuracy = evaluate(parallel, state, source)
-            writer.eval(step, loss=eval_loss, accuracy=eval_accuracy)
-            clock.start()
+    try:
+        with PreemptionRequest() as preemption:
+            for step in range(start_step + 1, steps + 1):
+                batch = parallel.shard_batch(source.train_batch(step - 1))
+                state, metrics = parallel.train_step(state, batch)
+                kill_if_requested("step", step, before=checkpointer.wait)
+                if pending is not None:
+                    record(*pending)
+                pending = (step, metrics)
+                if preemption.signal_name or step == steps or checkpointer.due(step) or (
+                        step % cfg.train.eval_every == 0) or (
+                        cfg.parallel.check_replicas_every and step % cfg.parallel.check_replicas_every == 0):
+                    record(*pending)
+                    pending = None
+                if preemption.signal_name:
+                    save(step)
+                    checkpointer.wait()
+                    raise Preempted(f"{preemption.signal_name} at step {step}: checkpoint written to "
+                                    f"{checkpointer.directory / str(step)}; rerun the same command to resume")
+                if (cfg.parallel.check_replicas_every and step % cfg.parallel.check_replicas_every == 0) or (
+                        step == steps):
+                    check_replicas(step)
+                if checkpointer.due(step) or step == steps:
+                    save(step)
+                if step % cfg.train.eval_every == 0 or step == steps:
+                    clock.pause()
+                    eval_loss, eval_accuracy = evaluate(parallel, state, source)
+                    writer.eval(step, loss=eval_loss, accuracy=eval_accuracy)
+                    clock.start()
+        if start_step < steps:
+            stall = sum(save_stalls) / len(save_stalls) if save_stalls else 0.0
+            writer.summary(eval_accuracy=eval_accuracy, examples_per_sec=clock.rate(), compile_time_s=compile_time,
+                           total_time_s=time.perf_counter() - t_start, checkpoint_stall_s=stall)
+            writer.echo(f"done: eval accuracy {eval_accuracy:.4f}, {clock.rate():,.0f} examples/s, first step "
+                        f"(compile) {compile_time:.1f}s, checkpoint stall {stall * 1e3:.0f} ms/save; metrics in "
+                        f"{workdir / 'metrics.jsonl'}")
+        else:
+            writer.echo(f"nothing to do: {workdir} is at step {start_step}, train.steps is {steps}")
+    except NonFiniteLossError:
+        # The compiled step froze the state before the bad update: keep it for inspection and resume.
+        halted = parallel.to_logical(state)
+        halted_step = int(halted.step.addressable_data(0))
+        checkpointer.save(halted_step, halted, {"step": halted_step})
+        raise
+    finally:
+        checkpointer.wait()
+        checkpointer.close()
+        writer.close()
+    final = parallel.to_logical(state)
+    return RunResult(losses, eval_loss, eval_accuracy, parallel.to_host(final.params),
+                     parallel.to_host(final.model_state), clock.rate())
 
-    mismatch = parallel.replicas_identical(state.params)
-    if mismatch is not None:
-        raise ReplicaMismatchError(f"replicas differ after step {steps}: first differing parameter {mismatch}")
-    writer.summary(eval_accuracy=eval_accuracy, examples_per_sec=clock.rate(), compile_time_s=compile_time,
-                   total_time_s=time.perf_counter() - t_start)
-    writer.echo(f"done: eval accuracy {eval_accuracy:.4f}, {clock.rate():,.0f} examples/s, "
-                f"first step (compile) {compile_time:.1f}s; metrics in {workdir / 'metrics.jsonl'}")
+
+def restore_for_inference(workdir: Path) -> tuple[int, Built, TrainState]:
+    """A finished or interrupted run's latest checkpoint, with its config, on this machine's devices."""
+    saved = workdir / "config.json"
+    if not saved.exists():
+        raise config_lib.ConfigError(f"{saved} not found; pass the --workdir of a jdp.train run")
+    b = build(config_lib.load_saved_config(saved))
+    checkpointer = Checkpointer(workdir / "checkpoints", keep=b.cfg.checkpoint.keep, every_steps=0)
+    try:
+        abstract = jax.eval_shape(b.init_state)
+        sharding = replicated(b.parallel.mesh)
+        restored = checkpointer.restore_latest(
+            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract), print)
+    finally:
+        checkpointer.close()
+    if restored is None:
+        raise CheckpointError(f"no checkpoint in {checkpointer.directory}; train first with python -m jdp.train")
+    step, state, _ = restored
+    return step, b, state
+
+
+def evaluate_checkpoint(workdir: Path) -> tuple[float, float]:
+    """`--eval_only`: evaluate the latest checkpoint of `workdir` and append the eval line."""
+    step, b, state = restore_for_inference(workdir)
+    loss, accuracy = evaluate(b.parallel, b.parallel.to_devices(state), b.source)
+    writer = MetricsWriter(workdir, total_steps=step, resume=False, enabled=jax.process_index() == 0)
+    writer.eval(step, loss=loss, accuracy=accuracy)
     writer.close()
-    return RunResult(losses, eval_loss, eval_accuracy, parallel.to_host(state.params),
-                     parallel.to_host(state.model_state), clock.rate())
+    return loss, accuracy
 
 
 class _ArgumentParser(argparse.ArgumentParser):
@@ -175,13 +310,22 @@ class _ArgumentParser(argparse.ArgumentParser):
         raise config_lib.ConfigError(f"{message}; see python -m jdp.train --help")
 
 
-def parse_command_line(argv: list[str]) -> tuple[ml_collections.ConfigDict, Path]:
+@dataclasses.dataclass
+class CommandLine:
+    cfg: ml_collections.ConfigDict
+    workdir: Path
+    eval_only: bool
+
+
+def parse_command_line(argv: list[str]) -> CommandLine:
     parser = _ArgumentParser(prog="python -m jdp.train", allow_abbrev=False,
                              description="Data-parallel training. Override any config field with "
                                          "--config.SECTION.KEY=VALUE, e.g. --config.train.steps=500.")
-    parser.add_argument("--config", help=f"config file (default: {config_lib.DEFAULT_CONFIG})")
-    parser.add_argument("--workdir", help="output directory (default: runs/CONFIG_NAME)")
+    parser.add_argument("--config", help=f"config file (default: WORKDIR/config.json if it exists, else "
+                                         f"{config_lib.DEFAULT_CONFIG})")
+    parser.add_argument("--workdir", help="output directory; rerun on it to resume (default: runs/CONFIG_NAME)")
     parser.add_argument("--cpu_devices", type=int, help="simulate N CPU devices (sets parallel.cpu_devices)")
+    parser.add_argument("--eval_only", action="store_true", help="evaluate the workdir's latest checkpoint")
     args, rest = parser.parse_known_args(argv)
     overrides = {}
     while rest:
@@ -195,10 +339,15 @@ def parse_command_line(argv: list[str]) -> tuple[ml_collections.ConfigDict, Path
             value = rest.pop(0)
         overrides[key] = value
     config_path = Path(args.config) if args.config else config_lib.DEFAULT_CONFIG
-    cfg = config_lib.apply_overrides(config_lib.load_config_file(config_path), overrides)
+    workdir = Path(args.workdir or Path("runs") / config_path.stem)
+    if args.config is None and (workdir / "config.json").exists():  # continue the run in that workdir
+        cfg = config_lib.load_saved_config(workdir / "config.json")
+    else:
+        cfg = config_lib.load_config_file(config_path)
+    cfg = config_lib.apply_overrides(cfg, overrides)
     if args.cpu_devices is not None:
         cfg.parallel.cpu_devices = args.cpu_devices
-    return cfg, Path(args.workdir or Path("runs") / config_path.stem)
+    return CommandLine(cfg, workdir, args.eval_only)
 
 
 def _enable_compilation_cache(cache_dir: str) -> None:
@@ -208,20 +357,21 @@ def _enable_compilation_cache(cache_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    failures = [(config_lib.ConfigError, EXIT_USAGE, "config error"), (CheckpointError, EXIT_USAGE, "checkpoint"),
+                (NonFiniteLossError, EXIT_NONFINITE, "halted"), (ReplicaMismatchError, EXIT_REPLICAS_DIFFER, "halted"),
+                (Preempted, EXIT_PREEMPTED, "preempted")]
     try:
-        cfg, workdir = parse_command_line(sys.argv[1:] if argv is None else argv)
-        simulate_cpu_devices(cfg.parallel.cpu_devices)
-        _enable_compilation_cache(cfg.compile_cache_dir)
-        run(cfg, workdir)
-    except config_lib.ConfigError as e:
-        print(f"jdp: config error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except NonFiniteLossError as e:
-        print(f"jdp: halted: {e}", file=sys.stderr)
-        return EXIT_NONFINITE
-    except ReplicaMismatchError as e:
-        print(f"jdp: halted: {e}", file=sys.stderr)
-        return EXIT_REPLICAS_DIFFER
+        command = parse_command_line(sys.argv[1:] if argv is None else argv)
+        simulate_cpu_devices(command.cfg.parallel.cpu_devices)
+        _enable_compilation_cache(command.cfg.compile_cache_dir)
+        if command.eval_only:
+            evaluate_checkpoint(command.workdir)
+        else:
+            run(command.cfg, command.workdir)
+    except tuple(error for error, _, _ in failures) as e:
+        code, label = next((code, label) for error, code, label in failures if isinstance(e, error))
+        print(f"jdp: {label}: {e}", file=sys.stderr)
+        return code
     return EXIT_OK
 
 

@@ -23,9 +23,10 @@ def test_every_shipped_config_loads_and_validates(path):
 
 
 def test_overrides_parse_as_the_fields_type():
-    cfg, workdir = parse_command_line(["--config.train.steps=7", "--config.optim.lr", "0.5",
-                                       "--config.model.bn_sync=false", "--config.model.hidden_sizes=(8, 4)",
-                                       "--cpu_devices", "3"])
+    command = parse_command_line(["--config.train.steps=7", "--config.optim.lr", "0.5",
+                                  "--config.model.bn_sync=false", "--config.model.hidden_sizes=(8, 4)",
+                                  "--cpu_devices", "3"])
+    cfg, workdir = command.cfg, command.workdir
     assert (cfg.train.steps, cfg.optim.lr, cfg.model.bn_sync, cfg.model.hidden_sizes) == (7, 0.5, False, (8, 4))
     assert cfg.parallel.cpu_devices == 3 and workdir == Path("runs/mnist1d_cnn")
 

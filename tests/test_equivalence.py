@@ -62,7 +62,7 @@ def test_clipping_applies_to_the_averaged_gradient(backend, references, tmp_path
 def test_a_missing_all_reduce_is_caught(backend, monkeypatch, tmp_path):
     """Without the average each replica applies its own gradient: the replica check stops the run."""
     monkeypatch.setattr(step_lib, "all_reduce_mean", lambda tree, axis_name: tree)
-    with pytest.raises(ReplicaMismatchError, match="replicas differ after step 5"):
+    with pytest.raises(ReplicaMismatchError, match="replicas differ at step 5"):
         run(small_config("mlp", backend=backend, num_devices=8), tmp_path)
 
 

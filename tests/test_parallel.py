@@ -17,30 +17,48 @@ from tests.helpers import small_config
 
 
 def _train(cfg, steps):
-    mesh, source, parallel, init_state = build(cfg)
-    state = parallel.init_state(init_state)
+    b = build(cfg)
+    state = b.parallel.to_devices(b.parallel.init_state(b.init_state))
     for i in range(steps):
-        state, metrics = parallel.train_step(state, parallel.shard_batch(source.train_batch(i)))
+        state, metrics = b.parallel.train_step(state, b.parallel.shard_batch(b.source.train_batch(i)))
     jax.block_until_ready(metrics)
-    return source, parallel, state
+    return b.source, b.parallel, state
+
+
+def _copies_differ(tree):
+    """Independent of jdp's own guard: compare every device's buffer on the host."""
+    for leaf in jax.tree.leaves(tree):
+        copies = [np.asarray(s.data).tobytes() for s in leaf.addressable_shards]
+        if leaf.sharding.is_fully_replicated and len(set(copies)) > 1:
+            return True
+        if not leaf.sharding.is_fully_replicated:  # pmap's stacked copies
+            stacked = np.asarray(leaf)
+            if any(stacked[i].tobytes() != stacked[0].tobytes() for i in range(len(stacked))):
+                return True
+    return False
 
 
 @pytest.mark.parametrize("backend", ["shard_map", "pmap", "jit"])
 def test_replicas_hold_bitwise_identical_parameters(backend):
     _, parallel, state = _train(small_config("resnet", backend=backend), steps=3)
     assert len(jax.tree.leaves(state.params)[0].addressable_shards) == 8
-    assert parallel.replicas_identical(state.params) is None
-    assert parallel.replicas_identical(state.model_state) is None
+    assert not _copies_differ(state.params) and not _copies_differ(state.model_state)
+    assert parallel.first_differing_leaf(state.params) is None
 
 
-def test_a_corrupted_replica_is_found():
-    _, parallel, state = _train(small_config("mlp"), steps=1)
-    leaf = state.params["layers"][0]["bias"] if "layers" in state.params else jax.tree.leaves(state.params)[0]
-    shards = [s.data for s in leaf.addressable_shards]
-    shards[5] = shards[5] + 1.0
-    corrupted = jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, shards)
-    tree = jax.tree.map(lambda x: corrupted if x is leaf else x, state.params)
-    assert parallel.replicas_identical(tree) is not None
+@pytest.mark.parametrize("backend", ["shard_map", "pmap", "jit"])
+def test_the_replica_guard_finds_a_corrupted_copy(backend):
+    _, parallel, state = _train(small_config("mlp", backend=backend), steps=1)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
+    leaves = jax.tree.leaves(state.params)
+    target = leaves[2]
+    shards = [s.data for s in target.addressable_shards]
+    shards[5] = shards[5].at[(0,) * shards[5].ndim].add(1e-3)  # one element of one device's copy
+    corrupted = jax.make_array_from_single_device_arrays(target.shape, target.sharding, shards)
+    tree = jax.tree.unflatten(jax.tree.structure(state.params),
+                              [corrupted if i == 2 else x for i, x in enumerate(leaves)])
+    assert _copies_differ(tree)
+    assert parallel.first_differing_leaf(tree) == paths[2]
 
 
 @pytest.mark.parametrize("num_devices", [1, 3, 8])
@@ -50,7 +68,7 @@ def test_eval_sees_every_example_exactly_once(num_devices):
     cfg.data.num_eval_examples = 37
     cfg.train.update(global_batch_size=24, eval_batch_size=24)
     source, parallel, state = _train(cfg, steps=1)
-    count = sum(float(parallel.to_host(parallel.eval_step(state, parallel.shard_batch(rows)))["count"])
+    count = sum(parallel.fetch(parallel.eval_step(state, parallel.shard_batch(rows)))["count"]
                 for rows in source.eval_batches())
     assert count == 37
     loss, accuracy = evaluate(parallel, state, source)
@@ -59,7 +77,8 @@ def test_eval_sees_every_example_exactly_once(num_devices):
     rows = list(source.eval_batches())
     x = np.concatenate([r["x"] for r in rows])[:37]
     y = np.concatenate([r["y"] for r in rows])[:37]
-    params, model_state = parallel.to_host(state.params), parallel.to_host(state.model_state)
+    logical = parallel.to_host(parallel.to_logical(state))
+    params, model_state = logical.params, logical.model_state
     model = models.build_model(cfg.model, source.input_shape, source.num_classes, axis_name=None, seed=0)
     logits, _ = step_lib.forward(nnx.graphdef(model), params, model_state, jnp.asarray(x), train=False)
     np.testing.assert_allclose(loss, float(step_lib.cross_entropy(logits, jnp.asarray(y)).mean()), rtol=1e-5)

@@ -1,0 +1,84 @@
+"""Orbax checkpoints in WORKDIR/checkpoints: the full train state plus the data position.
+
+Saves are asynchronous (the devices wait only for the device-to-host copy) and atomic (orbax
+writes to a temporary directory and renames it when complete), so a kill at any moment leaves
+the previous checkpoints usable. Restore falls back past damaged checkpoints with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+
+from jdp.faults import kill_if_requested
+
+# Orbax logs every save at INFO through absl; jdp reports saves itself.
+logging.getLogger("absl").setLevel(logging.WARNING)
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was expected; the message names the directory and the cause."""
+
+
+class Checkpointer:
+    def __init__(self, directory: Path, *, keep: int, every_steps: int) -> None:
+        self.directory = directory.absolute()
+        self.every_steps = every_steps
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
+                                                 create=True))
+
+    def steps(self) -> list[int]:
+        return sorted(self._manager.all_steps())
+
+    def due(self, step: int) -> bool:
+        return self.every_steps > 0 and step % self.every_steps == 0
+
+    def save(self, step: int, state: Any, data_position: dict[str, int]) -> None:
+        """Starts an asynchronous save; returns once the arrays are copied off the devices."""
+        if step in self._manager.all_steps():
+            return
+        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                         data=ocp.args.JsonSave(data_position)), force=True)
+        kill_if_requested("save", step)
+
+    def wait(self) -> None:
+        self._manager.wait_until_finished()
+
+    def restore_latest(self, abstract_state: Any, warn) -> tuple[int, Any, dict[str, int]] | None:
+        """The newest checkpoint that restores into `abstract_state` (shapes, dtypes, shardings),
+        falling back past damaged ones; None when there is no checkpoint at all."""
+        steps = self.steps()
+        problems = []
+        for step in reversed(steps):
+            try:
+                restored = self._manager.restore(step, args=ocp.args.Composite(
+                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+            except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
+                problem = f"checkpoint {self.directory / str(step)} is unusable: {_first_line(e)}"
+                problems.append(problem)
+                warn(f"warning: {problem}; trying the previous one")
+                continue
+            return step, restored["state"], dict(restored["data"])
+        if problems:
+            raise CheckpointError(f"no usable checkpoint in {self.directory}: {problems[0]}; restore the files, "
+                                  "or move the directory away to start afresh")
+        return None
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"[:400]
+
+
+def abstract_like(state: Any) -> Any:
+    """Shapes, dtypes and shardings of `state`, as orbax needs them for a restore."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)

@@ -1,0 +1,223 @@
+"""Checkpoints, exact resume and failure handling."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from jdp import export
+from jdp.data.batching import Batcher
+from jdp.parallel import DataParallel
+from jdp.train import main, run
+from tests.helpers import small_config
+
+# A short MLP run with a checkpoint every 4 steps, as a user would type it.
+RUN = ["--config", "configs/mnist1d_mlp.py", "--config.model.hidden_sizes=(32,)", "--config.train.steps=12",
+       "--config.train.log_every=1", "--config.train.eval_every=6", "--config.checkpoint.every_steps=4"]
+ENV = {**os.environ, "JAX_NUM_CPU_DEVICES": "2"}
+
+
+def train(workdir, *args, env=None, timeout=120):
+    return subprocess.run([sys.executable, "-m", "jdp.train", "--workdir", str(workdir), *args],
+                          capture_output=True, text=True, timeout=timeout, env={**ENV, **(env or {})})
+
+
+def losses(workdir):
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("uninterrupted")
+    out = train(workdir, *RUN)
+    assert out.returncode == 0, out.stderr
+    return losses(workdir)
+
+
+@pytest.mark.parametrize("kill_at", ["step:7", "save:8"])
+def test_a_killed_run_resumes_bitwise(kill_at, uninterrupted, tmp_path):
+    """SIGKILL right after step 7, or in the middle of writing checkpoint 8: the rerun (with only
+    --workdir, so WORKDIR/config.json is used) resumes from the last complete checkpoint."""
+    out = train(tmp_path, *RUN, env={"JDP_KILL_AT": kill_at})
+    assert out.returncode == -signal.SIGKILL
+    out = train(tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert "resumed from" in out.stdout and "checkpoints/4" in out.stdout
+    assert losses(tmp_path) == uninterrupted  # bitwise, and no duplicate steps
+
+
+def test_a_real_kill_at_an_arbitrary_moment(uninterrupted, tmp_path):
+    args = [*RUN, "--config.train.steps=400", "--config.checkpoint.every_steps=50", "--config.train.eval_every=400"]
+    reference = tmp_path / "reference"
+    assert train(reference, *args).returncode == 0
+    proc = subprocess.Popen([sys.executable, "-m", "jdp.train", "--workdir", str(tmp_path / "run"), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "run" / "checkpoints" / "50").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.13)
+        proc.kill()
+    finally:
+        proc.wait(timeout=30)
+    out = train(tmp_path / "run")
+    assert out.returncode == 0, out.stderr
+    assert losses(tmp_path / "run") == losses(reference)
+
+
+def test_sigterm_checkpoints_and_exits_75(tmp_path):
+    args = [*RUN, "--config.train.steps=100000", "--config.checkpoint.every_steps=0"]
+    proc = subprocess.Popen([sys.executable, "-m", "jdp.train", "--workdir", str(tmp_path), *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "metrics.jsonl").exists() or len(losses(tmp_path)) < 20:
+            assert time.monotonic() < deadline and proc.poll() is None
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 75, err
+    assert "preempted: SIGTERM at step" in err and "checkpoint written to" in err
+    step = int(err.split("SIGTERM at step ")[1].split(":")[0])
+    assert (tmp_path / "checkpoints" / str(step)).is_dir()
+    out = train(tmp_path, f"--config.train.steps={step + 2}")
+    assert out.returncode == 0, out.stderr
+    assert f"resumed from {tmp_path / 'checkpoints' / str(step)}" in out.stdout
+    assert "warning: train.steps changed from 100000" in out.stdout
+    assert [s for s, _ in losses(tmp_path)][-3:] == [step, step + 1, step + 2]
+
+
+def test_a_damaged_checkpoint_falls_back_to_the_previous_one(uninterrupted, tmp_path):
+    assert train(tmp_path, *RUN).returncode == 0
+    damaged = tmp_path / "checkpoints" / "12"
+    for path in damaged.rglob("*"):  # truncate every file of the newest checkpoint
+        if path.is_file():
+            path.write_bytes(path.read_bytes()[:5])
+    out = train(tmp_path, "--config.train.steps=16")
+    assert out.returncode == 0, out.stderr
+    assert f"warning: checkpoint {damaged} is unusable" in out.stdout
+    assert "resumed from" in out.stdout and "checkpoints/8" in out.stdout
+
+    for step in ("8", "12", "16"):
+        for path in (tmp_path / "checkpoints" / step).rglob("*"):
+            if path.is_file():
+                path.unlink()
+    out = train(tmp_path, "--config.train.steps=20")
+    assert out.returncode == 2
+    assert f"no usable checkpoint in {tmp_path / 'checkpoints'}" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_a_changed_model_is_refused_with_the_differing_keys(tmp_path):
+    assert train(tmp_path, *RUN).returncode == 0
+    out = train(tmp_path, *RUN, "--config.model.hidden_sizes=(64,)", "--config.optim.lr=0.5")
+    assert out.returncode == 2
+    assert "model.hidden_sizes: (32,) -> (64,)" in out.stderr and "optim.lr: 0.01 -> 0.5" in out.stderr
+    assert "allow_config_change=True" in out.stderr
+    # Allowed on purpose, the shapes no longer fit: every checkpoint is named as unusable.
+    out = train(tmp_path, *RUN, "--config.model.hidden_sizes=(64,)", "--config.checkpoint.allow_config_change=True")
+    assert out.returncode == 2 and "not compatible with the stored shape" in out.stderr
+
+
+def test_elastic_restore_from_8_devices_to_4_and_1(tmp_path):
+    cfg = small_config("resnet", steps=4, num_devices=8)
+    reference = run(small_config("resnet", steps=8, num_devices=8), tmp_path / "reference")
+    run(cfg, tmp_path / "run")
+    for num_devices, steps in ((4, 6), (1, 8)):
+        cfg = small_config("resnet", steps=steps, num_devices=num_devices)
+        result = run(cfg, tmp_path / "run")
+    got = [loss for _, loss in losses(tmp_path / "run")]
+    np.testing.assert_allclose(got, reference.losses, rtol=1e-4)
+    for a, b in zip(jax.tree.leaves(result.params), jax.tree.leaves(reference.params), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_the_replica_guard_stops_a_run_whose_copies_differ(monkeypatch, tmp_path, capsys):
+    original = DataParallel.train_step
+    calls = []
+
+    def corrupt_device_5_at_step_3(self, state, batch):
+        state, metrics = original(self, state, batch)
+        calls.append(1)
+        if len(calls) == 3:
+            bias = state.params["layers"][0]["bias"]
+            shards = [s.data for s in bias.addressable_shards]
+            shards[5] = shards[5] + 1.0
+            bias = jax.make_array_from_single_device_arrays(bias.shape, bias.sharding, shards)
+            state = state._replace(params={**state.params, "layers": {**state.params["layers"],
+                                                                      0: {**state.params["layers"][0], "bias": bias}}})
+        return state, metrics
+
+    monkeypatch.setattr(DataParallel, "train_step", corrupt_device_5_at_step_3)
+    code = main(["--config", "configs/mnist1d_mlp.py", "--workdir", str(tmp_path), "--config.train.steps=10",
+                 "--config.parallel.check_replicas_every=2", "--config.train.eval_every=10"])
+    assert code == 4
+    err = capsys.readouterr().err
+    assert "replicas differ at step 4: first differing parameter ['params']['layers'][0]['bias']" in err
+
+
+def _nan_at_index(monkeypatch, index):
+    original = Batcher.train_batch
+
+    def poisoned(self, step):
+        rows = original(self, step)
+        return {**rows, "x": np.full_like(rows["x"], np.nan)} if step == index else rows
+
+    monkeypatch.setattr(Batcher, "train_batch", poisoned)
+
+
+def test_nonfinite_halt_saves_the_state_before_the_bad_step(monkeypatch, tmp_path, capsys):
+    args = ["--config", "configs/mnist1d_mlp.py", "--config.train.steps=10", "--config.train.eval_every=10",
+            "--config.checkpoint.every_steps=0", "--config.optim.schedule=constant"]
+    clean = tmp_path / "clean"
+    assert main([*args, "--workdir", str(clean), "--config.train.steps=5"]) == 0
+    _nan_at_index(monkeypatch, 5)  # the batch of step 6
+    assert main([*args, "--workdir", str(tmp_path / "bad")]) == 3
+    assert "non-finite loss or gradient at step 6" in capsys.readouterr().err
+    assert sorted(p.name for p in (tmp_path / "bad" / "checkpoints").iterdir()) == ["5"]
+    monkeypatch.undo()
+    for workdir in (clean, tmp_path / "bad"):
+        assert export.main(["--workdir", str(workdir), "--out", str(workdir / "p.npz")]) == 0
+    with np.load(clean / "p.npz") as a, np.load(tmp_path / "bad" / "p.npz") as b:
+        assert a.files == b.files and all(np.array_equal(a[k], b[k]) for k in a.files)
+
+
+def test_nonfinite_skip_drops_the_update_and_counts_it(monkeypatch, tmp_path):
+    _nan_at_index(monkeypatch, 3)
+    result = run(small_config("mlp", steps=8, train={"on_nonfinite": "skip"}), tmp_path)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_lines = [r for r in records if r["split"] == "train"]
+    assert [r["step"] for r in train_lines] == [1, 2, 3, 5, 6, 7, 8]  # step 4's NaN loss is not logged
+    assert train_lines[-1]["skipped_steps"] == 1
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(result.params))
+
+
+def test_export_round_trips_into_a_new_run(tmp_path, capsys):
+    first = run(small_config("resnet", steps=3), tmp_path / "a")
+    assert export.main(["--workdir", str(tmp_path / "a"), "--out", str(tmp_path / "p.npz")]) == 0
+    with np.load(tmp_path / "p.npz") as stored:
+        assert "params/stem_conv/kernel" in stored.files and "model_state/stem_bn/mean" in stored.files
+        assert int(stored["step"]) == 3
+    exported = export.flatten(first.params, "params") | export.flatten(first.model_state, "model_state")
+    params, model_state = export.load_into(tmp_path / "p.npz", first.params, first.model_state)
+    loaded = export.flatten(params, "params") | export.flatten(model_state, "model_state")
+    assert all(np.array_equal(exported[k], loaded[k]) for k in exported)
+
+    # A new run from the file evaluates like the run it came from, before its first update.
+    assert main(["--workdir", str(tmp_path / "a"), "--eval_only"]) == 0
+    evals = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    evals = [r for r in evals if r["split"] == "eval"]
+    assert evals[-1]["step"] == 3 and evals[-1]["loss"] == pytest.approx(first.eval_loss, rel=1e-6)
+    second = small_config("resnet", steps=1, init_from=str(tmp_path / "p.npz"))
+    second.optim.lr = 1e-12
+    second.model.bn_momentum = 1.0  # keep the loaded running statistics through the one step
+    result = run(second, tmp_path / "b")
+    assert result.eval_loss == pytest.approx(first.eval_loss, rel=1e-5)
