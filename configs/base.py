@@ -26,7 +26,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.shape = (28, 28, 1)  # synthetic input shape
     c.data.num_examples = 4096  # synthetic train size
     c.data.num_eval_examples = 1024  # synthetic eval size
-    c.data.normalize = True
+    c.data.normalize = True  # tfds: per-channel mean/std (CIFAR, ImageNet constants; else 0.5/0.5)
+    c.data.data_dir = ""  # tfds: prepared datasets' directory; "" = tfds's default (~/tensorflow_datasets)
+    c.data.train_split = "train"  # tfds: split or slice, e.g. "train[:90%]"
+    c.data.eval_split = "test"  # tfds: e.g. "train[90%:]", "validation" (ImageNet)
+    c.data.image_size = 224  # tfds, images taller than 64 px: train and eval resolution
+    c.data.augment = True  # tfds train: pad-4 crop + flip (small images), random-resized crop + flip (large)
 
     c.train = ml_collections.ConfigDict()
     c.train.global_batch_size = 128
@@ -34,6 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.steps = 3000
     c.train.log_every = 50
     c.train.eval_every = 500
+    c.train.grad_accum_steps = 1  # micro-batches per step, all-reduced once (like DDP's no_sync)
     c.train.on_nonfinite = "halt"  # halt: save the state from before the bad step and exit 3 | skip the update
 
     c.optim = ml_collections.ConfigDict()
@@ -50,6 +56,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.parallel.backend = "shard_map"  # shard_map | pmap | jit
     c.parallel.cpu_devices = 0  # >0: simulate this many CPU devices; 0 leaves JAX alone
     c.parallel.num_devices = 0  # 0 = all devices, else the first N
+    c.parallel.allreduce_dtype = "fp32"  # fp32 | bf16: compress the gradient all-reduce
+    c.parallel.sync_every = 1  # local SGD: >1 averages parameters every H steps instead of gradients every step
     c.parallel.check_replicas_every = 500  # compare the replicas' parameters every N steps (0 = at the end only)
 
     c.checkpoint = ml_collections.ConfigDict()
@@ -57,7 +65,16 @@ def get_config() -> ml_collections.ConfigDict:
     c.checkpoint.keep = 3
     c.checkpoint.allow_config_change = False  # resume even if model/optimizer settings changed
 
+    c.precision = "fp32"  # fp32 | bf16 (float32 masters) | fp16 (plus dynamic loss scaling)
+    c.loss_scale = ml_collections.ConfigDict()
+    c.loss_scale.initial = 2.0**15  # fp16 only
+    c.loss_scale.growth_interval = 2000  # finite steps before the scale doubles
+
     c.init_from = ""  # start from a parameter file written by `python -m jdp.export`
 
     c.compile_cache_dir = "~/.cache/jdp/xla"  # persistent XLA compilation cache; "" = off
+
+    c.distributed = ml_collections.ConfigDict()  # multi-process runs; see jdp/distributed.py
+    c.distributed.init_timeout_s = 120.0  # all processes must join within this, else exit 5
+    c.distributed.heartbeat_timeout_s = 60.0  # a peer silent this long stops the survivors
     return c

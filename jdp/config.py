@@ -18,6 +18,8 @@ BACKENDS = ("shard_map", "pmap", "jit")
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adamw", "lamb", "lars")
 SCHEDULES = ("cosine", "linear", "constant")
 NONFINITE_POLICIES = ("halt", "skip")
+PRECISIONS = ("fp32", "bf16", "fp16")
+ALLREDUCE_DTYPES = ("fp32", "bf16")
 # Settings a checkpoint's state depends on: changing them under a workdir is refused by default.
 STATE_DEFINING = ("model.", "optim.", "data.name", "data.shape", "data.num_classes")
 
@@ -95,8 +97,15 @@ def validate(cfg: ml_collections.ConfigDict, *, model_names: tuple[str, ...], da
     choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
     choice("parallel.backend", cfg.parallel.backend, BACKENDS)
     choice("train.on_nonfinite", cfg.train.on_nonfinite, NONFINITE_POLICIES)
+    choice("precision", cfg.precision, PRECISIONS)
+    choice("parallel.allreduce_dtype", cfg.parallel.allreduce_dtype, ALLREDUCE_DTYPES)
+    per_device_step = cfg.parallel.backend in ("shard_map", "pmap")
+    _require(per_device_step or cfg.parallel.allreduce_dtype == "fp32",
+             "parallel.allreduce_dtype=bf16 needs an explicit collective; use --config.parallel.backend=shard_map")
+    _validate_local_sgd(cfg, per_device_step)
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1")
-    for key in ("train.steps", "train.global_batch_size", "train.log_every", "train.eval_every", "optim.lr"):
+    for key in ("train.steps", "train.global_batch_size", "train.log_every", "train.eval_every", "optim.lr",
+                "train.grad_accum_steps", "parallel.sync_every"):
         section, field = key.split(".")
         value = cfg[section][field]
         _require(value > 0, f"{key}={value} must be positive; set --config.{key} to a value > 0")
@@ -116,6 +125,24 @@ def validate(cfg: ml_collections.ConfigDict, *, model_names: tuple[str, ...], da
             _require(value % num_devices == 0,
                      f"{key}={value} is not divisible by the {num_devices} devices; use a multiple of "
                      f"{num_devices} or set --config.parallel.num_devices")
+        k = cfg.train.grad_accum_steps
+        _require(cfg.train.global_batch_size % (num_devices * k) == 0,
+                 f"train.global_batch_size={cfg.train.global_batch_size} does not split into {k} micro-batches "
+                 f"on each of {num_devices} devices; use a multiple of {num_devices * k}")
+
+
+def _validate_local_sgd(cfg: ml_collections.ConfigDict, per_device_step: bool) -> None:
+    """Between syncs the replicas differ on purpose: checks, checkpoints and eval happen at sync points."""
+    h = cfg.parallel.sync_every
+    if h == 1:
+        return
+    _require(per_device_step, "parallel.sync_every > 1 (local SGD) needs a per-device step; use "
+                              "--config.parallel.backend=shard_map or pmap")
+    for key in ("train.steps", "train.eval_every", "checkpoint.every_steps", "parallel.check_replicas_every"):
+        section, field = key.split(".")
+        value = cfg[section][field]
+        _require(value % h == 0, f"{key}={value} is not a multiple of parallel.sync_every={h}: with local SGD "
+                                 "the replicas agree only at sync points; use a multiple")
 
 
 def save_config(cfg: ml_collections.ConfigDict, path: Path) -> None:

@@ -11,6 +11,7 @@ internally, converted at its boundary.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from functools import partial
 
@@ -32,30 +33,34 @@ class DataParallel:
     """The train and eval steps compiled for one backend, plus the layout of state and batches."""
 
     def __init__(self, backend: str, mesh: Mesh, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                 schedule: optax.Schedule, *, bn_sync: bool = True, on_nonfinite: str = "halt"):
+                 schedule: optax.Schedule, options: step_lib.StepOptions | None = None):
+        """`options.axis_name` is set here, from the backend; `options.bn_groups` (per-device BatchNorm
+        as groups of the global batch) applies to jit only: the other backends see one device's rows."""
         self.backend, self.mesh = backend, mesh
-        train = partial(step_lib.train_step, graphdef=graphdef, tx=tx, schedule=schedule, on_nonfinite=on_nonfinite)
+        options = options or step_lib.StepOptions()
+        per_device = dataclasses.replace(options, axis_name=DATA_AXIS, bn_groups=1)
         evaluate = partial(step_lib.eval_step, graphdef=graphdef)
         repl, split = replicated(mesh), data_sharded(mesh)
+
+        def train(opts: step_lib.StepOptions) -> Callable:
+            return partial(step_lib.train_step, graphdef=graphdef, tx=tx, schedule=schedule, options=opts)
+
         if backend == "jit":
-            # Per-device BatchNorm: the global batch is normalised in groups of each device's rows.
-            bn_groups = 1 if bn_sync else mesh.size
-            self._train = jax.jit(partial(train, axis_name=None, bn_groups=bn_groups),
-                                  in_shardings=(repl, split), out_shardings=(repl, repl), donate_argnums=0)
+            self._train = jax.jit(train(dataclasses.replace(options, axis_name=None)), in_shardings=(repl, split),
+                                  out_shardings=(repl, repl), donate_argnums=0)
             self._eval = jax.jit(partial(evaluate, axis_name=None), in_shardings=(repl, split), out_shardings=repl)
         elif backend == "shard_map":
             # check_vma=False: with it on, the gradient of a replicated parameter is already summed
             # over devices, and the classic pmean of the step would leave it N times too large.
-            def per_device(fn: Callable, out_specs: object) -> Callable:
-                return jax.shard_map(partial(fn, axis_name=DATA_AXIS), mesh=mesh, in_specs=(P(), P(DATA_AXIS)),
-                                     out_specs=out_specs, check_vma=False)
+            def on_each_device(fn: Callable, out_specs: object) -> Callable:
+                return jax.shard_map(fn, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=out_specs,
+                                     check_vma=False)
 
-            self._train = jax.jit(per_device(train, (P(), P())), donate_argnums=0)
-            self._eval = jax.jit(per_device(evaluate, P()))
+            self._train = jax.jit(on_each_device(train(per_device), (P(), P())), donate_argnums=0)
+            self._eval = jax.jit(on_each_device(partial(evaluate, axis_name=DATA_AXIS), P()))
         elif backend == "pmap":
             devices = list(mesh.devices.flat)
-            self._train = jax.pmap(partial(train, axis_name=DATA_AXIS), axis_name=DATA_AXIS, devices=devices,
-                                   donate_argnums=0)
+            self._train = jax.pmap(train(per_device), axis_name=DATA_AXIS, devices=devices, donate_argnums=0)
             self._eval = jax.pmap(partial(evaluate, axis_name=DATA_AXIS), axis_name=DATA_AXIS, devices=devices)
         else:
             raise ValueError(f"unknown backend {backend!r}")
@@ -93,6 +98,12 @@ class DataParallel:
 
     def eval_step(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         return self._eval(state, batch)
+
+    def memory_analysis(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> dict[str, int]:
+        """XLA's own accounting of the compiled train step (per device), where the backend provides it."""
+        stats = self._train.lower(state, batch).compile().memory_analysis()
+        fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
+        return {f.replace("_size_in", ""): int(getattr(stats, f)) for f in fields if stats is not None}
 
     def to_host(self, state: Tree) -> Tree:
         """A logical (replicated) tree as numpy: this process's first copy."""

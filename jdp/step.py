@@ -7,6 +7,7 @@ or pmap (with `axis_name="data"`, one call per device on its slice of the batch)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import jax
@@ -19,10 +20,11 @@ Tree = Any
 
 class TrainState(NamedTuple):
     step: jax.Array  # int32 scalar: training steps taken (the next batch's index)
-    params: Tree  # trainable parameters, a pure dict
+    params: Tree  # trainable parameters (float32 masters), a pure dict
     model_state: Tree  # non-trainable model state (BatchNorm statistics), a pure dict
     opt_state: optax.OptState
     skipped: jax.Array  # int32 scalar: steps whose update was dropped as non-finite
+    loss_scale: jax.Array  # float32 [scale, finite steps since it last changed]; fp16 only, else [1, 0]
 
 
 def forward(graphdef: nnx.GraphDef, params: Tree, model_state: Tree, x: jax.Array, train: bool,
@@ -46,48 +48,127 @@ def cross_entropy(logits_BxC: jax.Array, labels_B: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxC.astype(jnp.float32), labels_B)
 
 
-def all_reduce_mean(tree: Tree, axis_name: str | None) -> Tree:
+def all_reduce_mean(tree: Tree, axis_name: str | None, dtype: jnp.dtype | None = None) -> Tree:
     """The data-parallel all-reduce: average over the `data` axis (a no-op under jit, where the
-    arrays are already global and XLA inserts the collective itself)."""
-    return tree if axis_name is None else jax.lax.pmean(tree, axis_name)
+    arrays are already global and XLA inserts the collective itself). `dtype` compresses what
+    travels (e.g. bfloat16, as DDP's bf16 compression hook); the result keeps each leaf's dtype."""
+    if axis_name is None:
+        return tree
+    if dtype is None:
+        return jax.lax.pmean(tree, axis_name)
+    return jax.tree.map(lambda x: jax.lax.pmean(x.astype(dtype), axis_name).astype(x.dtype), tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepOptions:
+    """How the one step runs; every field has the plain data-parallel default."""
+
+    axis_name: str | None = None  # "data" under shard_map/pmap, None under jit
+    bn_groups: int = 1  # see `forward`
+    on_nonfinite: str = "halt"  # halt | skip
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 adds dynamic loss scaling)
+    grad_accum_steps: int = 1  # micro-batches per step, all-reduced once
+    allreduce_dtype: str = "fp32"  # fp32 | bf16: what the gradient all-reduce sends
+    sync_every: int = 1  # local SGD: average parameters every H steps instead of gradients every step
+    loss_scale_growth_interval: int = 2000  # fp16: finite steps before the loss scale doubles
+
+
+COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+
+
+def _cast(tree: Tree, dtype: jnp.dtype) -> Tree:
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def _all_finite(tree: Tree) -> jax.Array:
+    return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)]).all()
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
-               tx: optax.GradientTransformation, schedule: optax.Schedule, axis_name: str | None,
-               on_nonfinite: str = "halt", bn_groups: int = 1) -> tuple[TrainState, dict[str, jax.Array]]:
+               tx: optax.GradientTransformation, schedule: optax.Schedule,
+               options: StepOptions) -> tuple[TrainState, dict[str, jax.Array]]:
     """One data-parallel step on this device's slice of the global batch (step 1, the split,
-    happened before: `batch` is already this device's rows). `bn_groups`: see `forward`.
+    happened before: `batch` is already this device's rows).
 
     Non-finite guard: an update whose averaged loss or gradient is not finite is dropped on every
     replica alike. With `on_nonfinite="skip"` training goes on; with "halt" the state freezes from
     then on, so the host, which learns of it a step later, still finds the state from before.
+    fp16 gradient overflows are not failures: dynamic loss scaling halves the scale and skips the step.
     """
+    o = options
+    compute_dtype = COMPUTE_DTYPES[o.precision]
+    scale = state.loss_scale[0] if o.precision == "fp16" else 1.0
 
-    def local_loss(params: Tree) -> tuple[jax.Array, tuple[jax.Array, Tree]]:
-        logits_BxC, model_state = forward(graphdef, params, state.model_state, batch["x"], train=True,
-                                          groups=bn_groups)
-        return cross_entropy(logits_BxC, batch["y"]).mean(), (logits_BxC, model_state)
+    def local_loss(params: Tree, model_state: Tree, micro: dict[str, jax.Array]):
+        # Mixed precision: float32 master parameters, cast for the forward; gradients come back float32.
+        logits_BxC, new_model_state = forward(graphdef, _cast(params, compute_dtype), model_state,
+                                              micro["x"].astype(compute_dtype), train=True, groups=o.bn_groups)
+        new_model_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_model_state, model_state)
+        loss = cross_entropy(logits_BxC, micro["y"]).mean()
+        accuracy = jnp.mean(jnp.argmax(logits_BxC, -1) == micro["y"])
+        return loss * scale, (loss, accuracy, new_model_state)
 
-    # 2. compute: forward and backward on the local slice.
-    (loss, (logits_BxC, model_state)), grads = jax.value_and_grad(local_loss, has_aux=True)(state.params)
-    accuracy = jnp.mean(jnp.argmax(logits_BxC, -1) == batch["y"])
+    grad_fn = jax.value_and_grad(local_loss, has_aux=True)
 
-    # 3. all-reduce: every device now holds the gradient of the mean loss over the global batch.
+    # 2. compute: forward and backward on the local slice, in `grad_accum_steps` micro-batches.
+    if o.grad_accum_steps == 1:
+        (_, (loss, accuracy, model_state)), grads = grad_fn(state.params, state.model_state, batch)
+    else:
+        micro_batches = jax.tree.map(lambda a: a.reshape(o.grad_accum_steps, -1, *a.shape[1:]), batch)
+
+        def accumulate(carry, micro):
+            grads_sum, model_state, loss_sum, accuracy_sum = carry
+            (_, (loss, accuracy, model_state)), grads = grad_fn(state.params, model_state, micro)
+            return (jax.tree.map(jnp.add, grads_sum, grads), model_state, loss_sum + loss,
+                    accuracy_sum + accuracy), None
+
+        zeros = jax.tree.map(jnp.zeros_like, state.params)
+        (grads, model_state, loss, accuracy), _ = jax.lax.scan(
+            accumulate, (zeros, state.model_state, 0.0, 0.0), micro_batches)
+        grads, loss, accuracy = jax.tree.map(lambda x: x / o.grad_accum_steps, (grads, loss, accuracy))
+    if o.precision == "fp16":
+        grads = jax.tree.map(lambda g: g / scale, grads)
+
+    # 3. all-reduce: every device now holds the gradient of the mean loss over the global batch
+    # (under local SGD, the parameters are averaged every `sync_every` steps instead, below).
     # Model state is averaged too: a no-op for synced BatchNorm, and it keeps per-device
     # ("ghost") BatchNorm running statistics identical across replicas.
-    grads, model_state, metrics = all_reduce_mean(
-        (grads, model_state, {"loss": loss, "accuracy": accuracy}), axis_name)
+    local_sgd = o.sync_every > 1
+    if not local_sgd:
+        grads = all_reduce_mean(grads, o.axis_name, None if o.allreduce_dtype == "fp32" else jnp.bfloat16)
+    model_state, metrics = all_reduce_mean((model_state, {"loss": loss, "accuracy": accuracy}), o.axis_name)
 
     # 4. update: the same optax update on every replica keeps the parameters in sync.
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    if local_sgd:
+        at_sync = (state.step + 1) % o.sync_every == 0
+        params, opt_state = jax.lax.cond(at_sync, lambda t: all_reduce_mean(t, o.axis_name), lambda t: t,
+                                         (params, opt_state))
 
-    finite = jnp.isfinite(metrics["loss"]) & jnp.stack([jnp.isfinite(g).all() for g in jax.tree.leaves(grads)]).all()
-    apply = finite if on_nonfinite == "skip" else finite & (state.skipped == 0)
-    updated = TrainState(state.step + 1, params, model_state, opt_state, state.skipped)
-    dropped = TrainState(state.step + (on_nonfinite == "skip"), state.params, state.model_state, state.opt_state,
-                         state.skipped + 1)
-    new_state = jax.tree.map(lambda new, old: jnp.where(apply, new, old), updated, dropped)
+    grads_finite = _all_finite(grads)
+    if local_sgd and o.axis_name is not None:  # local gradients: every replica must decide alike
+        grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), o.axis_name).astype(bool)
+    loss_finite = jnp.isfinite(metrics["loss"])
+    loss_scale = state.loss_scale
+    if o.precision == "fp16":  # an overflow only lowers the loss scale; the guard sees the loss
+        overflow = loss_finite & ~grads_finite
+        good = jnp.where(grads_finite, loss_scale[1] + 1, 0)
+        grow = good >= o.loss_scale_growth_interval
+        loss_scale = jnp.stack([jnp.where(overflow, scale / 2, jnp.where(grow, scale * 2, scale)),
+                                jnp.where(grow, 0, good).astype(scale.dtype)])
+        finite = loss_finite
+        metrics.update(loss_scale=scale, overflow=overflow.astype(jnp.float32))
+    else:
+        overflow, finite = jnp.bool_(False), loss_finite & grads_finite
+    apply = finite if o.on_nonfinite == "skip" else finite & (state.skipped == 0)
+    updated = TrainState(state.step + 1, params, model_state, opt_state, state.skipped, loss_scale)
+    dropped = TrainState(state.step + (o.on_nonfinite == "skip"), state.params, state.model_state,
+                         state.opt_state, state.skipped + 1, state.loss_scale)
+    overflowed = TrainState(state.step + 1, state.params, state.model_state, state.opt_state, state.skipped,
+                            loss_scale)
+    new_state = jax.tree.map(lambda new, old, over: jnp.where(apply, jnp.where(overflow, over, new), old),
+                             updated, dropped, overflowed)
     metrics.update(lr=schedule(state.step), nonfinite=1.0 - apply.astype(jnp.float32))
     return new_state, metrics
 

@@ -22,6 +22,7 @@ from flax import nnx
 
 from jdp import config as config_lib
 from jdp import data as data_lib
+from jdp import distributed as distributed_lib
 from jdp import models
 from jdp.checkpoint import Checkpointer, CheckpointError
 from jdp.export import load_into
@@ -32,9 +33,9 @@ from jdp.optim import build_optimizer
 from jdp.parallel import DataParallel
 from jdp.preemption import PreemptionRequest
 from jdp.runinfo import write_run_metadata
-from jdp.step import TrainState
+from jdp.step import StepOptions, TrainState
 
-EXIT_OK, EXIT_USAGE, EXIT_NONFINITE, EXIT_REPLICAS_DIFFER, EXIT_PREEMPTED = 0, 2, 3, 4, 75
+EXIT_OK, EXIT_USAGE, EXIT_NONFINITE, EXIT_REPLICAS_DIFFER, EXIT_DISTRIBUTED, EXIT_PREEMPTED = 0, 2, 3, 4, 5, 75
 
 
 class NonFiniteLossError(RuntimeError):
@@ -93,10 +94,15 @@ def build(cfg: ml_collections.ConfigDict) -> Built:
             _, params, model_state = nnx.split(make_model(), nnx.Param, ...)
             params, model_state = nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
         zero = jnp.zeros((), jnp.int32)
-        return TrainState(zero, params, model_state, tx.init(params), zero)
+        loss_scale = jnp.array([cfg.loss_scale.initial if cfg.precision == "fp16" else 1.0, 0.0], jnp.float32)
+        return TrainState(zero, params, model_state, tx.init(params), zero, loss_scale)
 
+    options = StepOptions(bn_groups=1 if cfg.model.bn_sync else mesh.size, on_nonfinite=cfg.train.on_nonfinite,
+                          precision=cfg.precision, grad_accum_steps=cfg.train.grad_accum_steps,
+                          allreduce_dtype=cfg.parallel.allreduce_dtype, sync_every=cfg.parallel.sync_every,
+                          loss_scale_growth_interval=cfg.loss_scale.growth_interval)
     parallel = DataParallel(cfg.parallel.backend, mesh, nnx.graphdef(nnx.eval_shape(make_model)), tx, schedule,
-                            bn_sync=cfg.model.bn_sync, on_nonfinite=cfg.train.on_nonfinite)
+                            options)
     return Built(cfg, source, parallel, init_state)
 
 
@@ -326,6 +332,7 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     parser.add_argument("--workdir", help="output directory; rerun on it to resume (default: runs/CONFIG_NAME)")
     parser.add_argument("--cpu_devices", type=int, help="simulate N CPU devices (sets parallel.cpu_devices)")
     parser.add_argument("--eval_only", action="store_true", help="evaluate the workdir's latest checkpoint")
+    distributed_lib.add_arguments(parser)  # read by main() through distributed_lib.flags_from_argv
     args, rest = parser.parse_known_args(argv)
     overrides = {}
     while rest:
@@ -357,21 +364,38 @@ def _enable_compilation_cache(cache_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    failures = [(config_lib.ConfigError, EXIT_USAGE, "config error"), (CheckpointError, EXIT_USAGE, "checkpoint"),
+    failures = [(distributed_lib.DistributedUsageError, EXIT_USAGE, "distributed"),
+                (config_lib.ConfigError, EXIT_USAGE, "config error"), (CheckpointError, EXIT_USAGE, "checkpoint"),
                 (NonFiniteLossError, EXIT_NONFINITE, "halted"), (ReplicaMismatchError, EXIT_REPLICAS_DIFFER, "halted"),
+                (distributed_lib.DistributedFailure, EXIT_DISTRIBUTED, "distributed"),
                 (Preempted, EXIT_PREEMPTED, "preempted")]
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        command = parse_command_line(sys.argv[1:] if argv is None else argv)
-        simulate_cpu_devices(command.cfg.parallel.cpu_devices)
-        _enable_compilation_cache(command.cfg.compile_cache_dir)
+        command = parse_command_line(argv)
+        cfg = command.cfg
+        job = distributed_lib.resolve(**distributed_lib.flags_from_argv(argv))  # checked before anything waits
+        distributed_lib.check_timeouts(cfg.distributed.init_timeout_s, cfg.distributed.heartbeat_timeout_s)
+        simulate_cpu_devices(cfg.parallel.cpu_devices)  # before initialize, which fixes the device count
+        if job is not None:
+            distributed_lib.initialize(job, init_timeout_s=cfg.distributed.init_timeout_s,
+                                       heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s)
+            distributed_lib.check_same_run(distributed_lib.run_settings(cfg.to_dict(), command.workdir),
+                                           timeout_s=cfg.distributed.init_timeout_s)
+        _enable_compilation_cache(cfg.compile_cache_dir)
         if command.eval_only:
             evaluate_checkpoint(command.workdir)
         else:
-            run(command.cfg, command.workdir)
+            run(cfg, command.workdir)
     except tuple(error for error, _, _ in failures) as e:
         code, label = next((code, label) for error, code, label in failures if isinstance(e, error))
         print(f"jdp: {label}: {e}", file=sys.stderr)
         return code
+    except jax.errors.JaxRuntimeError as e:  # a collective or barrier whose peer is gone
+        if not distributed_lib.is_peer_failure(e):
+            raise
+        print(f"jdp: distributed: process {jax.process_index()} of {jax.process_count()} stopped: another process "
+              f"or the coordinator failed ({distributed_lib.first_line(e)})", file=sys.stderr)
+        return EXIT_DISTRIBUTED
     return EXIT_OK
 
 

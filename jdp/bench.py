@@ -1,0 +1,183 @@
+"""`python -m jdp.bench --config configs/X.py [--devices 1,2,4,8]`: where a data-parallel step's time goes.
+
+For each device count (interleaved, repeated; medians reported) it measures, at the config's global batch:
+- steady-state examples/sec of the compiled step on batches already on the devices, and the time to the
+  first step (compile);
+- input: the host pipeline's time per global batch (reading + assembling the global array);
+- all-reduce: the same step compiled without its collective (`jdp.step.all_reduce_mean` made the
+  identity) is timed too, and the difference is the collective's cost ("with/without" method);
+- the ratio to a plain single-device jit step on the same global batch, measured in the same run;
+- per-device memory of parameters, gradients and optimizer state (bytes of each array's shard on
+  device 0), and XLA's `memory_analysis()` of the compiled step;
+and the scaling efficiency throughput_N / (N x throughput_1). Writes bench.json and bench.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from unittest import mock
+
+import jax
+
+from jdp import config as config_lib
+from jdp import step as step_lib
+from jdp.mesh import simulate_cpu_devices
+
+COMM_DOMINATES = 0.5  # warn when the collective takes more than this share of the step
+
+
+def _bytes_on_first_device(tree) -> int:
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+
+def _time_steps(parallel, state, batches, steps: int) -> tuple[float, float, object]:
+    """(seconds to the end of the first step, median seconds per step after it, final state)."""
+    t0 = time.perf_counter()
+    state, metrics = parallel.train_step(state, batches[0])
+    parallel.fetch(metrics)
+    first = time.perf_counter() - t0
+    times = []
+    pending = None
+    t_last = time.perf_counter()
+    for i in range(steps):
+        state, metrics = parallel.train_step(state, batches[(i + 1) % len(batches)])
+        if pending is not None:  # the trainer's own pattern: fetch one step late
+            parallel.fetch(pending)
+            now = time.perf_counter()
+            times.append(now - t_last)
+            t_last = now
+        pending = metrics
+    parallel.fetch(pending)
+    return first, statistics.median(times), state
+
+
+def measure(cfg, num_devices: int, steps: int, collective: bool = True) -> dict:
+    """One measurement of the config's step on `num_devices` devices."""
+    from jdp.train import build
+
+    cfg = cfg.copy_and_resolve_references()
+    cfg.parallel.num_devices = num_devices
+    patch = (contextlib.nullcontext() if collective
+             else mock.patch.object(step_lib, "all_reduce_mean", lambda tree, axis_name, dtype=None: tree))
+    with patch:
+        b = build(cfg)
+        parallel, source = b.parallel, b.source
+        t0 = time.perf_counter()
+        rows = [source.train_batch(i) for i in range(4)]
+        batches = [parallel.shard_batch(r) for r in rows]
+        jax.block_until_ready(batches)
+        input_s = (time.perf_counter() - t0) / len(rows)
+        state = parallel.to_devices(parallel.init_state(b.init_state))
+        memory = {"params_bytes": _bytes_on_first_device(state.params),
+                  "grads_bytes": _bytes_on_first_device(state.params),  # one gradient per parameter, same dtype
+                  "opt_state_bytes": _bytes_on_first_device(state.opt_state)}
+        first, step_s, state = _time_steps(parallel, state, batches, steps)
+        compiled = parallel.memory_analysis(state, batches[0])
+    return {"devices": num_devices, "first_step_s": first, "step_s": step_s, "input_s": input_s,
+            "examples_per_sec": cfg.train.global_batch_size / step_s, **memory, **compiled}
+
+
+def run_bench(cfg, devices: list[int], steps: int, repeats: int) -> list[dict]:
+    explicit = cfg.parallel.backend in ("shard_map", "pmap")  # jit has no collective of jdp's to remove
+    runs = {(n, c): [] for n in devices for c in ((True, False) if explicit else (True,))}
+    baseline_cfg = cfg.copy_and_resolve_references()
+    baseline_cfg.parallel.backend = "jit"
+    baseline = []  # a plain single-device jit step: what data parallelism must not fall far behind
+    for _ in range(repeats):  # interleaved, so drift on a shared machine hits every variant alike
+        baseline.append(measure(baseline_cfg, 1, steps)["examples_per_sec"])
+        for n, collective in runs:
+            runs[(n, collective)].append(measure(cfg, n, steps, collective))
+    rows = []
+    for n in devices:
+        with_c = runs[(n, True)]
+        row = {k: statistics.median(r[k] for r in with_c) for k in with_c[0]}
+        row["devices"] = n
+        if explicit and n > 1:
+            without = statistics.median(r["step_s"] for r in runs[(n, False)])
+            row["allreduce_s"] = max(row["step_s"] - without, 0.0)
+            row["compute_s"] = without
+        else:
+            row["allreduce_s"], row["compute_s"] = (0.0 if n == 1 else None), row["step_s"]
+        rows.append(row)
+    base = next((r for r in rows if r["devices"] == 1), None)
+    single_jit = statistics.median(baseline)
+    for r in rows:
+        r["efficiency"] = r["examples_per_sec"] / (r["devices"] * base["examples_per_sec"]) if base else None
+        r["vs_single_device_jit"] = r["examples_per_sec"] / single_jit
+    return rows
+
+
+def to_markdown(cfg, rows: list[dict]) -> str:
+    def ms(x):
+        return "n/a" if x is None else f"{x * 1e3:.2f}"
+
+    lines = [f"config: model {cfg.model.name}, data {cfg.data.name}, global batch {cfg.train.global_batch_size}, "
+             f"backend {cfg.parallel.backend}, {jax.devices()[0].platform} ({jax.devices()[0].device_kind})", "",
+             "| devices | examples/s | vs 1-device jit | step ms | compute ms | all-reduce ms | input ms/batch "
+             "| first step s | efficiency | params MB/dev | grads MB/dev | opt state MB/dev | XLA temp MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        eff = "n/a" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
+        lines.append(
+            f"| {r['devices']} | {r['examples_per_sec']:,.0f} | {r['vs_single_device_jit']:.2f} | {ms(r['step_s'])} | "
+            f"{ms(r['compute_s'])} | "
+            f"{ms(r['allreduce_s'])} | {ms(r['input_s'])} | {r['first_step_s']:.2f} | {eff} | "
+            f"{r['params_bytes'] / 2**20:.2f} | {r['grads_bytes'] / 2**20:.2f} | {r['opt_state_bytes'] / 2**20:.2f} | "
+            f"{r.get('temp_bytes', 0) / 2**20:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def warnings_for(rows: list[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        if r["allreduce_s"] and r["allreduce_s"] > COMM_DOMINATES * r["step_s"]:
+            out.append(f"warning: on {r['devices']} devices the gradient all-reduce takes "
+                       f"{r['allreduce_s'] / r['step_s']:.0%} of the step: communication dominates compute, so data "
+                       "parallelism will not pay at this model and batch size (try a larger batch or fewer devices)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jdp.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=config_lib.DEFAULT_CONFIG)
+    parser.add_argument("--devices", default="1,2", help="comma-separated device counts (default 1,2)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="output directory (default runs/bench-CONFIG_NAME)")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        cfg = config_lib.load_config_file(args.config)
+        cfg = config_lib.apply_overrides(cfg, dict(a[len("--config."):].split("=", 1) for a in rest
+                                                    if a.startswith("--config.") and "=" in a))
+        devices = [int(d) for d in args.devices.split(",")]
+    except (config_lib.ConfigError, ValueError) as e:
+        print(f"jdp.bench: {e}", file=sys.stderr)
+        return 2
+    if jax.config.jax_platforms in (None, "", "cpu") and not cfg.parallel.cpu_devices:
+        simulate_cpu_devices(max(devices))  # on a CPU-only machine; ignored by accelerators
+    try:
+        rows = run_bench(cfg, devices, args.steps, args.repeats)
+    except config_lib.ConfigError as e:
+        print(f"jdp.bench: {e}", file=sys.stderr)
+        return 2
+    out = args.out or Path("runs") / f"bench-{args.config.stem}"
+    out.mkdir(parents=True, exist_ok=True)
+    table = to_markdown(cfg, rows)
+    (out / "bench.json").write_text(json.dumps({"config": cfg.to_dict(), "rows": rows}, indent=2, default=list))
+    (out / "bench.md").write_text(table)
+    print(table)
+    for line in warnings_for(rows):
+        print(line)
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
