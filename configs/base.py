@@ -57,7 +57,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.parallel.cpu_devices = 0  # >0: simulate this many CPU devices; 0 leaves JAX alone
     c.parallel.num_devices = 0  # 0 = all devices, else the first N
     c.parallel.allreduce_dtype = "fp32"  # fp32 | bf16: compress the gradient all-reduce
+    c.parallel.shard_optimizer = False  # ZeRO-1: each device keeps and updates 1/N of the optimizer state
     c.parallel.sync_every = 1  # local SGD: >1 averages parameters every H steps instead of gradients every step
+    c.parallel.allreduce_combine_threshold_bytes = 0  # XLA's all-reduce bucket size on GPU; 0 = XLA default
+    c.parallel.latency_hiding_scheduler = True  # GPU: overlap the all-reduce with the backward pass
     c.parallel.check_replicas_every = 500  # compare the replicas' parameters every N steps (0 = at the end only)
 
     c.checkpoint = ml_collections.ConfigDict()
@@ -71,6 +74,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.loss_scale.growth_interval = 2000  # finite steps before the scale doubles
 
     c.init_from = ""  # start from a parameter file written by `python -m jdp.export`
+
+    c.profile = ml_collections.ConfigDict()
+    c.profile.steps = ""  # "A:B": a JAX profiler trace of steps A..B into WORKDIR/profile
 
     c.compile_cache_dir = "~/.cache/jdp/xla"  # persistent XLA compilation cache; "" = off
 

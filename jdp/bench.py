@@ -160,8 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     except (config_lib.ConfigError, ValueError) as e:
         print(f"jdp.bench: {e}", file=sys.stderr)
         return 2
-    if jax.config.jax_platforms in (None, "", "cpu") and not cfg.parallel.cpu_devices:
-        simulate_cpu_devices(max(devices))  # on a CPU-only machine; ignored by accelerators
+    try:  # on a CPU-only machine; ignored by accelerators
+        simulate_cpu_devices(cfg.parallel.cpu_devices or max(devices))
+    except RuntimeError:  # called from Python after JAX started: the devices are already fixed
+        pass
     try:
         rows = run_bench(cfg, devices, args.steps, args.repeats)
     except config_lib.ConfigError as e:

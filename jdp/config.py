@@ -6,6 +6,7 @@ import ast
 import difflib
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import ml_collections
@@ -103,6 +104,14 @@ def validate(cfg: ml_collections.ConfigDict, *, model_names: tuple[str, ...], da
     _require(per_device_step or cfg.parallel.allreduce_dtype == "fp32",
              "parallel.allreduce_dtype=bf16 needs an explicit collective; use --config.parallel.backend=shard_map")
     _validate_local_sgd(cfg, per_device_step)
+    profile_steps(cfg.profile.steps)
+    if cfg.parallel.shard_optimizer:
+        _require(cfg.parallel.backend == "shard_map", "parallel.shard_optimizer=True needs "
+                                                      "--config.parallel.backend=shard_map")
+        _require(cfg.optim.name not in ("lamb", "lars"), f"optim.name={cfg.optim.name} needs whole-leaf norms "
+                 "(trust ratios); parallel.shard_optimizer=True supports sgd, momentum, nesterov and adamw")
+        _require(cfg.parallel.sync_every == 1, "parallel.shard_optimizer=True and parallel.sync_every > 1 "
+                                               "(local SGD) cannot be combined")
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1")
     for key in ("train.steps", "train.global_batch_size", "train.log_every", "train.eval_every", "optim.lr",
                 "train.grad_accum_steps", "parallel.sync_every"):
@@ -129,6 +138,17 @@ def validate(cfg: ml_collections.ConfigDict, *, model_names: tuple[str, ...], da
         _require(cfg.train.global_batch_size % (num_devices * k) == 0,
                  f"train.global_batch_size={cfg.train.global_batch_size} does not split into {k} micro-batches "
                  f"on each of {num_devices} devices; use a multiple of {num_devices * k}")
+
+
+def profile_steps(spec: str) -> tuple[int, int] | None:
+    """`profile.steps="A:B"` -> (A, B); "A" -> (A, A); "" -> None."""
+    if not spec:
+        return None
+    match = re.fullmatch(r"(\d+)(?::(\d+))?", spec)
+    first, last = (int(match[1]), int(match[2] or match[1])) if match else (0, 0)
+    if not 1 <= first <= last:
+        raise ConfigError(f"profile.steps={spec!r} is not a step range; give A:B with 1 <= A <= B, e.g. 10:20")
+    return first, last
 
 
 def _validate_local_sgd(cfg: ml_collections.ConfigDict, per_device_step: bool) -> None:

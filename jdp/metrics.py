@@ -75,11 +75,11 @@ class MetricsWriter:
                     self._tb.add_scalar(f"{record['split']}/{key}", value, record.get("step", 0))
 
     def train(self, step: int, *, loss: float, accuracy: float, lr: float, examples_per_sec: float,
-              skipped_steps: int) -> None:
+              **more: float) -> None:
         if not self.enabled:
             return
         self._write({"step": step, "split": "train", "loss": loss, "accuracy": accuracy, "lr": lr,
-                     "examples_per_sec": examples_per_sec, "skipped_steps": skipped_steps})
+                     "examples_per_sec": examples_per_sec, **more})
         text = f"loss {loss:.4f}  acc {accuracy:.3f}  {examples_per_sec:,.0f} ex/s"
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -28,28 +29,42 @@ def decay_mask(params: optax.Params) -> optax.Params:
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
-def build_optimizer(cfg: ml_collections.ConfigDict, global_batch_size: int,
-                    total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+def clip_by_global_norm(max_norm: float, axis_name: str | None = None) -> optax.GradientTransformation:
+    """optax's global-norm clipping; with `axis_name`, each device holds a slice of every gradient
+    (a sharded optimizer) and the squared norms of the slices are summed across devices."""
+    if axis_name is None:
+        return optax.clip_by_global_norm(max_norm)
+
+    def update(updates, state, params=None):
+        norm = jnp.sqrt(jax.lax.psum(sum(jnp.sum(jnp.square(u)) for u in jax.tree.leaves(updates)), axis_name))
+        factor = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
+        return jax.tree.map(lambda u: u * factor, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def build_optimizer(cfg: ml_collections.ConfigDict, global_batch_size: int, total_steps: int, params: optax.Params,
+                    sharded_axis: str | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Returns the optax transform and its schedule (the schedule is also used to log `lr`).
 
     The transform runs after the gradient all-reduce, so clipping sees the averaged gradient,
-    exactly as on one device.
+    exactly as on one device. `params` (shapes suffice) fixes the weight-decay mask, so it still
+    holds when a sharded optimizer (`sharded_axis`) updates flat slices of the parameters.
     """
     lr = learning_rate(cfg, global_batch_size, total_steps)
-    wd = cfg.weight_decay
+    wd, mask = cfg.weight_decay, decay_mask(params)
     if cfg.name in ("sgd", "momentum", "nesterov"):
         momentum = None if cfg.name == "sgd" else cfg.momentum
-        tx = optax.chain(optax.add_decayed_weights(wd, decay_mask),
+        tx = optax.chain(optax.add_decayed_weights(wd, mask),
                          optax.sgd(lr, momentum=momentum, nesterov=cfg.name == "nesterov"))
     elif cfg.name == "adamw":
-        tx = optax.adamw(lr, b1=cfg.momentum, weight_decay=wd, mask=decay_mask)
+        tx = optax.adamw(lr, b1=cfg.momentum, weight_decay=wd, mask=mask)
     elif cfg.name == "lamb":
-        tx = optax.lamb(lr, b1=cfg.momentum, weight_decay=wd, mask=decay_mask)
+        tx = optax.lamb(lr, b1=cfg.momentum, weight_decay=wd, mask=mask)
     elif cfg.name == "lars":
-        tx = optax.lars(lr, weight_decay=wd, weight_decay_mask=decay_mask, trust_ratio_mask=decay_mask,
-                        momentum=cfg.momentum)
+        tx = optax.lars(lr, weight_decay=wd, weight_decay_mask=mask, trust_ratio_mask=mask, momentum=cfg.momentum)
     else:
         raise ValueError(f"unknown optimizer {cfg.name!r}")
     if cfg.grad_clip_norm > 0:
-        tx = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm), tx)
+        tx = optax.chain(clip_by_global_norm(cfg.grad_clip_norm, sharded_axis), tx)
     return tx, lr

@@ -20,10 +20,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp import step as step_lib
+from jdp import zero
 from jdp.mesh import DATA_AXIS, data_sharded, global_batch, replicated
 
 Tree = step_lib.Tree
@@ -33,11 +34,16 @@ class DataParallel:
     """The train and eval steps compiled for one backend, plus the layout of state and batches."""
 
     def __init__(self, backend: str, mesh: Mesh, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                 schedule: optax.Schedule, options: step_lib.StepOptions | None = None):
+                 schedule: optax.Schedule, abstract_state: step_lib.TrainState,
+                 options: step_lib.StepOptions | None = None):
         """`options.axis_name` is set here, from the backend; `options.bn_groups` (per-device BatchNorm
         as groups of the global batch) applies to jit only: the other backends see one device's rows."""
-        self.backend, self.mesh = backend, mesh
+        self.backend, self.mesh, self._abstract = backend, mesh, abstract_state
         options = options or step_lib.StepOptions()
+        self._sharded_optimizer = options.shard_optimizer
+        opt_specs = jax.tree.map(lambda x: P(DATA_AXIS) if options.shard_optimizer and zero.is_sharded(x) else P(),
+                                 abstract_state.opt_state)
+        self._state_specs = step_lib.TrainState(P(), P(), P(), opt_specs, P(), P())
         per_device = dataclasses.replace(options, axis_name=DATA_AXIS, bn_groups=1)
         evaluate = partial(step_lib.eval_step, graphdef=graphdef)
         repl, split = replicated(mesh), data_sharded(mesh)
@@ -53,10 +59,10 @@ class DataParallel:
             # check_vma=False: with it on, the gradient of a replicated parameter is already summed
             # over devices, and the classic pmean of the step would leave it N times too large.
             def on_each_device(fn: Callable, out_specs: object) -> Callable:
-                return jax.shard_map(fn, mesh=mesh, in_specs=(P(), P(DATA_AXIS)), out_specs=out_specs,
+                return jax.shard_map(fn, mesh=mesh, in_specs=(self._state_specs, P(DATA_AXIS)), out_specs=out_specs,
                                      check_vma=False)
 
-            self._train = jax.jit(on_each_device(train(per_device), (P(), P())), donate_argnums=0)
+            self._train = jax.jit(on_each_device(train(per_device), (self._state_specs, P())), donate_argnums=0)
             self._eval = jax.jit(on_each_device(partial(evaluate, axis_name=DATA_AXIS), P()))
         elif backend == "pmap":
             devices = list(mesh.devices.flat)
@@ -68,6 +74,12 @@ class DataParallel:
         self._stack = jax.jit(lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), t),
                               out_shardings=split)
         self._unstack = jax.jit(lambda t: jax.tree.map(lambda x: x[0], t), out_shardings=repl)
+        self._shard_optimizer_state = jax.jit(
+            lambda t: t._replace(opt_state=zero.shard_layout(t.opt_state, n)),
+            out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), self._state_specs))
+        self._gather_optimizer_state = jax.jit(
+            lambda t: t._replace(opt_state=zero.logical_layout(t.opt_state, abstract_state.opt_state)),
+            out_shardings=repl)
         # Each device checksums the bits of its own copy; pmax != pmin flags a leaf that differs.
         state_spec = P(DATA_AXIS) if backend == "pmap" else P()
         self._differing_leaves = jax.jit(jax.shard_map(
@@ -79,12 +91,17 @@ class DataParallel:
         return jax.jit(init_fn, out_shardings=replicated(self.mesh))(*args)
 
     def to_devices(self, state: Tree) -> Tree:
-        """Logical state -> the layout the compiled step takes (a stacked copy for pmap)."""
-        return self._stack(state) if self.backend == "pmap" else state
+        """Logical state -> the layout the compiled step takes (a stacked copy for pmap, a split
+        optimizer state for a sharded optimizer)."""
+        if self.backend == "pmap":
+            return self._stack(state)
+        return self._shard_optimizer_state(state) if self._sharded_optimizer else state
 
     def to_logical(self, state: Tree) -> Tree:
         """The compiled step's layout -> the logical, replicated state."""
-        return self._unstack(state) if self.backend == "pmap" else state
+        if self.backend == "pmap":
+            return self._unstack(state)
+        return self._gather_optimizer_state(state) if self._sharded_optimizer else state
 
     def shard_batch(self, local_rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Step 1, split: this process's rows of the global batch -> a global array on `data`."""

@@ -8,12 +8,15 @@ or pmap (with `axis_name="data"`, one call per device on its slice of the batch)
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+from jdp import zero
 
 Tree = Any
 
@@ -70,6 +73,7 @@ class StepOptions:
     grad_accum_steps: int = 1  # micro-batches per step, all-reduced once
     allreduce_dtype: str = "fp32"  # fp32 | bf16: what the gradient all-reduce sends
     sync_every: int = 1  # local SGD: average parameters every H steps instead of gradients every step
+    shard_optimizer: bool = False  # ZeRO-1: reduce-scatter, update this device's slice, all-gather (jdp.zero)
     loss_scale_growth_interval: int = 2000  # fp16: finite steps before the loss scale doubles
 
 
@@ -130,24 +134,34 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         grads = jax.tree.map(lambda g: g / scale, grads)
 
     # 3. all-reduce: every device now holds the gradient of the mean loss over the global batch
-    # (under local SGD, the parameters are averaged every `sync_every` steps instead, below).
+    # (with a sharded optimizer, only its own slice of it; under local SGD, nothing: the
+    # parameters are averaged every `sync_every` steps instead, below).
     # Model state is averaged too: a no-op for synced BatchNorm, and it keeps per-device
     # ("ghost") BatchNorm running statistics identical across replicas.
     local_sgd = o.sync_every > 1
-    if not local_sgd:
+    if o.shard_optimizer:
+        grads = zero.reduce_scatter_mean(grads, o.axis_name)
+    elif not local_sgd:
         grads = all_reduce_mean(grads, o.axis_name, None if o.allreduce_dtype == "fp32" else jnp.bfloat16)
     model_state, metrics = all_reduce_mean((model_state, {"loss": loss, "accuracy": accuracy}), o.axis_name)
 
     # 4. update: the same optax update on every replica keeps the parameters in sync.
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    if o.shard_optimizer:  # each device updates its slice, then every device gathers the whole
+        params_slice = zero.local_slice(state.params, o.axis_name)
+        updates, opt_state = tx.update(grads, state.opt_state, params_slice)
+        params = zero.all_gather_like(optax.apply_updates(params_slice, updates), state.params, o.axis_name)
+    else:
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = optax.apply_updates(state.params, updates)
     if local_sgd:
         at_sync = (state.step + 1) % o.sync_every == 0
-        params, opt_state = jax.lax.cond(at_sync, lambda t: all_reduce_mean(t, o.axis_name), lambda t: t,
-                                         (params, opt_state))
+        # Step counts in the optimizer state are identical everywhere; the float leaves are averaged.
+        average = partial(jax.tree.map, lambda x: all_reduce_mean(x, o.axis_name)
+                          if jnp.issubdtype(x.dtype, jnp.floating) else x)
+        params, opt_state = jax.lax.cond(at_sync, average, lambda t: t, (params, opt_state))
 
     grads_finite = _all_finite(grads)
-    if local_sgd and o.axis_name is not None:  # local gradients: every replica must decide alike
+    if (local_sgd or o.shard_optimizer) and o.axis_name is not None:  # per-device gradients: decide alike
         grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), o.axis_name).astype(bool)
     loss_finite = jnp.isfinite(metrics["loss"])
     loss_scale = state.loss_scale

@@ -34,6 +34,7 @@ from jdp.parallel import DataParallel
 from jdp.preemption import PreemptionRequest
 from jdp.runinfo import write_run_metadata
 from jdp.step import StepOptions, TrainState
+from jdp.xla_flags import apply_communication_flags
 
 EXIT_OK, EXIT_USAGE, EXIT_NONFINITE, EXIT_REPLICAS_DIFFER, EXIT_DISTRIBUTED, EXIT_PREEMPTED = 0, 2, 3, 4, 5, 75
 
@@ -87,7 +88,9 @@ def build(cfg: ml_collections.ConfigDict) -> Built:
     def make_model() -> nnx.Module:
         return models.build_model(cfg.model, source.input_shape, num_classes, axis_name=axis_name, seed=cfg.seed)
 
-    tx, schedule = build_optimizer(cfg.optim, cfg.train.global_batch_size, cfg.train.steps)
+    abstract_params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(make_model), nnx.Param))
+    tx, schedule = build_optimizer(cfg.optim, cfg.train.global_batch_size, cfg.train.steps, abstract_params,
+                                   sharded_axis="data" if cfg.parallel.shard_optimizer else None)
 
     def init_state(params=None, model_state=None) -> TrainState:
         if params is None:
@@ -100,9 +103,10 @@ def build(cfg: ml_collections.ConfigDict) -> Built:
     options = StepOptions(bn_groups=1 if cfg.model.bn_sync else mesh.size, on_nonfinite=cfg.train.on_nonfinite,
                           precision=cfg.precision, grad_accum_steps=cfg.train.grad_accum_steps,
                           allreduce_dtype=cfg.parallel.allreduce_dtype, sync_every=cfg.parallel.sync_every,
-                          loss_scale_growth_interval=cfg.loss_scale.growth_interval)
+                          loss_scale_growth_interval=cfg.loss_scale.growth_interval,
+                          shard_optimizer=cfg.parallel.shard_optimizer)
     parallel = DataParallel(cfg.parallel.backend, mesh, nnx.graphdef(nnx.eval_shape(make_model)), tx, schedule,
-                            options)
+                            jax.eval_shape(init_state), options)
     return Built(cfg, source, parallel, init_state)
 
 
@@ -183,15 +187,18 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
                 f"{models.count_params(jax.eval_shape(b.init_state).params):,} parameters; {cfg.data.name}: "
                 f"{source.num_train} train / {source.num_eval} eval, {steps} steps = "
                 f"{steps / source.steps_per_epoch:.1f} epochs; backend {cfg.parallel.backend}")
+    if mesh.devices.flat[0].platform == "gpu":
+        writer.echo(f"jdp: XLA_FLAGS in force: {os.environ.get('XLA_FLAGS', '')}")
 
     clock, losses, save_stalls = ThroughputClock(), [], []
     window = {"loss": 0.0, "accuracy": 0.0, "n": 0}  # means over the steps since the last train line
     compile_time = eval_loss = eval_accuracy = math.nan
-    skipped = 0
+    skipped = overflows = 0
+    profile = config_lib.profile_steps(cfg.profile.steps)
 
     def record(step: int, metrics: dict) -> None:
         """Host side of step `step`, fetched one step late so the device queue stays short."""
-        nonlocal compile_time, skipped
+        nonlocal compile_time, skipped, overflows
         values = parallel.fetch(metrics)
         if step == start_step + 1:  # the first step includes compilation: the clock starts after it
             compile_time = time.perf_counter() - t_first
@@ -209,9 +216,13 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
             window["loss"] += values["loss"]
             window["accuracy"] += values["accuracy"]
             window["n"] += 1
+        fp16 = {}
+        if cfg.precision == "fp16":  # loss-scale overflows skip an update but are not failures
+            overflows += int(values["overflow"])
+            fp16 = {"loss_scale": values["loss_scale"], "overflow_steps": overflows}
         if (step % cfg.train.log_every == 0 or step == steps) and window["n"]:
             writer.train(step, loss=window["loss"] / window["n"], accuracy=window["accuracy"] / window["n"],
-                         lr=values["lr"], examples_per_sec=clock.interval_rate(), skipped_steps=skipped)
+                         lr=values["lr"], examples_per_sec=clock.interval_rate(), skipped_steps=skipped, **fp16)
             window.update(loss=0.0, accuracy=0.0, n=0)
 
     def save(step: int) -> None:
@@ -232,7 +243,14 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
         with PreemptionRequest() as preemption:
             for step in range(start_step + 1, steps + 1):
                 batch = parallel.shard_batch(source.train_batch(step - 1))
+                if profile and step == profile[0]:
+                    jax.profiler.start_trace(workdir / "profile")
                 state, metrics = parallel.train_step(state, batch)
+                if profile and step == profile[1]:
+                    jax.block_until_ready(metrics)
+                    jax.profiler.stop_trace()
+                    writer.echo(f"profile of steps {profile[0]}-{profile[1]} written to {workdir / 'profile'} "
+                                "(open with TensorBoard's profile plugin or Perfetto)")
                 kill_if_requested("step", step, before=checkpointer.wait)
                 if pending is not None:
                     record(*pending)
@@ -375,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = command.cfg
         job = distributed_lib.resolve(**distributed_lib.flags_from_argv(argv))  # checked before anything waits
         distributed_lib.check_timeouts(cfg.distributed.init_timeout_s, cfg.distributed.heartbeat_timeout_s)
+        apply_communication_flags(cfg.parallel)  # before JAX initialises its backends
         simulate_cpu_devices(cfg.parallel.cpu_devices)  # before initialize, which fixes the device count
         if job is not None:
             distributed_lib.initialize(job, init_timeout_s=cfg.distributed.init_timeout_s,

@@ -19,10 +19,10 @@ MODELS = {
 
 
 def small_config(name: str, *, backend: str = "shard_map", num_devices: int = 0, steps: int = 5,
-                 init_from: str = "", **sections):
+                 init_from: str = "", precision: str = "fp32", **sections):
     """Plain SGD with an lr large enough that a wrong gradient scale changes the losses."""
     cfg = base.get_config()
-    cfg.init_from = init_from
+    cfg.update(init_from=init_from, precision=precision)
     cfg.train.update(global_batch_size=32, steps=steps, log_every=1, eval_every=steps)
     cfg.optim.update(name="sgd", lr=0.2, schedule="constant")
     cfg.parallel.update(backend=backend, num_devices=num_devices)

@@ -1,0 +1,63 @@
+"""Sharded optimizer state (ZeRO-1; "cross-replica weight-update sharding", Xu et al. 2020).
+
+Every leaf with at least one axis is flattened and zero-padded to a multiple of N devices; device i
+owns the i-th 1/N slice of it. Gradients are reduce-scattered into those slices, each device
+updates its slice of the parameters and optimizer state, and the parameters are all-gathered.
+Checkpoints hold the gathered, unpadded ("logical") optimizer state, so they restore on any N.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+Tree = Any
+
+
+def is_sharded(leaf: Any) -> bool:
+    """Which leaves are split: arrays with at least one axis (scalars such as step counts stay whole)."""
+    return len(leaf.shape) > 0
+
+
+def _flat_padded(x: jax.Array, n: int) -> jax.Array:
+    flat = x.reshape(-1)
+    return jnp.pad(flat, (0, (-flat.size) % n))
+
+
+def reduce_scatter_mean(grads: Tree, axis_name: str) -> Tree:
+    """Each device receives the cross-device mean of its own slice of every gradient."""
+    n = jax.lax.psum(1, axis_name)
+    return jax.tree.map(lambda g: jax.lax.psum_scatter(_flat_padded(g, n), axis_name, tiled=True) / n, grads)
+
+
+def local_slice(tree: Tree, axis_name: str) -> Tree:
+    """This device's slice of each (replicated) leaf."""
+    n, i = jax.lax.psum(1, axis_name), jax.lax.axis_index(axis_name)
+
+    def cut(x: jax.Array) -> jax.Array:
+        flat = _flat_padded(x, n)
+        size = flat.size // n
+        return jax.lax.dynamic_slice(flat, (i * size,), (size,))
+
+    return jax.tree.map(cut, tree)
+
+
+def all_gather_like(slices: Tree, like: Tree, axis_name: str) -> Tree:
+    """Reassemble full leaves shaped like `like` from every device's slice."""
+    def gather(s: jax.Array, x: jax.Array) -> jax.Array:
+        return jax.lax.all_gather(s, axis_name, tiled=True)[: math.prod(x.shape)].reshape(x.shape)
+
+    return jax.tree.map(gather, slices, like)
+
+
+def shard_layout(tree: Tree, n: int) -> Tree:
+    """Logical leaves -> flat, padded leaves (to be placed split along `data`); scalars unchanged."""
+    return jax.tree.map(lambda x: _flat_padded(x, n) if is_sharded(x) else x, tree)
+
+
+def logical_layout(tree: Tree, like: Tree) -> Tree:
+    """Flat, padded leaves -> leaves shaped like `like` (the inverse of `shard_layout`)."""
+    return jax.tree.map(lambda x, y: x[: math.prod(y.shape)].reshape(y.shape) if is_sharded(y) else x, tree, like)

@@ -1,0 +1,121 @@
+"""Gradient accumulation, mixed precision, compressed all-reduce, sharded optimizer state, local SGD,
+profiling and the benchmark command: each must keep the numbers right."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jdp import bench
+from jdp.config import ConfigError
+from jdp.train import build, run
+from tests.helpers import max_abs_diff, small_config
+
+
+def test_gradient_accumulation_equals_one_big_batch(tmp_path):
+    """No BatchNorm: k micro-batches averaged must equal one step on the whole batch."""
+    for backend in ("shard_map", "jit"):
+        whole = run(small_config("mlp", backend=backend, num_devices=8), tmp_path / f"{backend}-1")
+        accumulated = run(small_config("mlp", backend=backend, num_devices=8, train={"grad_accum_steps": 4}),
+                          tmp_path / f"{backend}-4")
+        np.testing.assert_allclose(accumulated.losses, whole.losses, rtol=1e-5)
+        assert max_abs_diff(accumulated.params, whole.params) < 1e-5
+
+
+def test_gradient_accumulation_must_split_the_batch():
+    with pytest.raises(ConfigError, match="does not split into 3 micro-batches on each of 8 devices"):
+        build(small_config("mlp", num_devices=8, train={"grad_accum_steps": 3}))
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adamw"])
+def test_sharded_optimizer_matches_plain_data_parallelism(optimizer, tmp_path):
+    # 33 and 7 units: leaves that 8 devices do not divide, so the padding is exercised.
+    sections = {"model": {"hidden_sizes": (33, 7)},
+                "optim": {"name": optimizer, "lr": 0.05, "grad_clip_norm": 0.5, "weight_decay": 0.1}}
+    plain = run(small_config("mlp", num_devices=8, **sections), tmp_path / "plain")
+    sharded = run(small_config("mlp", num_devices=8, parallel={"shard_optimizer": True}, **sections),
+                  tmp_path / "sharded")
+    np.testing.assert_allclose(sharded.losses, plain.losses, rtol=1e-5)
+    assert max_abs_diff(sharded.params, plain.params) < 1e-6
+
+
+def test_sharded_optimizer_memory_and_restore_on_other_device_counts(tmp_path):
+    sections = {"optim": {"name": "adamw", "lr": 0.01}, "parallel": {"shard_optimizer": True}}
+    b = build(small_config("mlp", num_devices=8, **sections))
+    state = b.parallel.to_devices(b.parallel.init_state(b.init_state))
+    per_device = bench._bytes_on_first_device(state.opt_state)
+    whole = sum(x.nbytes for x in jax.tree.leaves(b.parallel.to_host(b.parallel.to_logical(state).opt_state)))
+    assert per_device <= 1.1 * whole / 8
+
+    run(small_config("mlp", num_devices=8, steps=4, **sections), tmp_path / "run")
+    resumed = run(small_config("mlp", num_devices=4, steps=6, **sections), tmp_path / "run")
+    reference = run(small_config("mlp", num_devices=8, steps=6, **sections), tmp_path / "reference")
+    assert max_abs_diff(resumed.params, reference.params) < 1e-5
+
+
+def test_bf16_compute_keeps_float32_masters_and_tracks_fp32(tmp_path):
+    fp32 = run(small_config("cnn1d", num_devices=2), tmp_path / "fp32")
+    bf16 = run(small_config("cnn1d", num_devices=2, precision="bf16"), tmp_path / "bf16")
+    assert all(x.dtype == np.float32 for x in jax.tree.leaves(bf16.params))
+    np.testing.assert_allclose(bf16.losses, fp32.losses, rtol=3e-2)
+    assert bf16.losses != fp32.losses  # the forward really ran in bfloat16
+
+
+def test_fp16_loss_scaling_skips_overflows_without_halting(tmp_path):
+    # A loss scale of 2^40 overflows float16 gradients: each such step halves the scale and is skipped.
+    cfg = small_config("mlp", num_devices=2, steps=40, precision="fp16", loss_scale={"initial": 2.0**40})
+    result = run(cfg, tmp_path)
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in lines if r["split"] == "train"]
+    assert train[-1]["overflow_steps"] >= 20 and train[-1]["skipped_steps"] == 0
+    assert train[-1]["loss_scale"] < 2.0**20
+    assert train[-1]["loss"] < train[0]["loss"]  # it trains once the scale fits
+    assert all(np.isfinite(x).all() for x in jax.tree.leaves(result.params))
+
+
+def test_bf16_all_reduce_changes_little_but_something(tmp_path):
+    fp32 = run(small_config("mlp", num_devices=8), tmp_path / "fp32")
+    compressed = run(small_config("mlp", num_devices=8, parallel={"allreduce_dtype": "bf16"}), tmp_path / "bf16")
+    np.testing.assert_allclose(compressed.losses, fp32.losses, rtol=1e-2)
+    assert max_abs_diff(compressed.params, fp32.params) > 0
+
+
+def test_local_sgd_syncs_every_h_steps(tmp_path):
+    sections = {"parallel": {"sync_every": 4, "check_replicas_every": 4},
+                "checkpoint": {"every_steps": 4}, "train": {"eval_every": 8}}
+    cfg = small_config("mlp", num_devices=8, steps=8, **sections)
+    b = build(cfg)
+    state = b.parallel.to_devices(b.parallel.init_state(b.init_state))
+    for i in range(3):
+        state, _ = b.parallel.train_step(state, b.parallel.shard_batch(b.source.train_batch(i)))
+    assert b.parallel.first_differing_leaf(state.params) is not None  # between syncs: replicas differ
+    state, _ = b.parallel.train_step(state, b.parallel.shard_batch(b.source.train_batch(3)))
+    assert b.parallel.first_differing_leaf(state.params) is None  # step 4: averaged
+
+    local = run(cfg, tmp_path / "local")  # the replica guard at steps 4 and 8 passes
+    every_step = run(small_config("mlp", num_devices=8, steps=8), tmp_path / "every")
+    assert local.losses[:1] == every_step.losses[:1] and local.losses != every_step.losses
+
+
+def test_local_sgd_checks_happen_at_sync_points():
+    sections = {"parallel": {"sync_every": 4, "check_replicas_every": 4}, "checkpoint": {"every_steps": 4}}
+    with pytest.raises(ConfigError, match="train.eval_every=6 is not a multiple of parallel.sync_every=4"):
+        build(small_config("mlp", num_devices=8, steps=8, train={"eval_every": 6}, **sections))
+
+
+def test_profile_writes_a_trace(tmp_path):
+    run(small_config("mlp", num_devices=2, steps=4, profile={"steps": "2:3"}), tmp_path)
+    assert list((tmp_path / "profile").rglob("*.xplane.pb"))
+
+
+def test_bench_reports_time_memory_and_scaling(tmp_path, capsys):
+    assert bench.main(["--config", "configs/mnist1d_mlp.py", "--devices", "1,2", "--steps", "3", "--repeats", "1",
+                       "--out", str(tmp_path), "--config.model.hidden_sizes=(64,)"]) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert [r["devices"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["examples_per_sec"] > 0 and r["params_bytes"] > 0 and r["vs_single_device_jit"] > 0
+        assert r["compute_s"] > 0 and r["allreduce_s"] is not None and "temp_bytes" in r
+    assert rows[0]["efficiency"] == pytest.approx(1.0)
+    assert "| devices | examples/s |" in (tmp_path / "bench.md").read_text()
