@@ -8,7 +8,8 @@ For each device count (interleaved, repeated; medians reported) it measures, at 
   identity) is timed too, and the difference is the collective's cost ("with/without" method);
 - the ratio to a plain single-device jit step on the same global batch, measured in the same run;
 - per-device memory of parameters, gradients and optimizer state (bytes of each array's shard on
-  device 0), and XLA's `memory_analysis()` of the compiled step;
+  device 0), and XLA's `memory_analysis()` of the compiled step; with `--peak_tflops`, MFU from
+  XLA's `cost_analysis()` FLOP count;
 and the scaling efficiency throughput_N / (N x throughput_1). Writes bench.json and bench.md.
 """
 
@@ -78,12 +79,12 @@ def measure(cfg, num_devices: int, steps: int, collective: bool = True) -> dict:
                   "grads_bytes": _bytes_on_first_device(state.params),  # one gradient per parameter, same dtype
                   "opt_state_bytes": _bytes_on_first_device(state.opt_state)}
         first, step_s, state = _time_steps(parallel, state, batches, steps)
-        compiled = parallel.memory_analysis(state, batches[0])
+        compiled = parallel.compiled_stats(state, batches[0])
     return {"devices": num_devices, "first_step_s": first, "step_s": step_s, "input_s": input_s,
             "examples_per_sec": cfg.train.global_batch_size / step_s, **memory, **compiled}
 
 
-def run_bench(cfg, devices: list[int], steps: int, repeats: int) -> list[dict]:
+def run_bench(cfg, devices: list[int], steps: int, repeats: int, peak_tflops: float = 0.0) -> list[dict]:
     explicit = cfg.parallel.backend in ("shard_map", "pmap")  # jit has no collective of jdp's to remove
     runs = {(n, c): [] for n in devices for c in ((True, False) if explicit else (True,))}
     baseline_cfg = cfg.copy_and_resolve_references()
@@ -110,6 +111,9 @@ def run_bench(cfg, devices: list[int], steps: int, repeats: int) -> list[dict]:
     for r in rows:
         r["efficiency"] = r["examples_per_sec"] / (r["devices"] * base["examples_per_sec"]) if base else None
         r["vs_single_device_jit"] = r["examples_per_sec"] / single_jit
+        # Model FLOPs utilisation: XLA's FLOP count of one device's step over its time, against the peak.
+        if peak_tflops and r.get("flops"):
+            r["mfu"] = r["flops"] / r["step_s"] / (peak_tflops * 1e12)
     return rows
 
 
@@ -130,6 +134,9 @@ def to_markdown(cfg, rows: list[dict]) -> str:
             f"{ms(r['allreduce_s'])} | {ms(r['input_s'])} | {r['first_step_s']:.2f} | {eff} | "
             f"{r['params_bytes'] / 2**20:.2f} | {r['grads_bytes'] / 2**20:.2f} | {r['opt_state_bytes'] / 2**20:.2f} | "
             f"{r.get('temp_bytes', 0) / 2**20:.2f} |")
+    if any("mfu" in r for r in rows):
+        lines += ["", "MFU (XLA FLOPs per device step / step time / peak): "
+                  + ", ".join(f"{r['devices']} devices {r['mfu']:.1%}" for r in rows if "mfu" in r)]
     return "\n".join(lines) + "\n"
 
 
@@ -151,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, help="output directory (default runs/bench-CONFIG_NAME)")
+    parser.add_argument("--peak_tflops", type=float, default=0.0,
+                        help="the device's peak TFLOP/s at the config's precision, to report MFU")
     args, rest = parser.parse_known_args(argv)
     try:
         cfg = config_lib.load_config_file(args.config)
@@ -165,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError:  # called from Python after JAX started: the devices are already fixed
         pass
     try:
-        rows = run_bench(cfg, devices, args.steps, args.repeats)
+        rows = run_bench(cfg, devices, args.steps, args.repeats, args.peak_tflops)
     except config_lib.ConfigError as e:
         print(f"jdp.bench: {e}", file=sys.stderr)
         return 2

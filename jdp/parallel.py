@@ -116,11 +116,18 @@ class DataParallel:
     def eval_step(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         return self._eval(state, batch)
 
-    def memory_analysis(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> dict[str, int]:
-        """XLA's own accounting of the compiled train step (per device), where the backend provides it."""
-        stats = self._train.lower(state, batch).compile().memory_analysis()
-        fields = ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")
-        return {f.replace("_size_in", ""): int(getattr(stats, f)) for f in fields if stats is not None}
+    def compiled_stats(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> dict[str, float]:
+        """XLA's own accounting of the compiled train step: memory (bytes per device) and FLOPs."""
+        compiled = self._train.lower(state, batch).compile()
+        stats, stats_out = compiled.memory_analysis(), {}
+        if stats is not None:
+            for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes"):
+                stats_out[field.replace("_size_in", "")] = int(getattr(stats, field))
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost  # one entry per device program on some versions
+        if cost and "flops" in cost:
+            stats_out["flops"] = float(cost["flops"])
+        return stats_out
 
     def to_host(self, state: Tree) -> Tree:
         """A logical (replicated) tree as numpy: this process's first copy."""
