@@ -97,10 +97,19 @@ class DataParallel:
             return self._stack(state)
         return self._shard_optimizer_state(state) if self._sharded_optimizer else state
 
+    def _global(self, tree: Tree) -> Tree:
+        """pmap's outputs are process-local in a multi-process run (leading axis = this process's
+        devices): view them as the global arrays, split on `data`, that the other jitted functions take."""
+        if self.backend != "pmap" or jax.process_count() == 1:
+            return tree
+        sharding = data_sharded(self.mesh)
+        return jax.tree.map(lambda x: jax.make_array_from_single_device_arrays(
+            (self.mesh.size, *x.shape[1:]), sharding, [s.data for s in x.addressable_shards]), tree)
+
     def to_logical(self, state: Tree) -> Tree:
         """The compiled step's layout -> the logical, replicated state."""
         if self.backend == "pmap":
-            return self._unstack(state)
+            return self._unstack(self._global(state))
         return self._gather_optimizer_state(state) if self._sharded_optimizer else state
 
     def shard_batch(self, local_rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -140,7 +149,7 @@ class DataParallel:
     def first_differing_leaf(self, tree: Tree) -> str | None:
         """The path of the first leaf whose copies differ across devices (compared with a collective
         on bit checksums, cheap enough to run every few hundred steps), or None."""
-        differs = np.asarray(self._differing_leaves(tree).addressable_data(0))
+        differs = np.asarray(self._differing_leaves(self._global(tree)).addressable_data(0))
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
         return next((path for path, d in zip(paths, differs, strict=True) if d), None)
 

@@ -237,6 +237,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
         if leaf is not None:
             raise ReplicaMismatchError(f"replicas differ at step {step}: first differing parameter {leaf}")
 
+    stop = distributed_lib.StopAgreement()  # every process stops at the same step after a signal
     pending = None
     t_first = time.perf_counter()
     try:
@@ -255,15 +256,17 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
                 if pending is not None:
                     record(*pending)
                 pending = (step, metrics)
-                if preemption.signal_name or step == steps or checkpointer.due(step) or (
+                stopping = stop.should_stop(step, preemption.signal_name is not None)
+                if stopping or step == steps or checkpointer.due(step) or (
                         step % cfg.train.eval_every == 0) or (
                         cfg.parallel.check_replicas_every and step % cfg.parallel.check_replicas_every == 0):
                     record(*pending)
                     pending = None
-                if preemption.signal_name:
+                if stopping:
                     save(step)
                     checkpointer.wait()
-                    raise Preempted(f"{preemption.signal_name} at step {step}: checkpoint written to "
+                    cause = preemption.signal_name or "a signal to another process"
+                    raise Preempted(f"{cause} at step {step}: checkpoint written to "
                                     f"{checkpointer.directory / str(step)}; rerun the same command to resume")
                 if (cfg.parallel.check_replicas_every and step % cfg.parallel.check_replicas_every == 0) or (
                         step == steps):

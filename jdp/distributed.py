@@ -1,0 +1,331 @@
+"""Multi-process start-up: where this process sits in the job (from flags or the environment), and
+`jax.distributed.initialize` with time limits that end in one clear line instead of a hang or an abort.
+
+Each of the three settings is taken from the first place that sets it:
+
+| setting        | 1. flag           | 2. JAX variables        | 3. torchrun variables     | 4. SLURM (srun)   |
+|----------------|-------------------|-------------------------|---------------------------|-------------------|
+| coordinator    | `--coordinator`   | JAX_COORDINATOR_ADDRESS | MASTER_ADDR + MASTER_PORT | JAX auto-detects  |
+| process count  | `--num_processes` | JAX_NUM_PROCESSES       | WORLD_SIZE                | SLURM_NTASKS      |
+| process id     | `--process_id`    | JAX_PROCESS_ID          | RANK                      | SLURM_PROCID      |
+
+When a SLURM setting is used, `jax.distributed.initialize` detects the SLURM job itself (coordinator on
+the first node of the step, one device per task by SLURM_LOCALID). Otherwise cluster auto-detection is
+off and torchrun's LOCAL_RANK selects this process's GPU (one process per GPU, as with DDP), unless
+JAX_LOCAL_DEVICE_IDS is set. Nothing set, or a process count of 1, is a single-process run:
+`initialize` is not called.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+
+from jdp.config import ConfigError
+
+# jax aborts about 4 s after its own initialization_timeout; give it this much more than jdp's,
+# so that jdp's watchdog speaks first.
+JAX_TIMEOUT_MARGIN_S = 10
+_SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
+# Words in the errors that a collective or the coordination service raises when a peer has gone.
+_PEER_FAILURE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "peer", "unavailable",
+                         "coordination service", "heartbeat", "barrier", "deadline_exceeded")
+
+
+class DistributedUsageError(ConfigError):
+    """Missing or inconsistent start-up settings: a usage error (exit 2), found before anything waits."""
+
+
+class DistributedFailure(RuntimeError):
+    """The processes could not start together, or a peer failed (exit 5)."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """This process's place in a multi-process job."""
+    coordinator: str | None  # HOST:PORT; None when JAX derives it from SLURM
+    num_processes: int
+    process_id: int
+    local_device_ids: tuple[int, ...] | None
+    origin: str  # where the settings came from, for messages
+    auto_detect: bool  # let JAX's SLURM detection fill in what jdp left unset
+
+    def describe(self) -> str:
+        where = self.coordinator or _slurm_coordinator() or "the address JAX derives from SLURM"
+        return (f"coordinator {where}, expected {self.num_processes} processes, this is process {self.process_id}; "
+                f"settings from {self.origin}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The start-up flags; each overrides the corresponding variable of every convention."""
+    parser.add_argument("--coordinator", metavar="HOST:PORT",
+                        help="address of process 0's coordinator (overrides JAX_COORDINATOR_ADDRESS, "
+                             "MASTER_ADDR/MASTER_PORT, SLURM)")
+    parser.add_argument("--num_processes", type=int, metavar="N",
+                        help="number of processes (overrides JAX_NUM_PROCESSES, WORLD_SIZE, SLURM_NTASKS)")
+    parser.add_argument("--process_id", type=int, metavar="I",
+                        help="this process's id, 0..N-1 (overrides JAX_PROCESS_ID, RANK, SLURM_PROCID)")
+
+
+def flags_from_argv(argv: list[str]) -> dict[str, object]:
+    """The start-up flags of a jdp.train command line, ignoring every other argument."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_arguments(parser)
+    args, _ = parser.parse_known_args(argv)
+    return {"coordinator": args.coordinator, "num_processes": args.num_processes, "process_id": args.process_id}
+
+
+def _integer(name: str, raw: object, minimum: int) -> int:
+    try:
+        value = int(str(raw).strip())
+    except ValueError:
+        raise DistributedUsageError(f"{name}={raw!r} is not an integer") from None
+    if value < minimum:
+        raise DistributedUsageError(f"{name}={value} must be at least {minimum}")
+    return value
+
+
+def _address(name: str, raw: str) -> str:
+    host, sep, port = raw.strip().rpartition(":")
+    if not sep or not host:
+        raise DistributedUsageError(f"{name}={raw!r} is not HOST:PORT")
+    _port(f"the port in {name}", port)
+    return f"{host}:{port.strip()}"
+
+
+def _port(name: str, raw: str) -> int:
+    try:
+        port = int(raw.strip())
+    except ValueError:
+        port = 0
+    if not 1 <= port <= 65535:
+        raise DistributedUsageError(f"{name}={raw!r} is not a port number; use an integer in 1-65535")
+    return port
+
+
+def _first(*candidates: tuple[str, object | None]) -> tuple[str, object] | None:
+    return next(((name, value) for name, value in candidates if value is not None), None)
+
+
+def resolve(env: Mapping[str, str] | None = None, *, coordinator: str | None = None,
+            num_processes: int | None = None, process_id: int | None = None) -> Job | None:
+    """This process's Job from the flags and `env` (default os.environ), or None for a single process.
+
+    Raises DistributedUsageError, naming the variable, when a setting is missing, malformed or inconsistent."""
+    env = os.environ if env is None else env
+    get = {k: (v if v.strip() else None) for k, v in env.items()}.get
+    slurm = all(get(k) is not None for k in _SLURM_VARIABLES)
+    master_addr, master_port = get("MASTER_ADDR"), get("MASTER_PORT")
+
+    coord = _first(("--coordinator", coordinator), ("JAX_COORDINATOR_ADDRESS", get("JAX_COORDINATOR_ADDRESS")))
+    if coord is None and (master_addr or master_port):
+        if not master_addr or not master_port:
+            present, missing = ("MASTER_ADDR", "MASTER_PORT") if master_addr else ("MASTER_PORT", "MASTER_ADDR")
+            raise DistributedUsageError(f"{present}={get(present)} is set but {missing} is missing; set {missing} "
+                                        "too, or pass --coordinator HOST:PORT")
+        _port("MASTER_PORT", master_port)
+        coord = ("MASTER_ADDR/MASTER_PORT", f"{master_addr}:{master_port}")
+    num = _first(("--num_processes", num_processes), ("JAX_NUM_PROCESSES", get("JAX_NUM_PROCESSES")),
+                 ("WORLD_SIZE", get("WORLD_SIZE")))
+    pid = _first(("--process_id", process_id), ("JAX_PROCESS_ID", get("JAX_PROCESS_ID")), ("RANK", get("RANK")))
+
+    # torchrun's pair: RANK without WORLD_SIZE (or the reverse) is a broken launch script, even under SLURM.
+    for present, missing, setting, field in (("RANK", "WORLD_SIZE", num, "--num_processes N"),
+                                             ("WORLD_SIZE", "RANK", pid, "--process_id I")):
+        if get(present) is not None and setting is None:
+            raise DistributedUsageError(f"{present}={get(present)} is set but {missing} is missing; set {missing} "
+                                        f"too, or pass {field}")
+    if slurm:
+        num = num or ("SLURM_NTASKS", get("SLURM_NTASKS"))
+        pid = pid or ("SLURM_PROCID", get("SLURM_PROCID"))
+    if coord is None and num is None and pid is None:
+        return None
+
+    names = {"num": "--num_processes / JAX_NUM_PROCESSES / WORLD_SIZE",
+             "pid": "--process_id / JAX_PROCESS_ID / RANK"}
+    set_names = [name for name, _ in filter(None, (coord, num, pid))]
+    given = f"{' and '.join(set_names)} {'is' if len(set_names) == 1 else 'are'}"
+    if num is None:
+        raise DistributedUsageError(f"{given} set but the number of processes is missing; set one of {names['num']}")
+    count = _integer(num[0], num[1], 1)
+    if pid is None:
+        if count == 1:
+            return None
+        raise DistributedUsageError(f"{given} set but this process's id is missing; set one of {names['pid']}")
+    rank = _integer(pid[0], pid[1], 0)
+    if rank >= count:
+        raise DistributedUsageError(f"{pid[0]}={rank} is not below {num[0]}={count}: process ids run from 0 to "
+                                    f"{count - 1}")
+    if count == 1:
+        return None
+    if coord is None and not slurm:
+        raise DistributedUsageError(f"{given} set but the coordinator address is missing; set MASTER_ADDR and "
+                                    "MASTER_PORT, or JAX_COORDINATOR_ADDRESS, or pass --coordinator HOST:PORT")
+    local_ids = None
+    if pid[0] == "RANK" and get("LOCAL_RANK") is not None and get("JAX_LOCAL_DEVICE_IDS") is None:
+        local_ids = (_integer("LOCAL_RANK", get("LOCAL_RANK"), 0),)
+    auto = coord is None or any(name.startswith("SLURM") for name in set_names)
+    origin = ", ".join(set_names + (["SLURM (coordinator)"] if coord is None else []))
+    return Job(_address(*coord) if coord else None, count, rank, local_ids, origin, auto)
+
+
+def _slurm_coordinator() -> str | None:
+    """The address JAX derives in a SLURM job, for messages only (None if it cannot be worked out)."""
+    if not all(k in os.environ for k in _SLURM_VARIABLES):
+        return None
+    try:
+        from jax._src.clusters.slurm_cluster import SlurmCluster
+
+        return SlurmCluster.get_coordinator_address(None, os.environ.get("JAX_COORDINATOR_PORT"))
+    except Exception:  # noqa: BLE001 - a private JAX helper; the address only appears in messages
+        return None
+
+
+def check_timeouts(init_timeout_s: float, heartbeat_timeout_s: float) -> None:
+    for name, value in (("distributed.init_timeout_s", init_timeout_s),
+                        ("distributed.heartbeat_timeout_s", heartbeat_timeout_s)):
+        if not value > 0:
+            raise DistributedUsageError(f"{name}={value} must be positive")
+
+
+def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float) -> None:
+    """`jax.distributed.initialize` for `job`; must run before JAX touches a device.
+
+    If not every process has joined after `init_timeout_s`, prints one line and ends the process with
+    exit code 5 (JAX itself would abort later with a misleading message). A peer that stops sending
+    heartbeats for `heartbeat_timeout_s` makes JAX stop the survivors."""
+    check_timeouts(init_timeout_s, heartbeat_timeout_s)
+    message = (f"jdp: distributed: not all {job.num_processes} processes joined within {init_timeout_s:g} s "
+               f"({job.describe()}); start every process with the same coordinator and process count, check that "
+               "the coordinator is reachable from every host, or raise distributed.init_timeout_s")
+    watchdog = threading.Timer(init_timeout_s, _give_up, args=(message,))
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        jax.distributed.initialize(
+            coordinator_address=job.coordinator, num_processes=job.num_processes, process_id=job.process_id,
+            local_device_ids=list(job.local_device_ids) if job.local_device_ids else None,
+            cluster_detection_method=None if job.auto_detect else "deactivate",
+            initialization_timeout=math.ceil(init_timeout_s) + JAX_TIMEOUT_MARGIN_S,
+            heartbeat_timeout_seconds=math.ceil(heartbeat_timeout_s))
+    except Exception as e:  # noqa: BLE001 - e.g. the coordinator's port is taken
+        raise DistributedFailure(f"could not start ({job.describe()}): {first_line(e)}") from None
+    finally:
+        watchdog.cancel()
+    if jax.process_count() != job.num_processes:
+        raise DistributedFailure(f"JAX sees {jax.process_count()} processes ({job.describe()})")
+    if job.process_id == 0:
+        print(f"jdp: distributed: all {job.num_processes} processes joined ({job.describe()})", flush=True)
+
+
+def _give_up(message: str) -> None:
+    sys.stdout.flush()
+    print(message, file=sys.stderr, flush=True)
+    os._exit(5)
+
+
+def check_same_run(settings: dict, timeout_s: float) -> None:
+    """Every process must train the same run: compares `settings` (JSON-able) with process 0's through
+    the coordinator's key-value store. Process 0 compares with every process, the others with process 0,
+    so that all of them stop (exit 2) rather than some waiting forever in a collective."""
+    from jax._src.distributed import global_state
+
+    client, me = global_state.client, jax.process_index()
+    if client is None or jax.process_count() == 1:
+        return
+    mine = json.dumps(settings, sort_keys=True, default=str)
+    client.key_value_set(f"jdp/run/{me}", mine)
+    others = range(1, jax.process_count()) if me == 0 else [0]
+    for other in others:
+        try:
+            theirs = client.blocking_key_value_get(f"jdp/run/{other}", int(timeout_s * 1000))
+        except Exception as e:  # noqa: BLE001 - the peer went away between joining and here
+            raise DistributedFailure(f"process {other} did not report its settings within {timeout_s:g} s: "
+                                     f"{first_line(e)}") from None
+        first, this, index = (json.loads(mine), json.loads(theirs), other) if me == 0 else (
+            json.loads(theirs), json.loads(mine), me)
+        differences = _differences(first, this, index)
+        if differences:
+            raise DistributedUsageError(f"process {index} was started with other settings than process 0 "
+                                        f"({'; '.join(differences[:5])}); start every process with the same "
+                                        "config, overrides and --workdir")
+
+
+def _differences(first: dict, this: dict, index: int) -> list[str]:
+    def flat(tree: dict, prefix: str = "") -> dict:
+        out = {}
+        for k, v in tree.items():
+            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+        return out
+
+    a, b = flat(first), flat(this)
+    return [f"{k}: {a.get(k)!r} on process 0, {b.get(k)!r} on process {index}"
+            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+
+
+def run_settings(cfg_dict: dict, workdir: Path) -> dict:
+    """What must be the same in every process: the config (but the per-host compile cache) and the workdir."""
+    return {"config": {k: v for k, v in cfg_dict.items() if k != "compile_cache_dir"},
+            "workdir": str(Path(workdir).absolute())}
+
+
+class StopAgreement:
+    """The step at which every process stops after a SIGTERM or SIGINT reached any of them.
+
+    One process stops at once. In a multi-process run a process that stopped alone to checkpoint would
+    leave the others waiting in the next step's collective for ever, and signals reach processes at
+    different steps. So the first process to see a signal proposes `step + LOOKAHEAD_STEPS` through the
+    coordinator's key-value store, every process looks it up once per step (one small RPC) and all of them
+    stop at that step. Processes run at most two steps apart (metrics are fetched one step late), so
+    every process learns the step before it gets there."""
+
+    LOOKAHEAD_STEPS = 4
+    KEY = "jdp/stop_at_step/"  # a directory: looking it up never raises
+
+    def __init__(self) -> None:
+        from jax._src.distributed import global_state
+
+        self._client = global_state.client if jax.process_count() > 1 else None
+        self._proposed = False
+        self.stop_at: int | None = None
+
+    def should_stop(self, step: int, requested: bool) -> bool:
+        """Call once per step on every process; `requested`: this process has seen a signal."""
+        if self._client is None:
+            return requested
+        if requested and not self._proposed:
+            self._proposed = True
+            try:
+                self._client.key_value_set(self.KEY + "step", str(step + self.LOOKAHEAD_STEPS))
+            except Exception as e:  # noqa: BLE001 - ALREADY_EXISTS: another process proposed first, its step holds
+                if "already" not in str(e).lower():
+                    raise
+        if self.stop_at is None:
+            proposals = self._client.key_value_dir_get(self.KEY)  # [] until a process has seen a signal
+            if not proposals:
+                return False
+            self.stop_at = int(proposals[0][1])
+            if step > self.stop_at:
+                raise DistributedFailure(f"the processes agreed to stop at step {self.stop_at}, but process "
+                                         f"{jax.process_index()} is already at step {step}")
+        return step == self.stop_at
+
+
+def is_peer_failure(error: BaseException) -> bool:
+    """True for an error of a multi-process run that says a peer or the coordinator has gone."""
+    text = str(error).lower()
+    return jax.process_count() > 1 and any(marker in text for marker in _PEER_FAILURE_MARKERS)
+
+
+def first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return (lines[0] if lines else type(error).__name__)[:300]

@@ -1,0 +1,334 @@
+"""Multi-process runs on this machine (loopback, free ports, every subprocess time-limited and killed on
+failure): 2 processes x 2 simulated CPU devices against 1 x 4, torchrun variables, the launcher, and the
+failure modes: missing peer, killed peer, bad variables."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from jdp import distributed, launch
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAIN = [sys.executable, "-m", "jdp.train"]
+TIMEOUT_S = 5  # init and heartbeat timeouts of the failure tests
+ARGS = ["--config", "configs/mnist1d_mlp.py", "--config.model.hidden_sizes=(32,)", "--config.optim.name=sgd",
+        "--config.optim.lr=0.2", "--config.train.steps=5", "--config.train.log_every=1",
+        "--config.parallel.backend=shard_map", "--config.compile_cache_dir=",
+        "--config.distributed.init_timeout_s=20", "--config.distributed.heartbeat_timeout_s=10"]
+# Anything from the outer environment that would make a child think it is part of some other job.
+_JOB_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                  "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS",
+                  "JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "JDP_KILL_AT")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _JOB_VARIABLES and not k.startswith("SLURM_")}
+    env.update(JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def run(cmd: list[str], *, timeout: float, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Runs `cmd` in the repo; on timeout it (and, for the launcher, its children) is killed."""
+    return subprocess.run(cmd, cwd=ROOT, env=env or clean_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def start(cmd: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[int]:
+    """Waits for every process until a common deadline; kills all of them if one is late."""
+    deadline = time.monotonic() + timeout
+    try:
+        return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+def train_losses(workdir: Path) -> dict[int, float]:
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    return {m["step"]: m["loss"] for m in lines if m["split"] == "train"}
+
+
+def export(workdir: Path, devices: int = 4) -> dict[str, np.ndarray]:
+    out = workdir.parent / f"{workdir.name}.npz"
+    result = run([sys.executable, "-m", "jdp.export", "--workdir", str(workdir), "--out", str(out)], timeout=90,
+                 env=clean_env(JAX_NUM_CPU_DEVICES=str(devices)))
+    assert result.returncode == 0, result.stderr
+    with np.load(out) as arrays:
+        return dict(arrays)
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    losses_a, losses_b = train_losses(a), train_losses(b)
+    assert list(losses_a) == list(losses_b)
+    np.testing.assert_allclose(list(losses_b.values()), list(losses_a.values()), rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    """The reference: 1 process x 4 devices."""
+    workdir = tmp_path_factory.mktemp("one") / "run"
+    result = run([*TRAIN, *ARGS, "--cpu_devices", "4", "--workdir", str(workdir)], timeout=120)
+    assert result.returncode == 0, result.stderr
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """The same run as 2 processes x 2 devices, through the launcher."""
+    workdir = tmp_path_factory.mktemp("two") / "run"
+    result = run([sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--cpu_devices", "2", "--",
+                  *TRAIN, *ARGS, "--workdir", str(workdir)], timeout=150)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return workdir, result
+
+
+def test_two_processes_match_one(one_process, two_processes):
+    workdir, result = two_processes
+    assert_same_run(one_process, workdir)
+    # Metrics and progress come from process 0 only; every line carries its rank.
+    assert "[0] step 5: loss" in result.stdout and "[1] step" not in result.stdout
+    assert "[0] jdp: distributed: all 2 processes joined" in result.stdout
+    assert all(line[:4] in ("[0] ", "[1] ") for line in result.stdout.splitlines())
+    # A checkpoint written by 2 processes restores in 1 process with 4 devices.
+    reference, restored = export(one_process), export(workdir)
+    assert sorted(reference) == sorted(restored)
+    for key in reference:
+        np.testing.assert_allclose(restored[key], reference[key], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
+def test_torchrun_variables_by_hand(one_process, tmp_path):
+    port, workdir = launch.free_port(), tmp_path / "run"
+    procs = [start([*TRAIN, *ARGS, "--cpu_devices", "2", "--workdir", str(workdir)],
+                   clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"),
+                   tmp_path / f"rank{rank}.log") for rank in range(2)]
+    codes = finish(procs, timeout=150)
+    assert codes == [0, 0], (tmp_path / "rank0.log").read_text()[-3000:]
+    assert_same_run(one_process, workdir)
+
+
+def test_checkpoint_from_two_processes_resumes_in_one(one_process, two_processes, tmp_path):
+    """Both 5-step runs, continued to 8 steps in a single process, continue alike."""
+    more = [*ARGS, "--config.train.steps=8", "--cpu_devices", "2"]
+    resumed = {}
+    for name, source in (("one", one_process), ("two", two_processes[0])):
+        shutil.copytree(source, tmp_path / name)
+        result = run([*TRAIN, *more, "--workdir", str(tmp_path / name)], timeout=120)
+        assert result.returncode == 0, result.stderr
+        assert f"resumed from {tmp_path / name / 'checkpoints' / '5'}" in result.stdout
+        resumed[name] = tmp_path / name
+    assert list(train_losses(resumed["two"])) == list(range(1, 9))
+    assert_same_run(resumed["one"], resumed["two"])
+
+
+def test_missing_peer_gives_a_clear_error_in_time(tmp_path):
+    port = launch.free_port()
+    t0 = time.monotonic()
+    result = run([*TRAIN, *ARGS, f"--config.distributed.init_timeout_s={TIMEOUT_S}", "--cpu_devices", "2",
+                  "--workdir", str(tmp_path / "run")], timeout=60,
+                 env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="2"))
+    elapsed = time.monotonic() - t0
+    assert result.returncode == 5, result.stderr[-2000:]
+    assert TIMEOUT_S <= elapsed < TIMEOUT_S + 20  # start-up (imports) plus the timeout, never JAX's abort
+    message = result.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"jdp: distributed: not all 2 processes joined within {TIMEOUT_S} s")
+    assert f"coordinator 127.0.0.1:{port}" in message and "this is process 0" in message
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return Path(f"/proc/{pid}/stat").exists() and Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_killed_peer_stops_the_launcher(tmp_path):
+    out = tmp_path / "launch.log"
+    cmd = [sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--cpu_devices", "2", "--grace_s", "2", "--",
+           *TRAIN, *ARGS, "--config.train.steps=100000", "--config.train.log_every=10",
+           "--config.train.eval_every=100000", f"--config.distributed.heartbeat_timeout_s={TIMEOUT_S}",
+           "--workdir", str(tmp_path / "run")]
+    launcher = start(cmd, clean_env(), out)
+    try:
+        deadline = time.monotonic() + 120
+        while "[0] step 20:" not in out.read_text():
+            assert launcher.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.2)
+        pids = {int(rank): int(pid) for rank, pid in re.findall(r"rank (\d+) pid (\d+)", out.read_text())}
+        t0 = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        code = launcher.wait(timeout=30)
+        detected_s = time.monotonic() - t0
+    finally:
+        finish([launcher], timeout=0.1)
+    print(f"launcher exited {code} {detected_s:.1f} s after rank 1 was killed")
+    assert code == 128 + signal.SIGKILL
+    assert detected_s < 10
+    assert not any(_alive(pid) for pid in pids.values())
+    assert "[launch] rank 1 exited with code 137; stopping the others" in out.read_text()
+
+
+# Bad or inconsistent variables: found before anything waits, one line, exit 2.
+BAD = [
+    ({"RANK": "1"}, "RANK=1 is set but WORLD_SIZE is missing"),
+    ({"WORLD_SIZE": "2"}, "WORLD_SIZE=2 is set but RANK is missing"),
+    ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1234"}, "RANK=2 is not below WORLD_SIZE=2"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "http"}, "MASTER_PORT='http' is not a port"),
+    ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "MASTER_ADDR=h is set but MASTER_PORT is missing"),
+    ({"RANK": "0", "WORLD_SIZE": "2"}, "coordinator address is missing"),
+    ({"RANK": "-1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=-1 must be at least 0"),
+    ({"RANK": "0", "WORLD_SIZE": "two", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "WORLD_SIZE='two' is not an integer"),
+    ({"JAX_COORDINATOR_ADDRESS": "h", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+     "JAX_COORDINATOR_ADDRESS='h' is not HOST:PORT"),
+    ({"JAX_COORDINATOR_ADDRESS": "h:1", "JAX_PROCESS_ID": "1"}, "the number of processes is missing"),
+]
+
+
+@pytest.mark.parametrize("env,message", BAD, ids=[m.split(" ")[0] for _, m in BAD])
+def test_bad_variables(env, message):
+    with pytest.raises(distributed.DistributedUsageError, match=message.replace("(", r"\(")):
+        distributed.resolve(env)
+
+
+def test_bad_variables_stop_the_command_at_once(tmp_path):
+    t0 = time.monotonic()
+    result = run([*TRAIN, *ARGS, "--workdir", str(tmp_path / "run")], timeout=60, env=clean_env(RANK="1"))
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "jdp: distributed: RANK=1 is set but WORLD_SIZE is missing; set WORLD_SIZE too, or pass --num_processes N"]
+    assert time.monotonic() - t0 < 30 and not (tmp_path / "run").exists()
+
+
+def test_resolve_precedence():
+    torchrun = {"MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29500", "RANK": "1", "WORLD_SIZE": "4", "LOCAL_RANK": "1"}
+    slurm = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "node[001-004]", "SLURM_NTASKS": "8", "SLURM_PROCID": "3",
+             "SLURM_LOCALID": "1"}
+    assert distributed.resolve({}) is None  # nothing set: one process, no initialize
+    assert distributed.resolve({"RANK": "0", "WORLD_SIZE": "1"}) is None
+    assert distributed.resolve({**slurm, "SLURM_NTASKS": "1", "SLURM_PROCID": "0"}) is None
+    job = distributed.resolve(torchrun)
+    assert (job.coordinator, job.num_processes, job.process_id, job.local_device_ids, job.auto_detect) == (
+        "10.0.0.1:29500", 4, 1, (1,), False)
+    jax_vars = {"JAX_COORDINATOR_ADDRESS": "c:1", "JAX_NUM_PROCESSES": "3", "JAX_PROCESS_ID": "2"}
+    job = distributed.resolve({**torchrun, **jax_vars, **slurm})
+    assert (job.coordinator, job.num_processes, job.process_id, job.local_device_ids) == ("c:1", 3, 2, None)
+    job = distributed.resolve({**torchrun, **slurm}, coordinator="f:2", num_processes=2, process_id=0)
+    assert (job.coordinator, job.num_processes, job.process_id, job.auto_detect) == ("f:2", 2, 0, False)
+    job = distributed.resolve(slurm)  # JAX's own SLURM detection derives the coordinator
+    assert (job.coordinator, job.num_processes, job.process_id, job.auto_detect) == (None, 8, 3, True)
+    job = distributed.resolve(slurm, coordinator="head:1234")  # a flag overrides one setting of SLURM's
+    assert (job.coordinator, job.num_processes, job.process_id, job.auto_detect) == ("head:1234", 8, 3, True)
+    assert distributed.flags_from_argv(["--config.train.steps=3", "--process_id", "1", "--config", "x.py"]) == {
+        "coordinator": None, "num_processes": None, "process_id": 1}
+
+
+def test_launcher_environment_and_exit_codes():
+    env = launch.child_env({"JAX_COORDINATOR_ADDRESS": "x:1", "HOME": "/h"}, rank=1, nprocs=2, port=1234,
+                           cpu_devices=2)
+    assert {k: env[k] for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                "JAX_NUM_CPU_DEVICES", "HOME")} == {
+        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+        "JAX_NUM_CPU_DEVICES": "2", "HOME": "/h"}
+    assert "JAX_COORDINATOR_ADDRESS" not in env
+    assert [launch.exit_code(c) for c in (0, 5, -9, -15)] == [0, 5, 137, 143]
+
+
+STOP_SCRIPT = """
+import sys, time
+from jdp import distributed
+distributed.initialize(distributed.resolve(), init_timeout_s=20, heartbeat_timeout_s=10)
+signal_at = {0: 3, 1: 10**6}[distributed.jax.process_index()]  # only process 0 sees a signal
+agreement = distributed.StopAgreement()
+for step in range(1, 50):
+    if agreement.should_stop(step, step >= signal_at):
+        print("stopped at step", step)
+        break
+    time.sleep(0.1)  # no collective keeps these two in step: leave them time
+"""
+
+
+def test_processes_agree_on_the_step_to_stop_at():
+    result = run([sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--", sys.executable, "-c", STOP_SCRIPT],
+                 timeout=60)
+    assert result.returncode == 0, result.stderr[-2000:]
+    stop = 3 + distributed.StopAgreement.LOOKAHEAD_STEPS
+    assert sorted(line for line in result.stdout.splitlines() if "stopped" in line) == [
+        f"[0] stopped at step {stop}", f"[1] stopped at step {stop}"]
+
+
+SLURM_SCRIPT = """
+import jax
+from jdp import distributed
+jax.config.update("jax_num_cpu_devices", 2)
+job = distributed.resolve()
+distributed.initialize(job, init_timeout_s=20, heartbeat_timeout_s=10)
+print(f"process {jax.process_index()} of {jax.process_count()}, {jax.device_count()} devices, auto {job.auto_detect}")
+"""
+
+
+def test_slurm_variables_use_jax_auto_detection(tmp_path):
+    """What srun sets, on this machine: JAX derives the coordinator (localhost:JAX_COORDINATOR_PORT)."""
+    port = launch.free_port()
+    slurm = dict(SLURM_JOB_ID="4242", SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2",
+                 JAX_COORDINATOR_PORT=str(port))
+    procs = [start([sys.executable, "-c", SLURM_SCRIPT],
+                   clean_env(**slurm, SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank)), tmp_path / f"{rank}.log")
+             for rank in range(2)]
+    assert finish(procs, timeout=60) == [0, 0], (tmp_path / "0.log").read_text()[-2000:]
+    for rank in range(2):
+        assert f"process {rank} of 2, 4 devices, auto True" in (tmp_path / f"{rank}.log").read_text()
+
+
+def test_processes_started_with_different_settings_stop(tmp_path):
+    port, workdir = launch.free_port(), tmp_path / "run"
+    procs = [start([*TRAIN, *ARGS, f"--config.train.steps={5 + rank}", "--workdir", str(workdir)],
+                   clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                             JAX_NUM_CPU_DEVICES="1"), tmp_path / f"rank{rank}.log") for rank in range(2)]
+    assert finish(procs, timeout=60) == [2, 2]
+    for rank in range(2):
+        assert ("jdp: distributed: process 1 was started with other settings than process 0 "
+                "(config.train.steps: 5 on process 0, 6 on process 1)") in (tmp_path / f"rank{rank}.log").read_text()
+
+
+SIGNAL_SCRIPT = """
+import os, signal, sys, time
+def stop(signum, frame):
+    print("got", signal.Signals(signum).name, flush=True)
+    sys.exit(75)
+signal.signal(signal.SIGTERM, stop)
+print("ready", os.environ["RANK"], flush=True)
+time.sleep(60)
+"""
+
+
+def test_launcher_passes_sigterm_on(tmp_path):
+    out = tmp_path / "launch.log"
+    launcher = start([sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--", sys.executable, "-c", SIGNAL_SCRIPT],
+                     clean_env(), out)
+    try:
+        deadline = time.monotonic() + 30
+        while not all(f"[{rank}] ready {rank}" in out.read_text() for rank in range(2)):
+            assert launcher.poll() is None and time.monotonic() < deadline, out.read_text()
+            time.sleep(0.1)
+        launcher.send_signal(signal.SIGTERM)
+        assert launcher.wait(timeout=20) == 75
+    finally:
+        finish([launcher], timeout=0.1)
+    assert "[0] got SIGTERM" in out.read_text() and "[1] got SIGTERM" in out.read_text()
