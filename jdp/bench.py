@@ -60,7 +60,7 @@ def _time_steps(parallel, state, batches, steps: int) -> tuple[float, float, obj
 
 def measure(cfg, num_devices: int, steps: int, collective: bool = True) -> dict:
     """One measurement of the config's step on `num_devices` devices."""
-    from jdp.train import build
+    from jdp.wiring import build
 
     cfg = cfg.copy_and_resolve_references()
     cfg.parallel.num_devices = num_devices

@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from jdp import config as config_lib
     from jdp.checkpoint import CheckpointError
-    from jdp.train import restore_for_inference
+    from jdp.resume import restore_for_inference
 
     try:
         step, built, state = restore_for_inference(args.workdir)

@@ -12,28 +12,25 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
 import ml_collections
-from flax import nnx
 
 from jdp import config as config_lib
 from jdp import data as data_lib
 from jdp import distributed as distributed_lib
 from jdp import models
 from jdp.checkpoint import Checkpointer, CheckpointError
-from jdp.export import load_into
 from jdp.faults import kill_if_requested
-from jdp.mesh import make_mesh, replicated, simulate_cpu_devices
+from jdp.mesh import simulate_cpu_devices
 from jdp.metrics import MetricsWriter, ThroughputClock
-from jdp.optim import build_optimizer
 from jdp.parallel import DataParallel
 from jdp.preemption import PreemptionRequest
+from jdp.resume import check_workdir_config, restore_for_inference, restore_or_init
 from jdp.runinfo import write_run_metadata
-from jdp.step import StepOptions, TrainState
+from jdp.step import TrainState
+from jdp.wiring import Built, build  # noqa: F401 - part of jdp.train's API
 from jdp.xla_flags import apply_communication_flags
 
 EXIT_OK, EXIT_USAGE, EXIT_NONFINITE, EXIT_REPLICAS_DIFFER, EXIT_DISTRIBUTED, EXIT_PREEMPTED = 0, 2, 3, 4, 5, 75
@@ -61,55 +58,6 @@ class RunResult:
     examples_per_sec: float
 
 
-@dataclasses.dataclass
-class Built:
-    cfg: ml_collections.ConfigDict
-    source: data_lib.Batcher
-    parallel: DataParallel
-    init_state: Callable[..., TrainState]  # (params=None, model_state=None) -> a fresh TrainState
-
-
-def build(cfg: ml_collections.ConfigDict) -> Built:
-    """Everything a run needs, checked before anything compiles."""
-    mesh = make_mesh(cfg.parallel.num_devices)
-    config_lib.validate(cfg, model_names=models.MODEL_NAMES, dataset_names=data_lib.DATASET_NAMES,
-                        num_devices=mesh.size)
-    eval_batch_size = cfg.train.eval_batch_size or cfg.train.global_batch_size
-    try:
-        source = data_lib.build_source(cfg.data, seed=cfg.seed, global_batch_size=cfg.train.global_batch_size,
-                                       eval_batch_size=eval_batch_size, process_index=jax.process_index(),
-                                       process_count=jax.process_count())
-    except ValueError as e:  # the sources' own checks of the data section
-        raise config_lib.ConfigError(str(e)) from None
-    num_classes = cfg.data.num_classes or source.num_classes
-    # Under jit the batch is global, so BatchNorm statistics are global without a named axis.
-    axis_name = "data" if cfg.model.bn_sync and cfg.parallel.backend != "jit" else None
-
-    def make_model() -> nnx.Module:
-        return models.build_model(cfg.model, source.input_shape, num_classes, axis_name=axis_name, seed=cfg.seed)
-
-    abstract_params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(make_model), nnx.Param))
-    tx, schedule = build_optimizer(cfg.optim, cfg.train.global_batch_size, cfg.train.steps, abstract_params,
-                                   sharded_axis="data" if cfg.parallel.shard_optimizer else None)
-
-    def init_state(params=None, model_state=None) -> TrainState:
-        if params is None:
-            _, params, model_state = nnx.split(make_model(), nnx.Param, ...)
-            params, model_state = nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
-        zero = jnp.zeros((), jnp.int32)
-        loss_scale = jnp.array([cfg.loss_scale.initial if cfg.precision == "fp16" else 1.0, 0.0], jnp.float32)
-        return TrainState(zero, params, model_state, tx.init(params), zero, loss_scale)
-
-    options = StepOptions(bn_groups=1 if cfg.model.bn_sync else mesh.size, on_nonfinite=cfg.train.on_nonfinite,
-                          precision=cfg.precision, grad_accum_steps=cfg.train.grad_accum_steps,
-                          allreduce_dtype=cfg.parallel.allreduce_dtype, sync_every=cfg.parallel.sync_every,
-                          loss_scale_growth_interval=cfg.loss_scale.growth_interval,
-                          shard_optimizer=cfg.parallel.shard_optimizer)
-    parallel = DataParallel(cfg.parallel.backend, mesh, nnx.graphdef(nnx.eval_shape(make_model)), tx, schedule,
-                            jax.eval_shape(init_state), options)
-    return Built(cfg, source, parallel, init_state)
-
-
 def evaluate(parallel: DataParallel, state: TrainState, source: data_lib.Batcher) -> tuple[float, float]:
     """Mean loss and accuracy over the whole eval split; padded rows are masked out."""
     totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
@@ -121,41 +69,6 @@ def evaluate(parallel: DataParallel, state: TrainState, source: data_lib.Batcher
         pending = sums
     totals = {k: totals[k] + v for k, v in parallel.fetch(pending).items()}
     return totals["loss_sum"] / totals["count"], totals["correct"] / totals["count"]
-
-
-def _restore_or_init(b: Built, checkpointer: Checkpointer, echo) -> tuple[int, TrainState]:
-    """The latest usable checkpoint, else the `init_from` file, else a fresh state; logical layout."""
-    abstract = jax.eval_shape(b.init_state)
-    sharding = replicated(b.parallel.mesh)
-    restored = checkpointer.restore_latest(
-        jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract), echo)
-    if restored is not None:
-        step, state, position = restored
-        echo(f"resumed from {checkpointer.directory / str(step)} (data position {position})")
-        return step, state
-    if not b.cfg.init_from:
-        return 0, b.parallel.init_state(b.init_state)
-    try:
-        params, model_state = load_into(b.cfg.init_from, abstract.params, abstract.model_state)
-    except (OSError, ValueError) as e:
-        raise config_lib.ConfigError(f"init_from={b.cfg.init_from}: {e}") from None
-    echo(f"initialised from {b.cfg.init_from}")
-    return 0, b.parallel.init_state(b.init_state, params, model_state)
-
-
-def _check_workdir_config(cfg: ml_collections.ConfigDict, workdir: Path, echo) -> None:
-    saved = workdir / "config.json"
-    if not saved.exists():
-        return
-    old = config_lib.load_saved_config(saved)
-    changes = config_lib.state_changes(old, cfg)
-    if changes and not cfg.checkpoint.allow_config_change:
-        raise config_lib.ConfigError(
-            f"{workdir} holds a run whose model or optimizer differs ({'; '.join(changes)}); use a new --workdir, "
-            "or pass --config.checkpoint.allow_config_change=True")
-    if cfg.train.steps != old.train.steps:
-        echo(f"warning: train.steps changed from {old.train.steps} to {cfg.train.steps}: the learning-rate "
-             "schedule changes from here on")
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
@@ -171,13 +84,13 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
     checkpointer = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep,
                                 every_steps=cfg.checkpoint.every_steps)
     if checkpointer.steps():
-        _check_workdir_config(cfg, workdir, echo)
+        check_workdir_config(cfg, workdir, echo)
     if is_main:
         workdir.mkdir(parents=True, exist_ok=True)
         config_lib.save_config(cfg, workdir / "config.json")
         write_run_metadata(workdir, parallel.mesh)
 
-    start_step, logical = _restore_or_init(b, checkpointer, echo)
+    start_step, logical = restore_or_init(b, checkpointer, echo)
     state = parallel.to_devices(logical)
     batch_size, steps = cfg.train.global_batch_size, cfg.train.steps
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start_step, enabled=is_main)
@@ -300,26 +213,6 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
     final = parallel.to_logical(state)
     return RunResult(losses, eval_loss, eval_accuracy, parallel.to_host(final.params),
                      parallel.to_host(final.model_state), clock.rate())
-
-
-def restore_for_inference(workdir: Path) -> tuple[int, Built, TrainState]:
-    """A finished or interrupted run's latest checkpoint, with its config, on this machine's devices."""
-    saved = workdir / "config.json"
-    if not saved.exists():
-        raise config_lib.ConfigError(f"{saved} not found; pass the --workdir of a jdp.train run")
-    b = build(config_lib.load_saved_config(saved))
-    checkpointer = Checkpointer(workdir / "checkpoints", keep=b.cfg.checkpoint.keep, every_steps=0)
-    try:
-        abstract = jax.eval_shape(b.init_state)
-        sharding = replicated(b.parallel.mesh)
-        restored = checkpointer.restore_latest(
-            jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract), print)
-    finally:
-        checkpointer.close()
-    if restored is None:
-        raise CheckpointError(f"no checkpoint in {checkpointer.directory}; train first with python -m jdp.train")
-    step, state, _ = restored
-    return step, b, state
 
 
 def evaluate_checkpoint(workdir: Path) -> tuple[float, float]:
