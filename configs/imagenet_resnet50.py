@@ -12,6 +12,8 @@ def get_config():
     c.model.name = "resnet50"
     c.model.stem = "imagenet"
     c.data.name = "tfds:imagenet2012"
+    c.data.eval_split = "validation"  # imagenet2012 has train and validation (the test split has no labels)
+    c.data.image_size = 224  # random-resized crops for training; centre 0.875 crop for eval
     c.train.global_batch_size = 1024
     c.train.steps = 90 * 1_281_167 // 1024
     c.train.log_every = 100

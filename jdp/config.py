@@ -22,7 +22,7 @@ NONFINITE_POLICIES = ("halt", "skip")
 PRECISIONS = ("fp32", "bf16", "fp16")
 ALLREDUCE_DTYPES = ("fp32", "bf16")
 # Settings a checkpoint's state depends on: changing them under a workdir is refused by default.
-STATE_DEFINING = ("model.", "optim.", "data.name", "data.shape", "data.num_classes")
+STATE_DEFINING = ("model.", "optim.", "data.name", "data.shape", "data.num_classes", "data.image_size")
 
 
 class ConfigError(ValueError):

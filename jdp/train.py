@@ -58,7 +58,7 @@ class RunResult:
     examples_per_sec: float
 
 
-def evaluate(parallel: DataParallel, state: TrainState, source: data_lib.Batcher) -> tuple[float, float]:
+def evaluate(parallel: DataParallel, state: TrainState, source: data_lib.Source) -> tuple[float, float]:
     """Mean loss and accuracy over the whole eval split; padded rows are masked out."""
     totals = {"loss_sum": 0.0, "correct": 0.0, "count": 0.0}
     pending = None
@@ -156,6 +156,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
     try:
         with PreemptionRequest() as preemption:
             for step in range(start_step + 1, steps + 1):
+                # Dispatch is asynchronous: this batch is read and put on the devices while the
+                # previous step still runs, so the next batch is already there when it ends.
                 batch = parallel.shard_batch(source.train_batch(step - 1))
                 if profile and step == profile[0]:
                     jax.profiler.start_trace(workdir / "profile")
@@ -210,6 +212,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
         checkpointer.wait()
         checkpointer.close()
         writer.close()
+        if hasattr(source, "close"):  # the tfds source's reader threads
+            source.close()
     final = parallel.to_logical(state)
     return RunResult(losses, eval_loss, eval_accuracy, parallel.to_host(final.params),
                      parallel.to_host(final.model_state), clock.rate())

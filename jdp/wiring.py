@@ -23,7 +23,7 @@ from jdp.step import StepOptions, TrainState
 @dataclasses.dataclass
 class Built:
     cfg: ml_collections.ConfigDict
-    source: data_lib.Batcher
+    source: data_lib.Source
     parallel: DataParallel
     init_state: Callable[..., TrainState]  # (params=None, model_state=None) -> a fresh TrainState
 

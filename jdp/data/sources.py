@@ -1,7 +1,8 @@
-"""Offline data sources: MNIST-1D, scikit-learn digits and a synthetic task, all held in memory.
+"""Offline data sources: MNIST-1D, scikit-learn digits and a synthetic task, all held in memory; and
+`tfds:NAME`, a prepared tensorflow-datasets copy read by random access (`jdp.data.tfds_source`).
 
-Heavy libraries (mnist1d, scikit-learn) are imported inside the loader that needs them, so the synthetic
-source runs on a machine that has only numpy.
+Heavy libraries (mnist1d, scikit-learn, tensorflow-datasets, PIL) are imported inside the loader that needs
+them, so the synthetic source runs on a machine that has only numpy.
 """
 
 import functools
@@ -15,7 +16,10 @@ from jdp.data.batching import Batcher, Split
 if TYPE_CHECKING:
     import ml_collections
 
+    from jdp.data.tfds_source import TfdsSource
+
 DATASET_NAMES = ("mnist1d", "digits", "synthetic")
+TFDS_PREFIX = "tfds:"  # data.name=tfds:NAME is any prepared tensorflow-datasets dataset
 
 _SYNTHETIC_SEED = 0  # fixed: the synthetic task is the same for every run seed
 
@@ -110,11 +114,16 @@ def build_source(
     eval_batch_size: int,
     process_index: int = 0,
     process_count: int = 1,
-) -> Batcher:
+) -> "Batcher | TfdsSource":
     """The source named by `cfg` (the config's `data` section), batched for this process.
 
     `seed` (the run seed) orders the train split; the data itself does not depend on it.
     """
+    if cfg.name.startswith(TFDS_PREFIX):
+        from jdp.data.tfds_source import TfdsSource
+
+        return TfdsSource(cfg, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
+                          process_index=process_index, process_count=process_count)
     if cfg.name == "mnist1d":
         train, eval = _mnist1d()
     elif cfg.name == "digits":
@@ -123,7 +132,7 @@ def build_source(
         shape = tuple(int(d) for d in cfg.shape)
         train, eval = _synthetic(shape, cfg.num_classes, cfg.num_examples, cfg.num_eval_examples)
     else:
-        raise ValueError(f"unknown data.name {cfg.name!r}; expected one of {DATASET_NAMES}")
+        raise ValueError(f"unknown data.name {cfg.name!r}; expected one of {DATASET_NAMES} or tfds:NAME")
     if cfg.normalize:
         train, eval = _normalize(train, eval)
     return Batcher(

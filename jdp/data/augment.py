@@ -1,0 +1,189 @@
+"""Image preprocessing for the tfds source: decode, crop, flip, normalise. Host-side numpy and PIL.
+
+Two regimes, chosen from the stored image shape:
+
+- small images (height <= 64, CIFAR-like): train crops a random HxW window out of the image padded by 4
+  zero pixels on each side and flips half the rows horizontally; eval uses the image as stored.
+- large images (ImageNet-like, or any variable size): train takes a random-resized crop (area scale
+  (0.08, 1), aspect ratio (3/4, 4/3), torchvision's ten tries then a centre fallback) resized to S x S and
+  flips half; eval takes the centre square of side 0.875 x the shorter side resized to S x S (the same as
+  resizing the shorter side to S / 0.875 and centre-cropping S), with PIL.
+
+Both run per image on the source's worker threads; normalisation runs once per batch.
+
+Every random number is drawn up front for the whole global batch from (seed, step), so a row's
+augmentation depends only on (seed, step, its place in the global batch) -- which fixes the row itself --
+and never on the process count, the thread schedule or what was read before (exact resume).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import io
+import math
+
+import numpy as np
+
+SMALL_IMAGE_MAX_HEIGHT = 64
+CROP_PADDING = 4
+EVAL_CROP_FRACTION = 0.875
+RRC_SCALE = (0.08, 1.0)
+RRC_RATIO = (3 / 4, 4 / 3)
+RRC_TRIES = 10
+
+# Per-channel mean and std of pixels scaled to [0, 1]; other datasets get 0.5 / 0.5.
+_CIFAR10 = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
+_CIFAR100 = ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))
+_IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+_AUGMENT_STREAM = 0x617567  # "aug": keeps these draws apart from the (seed, epoch) permutation's
+
+
+def channel_stats(dataset: str, channels: int) -> tuple[np.ndarray, np.ndarray]:
+    """(mean, std) per channel for a tfds name such as `cifar10`, `imagenet2012/subset:5.0.0`."""
+    base = dataset.split("/")[0].split(":")[0]
+    if base.startswith("cifar100") and channels == 3:
+        mean, std = _CIFAR100
+    elif base.startswith("cifar10") and channels == 3:
+        mean, std = _CIFAR10
+    elif (base.startswith("imagenet") or base == "imagenette") and channels == 3:
+        mean, std = _IMAGENET
+    else:
+        mean, std = (0.5,) * channels, (0.5,) * channels
+    return np.asarray(mean, np.float32), np.asarray(std, np.float32)
+
+
+class Normalizer:
+    """uint8 pixels -> float32 (x / 255 - mean) / std, in one multiply and one add."""
+
+    def __init__(self, mean: np.ndarray, std: np.ndarray) -> None:
+        self.scale = (1 / (255 * std)).astype(np.float32)
+        self.shift = (-mean / std).astype(np.float32)
+
+    def __call__(self, pixels: np.ndarray) -> np.ndarray:
+        out = np.multiply(pixels, self.scale, dtype=np.float32)
+        out += self.shift
+        return out
+
+
+def is_small(image_shape: tuple[int | None, ...]) -> bool:
+    return image_shape[0] is not None and image_shape[1] is not None and image_shape[0] <= SMALL_IMAGE_MAX_HEIGHT
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchParams:
+    """Random numbers for every row of one global batch; `rows(block)` cuts this process's share."""
+
+    uniforms: np.ndarray  # (B, 2 * RRC_TRIES + 2): RRC scale and log-ratio tries, then top and left
+    offsets: np.ndarray  # (B, 2) int: small-image crop offsets in [0, 2 * CROP_PADDING]
+    flips: np.ndarray  # (B,) bool
+
+    def rows(self, block: slice) -> BatchParams:
+        return BatchParams(self.uniforms[block], self.offsets[block], self.flips[block])
+
+
+def batch_params(seed: int, step: int, global_batch_size: int) -> BatchParams:
+    rng = np.random.default_rng([seed, step, _AUGMENT_STREAM])
+    return BatchParams(
+        uniforms=rng.random((global_batch_size, 2 * RRC_TRIES + 2)),
+        offsets=rng.integers(0, 2 * CROP_PADDING + 1, (global_batch_size, 2)),
+        flips=rng.random(global_batch_size) < 0.5,
+    )
+
+
+def pad_crop_flip(image: np.ndarray, offset: np.ndarray, flip: bool) -> np.ndarray:
+    """The HxW window at `offset` (y, x) of `image` zero-padded by CROP_PADDING on each side, mirrored if `flip`.
+
+    Slices, not a padded copy and a gather: ~3x cheaper per image, which matters on a 2-core host.
+    """
+    h, w, _ = image.shape
+    y0, x0 = int(offset[0]) - CROP_PADDING, int(offset[1]) - CROP_PADDING  # the window's origin in the image
+    top, left, bottom, right = max(y0, 0), max(x0, 0), min(y0 + h, h), min(x0 + w, w)
+    out = np.zeros_like(image)
+    out[top - y0 : bottom - y0, left - x0 : right - x0] = image[top:bottom, left:right]
+    return out[:, ::-1] if flip else out
+
+
+def random_resized_box(height: int, width: int, uniforms: np.ndarray) -> tuple[float, float, float, float]:
+    """torchvision's RandomResizedCrop box (left, top, right, bottom), from pre-drawn uniforms in [0, 1)."""
+    area = height * width
+    lo, hi = math.log(RRC_RATIO[0]), math.log(RRC_RATIO[1])
+    for t in range(RRC_TRIES):
+        target = area * (RRC_SCALE[0] + (RRC_SCALE[1] - RRC_SCALE[0]) * uniforms[t])
+        aspect = math.exp(lo + (hi - lo) * uniforms[RRC_TRIES + t])
+        w = round(math.sqrt(target * aspect))
+        h = round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(uniforms[-2] * (height - h + 1))
+            left = int(uniforms[-1] * (width - w + 1))
+            return left, top, left + w, top + h
+    ratio = width / height  # fallback: the centre crop with the aspect ratio clamped into range
+    if ratio < RRC_RATIO[0]:
+        w, h = width, round(width / RRC_RATIO[0])
+    elif ratio > RRC_RATIO[1]:
+        w, h = round(height * RRC_RATIO[1]), height
+    else:
+        w, h = width, height
+    top, left = (height - h) // 2, (width - w) // 2
+    return left, top, left + w, top + h
+
+
+def center_box(height: int, width: int) -> tuple[float, float, float, float]:
+    """The centre square of side EVAL_CROP_FRACTION x the shorter side, as (left, top, right, bottom)."""
+    side = EVAL_CROP_FRACTION * min(height, width)
+    top, left = (height - side) / 2, (width - side) / 2
+    return left, top, left + side, top + side
+
+
+@functools.cache
+def _opencv():
+    """OpenCV if installed (decodes small PNGs ~2x faster than PIL, and without the GIL), else None."""
+    try:
+        import cv2
+    except ImportError:
+        return None
+    return cv2
+
+
+def decode(value: bytes | np.ndarray, channels: int) -> np.ndarray:
+    """An encoded image (PNG, JPEG, ...) or an already decoded array -> (H, W, channels) uint8.
+
+    Lossless formats decode to the same pixels either way; JPEG may differ by a unit between OpenCV and PIL.
+    EXIF orientation is ignored by both, as tfds's own decoders do.
+    """
+    if not isinstance(value, bytes | bytearray | memoryview):
+        image = np.asarray(value, np.uint8)
+        return image if image.ndim == 3 else image[..., None]
+    cv2 = _opencv()
+    if cv2 is not None:
+        flags = cv2.IMREAD_IGNORE_ORIENTATION | (cv2.IMREAD_GRAYSCALE if channels == 1 else cv2.IMREAD_COLOR)
+        image = cv2.imdecode(np.frombuffer(value, np.uint8), flags)
+        if image is not None:
+            return image[..., None] if channels == 1 else cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+    from PIL import Image, UnidentifiedImageError  # the tfds source's dependency only
+
+    try:  # naming the likely formats skips PIL's probing of every plugin: ~30% faster on CIFAR's small PNGs
+        im = Image.open(io.BytesIO(value), formats=("PNG", "JPEG"))
+    except UnidentifiedImageError:
+        im = Image.open(io.BytesIO(value))
+    with im:
+        mode = "L" if channels == 1 else "RGB"
+        if im.mode != mode:
+            im = im.convert(mode)
+        im.load()
+        width, height = im.size
+        # tobytes + frombuffer: ~25% cheaper than np.asarray(im) on small images
+        return np.frombuffer(im.tobytes(), np.uint8).reshape(height, width, 1 if mode == "L" else 3)
+
+
+def resize_box(image: np.ndarray, box: tuple[float, float, float, float], size: int, flip: bool) -> np.ndarray:
+    """The `box` of `image` resized (bilinear, antialiased) to size x size, mirrored if `flip`."""
+    from PIL import Image
+
+    squeeze = image.shape[-1] == 1
+    im = Image.fromarray(image[..., 0] if squeeze else image)
+    im = im.resize((size, size), Image.Resampling.BILINEAR, box=box)
+    if flip:
+        im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    out = np.asarray(im)
+    return out[..., None] if squeeze else out

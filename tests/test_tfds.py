@@ -1,0 +1,372 @@
+"""The tfds source: prepared tensorflow-datasets copies read by random access, without TensorFlow or network.
+
+Two kinds of data: the committed `tests/fixtures/tfds/tiny_cifar` (PNG-encoded images in array_record files,
+like a user's prepared CIFAR-10; written with TensorFlow by tests/fixtures/make_tiny_cifar.py), and datasets
+built here by real `tfds.core.GeneratorBasedBuilder`s with `file_format="array_record"` and `Tensor` images,
+which need no TensorFlow. Every test reads through `build_source` with `data.name=tfds:NAME`, as a user does.
+"""
+
+import json
+import math
+import re
+import shutil
+import socket
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+tfds = pytest.importorskip("tensorflow_datasets")
+
+from configs import base  # noqa: E402
+from jdp.data import TfdsSource, augment, build_source  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures" / "tfds"
+
+
+class JdpIds(tfds.core.GeneratorBasedBuilder):
+    """8x8x3 images whose first two pixels spell the example's id (id % 200, id // 200); labels id % 5."""
+
+    VERSION = tfds.core.Version("1.0.0")
+    SIZES = {"train": 100, "test": 37}
+
+    def _info(self):
+        return tfds.core.DatasetInfo(
+            builder=self,
+            features=tfds.features.FeaturesDict({
+                "image": tfds.features.Tensor(shape=(8, 8, 3), dtype=np.uint8),
+                "label": tfds.features.ClassLabel(num_classes=5),
+            }),
+            supervised_keys=("image", "label"),
+        )
+
+    def _split_generators(self, dl_manager):
+        return {split: self._generate_examples(split) for split in self.SIZES}
+
+    def _generate_examples(self, split):
+        offset = 0 if split == "train" else 1000
+        for i in range(self.SIZES[split]):
+            ident = offset + i
+            image = np.full((8, 8, 3), 7, np.uint8)
+            image[0, 0, 0], image[0, 0, 1] = ident % 200, ident // 200
+            yield ident, {"image": image, "label": ident % 5}
+
+
+class JdpLarge(tfds.core.GeneratorBasedBuilder):
+    """ImageNet-like regime (taller than 64 px, so random-resized crops): 80x96 smooth random images."""
+
+    VERSION = tfds.core.Version("1.0.0")
+
+    def _info(self):
+        return tfds.core.DatasetInfo(
+            builder=self,
+            features=tfds.features.FeaturesDict({
+                "image": tfds.features.Tensor(shape=(80, 96, 3), dtype=np.uint8),
+                "label": tfds.features.ClassLabel(num_classes=3),
+            }),
+            supervised_keys=("image", "label"),
+        )
+
+    def _split_generators(self, dl_manager):
+        return {"train": self._generate_examples(24, 0), "test": self._generate_examples(10, 1)}
+
+    def _generate_examples(self, n, stream):
+        rng = np.random.default_rng(stream)
+        ramp = np.linspace(0, 200, 96)[None, :, None]
+        for i in range(n):
+            image = (ramp + rng.integers(0, 50, (80, 1, 3))).astype(np.uint8)
+            yield i, {"image": image, "label": i % 3}
+
+
+def _build(builder_cls, data_dir: Path) -> None:
+    sys_had_tf = "tensorflow" in sys.modules
+    builder_cls(data_dir=str(data_dir), file_format="array_record").download_and_prepare()
+    assert sys_had_tf or "tensorflow" not in sys.modules  # built without TensorFlow
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A temporary data_dir holding a copy of tiny_cifar and the two datasets built here."""
+    tfds.disable_progress_bar()
+    root = tmp_path_factory.mktemp("tfds")
+    shutil.copytree(FIXTURES / "tiny_cifar", root / "tiny_cifar")
+    _build(JdpIds, root)
+    _build(JdpLarge, root)
+    return root
+
+
+@pytest.fixture
+def make(data_dir: Path):
+    """make(NAME, **data_overrides, batch=, eval_batch=, p=, count=, seed=) -> a TfdsSource, closed after."""
+    made = []
+
+    def factory(name: str, *, batch: int = 16, eval_batch: int = 16, p: int = 0, count: int = 1, seed: int = 0,
+                **data) -> TfdsSource:
+        cfg = base.get_config().data
+        cfg.update({"name": f"tfds:{name}", "data_dir": str(data_dir), **data})
+        source = build_source(cfg, seed=seed, global_batch_size=batch, eval_batch_size=eval_batch,
+                              process_index=p, process_count=count)
+        made.append(source)
+        return source
+
+    yield factory
+    for source in made:
+        source.close()
+
+
+def _ids(batch: dict) -> np.ndarray:
+    """The example ids of a jdp_ids batch read with normalize=False and augment=False (x = pixels / 255)."""
+    pixels = np.rint(batch["x"][:, 0, 0, :2] * 255).astype(int)
+    return pixels[:, 0] + 200 * pixels[:, 1]
+
+
+PLAIN = dict(normalize=False, augment=False)
+
+
+def test_prepared_cifar_like_fixture_reads_without_tensorflow(make) -> None:
+    source = make("tiny_cifar", batch=32)
+    assert isinstance(source, TfdsSource)
+    shapes = (source.input_shape, source.num_classes, source.num_train, source.num_eval, source.steps_per_epoch)
+    assert shapes == ((32, 32, 3), 10, 200, 50, 6)
+    batch = source.train_batch(0)
+    assert batch["x"].shape == (32, 32, 32, 3) and batch["x"].dtype == np.float32
+    assert batch["y"].shape == (32,) and batch["y"].dtype == np.int32
+    assert batch["y"].min() >= 0 and batch["y"].max() < 10
+    assert np.isfinite(batch["x"]).all()
+    assert "tensorflow" not in sys.modules
+    assert make("tiny_cifar", num_classes=12).num_classes == 12  # the config wins over the dataset info
+    with pytest.raises(ValueError, match=r"label \d+, outside \[0, 3\)"):
+        make("tiny_cifar", num_classes=3).train_batch(0)
+
+
+def test_png_pixels_decode_exactly(make, data_dir) -> None:
+    """Unaugmented, unnormalised eval rows are the stored PNGs' pixels, as tfds itself decodes them."""
+    source = make("tiny_cifar", eval_batch=50, **PLAIN)
+    (batch,) = source.eval_batches()
+    reference = tfds.data_source("tiny_cifar", split="test", data_dir=str(data_dir), download=False)
+    expected = np.stack([reference[i]["image"] for i in range(50)])
+    np.testing.assert_array_equal(np.rint(batch["x"] * 255).astype(np.uint8), expected)
+    np.testing.assert_array_equal(batch["y"], [reference[i]["label"] for i in range(50)])
+
+
+@pytest.mark.parametrize("decoder", ["pil", "opencv"])
+def test_decode_converts_modes(decoder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+
+    from PIL import Image
+
+    if decoder == "opencv":
+        pytest.importorskip("cv2")
+    else:
+        monkeypatch.setattr(augment, "_opencv", lambda: None)
+    rgb = np.random.default_rng(0).integers(0, 256, (5, 7, 3), dtype=np.uint8)
+
+    def png(array: np.ndarray, mode: str) -> bytes:
+        buffer = io.BytesIO()
+        Image.fromarray(array).convert(mode).save(buffer, format="PNG")
+        return buffer.getvalue()
+
+    np.testing.assert_array_equal(augment.decode(png(rgb, "RGB"), 3), rgb)
+    np.testing.assert_array_equal(augment.decode(png(rgb, "RGBA"), 3), rgb)  # alpha dropped
+    gray = np.asarray(Image.fromarray(rgb).convert("L"))
+    np.testing.assert_array_equal(augment.decode(png(rgb, "L"), 1), gray[..., None])
+    np.testing.assert_array_equal(augment.decode(png(rgb, "L"), 3), np.repeat(gray[..., None], 3, axis=2))
+    assert augment.decode(png(rgb, "RGB"), 1).shape == (5, 7, 1)
+    np.testing.assert_array_equal(augment.decode(rgb, 3), rgb)  # already decoded (tfds Tensor features)
+
+
+def test_splits_and_slicing(make) -> None:
+    source = make("jdp_ids", train_split="train[:80%]", eval_split="train[80%:]", **PLAIN)
+    assert (source.num_train, source.num_eval) == (80, 20)
+    train = np.concatenate([_ids(source.train_batch(s)) for s in range(source.steps_per_epoch)])
+    held_out = np.concatenate([_ids(b)[b["mask"] == 1] for b in source.eval_batches()])
+    assert not set(train) & set(held_out)
+    with pytest.raises(ValueError, match="validation.*splits: train, test"):
+        make("jdp_ids", eval_split="validation")
+
+
+def test_same_seed_same_batches_any_thread_count(make, data_dir) -> None:
+    a, b = make("tiny_cifar", seed=3), make("tiny_cifar", seed=3)
+    c = make("tiny_cifar", seed=4)
+    for step in (0, 5, 13, 2):
+        np.testing.assert_array_equal(a.train_batch(step)["x"], b.train_batch(step)["x"])
+    assert not np.array_equal(a.train_batch(0)["y"], c.train_batch(0)["y"])
+    cfg = base.get_config().data
+    cfg.update(name="tfds:jdp_large", data_dir=str(data_dir), image_size=32)
+    one, four = (TfdsSource(cfg, seed=0, global_batch_size=8, eval_batch_size=8, num_threads=n, read_ahead=False)
+                 for n in (1, 4))
+    np.testing.assert_array_equal(one.train_batch(1)["x"], four.train_batch(1)["x"])
+    one.close()
+    four.close()
+
+
+def test_resume_equals_an_uninterrupted_read(make) -> None:
+    """Reading from step k on (a fresh source, as after a restart) continues the uninterrupted read exactly."""
+    whole = make("tiny_cifar")
+    expected = [whole.train_batch(step) for step in range(20)]  # crosses epochs (12 steps each)
+    resumed = make("tiny_cifar")
+    for step in range(9, 20):
+        batch = resumed.train_batch(step)
+        np.testing.assert_array_equal(batch["x"], expected[step]["x"])
+        np.testing.assert_array_equal(batch["y"], expected[step]["y"])
+    out_of_order = make("tiny_cifar")  # random access: the read-ahead never leaks a wrong step
+    for step in (4, 4, 17, 3, 12, 13):
+        np.testing.assert_array_equal(out_of_order.train_batch(step)["x"], expected[step]["x"])
+
+
+@pytest.mark.parametrize("step", [0, 5, 6, 13])
+def test_processes_read_disjoint_blocks_of_one_global_batch(make, step: int) -> None:
+    whole = _ids(make("jdp_ids", **PLAIN).train_batch(step))
+    assert len(set(whole)) == 16
+    for count in (1, 2, 4):
+        blocks = [_ids(make("jdp_ids", p=p, count=count, **PLAIN).train_batch(step)) for p in range(count)]
+        assert all(len(b) == 16 // count for b in blocks)
+        np.testing.assert_array_equal(np.concatenate(blocks), whole)  # disjoint, in order, the same batch
+
+
+def test_augmented_global_batch_does_not_depend_on_the_process_count(make) -> None:
+    whole = make("tiny_cifar").train_batch(7)
+    for count in (2, 4):
+        parts = [make("tiny_cifar", p=p, count=count).train_batch(7) for p in range(count)]
+        np.testing.assert_array_equal(np.concatenate([b["x"] for b in parts]), whole["x"])
+        np.testing.assert_array_equal(np.concatenate([b["y"] for b in parts]), whole["y"])
+
+
+def test_an_epoch_visits_each_row_at_most_once(make) -> None:
+    source = make("jdp_ids", **PLAIN)
+    assert source.steps_per_epoch == 6
+    for epoch in range(2):
+        ids = np.concatenate([_ids(source.train_batch(epoch * 6 + i)) for i in range(6)])
+        assert len(np.unique(ids)) == 96 and ids.max() < 100
+    assert not np.array_equal(_ids(source.train_batch(0)), _ids(source.train_batch(6)))
+
+
+@pytest.mark.parametrize("count", [1, 2, 4])
+def test_eval_covers_the_split_once_in_every_process(make, count: int) -> None:
+    per_process = [list(make("jdp_ids", eval_batch=8, p=p, count=count, **PLAIN).eval_batches())
+                   for p in range(count)]
+    assert all(len(batches) == math.ceil(37 / 8) == 5 for batches in per_process)
+    seen = []
+    for i in range(5):
+        items = [batches[i] for batches in per_process]
+        assert all(it["x"].shape == (8 // count, 8, 8, 3) and it["mask"].dtype == np.float32 for it in items)
+        mask = np.concatenate([it["mask"] for it in items])
+        np.testing.assert_array_equal(mask, np.arange(i * 8, (i + 1) * 8) < 37)
+        seen.extend(np.concatenate([_ids(it) for it in items])[mask == 1])
+    assert sorted(seen) == list(range(1000, 1037))
+
+
+def test_eval_is_deterministic(make) -> None:
+    for name in ("tiny_cifar", "jdp_large"):
+        source = make(name, image_size=32)
+        first, second = list(source.eval_batches()), list(source.eval_batches())
+        assert len(first) == source.num_eval_batches()
+        for a, b in zip(first, second, strict=True):
+            np.testing.assert_array_equal(a["x"], b["x"])
+        source.train_batch(0)  # a train read in between changes nothing
+        np.testing.assert_array_equal(next(source.eval_batches())["x"], first[0]["x"])
+
+
+def test_small_image_augmentation(make) -> None:
+    plain, augmented = make("tiny_cifar", augment=False), make("tiny_cifar")
+    a, b = plain.train_batch(2), augmented.train_batch(2)
+    np.testing.assert_array_equal(a["y"], b["y"])  # the same rows, augmented
+    assert b["x"].shape == (16, 32, 32, 3) and np.isfinite(b["x"]).all()
+    mean, std = augment.channel_stats("tiny_cifar", 3)
+    assert (b["x"] >= -mean / std - 1e-6).all() and (b["x"] <= (1 - mean) / std + 1e-6).all()
+    assert (np.abs(a["x"] - b["x"]).max(axis=(1, 2, 3)) > 0).sum() > 8  # most rows are moved or mirrored
+
+    params = augment.batch_params(0, 2, 4096)
+    assert 0.4 < params.flips.mean() < 0.6
+    assert set(np.unique(params.offsets)) == set(range(2 * augment.CROP_PADDING + 1))
+
+    image = np.arange(10 * 12, dtype=np.uint8).reshape(10, 12, 1) + 1
+    p = augment.CROP_PADDING
+    np.testing.assert_array_equal(augment.pad_crop_flip(image, np.array([p, p]), False), image)
+    np.testing.assert_array_equal(augment.pad_crop_flip(image, np.array([p, p]), True), image[:, ::-1])
+    padded = np.pad(image, ((p, p), (p, p), (0, 0)))
+    for dy, dx in [(0, 0), (0, 2 * p), (2 * p, 1), (3, 5)]:
+        window = padded[dy : dy + 10, dx : dx + 12]
+        np.testing.assert_array_equal(augment.pad_crop_flip(image, np.array([dy, dx]), False), window)
+        np.testing.assert_array_equal(augment.pad_crop_flip(image, np.array([dy, dx]), True), window[:, ::-1])
+
+
+def test_large_image_random_resized_crop_and_centre_crop(make) -> None:
+    source = make("jdp_large", image_size=40)
+    assert source.input_shape == (40, 40, 3)
+    batch = source.train_batch(0)
+    assert batch["x"].shape == (16, 40, 40, 3) and np.isfinite(batch["x"]).all()
+    assert (np.abs(batch["x"]) <= 1 + 1e-6).all()  # 0.5/0.5 normalisation of [0, 1]
+    evaluated = next(source.eval_batches())
+    assert evaluated["x"].shape == (16, 40, 40, 3)
+    # The eval crop is the centre square of side 0.875 * 80 = 70 of the 80x96 image, resized to 40x40.
+    box = augment.center_box(80, 96)
+    assert box == pytest.approx((13, 5, 83, 75))
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        height, width = (int(v) for v in rng.integers(20, 400, 2))
+        left, top, right, bottom = augment.random_resized_box(height, width, rng.random(2 * augment.RRC_TRIES + 2))
+        assert 0 <= left < right <= width and 0 <= top < bottom <= height
+    # With every try failing (scale 1, extreme ratios), the fallback is the centre crop clamped to 4/3.
+    assert augment.random_resized_box(100, 400, np.r_[np.ones(10) - 1e-9, np.zeros(10), 0.5, 0.5]) == (
+        133, 0, 266, 100)
+
+
+def test_flip_is_visible_on_large_images(make) -> None:
+    """Rows flipped by the batch parameters are mirrored: the ramp in the stored images runs the other way."""
+    source = make("jdp_large", image_size=16)
+    batch = source.train_batch(1)
+    flips = augment.batch_params(0, 1, 16).flips
+    slope = batch["x"][..., 0].mean(axis=1)  # (16, W): the left-to-right ramp, averaged over rows
+    rising = slope[:, -1] > slope[:, 0]
+    np.testing.assert_array_equal(rising, ~flips)
+    assert 0 < flips.sum() < 16
+
+
+def test_an_unprepared_dataset_is_one_clear_error_without_network(make, data_dir, monkeypatch, tmp_path) -> None:
+    def no_network(*args: object) -> None:
+        raise AssertionError("tried the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    for name in ("cifar10", "not_a_tfds_dataset"):  # a registered builder, and an unknown name
+        where = re.escape(str(tmp_path))
+        with pytest.raises(ValueError, match=rf"'{name}' is not prepared \(searched: {where}\).*"
+                                             rf"tfds build {name} --data_dir={where} --file_format=array_record"):
+            make(name, data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="does not exist"):
+        make("cifar10", data_dir=str(tmp_path / "missing"))
+
+
+def test_a_tfrecord_copy_is_refused_with_the_fix(make, tmp_path) -> None:
+    copy = tmp_path / "tiny_cifar"
+    shutil.copytree(FIXTURES / "tiny_cifar", copy)
+    info_path = copy / "1.0.0" / "dataset_info.json"
+    info = json.loads(info_path.read_text())
+    info["fileFormat"] = "tfrecord"
+    info_path.write_text(json.dumps(info))
+    with pytest.raises(ValueError, match="stored as tfrecord.*--file_format=array_record"):
+        make("tiny_cifar", data_dir=str(tmp_path))
+
+
+def test_the_trainer_turns_it_into_a_one_line_config_error(tmp_path, capsys) -> None:
+    from jdp.train import main
+
+    code = main(["--config.data.name=tfds:cifar10", f"--config.data.data_dir={tmp_path}",
+                 f"--workdir={tmp_path / 'run'}", "--config.compile_cache_dir="])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and "tfds build cifar10" in err
+
+
+def test_trains_end_to_end_on_the_fixture(tmp_path) -> None:
+    from jdp.train import run
+
+    cfg = base.get_config()
+    cfg.model.update(name="cnn2d", channels=(8,), dense_sizes=(16,))
+    cfg.data.update(name="tfds:tiny_cifar", data_dir=str(FIXTURES))
+    cfg.train.update(global_batch_size=16, steps=3, log_every=1, eval_every=3)
+    cfg.compile_cache_dir = ""
+    result = run(cfg, tmp_path / "run")
+    assert len(result.losses) == 3 and np.isfinite(result.losses).all()
+    assert np.isfinite(result.eval_loss) and 0 <= result.eval_accuracy <= 1
