@@ -24,11 +24,11 @@ import numpy as np
 
 from jdp.data import augment
 from jdp.data.batching import _local_block
+from jdp.data.sources import TFDS_PREFIX
 
 if TYPE_CHECKING:
     import ml_collections
 
-PREFIX = "tfds:"
 MIN_ROWS_PER_TASK = 16  # fewer rows than this per thread cost more in hand-offs than they save
 
 
@@ -156,7 +156,7 @@ class TfdsSource:
             raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
-        self.name = cfg.name[len(PREFIX):]
+        self.name = cfg.name[len(TFDS_PREFIX):]
         tfds = _import_tfds()
         builder = open_builder(self.name, cfg.data_dir)
         image_key, label_key = _feature_keys(builder)
