@@ -144,6 +144,13 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     elif not local_sgd:
         grads = all_reduce_mean(grads, o.axis_name, None if o.allreduce_dtype == "fp32" else jnp.bfloat16)
     model_state, metrics = all_reduce_mean((model_state, {"loss": loss, "accuracy": accuracy}), o.axis_name)
+    # Norm of the gradient the update sees, before clipping (local SGD: the mean of the local norms).
+    squares = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
+    if o.shard_optimizer:
+        squares = jax.lax.psum(squares, o.axis_name)
+    metrics["grad_norm"] = jnp.sqrt(squares)
+    if local_sgd:
+        metrics["grad_norm"] = all_reduce_mean(metrics["grad_norm"], o.axis_name)
 
     # 4. update: the same optax update on every replica keeps the parameters in sync.
     if o.shard_optimizer:  # each device updates its slice, then every device gathers the whole

@@ -104,17 +104,18 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
         writer.echo(f"jdp: XLA_FLAGS in force: {os.environ.get('XLA_FLAGS', '')}")
 
     clock, losses, save_stalls = ThroughputClock(), [], []
-    window = {"loss": 0.0, "accuracy": 0.0, "n": 0}  # means over the steps since the last train line
-    compile_time = eval_loss = eval_accuracy = math.nan
+    window = {"loss": 0.0, "accuracy": 0.0, "grad_norm": 0.0, "n": 0}  # means since the last train line
+    compile_time = first_step_end = eval_loss = eval_accuracy = math.nan
     skipped = overflows = 0
     profile = config_lib.profile_steps(cfg.profile.steps)
 
     def record(step: int, metrics: dict) -> None:
         """Host side of step `step`, fetched one step late so the device queue stays short."""
-        nonlocal compile_time, skipped, overflows
+        nonlocal compile_time, first_step_end, skipped, overflows
         values = parallel.fetch(metrics)
         if step == start_step + 1:  # the first step includes compilation: the clock starts after it
             compile_time = time.perf_counter() - t_first
+            first_step_end = time.time()
             clock.start()
         else:
             clock.add(batch_size)
@@ -126,17 +127,19 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
             writer.echo(f"warning: step {step} had a non-finite loss or gradient; its update was skipped")
         else:
             losses.append(values["loss"])
-            window["loss"] += values["loss"]
-            window["accuracy"] += values["accuracy"]
+            for key in ("loss", "accuracy", "grad_norm"):
+                window[key] += values[key]
             window["n"] += 1
         fp16 = {}
         if cfg.precision == "fp16":  # loss-scale overflows skip an update but are not failures
             overflows += int(values["overflow"])
             fp16 = {"loss_scale": values["loss_scale"], "overflow_steps": overflows}
         if (step % cfg.train.log_every == 0 or step == steps) and window["n"]:
-            writer.train(step, loss=window["loss"] / window["n"], accuracy=window["accuracy"] / window["n"],
-                         lr=values["lr"], examples_per_sec=clock.interval_rate(), skipped_steps=skipped, **fp16)
-            window.update(loss=0.0, accuracy=0.0, n=0)
+            n = window["n"]
+            writer.train(step, loss=window["loss"] / n, accuracy=window["accuracy"] / n, lr=values["lr"],
+                         examples_per_sec=clock.interval_rate(), grad_norm=window["grad_norm"] / n,
+                         skipped_steps=skipped, **fp16)
+            window.update(loss=0.0, accuracy=0.0, grad_norm=0.0, n=0)
 
     def save(step: int) -> None:
         clock.pause()
@@ -196,7 +199,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
         if start_step < steps:
             stall = sum(save_stalls) / len(save_stalls) if save_stalls else 0.0
             writer.summary(eval_accuracy=eval_accuracy, examples_per_sec=clock.rate(), compile_time_s=compile_time,
-                           total_time_s=time.perf_counter() - t_start, checkpoint_stall_s=stall)
+                           total_time_s=time.perf_counter() - t_start, checkpoint_stall_s=stall,
+                           first_step_end_unix=first_step_end)
             writer.echo(f"done: eval accuracy {eval_accuracy:.4f}, {clock.rate():,.0f} examples/s, first step "
                         f"(compile) {compile_time:.1f}s, checkpoint stall {stall * 1e3:.0f} ms/save; metrics in "
                         f"{workdir / 'metrics.jsonl'}")

@@ -1,0 +1,123 @@
+"""`python -m jdp.compare parity|speed --config configs/X.py --workers N [options] [--config.a.b=v ...]`
+
+    parity  train jdp and its PyTorch DDP twin from the same weights on the same batches; per-step loss and
+            gradient-norm differences. Exit 0 within tolerance, 1 outside, 2 usage, 3 a side failed.
+            The last line states the worst difference and the tolerance.
+    speed   examples/s, step time, time to first step and peak memory of jdp's backends and of DDP at
+            the same global batch; interleaved repeats, medians and ratios vs DDP.
+
+Reports (markdown, JSON, PNG) go to --workdir (default runs/compare-NAME).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import sys
+from pathlib import Path
+
+EXIT_OK, EXIT_OUTSIDE_TOLERANCE, EXIT_USAGE, EXIT_SIDE_FAILED = 0, 1, 2, 3
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m jdp.compare", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in ("parity", "speed"):
+        p = sub.add_parser(name, allow_abbrev=False)
+        p.add_argument("--config", help="a jdp config file (default: configs/mnist1d_cnn.py)")
+        p.add_argument("--workers", type=int, default=2, help="devices on the jdp side, ranks on the DDP side")
+        p.add_argument("--workdir", type=Path, help="default: runs/compare-NAME (speed: runs/compare-NAME-speed)")
+        p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                       help="cuda: real GPUs, NCCL and SyncBatchNorm kernels (not simulated CPU devices)")
+        p.add_argument("--timeout", type=float, default=900, help="seconds allowed to each process")
+    parity, speed = sub.choices["parity"], sub.choices["speed"]
+    parity.add_argument("--steps", type=int, default=50)
+    parity.add_argument("--report_only", action="store_true",
+                        help="judge and report the results already in --workdir again, without training")
+    parity.add_argument("--tolerance", type=float, help="relative, for every step's loss (default: by model and "
+                        "optimizer, jdp/compare/parity.py TOLERANCES)")
+    parity.add_argument("--grad_tolerance", type=float, help="relative, for every step's gradient norm")
+    parity.add_argument("--step1_tolerance", type=float, help="relative, for step 1's loss and gradient norm")
+    speed.add_argument("--steps", type=int, help="steps per run (default: the config's train.steps)")
+    speed.add_argument("--repeats", type=int, default=3)
+    speed.add_argument("--backends", default="shard_map,pmap,jit", help="comma-separated jdp backends")
+    speed.add_argument("--report_only", action="store_true", help="write the report of --workdir's speed.json again")
+    speed.add_argument("--compile_cache", action="store_true",
+                       help="keep jdp's persistent compilation cache (default: off, so compile time is cold)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from jdp import config as config_lib
+    from jdp.compare.procs import SideFailed
+
+    argv = sys.argv[1:] if argv is None else argv
+    args, rest = _parser().parse_known_args(argv)
+    try:
+        overrides = {}
+        while rest:
+            arg = rest.pop(0)
+            if not arg.startswith("--config."):
+                raise config_lib.ConfigError(f"unrecognised argument {arg}; overrides look like --config.train.steps=5")
+            key, sep, value = arg[len("--config."):].partition("=")
+            if not sep:
+                if not rest:
+                    raise config_lib.ConfigError(f"{arg} needs a value")
+                value = rest.pop(0)
+            overrides[key] = value
+        path = Path(args.config) if args.config else config_lib.DEFAULT_CONFIG
+        cfg = config_lib.apply_overrides(config_lib.load_config_file(path), overrides)
+        if args.workers < 1:
+            raise config_lib.ConfigError("--workers must be at least 1")
+        name = path.stem
+        command = "python -m jdp.compare " + " ".join(shlex.quote(a) for a in argv)
+        if args.command == "parity":
+            from jdp.compare.parity import check_supported, default_tolerance, parity, report_workdir
+
+            workdir = args.workdir or Path("runs") / f"compare-{name}"
+            if args.report_only:
+                cfg = config_lib.load_saved_config(Path(workdir) / "config.json")
+            check_supported(cfg, args.workers if not args.report_only else 1)
+            chosen = {"loss": args.tolerance, "grad_norm": args.grad_tolerance, "step1": args.step1_tolerance}
+            tolerance = dataclasses.replace(default_tolerance(cfg),
+                                            **{k: v for k, v in chosen.items() if v is not None})
+            if args.report_only:
+                result = report_workdir(workdir, tolerance)
+            else:
+                result = parity(cfg, name=name, workers=args.workers, steps=args.steps, workdir=workdir,
+                                tolerance=tolerance, timeout_s=args.timeout, device=args.device)
+            print(f"report: {Path(workdir) / 'parity.md'}")
+            print(result.last_line())
+            return EXIT_OK if result.passed else EXIT_OUTSIDE_TOLERANCE
+        from jdp.compare.speed import report_workdir as report_speed
+        from jdp.compare.speed import speed
+
+        workdir = args.workdir or Path("runs") / f"compare-{name}-speed"
+        if args.report_only:
+            result = report_speed(workdir)
+            print(f"report: {Path(workdir) / 'speed.md'}")
+            return EXIT_OK
+        backends = tuple(b for b in args.backends.split(",") if b)
+        unknown = set(backends) - {"shard_map", "pmap", "jit"}
+        if unknown:
+            raise config_lib.ConfigError(f"unknown backend(s) {', '.join(sorted(unknown))}; use shard_map,pmap,jit")
+        result = speed(cfg, name=name, workers=args.workers, workdir=workdir, steps=args.steps,
+                       repeats=args.repeats, backends=backends, timeout_s=args.timeout,
+                       compile_cache=args.compile_cache, device=args.device, command=command)
+        print(f"report: {Path(workdir) / 'speed.md'}")
+        ddp = next(r for r in result.rows if r["run"] == "ddp")
+        print("; ".join(f"{r['run']} {r['examples_per_sec']:,.0f} ex/s ({r['ratio_vs_ddp']:.2f}x)"
+                        for r in result.rows if r is not ddp) + f"; ddp {ddp['examples_per_sec']:,.0f} ex/s")
+        return EXIT_OK
+    except (config_lib.ConfigError, ValueError) as e:
+        print(f"jdp.compare: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except SideFailed as e:
+        print(f"jdp.compare: {e}", file=sys.stderr)
+        return EXIT_SIDE_FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,215 @@
+"""The PyTorch DistributedDataParallel side: `python -m jdp.compare.ddp SPEC.json`.
+
+Starts `workers` ranks with torch.multiprocessing (spawn) on one machine: gloo over loopback on CPU with
+one thread per rank, NCCL with one GPU per rank on CUDA. Each rank trains the twin of the config's model
+(`torch_models.build_twin`) wrapped in DDP, from the same initial weights as jdp (SPEC["init"], a
+jdp.export-format .npz), on its own rows of the same global batches: jdp's own data source with
+`process_index=rank, process_count=workers`, whose `train_batch(step)` is the rank-th contiguous block of
+the global batch, as jdp's device `rank` gets it.
+
+Per step: forward, mean cross-entropy over the rank's rows, backward (DDP averages the gradients over
+ranks: jdp's pmean), optional global-norm clipping with optax's rule, the optimizer step with the
+learning rate jdp's schedule gives that step (SPEC["lrs"]), and, with per-rank BatchNorm, an all-reduce
+that averages the running statistics as jdp's step does. `broadcast_buffers=False`: DDP would otherwise
+overwrite every rank's statistics with rank 0's at each forward.
+
+SPEC keys: config (a jdp config.json), workers, steps, init, lrs, out (directory; also holds the
+rendezvous file), mode ("parity": also all-reduce the loss and take the gradient norm every step, evaluate
+and save the final weights; "speed": only the rank's own loss), launch_time (the parent's time.time() at
+launch), device ("cpu" | "cuda"), threads, timeout_s. Rank 0 writes OUT/ddp_result.json (and
+OUT/ddp_final.npz in parity mode).
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import resource
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from jdp.compare import torch_models, weights
+
+OPTIMIZERS = ("sgd", "momentum", "nesterov", "adamw")
+
+
+def make_optimizer(optim_cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """jdp.optim.build_optimizer's transform as a torch optimizer (the learning rate is set per step).
+
+    sgd/momentum/nesterov: optax chain(add_decayed_weights(wd, mask), sgd(lr, momentum, nesterov)) is
+    torch SGD with dampening 0 and coupled weight decay, exactly. adamw: optax adamw(b1=momentum, b2=0.999,
+    eps=1e-8) and torch AdamW are the same update (eps added to sqrt of the bias-corrected second moment,
+    decoupled decay lr * wd * p) computed in a different order, so they agree to float rounding. Weight
+    decay is masked off vectors (biases, BatchNorm) on both sides: jdp's mask is `p.ndim > 1`.
+    """
+    decay = [p for p in model.parameters() if p.ndim > 1]
+    rest = [p for p in model.parameters() if p.ndim <= 1]
+    groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
+    name = optim_cfg.name
+    if name in ("sgd", "momentum", "nesterov"):
+        momentum = 0.0 if name == "sgd" else optim_cfg.momentum
+        return torch.optim.SGD(groups, lr=0.0, momentum=momentum, dampening=0.0, nesterov=name == "nesterov")
+    if name == "adamw":
+        return torch.optim.AdamW(groups, lr=0.0, betas=(optim_cfg.momentum, 0.999), eps=1e-8)
+    raise ValueError(f"the DDP twin supports optim.name {', '.join(OPTIMIZERS)}, not {name!r}")
+
+
+def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    return torch.sqrt(sum(torch.sum(g * g) for g in grads))
+
+
+def _clip_like_optax(grads: list[torch.Tensor], max_norm: float) -> None:
+    """optax.clip_by_global_norm: unchanged below max_norm, else g / norm * max_norm (torch's
+    clip_grad_norm_ would scale by max_norm / (norm + 1e-6))."""
+    norm = _global_norm(grads)
+    if not bool(norm < max_norm):
+        for g in grads:
+            g.div_(norm).mul_(max_norm)
+
+
+def _evaluate(model: torch.nn.Module, cfg, device: torch.device) -> tuple[float, float]:
+    """Loss and accuracy over the whole eval split, as jdp's evaluate (padded rows masked)."""
+    from jdp.data import build_source
+
+    source = build_source(cfg.data, seed=cfg.seed, global_batch_size=cfg.train.global_batch_size,
+                          eval_batch_size=cfg.train.eval_batch_size or cfg.train.global_batch_size)
+    model.eval()
+    loss_sum = correct = count = 0.0
+    with torch.no_grad():
+        for rows in source.eval_batches():
+            logits = model(torch_models.prepare_input(model, rows["x"]).to(device)).float()
+            y = torch.from_numpy(rows["y"]).long().to(device)
+            mask = torch.from_numpy(rows["mask"]).to(device)
+            loss_sum += float((F.cross_entropy(logits, y, reduction="none") * mask).sum())
+            correct += float(((logits.argmax(-1) == y).float() * mask).sum())
+            count += float(mask.sum())
+    model.train()
+    return loss_sum / count, correct / count
+
+
+def train(rank: int, spec: dict) -> dict:
+    from jdp import config as config_lib
+    from jdp.data import build_source
+
+    cfg = config_lib.load_saved_config(Path(spec["config"]))
+    world, steps, parity = spec["workers"], spec["steps"], spec["mode"] == "parity"
+    device = torch.device(f"cuda:{rank}" if spec["device"] == "cuda" else "cpu")
+    batch_size = cfg.train.global_batch_size
+    source = build_source(cfg.data, seed=cfg.seed, global_batch_size=batch_size,
+                          eval_batch_size=cfg.train.eval_batch_size or batch_size, process_index=rank,
+                          process_count=world)
+    model = torch_models.build_twin(cfg.model, source.input_shape, cfg.data.num_classes or source.num_classes,
+                                    sync_bn=cfg.model.bn_sync and world > 1)
+    if spec.get("init"):
+        weights.load_npz(model, spec["init"])
+    model.to(device)
+    with warnings.catch_warnings():  # torch 2.13 deprecates it, but advises it for rank-local buffers
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+        ddp = DDP(model, device_ids=[rank] if device.type == "cuda" else None, broadcast_buffers=False)
+    optimizer = make_optimizer(cfg.optim, model)
+    params = [p for p in model.parameters()]
+    bn_stats = [] if (cfg.model.bn_sync and world > 1) else torch_models.bn_buffers(model)
+    lrs, clip = spec["lrs"], cfg.optim.grad_clip_norm
+    losses, grad_norms = [], []
+    t_first = t_end = None
+
+    def sync() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for step in range(steps):
+        rows = source.train_batch(step)
+        x = torch_models.prepare_input(model, rows["x"]).to(device, non_blocking=True)
+        y = torch.from_numpy(rows["y"]).long().to(device, non_blocking=True)
+        for group in optimizer.param_groups:
+            group["lr"] = lrs[step]
+        loss = F.cross_entropy(ddp(x).float(), y)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP all-reduces (averages) the gradients here
+        grads = [p.grad for p in params]
+        if parity:
+            grad_norms.append(float(_global_norm(grads)))
+        if clip > 0:
+            _clip_like_optax(grads, clip)
+        optimizer.step()
+        with torch.no_grad():
+            torch_models.average_bn_buffers(bn_stats, world)
+        loss = loss.detach()
+        if parity:
+            dist.all_reduce(loss)
+            loss /= world
+        losses.append(float(loss))  # rank-local in speed mode
+        if step == 0:
+            sync()
+            t_first = time.time()
+    sync()
+    t_end = time.time()
+
+    result = {"losses": losses, "grad_norms": grad_norms, "world": world, "backend": dist.get_backend(),
+              "time_to_first_step_s": t_first - spec["launch_time"],
+              "examples_per_sec": batch_size * (steps - 1) / (t_end - t_first) if steps > 1 else float("nan"),
+              "torch": torch.__version__, "threads": torch.get_num_threads()}
+    if parity and rank == 0:
+        result["eval_loss"], result["eval_accuracy"] = _evaluate(model, cfg, device)
+        np.savez(Path(spec["out"]) / "ddp_final.npz", **weights.torch_to_flat(model.state_dict(), model))
+    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    if device.type == "cuda":
+        result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, rss_kib)
+    result["peak_rss_mib_per_worker"] = [r / 1024 for r in gathered]
+    return result
+
+
+def _worker(rank: int, spec: dict) -> None:
+    torch.set_num_threads(spec.get("threads", 1))
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    backend = "nccl" if spec["device"] == "cuda" else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    # Rendezvous through a file, not a TCP port that another program could take first; gloo then
+    # connects the ranks over loopback on ports of its own choosing.
+    dist.init_process_group(backend, init_method=f"file://{Path(spec['out']).resolve() / 'rendezvous'}", rank=rank,
+                            world_size=spec["workers"], timeout=datetime.timedelta(seconds=spec.get("timeout_s", 300)))
+    result = train(rank, spec)
+    if rank == 0:
+        (Path(spec["out"]) / "ddp_result.json").write_text(json.dumps(result))
+    dist.barrier()  # every rank is done with gloo
+    # Leave without interpreter teardown: gloo's worker threads, still owned by DDP's reducer, can abort
+    # the process ("terminate called without an active exception") when they are destroyed at exit.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m jdp.compare.ddp SPEC.json", file=sys.stderr)
+        return 2
+    spec = json.loads(Path(argv[0]).read_text())
+    (Path(spec["out"]) / "rendezvous").unlink(missing_ok=True)  # a stale store file would hang the rendezvous
+    context = mp.start_processes(_worker, args=(spec,), nprocs=spec["workers"], start_method="spawn", join=False)
+    deadline = time.monotonic() + spec.get("timeout_s", 300)
+    while not context.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                if p.is_alive():
+                    p.kill()
+            print(f"jdp.compare.ddp: the workers ran past {spec.get('timeout_s', 300)} s; killed", file=sys.stderr)
+            return 124
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,99 @@
+"""The jdp side of a comparison, run in its own process so it gets its own simulated device count.
+
+    python -m jdp.compare.jdp_side init   --config CFG.json --out DIR
+        the initial state of `build(cfg).init_state()` as DIR/init.npz (jdp.export key names) and the
+        learning rate of every step as DIR/lrs.json (for the DDP side, which has no optax)
+    python -m jdp.compare.jdp_side parity --config CFG.json --out DIR --devices N
+        init as above, then `jdp.train.run` from DIR/init.npz (`init_from`) on N simulated CPU devices;
+        writes DIR/jdp_result.json (per-step losses read from metrics.jsonl, gradient norms) and
+        DIR/jdp_final.npz (final params and model_state)
+
+Gradient norms are jdp's own: each train line of metrics.jsonl carries `grad_norm`, the norm of the
+averaged gradient before clipping.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+def _config(path: str):
+    from jdp import config as config_lib
+
+    return config_lib.load_saved_config(Path(path))
+
+
+def write_init(cfg, out: Path) -> None:
+    """init.npz and lrs.json for `cfg` (uses one device)."""
+    import copy
+
+    import numpy as np
+
+    from jdp.export import flatten
+    from jdp.optim import learning_rate
+    from jdp.train import build
+
+    one = copy.deepcopy(cfg)
+    one.parallel.num_devices, one.init_from = 1, ""
+    state = build(one).init_state()
+    arrays = {**flatten(state.params, "params"), **flatten(state.model_state, "model_state"), "step": np.int64(0)}
+    np.savez(out / "init.npz", **arrays)
+    schedule = learning_rate(cfg.optim, cfg.train.global_batch_size, cfg.train.steps)
+    (out / "lrs.json").write_text(json.dumps([float(schedule(t)) for t in range(cfg.train.steps)]))
+
+
+def parity(cfg, out: Path, devices: int) -> None:
+    import jax
+
+    from jdp.export import flatten
+    from jdp.mesh import simulate_cpu_devices
+    from jdp.train import run
+
+    if devices:
+        simulate_cpu_devices(devices)
+    if cfg.compile_cache_dir and not jax.config.jax_compilation_cache_dir:  # as jdp.train.main does
+        import os
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg.compile_cache_dir))
+    write_init(cfg, out)
+    cfg.init_from = str(out / "init.npz")
+    workdir = out / "jdp_run"
+    result = run(cfg, workdir)
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    train = sorted((r for r in lines if r["split"] == "train"), key=lambda r: r["step"])
+    summary = next(r for r in lines if r["split"] == "summary")
+    losses = [r["loss"] for r in train]
+    if len(losses) != cfg.train.steps or losses != result.losses:
+        raise RuntimeError(f"metrics.jsonl has {len(losses)} per-step losses for {cfg.train.steps} steps "
+                           "(is train.log_every 1, and was no step skipped?)")
+    import numpy as np
+
+    np.savez(out / "jdp_final.npz", **flatten(result.params, "params"), **flatten(result.model_state, "model_state"))
+    (out / "jdp_result.json").write_text(json.dumps({
+        "losses": losses, "grad_norms": [r["grad_norm"] for r in train], "lrs": [r["lr"] for r in train],
+        "eval_loss": result.eval_loss,
+        "eval_accuracy": result.eval_accuracy, "examples_per_sec": summary["examples_per_sec"],
+        "devices": len(jax.devices()), "backend": cfg.parallel.backend}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m jdp.compare.jdp_side")
+    p.add_argument("command", choices=("init", "parity"))
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--devices", type=int, default=0, help="simulated CPU devices (0: leave JAX alone)")
+    args = p.parse_args(argv)
+    cfg = _config(args.config)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.command == "init":
+        write_init(cfg, args.out)
+    else:
+        parity(cfg, args.out, args.devices)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""`python -m jdp.compare parity`: jdp and its PyTorch DDP twin trained from the same initial weights on
+the same batches, compared step by step.
+
+1. `jdp_side parity` (a subprocess with `--workers` simulated CPU devices): jdp's initial state
+   (`build(cfg).init_state()`) is written as WORKDIR/init.npz with jdp.export key names, the schedule's
+   learning rates as lrs.json; then `jdp.train.run` trains from it (`init_from`), with
+   `train.log_every=1` so metrics.jsonl holds every step's loss.
+2. `jdp.compare.ddp` (a subprocess that spawns `--workers` ranks): the twin loads init.npz and trains on
+   the same global batches (jdp's source, each rank its block of rows), with the same learning rates.
+3. Compared per step: the train loss (mean over the global batch) and the global norm of the averaged
+   gradient before clipping; at the end every parameter and BatchNorm statistic, and the eval loss.
+   Relative difference = |jdp - ddp| / |jdp|. The run fails (exit 1) when a per-step loss or gradient-norm
+   difference exceeds its tolerance, or step 1's exceeds the step-1 tolerance (`Tolerance`, `TOLERANCES`);
+   final weights and eval are reported, not judged (they accumulate every step's rounding).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+
+from jdp.compare import procs
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """Relative (|jdp - ddp| / |jdp|) bounds on the per-step differences."""
+
+    loss: float  # every step's train loss
+    grad_norm: float  # every step's gradient norm
+    step1: float  # step 1's loss and gradient norm: same weights, same batch, nothing compounded yet
+
+    def describe(self) -> str:
+        return f"loss {self.loss:.0e}, gradient norm {self.grad_norm:.0e}, step 1 {self.step1:.0e}"
+
+
+# Float32 on CPU, by (model family, optimizer family); measured on a 2-core CPU over 50 steps and rounded up
+# (docs/compare_example/README.md has the runs).
+# - Step 1 measures the model, the loss and the backward pass alone: round-off (~1e-7), except the deep
+#   BatchNorm ResNet, whose float32 gradient is itself ~3e-3 (as a vector) from the float64 one in either
+#   framework (the two agree to ~1e-8 when both compute in float64: tests/test_compare.py); its norm
+#   differs by up to ~3e-5.
+# - Plain SGD, MLP and CNNs: the losses stay at round-off (<= 3e-7). Gradient norms move more (up to ~1e-4):
+#   a pre-activation within round-off of 0 switches its ReLU on one side only, which changes that unit's
+#   gradient at first order but the loss only at second.
+# - Momentum carries such a switch into later steps: usually still <= 2e-7, but one MNIST-1D CNN run drifted
+#   to 1.2e-4 (loss) after a switch at step 15. Adam divides each gradient element by its running RMS, and a
+#   BatchNorm ResNet is chaotic at these learning rates, so two correct float32 implementations drift apart:
+#   ~1e-3 (loss) and ~1e-2 (gradient norm) in 50 Adam steps, and for ResNet-18 at lr 0.1 up to 0.15 / 0.65
+#   within 20 steps. Those bounds measure the drift, not a difference in the arithmetic; step 1 and the
+#   plain-SGD losses are the tight checks.
+_SGD, _MOMENTUM, _ADAM = Tolerance(1e-6, 1e-3, 1e-5), Tolerance(1e-3, 1e-2, 1e-5), Tolerance(1e-2, 5e-2, 1e-5)
+_RESNET = Tolerance(0.5, 1.0, 1e-4)
+TOLERANCES = {("mlp", "sgd"): _SGD, ("cnn1d", "sgd"): _SGD, ("cnn2d", "sgd"): _SGD,
+              ("mlp", "momentum"): _MOMENTUM, ("cnn1d", "momentum"): _MOMENTUM, ("cnn2d", "momentum"): _MOMENTUM,
+              ("mlp", "adamw"): _ADAM, ("cnn1d", "adamw"): _ADAM, ("cnn2d", "adamw"): _ADAM,
+              ("resnet", "sgd"): _RESNET, ("resnet", "momentum"): _RESNET, ("resnet", "adamw"): _RESNET}
+MODELS = ("mlp", "cnn1d", "cnn2d", "resnet18", "resnet34", "resnet50")
+
+
+def default_tolerance(cfg) -> Tolerance:
+    model = "resnet" if cfg.model.name.startswith("resnet") else cfg.model.name
+    optimizer = {"nesterov": "momentum"}.get(cfg.optim.name, cfg.optim.name)
+    return TOLERANCES[(model, optimizer)]
+
+
+SUPPORTED_OPTIMIZERS = ("sgd", "momentum", "nesterov", "adamw")
+
+
+@dataclasses.dataclass
+class Parity:
+    name: str
+    steps: list[dict]  # step, loss_jdp, loss_ddp, loss_rel, grad_norm_jdp, grad_norm_ddp, grad_rel
+    worst_loss: tuple[float, int]  # (relative difference, step)
+    worst_grad: tuple[float, int]
+    final_params_rel: float  # max over tensors of max|a - b| / max|a|
+    final_worst_tensor: str
+    eval: dict  # loss/accuracy of both sides
+    tolerance: Tolerance
+    first_step: float  # the larger of step 1's loss and gradient-norm differences
+    passed: bool
+    meta: dict
+
+    def last_line(self) -> str:
+        t = self.tolerance
+        return (f"parity {self.name}: worst loss difference {self.worst_loss[0]:.2e} relative (step "
+                f"{self.worst_loss[1]}; tolerance {t.loss:.0e}), worst gradient-norm difference "
+                f"{self.worst_grad[0]:.2e} (step {self.worst_grad[1]}; tolerance {t.grad_norm:.0e}), step 1 "
+                f"{self.first_step:.1e} (tolerance {t.step1:.0e}): {'PASS' if self.passed else 'FAIL'}")
+
+
+# Settings the twin does not mirror, and the value it needs (absent keys are fine: an older config).
+_FP32_PLAIN = {"precision": "fp32", "train.grad_accum_steps": 1, "parallel.allreduce_dtype": "fp32",
+               "parallel.sync_every": 1}
+
+
+def check_supported(cfg, workers: int) -> None:
+    """Raises ValueError naming the first setting the DDP twin cannot reproduce."""
+    if cfg.optim.name not in SUPPORTED_OPTIMIZERS:
+        raise ValueError(f"optim.name={cfg.optim.name!r}: the DDP twin supports {', '.join(SUPPORTED_OPTIMIZERS)}")
+    if cfg.model.name not in MODELS:
+        raise ValueError(f"model.name={cfg.model.name!r}: the twin has {', '.join(MODELS)}")
+    if cfg.data.name not in ("mnist1d", "digits", "synthetic"):
+        raise ValueError(f"data.name={cfg.data.name!r}: the comparison uses jdp's in-memory sources only")
+    for key, wanted in _FP32_PLAIN.items():
+        node = cfg
+        for part in key.split("."):
+            node = node[part] if part in node else wanted
+        if node != wanted:
+            raise ValueError(f"{key}={node!r}: the DDP twin is plain float32 data parallelism; set "
+                             f"--config.{key}={wanted}")
+    if cfg.train.global_batch_size % workers:
+        raise ValueError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
+                         f"--workers {workers}")
+
+
+def prepare_config(cfg, *, workers: int, steps: int):
+    """The config both sides train: `steps` steps, every loss logged, eval and checkpoint only at the end."""
+    cfg = copy.deepcopy(cfg)
+    check_supported(cfg, workers)
+    cfg.train.steps = steps
+    cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, steps - 1)
+    cfg.train.update(log_every=1, eval_every=steps)
+    cfg.checkpoint.every_steps = 0
+    cfg.parallel.update(cpu_devices=workers, num_devices=0, check_replicas_every=0)
+    cfg.init_from = ""
+    return cfg
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(a), 1e-30)
+
+
+def compare(name: str, jdp: dict, ddp: dict, jdp_final: dict, ddp_final: dict, tolerance: Tolerance,
+            meta: dict | None = None) -> Parity:
+    """Per-step differences and the verdict: every step's loss and gradient-norm differences within
+    `tolerance`, and step 1's within `tolerance.step1`."""
+    rows = []
+    for i, (lj, ld, gj, gd) in enumerate(zip(jdp["losses"], ddp["losses"], jdp["grad_norms"], ddp["grad_norms"],
+                                             strict=True)):
+        rows.append({"step": i + 1, "loss_jdp": lj, "loss_ddp": ld, "loss_rel": _rel(lj, ld),
+                     "grad_norm_jdp": gj, "grad_norm_ddp": gd, "grad_rel": _rel(gj, gd)})
+    worst_loss = max((r["loss_rel"], r["step"]) for r in rows)
+    worst_grad = max((r["grad_rel"], r["step"]) for r in rows)
+    finals = {k: float(np.max(np.abs(jdp_final[k] - ddp_final[k]))) / max(float(np.max(np.abs(jdp_final[k]))), 1e-30)
+              for k in jdp_final}
+    worst_tensor = max(finals, key=finals.get)
+    evaluation = {"loss_jdp": jdp["eval_loss"], "loss_ddp": ddp["eval_loss"],
+                  "loss_rel": _rel(jdp["eval_loss"], ddp["eval_loss"]),
+                  "accuracy_jdp": jdp["eval_accuracy"], "accuracy_ddp": ddp["eval_accuracy"]}
+    first = max(rows[0]["loss_rel"], rows[0]["grad_rel"])
+    finite = all(math.isfinite(r[k]) for r in rows for k in ("loss_rel", "grad_rel"))
+    passed = (finite and worst_loss[0] <= tolerance.loss and worst_grad[0] <= tolerance.grad_norm
+              and first <= tolerance.step1)
+    return Parity(name, rows, worst_loss, worst_grad, finals[worst_tensor], worst_tensor, evaluation, tolerance,
+                  first, passed, meta or {})
+
+
+def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance: Tolerance | None = None,
+           timeout_s: float = 900, device: str = "cpu") -> Parity:
+    """Runs both sides into `workdir` and writes parity.md, parity.json, parity_steps.csv and parity_loss.png.
+
+    `tolerance`: default_tolerance(cfg) when None."""
+    from jdp import config as config_lib
+
+    cfg = prepare_config(cfg, workers=workers, steps=steps)
+    if device == "cuda":
+        cfg.parallel.cpu_devices = 0
+        cfg.parallel.num_devices = workers
+    workdir = Path(workdir).resolve()
+    workdir.mkdir(parents=True, exist_ok=True)
+    for stale in ("jdp_result.json", "ddp_result.json", "jdp_final.npz", "ddp_final.npz", "sides.json"):
+        (workdir / stale).unlink(missing_ok=True)
+    shutil.rmtree(workdir / "jdp_run", ignore_errors=True)  # jdp would resume from an old run's checkpoints
+    config_lib.save_config(cfg, workdir / "config.json")
+
+    jdp_run = procs.run(["-m", "jdp.compare.jdp_side", "parity", "--config", str(workdir / "config.json"),
+                         "--out", str(workdir), "--devices", str(cfg.parallel.cpu_devices)],
+                        log=workdir / "logs" / "jdp.log", timeout_s=timeout_s)
+    procs.check(jdp_run, "the jdp side")
+    spec = {"config": str(workdir / "config.json"), "workers": workers, "steps": steps,
+            "init": str(workdir / "init.npz"), "lrs": json.loads((workdir / "lrs.json").read_text()),
+            "out": str(workdir), "mode": "parity", "device": device, "threads": 1,
+            "timeout_s": timeout_s, "launch_time": time.time()}
+    (workdir / "ddp_spec.json").write_text(json.dumps(spec))
+    ddp_run = procs.run(["-m", "jdp.compare.ddp", str(workdir / "ddp_spec.json")],
+                        log=workdir / "logs" / "ddp.log", timeout_s=timeout_s)
+    procs.check(ddp_run, "the DDP side")
+    (workdir / "sides.json").write_text(json.dumps({"name": name, "workers": workers, "device": device,
+                                                    "jdp_seconds": jdp_run.seconds, "ddp_seconds": ddp_run.seconds}))
+    return report_workdir(workdir, tolerance)
+
+
+def report_workdir(workdir: Path, tolerance: Tolerance | None = None) -> Parity:
+    """Compares the results a parity run left in `workdir` and writes its report (`--report_only`)."""
+    from jdp import config as config_lib
+    from jdp.compare import report
+
+    workdir = Path(workdir)
+    cfg = config_lib.load_saved_config(workdir / "config.json")
+    sides = json.loads((workdir / "sides.json").read_text())
+    tolerance = tolerance or default_tolerance(cfg)
+    jdp = json.loads((workdir / "jdp_result.json").read_text())
+    ddp = json.loads((workdir / "ddp_result.json").read_text())
+    with np.load(workdir / "jdp_final.npz") as a, np.load(workdir / "ddp_final.npz") as b:
+        jdp_final, ddp_final = dict(a), dict(b)
+    meta = {"config": sides["name"], "model": cfg.model.name, "optimizer": cfg.optim.name, "lr": cfg.optim.lr,
+            "workers": sides["workers"], "steps": cfg.train.steps, "global_batch_size": cfg.train.global_batch_size,
+            "bn_sync": cfg.model.bn_sync, "jdp_backend": cfg.parallel.backend, "ddp_backend": ddp["backend"],
+            "device": sides["device"], "jdp_seconds": sides["jdp_seconds"], "ddp_seconds": sides["ddp_seconds"],
+            "torch": ddp["torch"]}
+    result = compare(sides["name"], jdp, ddp, jdp_final, ddp_final, tolerance, meta)
+    report.write_parity(result, workdir)
+    return result

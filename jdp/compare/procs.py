@@ -1,0 +1,70 @@
+"""Child processes with a time limit and their peak memory."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[2]  # for `configs`, which jdp's saved-config loader imports
+
+
+@dataclasses.dataclass
+class Finished:
+    returncode: int  # 124: killed at the time limit
+    seconds: float
+    peak_rss_mib: float  # ru_maxrss of the child itself (not of its own children)
+    launch_time: float  # time.time() just before the start
+    log: Path
+
+
+class SideFailed(RuntimeError):
+    pass
+
+
+def child_env(drop: tuple[str, ...] = ()) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in drop}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), *filter(None, [env.get("PYTHONPATH")])])
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def run(args: list[str], *, log: Path, timeout_s: float, env: dict[str, str] | None = None) -> Finished:
+    """`python -m ...` in its own session with stdout+stderr to `log`; the whole process group is
+    killed at `timeout_s`. Peak memory from os.wait4, so it is this child's alone."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as out:
+        launch = time.time()
+        t0 = time.monotonic()
+        proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT,
+                                env=env or child_env(), start_new_session=True)
+        deadline = t0 + timeout_s
+        while True:
+            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                os.killpg(proc.pid, signal.SIGKILL)
+                pid, status, usage = os.wait4(proc.pid, 0)
+                proc.returncode = 124
+                return Finished(124, time.monotonic() - t0, usage.ru_maxrss / 1024, launch, log)
+            time.sleep(0.05)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    try:  # leftovers of the child's own children (spawned DDP workers), if any survived it
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    return Finished(proc.returncode, time.monotonic() - t0, usage.ru_maxrss / 1024, launch, log)
+
+
+def check(finished: Finished, what: str) -> None:
+    if finished.returncode == 0:
+        return
+    tail = "\n".join(finished.log.read_text(errors="replace").splitlines()[-25:])
+    why = (f"ran past its time limit ({finished.seconds:.0f} s)" if finished.returncode == 124
+           else f"exited {finished.returncode}")
+    raise SideFailed(f"{what} {why}; log {finished.log}:\n{tail}")

@@ -1,0 +1,190 @@
+"""Markdown tables, JSON/CSV and PNG plots (matplotlib, Agg) for the parity and speed commands."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jdp.compare.parity import Parity
+    from jdp.compare.speed import Speed
+
+
+def machine_info() -> dict:
+    """CPU model, cores, memory and library versions of this machine (read without importing torch or jax)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
+                if line.startswith("model name")), platform.processor() or "unknown CPU")
+    mem_kib = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines()
+                    if line.startswith("MemTotal")), 0)
+    versions = {}
+    for package in ("jax", "flax", "optax", "torch"):
+        try:
+            versions[package] = version(package)
+        except PackageNotFoundError:
+            versions[package] = "not installed"
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gib": round(mem_kib / 2**20, 1),
+            "python": platform.python_version(), "os": f"{platform.system()} {platform.release()}", **versions}
+
+
+def _read(path: str) -> str:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return ""
+
+
+def _machine_line(info: dict) -> str:
+    return (f"{info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB; Python {info['python']}, jax "
+            f"{info['jax']}, flax {info['flax']}, optax {info['optax']}, torch {info['torch']}")
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# ---------------------------------------------------------------- parity
+
+
+def write_parity(p: Parity, workdir: Path) -> None:
+    m = p.meta
+    info = machine_info()
+    lines = [
+        f"# Parity: jdp vs PyTorch DDP, {p.name}",
+        "",
+        f"{m['model']}, {m['optimizer']} (lr {m.get('lr', '?')}), global batch {m['global_batch_size']}, "
+        f"{m['workers']} workers, "
+        f"{m['steps']} steps, float32 on {m['device']}; jdp backend {m['jdp_backend']} on {m['workers']} "
+        f"simulated devices in one process, DDP on {m['workers']} processes ({m['ddp_backend']}, 1 thread "
+        f"each); BatchNorm sync: {m['bn_sync']}.",
+        "",
+        f"Machine: {_machine_line(info)}.",
+        "",
+        f"**{'PASS' if p.passed else 'FAIL'}**: worst per-step loss difference {p.worst_loss[0]:.2e} (step "
+        f"{p.worst_loss[1]}), worst gradient-norm difference {p.worst_grad[0]:.2e} (step {p.worst_grad[1]}), "
+        f"step 1 (same weights, same batch) {p.first_step:.1e}; tolerances: {p.tolerance.describe()} (relative, "
+        f"|jdp - ddp| / |jdp|; why these: jdp/compare/parity.py, TOLERANCES).",
+        "",
+        f"After the last step: largest parameter / BatchNorm-statistic difference {p.final_params_rel:.2e} "
+        f"relative to the tensor's largest value (`{p.final_worst_tensor}`); eval loss jdp "
+        f"{p.eval['loss_jdp']:.6f} vs DDP {p.eval['loss_ddp']:.6f} ({p.eval['loss_rel']:.1e} relative), "
+        f"accuracy {p.eval['accuracy_jdp']:.4f} vs {p.eval['accuracy_ddp']:.4f}.",
+        "",
+        "Loss: mean cross-entropy over the global batch at each step (jdp: metrics.jsonl; DDP: all-reduced). "
+        "Gradient norm: global L2 norm of the gradient averaged over workers, before clipping (jdp: a "
+        "separate jax computation at the step's parameters and batch; DDP: the .grad tensors after "
+        "backward). In the plot, differences of exactly 0 are drawn at 1e-10.",
+        "",
+        "![loss curves](parity_loss.png)",
+        "",
+        "| step | loss jdp | loss DDP | rel. diff | grad norm jdp | grad norm DDP | rel. diff |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in p.steps:
+        lines.append(f"| {r['step']} | {r['loss_jdp']:.7f} | {r['loss_ddp']:.7f} | {r['loss_rel']:.1e} | "
+                     f"{r['grad_norm_jdp']:.6f} | {r['grad_norm_ddp']:.6f} | {r['grad_rel']:.1e} |")
+    (workdir / "parity.md").write_text("\n".join(lines) + "\n")
+    (workdir / "parity.json").write_text(json.dumps({**dataclasses.asdict(p), "machine": info}, indent=1))
+    header = "step,loss_jdp,loss_ddp,loss_rel,grad_norm_jdp,grad_norm_ddp,grad_rel"
+    (workdir / "parity_steps.csv").write_text("\n".join(
+        [header] + [",".join(repr(r[k]) for k in header.split(",")) for r in p.steps]) + "\n")
+    plot_parity(p, workdir / "parity_loss.png")
+
+
+def plot_parity(p: Parity, path: Path) -> None:
+    plt = _plt()
+    steps = [r["step"] for r in p.steps]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2))
+    top.plot(steps, [r["loss_jdp"] for r in p.steps], label=f"jdp ({p.meta['jdp_backend']})", lw=2.5, alpha=0.6)
+    top.plot(steps, [r["loss_ddp"] for r in p.steps], label="PyTorch DDP", lw=1, ls="--", color="k")
+    top.set_ylabel("train loss")
+    top.set_title(f"{p.name}: {p.meta['workers']} workers, {p.meta['optimizer']}")
+    top.legend()
+    floor = 1e-10  # identical values plot at the floor
+    bottom.semilogy(steps, [max(r["loss_rel"], floor) for r in p.steps], ".-", label="loss")
+    bottom.semilogy(steps, [max(r["grad_rel"], floor) for r in p.steps], ".-", label="gradient norm")
+    bottom.axhline(p.tolerance.loss, color="C0", lw=1, ls=":", label=f"loss tolerance {p.tolerance.loss:.0e}")
+    bottom.axhline(p.tolerance.grad_norm, color="C1", lw=1, ls=":",
+                   label=f"gradient-norm tolerance {p.tolerance.grad_norm:.0e}")
+    bottom.set_ylabel("|jdp - DDP| / |jdp|")
+    bottom.set_xlabel("step")
+    bottom.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------- speed
+
+
+def write_speed(s: Speed, workdir: Path) -> None:
+    m = s.meta
+    info = machine_info()
+    lines = [
+        f"# Speed: jdp vs PyTorch DDP, {s.name}",
+        "",
+        f"{m['model']}, global batch {m['global_batch_size']}, {m['workers']} workers, {m['steps']} steps per "
+        f"run, {m['repeats']} interleaved repeats (medians shown); float32 on {m['device']}.",
+        "",
+        f"Machine: {_machine_line(info)}. Load average (1 min) around the runs: median "
+        f"{m['load_avg_1min_median']:.1f}, max {m['load_avg_1min_max']:.1f} on {info['cores']} cores"
+        + (" (the machine was shared with other jobs: read the ratios, not the absolute rates)."
+           if m["load_avg_1min_median"] > info["cores"] + 0.5 else "."),
+        "",
+        "| run | examples/s | vs DDP | step time (ms) | time to first step (s) | peak RSS per worker (MiB) "
+        "| peak RSS, all processes (MiB) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in s.rows:
+        lines.append(f"| {row['run']} | {row['examples_per_sec']:,.0f} | {row['ratio_vs_ddp']:.2f}x | "
+                     f"{row['step_time_ms']:.1f} | {row['time_to_first_step_s']:.1f} | "
+                     f"{row['peak_rss_mib_per_worker']:,.0f} | {row['peak_rss_mib_total']:,.0f} |")
+    lines += [
+        "",
+        "- examples/s: steady state, leaving out the first step (jdp: the summary line's `examples_per_sec`; "
+        "DDP: rank 0's wall time from the end of step 1 to the end of the last step). Step time = global "
+        "batch / examples/s.",
+        "- time to first step: from launching the process to the end of the first step: interpreter and "
+        "library start-up, data, model and (jdp) compilation"
+        + (" with the persistent compilation cache on" if m.get("compile_cache") else ", with no compilation cache")
+        + ". DDP's includes spawning the workers and the gloo rendezvous.",
+        f"- peak RSS: ru_maxrss. jdp is one process driving {m['workers']} simulated devices, so both of its "
+        f"figures are that one process; DDP's per-worker figure is the largest of its {m['workers']} worker "
+        "processes (each holds its own copy of the model, data and torch), and its total adds every worker's "
+        "and the launcher's.",
+        f"- per-run figures: speed.json. Command: `{m['command']}`",
+        "",
+        "![throughput](speed.png)",
+    ]
+    (workdir / "speed.md").write_text("\n".join(lines) + "\n")
+    (workdir / "speed.json").write_text(json.dumps({**dataclasses.asdict(s), "machine": info}, indent=1))
+    plot_speed(s, workdir / "speed.png")
+
+
+def plot_speed(s: Speed, path: Path) -> None:
+    plt = _plt()
+    names = [row["run"] for row in s.rows]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    colors = ["#444444" if n == "ddp" else "#1f77b4" for n in names]
+    left.bar(names, [row["examples_per_sec"] for row in s.rows], color=colors, alpha=0.8)
+    for i, name in enumerate(names):
+        runs = [r["examples_per_sec"] for r in s.runs if r["run"] == name]
+        left.plot([i] * len(runs), runs, "k.", ms=5)
+    left.set_ylabel("examples / s (steady state)")
+    left.set_title(f"{s.name}: {s.meta['workers']} workers, batch {s.meta['global_batch_size']}")
+    right.bar(names, [row["time_to_first_step_s"] for row in s.rows], color=colors, alpha=0.8)
+    right.set_ylabel("time to first step (s)")
+    right.set_title("start-up + compile")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

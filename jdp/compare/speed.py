@@ -1,0 +1,159 @@
+"""`python -m jdp.compare speed`: throughput, step time, time to first step and peak memory of every jdp
+backend and of PyTorch DDP at the same global batch on the same machine.
+
+Every run is a fresh process (jdp: `python -m jdp.train --cpu_devices N`; DDP:
+`jdp.compare.ddp`, which spawns N ranks), and the runs are interleaved and repeated: repeat r runs
+[ddp, shard_map, pmap, jit] rotated by r, so a slow period of the machine does not fall on one side only.
+Both sides start from the same initial weights (init.npz) and see the same batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+from jdp.compare import procs
+
+BACKENDS = ("shard_map", "pmap", "jit")
+_CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
+
+
+@dataclasses.dataclass
+class Speed:
+    name: str
+    rows: list[dict]  # per run kind, medians over repeats
+    runs: list[dict]  # every run
+    meta: dict
+
+
+def prepare_config(cfg, *, workers: int, steps: int | None, compile_cache: bool):
+    from jdp.compare.parity import check_supported
+
+    cfg = copy.deepcopy(cfg)
+    check_supported(cfg, workers)
+    steps = steps or cfg.train.steps
+    if steps < 2:
+        raise ValueError("--steps must be at least 2: the first step is left out of the throughput")
+    cfg.train.steps = steps
+    cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, steps - 1)
+    cfg.train.update(eval_every=steps, log_every=min(cfg.train.log_every, steps))
+    cfg.checkpoint.every_steps = 0
+    cfg.parallel.update(cpu_devices=workers, num_devices=0, check_replicas_every=0)
+    if not compile_cache:
+        cfg.compile_cache_dir = ""
+    return cfg
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: bool) -> dict:
+    from jdp import config as config_lib
+
+    cfg = copy.deepcopy(cfg)
+    cfg.parallel.backend = backend
+    config_lib.save_config(cfg, run_dir / "config.json")  # `--workdir` without `--config` trains this config
+    finished = procs.run(["-m", "jdp.train", "--workdir", str(run_dir), "--cpu_devices", str(cfg.parallel.cpu_devices)],
+                         log=run_dir / "log.txt", timeout_s=timeout_s,
+                         env=procs.child_env(drop=() if compile_cache else _CACHE_ENV))
+    procs.check(finished, f"jdp ({backend})")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    summary = next(r for r in lines if r["split"] == "summary")
+    return {"examples_per_sec": summary["examples_per_sec"], "compile_time_s": summary["compile_time_s"],
+            "time_to_first_step_s": summary["first_step_end_unix"] - finished.launch_time,
+            "peak_rss_mib_per_worker": finished.peak_rss_mib, "peak_rss_mib_total": finished.peak_rss_mib,
+            "losses": [r["loss"] for r in lines if r["split"] == "train"], "wall_s": finished.seconds}
+
+
+def _run_ddp(cfg, run_dir: Path, init: Path, lrs: list[float], workers: int, timeout_s: float,
+             device: str) -> dict:
+    from jdp import config as config_lib
+
+    config_lib.save_config(cfg, run_dir / "config.json")
+    spec = {"config": str(run_dir / "config.json"), "workers": workers, "steps": cfg.train.steps,
+            "init": str(init), "lrs": lrs, "out": str(run_dir), "mode": "speed",
+            "device": device, "threads": 1, "timeout_s": timeout_s, "launch_time": time.time()}
+    (run_dir / "spec.json").write_text(json.dumps(spec))
+    finished = procs.run(["-m", "jdp.compare.ddp", str(run_dir / "spec.json")], log=run_dir / "log.txt",
+                         timeout_s=timeout_s)
+    procs.check(finished, "DDP")
+    result = json.loads((run_dir / "ddp_result.json").read_text())
+    rss = result["peak_rss_mib_per_worker"]
+    return {"examples_per_sec": result["examples_per_sec"],
+            "time_to_first_step_s": result["time_to_first_step_s"],
+            "peak_rss_mib_per_worker": max(rss), "peak_rss_mib_total": sum(rss) + finished.peak_rss_mib,
+            "losses": result["losses"], "wall_s": finished.seconds}
+
+
+def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = None, repeats: int = 3,
+          backends: tuple[str, ...] = BACKENDS, timeout_s: float = 600, compile_cache: bool = False,
+          device: str = "cpu", command: str = "", echo=print) -> Speed:
+    """Runs everything into `workdir` and writes speed.md, speed.json and speed.png."""
+    from jdp import config as config_lib
+    from jdp.compare import report
+
+    cfg = prepare_config(cfg, workers=workers, steps=steps, compile_cache=compile_cache)
+    if device == "cuda":
+        cfg.parallel.update(cpu_devices=0, num_devices=workers)
+    workdir = Path(workdir).resolve()
+    shutil.rmtree(workdir / "runs", ignore_errors=True)
+    workdir.mkdir(parents=True, exist_ok=True)
+    config_lib.save_config(cfg, workdir / "config.json")
+    init = procs.run(["-m", "jdp.compare.jdp_side", "init", "--config", str(workdir / "config.json"),
+                      "--out", str(workdir)], log=workdir / "logs" / "init.log", timeout_s=timeout_s)
+    procs.check(init, "jdp init")
+    cfg.init_from = str(workdir / "init.npz")
+    lrs = json.loads((workdir / "lrs.json").read_text())
+
+    plan = ["ddp", *backends]
+    runs = []
+    for rep in range(repeats):
+        for kind in plan[rep % len(plan):] + plan[:rep % len(plan)]:
+            run_dir = workdir / "runs" / f"{kind}-{rep}"
+            run_dir.mkdir(parents=True)
+            load_before = os.getloadavg()[0]
+            if kind == "ddp":
+                figures = _run_ddp(cfg, run_dir, workdir / "init.npz", lrs, workers, timeout_s, device)
+            else:
+                figures = _run_jdp(cfg, kind, run_dir, timeout_s, compile_cache)
+            runs.append({"run": kind, "repeat": rep, **figures, "load_avg_1min": [load_before, os.getloadavg()[0]]})
+            echo(f"{kind:>9} repeat {rep}: {figures['examples_per_sec']:,.0f} examples/s, first step after "
+                 f"{figures['time_to_first_step_s']:.1f} s, peak RSS {figures['peak_rss_mib_per_worker']:,.0f} MiB")
+
+    batch = cfg.train.global_batch_size
+    ddp_rate = _median([r["examples_per_sec"] for r in runs if r["run"] == "ddp"])
+    rows = []
+    for kind in plan:
+        mine = [r for r in runs if r["run"] == kind]
+        rate = _median([r["examples_per_sec"] for r in mine])
+        rows.append({"run": kind, "examples_per_sec": rate, "ratio_vs_ddp": rate / ddp_rate,
+                     "step_time_ms": 1000 * batch / rate,
+                     "time_to_first_step_s": _median([r["time_to_first_step_s"] for r in mine]),
+                     "peak_rss_mib_per_worker": _median([r["peak_rss_mib_per_worker"] for r in mine]),
+                     "peak_rss_mib_total": _median([r["peak_rss_mib_total"] for r in mine])})
+    loads = [load for r in runs for load in r["load_avg_1min"]]
+    meta = {"config": name, "model": cfg.model.name, "workers": workers, "steps": cfg.train.steps,
+            "load_avg_1min_median": _median(loads), "load_avg_1min_max": max(loads),
+            "repeats": repeats, "global_batch_size": batch, "device": device, "compile_cache": compile_cache,
+            "command": command}
+    result = Speed(name, rows, [{k: v for k, v in r.items() if k != "losses"} | {"final_loss": r["losses"][-1]}
+                                for r in runs], meta)
+    report.write_speed(result, workdir)
+    return result
+
+
+def report_workdir(workdir: Path) -> Speed:
+    """Writes the report of the speed.json a run left in `workdir` again."""
+    from jdp.compare import report
+
+    stored = json.loads((Path(workdir) / "speed.json").read_text())
+    result = Speed(stored["name"], stored["rows"], stored["runs"], stored["meta"])
+    report.write_speed(result, Path(workdir))
+    return result

@@ -1,0 +1,305 @@
+"""PyTorch twins of jdp's models (`jdp/models`): the same layers in the same order, the same padding,
+strides, ReLU placement, ResNet stems and shortcut projections.
+
+Module names mirror jdp's module paths (torch `blocks.0.conv1` is jdp `blocks/0/conv1`), so
+`jdp.compare.weights` maps weights by name. Layout differences are left to the weight conversion:
+torch Linear is (out, in) where Flax Dense is (in, out), torch convolutions are OIHW (OIW) where Flax is
+HWIO (WIO), and the dense layer after a conv stack flattens (C, H, W) in torch but (H, W, C) in Flax: that
+layer carries `jdp_flatten_from = (C, *spatial)` and its weight columns are permuted at conversion.
+
+jdp's sources give channels-last numpy inputs; `prepare_input` moves the channels first.
+
+No jax here: the DDP workers import only torch, numpy and jdp's numpy-only data code.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from itertools import pairwise
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.modules._functions import SyncBatchNorm as _SyncBatchNormFn
+
+# jdp.models.resnet.ARCHS, repeated so the workers need not import jax (tests/test_compare.py holds them equal).
+RESNET_ARCHS: dict[str, tuple[str, tuple[int, ...]]] = {
+    "resnet18": ("basic", (2, 2, 2, 2)),
+    "resnet34": ("basic", (3, 4, 6, 3)),
+    "resnet50": ("bottleneck", (3, 4, 6, 3)),
+}
+MODEL_NAMES = ("mlp", "cnn1d", "cnn2d", *RESNET_ARCHS)
+
+
+class BatchNorm(nn.BatchNorm2d):
+    """jdp's BatchNorm (`flax.nnx.BatchNorm(momentum=m, epsilon=1e-5)`) in PyTorch.
+
+    - Training normalises with the batch mean and the biased batch variance, as both frameworks do.
+    - Running statistics follow Flax: `new = m * old + (1 - m) * batch` (torch's `momentum` is 1 - m),
+      and `running_var` holds the running average of the *biased* batch variance, which is what
+      `nnx.BatchNorm.var` stores (torch's own BatchNorm keeps the unbiased one, n / (n - 1) larger).
+      So the buffers map one to one onto jdp's `mean` / `var`, and evaluation agrees too.
+    - `sync=True` (jdp `model.bn_sync`): the batch statistics are those of the global batch. On CUDA the
+      normalisation runs torch's SyncBatchNorm kernels; on CPU, where those kernels do not exist
+      (nn.SyncBatchNorm refuses CPU modules), the per-channel mean and mean of squares are all-reduced
+      with autograd (`torch.distributed.nn.functional.all_reduce`), which is what Flax does with
+      `lax.pmean` (variance = E[x^2] - E[x]^2, clipped at 0).
+    - `sync=False`: torch's own batch_norm kernel on this rank's rows (per-device BatchNorm, as DDP
+      without SyncBatchNorm). jdp then averages the running statistics across devices after each step;
+      the DDP loop does the same (`average_bn_buffers`).
+    """
+
+    def __init__(self, num_features: int, flax_momentum: float = 0.9, eps: float = 1e-5, sync: bool = False):
+        super().__init__(num_features, eps=eps, momentum=1.0 - flax_momentum)
+        self.flax_momentum = flax_momentum
+        self.sync = sync
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.training:
+            return F.batch_norm(x, self.running_mean, self.running_var, self.weight, self.bias, False, 0.0, self.eps)
+        dims = [0, *range(2, x.ndim)]
+        world = dist.get_world_size() if self.sync and dist.is_available() and dist.is_initialized() else 1
+        shape = (1, -1) + (1,) * (x.ndim - 2)
+        if world > 1 and x.is_cuda:
+            y = _SyncBatchNormFn.apply(x, self.weight, self.bias, None, None, self.eps, 0.0, dist.group.WORLD, world)
+            with torch.no_grad():
+                stats = torch.stack([x.mean(dims), (x * x).mean(dims)])
+                dist.all_reduce(stats)
+                mean, mean2 = stats / world
+                var = (mean2 - mean * mean).clamp_min(0.0)
+        elif world > 1:
+            import torch.distributed.nn.functional as dist_fn
+
+            stats = dist_fn.all_reduce(torch.stack([x.mean(dims), (x * x).mean(dims)])) / world
+            mean, mean2 = stats[0], stats[1]
+            var = (mean2 - mean * mean).clamp_min(0.0)
+            # Flax's order of operations: (x - mean) * (rsqrt(var + eps) * scale) + bias.
+            y = (x - mean.view(shape)) * (torch.rsqrt(var + self.eps) * self.weight).view(shape) + self.bias.view(shape)
+            mean, var = mean.detach(), var.detach()
+        else:
+            y = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
+            with torch.no_grad():
+                var, mean = torch.var_mean(x, dims, correction=0)
+        with torch.no_grad():
+            m = self.flax_momentum
+            self.running_mean.copy_(m * self.running_mean + (1 - m) * mean)
+            self.running_var.copy_(m * self.running_var + (1 - m) * var)
+        return y
+
+
+def bn_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """The running statistics of every BatchNorm of `model`."""
+    return [b for m in model.modules() if isinstance(m, BatchNorm) for b in (m.running_mean, m.running_var)]
+
+
+def average_bn_buffers(buffers: list[torch.Tensor], world: int) -> None:
+    """Average running statistics across ranks (one all-reduce), as jdp's step averages its model state."""
+    if not buffers or world == 1:
+        return
+    flat = torch.cat([b.reshape(-1) for b in buffers])
+    dist.all_reduce(flat)
+    flat /= world
+    offset = 0
+    for b in buffers:
+        b.copy_(flat[offset:offset + b.numel()].view_as(b))
+        offset += b.numel()
+
+
+class MLP(nn.Module):
+    """jdp.models.MLP: Linear layers with ReLU between them on the flattened input."""
+
+    def __init__(self, in_features: int, hidden_sizes: Sequence[int], num_classes: int):
+        super().__init__()
+        sizes = [in_features, *hidden_sizes, num_classes]
+        self.layers = nn.ModuleList([nn.Linear(a, b) for a, b in pairwise(sizes)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.flatten(1)
+        *hidden, head = self.layers
+        for layer in hidden:
+            x = F.relu(layer(x))
+        return head(x)
+
+
+class CNN1D(nn.Module):
+    """jdp.models.CNN1D: Conv1d (padding 1) + ReLU per layer, flatten, one Linear."""
+
+    def __init__(self, in_length: int, in_channels: int, channels: Sequence[int], kernel_sizes: Sequence[int],
+                 strides: Sequence[int], num_classes: int):
+        super().__init__()
+        self.convs = nn.ModuleList([
+            nn.Conv1d(c_in, c_out, k, s, padding=1)
+            for c_in, c_out, k, s in zip([in_channels, *channels[:-1]], channels, kernel_sizes, strides, strict=True)])
+        length = in_length
+        for k, s in zip(kernel_sizes, strides, strict=True):
+            length = (length + 2 - k) // s + 1
+        self.head = nn.Linear(length * channels[-1], num_classes)
+        self.head.jdp_flatten_from = (channels[-1], length)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv in self.convs:
+            x = F.relu(conv(x))
+        return self.head(x.flatten(1))
+
+
+class CNN2D(nn.Module):
+    """jdp.models.CNN2D: 3x3 VALID convs + ReLU, one 2x2 max-pool, flatten, Linear + ReLU layers, head."""
+
+    def __init__(self, in_shape: tuple[int, int, int], channels: Sequence[int], dense_sizes: Sequence[int],
+                 num_classes: int):
+        super().__init__()
+        h, w, c = in_shape
+        self.convs = nn.ModuleList([nn.Conv2d(c_in, c_out, 3) for c_in, c_out in
+                                    zip([c, *channels[:-1]], channels, strict=True)])
+        h, w = (h - 2 * len(channels)) // 2, (w - 2 * len(channels)) // 2
+        sizes = [h * w * channels[-1], *dense_sizes, num_classes]
+        self.dense = nn.ModuleList([nn.Linear(a, b) for a, b in pairwise(sizes)])
+        self.dense[0].jdp_flatten_from = (channels[-1], h, w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for conv in self.convs:
+            x = F.relu(conv(x))
+        x = F.max_pool2d(x, 2)  # floor, like jdp's crop of odd sizes
+        x = x.flatten(1)
+        *hidden, head = self.dense
+        for layer in hidden:
+            x = F.relu(layer(x))
+        return head(x)
+
+
+class _Layers:
+    def __init__(self, bn_momentum: float, sync: bool):
+        self.bn_momentum, self.sync = bn_momentum, sync
+
+    def conv(self, c_in: int, c_out: int, k: int, stride: int = 1) -> nn.Conv2d:
+        return nn.Conv2d(c_in, c_out, k, stride, padding=k // 2, bias=False)  # symmetric k // 2, as jdp
+
+    def bn(self, c: int) -> BatchNorm:
+        return BatchNorm(c, self.bn_momentum, 1e-5, self.sync)
+
+
+class Shortcut(nn.Module):
+    def __init__(self, c_in: int, c_out: int, stride: int, layers: _Layers):
+        super().__init__()
+        project = stride != 1 or c_in != c_out
+        self.proj = layers.conv(c_in, c_out, 1, stride) if project else None
+        self.bn = layers.bn(c_out) if project else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.proj is None else self.bn(self.proj(x))
+
+
+class BasicBlock(nn.Module):
+    expansion = 1
+
+    def __init__(self, c_in: int, filters: int, stride: int, layers: _Layers):
+        super().__init__()
+        self.conv1, self.bn1 = layers.conv(c_in, filters, 3, stride), layers.bn(filters)
+        self.conv2, self.bn2 = layers.conv(filters, filters, 3), layers.bn(filters)
+        self.shortcut = Shortcut(c_in, filters, stride, layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return F.relu(y + self.shortcut(x))
+
+
+class BottleneckBlock(nn.Module):
+    expansion = 4
+
+    def __init__(self, c_in: int, filters: int, stride: int, layers: _Layers):
+        super().__init__()
+        c_out = filters * self.expansion
+        self.conv1, self.bn1 = layers.conv(c_in, filters, 1), layers.bn(filters)
+        self.conv2, self.bn2 = layers.conv(filters, filters, 3, stride), layers.bn(filters)  # v1.5
+        self.conv3, self.bn3 = layers.conv(filters, c_out, 1), layers.bn(c_out)
+        self.shortcut = Shortcut(c_in, c_out, stride, layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu(self.bn1(self.conv1(x)))
+        y = F.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return F.relu(y + self.shortcut(x))
+
+
+def max_pool_same(x: torch.Tensor, k: int, s: int) -> torch.Tensor:
+    """Flax `max_pool(x, (k, k), (s, s), padding="SAME")`: -inf padding, the smaller half before.
+
+    Not torch's MaxPool2d(k, s, padding=k // 2), whose windows start one row earlier."""
+    pads = []
+    for size in reversed(x.shape[2:]):  # F.pad lists the last axis first
+        out = math.ceil(size / s)
+        total = max((out - 1) * s + k - size, 0)
+        pads += [total // 2, total - total // 2]
+    return F.max_pool2d(F.pad(x, pads, value=float("-inf")), k, s)
+
+
+class ResNet(nn.Module):
+    """jdp.models.ResNet (v1.5). Stems: 'cifar' = conv3x3 + BN + ReLU; 'imagenet' = conv7x7/2 + BN + ReLU
+    + max-pool 3x3/2 SAME. Head: global average pool, Linear."""
+
+    def __init__(self, stage_sizes: Sequence[int], block: str, width: int, stem: str, in_channels: int,
+                 num_classes: int, *, bn_momentum: float = 0.9, sync_bn: bool = False):
+        super().__init__()
+        layers = _Layers(bn_momentum, sync_bn)
+        self.imagenet_stem = stem == "imagenet"
+        k, stride = (7, 2) if self.imagenet_stem else (3, 1)
+        self.stem_conv = layers.conv(in_channels, width, k, stride)
+        self.stem_bn = layers.bn(width)
+        block_cls = {"basic": BasicBlock, "bottleneck": BottleneckBlock}[block]
+        blocks, c = [], width
+        for i, n in enumerate(stage_sizes):
+            for j in range(n):
+                blocks.append(block_cls(c, width * 2**i, 2 if i > 0 and j == 0 else 1, layers))
+                c = width * 2**i * block_cls.expansion
+        self.blocks = nn.ModuleList(blocks)
+        self.head = nn.Linear(c, num_classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.stem_bn(self.stem_conv(x)))
+        if self.imagenet_stem:
+            x = max_pool_same(x, 3, 2)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean((2, 3)))
+
+
+def _image_shape(input_shape: Sequence[int]) -> tuple[int, int, int]:
+    h, w, *c = input_shape
+    return h, w, c[0] if c else 1
+
+
+def build_twin(model_cfg, input_shape: Sequence[int], num_classes: int, *, sync_bn: bool = False) -> nn.Module:
+    """The twin of `jdp.models.build_model(model_cfg, input_shape, num_classes, ...)`.
+
+    `sync_bn`: BatchNorm statistics over the global batch (jdp `model.bn_sync` with more than one worker)."""
+    name = model_cfg.name
+    if name == "mlp":
+        return MLP(math.prod(input_shape), model_cfg.hidden_sizes, num_classes)
+    if name == "cnn1d":
+        length, *c = input_shape
+        return CNN1D(length, c[0] if c else 1, model_cfg.channels, model_cfg.kernel_sizes, model_cfg.strides,
+                     num_classes)
+    if name == "cnn2d":
+        return CNN2D(_image_shape(input_shape), model_cfg.channels, model_cfg.dense_sizes, num_classes)
+    if name in RESNET_ARCHS:
+        h, _, c = _image_shape(input_shape)
+        block, standard_stages = RESNET_ARCHS[name]
+        stem = model_cfg.stem if model_cfg.stem != "auto" else ("cifar" if h <= 64 else "imagenet")
+        return ResNet(tuple(model_cfg.stage_sizes) or standard_stages, block, model_cfg.width, stem, c, num_classes,
+                      bn_momentum=model_cfg.bn_momentum, sync_bn=sync_bn)
+    raise ValueError(f"the PyTorch twin has no model {name!r}; it has {', '.join(MODEL_NAMES)}")
+
+
+def prepare_input(model: nn.Module, x: np.ndarray) -> torch.Tensor:
+    """jdp's channels-last batch -> the twin's layout: (N, L[, C]) -> (N, C, L); (N, H, W[, C]) -> (N, C, H, W);
+    the MLP takes it as is (it flattens in the same order as jdp)."""
+    t = torch.from_numpy(np.ascontiguousarray(x))
+    if isinstance(model, CNN1D):
+        return t[:, None, :] if t.ndim == 2 else t.permute(0, 2, 1).contiguous()
+    if isinstance(model, (CNN2D, ResNet)):
+        return t[:, None] if t.ndim == 3 else t.permute(0, 3, 1, 2).contiguous()
+    return t

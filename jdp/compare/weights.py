@@ -1,0 +1,149 @@
+"""Weights both ways: jdp params / model_state <-> the state_dict of a twin from `jdp.compare.torch_models`.
+
+jdp side: the pure dicts of `jdp.train.run(...).params` / `.model_state` (or of `build(cfg).init_state()`),
+or a flat dict with `jdp.export` key names (`params/layers/0/kernel`, `model_state/stem_bn/mean`), as in a
+file written by `python -m jdp.export` or read with `np.load`.
+
+| jdp | torch |
+|---|---|
+| Dense `<path>/kernel`, (in, out) | `<path>.weight`, (out, in); columns permuted (H, W, C) -> (C, H, W) after convs |
+| Conv `<path>/kernel`, HWIO / WIO | `<path>.weight`, OIHW / OIW |
+| `<path>/bias` | `<path>.bias` |
+| BatchNorm `<path>/scale`, `bias` | `<path>.weight`, `bias` |
+| BatchNorm `model_state/<path>/mean`, `var` | `<path>.running_mean`, `running_var` (see torch_models.BatchNorm) |
+
+torch's `num_batches_tracked` has no jdp counterpart: `jdp_to_torch` keeps the model's own. Every conversion
+is a transpose or a permutation, so both round trips are exact. No jax here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from jdp.compare.torch_models import BatchNorm
+
+Flat = dict[str, np.ndarray]
+
+
+def _entries(model: nn.Module) -> list[tuple[str, str, str, Any]]:
+    """(jdp key, torch key, kind, flatten_from) for every weight of `model`."""
+    out = []
+    for name, module in model.named_modules():
+        path = name.replace(".", "/")
+        if isinstance(module, nn.Linear):
+            out.append((f"params/{path}/kernel", f"{name}.weight", "linear", getattr(module, "jdp_flatten_from", None)))
+        elif isinstance(module, (nn.Conv1d, nn.Conv2d)):
+            out.append((f"params/{path}/kernel", f"{name}.weight", "conv", None))
+        elif isinstance(module, BatchNorm):
+            out += [(f"params/{path}/scale", f"{name}.weight", "copy", None),
+                    (f"params/{path}/bias", f"{name}.bias", "copy", None),
+                    (f"model_state/{path}/mean", f"{name}.running_mean", "copy", None),
+                    (f"model_state/{path}/var", f"{name}.running_var", "copy", None)]
+            continue
+        else:
+            continue
+        if module.bias is not None:
+            out.append((f"params/{path}/bias", f"{name}.bias", "copy", None))
+    return out
+
+
+def _flatten_permutation(flatten_from: tuple[int, ...]) -> np.ndarray:
+    """perm[j] = the jdp (channels-last) row of the torch (channels-first) flattened feature j."""
+    c, *spatial = flatten_from
+    jdp_index = np.arange(int(np.prod(flatten_from))).reshape(*spatial, c)
+    return np.moveaxis(jdp_index, -1, 0).reshape(-1)
+
+
+def _to_torch(kind: str, value: np.ndarray, flatten_from) -> np.ndarray:
+    if kind == "linear":
+        return (value[_flatten_permutation(flatten_from)] if flatten_from else value).T
+    if kind == "conv":  # (*spatial, I, O) -> (O, I, *spatial)
+        nd = value.ndim - 2
+        return np.transpose(value, (nd + 1, nd, *range(nd)))
+    return value
+
+
+def _to_jdp(kind: str, value: np.ndarray, flatten_from) -> np.ndarray:
+    if kind == "linear":
+        kernel = value.T
+        if flatten_from:
+            out = np.empty_like(kernel)
+            out[_flatten_permutation(flatten_from)] = kernel
+            return out
+        return kernel
+    if kind == "conv":  # (O, I, *spatial) -> (*spatial, I, O)
+        nd = value.ndim - 2
+        return np.transpose(value, (*range(2, 2 + nd), 1, 0))
+    return value
+
+
+def flat_to_torch(flat: Flat, model: nn.Module) -> dict[str, torch.Tensor]:
+    """Export-named arrays -> a complete state_dict for `model` (load it with strict=True).
+
+    Raises ValueError naming the first key that is missing or has the wrong shape."""
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for jdp_key, torch_key, kind, flatten_from in _entries(model):
+        if jdp_key not in flat:
+            raise ValueError(f"no {jdp_key} for the twin's {torch_key}; is it the same model and config?")
+        value = np.ascontiguousarray(_to_torch(kind, np.asarray(flat[jdp_key]), flatten_from))
+        if tuple(value.shape) != tuple(state[torch_key].shape):
+            raise ValueError(f"{jdp_key} gives {torch_key} the shape {value.shape}, the twin has "
+                             f"{tuple(state[torch_key].shape)}")
+        state[torch_key] = torch.tensor(value, dtype=state[torch_key].dtype)
+    return state
+
+
+def torch_to_flat(state_dict: dict[str, torch.Tensor], model: nn.Module) -> Flat:
+    """A twin's state_dict -> arrays with jdp.export key names (what `--config.init_from` reads)."""
+    flat = {}
+    for jdp_key, torch_key, kind, flatten_from in _entries(model):
+        if torch_key not in state_dict:
+            raise ValueError(f"the state_dict has no {torch_key}")
+        value = state_dict[torch_key].detach().cpu().numpy()
+        flat[jdp_key] = np.ascontiguousarray(_to_jdp(kind, value, flatten_from))
+    return flat
+
+
+def flatten_tree(tree: Any, prefix: str) -> Flat:
+    """A jdp pure dict -> {'prefix/a/0/b': array}, the names of jdp.export.flatten (without jax)."""
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(flatten_tree(v, f"{prefix}/{k}"))
+        return out
+    return {prefix: np.asarray(tree)}
+
+
+def unflatten_tree(flat: Flat, prefix: str) -> dict:
+    """The inverse of flatten_tree; numeric path parts become int keys, as in nnx.to_pure_dict."""
+    tree: dict = {}
+    for key, value in flat.items():
+        if not key.startswith(prefix + "/"):
+            continue
+        *parents, leaf = [int(p) if p.isdigit() else p for p in key[len(prefix) + 1:].split("/")]
+        node = tree
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return tree
+
+
+def jdp_to_torch(params: dict, model_state: dict, model: nn.Module) -> dict[str, torch.Tensor]:
+    """jdp's pure dicts -> a state_dict for the twin `model`."""
+    return flat_to_torch({**flatten_tree(params, "params"), **flatten_tree(model_state, "model_state")}, model)
+
+
+def torch_to_jdp(state_dict: dict[str, torch.Tensor], model: nn.Module) -> tuple[dict, dict]:
+    """A twin's state_dict -> (params, model_state) pure dicts shaped like jdp's."""
+    flat = torch_to_flat(state_dict, model)
+    return unflatten_tree(flat, "params"), unflatten_tree(flat, "model_state")
+
+
+def load_npz(model: nn.Module, path) -> None:
+    """Load a jdp.export-format .npz (or the parity/speed init file) into the twin."""
+    with np.load(path) as stored:
+        model.load_state_dict(flat_to_torch(dict(stored), model), strict=True)
