@@ -51,15 +51,10 @@ def cross_entropy(logits_BxC: jax.Array, labels_B: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxC.astype(jnp.float32), labels_B)
 
 
-def all_reduce_mean(tree: Tree, axis_name: str | None, dtype: jnp.dtype | None = None) -> Tree:
+def all_reduce_mean(tree: Tree, axis_name: str | None) -> Tree:
     """The data-parallel all-reduce: average over the `data` axis (a no-op under jit, where the
-    arrays are already global and XLA inserts the collective itself). `dtype` compresses what
-    travels (e.g. bfloat16, as DDP's bf16 compression hook); the result keeps each leaf's dtype."""
-    if axis_name is None:
-        return tree
-    if dtype is None:
-        return jax.lax.pmean(tree, axis_name)
-    return jax.tree.map(lambda x: jax.lax.pmean(x.astype(dtype), axis_name).astype(x.dtype), tree)
+    arrays are already global and XLA inserts the collective itself). One call is one collective."""
+    return tree if axis_name is None else jax.lax.pmean(tree, axis_name)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,6 +67,7 @@ class StepOptions:
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 adds dynamic loss scaling)
     grad_accum_steps: int = 1  # micro-batches per step, all-reduced once
     allreduce_dtype: str = "fp32"  # fp32 | bf16: what the gradient all-reduce sends
+    log_grad_norm: bool = False  # report the averaged gradient's norm (one more pass over the gradients)
     sync_every: int = 1  # local SGD: average parameters every H steps instead of gradients every step
     shard_optimizer: bool = False  # ZeRO-1: reduce-scatter, update this device's slice, all-gather (jdp.zero)
     loss_scale_growth_interval: int = 2000  # fp16: finite steps before the loss scale doubles
@@ -128,7 +124,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
 
         zeros = jax.tree.map(jnp.zeros_like, state.params)
         (grads, model_state, loss, accuracy), _ = jax.lax.scan(
-            accumulate, (zeros, state.model_state, 0.0, 0.0), micro_batches)
+            accumulate, (zeros, state.model_state, 0.0, 0.0), micro_batches, unroll=True)
         grads, loss, accuracy = jax.tree.map(lambda x: x / o.grad_accum_steps, (grads, loss, accuracy))
     if o.precision == "fp16":
         grads = jax.tree.map(lambda g: g / scale, grads)
@@ -141,16 +137,20 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     local_sgd = o.sync_every > 1
     if o.shard_optimizer:
         grads = zero.reduce_scatter_mean(grads, o.axis_name)
-    elif not local_sgd:
-        grads = all_reduce_mean(grads, o.axis_name, None if o.allreduce_dtype == "fp32" else jnp.bfloat16)
-    model_state, metrics = all_reduce_mean((model_state, {"loss": loss, "accuracy": accuracy}), o.axis_name)
-    # Norm of the gradient the update sees, before clipping (local SGD: the mean of the local norms).
-    squares = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
-    if o.shard_optimizer:
-        squares = jax.lax.psum(squares, o.axis_name)
-    metrics["grad_norm"] = jnp.sqrt(squares)
-    if local_sgd:
-        metrics["grad_norm"] = all_reduce_mean(metrics["grad_norm"], o.axis_name)
+    averaged = {"model_state": model_state, "metrics": {"loss": loss, "accuracy": accuracy}}
+    if not (o.shard_optimizer or local_sgd):  # one collective for all of it: each costs a rendezvous
+        averaged["grads"] = grads if o.allreduce_dtype == "fp32" else _cast(grads, jnp.bfloat16)
+    averaged = all_reduce_mean(averaged, o.axis_name)
+    model_state, metrics = averaged["model_state"], averaged["metrics"]
+    if "grads" in averaged:
+        grads = _cast(averaged["grads"], jnp.float32)
+    if o.log_grad_norm:  # the norm the update sees, before clipping (local SGD: mean of the local norms)
+        squares = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
+        if o.shard_optimizer:
+            squares = jax.lax.psum(squares, o.axis_name)
+        metrics["grad_norm"] = jnp.sqrt(squares)
+        if local_sgd:
+            metrics["grad_norm"] = all_reduce_mean(metrics["grad_norm"], o.axis_name)
 
     # 4. update: the same optax update on every replica keeps the parameters in sync.
     if o.shard_optimizer:  # each device updates its slice, then every device gathers the whole

@@ -127,7 +127,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
             writer.echo(f"warning: step {step} had a non-finite loss or gradient; its update was skipped")
         else:
             losses.append(values["loss"])
-            for key in ("loss", "accuracy", "grad_norm"):
+            for key in window.keys() & values.keys():
                 window[key] += values[key]
             window["n"] += 1
         fp16 = {}
@@ -136,8 +136,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
             fp16 = {"loss_scale": values["loss_scale"], "overflow_steps": overflows}
         if (step % cfg.train.log_every == 0 or step == steps) and window["n"]:
             n = window["n"]
-            writer.train(step, loss=window["loss"] / n, accuracy=window["accuracy"] / n, lr=values["lr"],
-                         examples_per_sec=clock.interval_rate(), grad_norm=window["grad_norm"] / n,
+            means = {k: window[k] / n for k in ("loss", "accuracy", "grad_norm") if k in values}
+            writer.train(step, **means, lr=values["lr"], examples_per_sec=clock.interval_rate(),
                          skipped_steps=skipped, **fp16)
             window.update(loss=0.0, accuracy=0.0, grad_norm=0.0, n=0)
 

@@ -4,7 +4,7 @@ the same batches, compared step by step.
 1. `jdp_side parity` (a subprocess with `--workers` simulated CPU devices): jdp's initial state
    (`build(cfg).init_state()`) is written as WORKDIR/init.npz with jdp.export key names, the schedule's
    learning rates as lrs.json; then `jdp.train.run` trains from it (`init_from`), with
-   `train.log_every=1` so metrics.jsonl holds every step's loss.
+   `train.log_every=1` and `train.log_grad_norm=True`, so metrics.jsonl holds every step's loss and gradient norm.
 2. `jdp.compare.ddp` (a subprocess that spawns `--workers` ranks): the twin loads init.npz and trains on
    the same global batches (jdp's source, each rank its block of rows), with the same learning rates.
 3. Compared per step: the train loss (mean over the global batch) and the global norm of the averaged
@@ -127,7 +127,7 @@ def prepare_config(cfg, *, workers: int, steps: int):
     check_supported(cfg, workers)
     cfg.train.steps = steps
     cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, steps - 1)
-    cfg.train.update(log_every=1, eval_every=steps)
+    cfg.train.update(log_every=1, eval_every=steps, log_grad_norm=True)
     cfg.checkpoint.every_steps = 0
     cfg.parallel.update(cpu_devices=workers, num_devices=0, check_replicas_every=0)
     cfg.init_from = ""
