@@ -154,6 +154,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
             raise ReplicaMismatchError(f"replicas differ at step {step}: first differing parameter {leaf}")
 
     stop = distributed_lib.StopAgreement()  # every process stops at the same step after a signal
+    stop_agreed = False
     pending = None
     t_first = time.perf_counter()
     try:
@@ -174,7 +175,9 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
                 if pending is not None:
                     record(*pending)
                 pending = (step, metrics)
-                stopping = stop.should_stop(step, preemption.signal_name is not None)
+                stop_agreed |= stop.should_stop(step, preemption.signal_name is not None)
+                # Under local SGD the replicas agree only at sync points: stop at the next one.
+                stopping = stop_agreed and step % cfg.parallel.sync_every == 0
                 if stopping or step == steps or checkpointer.due(step) or (
                         step % cfg.train.eval_every == 0) or (
                         cfg.parallel.check_replicas_every and step % cfg.parallel.check_replicas_every == 0):

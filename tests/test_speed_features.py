@@ -119,3 +119,27 @@ def test_bench_reports_time_memory_and_scaling(tmp_path, capsys):
         assert r["compute_s"] > 0 and r["allreduce_s"] is not None and "temp_bytes" in r
     assert rows[0]["efficiency"] == pytest.approx(1.0)
     assert "| devices | examples/s |" in (tmp_path / "bench.md").read_text()
+
+
+def test_local_sgd_preemption_stops_at_a_sync_point(tmp_path, monkeypatch):
+    """A signal between syncs: the run goes on to the next sync point, checkpoints there, exits 75."""
+    import os
+    import signal
+
+    from jdp.parallel import DataParallel
+    from jdp.train import Preempted
+
+    original, calls = DataParallel.train_step, []
+
+    def signal_after_step_5(self, state, batch):
+        calls.append(1)
+        if len(calls) == 5:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return original(self, state, batch)
+
+    monkeypatch.setattr(DataParallel, "train_step", signal_after_step_5)
+    sections = {"parallel": {"sync_every": 4, "check_replicas_every": 4}, "checkpoint": {"every_steps": 0},
+                "train": {"eval_every": 16}}
+    with pytest.raises(Preempted, match="at step 8"):
+        run(small_config("mlp", num_devices=8, steps=16, **sections), tmp_path)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["8"]
