@@ -170,9 +170,21 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     grads_finite = _all_finite(grads)
     if (local_sgd or o.shard_optimizer) and o.axis_name is not None:  # per-device gradients: decide alike
         grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), o.axis_name).astype(bool)
-    loss_finite = jnp.isfinite(metrics["loss"])
+    updated = TrainState(state.step + 1, params, model_state, opt_state, state.skipped, state.loss_scale)
+    new_state, guard_metrics = _guard(state, updated, jnp.isfinite(metrics["loss"]), grads_finite, o)
+    metrics.update(guard_metrics, lr=schedule(state.step))
+    return new_state, metrics
+
+
+def _guard(state: TrainState, updated: TrainState, loss_finite: jax.Array, grads_finite: jax.Array,
+           o: StepOptions) -> tuple[TrainState, dict[str, jax.Array]]:
+    """Which state every replica keeps: the updated one; the old one when the loss or gradient is not
+    finite (the non-finite guard); or, under fp16, the old one with a halved loss scale when only the
+    gradients overflowed (dynamic loss scaling, not a failure). The flags are replica-identical."""
+    metrics = {}
     loss_scale = state.loss_scale
-    if o.precision == "fp16":  # an overflow only lowers the loss scale; the guard sees the loss
+    if o.precision == "fp16":  # the guard sees the loss; gradient overflow only lowers the loss scale
+        scale = loss_scale[0]
         overflow = loss_finite & ~grads_finite
         good = jnp.where(grads_finite, loss_scale[1] + 1, 0)
         grow = good >= o.loss_scale_growth_interval
@@ -183,14 +195,12 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     else:
         overflow, finite = jnp.bool_(False), loss_finite & grads_finite
     apply = finite if o.on_nonfinite == "skip" else finite & (state.skipped == 0)
-    updated = TrainState(state.step + 1, params, model_state, opt_state, state.skipped, loss_scale)
-    dropped = TrainState(state.step + (o.on_nonfinite == "skip"), state.params, state.model_state,
-                         state.opt_state, state.skipped + 1, state.loss_scale)
-    overflowed = TrainState(state.step + 1, state.params, state.model_state, state.opt_state, state.skipped,
-                            loss_scale)
+    updated = updated._replace(loss_scale=loss_scale)
+    dropped = state._replace(step=state.step + (o.on_nonfinite == "skip"), skipped=state.skipped + 1)
+    overflowed = state._replace(step=state.step + 1, loss_scale=loss_scale)
     new_state = jax.tree.map(lambda new, old, over: jnp.where(apply, jnp.where(overflow, over, new), old),
                              updated, dropped, overflowed)
-    metrics.update(lr=schedule(state.step), nonfinite=1.0 - apply.astype(jnp.float32))
+    metrics["nonfinite"] = 1.0 - apply.astype(jnp.float32)
     return new_state, metrics
 
 
