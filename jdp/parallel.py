@@ -43,7 +43,7 @@ class DataParallel:
         self._sharded_optimizer = options.shard_optimizer
         opt_specs = jax.tree.map(lambda x: P(DATA_AXIS) if options.shard_optimizer and zero.is_sharded(x) else P(),
                                  abstract_state.opt_state)
-        self._state_specs = step_lib.TrainState(P(), P(), P(), opt_specs, P(), P())
+        self._state_specs = step_lib.TrainState(P(), P(), P(), opt_specs, P(), P(), P())
         per_device = dataclasses.replace(options, axis_name=DATA_AXIS, bn_groups=1)
         evaluate = partial(step_lib.eval_step, graphdef=graphdef)
         repl, split = replicated(mesh), data_sharded(mesh)

@@ -30,7 +30,7 @@ def restore_or_init(b: Built, checkpointer: Checkpointer, echo) -> tuple[int, Tr
     if restored is not None:
         step, state, position = restored
         echo(f"resumed from {checkpointer.directory / str(step)} (data position {position})")
-        return step, state
+        return step, state._replace(halted=state.halted * 0)  # a halted run may go on (e.g. at a lower lr)
     if not b.cfg.init_from:
         return 0, b.parallel.init_state(b.init_state)
     try:

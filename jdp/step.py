@@ -27,7 +27,8 @@ class TrainState(NamedTuple):
     model_state: Tree  # non-trainable model state (BatchNorm statistics), a pure dict
     opt_state: optax.OptState
     skipped: jax.Array  # int32 scalar: steps whose update was dropped as non-finite
-    loss_scale: jax.Array  # float32 [scale, finite steps since it last changed]; fp16 only, else [1, 0]
+    loss_scale: jax.Array  # float32 [scale, finite steps since it last changed, overflowed steps]; fp16 only
+    halted: jax.Array  # int32 scalar, 1 once on_nonfinite=halt froze this process's state (reset on restore)
 
 
 def forward(graphdef: nnx.GraphDef, params: Tree, model_state: Tree, x: jax.Array, train: bool,
@@ -170,7 +171,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     grads_finite = _all_finite(grads)
     if (local_sgd or o.shard_optimizer) and o.axis_name is not None:  # per-device gradients: decide alike
         grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), o.axis_name).astype(bool)
-    updated = TrainState(state.step + 1, params, model_state, opt_state, state.skipped, state.loss_scale)
+    updated = state._replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state)
     new_state, guard_metrics = _guard(state, updated, jnp.isfinite(metrics["loss"]), grads_finite, o)
     metrics.update(guard_metrics, lr=schedule(state.step))
     return new_state, metrics
@@ -184,23 +185,25 @@ def _guard(state: TrainState, updated: TrainState, loss_finite: jax.Array, grads
     metrics = {}
     loss_scale = state.loss_scale
     if o.precision == "fp16":  # the guard sees the loss; gradient overflow only lowers the loss scale
-        scale = loss_scale[0]
+        scale, good, overflows = loss_scale[0], loss_scale[1], loss_scale[2]
         overflow = loss_finite & ~grads_finite
-        good = jnp.where(grads_finite, loss_scale[1] + 1, 0)
+        good = jnp.where(grads_finite, good + 1, 0)
         grow = good >= o.loss_scale_growth_interval
         loss_scale = jnp.stack([jnp.where(overflow, scale / 2, jnp.where(grow, scale * 2, scale)),
-                                jnp.where(grow, 0, good).astype(scale.dtype)])
+                                jnp.where(grow, 0, good).astype(scale.dtype), overflows + overflow])
         finite = loss_finite
-        metrics.update(loss_scale=scale, overflow=overflow.astype(jnp.float32))
+        metrics.update(loss_scale=scale, overflow_steps=loss_scale[2])
     else:
         overflow, finite = jnp.bool_(False), loss_finite & grads_finite
-    apply = finite if o.on_nonfinite == "skip" else finite & (state.skipped == 0)
+    halt = o.on_nonfinite == "halt"
+    apply = finite & (state.halted == 0) if halt else finite
     updated = updated._replace(loss_scale=loss_scale)
-    dropped = state._replace(step=state.step + (o.on_nonfinite == "skip"), skipped=state.skipped + 1)
+    dropped = state._replace(step=state.step + (not halt), skipped=state.skipped + 1,
+                             halted=jnp.ones_like(state.halted) if halt else state.halted)
     overflowed = state._replace(step=state.step + 1, loss_scale=loss_scale)
     new_state = jax.tree.map(lambda new, old, over: jnp.where(apply, jnp.where(overflow, over, new), old),
                              updated, dropped, overflowed)
-    metrics["nonfinite"] = 1.0 - apply.astype(jnp.float32)
+    metrics.update(nonfinite=1.0 - apply.astype(jnp.float32), skipped_steps=new_state.skipped)
     return new_state, metrics
 
 

@@ -106,12 +106,11 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
     clock, losses, save_stalls = ThroughputClock(), [], []
     window = {"loss": 0.0, "accuracy": 0.0, "grad_norm": 0.0, "n": 0}  # means since the last train line
     compile_time = first_step_end = eval_loss = eval_accuracy = math.nan
-    skipped = overflows = 0
     profile = config_lib.profile_steps(cfg.profile.steps)
 
     def record(step: int, metrics: dict) -> None:
         """Host side of step `step`, fetched one step late so the device queue stays short."""
-        nonlocal compile_time, first_step_end, skipped, overflows
+        nonlocal compile_time, first_step_end
         values = parallel.fetch(metrics)
         if step == start_step + 1:  # the first step includes compilation: the clock starts after it
             compile_time = time.perf_counter() - t_first
@@ -123,7 +122,6 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
             if cfg.train.on_nonfinite == "halt":
                 raise NonFiniteLossError(f"non-finite loss or gradient at step {step} (loss {values['loss']}); "
                                          "lower optim.lr, set optim.grad_clip_norm, or train.on_nonfinite=skip")
-            skipped += 1
             writer.echo(f"warning: step {step} had a non-finite loss or gradient; its update was skipped")
         else:
             losses.append(values["loss"])
@@ -132,13 +130,12 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
             window["n"] += 1
         fp16 = {}
         if cfg.precision == "fp16":  # loss-scale overflows skip an update but are not failures
-            overflows += int(values["overflow"])
-            fp16 = {"loss_scale": values["loss_scale"], "overflow_steps": overflows}
+            fp16 = {"loss_scale": values["loss_scale"], "overflow_steps": int(values["overflow_steps"])}
         if (step % cfg.train.log_every == 0 or step == steps) and window["n"]:
             n = window["n"]
             means = {k: window[k] / n for k in ("loss", "accuracy", "grad_norm") if k in values}
             writer.train(step, **means, lr=values["lr"], examples_per_sec=clock.interval_rate(),
-                         skipped_steps=skipped, **fp16)
+                         skipped_steps=int(values["skipped_steps"]), **fp16)
             window.update(loss=0.0, accuracy=0.0, grad_norm=0.0, n=0)
 
     def save(step: int) -> None:

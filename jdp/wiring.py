@@ -56,8 +56,8 @@ def build(cfg: ml_collections.ConfigDict) -> Built:
             _, params, model_state = nnx.split(make_model(), nnx.Param, ...)
             params, model_state = nnx.to_pure_dict(params), nnx.to_pure_dict(model_state)
         zero = jnp.zeros((), jnp.int32)
-        loss_scale = jnp.array([cfg.loss_scale.initial if cfg.precision == "fp16" else 1.0, 0.0], jnp.float32)
-        return TrainState(zero, params, model_state, tx.init(params), zero, loss_scale)
+        loss_scale = jnp.array([cfg.loss_scale.initial if cfg.precision == "fp16" else 1.0, 0, 0], jnp.float32)
+        return TrainState(zero, params, model_state, tx.init(params), zero, loss_scale, zero)
 
     options = StepOptions(bn_groups=1 if cfg.model.bn_sync else mesh.size, on_nonfinite=cfg.train.on_nonfinite,
                           precision=cfg.precision, grad_accum_steps=cfg.train.grad_accum_steps,

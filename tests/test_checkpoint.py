@@ -188,11 +188,15 @@ def test_nonfinite_halt_saves_the_state_before_the_bad_step(monkeypatch, tmp_pat
         assert export.main(["--workdir", str(workdir), "--out", str(workdir / "p.npz")]) == 0
     with np.load(clean / "p.npz") as a, np.load(tmp_path / "bad" / "p.npz") as b:
         assert a.files == b.files and all(np.array_equal(a[k], b[k]) for k in a.files)
+    # Rerun once the bad batch is gone: the halted run resumes from step 5 and finishes.
+    assert main([*args, "--workdir", str(tmp_path / "bad")]) == 0
 
 
 def test_nonfinite_skip_drops_the_update_and_counts_it(monkeypatch, tmp_path):
     _nan_at_index(monkeypatch, 3)
-    result = run(small_config("mlp", steps=8, train={"on_nonfinite": "skip"}), tmp_path)
+    skip = {"train": {"on_nonfinite": "skip"}, "checkpoint": {"every_steps": 2}}
+    run(small_config("mlp", steps=6, **skip), tmp_path)
+    result = run(small_config("mlp", steps=8, **skip), tmp_path)  # resumed: the count carries over
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train_lines = [r for r in records if r["split"] == "train"]
     assert [r["step"] for r in train_lines] == [1, 2, 3, 5, 6, 7, 8]  # step 4's NaN loss is not logged
