@@ -121,7 +121,9 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
         if values["nonfinite"]:
             if cfg.train.on_nonfinite == "halt":
                 raise NonFiniteLossError(f"non-finite loss or gradient at step {step} (loss {values['loss']}); "
-                                         "lower optim.lr, set optim.grad_clip_norm, or train.on_nonfinite=skip")
+                                         "the state from before it is saved; rerun to resume, with "
+                                         "train.on_nonfinite=skip, or with a lower optim.lr or an "
+                                         "optim.grad_clip_norm plus checkpoint.allow_config_change=True")
             writer.echo(f"warning: step {step} had a non-finite loss or gradient; its update was skipped")
         else:
             losses.append(values["loss"])
