@@ -163,8 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     try:
         cfg = config_lib.load_config_file(args.config)
-        cfg = config_lib.apply_overrides(cfg, dict(a[len("--config."):].split("=", 1) for a in rest
-                                                    if a.startswith("--config.") and "=" in a))
+        cfg = config_lib.apply_overrides(cfg, config_lib.parse_overrides(rest))
         devices = [int(d) for d in args.devices.split(",")]
     except (config_lib.ConfigError, ValueError) as e:
         print(f"jdp.bench: {e}", file=sys.stderr)

@@ -64,6 +64,22 @@ def _parse_value(key: str, raw: str, current: object) -> object:
                           f"give a value like {current!r}") from None
 
 
+def parse_overrides(args: list[str]) -> dict[str, str]:
+    """`--config.a.b=v` or `--config.a.b v` command-line arguments -> {"a.b": "v"}; anything else is refused."""
+    args, overrides = list(args), {}
+    while args:
+        arg = args.pop(0)
+        if not arg.startswith("--config."):
+            raise ConfigError(f"unrecognised argument {arg}; overrides look like --config.train.steps=500")
+        key, sep, value = arg[len("--config."):].partition("=")
+        if not sep:
+            if not args:
+                raise ConfigError(f"{arg} needs a value, e.g. {arg}=VALUE")
+            value = args.pop(0)
+        overrides[key] = value
+    return overrides
+
+
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -> ml_collections.ConfigDict:
     """Apply `--config.a.b=v` overrides; unknown keys are refused with the closest known key."""
     known = list(_flatten(cfg.to_dict()))

@@ -258,17 +258,7 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     parser.add_argument("--eval_only", action="store_true", help="evaluate the workdir's latest checkpoint")
     distributed_lib.add_arguments(parser)  # read by main() through distributed_lib.flags_from_argv
     args, rest = parser.parse_known_args(argv)
-    overrides = {}
-    while rest:
-        arg = rest.pop(0)
-        if not arg.startswith("--config."):
-            raise config_lib.ConfigError(f"unrecognised argument {arg}; overrides look like --config.train.steps=500")
-        key, sep, value = arg[len("--config."):].partition("=")
-        if not sep:
-            if not rest:
-                raise config_lib.ConfigError(f"{arg} needs a value, e.g. {arg}=VALUE")
-            value = rest.pop(0)
-        overrides[key] = value
+    overrides = config_lib.parse_overrides(rest)
     config_path = Path(args.config) if args.config else config_lib.DEFAULT_CONFIG
     workdir = Path(args.workdir or Path("runs") / config_path.stem)
     if args.config is None and (workdir / "config.json").exists():  # continue the run in that workdir

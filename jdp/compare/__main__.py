@@ -56,17 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     args, rest = _parser().parse_known_args(argv)
     try:
-        overrides = {}
-        while rest:
-            arg = rest.pop(0)
-            if not arg.startswith("--config."):
-                raise config_lib.ConfigError(f"unrecognised argument {arg}; overrides look like --config.train.steps=5")
-            key, sep, value = arg[len("--config."):].partition("=")
-            if not sep:
-                if not rest:
-                    raise config_lib.ConfigError(f"{arg} needs a value")
-                value = rest.pop(0)
-            overrides[key] = value
+        overrides = config_lib.parse_overrides(rest)
         path = Path(args.config) if args.config else config_lib.DEFAULT_CONFIG
         cfg = config_lib.apply_overrides(config_lib.load_config_file(path), overrides)
         if args.workers < 1:

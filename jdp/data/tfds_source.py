@@ -12,7 +12,6 @@ next step is read ahead in the background while the caller trains on this one.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -23,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jdp.data import augment
-from jdp.data.batching import _local_block
+from jdp.data.batching import RowOrder
 from jdp.data.sources import TFDS_PREFIX
 
 if TYPE_CHECKING:
@@ -152,8 +151,6 @@ class TfdsSource:
         read_ahead: bool = True,
     ) -> None:
         """`num_threads` 0 = one per CPU core (at most 16); `read_ahead` prepares step+1 in the background."""
-        if not 0 <= process_index < process_count:
-            raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
         self.name = cfg.name[len(TFDS_PREFIX):]
@@ -193,17 +190,14 @@ class TfdsSource:
             raise ValueError(f"the label feature {label_key!r} of {self.name} has no number of classes; set "
                              "data.num_classes")
         self._seed = seed
-        self._train_block = _local_block(global_batch_size, process_index, process_count, "global batch size")
-        self._eval_block = _local_block(eval_batch_size, process_index, process_count, "eval batch size")
-        self.num_train: int = len(self._train)
-        self.num_eval: int = len(self._eval)
-        self.global_batch_size = global_batch_size
-        self.eval_batch_size = eval_batch_size
+        self._order = RowOrder(seed=seed, num_train=len(self._train), num_eval=len(self._eval),
+                               global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
+                               process_index=process_index, process_count=process_count,
+                               train_split=f"the train split {cfg.train_split!r} of {self.name}")
+        self.num_train, self.num_eval = len(self._train), len(self._eval)
+        self.global_batch_size, self.eval_batch_size = global_batch_size, eval_batch_size
         self.local_batch_size = global_batch_size // process_count
-        self.steps_per_epoch: int = self.num_train // global_batch_size
-        if self.steps_per_epoch == 0:
-            raise ValueError(f"the train split {cfg.train_split!r} of {self.name} has {self.num_train} examples, "
-                             f"fewer than one global batch of {global_batch_size}; lower the global batch size")
+        self.steps_per_epoch: int = self._order.steps_per_epoch
         if self.num_eval == 0:
             raise ValueError(f"the eval split {cfg.eval_split!r} of {self.name} is empty")
 
@@ -212,16 +206,8 @@ class TfdsSource:
         self._ahead_pool = ThreadPoolExecutor(1, thread_name_prefix="jdp-tfds-ahead") if read_ahead else None
         self._ahead: tuple[Any, Future] | None = None  # (key, batch being read): a cache, not iterator state
         self._lock = threading.Lock()
-        self._perm_memo: tuple[int, np.ndarray] | None = None
 
     # -- reading ---------------------------------------------------------------------------------------
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        memo = self._perm_memo
-        if memo is None or memo[0] != epoch:
-            memo = (epoch, np.random.default_rng([self._seed, epoch]).permutation(self.num_train))
-            self._perm_memo = memo
-        return memo[1]
 
     def _read(self, source: _Records, rows: np.ndarray, transform: Callable[[np.ndarray, int], np.ndarray],
               shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
@@ -255,10 +241,8 @@ class TfdsSource:
         return pixels, labels
 
     def _make_train_batch(self, step: int) -> dict[str, np.ndarray]:
-        epoch, index = divmod(step, self.steps_per_epoch)
-        start = index * self.global_batch_size
-        rows = self._permutation(epoch)[start : start + self.global_batch_size][self._train_block]
-        params = augment.batch_params(self._seed, step, self.global_batch_size).rows(self._train_block)
+        rows = self._order.train_rows(step)
+        params = augment.batch_params(self._seed, step, self.global_batch_size).rows(self._order.train_block)
         size = self.input_shape[0]
         if self._small and self._augment:
             def transform(image: np.ndarray, i: int) -> np.ndarray:
@@ -284,8 +268,7 @@ class TfdsSource:
                                   False)
 
     def _make_eval_batch(self, i: int) -> dict[str, np.ndarray]:
-        ids = np.arange(i * self.eval_batch_size, (i + 1) * self.eval_batch_size)[self._eval_block]
-        real = ids < self.num_eval
+        ids, real = self._order.eval_rows(i)
         n = int(real.sum())  # real rows come first: padding is only ever at the end of the split
         pixels = np.zeros((len(ids), *self.input_shape), np.uint8)
         labels = np.zeros(len(ids), np.int32)
@@ -318,7 +301,7 @@ class TfdsSource:
         return self._get(("train", step), self._make_train_batch, ("train", step + 1))
 
     def num_eval_batches(self) -> int:
-        return math.ceil(self.num_eval / self.eval_batch_size)
+        return self._order.num_eval_batches()
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
         """The eval split once, in order; padded rows (zeros, `mask` 0) only in the last batch.
