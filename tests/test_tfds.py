@@ -1,7 +1,8 @@
 """The tfds source: prepared tensorflow-datasets copies read by random access, without TensorFlow or network.
 
 Two kinds of data: the committed `tests/fixtures/tfds/tiny_cifar` (PNG-encoded images in array_record files,
-like a user's prepared CIFAR-10; written with TensorFlow by tests/fixtures/make_tiny_cifar.py), and datasets
+like a user's prepared CIFAR-10; written with TensorFlow by tests/fixtures/make_tiny_cifar.py, which also
+writes the same records as tfrecord files into `tests/fixtures/tfds_tfrecord`), and datasets
 built here by real `tfds.core.GeneratorBasedBuilder`s with `file_format="array_record"` and `Tensor` images,
 which need no TensorFlow. Every test reads through `build_source` with `data.name=tfds:NAME`, as a user does.
 """
@@ -339,14 +340,56 @@ def test_an_unprepared_dataset_is_one_clear_error_without_network(make, data_dir
         make("cifar10", data_dir=str(tmp_path / "missing"))
 
 
-def test_a_tfrecord_copy_is_refused_with_the_fix(make, tmp_path) -> None:
+TFRECORD_FIXTURES = FIXTURES.parent / "tfds_tfrecord"  # the same records, in tfds's default tfrecord files
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_a_tfrecord_copy_gives_the_same_batches_as_the_array_record_copy(make, count: int) -> None:
+    """Breaks if the frame index is off by one record or a byte, or ignores a split's slice."""
+    def pair(**data):
+        return [(make("tiny_cifar", batch=16, p=p, count=count, seed=4, **data),
+                 make("tiny_cifar", batch=16, p=p, count=count, seed=4, data_dir=str(TFRECORD_FIXTURES), **data))
+                for p in range(count)]
+
+    for array_record, tfrecord in pair(train_split="train[10%:90%]", eval_split="test[-7:]"):
+        assert tfrecord.num_train == array_record.num_train == 160 and tfrecord.num_eval == 7
+        for step in (0, 1, 9, 10):  # 10 steps per epoch: 9 and 10 straddle an epoch boundary
+            a, b = array_record.train_batch(step), tfrecord.train_batch(step)
+            assert np.array_equal(a["x"], b["x"]) and np.array_equal(a["y"], b["y"])
+        for a, b in zip(array_record.eval_batches(), tfrecord.eval_batches(), strict=True):
+            assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert "tensorflow" not in sys.modules
+
+
+def test_tfrecord_rows_are_the_records_tfds_load_streams() -> None:
+    """The rows read by step are, in order, what `tfds.load` gives (needs TensorFlow, so CI skips it)."""
+    pytest.importorskip("tensorflow")
+    from jdp.data.tfds_source import _Records, open_builder
+
+    builder = open_builder("tiny_cifar", str(TFRECORD_FIXTURES))
+    records = _Records(tfds, builder, "train[5:45]", "image", "label")
+    loaded = tfds.load("tiny_cifar", split="train[5:45]", data_dir=str(TFRECORD_FIXTURES), download=False,
+                       shuffle_files=False, decoders={"image": tfds.decode.SkipDecoding()})
+    expected = [(ex["image"], int(ex["label"])) for ex in tfds.as_numpy(loaded)]
+    assert records.__getitems__(np.arange(len(records))) == expected and len(expected) == 40
+
+
+def test_a_damaged_tfrecord_file_is_one_clear_error(make, tmp_path) -> None:
+    shutil.copytree(TFRECORD_FIXTURES / "tiny_cifar", tmp_path / "tiny_cifar")
+    train = next((tmp_path / "tiny_cifar" / "1.0.0").glob("*-train.tfrecord-*"))
+    train.write_bytes(train.read_bytes()[:-100])
+    with pytest.raises(ValueError, match=r"tiny_cifar-train\.tfrecord.* is truncated .*prepare the dataset again"):
+        make("tiny_cifar", data_dir=str(tmp_path))
+
+
+def test_a_format_without_random_access_is_refused_with_the_fix(make, tmp_path) -> None:
     copy = tmp_path / "tiny_cifar"
     shutil.copytree(FIXTURES / "tiny_cifar", copy)
     info_path = copy / "1.0.0" / "dataset_info.json"
     info = json.loads(info_path.read_text())
-    info["fileFormat"] = "tfrecord"
+    info["fileFormat"] = "riegeli"
     info_path.write_text(json.dumps(info))
-    with pytest.raises(ValueError, match="stored as tfrecord.*--file_format=array_record"):
+    with pytest.raises(ValueError, match="stored as riegeli.*--file_format=array_record"):
         make("tiny_cifar", data_dir=str(tmp_path))
 
 

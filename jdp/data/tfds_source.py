@@ -1,10 +1,11 @@
 """`data.name=tfds:NAME`: a prepared tensorflow-datasets copy, read by random access without TensorFlow.
 
-The dataset must already be prepared in array_record format (`tfds build NAME --file_format=array_record`);
-nothing is ever downloaded. `tfds.data_source` gives random access to a split, and the batching scheme is
-`Batcher`'s: the global batch at a step is a slice of a permutation drawn from (seed, epoch), and process p
-of P reads only rows [p*B/P, (p+1)*B/P) of it, so the global batch does not depend on the process or device
-count, no process reads the whole dataset, and the iterator state is just the step.
+The dataset must already be prepared (`tfds build NAME`); nothing is ever downloaded. array_record copies
+are read through `tfds.data_source`, tfrecord copies (tfds's default format) through an index of their
+frames (`jdp.data.tfrecord`); both give random access to a split, and the batching scheme is `Batcher`'s:
+the global batch at a step is a slice of a permutation drawn from (seed, epoch), and process p of P reads
+only rows [p*B/P, (p+1)*B/P) of it, so the global batch does not depend on the process or device count, no
+process reads the whole dataset, and the iterator state is just the step.
 
 Images are decoded and augmented (`jdp.data.augment`) on a pool of worker threads, and the batch for the
 next step is read ahead in the background while the caller trains on this one.
@@ -12,6 +13,7 @@ next step is read ahead in the background while the caller trains on this one.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterator
@@ -24,6 +26,7 @@ import numpy as np
 from jdp.data import augment
 from jdp.data.batching import RowOrder
 from jdp.data.sources import TFDS_PREFIX
+from jdp.data.tfrecord import TfrecordRecords
 
 if TYPE_CHECKING:
     import ml_collections
@@ -70,13 +73,13 @@ def open_builder(name: str, data_dir: str):
         raise _not_prepared(name, dirs) from None
     if not builder.is_prepared():
         raise _not_prepared(name, dirs)
-    formats = builder.info.available_file_formats()
-    if not formats & set(tfds.core.FileFormat.with_random_access()):
-        stored = ", ".join(sorted(f.value for f in formats)) or "an unknown format"
+    formats = builder.info.available_file_formats() or {builder.info.file_format}
+    if not formats & {tfds.core.FileFormat.ARRAY_RECORD, tfds.core.FileFormat.TFRECORD}:
+        stored = ", ".join(sorted(f.value for f in formats if f)) or "an unknown format"
         raise ValueError(
-            f"tfds dataset {name!r} in {builder.data_dir} is stored as {stored}, which has no random access; "
+            f"tfds dataset {name!r} in {builder.data_dir} is stored as {stored}, which jdp cannot read by step; "
             f"prepare it again with `tfds build {name} --data_dir={dirs[0] if len(dirs) == 1 else 'DIR'} "
-            "--file_format=array_record` (tfrecord files need TensorFlow and cannot be read by step)")
+            "--file_format=array_record` (or tfrecord)")
     return builder
 
 
@@ -94,26 +97,29 @@ def _feature_keys(builder) -> tuple[str, str]:
 class _Records:
     """Random access to one split's (image, label) pairs; the image still encoded (bytes) or an array.
 
-    Images stored as `tfds.features.Image` in array_record files (CIFAR-10, ImageNet, ...) take a fast path:
-    the raw records are parsed here as `tf.train.Example` protos, which is ~10x cheaper than tfds's generic
+    Serialized records come from tfds's data source (array_record) or, for tfrecord copies, from
+    `TfrecordRecords`. Images stored as `tfds.features.Image` (CIFAR-10, ImageNet, ...) take a fast path:
+    the records are parsed here as `tf.train.Example` protos, which is ~10x cheaper than tfds's generic
     per-feature decoding; anything else goes through tfds's decoding with the Image left encoded.
     """
 
     def __init__(self, tfds, builder, split: str, image_key: str, label_key: str) -> None:
-        features = builder.info.features
-        image, label = features[image_key], features[label_key]
-        self._fast = (builder.info.file_format == tfds.core.FileFormat.ARRAY_RECORD
-                      and isinstance(image, tfds.features.Image) and image.np_dtype == np.uint8
+        info = builder.info
+        if tfds.core.FileFormat.ARRAY_RECORD in (info.available_file_formats() or {info.file_format}):
+            raw = tfds.decode.DeserializeMethod.RAW_BYTES
+            self._source = builder.as_data_source(split=split, deserialize_method=raw)
+        else:  # tfrecord, checked by open_builder
+            self._source = TfrecordRecords(info.splits[split].file_instructions)
+        image, label = info.features[image_key], info.features[label_key]
+        self._fast = (isinstance(image, tfds.features.Image) and image.np_dtype == np.uint8
                       and isinstance(label, tfds.features.ClassLabel) and "/" not in image_key + label_key)
         if self._fast:
             from tensorflow_datasets.proto import tf_example_pb2
 
             self._parse = tf_example_pb2.Example.FromString
-            raw = tfds.decode.DeserializeMethod.RAW_BYTES
-            self._source = builder.as_data_source(split=split, deserialize_method=raw)
         else:
             decoders = {image_key: tfds.decode.SkipDecoding()} if isinstance(image, tfds.features.Image) else None
-            self._source = builder.as_data_source(split=split, decoders=decoders)
+            self._decode = functools.partial(info.features.deserialize_example_np, decoders=decoders)
         self._image_key, self._label_key = image_key, label_key
 
     def __len__(self) -> int:
@@ -127,7 +133,7 @@ class _Records:
         """
         records = [self._source[int(r)] for r in rows]
         if not self._fast:
-            return [(r[self._image_key], r[self._label_key]) for r in records]
+            return [(d[self._image_key], d[self._label_key]) for d in map(self._decode, records)]
         pairs = []
         for record in records:
             feature = self._parse(record).features.feature

@@ -1,0 +1,84 @@
+"""Random access to the records of a tfds split stored as tfrecord files, without TensorFlow.
+
+A tfrecord file is a sequence of frames: a little-endian uint64 length, a uint32 CRC of it, the record, a
+uint32 CRC of the record. Reading every frame header once (12 bytes and a seek per record) gives each
+record's offset; after that any record is one `os.pread`, which is thread-safe. So a tfrecord copy (the
+default of `tfds build`) is read by step exactly like an array_record one: the same rows, the same batches.
+`tfds.load` cannot do this: it streams, so a process could only read its rows by reading every row.
+
+Frame lengths are checked against the file size and the record counts against tfds's dataset info; the
+CRCs are not verified (a damaged record fails when its proto is parsed).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Sequence
+
+import numpy as np
+
+_HEADER = 12  # uint64 length + uint32 CRC of the length
+_FOOTER = 4  # uint32 CRC of the record
+
+
+def _frame_offsets(path: str, fd: int) -> tuple[np.ndarray, np.ndarray]:
+    """(offset of each record's data, its length) for every frame of the open file `fd`."""
+    size = os.fstat(fd).st_size
+    offsets, lengths, pos = [], [], 0
+    while pos < size:
+        header = os.pread(fd, _HEADER, pos)
+        if len(header) < _HEADER:
+            raise ValueError(f"{path} is truncated: a frame header at byte {pos} is cut off; prepare the dataset again")
+        (length,) = struct.unpack_from("<Q", header)
+        end = pos + _HEADER + length + _FOOTER
+        if end > size:
+            raise ValueError(f"{path} is truncated or not a tfrecord file: a {length}-byte record at byte {pos} "
+                             f"runs past its end ({size} bytes); prepare the dataset again")
+        offsets.append(pos + _HEADER)
+        lengths.append(length)
+        pos = end
+    return np.asarray(offsets, np.int64), np.asarray(lengths, np.int64)
+
+
+class TfrecordRecords:
+    """The serialized records of one split (a list of tfds `FileInstruction`s), by index.
+
+    Each instruction is a file plus the slice [skip, skip + take) of its records, which is how tfds
+    expresses a split and its slicing (`train[:90%]`): row i of the split is the i-th record of the
+    concatenated slices.
+    """
+
+    def __init__(self, instructions: Sequence) -> None:
+        self._fds: list[int] = []
+        file_of, offset, length = [], [], []
+        for instruction in instructions:
+            path = os.fspath(instruction.filename)
+            fd = os.open(path, os.O_RDONLY)
+            self._fds.append(fd)
+            offsets, lengths = _frame_offsets(path, fd)
+            if len(offsets) != instruction.examples_in_shard:
+                raise ValueError(f"{path} holds {len(offsets)} records where the dataset info says "
+                                 f"{instruction.examples_in_shard}; prepare the dataset again")
+            rows = slice(instruction.skip, instruction.skip + instruction.take)
+            file_of.append(np.full(len(offsets[rows]), len(self._fds) - 1, np.int32))
+            offset.append(offsets[rows])
+            length.append(lengths[rows])
+        empty = [np.zeros(0, np.int64)]
+        self._file = np.concatenate(file_of or [np.zeros(0, np.int32)])
+        self._offset = np.concatenate(offset or empty)
+        self._length = np.concatenate(length or empty)
+
+    def __len__(self) -> int:
+        return len(self._offset)
+
+    def __getitem__(self, row: int) -> bytes:
+        return os.pread(self._fds[self._file[row]], int(self._length[row]), int(self._offset[row]))
+
+    def close(self) -> None:
+        for fd in self._fds:
+            os.close(fd)
+        self._fds.clear()
+
+    def __del__(self) -> None:
+        self.close()
