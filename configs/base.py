@@ -31,6 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.train_split = "train"  # tfds: split or slice, e.g. "train[:90%]"
     c.data.eval_split = "test"  # tfds: e.g. "train[90%:]", "validation" (ImageNet)
     c.data.image_size = 224  # tfds, images taller than 64 px: train and eval resolution
+    c.data.cache_decoded_mb = 4096  # tfds, images <= 64 px: keep decoded images in memory if the splits fit
     c.data.augment = True  # tfds train: pad-4 crop + flip (small images), random-resized crop + flip (large)
 
     c.train = ml_collections.ConfigDict()

@@ -45,7 +45,7 @@ class DataParallel:
                                  abstract_state.opt_state)
         self._state_specs = step_lib.TrainState(P(), P(), P(), opt_specs, P(), P(), P())
         per_device = dataclasses.replace(options, axis_name=DATA_AXIS, bn_groups=1)
-        evaluate = partial(step_lib.eval_step, graphdef=graphdef)
+        evaluate = partial(step_lib.eval_step, graphdef=graphdef, prepare_input=options.prepare_input)
         repl, split = replicated(mesh), data_sharded(mesh)
 
         def train(opts: step_lib.StepOptions) -> Callable:

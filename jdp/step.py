@@ -8,6 +8,7 @@ or pmap (with `axis_name="data"`, one call per device on its slice of the batch)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -48,6 +49,11 @@ def forward(graphdef: nnx.GraphDef, params: Tree, model_state: Tree, x: jax.Arra
     return logits, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
 
 
+def model_input(batch: dict[str, jax.Array],
+                prepare_input: Callable[[dict[str, jax.Array]], jax.Array] | None) -> jax.Array:
+    return batch["x"] if prepare_input is None else prepare_input(batch)
+
+
 def cross_entropy(logits_BxC: jax.Array, labels_B: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxC.astype(jnp.float32), labels_B)
 
@@ -72,6 +78,9 @@ class StepOptions:
     sync_every: int = 1  # local SGD: average parameters every H steps instead of gradients every step
     shard_optimizer: bool = False  # ZeRO-1: reduce-scatter, update this device's slice, all-gather (jdp.zero)
     loss_scale_growth_interval: int = 2000  # fp16: finite steps before the loss scale doubles
+    # The model's input from a batch, on the device (e.g. uint8 pixels -> cropped, normalised floats);
+    # None = the batch's 'x' as it is.
+    prepare_input: Callable[[dict[str, jax.Array]], jax.Array] | None = None
 
 
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -102,8 +111,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
 
     def local_loss(params: Tree, model_state: Tree, micro: dict[str, jax.Array]):
         # Mixed precision: float32 master parameters, cast for the forward; gradients come back float32.
-        logits_BxC, new_model_state = forward(graphdef, _cast(params, compute_dtype), model_state,
-                                              micro["x"].astype(compute_dtype), train=True, groups=o.bn_groups)
+        x = model_input(micro, o.prepare_input).astype(compute_dtype)
+        logits_BxC, new_model_state = forward(graphdef, _cast(params, compute_dtype), model_state, x, train=True,
+                                              groups=o.bn_groups)
         new_model_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_model_state, model_state)
         loss = cross_entropy(logits_BxC, micro["y"]).mean()
         accuracy = jnp.mean(jnp.argmax(logits_BxC, -1) == micro["y"])
@@ -207,10 +217,11 @@ def _guard(state: TrainState, updated: TrainState, loss_finite: jax.Array, grads
     return new_state, metrics
 
 
-def eval_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef,
-              axis_name: str | None) -> dict[str, jax.Array]:
+def eval_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef, axis_name: str | None,
+              prepare_input: Callable[[dict[str, jax.Array]], jax.Array] | None = None) -> dict[str, jax.Array]:
     """Sums of loss, correct predictions and real (unpadded) examples over the global batch."""
-    logits_BxC, _ = forward(graphdef, state.params, state.model_state, batch["x"], train=False)
+    logits_BxC, _ = forward(graphdef, state.params, state.model_state, model_input(batch, prepare_input),
+                            train=False)
     mask_B = batch["mask"]
     sums = {
         "loss_sum": jnp.sum(cross_entropy(logits_BxC, batch["y"]) * mask_B),

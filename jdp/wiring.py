@@ -63,7 +63,8 @@ def build(cfg: ml_collections.ConfigDict) -> Built:
                           precision=cfg.precision, grad_accum_steps=cfg.train.grad_accum_steps,
                           allreduce_dtype=cfg.parallel.allreduce_dtype, sync_every=cfg.parallel.sync_every,
                           loss_scale_growth_interval=cfg.loss_scale.growth_interval,
-                          shard_optimizer=cfg.parallel.shard_optimizer, log_grad_norm=cfg.train.log_grad_norm)
+                          shard_optimizer=cfg.parallel.shard_optimizer, log_grad_norm=cfg.train.log_grad_norm,
+                          prepare_input=source.device_input)
     parallel = DataParallel(cfg.parallel.backend, mesh, nnx.graphdef(nnx.eval_shape(make_model)), tx, schedule,
                             jax.eval_shape(init_state), options)
     return Built(cfg, source, parallel, init_state)

@@ -94,3 +94,20 @@ def test_more_than_100_steps_without_blocking(tmp_path):
          "--config.train.steps=300", "--config.train.log_every=300", "--config.train.eval_every=300"],
         capture_output=True, text=True, timeout=240, env={**os.environ, "JAX_NUM_CPU_DEVICES": "2"})
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_the_next_batch_is_on_the_devices_before_the_host_waits_for_a_step(tmp_path, monkeypatch):
+    """Double buffering: the trainer puts step s+1's batch on the devices before it waits for step s, so the
+    devices never wait for the input. Breaks if the loop fetched a step's metrics before reading on."""
+    from jdp.parallel import DataParallel
+    from jdp.train import run
+
+    events = []
+    shard_batch, fetch = DataParallel.shard_batch, DataParallel.fetch
+    monkeypatch.setattr(DataParallel, "shard_batch", lambda self, rows: events.append("put") or shard_batch(self, rows))
+    monkeypatch.setattr(DataParallel, "fetch", lambda self, tree: events.append("wait") or fetch(self, tree))
+    steps = 6
+    run(small_config("mlp", num_devices=2, steps=steps), tmp_path)
+    waits = [i for i, event in enumerate(events) if event == "wait"]
+    for k in range(1, steps):  # the k-th wait is for step k's metrics
+        assert events[: waits[k - 1]].count("put") == k + 1, events

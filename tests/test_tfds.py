@@ -22,6 +22,8 @@ tfds = pytest.importorskip("tensorflow_datasets")
 
 from configs import base  # noqa: E402
 from jdp.data import TfdsSource, augment, build_source  # noqa: E402
+from jdp.data.device_input import CROP_PADDING, pad_crop_flip  # noqa: E402
+from tests.helpers import max_abs_diff, small_config  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tfds"
 
@@ -117,9 +119,20 @@ def make(data_dir: Path):
 
 
 def _ids(batch: dict) -> np.ndarray:
-    """The example ids of a jdp_ids batch read with normalize=False and augment=False (x = pixels / 255)."""
-    pixels = np.rint(batch["x"][:, 0, 0, :2] * 255).astype(int)
+    """The example ids of a jdp_ids batch read with augment=False (x = the stored pixels)."""
+    pixels = batch["x"][:, 0, 0, :2].astype(int)
     return pixels[:, 0] + 200 * pixels[:, 1]
+
+
+def _model_input(source: TfdsSource, batch: dict) -> np.ndarray:
+    """What the model sees: the batch prepared as the compiled step prepares it, on the device."""
+    return np.asarray(source.device_input(batch))
+
+
+def _assert_same(a: dict, b: dict) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        np.testing.assert_array_equal(a[key], b[key])
 
 
 PLAIN = dict(normalize=False, augment=False)
@@ -131,10 +144,11 @@ def test_prepared_cifar_like_fixture_reads_without_tensorflow(make) -> None:
     shapes = (source.input_shape, source.num_classes, source.num_train, source.num_eval, source.steps_per_epoch)
     assert shapes == ((32, 32, 3), 10, 200, 50, 6)
     batch = source.train_batch(0)
-    assert batch["x"].shape == (32, 32, 32, 3) and batch["x"].dtype == np.float32
+    assert batch["x"].shape == (32, 32, 32, 3) and batch["x"].dtype == np.uint8
     assert batch["y"].shape == (32,) and batch["y"].dtype == np.int32
     assert batch["y"].min() >= 0 and batch["y"].max() < 10
-    assert np.isfinite(batch["x"]).all()
+    x = _model_input(source, batch)
+    assert x.shape == (32, 32, 32, 3) and x.dtype == np.float32 and np.isfinite(x).all()
     assert "tensorflow" not in sys.modules
     assert make("tiny_cifar", num_classes=12).num_classes == 12  # the config wins over the dataset info
     with pytest.raises(ValueError, match=r"label \d+, outside \[0, 3\)"):
@@ -147,7 +161,7 @@ def test_png_pixels_decode_exactly(make, data_dir) -> None:
     (batch,) = source.eval_batches()
     reference = tfds.data_source("tiny_cifar", split="test", data_dir=str(data_dir), download=False)
     expected = np.stack([reference[i]["image"] for i in range(50)])
-    np.testing.assert_array_equal(np.rint(batch["x"] * 255).astype(np.uint8), expected)
+    np.testing.assert_array_equal(batch["x"], expected)
     np.testing.assert_array_equal(batch["y"], [reference[i]["label"] for i in range(50)])
 
 
@@ -191,11 +205,11 @@ def test_same_seed_same_batches_any_thread_count(make, data_dir) -> None:
     a, b = make("tiny_cifar", seed=3), make("tiny_cifar", seed=3)
     c = make("tiny_cifar", seed=4)
     for step in (0, 5, 13, 2):
-        np.testing.assert_array_equal(a.train_batch(step)["x"], b.train_batch(step)["x"])
+        _assert_same(a.train_batch(step), b.train_batch(step))
     assert not np.array_equal(a.train_batch(0)["y"], c.train_batch(0)["y"])
     cfg = base.get_config().data
     cfg.update(name="tfds:jdp_large", data_dir=str(data_dir), image_size=32)
-    one, four = (TfdsSource(cfg, seed=0, global_batch_size=8, eval_batch_size=8, num_threads=n, read_ahead=False)
+    one, four = (TfdsSource(cfg, seed=0, global_batch_size=8, eval_batch_size=8, num_threads=n)
                  for n in (1, 4))
     np.testing.assert_array_equal(one.train_batch(1)["x"], four.train_batch(1)["x"])
     one.close()
@@ -208,12 +222,10 @@ def test_resume_equals_an_uninterrupted_read(make) -> None:
     expected = [whole.train_batch(step) for step in range(20)]  # crosses epochs (12 steps each)
     resumed = make("tiny_cifar")
     for step in range(9, 20):
-        batch = resumed.train_batch(step)
-        np.testing.assert_array_equal(batch["x"], expected[step]["x"])
-        np.testing.assert_array_equal(batch["y"], expected[step]["y"])
-    out_of_order = make("tiny_cifar")  # random access: the read-ahead never leaks a wrong step
+        _assert_same(resumed.train_batch(step), expected[step])
+    out_of_order = make("tiny_cifar")  # random access, in any order (a restore jumps to its step)
     for step in (4, 4, 17, 3, 12, 13):
-        np.testing.assert_array_equal(out_of_order.train_batch(step)["x"], expected[step]["x"])
+        _assert_same(out_of_order.train_batch(step), expected[step])
 
 
 @pytest.mark.parametrize("step", [0, 5, 6, 13])
@@ -230,8 +242,7 @@ def test_augmented_global_batch_does_not_depend_on_the_process_count(make) -> No
     whole = make("tiny_cifar").train_batch(7)
     for count in (2, 4):
         parts = [make("tiny_cifar", p=p, count=count).train_batch(7) for p in range(count)]
-        np.testing.assert_array_equal(np.concatenate([b["x"] for b in parts]), whole["x"])
-        np.testing.assert_array_equal(np.concatenate([b["y"] for b in parts]), whole["y"])
+        _assert_same({k: np.concatenate([b[k] for b in parts]) for k in whole}, whole)
 
 
 def test_an_epoch_visits_each_row_at_most_once(make) -> None:
@@ -272,33 +283,67 @@ def test_eval_is_deterministic(make) -> None:
 def test_small_image_augmentation(make) -> None:
     plain, augmented = make("tiny_cifar", augment=False), make("tiny_cifar")
     a, b = plain.train_batch(2), augmented.train_batch(2)
-    np.testing.assert_array_equal(a["y"], b["y"])  # the same rows, augmented
-    assert b["x"].shape == (16, 32, 32, 3) and np.isfinite(b["x"]).all()
+    assert a.keys() == {"x", "y"} and b.keys() == {"x", "y", "crop", "flip"}
+    np.testing.assert_array_equal(a["x"], b["x"])  # the same rows, as stored: augmented on the device
+    np.testing.assert_array_equal(a["y"], b["y"])
+    xa, xb = _model_input(plain, a), _model_input(augmented, b)
+    assert xb.shape == (16, 32, 32, 3) and np.isfinite(xb).all()
     mean, std = augment.channel_stats("tiny_cifar", 3)
-    assert (b["x"] >= -mean / std - 1e-6).all() and (b["x"] <= (1 - mean) / std + 1e-6).all()
-    assert (np.abs(a["x"] - b["x"]).max(axis=(1, 2, 3)) > 0).sum() > 8  # most rows are moved or mirrored
+    assert (xb >= -mean / std - 1e-6).all() and (xb <= (1 - mean) / std + 1e-6).all()
+    np.testing.assert_allclose(xa, (a["x"] / 255 - mean) / std, atol=1e-6)
+    moved = (b["crop"] != CROP_PADDING).any(axis=1) | b["flip"]
+    np.testing.assert_array_equal(np.abs(xa - xb).max(axis=(1, 2, 3)) > 0, moved)
+    assert moved.sum() > 8  # most rows are moved or mirrored
 
     params = augment.batch_params(0, 2, 4096)
     assert 0.4 < params.flips.mean() < 0.6
-    assert set(np.unique(params.offsets)) == set(range(2 * augment.CROP_PADDING + 1))
+    assert set(np.unique(params.offsets)) == set(range(2 * CROP_PADDING + 1))
 
+
+def test_pad_crop_flip_on_the_device() -> None:
     image = np.arange(10 * 12, dtype=np.uint8).reshape(10, 12, 1) + 1
-    p = augment.CROP_PADDING
-    np.testing.assert_array_equal(augment.pad_crop_flip(image, np.array([p, p]), False), image)
-    np.testing.assert_array_equal(augment.pad_crop_flip(image, np.array([p, p]), True), image[:, ::-1])
+    p = CROP_PADDING
     padded = np.pad(image, ((p, p), (p, p), (0, 0)))
-    for dy, dx in [(0, 0), (0, 2 * p), (2 * p, 1), (3, 5)]:
+    offsets = [(p, p), (0, 0), (0, 2 * p), (2 * p, 1), (3, 5)]
+    images = np.stack([image] * len(offsets) * 2)
+    at = np.array(offsets * 2, np.int32)
+    flips = np.repeat([False, True], len(offsets))
+    out = np.asarray(pad_crop_flip(images, at, flips))
+    for i, (dy, dx) in enumerate(offsets * 2):
         window = padded[dy : dy + 10, dx : dx + 12]
-        np.testing.assert_array_equal(augment.pad_crop_flip(image, np.array([dy, dx]), False), window)
-        np.testing.assert_array_equal(augment.pad_crop_flip(image, np.array([dy, dx]), True), window[:, ::-1])
+        np.testing.assert_array_equal(out[i], window[:, ::-1] if flips[i] else window)
+    np.testing.assert_array_equal(out[0], image)  # the centre window is the image itself
+
+
+def test_decoded_images_are_cached_and_change_nothing(make, data_dir, monkeypatch: pytest.MonkeyPatch) -> None:
+    def source(cache_mb: int) -> TfdsSource:
+        cfg = base.get_config().data
+        cfg.update(name="tfds:tiny_cifar", data_dir=str(data_dir), cache_decoded_mb=cache_mb)
+        return TfdsSource(cfg, seed=0, global_batch_size=40, eval_batch_size=16)
+
+    cached, uncached = source(1), source(0)
+    decodes = []
+    real_decode = augment.decode
+    monkeypatch.setattr(augment, "decode", lambda *a: decodes.append(1) or real_decode(*a))
+    for step in range(12):  # 5 steps per epoch: every row is read more than once
+        _assert_same(cached.train_batch(step), uncached.train_batch(step))
+    for a, b in zip(cached.eval_batches(), uncached.eval_batches(), strict=True):
+        _assert_same(a, b)
+    assert len(decodes) == (12 * 40 + 50) + (200 + 50)  # the cached source decoded each row once
+    assert cached._train_cache is not None and uncached._train_cache is None  # 250 images = 0.7 MiB
+    cached.close()
+    uncached.close()
+    with pytest.raises(ValueError, match="cache_decoded_mb=-1"):
+        make("tiny_cifar", cache_decoded_mb=-1)
 
 
 def test_large_image_random_resized_crop_and_centre_crop(make) -> None:
     source = make("jdp_large", image_size=40)
     assert source.input_shape == (40, 40, 3)
     batch = source.train_batch(0)
-    assert batch["x"].shape == (16, 40, 40, 3) and np.isfinite(batch["x"]).all()
-    assert (np.abs(batch["x"]) <= 1 + 1e-6).all()  # 0.5/0.5 normalisation of [0, 1]
+    assert batch.keys() == {"x", "y"} and batch["x"].shape == (16, 40, 40, 3)  # cropped on the host
+    x = _model_input(source, batch)
+    assert np.isfinite(x).all() and (np.abs(x) <= 1 + 1e-6).all()  # 0.5/0.5 normalisation of [0, 1]
     evaluated = next(source.eval_batches())
     assert evaluated["x"].shape == (16, 40, 40, 3)
     # The eval crop is the centre square of side 0.875 * 80 = 70 of the 80x96 image, resized to 40x40.
@@ -320,7 +365,7 @@ def test_flip_is_visible_on_large_images(make) -> None:
     source = make("jdp_large", image_size=16)
     batch = source.train_batch(1)
     flips = augment.batch_params(0, 1, 16).flips
-    slope = batch["x"][..., 0].mean(axis=1)  # (16, W): the left-to-right ramp, averaged over rows
+    slope = batch["x"][..., 0].mean(axis=1, dtype=np.float32)  # (16, W): the left-to-right ramp, averaged over rows
     rising = slope[:, -1] > slope[:, 0]
     np.testing.assert_array_equal(rising, ~flips)
     assert 0 < flips.sum() < 16
@@ -413,3 +458,28 @@ def test_trains_end_to_end_on_the_fixture(tmp_path) -> None:
     result = run(cfg, tmp_path / "run")
     assert len(result.losses) == 3 and np.isfinite(result.losses).all()
     assert np.isfinite(result.eval_loss) and 0 <= result.eval_accuracy <= 1
+
+
+@pytest.fixture(scope="module")
+def one_device_run(tmp_path_factory):
+    from jdp.train import run
+
+    return run(_augmented_cnn_config("jit", 1), tmp_path_factory.mktemp("one-device"))
+
+
+def _augmented_cnn_config(backend: str, num_devices: int):
+    cfg = small_config("mlp", backend=backend, num_devices=num_devices, steps=3)
+    cfg.model.update(name="cnn2d", channels=(8,), dense_sizes=(16,))
+    cfg.data.update(name="tfds:tiny_cifar", data_dir=str(FIXTURES))
+    return cfg
+
+
+@pytest.mark.parametrize("backend", ["shard_map", "pmap", "jit"])
+def test_augmented_training_on_8_devices_equals_1_device(backend: str, one_device_run, tmp_path) -> None:
+    """Crops, flips and normalisation run on each device's rows: breaks if 'crop' and 'flip' were not split
+    with the pixels, or if a device augmented with another device's numbers."""
+    from jdp.train import run
+
+    result = run(_augmented_cnn_config(backend, 8), tmp_path)
+    np.testing.assert_allclose(result.losses, one_device_run.losses, rtol=1e-4)
+    assert max_abs_diff(result.params, one_device_run.params) < 1e-5

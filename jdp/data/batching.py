@@ -112,6 +112,7 @@ class Batcher:
         self.global_batch_size, self.eval_batch_size = global_batch_size, eval_batch_size
         self.local_batch_size = global_batch_size // process_count
         self.steps_per_epoch: int = self._order.steps_per_epoch
+        self.device_input = None  # batches hold the model's input as it is
 
         labels = np.concatenate([train.y, eval.y])
         if labels.min() < 0:
