@@ -183,8 +183,14 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
         grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), o.axis_name).astype(bool)
     updated = state._replace(step=state.step + 1, params=params, model_state=model_state, opt_state=opt_state)
     new_state, guard_metrics = _guard(state, updated, jnp.isfinite(metrics["loss"]), grads_finite, o)
-    metrics.update(guard_metrics, lr=schedule(state.step))
+    metrics.update(guard_metrics, lr=schedule(_updates_applied(state)))
     return new_state, metrics
+
+
+def _updates_applied(state: TrainState) -> jax.Array:
+    """optax's own update count, the argument its schedule sees: skipped updates do not advance it."""
+    counts = optax.tree_utils.tree_get_all_with_path(state.opt_state, "count")
+    return counts[0][1] if counts else state.step
 
 
 def _guard(state: TrainState, updated: TrainState, loss_finite: jax.Array, grads_finite: jax.Array,

@@ -13,6 +13,7 @@ import pytest
 
 from jdp import export
 from jdp.data.batching import Batcher
+from jdp.optim import learning_rate
 from jdp.parallel import DataParallel
 from jdp.train import main, run
 from tests.helpers import small_config
@@ -194,13 +195,18 @@ def test_nonfinite_halt_saves_the_state_before_the_bad_step(monkeypatch, tmp_pat
 
 def test_nonfinite_skip_drops_the_update_and_counts_it(monkeypatch, tmp_path):
     _nan_at_index(monkeypatch, 3)
-    skip = {"train": {"on_nonfinite": "skip"}, "checkpoint": {"every_steps": 2}}
-    run(small_config("mlp", steps=6, **skip), tmp_path)
+    skip = {"train": {"on_nonfinite": "skip"}, "checkpoint": {"every_steps": 2},
+            "optim": {"name": "sgd", "lr": 0.2, "schedule": "linear"}}
+    first = small_config("mlp", steps=6, **skip)
+    run(first, tmp_path)
     result = run(small_config("mlp", steps=8, **skip), tmp_path)  # resumed: the count carries over
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     train_lines = [r for r in records if r["split"] == "train"]
     assert [r["step"] for r in train_lines] == [1, 2, 3, 5, 6, 7, 8]  # step 4's NaN loss is not logged
     assert train_lines[-1]["skipped_steps"] == 1
+    # The logged lr is the one the update used: the schedule stands still over the skipped step.
+    schedule = learning_rate(first.optim, first.train.global_batch_size, 6)
+    np.testing.assert_allclose([r["lr"] for r in train_lines[:5]], [schedule(n) for n in range(5)], rtol=1e-6)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(result.params))
 
 
