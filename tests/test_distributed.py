@@ -113,6 +113,21 @@ def test_two_processes_match_one(one_process, two_processes):
         np.testing.assert_allclose(restored[key], reference[key], rtol=1e-5, atol=1e-7, err_msg=key)
 
 
+def test_tfds_two_processes_match_one(tmp_path):
+    """The tfds source end to end: each process reads its rows of the PNG fixture, augments them on its
+    devices, and 2 processes x 2 devices train exactly as 1 process x 4 devices."""
+    fixture = ROOT / "tests" / "fixtures" / "tfds"
+    tfds_args = [*ARGS, "--config.model.name=cnn2d", "--config.model.channels=(8,)", "--config.model.dense_sizes=(16,)",
+                 "--config.data.name=tfds:tiny_cifar", f"--config.data.data_dir={fixture}",
+                 "--config.train.global_batch_size=16"]
+    one = run([*TRAIN, *tfds_args, "--cpu_devices", "4", "--workdir", str(tmp_path / "one")], timeout=120)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = run([sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--cpu_devices", "2", "--",
+               *TRAIN, *tfds_args, "--workdir", str(tmp_path / "two")], timeout=150)
+    assert two.returncode == 0, two.stdout[-3000:] + two.stderr[-3000:]
+    assert_same_run(tmp_path / "one", tmp_path / "two")
+
+
 def test_torchrun_variables_by_hand(one_process, tmp_path):
     port, workdir = launch.free_port(), tmp_path / "run"
     procs = [start([*TRAIN, *ARGS, "--cpu_devices", "2", "--workdir", str(workdir)],
