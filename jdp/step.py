@@ -189,8 +189,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
 
 def _updates_applied(state: TrainState) -> jax.Array:
     """optax's own update count, the argument its schedule sees: skipped updates do not advance it."""
-    counts = optax.tree_utils.tree_get_all_with_path(state.opt_state, "count")
-    return counts[0][1] if counts else state.step
+    schedules = optax.tree_utils.tree_get_all_with_path(state.opt_state, "ScaleByScheduleState")
+    return schedules[0][1].count if schedules else state.step
 
 
 def _guard(state: TrainState, updated: TrainState, loss_finite: jax.Array, grads_finite: jax.Array,

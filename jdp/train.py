@@ -218,8 +218,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
         checkpointer.wait()
         checkpointer.close()
         writer.close()
-        if hasattr(source, "close"):  # the tfds source's reader threads
-            source.close()
+        source.close()
     final = parallel.to_logical(state)
     return RunResult(losses, eval_loss, eval_accuracy, parallel.to_host(final.params),
                      parallel.to_host(final.model_state), clock.rate())
@@ -229,6 +228,7 @@ def evaluate_checkpoint(workdir: Path) -> tuple[float, float]:
     """`--eval_only`: evaluate the latest checkpoint of `workdir` and append the eval line."""
     step, b, state = restore_for_inference(workdir)
     loss, accuracy = evaluate(b.parallel, b.parallel.to_devices(state), b.source)
+    b.source.close()
     writer = MetricsWriter(workdir, total_steps=step, resume=False, enabled=jax.process_index() == 0)
     writer.eval(step, loss=loss, accuracy=accuracy)
     writer.close()

@@ -101,8 +101,8 @@ def _loop(parallel, state, batches, steps: int, start: int):
 
 
 def _loop_prefetched(parallel, state, source, steps: int, start: int):
-    """The loop with the prefetch proposed for jdp/train.py: a background thread reads step i+1's batch and
-    puts it on the devices while step i runs."""
+    """The loop with a device-prefetch thread (measured, not used by jdp/train.py): it reads step i+1's
+    batch and puts it on the devices while step i runs."""
     pending = None
     with ThreadPoolExecutor(1) as pool:
         def load(i: int):

@@ -419,12 +419,72 @@ def test_tfrecord_rows_are_the_records_tfds_load_streams() -> None:
     assert records.__getitems__(np.arange(len(records))) == expected and len(expected) == 40
 
 
-def test_a_damaged_tfrecord_file_is_one_clear_error(make, tmp_path) -> None:
+def test_a_damaged_or_missing_tfrecord_file_is_one_clear_error(make, tmp_path) -> None:
     shutil.copytree(TFRECORD_FIXTURES / "tiny_cifar", tmp_path / "tiny_cifar")
     train = next((tmp_path / "tiny_cifar" / "1.0.0").glob("*-train.tfrecord-*"))
     train.write_bytes(train.read_bytes()[:-100])
-    with pytest.raises(ValueError, match=r"tiny_cifar-train\.tfrecord.* is truncated .*prepare the dataset again"):
+    with pytest.raises(ValueError, match=r"^\S+-train\.tfrecord-\S+ is truncated .*prepare the dataset again$"):
         make("tiny_cifar", data_dir=str(tmp_path))
+    train.unlink()
+    with pytest.raises(ValueError, match=r"^cannot open \S+-train\.tfrecord-\S+ \(No such file or directory\); "
+                                         "copy or prepare the dataset again$"):
+        make("tiny_cifar", data_dir=str(tmp_path))
+
+
+def test_tfrecord_rows_span_files_and_their_slices(tmp_path) -> None:
+    """Row i of a split is the i-th record of its files' [skip, skip + take) slices, in order."""
+    import struct
+    from types import SimpleNamespace
+
+    from jdp.data.tfrecord import TfrecordRecords
+
+    def write(path: Path, records: list[bytes]) -> None:  # tfrecord frames; the reader does not check CRCs
+        path.write_bytes(b"".join(struct.pack("<Q", len(r)) + b"crc!" + r + b"crc!" for r in records))
+
+    files = {"a": [b"a0", b"a1-longer", b"", b"a3"], "b": [b"b0", b"b1"], "c": [b"c0" * 50, b"c1", b"c2"]}
+    for name, records in files.items():
+        write(tmp_path / name, records)
+    slices = [("a", 1, 3), ("b", 0, 2), ("c", 2, 1)]
+    records = TfrecordRecords([SimpleNamespace(filename=tmp_path / name, skip=skip, take=take,
+                                               examples_in_shard=len(files[name])) for name, skip, take in slices])
+    assert len(records) == 6
+    assert [records[i] for i in range(6)] == [b"a1-longer", b"", b"a3", b"b0", b"b1", b"c2"]
+    records.close()
+    records.close()  # closing twice is harmless
+
+
+def test_the_compiled_steps_see_the_prepared_input(make) -> None:
+    """Train and eval losses are those of the model on `device_input(batch)`: breaks if the step fed the
+    model the raw uint8 pixels (flax would promote them) or skipped the crop and flip."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jdp import models
+    from jdp import step as step_lib
+    from jdp.train import build
+
+    cfg = small_config("mlp", backend="jit", num_devices=1)
+    cfg.model.update(name="cnn2d", channels=(4,), dense_sizes=(8,))
+    cfg.data.update(name="tfds:tiny_cifar", data_dir=str(FIXTURES))
+    b = build(cfg)
+    state = b.parallel.to_devices(b.parallel.init_state(b.init_state))
+    graphdef = nnx.graphdef(models.build_model(cfg.model, b.source.input_shape, 10, axis_name=None, seed=0))
+    logical = b.parallel.to_host(b.parallel.to_logical(state))
+    train, evaluate = b.source.train_batch(0), next(b.source.eval_batches())
+    assert "crop" in train
+
+    def loss(batch: dict, training: bool):
+        logits, _ = step_lib.forward(graphdef, logical.params, logical.model_state,
+                                     jnp.asarray(b.source.device_input(batch)), train=training)
+        return step_lib.cross_entropy(logits, jnp.asarray(batch["y"]))
+
+    _, metrics = b.parallel.train_step(state, b.parallel.shard_batch(train))
+    np.testing.assert_allclose(float(b.parallel.fetch(metrics)["loss"]), float(loss(train, True).mean()),
+                               rtol=1e-5)
+    sums = b.parallel.fetch(b.parallel.eval_step(state, b.parallel.shard_batch(evaluate)))
+    np.testing.assert_allclose(sums["loss_sum"], float((loss(evaluate, False) * evaluate["mask"]).sum()),
+                               rtol=1e-5)
+    b.source.close()
 
 
 def test_a_format_without_random_access_is_refused_with_the_fix(make, tmp_path) -> None:

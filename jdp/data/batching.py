@@ -139,3 +139,6 @@ class Batcher:
             ids, real = self._order.eval_rows(i)
             rows = np.where(real, ids, 0)
             yield {"x": self._eval.x[rows], "y": self._eval.y[rows], "mask": real.astype(np.float32)}
+
+    def close(self) -> None:
+        """Nothing to release (the tfds source stops its threads and closes its files here)."""

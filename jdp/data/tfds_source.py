@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import resource
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +31,7 @@ from jdp.data import augment
 from jdp.data.batching import RowOrder
 from jdp.data.device_input import ImageInput
 from jdp.data.sources import TFDS_PREFIX
-from jdp.data.tfrecord import TfrecordRecords
+from jdp.data.tfrecord import DamagedFileError, TfrecordRecords
 
 if TYPE_CHECKING:
     import ml_collections
@@ -87,6 +88,20 @@ def open_builder(name: str, data_dir: str):
     return builder
 
 
+def _allow_open_files(builder, *splits: str) -> None:
+    """Both readers keep every shard file of a split open (ImageNet: 1,088 files), more than a common soft
+    limit of 1,024 open files: raise the soft limit toward the hard one, as far as needed."""
+    try:
+        shards = sum(len(builder.info.splits[s].file_instructions) for s in splits)
+    except (ValueError, KeyError, AssertionError):
+        return  # a bad split name: reported with its fix when the split is opened
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = shards + 1024  # headroom for JAX, sockets and the rest of the process
+    if soft != resource.RLIM_INFINITY and soft < want:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (want if hard == resource.RLIM_INFINITY else min(want, hard),
+                                                    hard))
+
+
 def _feature_keys(builder) -> tuple[str, str]:
     keys = builder.info.supervised_keys
     if isinstance(keys, tuple) and len(keys) == 2 and all(isinstance(k, str) for k in keys):
@@ -129,6 +144,10 @@ class _Records:
     def __len__(self) -> int:
         return len(self._source)
 
+    def close(self) -> None:
+        if isinstance(self._source, TfrecordRecords):  # tfds's array_record source closes itself
+            self._source.close()
+
     def __getitems__(self, rows: np.ndarray) -> list[tuple[Any, int]]:
         """The (image, label) pairs at `rows`, in that order.
 
@@ -152,9 +171,9 @@ def _as_stored(image: np.ndarray, i: int) -> np.ndarray:
 class _DecodedCache:
     """Decoded small images of one split, filled as rows are first read.
 
-    A process only ever holds rows it has read itself; the array is allocated up front but its pages
-    are only touched as rows arrive. Rows are written whole before they are marked filled, and two
-    threads that race on one row write the same bytes.
+    A process holds only rows it has read itself, though over a few epochs (each a new permutation) that
+    becomes most of the split; the array is allocated up front but its pages are only touched as rows
+    arrive. Written by the calling thread once the worker threads are done, rows before their flags.
     """
 
     def __init__(self, num_rows: int, shape: tuple[int, ...]) -> None:
@@ -195,10 +214,13 @@ class TfdsSource:
             spec = cfg[key]
             try:
                 return _Records(tfds, builder, spec, image_key, label_key)
+            except DamagedFileError:
+                raise
             except (ValueError, KeyError, AssertionError) as e:
                 raise ValueError(f"data.{key}={spec!r} is not a split of {self.name} (splits: "
                                  f"{', '.join(builder.info.splits)}): {str(e).splitlines()[0]}") from None
 
+        _allow_open_files(builder, cfg.train_split, cfg.eval_split)
         self._train, self._eval = split("train_split"), split("eval_split")
 
         stored = tuple(image_feature.shape)
@@ -341,6 +363,8 @@ class TfdsSource:
             yield self._make_eval_batch(i)
 
     def close(self) -> None:
-        """Stop the worker threads (also done at interpreter exit)."""
+        """Stop the worker threads and close the files (also done at interpreter exit)."""
         self._workers.shutdown(wait=True, cancel_futures=True)
+        self._train.close()
+        self._eval.close()
 
