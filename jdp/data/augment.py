@@ -114,7 +114,8 @@ def center_box(height: int, width: int) -> tuple[float, float, float, float]:
 
 @functools.cache
 def _opencv():
-    """OpenCV if installed (decodes small PNGs ~2x faster than PIL, and without the GIL), else None."""
+    """OpenCV if installed (the tfds extra has it: small PNGs decode ~2.5x faster than with PIL, and
+    without the GIL), else None."""
     try:
         import cv2
     except ImportError:
