@@ -125,6 +125,7 @@ class _Records:
     def __init__(self, tfds, builder, split: str, image_key: str, label_key: str) -> None:
         info = builder.info
         if tfds.core.FileFormat.ARRAY_RECORD in (info.available_file_formats() or {info.file_format}):
+            # What tfds.data_source(name, split, download=False) returns, from the builder checked above.
             raw = tfds.decode.DeserializeMethod.RAW_BYTES
             self._source = builder.as_data_source(split=split, deserialize_method=raw)
         else:  # tfrecord, checked by open_builder
