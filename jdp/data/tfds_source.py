@@ -31,7 +31,7 @@ from jdp.data import augment
 from jdp.data.batching import RowOrder
 from jdp.data.device_input import ImageInput
 from jdp.data.sources import TFDS_PREFIX
-from jdp.data.tfrecord import DamagedFileError, TfrecordRecords
+from jdp.data.tfrecord import TfrecordRecords, UnreadableFileError
 
 if TYPE_CHECKING:
     import ml_collections
@@ -215,7 +215,7 @@ class TfdsSource:
             spec = cfg[key]
             try:
                 return _Records(tfds, builder, spec, image_key, label_key)
-            except DamagedFileError:
+            except UnreadableFileError:
                 raise
             except (ValueError, KeyError, AssertionError) as e:
                 raise ValueError(f"data.{key}={spec!r} is not a split of {self.name} (splits: "

@@ -24,8 +24,8 @@ _HEADER = 12  # uint64 length + uint32 CRC of the length
 _FOOTER = 4  # uint32 CRC of the record
 
 
-class DamagedFileError(ValueError):
-    """A tfrecord file that is missing, truncated or disagrees with the dataset info."""
+class UnreadableFileError(ValueError):
+    """A tfrecord file that is missing, remote, truncated or disagrees with the dataset info."""
 
 
 def _frame_offsets(path: str, fd: int) -> tuple[np.ndarray, np.ndarray]:
@@ -35,13 +35,13 @@ def _frame_offsets(path: str, fd: int) -> tuple[np.ndarray, np.ndarray]:
     while pos < size:
         header = os.pread(fd, _HEADER, pos)
         if len(header) < _HEADER:
-            raise DamagedFileError(f"{path} is truncated: a frame header at byte {pos} is cut off; prepare the "
-                                   "dataset again")
+            raise UnreadableFileError(f"{path} is truncated: a frame header at byte {pos} is cut off; prepare the "
+                                      "dataset again")
         (length,) = struct.unpack_from("<Q", header)
         end = pos + _HEADER + length + _FOOTER
         if end > size:
-            raise DamagedFileError(f"{path} is truncated or not a tfrecord file: a {length}-byte record at byte {pos} "
-                             f"runs past its end ({size} bytes); prepare the dataset again")
+            raise UnreadableFileError(f"{path} is truncated or not a tfrecord file: a {length}-byte record at "
+                                      f"byte {pos} runs past its end ({size} bytes); prepare the dataset again")
         offsets.append(pos + _HEADER)
         lengths.append(length)
         pos = end
@@ -61,18 +61,22 @@ class TfrecordRecords:
         file_of, offset, length = [], [], []
         for instruction in instructions:
             path = os.fspath(instruction.filename)
+            if "://" in path:
+                self.close()
+                raise UnreadableFileError(f"{path}: tfrecord copies are read from a local or mounted file system; "
+                                          "copy the dataset to a local disk or mount the bucket (e.g. gcsfuse)")
             try:
                 fd = os.open(path, os.O_RDONLY)
             except OSError as e:
                 self.close()
                 fix = ("raise the open-file limit (ulimit -n)" if e.errno == errno.EMFILE else
                        "copy or prepare the dataset again")
-                raise DamagedFileError(f"cannot open {path} ({e.strerror}); {fix}") from None
+                raise UnreadableFileError(f"cannot open {path} ({e.strerror}); {fix}") from None
             self._fds.append(fd)
             offsets, lengths = _frame_offsets(path, fd)
             if len(offsets) != instruction.examples_in_shard:
-                raise DamagedFileError(f"{path} holds {len(offsets)} records where the dataset info says "
-                                       f"{instruction.examples_in_shard}; prepare the dataset again")
+                raise UnreadableFileError(f"{path} holds {len(offsets)} records where the dataset info says "
+                                          f"{instruction.examples_in_shard}; prepare the dataset again")
             rows = slice(instruction.skip, instruction.skip + instruction.take)
             file_of.append(np.full(len(offsets[rows]), len(self._fds) - 1, np.int32))
             offset.append(offsets[rows])
