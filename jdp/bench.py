@@ -71,10 +71,10 @@ def measure(cfg, num_devices: int, steps: int, collective: bool = True) -> dict:
         parallel, source = b.parallel, b.source
         t0 = time.perf_counter()
         rows = [source.train_batch(i) for i in range(4)]
-        source.close()
         batches = [parallel.shard_batch(r) for r in rows]
         jax.block_until_ready(batches)
         input_s = (time.perf_counter() - t0) / len(rows)
+        source.close()
         state = parallel.to_devices(parallel.init_state(b.init_state))
         memory = {"params_bytes": _bytes_on_first_device(state.params),
                   "grads_bytes": _bytes_on_first_device(state.params),  # one gradient per parameter, same dtype
