@@ -58,14 +58,15 @@ def _time_steps(parallel, state, batches, steps: int) -> tuple[float, float, obj
     return first, statistics.median(times), state
 
 
-def measure(cfg, num_devices: int, steps: int, collective: bool = True) -> dict:
-    """One measurement of the config's step on `num_devices` devices."""
+def measure(cfg, num_devices: int, steps: int, collective: bool = True, stats: bool = True) -> dict:
+    """One measurement of the config's step on `num_devices` devices; `stats` adds XLA's memory and FLOP
+    accounting (one more compilation)."""
     from jdp.wiring import build
 
     cfg = cfg.copy_and_resolve_references()
     cfg.parallel.num_devices = num_devices
     patch = (contextlib.nullcontext() if collective
-             else mock.patch.object(step_lib, "all_reduce_mean", lambda tree, axis_name, dtype=None: tree))
+             else mock.patch.object(step_lib, "all_reduce_mean", lambda tree, axis_name: tree))
     with patch:
         b = build(cfg)
         parallel, source = b.parallel, b.source
@@ -80,7 +81,7 @@ def measure(cfg, num_devices: int, steps: int, collective: bool = True) -> dict:
                   "grads_bytes": _bytes_on_first_device(state.params),  # one gradient per parameter, same dtype
                   "opt_state_bytes": _bytes_on_first_device(state.opt_state)}
         first, step_s, state = _time_steps(parallel, state, batches, steps)
-        compiled = parallel.compiled_stats(state, batches[0])
+        compiled = parallel.compiled_stats(state, batches[0]) if stats else {}
     return {"devices": num_devices, "first_step_s": first, "step_s": step_s, "input_s": input_s,
             "examples_per_sec": cfg.train.global_batch_size / step_s, **memory, **compiled}
 
@@ -91,14 +92,15 @@ def run_bench(cfg, devices: list[int], steps: int, repeats: int, peak_tflops: fl
     baseline_cfg = cfg.copy_and_resolve_references()
     baseline_cfg.parallel.backend = "jit"
     baseline = []  # a plain single-device jit step: what data parallelism must not fall far behind
-    for _ in range(repeats):  # interleaved, so drift on a shared machine hits every variant alike
-        baseline.append(measure(baseline_cfg, 1, steps)["examples_per_sec"])
-        for n, collective in runs:
-            runs[(n, collective)].append(measure(cfg, n, steps, collective))
+    for repeat in range(repeats):  # interleaved, so drift on a shared machine hits every variant alike
+        baseline.append(measure(baseline_cfg, 1, steps, stats=False)["examples_per_sec"])
+        for n, collective in runs:  # XLA's accounting is the same every time: taken once
+            runs[(n, collective)].append(measure(cfg, n, steps, collective, stats=repeat == 0 and collective))
     rows = []
     for n in devices:
         with_c = runs[(n, True)]
-        row = {k: statistics.median(r[k] for r in with_c) for k in with_c[0]}
+        timed = with_c[-1].keys()  # in every run; XLA's accounting only in the first
+        row = {**with_c[0], **{k: statistics.median(r[k] for r in with_c) for k in timed}}
         row["devices"] = n
         if explicit and n > 1:
             without = statistics.median(r["step_s"] for r in runs[(n, False)])

@@ -11,7 +11,6 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import jax
 import orbax.checkpoint as ocp
 
 from jdp.faults import kill_if_requested
@@ -78,7 +77,3 @@ def _first_line(error: Exception) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:400]
 
-
-def abstract_like(state: Any) -> Any:
-    """Shapes, dtypes and shardings of `state`, as orbax needs them for a restore."""
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)

@@ -131,22 +131,19 @@ def validate(cfg: ml_collections.ConfigDict, *, model_names: tuple[str, ...], da
     _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1")
     for key in ("train.steps", "train.global_batch_size", "train.log_every", "train.eval_every", "optim.lr",
                 "train.grad_accum_steps", "parallel.sync_every"):
-        section, field = key.split(".")
-        value = cfg[section][field]
+        value = cfg[key]
         _require(value > 0, f"{key}={value} must be positive; set --config.{key} to a value > 0")
     for key in ("train.eval_batch_size", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip_norm",
                 "parallel.cpu_devices", "parallel.num_devices", "parallel.check_replicas_every",
                 "checkpoint.every_steps"):
-        section, field = key.split(".")
-        value = cfg[section][field]
+        value = cfg[key]
         _require(value >= 0, f"{key}={value} must not be negative")
     _require(cfg.optim.warmup_steps < cfg.train.steps,
              f"optim.warmup_steps={cfg.optim.warmup_steps} is not shorter than train.steps={cfg.train.steps}; "
              "lower --config.optim.warmup_steps or raise --config.train.steps")
     if num_devices is not None:
         for key in ("train.global_batch_size", "train.eval_batch_size"):
-            section, field = key.split(".")
-            value = cfg[section][field]
+            value = cfg[key]
             _require(value % num_devices == 0,
                      f"{key}={value} is not divisible by the {num_devices} devices; use a multiple of "
                      f"{num_devices} or set --config.parallel.num_devices")
@@ -175,8 +172,7 @@ def _validate_local_sgd(cfg: ml_collections.ConfigDict, per_device_step: bool) -
     _require(per_device_step, "parallel.sync_every > 1 (local SGD) needs a per-device step; use "
                               "--config.parallel.backend=shard_map or pmap")
     for key in ("train.steps", "train.eval_every", "checkpoint.every_steps", "parallel.check_replicas_every"):
-        section, field = key.split(".")
-        value = cfg[section][field]
+        value = cfg[key]
         _require(value % h == 0, f"{key}={value} is not a multiple of parallel.sync_every={h}: with local SGD "
                                  "the replicas agree only at sync points; use a multiple")
 
@@ -196,9 +192,15 @@ def load_saved_config(path: Path) -> ml_collections.ConfigDict:
 
 def state_changes(old: ml_collections.ConfigDict, new: ml_collections.ConfigDict) -> list[str]:
     """`key: old -> new` for each setting that changes the model or the optimizer."""
-    before, after = _flatten(old.to_dict()), _flatten(new.to_dict())
-    return [f"{k}: {before.get(k)!r} -> {after.get(k)!r}" for k in sorted(set(before) | set(after))
-            if k.startswith(STATE_DEFINING) and before.get(k) != after.get(k)]
+    return [f"{k}: {before!r} -> {after!r}" for k, before, after in differences(old.to_dict(), new.to_dict())
+            if k.startswith(STATE_DEFINING)]
+
+
+def differences(a: dict, b: dict) -> list[tuple[str, object, object]]:
+    """(dotted key, value in a, value in b) for each leaf of two nested dicts that differs (None if absent)."""
+    flat_a, flat_b = _flatten(a), _flatten(b)
+    return [(k, flat_a.get(k), flat_b.get(k)) for k in sorted(set(flat_a) | set(flat_b))
+            if flat_a.get(k) != flat_b.get(k)]
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import jax
 
-from jdp.config import ConfigError
+from jdp.config import ConfigError, differences
 
 # jax aborts about 4 s after its own initialization_timeout; give it this much more than jdp's,
 # so that jdp's watchdog speaks first.
@@ -253,23 +253,11 @@ def check_same_run(settings: dict, timeout_s: float) -> None:
                                      f"{first_line(e)}") from None
         first, this, index = (json.loads(mine), json.loads(theirs), other) if me == 0 else (
             json.loads(theirs), json.loads(mine), me)
-        differences = _differences(first, this, index)
-        if differences:
+        differing = [f"{k}: {a!r} on process 0, {b!r} on process {index}" for k, a, b in differences(first, this)]
+        if differing:
             raise DistributedUsageError(f"process {index} was started with other settings than process 0 "
-                                        f"({'; '.join(differences[:5])}); start every process with the same "
+                                        f"({'; '.join(differing[:5])}); start every process with the same "
                                         "config, overrides and --workdir")
-
-
-def _differences(first: dict, this: dict, index: int) -> list[str]:
-    def flat(tree: dict, prefix: str = "") -> dict:
-        out = {}
-        for k, v in tree.items():
-            out.update(flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-        return out
-
-    a, b = flat(first), flat(this)
-    return [f"{k}: {a.get(k)!r} on process 0, {b.get(k)!r} on process {index}"
-            for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
 
 
 def run_settings(cfg_dict: dict, workdir: Path) -> dict:

@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     except (config_lib.ConfigError, CheckpointError) as e:
         print(f"jdp.export: {e}", file=sys.stderr)
         return 2
+    built.source.close()
     host = built.parallel.to_host(state)
     arrays = {**flatten(host.params, "params"), **flatten(host.model_state, "model_state"), "step": np.int64(step)}
     np.savez(args.out, **arrays)

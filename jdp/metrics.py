@@ -111,9 +111,17 @@ class MetricsWriter:
         self._file.close()
 
 
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The records of RUN_DIR/metrics.jsonl, in order."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found; pass run directories written by python -m jdp.train")
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def _truncate_after(path: Path, step: int) -> None:
     """Keep the train and eval lines up to `step` (atomically), so a resumed run has no duplicates."""
-    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = read_metrics(path.parent)
     kept = [r for r in records if r.get("split") in ("train", "eval") and r["step"] <= step]
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
+from jdp import zero
+
 
 def learning_rate(cfg: ml_collections.ConfigDict, global_batch_size: int, total_steps: int) -> optax.Schedule:
     """Linear warmup from 0, then cosine or linear decay to 0, or constant."""
@@ -36,7 +38,7 @@ def clip_by_global_norm(max_norm: float, axis_name: str | None = None) -> optax.
         return optax.clip_by_global_norm(max_norm)
 
     def update(updates, state, params=None):
-        norm = jnp.sqrt(jax.lax.psum(sum(jnp.sum(jnp.square(u)) for u in jax.tree.leaves(updates)), axis_name))
+        norm = zero.global_norm(updates, axis_name)
         factor = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
         return jax.tree.map(lambda u: u * factor, updates), state
 

@@ -38,7 +38,7 @@ class DataParallel:
                  options: step_lib.StepOptions | None = None):
         """`options.axis_name` is set here, from the backend; `options.bn_groups` (per-device BatchNorm
         as groups of the global batch) applies to jit only: the other backends see one device's rows."""
-        self.backend, self.mesh, self._abstract = backend, mesh, abstract_state
+        self.backend, self.mesh = backend, mesh
         options = options or step_lib.StepOptions()
         self._sharded_optimizer = options.shard_optimizer
         opt_specs = jax.tree.map(lambda x: P(DATA_AXIS) if options.shard_optimizer and zero.is_sharded(x) else P(),
@@ -47,6 +47,7 @@ class DataParallel:
         per_device = dataclasses.replace(options, axis_name=DATA_AXIS, bn_groups=1)
         evaluate = partial(step_lib.eval_step, graphdef=graphdef, prepare_input=options.prepare_input)
         repl, split = replicated(mesh), data_sharded(mesh)
+        self._batch_sharding = split
 
         def train(opts: step_lib.StepOptions) -> Callable:
             return partial(step_lib.train_step, graphdef=graphdef, tx=tx, schedule=schedule, options=opts)
@@ -116,7 +117,7 @@ class DataParallel:
         """Step 1, split: this process's rows of the global batch -> a global array on `data`."""
         if self.backend == "pmap":
             local_rows = {k: v.reshape(self._local_devices, -1, *v.shape[1:]) for k, v in local_rows.items()}
-        return global_batch(local_rows, data_sharded(self.mesh))
+        return global_batch(local_rows, self._batch_sharding)
 
     def train_step(self, state: step_lib.TrainState, batch: dict[str, jax.Array]
                    ) -> tuple[step_lib.TrainState, dict[str, jax.Array]]:

@@ -4,7 +4,6 @@ curves of several runs (their metrics.jsonl) in one PNG."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -13,12 +12,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = run_dir / "metrics.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"{path} not found; pass run directories written by python -m jdp.train")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+from jdp.metrics import read_metrics  # noqa: E402
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> None:

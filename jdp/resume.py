@@ -19,8 +19,7 @@ from jdp.wiring import Built, build
 def abstract_state(b: Built) -> TrainState:
     """Shapes, dtypes and (replicated) shardings of the logical state, as a restore needs them."""
     sharding = replicated(b.parallel.mesh)
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
-                        jax.eval_shape(b.init_state))
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), b.abstract_state)
 
 
 def restore_or_init(b: Built, checkpointer: Checkpointer, echo) -> tuple[int, TrainState]:

@@ -8,6 +8,7 @@ or pmap (with `axis_name="data"`, one call per device on its slice of the batch)
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable
 from functools import partial
 from typing import Any, NamedTuple
@@ -49,11 +50,6 @@ def forward(graphdef: nnx.GraphDef, params: Tree, model_state: Tree, x: jax.Arra
     return logits, nnx.to_pure_dict(nnx.state(model, nnx.Not(nnx.Param)))
 
 
-def model_input(batch: dict[str, jax.Array],
-                prepare_input: Callable[[dict[str, jax.Array]], jax.Array] | None) -> jax.Array:
-    return batch["x"] if prepare_input is None else prepare_input(batch)
-
-
 def cross_entropy(logits_BxC: jax.Array, labels_B: jax.Array) -> jax.Array:
     return optax.softmax_cross_entropy_with_integer_labels(logits_BxC.astype(jnp.float32), labels_B)
 
@@ -78,9 +74,9 @@ class StepOptions:
     sync_every: int = 1  # local SGD: average parameters every H steps instead of gradients every step
     shard_optimizer: bool = False  # ZeRO-1: reduce-scatter, update this device's slice, all-gather (jdp.zero)
     loss_scale_growth_interval: int = 2000  # fp16: finite steps before the loss scale doubles
-    # The model's input from a batch, on the device (e.g. uint8 pixels -> cropped, normalised floats);
-    # None = the batch's 'x' as it is.
-    prepare_input: Callable[[dict[str, jax.Array]], jax.Array] | None = None
+    # The model's input from a batch, on the device: the batch's 'x' as it is, or e.g. uint8 pixels ->
+    # cropped, normalised floats (a source's `device_input`).
+    prepare_input: Callable[[dict[str, jax.Array]], jax.Array] = operator.itemgetter("x")
 
 
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
@@ -111,7 +107,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
 
     def local_loss(params: Tree, model_state: Tree, micro: dict[str, jax.Array]):
         # Mixed precision: float32 master parameters, cast for the forward; gradients come back float32.
-        x = model_input(micro, o.prepare_input).astype(compute_dtype)
+        x = o.prepare_input(micro).astype(compute_dtype)
         logits_BxC, new_model_state = forward(graphdef, _cast(params, compute_dtype), model_state, x, train=True,
                                               groups=o.bn_groups)
         new_model_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_model_state, model_state)
@@ -156,10 +152,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.
     if "grads" in averaged:
         grads = _cast(averaged["grads"], jnp.float32)
     if o.log_grad_norm:  # the norm the update sees, before clipping (local SGD: mean of the local norms)
-        squares = sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads))
-        if o.shard_optimizer:
-            squares = jax.lax.psum(squares, o.axis_name)
-        metrics["grad_norm"] = jnp.sqrt(squares)
+        metrics["grad_norm"] = zero.global_norm(grads, o.axis_name if o.shard_optimizer else None)
         if local_sgd:
             metrics["grad_norm"] = all_reduce_mean(metrics["grad_norm"], o.axis_name)
 
@@ -224,10 +217,10 @@ def _guard(state: TrainState, updated: TrainState, loss_finite: jax.Array, grads
 
 
 def eval_step(state: TrainState, batch: dict[str, jax.Array], *, graphdef: nnx.GraphDef, axis_name: str | None,
-              prepare_input: Callable[[dict[str, jax.Array]], jax.Array] | None = None) -> dict[str, jax.Array]:
+              prepare_input: Callable[[dict[str, jax.Array]], jax.Array] = operator.itemgetter("x")
+              ) -> dict[str, jax.Array]:
     """Sums of loss, correct predictions and real (unpadded) examples over the global batch."""
-    logits_BxC, _ = forward(graphdef, state.params, state.model_state, model_input(batch, prepare_input),
-                            train=False)
+    logits_BxC, _ = forward(graphdef, state.params, state.model_state, prepare_input(batch), train=False)
     mask_B = batch["mask"]
     sums = {
         "loss_sum": jnp.sum(cross_entropy(logits_BxC, batch["y"]) * mask_B),

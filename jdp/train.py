@@ -97,7 +97,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
     mesh = parallel.mesh
     writer.echo(f"jdp: {mesh.size} {mesh.devices.flat[0].platform} devices x {batch_size // mesh.size} examples "
                 f"= global batch {batch_size} ({jax.process_count()} process(es)); {cfg.model.name}: "
-                f"{models.count_params(jax.eval_shape(b.init_state).params):,} parameters; {cfg.data.name}: "
+                f"{models.count_params(b.abstract_state.params):,} parameters; {cfg.data.name}: "
                 f"{source.num_train} train / {source.num_eval} eval, {steps} steps = "
                 f"{steps / source.steps_per_epoch:.1f} epochs; backend {cfg.parallel.backend}")
     if mesh.devices.flat[0].platform == "gpu":
@@ -143,9 +143,12 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
     def save(step: int) -> None:
         clock.pause()
         t = time.perf_counter()
-        checkpointer.save(step, parallel.to_logical(state), {"step": step, "epoch": step // source.steps_per_epoch})
+        checkpointer.save(step, parallel.to_logical(state), data_position(step))
         save_stalls.append(time.perf_counter() - t)
         clock.start()
+
+    def data_position(step: int) -> dict[str, int]:  # informative: the source reads any step directly
+        return {"step": step, "epoch": step // source.steps_per_epoch}
 
     def check_replicas(step: int) -> None:
         leaf = parallel.first_differing_leaf({"params": state.params, "model_state": state.model_state})
@@ -177,9 +180,12 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
                 stop_agreed |= stop.should_stop(step, preemption.signal_name is not None)
                 # Under local SGD the replicas agree only at sync points: stop at the next one.
                 stopping = stop_agreed and step % cfg.parallel.sync_every == 0
-                if stopping or step == steps or checkpointer.due(step) or (
-                        step % cfg.train.eval_every == 0) or (
-                        cfg.parallel.check_replicas_every and step % cfg.parallel.check_replicas_every == 0):
+                last = step == steps
+                check_now = last or bool(cfg.parallel.check_replicas_every
+                                         and step % cfg.parallel.check_replicas_every == 0)
+                save_now = last or checkpointer.due(step)
+                eval_now = last or step % cfg.train.eval_every == 0
+                if stopping or check_now or save_now or eval_now:
                     record(*pending)
                     pending = None
                 if stopping:
@@ -188,12 +194,11 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
                     cause = preemption.signal_name or "a signal to another process"
                     raise Preempted(f"{cause} at step {step}: checkpoint written to "
                                     f"{checkpointer.directory / str(step)}; rerun the same command to resume")
-                if (cfg.parallel.check_replicas_every and step % cfg.parallel.check_replicas_every == 0) or (
-                        step == steps):
+                if check_now:
                     check_replicas(step)
-                if checkpointer.due(step) or step == steps:
+                if save_now:
                     save(step)
-                if step % cfg.train.eval_every == 0 or step == steps:
+                if eval_now:
                     clock.pause()
                     eval_loss, eval_accuracy = evaluate(parallel, state, source)
                     writer.eval(step, loss=eval_loss, accuracy=eval_accuracy)
@@ -212,7 +217,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> RunResult:
         # The compiled step froze the state before the bad update: keep it for inspection and resume.
         halted = parallel.to_logical(state)
         halted_step = int(halted.step.addressable_data(0))
-        checkpointer.save(halted_step, halted, {"step": halted_step})
+        checkpointer.save(halted_step, halted, data_position(halted_step))
         raise
     finally:
         checkpointer.wait()

@@ -14,7 +14,7 @@ from flax import nnx
 from jdp import config as config_lib
 from jdp import data as data_lib
 from jdp import models
-from jdp.mesh import make_mesh
+from jdp.mesh import DATA_AXIS, make_mesh
 from jdp.optim import build_optimizer
 from jdp.parallel import DataParallel
 from jdp.step import StepOptions, TrainState
@@ -26,6 +26,7 @@ class Built:
     source: data_lib.Source
     parallel: DataParallel
     init_state: Callable[..., TrainState]  # (params=None, model_state=None) -> a fresh TrainState
+    abstract_state: TrainState  # shapes and dtypes of the logical state (jax.ShapeDtypeStruct leaves)
 
 
 def build(cfg: ml_collections.ConfigDict) -> Built:
@@ -42,14 +43,15 @@ def build(cfg: ml_collections.ConfigDict) -> Built:
         raise config_lib.ConfigError(str(e)) from None
     num_classes = cfg.data.num_classes or source.num_classes
     # Under jit the batch is global, so BatchNorm statistics are global without a named axis.
-    axis_name = "data" if cfg.model.bn_sync and cfg.parallel.backend != "jit" else None
+    axis_name = DATA_AXIS if cfg.model.bn_sync and cfg.parallel.backend != "jit" else None
 
     def make_model() -> nnx.Module:
         return models.build_model(cfg.model, source.input_shape, num_classes, axis_name=axis_name, seed=cfg.seed)
 
-    abstract_params = nnx.to_pure_dict(nnx.state(nnx.eval_shape(make_model), nnx.Param))
-    tx, schedule = build_optimizer(cfg.optim, cfg.train.global_batch_size, cfg.train.steps, abstract_params,
-                                   sharded_axis="data" if cfg.parallel.shard_optimizer else None)
+    graphdef, abstract_params, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)
+    tx, schedule = build_optimizer(cfg.optim, cfg.train.global_batch_size, cfg.train.steps,
+                                   nnx.to_pure_dict(abstract_params),
+                                   sharded_axis=DATA_AXIS if cfg.parallel.shard_optimizer else None)
 
     def init_state(params=None, model_state=None) -> TrainState:
         if params is None:
@@ -65,6 +67,6 @@ def build(cfg: ml_collections.ConfigDict) -> Built:
                           loss_scale_growth_interval=cfg.loss_scale.growth_interval,
                           shard_optimizer=cfg.parallel.shard_optimizer, log_grad_norm=cfg.train.log_grad_norm,
                           prepare_input=source.device_input)
-    parallel = DataParallel(cfg.parallel.backend, mesh, nnx.graphdef(nnx.eval_shape(make_model)), tx, schedule,
-                            jax.eval_shape(init_state), options)
-    return Built(cfg, source, parallel, init_state)
+    abstract_state = jax.eval_shape(init_state)
+    parallel = DataParallel(cfg.parallel.backend, mesh, graphdef, tx, schedule, abstract_state, options)
+    return Built(cfg, source, parallel, init_state, abstract_state)

@@ -24,10 +24,9 @@ def communication_flags(parallel: ml_collections.ConfigDict) -> dict[str, str]:
     return flags
 
 
-def apply_communication_flags(parallel: ml_collections.ConfigDict) -> str:
-    """Adds the knobs to XLA_FLAGS unless set there already; returns the XLA_FLAGS now in force."""
+def apply_communication_flags(parallel: ml_collections.ConfigDict) -> None:
+    """Adds the knobs to XLA_FLAGS unless set there already."""
     current = os.environ.get("XLA_FLAGS", "")
     present = {flag.split("=", 1)[0] for flag in current.split()}
     added = [f"{k}={v}" for k, v in communication_flags(parallel).items() if k not in present]
     os.environ["XLA_FLAGS"] = " ".join([current, *added]).strip()
-    return os.environ["XLA_FLAGS"]

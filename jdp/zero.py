@@ -27,6 +27,16 @@ def _flat_padded(x: jax.Array, n: int) -> jax.Array:
     return jnp.pad(flat, (0, (-flat.size) % n))
 
 
+def _unpadded(flat: jax.Array, like: Any) -> jax.Array:
+    return flat[: math.prod(like.shape)].reshape(like.shape)
+
+
+def global_norm(tree: Tree, axis_name: str | None = None) -> jax.Array:
+    """The L2 norm of all leaves; with `axis_name`, of the whole leaves whose slices the devices hold."""
+    squares = sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))
+    return jnp.sqrt(squares if axis_name is None else jax.lax.psum(squares, axis_name))
+
+
 def reduce_scatter_mean(grads: Tree, axis_name: str) -> Tree:
     """Each device receives the cross-device mean of its own slice of every gradient."""
     n = jax.lax.psum(1, axis_name)
@@ -48,7 +58,7 @@ def local_slice(tree: Tree, axis_name: str) -> Tree:
 def all_gather_like(slices: Tree, like: Tree, axis_name: str) -> Tree:
     """Reassemble full leaves shaped like `like` from every device's slice."""
     def gather(s: jax.Array, x: jax.Array) -> jax.Array:
-        return jax.lax.all_gather(s, axis_name, tiled=True)[: math.prod(x.shape)].reshape(x.shape)
+        return _unpadded(jax.lax.all_gather(s, axis_name, tiled=True), x)
 
     return jax.tree.map(gather, slices, like)
 
@@ -60,4 +70,4 @@ def shard_layout(tree: Tree, n: int) -> Tree:
 
 def logical_layout(tree: Tree, like: Tree) -> Tree:
     """Flat, padded leaves -> leaves shaped like `like` (the inverse of `shard_layout`)."""
-    return jax.tree.map(lambda x, y: x[: math.prod(y.shape)].reshape(y.shape) if is_sharded(y) else x, tree, like)
+    return jax.tree.map(lambda x, y: _unpadded(x, y) if is_sharded(y) else x, tree, like)

@@ -7,8 +7,10 @@ Workloads: the MNIST-1D CNN (configs/mnist1d_cnn.py, in-memory source) and two s
 synthetic_cnn2d config's conv32-conv64-pool-dense128, and a light conv8-conv16-pool-dense64 whose step is
 short enough to show the pipeline) on the committed tfds fixture tests/fixtures/tfds/tiny_cifar (PNG-encoded
 32x32x3, cycled: a new epoch permutation every 200 examples), with and without the decoded-image cache
-(without it every image is decoded every time, as in a first epoch), and with a background thread that
-puts the next batch on the devices (measured, not used by jdp/train.py).
+(without it every image is decoded every time, as in a first epoch), with a background thread that
+puts the next batch on the devices (measured, not used by jdp/train.py), and, against the same step
+without its on-device crop, flip and normalisation, fed float32 inputs prepared on the host (what the
+on-device preprocessing costs the step). Pillow's figures: run with opencv-python-headless uninstalled.
 
 Each mode runs the trainer's loop (`jdp.train.run`: read and shard the batch, dispatch the step, fetch the
 previous step's metrics) for about `--run_seconds`. Modes are interleaved; a run during which other
@@ -20,27 +22,31 @@ simulated devices (one CPU device).
 from __future__ import annotations
 
 import argparse
+import operator
 import os
 import statistics
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 from configs import base, mnist1d_cnn  # noqa: E402
-from jdp.data import TfdsSource  # noqa: E402
+from jdp.data import TfdsSource, tfds_source  # noqa: E402
 from jdp.train import build  # noqa: E402
 
 FIXTURE_DIR = ROOT / "tests" / "fixtures" / "tfds"
 ON_DEVICE = "batches on device"
 PIPELINE = "input pipeline"
-NO_CACHE = "input pipeline, no decoded-image cache (every read decodes, as in a first epoch)"
-PREFETCH = "input pipeline + device-prefetch thread (not used by train.py)"
+NO_CACHE = "input pipeline, no decoded-image cache (first epoch)"
+PREFETCH = "input pipeline + device-prefetch thread (not used)"
+HOST_PREPARED = "float32 batches on device, prepared on the host (no crop, flip, normalise in the step)"
 
 
 def _cnn2d_tiny_cifar(channels: tuple[int, ...], dense: int):
@@ -135,12 +141,26 @@ def bench(name: str, make_config, args) -> list[tuple]:
         uncached = TfdsSource(no_cache, seed=cfg.seed, global_batch_size=args.batch, eval_batch_size=args.batch)
         modes.append(NO_CACHE)
     modes.append(PREFETCH)
-    resident = [parallel.shard_batch(source.train_batch(i)) for i in range(4)]
+    rows = [source.train_batch(i) for i in range(4)]
+    resident = [parallel.shard_batch(r) for r in rows]
     jax.block_until_ready(resident)
+    plain_state = None
+    if uncached:  # the same model and step without device preprocessing, fed the model's input itself
+        modes.append(HOST_PREPARED)
+        with mock.patch.object(tfds_source, "ImageInput", lambda *_: operator.itemgetter("x")):
+            plain = build(cfg)
+        plain.source.close()
+        prepared = [plain.parallel.shard_batch({"x": np.asarray(source.device_input(r)), "y": r["y"]}) for r in rows]
+        plain_state = plain.parallel.to_devices(plain.parallel.init_state(plain.init_state))
+        plain_state = _loop(plain.parallel, plain_state, lambda i: prepared[i % 4], 3, 0)  # compile, warm up
 
     def run_mode(mode: str, state, start: int):
+        nonlocal plain_state
         if mode == ON_DEVICE:
             return _loop(parallel, state, lambda i: resident[i % 4], steps, start)
+        if mode == HOST_PREPARED:
+            plain_state = _loop(plain.parallel, plain_state, lambda i: prepared[i % 4], steps, start)
+            return state
         if mode == PREFETCH:
             return _loop_prefetched(parallel, state, source, steps, start)
         reader = uncached if mode == NO_CACHE else source
@@ -162,6 +182,7 @@ def bench(name: str, make_config, args) -> list[tuple]:
         return statistics.median(times)
 
     host = dict.fromkeys(modes, host_ms(source))
+    host.update({ON_DEVICE: 0.0, HOST_PREPARED: 0.0})
     if uncached:
         host[NO_CACHE] = host_ms(uncached)
 
@@ -187,9 +208,9 @@ def bench(name: str, make_config, args) -> list[tuple]:
           f"{device / steps * 1e3:.1f} ms, {steps} steps per run, {discarded} runs discarded for foreign load, "
           f"median foreign load in the kept runs {statistics.median(foreign):.0%}",
           file=sys.stderr)
-    for s in (source, uncached):
-        if isinstance(s, TfdsSource):
-            s.close()
+    source.close()
+    if uncached:
+        uncached.close()
     return [(name, host[mode], device / steps * 1e3, mode,
              steps * args.batch / statistics.median(ts), statistics.median(ts) / device - 1)
             for mode, ts in times.items()]

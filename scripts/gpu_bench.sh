@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# A few minutes on one GPU: ResNet-50 bf16 images/sec and MFU with jdp, next to the PyTorch DDP twin
-# on the same GPU, on synthetic data. Usage: scripts/gpu_bench.sh [PEAK_TFLOPS]   (default 989, H100/H200
+# A few minutes on one GPU: ResNet-50 bf16 and fp32 images/sec and MFU with jdp, next to the PyTorch DDP
+# twin (fp32) on the same GPU, on synthetic data. Usage: scripts/gpu_bench.sh [PEAK_TFLOPS]   (default 989, H100/H200
 # dense bf16). Results go to $OUT (the device tool's output folder) or runs/gpu_bench.
 #
 # The lent GPU machines have no network and carry jax (CUDA), flax, optax and torch but not
@@ -28,6 +28,7 @@ for precision in bf16 fp32; do
     --peak_tflops "$peak" --out "$out/jdp-$precision" | tee "$out/jdp-$precision.txt"
 done
 if python3 -c "import torch" 2>/dev/null && python3 -c "import jdp.compare" 2>/dev/null; then
-  python3 -m jdp.compare speed "${resnet50[@]}" --config.precision=bf16 --workers 1 \
-    --workdir "$out/ddp" | tee "$out/ddp.txt"
+  # The twin trains float32 only: compare against jdp's fp32 figures above.
+  python3 -m jdp.compare speed "${resnet50[@]}" --config.precision=fp32 --device cuda --workers 1 \
+    --backends shard_map --repeats 1 --steps 20 --workdir "$out/ddp" | tee "$out/ddp.txt"
 fi

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import jax
 import numpy as np
 
 from configs import base
+from jdp.metrics import read_metrics
+
+TINY_CIFAR = Path(__file__).parent / "fixtures" / "tfds"  # data_dir of the committed CIFAR-format fixture
 
 # Tiny models that compile in seconds on a 2-core CPU; resnet is built by the ResNet-18 class.
 MODELS = {
@@ -15,6 +20,8 @@ MODELS = {
                    data={"name": "synthetic", "shape": (8, 8, 3), "num_classes": 10, "num_examples": 256,
                          "num_eval_examples": 40},
                    optim={"lr": 0.05}),  # stable at this lr, so float32 rounding is not amplified
+    "tiny_cifar": dict(model={"name": "cnn2d", "channels": (8,), "dense_sizes": (16,)},
+                       data={"name": "tfds:tiny_cifar", "data_dir": str(TINY_CIFAR)}),  # augmented on the device
 }
 
 
@@ -37,3 +44,13 @@ def max_abs_diff(a, b) -> float:
     """Largest |a - b| over all leaves of two pytrees of the same structure."""
     return max(float(np.max(np.abs(x - y), initial=0.0)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b),
                                                                           strict=True))
+
+
+def records(workdir, split: str) -> list[dict]:
+    """The `split` lines of WORKDIR/metrics.jsonl, in order."""
+    return [r for r in read_metrics(workdir) if r["split"] == split]
+
+
+def train_losses(workdir) -> list[tuple[int, float]]:
+    """(step, loss) of every train line, in order, so a duplicated step shows."""
+    return [(r["step"], r["loss"]) for r in records(workdir, "train")]

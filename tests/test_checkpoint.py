@@ -1,6 +1,5 @@
 """Checkpoints, exact resume and failure handling."""
 
-import json
 import os
 import signal
 import subprocess
@@ -16,7 +15,7 @@ from jdp.data.batching import Batcher
 from jdp.optim import learning_rate
 from jdp.parallel import DataParallel
 from jdp.train import main, run
-from tests.helpers import small_config
+from tests.helpers import records, small_config, train_losses
 
 # A short MLP run with a checkpoint every 4 steps, as a user would type it.
 RUN = ["--config", "configs/mnist1d_mlp.py", "--config.model.hidden_sizes=(32,)", "--config.train.steps=12",
@@ -29,17 +28,12 @@ def train(workdir, *args, env=None, timeout=120):
                           capture_output=True, text=True, timeout=timeout, env={**ENV, **(env or {})})
 
 
-def losses(workdir):
-    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return [(r["step"], r["loss"]) for r in records if r["split"] == "train"]
-
-
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("uninterrupted")
     out = train(workdir, *RUN)
     assert out.returncode == 0, out.stderr
-    return losses(workdir)
+    return train_losses(workdir)
 
 
 @pytest.mark.parametrize("kill_at", ["step:7", "save:8"])
@@ -51,15 +45,15 @@ def test_a_killed_run_resumes_bitwise(kill_at, uninterrupted, tmp_path):
     out = train(tmp_path)
     assert out.returncode == 0, out.stderr
     assert "resumed from" in out.stdout and "checkpoints/4" in out.stdout
-    assert losses(tmp_path) == uninterrupted  # bitwise, and no duplicate steps
+    assert train_losses(tmp_path) == uninterrupted  # bitwise, and no duplicate steps
 
 
-def test_a_real_kill_at_an_arbitrary_moment(uninterrupted, tmp_path):
+def test_a_real_kill_at_an_arbitrary_moment(tmp_path):
     args = [*RUN, "--config.train.steps=400", "--config.checkpoint.every_steps=50", "--config.train.eval_every=400"]
     reference = tmp_path / "reference"
     assert train(reference, *args).returncode == 0
     proc = subprocess.Popen([sys.executable, "-m", "jdp.train", "--workdir", str(tmp_path / "run"), *args],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV)
     try:
         deadline = time.monotonic() + 60
         while not (tmp_path / "run" / "checkpoints" / "50").exists() and time.monotonic() < deadline:
@@ -68,9 +62,10 @@ def test_a_real_kill_at_an_arbitrary_moment(uninterrupted, tmp_path):
         proc.kill()
     finally:
         proc.wait(timeout=30)
+    assert (tmp_path / "run" / "checkpoints" / "50").exists()  # the kill came after the first checkpoint
     out = train(tmp_path / "run")
     assert out.returncode == 0, out.stderr
-    assert losses(tmp_path / "run") == losses(reference)
+    assert train_losses(tmp_path / "run") == train_losses(reference)
 
 
 def test_sigterm_checkpoints_and_exits_75(tmp_path):
@@ -79,7 +74,7 @@ def test_sigterm_checkpoints_and_exits_75(tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     try:
         deadline = time.monotonic() + 60
-        while not (tmp_path / "metrics.jsonl").exists() or len(losses(tmp_path)) < 20:
+        while not (tmp_path / "metrics.jsonl").exists() or len(train_losses(tmp_path)) < 20:
             assert time.monotonic() < deadline and proc.poll() is None
             time.sleep(0.1)
         proc.send_signal(signal.SIGTERM)
@@ -94,7 +89,7 @@ def test_sigterm_checkpoints_and_exits_75(tmp_path):
     assert out.returncode == 0, out.stderr
     assert f"resumed from {tmp_path / 'checkpoints' / str(step)}" in out.stdout
     assert "warning: train.steps changed from 100000" in out.stdout
-    assert [s for s, _ in losses(tmp_path)][-3:] == [step, step + 1, step + 2]
+    assert [s for s, _ in train_losses(tmp_path)][-3:] == [step, step + 1, step + 2]
 
 
 def test_a_damaged_checkpoint_falls_back_to_the_previous_one(uninterrupted, tmp_path):
@@ -135,7 +130,7 @@ def test_elastic_restore_from_8_devices_to_4_and_1(tmp_path):
     for num_devices, steps in ((4, 6), (1, 8)):
         cfg = small_config("resnet", steps=steps, num_devices=num_devices)
         result = run(cfg, tmp_path / "run")
-    got = [loss for _, loss in losses(tmp_path / "run")]
+    got = [loss for _, loss in train_losses(tmp_path / "run")]
     np.testing.assert_allclose(got, reference.losses, rtol=1e-4)
     for a, b in zip(jax.tree.leaves(result.params), jax.tree.leaves(reference.params), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
@@ -200,8 +195,7 @@ def test_nonfinite_skip_drops_the_update_and_counts_it(monkeypatch, tmp_path):
     first = small_config("mlp", steps=6, **skip)
     run(first, tmp_path)
     result = run(small_config("mlp", steps=8, **skip), tmp_path)  # resumed: the count carries over
-    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    train_lines = [r for r in records if r["split"] == "train"]
+    train_lines = records(tmp_path, "train")
     assert [r["step"] for r in train_lines] == [1, 2, 3, 5, 6, 7, 8]  # step 4's NaN loss is not logged
     assert train_lines[-1]["skipped_steps"] == 1
     # The logged lr is the one the update used: the schedule stands still over the skipped step.
@@ -223,8 +217,7 @@ def test_export_round_trips_into_a_new_run(tmp_path, capsys):
 
     # A new run from the file evaluates like the run it came from, before its first update.
     assert main(["--workdir", str(tmp_path / "a"), "--eval_only"]) == 0
-    evals = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
-    evals = [r for r in evals if r["split"] == "eval"]
+    evals = records(tmp_path / "a", "eval")
     assert evals[-1]["step"] == 3 and evals[-1]["loss"] == pytest.approx(first.eval_loss, rel=1e-6)
     second = small_config("resnet", steps=1, init_from=str(tmp_path / "p.npz"))
     second.optim.lr = 1e-12

@@ -4,7 +4,6 @@ failure modes: missing peer, killed peer, bad variables."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -18,6 +17,7 @@ import numpy as np
 import pytest
 
 from jdp import distributed, launch
+from tests.helpers import MODELS, train_losses
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, "-m", "jdp.train"]
@@ -60,11 +60,6 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[int]:
                 p.wait()
 
 
-def train_losses(workdir: Path) -> dict[int, float]:
-    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
-    return {m["step"]: m["loss"] for m in lines if m["split"] == "train"}
-
-
 def export(workdir: Path, devices: int = 4) -> dict[str, np.ndarray]:
     out = workdir.parent / f"{workdir.name}.npz"
     result = run([sys.executable, "-m", "jdp.export", "--workdir", str(workdir), "--out", str(out)], timeout=90,
@@ -75,9 +70,9 @@ def export(workdir: Path, devices: int = 4) -> dict[str, np.ndarray]:
 
 
 def assert_same_run(a: Path, b: Path) -> None:
-    losses_a, losses_b = train_losses(a), train_losses(b)
-    assert list(losses_a) == list(losses_b)
-    np.testing.assert_allclose(list(losses_b.values()), list(losses_a.values()), rtol=1e-5)
+    (steps_a, losses_a), (steps_b, losses_b) = zip(*train_losses(a), strict=True), zip(*train_losses(b), strict=True)
+    assert steps_a == steps_b
+    np.testing.assert_allclose(losses_b, losses_a, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -116,10 +111,10 @@ def test_two_processes_match_one(one_process, two_processes):
 def test_tfds_two_processes_match_one(tmp_path):
     """The tfds source end to end: each process reads its rows of the PNG fixture, augments them on its
     devices, and 2 processes x 2 devices train exactly as 1 process x 4 devices."""
-    fixture = ROOT / "tests" / "fixtures" / "tfds"
-    tfds_args = [*ARGS, "--config.model.name=cnn2d", "--config.model.channels=(8,)", "--config.model.dense_sizes=(16,)",
-                 "--config.data.name=tfds:tiny_cifar", f"--config.data.data_dir={fixture}",
-                 "--config.train.global_batch_size=16"]
+    pytest.importorskip("tensorflow_datasets")
+    tfds_args = [*ARGS, "--config.train.global_batch_size=16", *(
+        f"--config.{section}.{key}={value}" for section, values in MODELS["tiny_cifar"].items()
+        for key, value in values.items())]
     one = run([*TRAIN, *tfds_args, "--cpu_devices", "4", "--workdir", str(tmp_path / "one")], timeout=120)
     assert one.returncode == 0, one.stderr[-3000:]
     two = run([sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--cpu_devices", "2", "--",
@@ -148,7 +143,7 @@ def test_checkpoint_from_two_processes_resumes_in_one(one_process, two_processes
         assert result.returncode == 0, result.stderr
         assert f"resumed from {tmp_path / name / 'checkpoints' / '5'}" in result.stdout
         resumed[name] = tmp_path / name
-    assert list(train_losses(resumed["two"])) == list(range(1, 9))
+    assert [step for step, _ in train_losses(resumed["two"])] == list(range(1, 9))
     assert_same_run(resumed["one"], resumed["two"])
 
 

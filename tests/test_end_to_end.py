@@ -1,10 +1,11 @@
 """The shipped MNIST-1D configs, run as a user would, reach the MNIST-1D paper's accuracies."""
 
-import json
 import subprocess
 import sys
 
 import pytest
+
+from jdp.metrics import read_metrics
 
 # The MNIST-1D paper (Greydanus, 2020) reports 94% test accuracy for its CNN and 68% for its MLP.
 PAPER_ACCURACY = {"mnist1d_cnn": 0.94, "mnist1d_mlp": 0.68}
@@ -17,7 +18,7 @@ def test_config_reaches_the_paper_accuracy(name, tmp_path):
     out = subprocess.run([sys.executable, "-m", "jdp.train", "--config", f"configs/{name}.py",
                           "--workdir", str(tmp_path)], capture_output=True, text=True, timeout=360)
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(tmp_path)
     summary = lines[-1]
     assert summary["split"] == "summary" and summary["examples_per_sec"] > 0 and summary["compile_time_s"] > 0
     assert summary["eval_accuracy"] >= PAPER_ACCURACY[name] - POINTS_BELOW_PAPER[name], summary

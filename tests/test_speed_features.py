@@ -10,7 +10,7 @@ import pytest
 from jdp import bench
 from jdp.config import ConfigError
 from jdp.train import build, run
-from tests.helpers import max_abs_diff, small_config
+from tests.helpers import max_abs_diff, records, small_config
 
 
 def test_gradient_accumulation_equals_one_big_batch(tmp_path):
@@ -66,8 +66,7 @@ def test_fp16_loss_scaling_skips_overflows_without_halting(tmp_path):
     # A loss scale of 2^40 overflows float16 gradients: each such step halves the scale and is skipped.
     cfg = small_config("mlp", num_devices=2, steps=40, precision="fp16", loss_scale={"initial": 2.0**40})
     result = run(cfg, tmp_path)
-    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    train = [r for r in lines if r["split"] == "train"]
+    train = records(tmp_path, "train")
     assert train[-1]["overflow_steps"] >= 20 and train[-1]["skipped_steps"] == 0
     assert train[-1]["loss_scale"] < 2.0**20
     assert train[-1]["loss"] < train[0]["loss"]  # it trains once the scale fits

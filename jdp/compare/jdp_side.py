@@ -50,6 +50,7 @@ def parity(cfg, out: Path, devices: int) -> None:
 
     from jdp.export import flatten
     from jdp.mesh import simulate_cpu_devices
+    from jdp.metrics import read_metrics
     from jdp.train import run
 
     if devices:
@@ -61,7 +62,7 @@ def parity(cfg, out: Path, devices: int) -> None:
     cfg.init_from = str(out / "init.npz")
     workdir = out / "jdp_run"
     result = run(cfg, workdir)
-    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(workdir)
     train = sorted((r for r in lines if r["split"] == "train"), key=lambda r: r["step"])
     summary = next(r for r in lines if r["split"] == "summary")
     losses = [r["loss"] for r in train]

@@ -81,9 +81,9 @@ def write_parity(p: Parity, workdir: Path) -> None:
         f"accuracy {p.eval['accuracy_jdp']:.4f} vs {p.eval['accuracy_ddp']:.4f}.",
         "",
         "Loss: mean cross-entropy over the global batch at each step (jdp: metrics.jsonl; DDP: all-reduced). "
-        "Gradient norm: global L2 norm of the gradient averaged over workers, before clipping (jdp: a "
-        "separate jax computation at the step's parameters and batch; DDP: the .grad tensors after "
-        "backward). In the plot, differences of exactly 0 are drawn at 1e-10.",
+        "Gradient norm: global L2 norm of the gradient averaged over workers, before clipping (jdp: the "
+        "train step's own grad_norm, train.log_grad_norm=True; DDP: the .grad tensors after backward). "
+        "In the plot, differences of exactly 0 are drawn at 1e-10.",
         "",
         "![loss curves](parity_loss.png)",
         "",

@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from jdp.compare import procs
+from jdp.metrics import read_metrics
 
 BACKENDS = ("shard_map", "pmap", "jit")
 _CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
@@ -64,7 +65,7 @@ def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: 
                          log=run_dir / "log.txt", timeout_s=timeout_s,
                          env=procs.child_env(drop=() if compile_cache else _CACHE_ENV))
     procs.check(finished, f"jdp ({backend})")
-    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines = read_metrics(run_dir)
     summary = next(r for r in lines if r["split"] == "summary")
     return {"examples_per_sec": summary["examples_per_sec"], "compile_time_s": summary["compile_time_s"],
             "time_to_first_step_s": summary["first_step_end_unix"] - finished.launch_time,

@@ -8,6 +8,7 @@ read directly, which makes resuming a matter of knowing the step.
 
 import dataclasses
 import math
+import operator
 from collections.abc import Iterator
 
 import numpy as np
@@ -65,7 +66,7 @@ class RowOrder:
         memo = self._perm_memo
         if memo is None or memo[0] != epoch:
             memo = (epoch, np.random.default_rng([self._seed, epoch]).permutation(self.num_train))
-            self._perm_memo = memo  # one tuple assignment, so a reader in another thread sees a matching pair
+            self._perm_memo = memo  # one tuple assignment: epoch and permutation always match
         return memo[1]
 
     def train_rows(self, step: int) -> np.ndarray:
@@ -85,7 +86,19 @@ class RowOrder:
         return ids, ids < self.num_eval
 
 
-class Batcher:
+class OrderedSource:
+    """What every source (`Batcher`, `TfdsSource`) exposes of its `RowOrder`."""
+
+    def __init__(self, order: RowOrder) -> None:
+        self._order = order
+        self.num_train, self.num_eval = order.num_train, order.num_eval
+        self.steps_per_epoch: int = order.steps_per_epoch
+
+    def num_eval_batches(self) -> int:
+        return self._order.num_eval_batches()
+
+
+class Batcher(OrderedSource):
     """Global permutation -> this process's rows, for train and eval. Shared by every offline source."""
 
     def __init__(
@@ -104,15 +117,11 @@ class Batcher:
         if train.x.shape[1:] != eval.x.shape[1:]:
             raise ValueError(f"train inputs {train.x.shape[1:]} and eval inputs {eval.x.shape[1:]} differ")
         self._train, self._eval = train, eval
-        self._order = RowOrder(seed=seed, num_train=len(train.y), num_eval=len(eval.y),
-                               global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
-                               process_index=process_index, process_count=process_count)
+        super().__init__(RowOrder(seed=seed, num_train=len(train.y), num_eval=len(eval.y),
+                                  global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
+                                  process_index=process_index, process_count=process_count))
         self.input_shape: tuple[int, ...] = tuple(train.x.shape[1:])
-        self.num_train, self.num_eval = len(train.y), len(eval.y)
-        self.global_batch_size, self.eval_batch_size = global_batch_size, eval_batch_size
-        self.local_batch_size = global_batch_size // process_count
-        self.steps_per_epoch: int = self._order.steps_per_epoch
-        self.device_input = None  # batches hold the model's input as it is
+        self.device_input = operator.itemgetter("x")  # batches hold the model's input as it is
 
         labels = np.concatenate([train.y, eval.y])
         if labels.min() < 0:
@@ -126,9 +135,6 @@ class Batcher:
         """This process's rows of the global train batch at `step`: {'x': (B/P, *shape), 'y': (B/P,)}."""
         rows = self._order.train_rows(step)
         return {"x": self._train.x[rows], "y": self._train.y[rows]}
-
-    def num_eval_batches(self) -> int:
-        return self._order.num_eval_batches()
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
         """The eval split once, in order; the last batch is padded with row 0 and `mask` 0 so none is dropped.

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jdp.data import augment
-from jdp.data.batching import RowOrder
+from jdp.data.batching import OrderedSource, RowOrder
 from jdp.data.device_input import ImageInput
 from jdp.data.sources import TFDS_PREFIX
 from jdp.data.tfrecord import TfrecordRecords, UnreadableFileError
@@ -187,7 +187,7 @@ class _DecodedCache:
         self.filled[rows] = True
 
 
-class TfdsSource:
+class TfdsSource(OrderedSource):
     """This process's rows of every global batch of a prepared tfds dataset; the interface of `Batcher`."""
 
     def __init__(
@@ -202,8 +202,6 @@ class TfdsSource:
         num_threads: int = 0,
     ) -> None:
         """`num_threads` decode images in parallel; 0 = one per CPU core (at most 16)."""
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
         self.name = cfg.name[len(TFDS_PREFIX):]
         tfds = _import_tfds()
         builder = open_builder(self.name, cfg.data_dir)
@@ -244,14 +242,10 @@ class TfdsSource:
             raise ValueError(f"the label feature {label_key!r} of {self.name} has no number of classes; set "
                              "data.num_classes")
         self._seed = seed
-        self._order = RowOrder(seed=seed, num_train=len(self._train), num_eval=len(self._eval),
-                               global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
-                               process_index=process_index, process_count=process_count,
-                               train_split=f"the train split {cfg.train_split!r} of {self.name}")
-        self.num_train, self.num_eval = len(self._train), len(self._eval)
-        self.global_batch_size, self.eval_batch_size = global_batch_size, eval_batch_size
-        self.local_batch_size = global_batch_size // process_count
-        self.steps_per_epoch: int = self._order.steps_per_epoch
+        super().__init__(RowOrder(seed=seed, num_train=len(self._train), num_eval=len(self._eval),
+                                  global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
+                                  process_index=process_index, process_count=process_count,
+                                  train_split=f"the train split {cfg.train_split!r} of {self.name}"))
         if self.num_eval == 0:
             raise ValueError(f"the eval split {cfg.eval_split!r} of {self.name} is empty")
         if cfg.cache_decoded_mb < 0:
@@ -307,18 +301,30 @@ class TfdsSource:
             cache.store(missing, *self._read(source, missing, _as_stored, self.input_shape))
         return cache.pixels[rows], cache.labels[rows]
 
-    def _make_train_batch(self, step: int) -> dict[str, np.ndarray]:
+    def _augment_params(self, step: int) -> augment.BatchParams:
+        """This process's rows of the random numbers drawn for the whole global batch at `step`."""
+        return augment.batch_params(self._seed, step, self._order.global_batch_size).rows(self._order.train_block)
+
+    def _center_crop(self, image: np.ndarray, i: int) -> np.ndarray:
+        return augment.resize_box(image, augment.center_box(image.shape[0], image.shape[1]), self.input_shape[0],
+                                  False)
+
+    # -- the Batcher interface ---------------------------------------------------------------------------
+
+    def train_batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of the global train batch at `step`: {'x': (B/P, H, W, C) uint8, 'y'}, plus
+        'crop' and 'flip' for augmented small images; `device_input` makes the model's input from it."""
         rows = self._order.train_rows(step)
         if self._small:
             pixels, labels = self._read_small(self._train, self._train_cache, rows)
             if not self._augment:
                 return {"x": pixels, "y": labels}
-            params = augment.batch_params(self._seed, step, self.global_batch_size).rows(self._order.train_block)
+            params = self._augment_params(step)
             return {"x": pixels, "y": labels, "crop": params.offsets.astype(np.int32), "flip": params.flips}
         if not self._augment:
             pixels, labels = self._read(self._train, rows, self._center_crop, self.input_shape)
             return {"x": pixels, "y": labels}
-        params = augment.batch_params(self._seed, step, self.global_batch_size).rows(self._order.train_block)
+        params = self._augment_params(step)
         size = self.input_shape[0]
 
         def transform(image: np.ndarray, i: int) -> np.ndarray:
@@ -328,44 +334,24 @@ class TfdsSource:
         pixels, labels = self._read(self._train, rows, transform, self.input_shape)
         return {"x": pixels, "y": labels}
 
-    def _center_crop(self, image: np.ndarray, i: int) -> np.ndarray:
-        return augment.resize_box(image, augment.center_box(image.shape[0], image.shape[1]), self.input_shape[0],
-                                  False)
-
-    def _make_eval_batch(self, i: int) -> dict[str, np.ndarray]:
-        ids, real = self._order.eval_rows(i)
-        n = int(real.sum())  # real rows come first: padding is only ever at the end of the split
-        pixels = np.zeros((len(ids), *self.input_shape), np.uint8)
-        labels = np.zeros(len(ids), np.int32)
-        if n and self._small:
-            pixels[:n], labels[:n] = self._read_small(self._eval, self._eval_cache, ids[:n])
-        elif n:
-            pixels[:n], labels[:n] = self._read(self._eval, ids[:n], self._center_crop, self.input_shape)
-        return {"x": pixels, "y": labels, "mask": real.astype(np.float32)}
-
-    # -- the Batcher interface ---------------------------------------------------------------------------
-
-    def train_batch(self, step: int) -> dict[str, np.ndarray]:
-        """This process's rows of the global train batch at `step`: {'x': (B/P, H, W, C) uint8, 'y'}, plus
-        'crop' and 'flip' for augmented small images; `device_input` makes the model's input from it."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
-        return self._make_train_batch(step)
-
-    def num_eval_batches(self) -> int:
-        return self._order.num_eval_batches()
-
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
         """The eval split once, in order; padded rows (zeros, `mask` 0) only in the last batch.
 
         Every process yields num_eval_batches() items, so collectives over eval batches stay in lockstep.
         """
         for i in range(self.num_eval_batches()):
-            yield self._make_eval_batch(i)
+            ids, real = self._order.eval_rows(i)
+            n = int(real.sum())  # real rows come first: padding is only ever at the end of the split
+            pixels = np.zeros((len(ids), *self.input_shape), np.uint8)
+            labels = np.zeros(len(ids), np.int32)
+            if n and self._small:
+                pixels[:n], labels[:n] = self._read_small(self._eval, self._eval_cache, ids[:n])
+            elif n:
+                pixels[:n], labels[:n] = self._read(self._eval, ids[:n], self._center_crop, self.input_shape)
+            yield {"x": pixels, "y": labels, "mask": real.astype(np.float32)}
 
     def close(self) -> None:
         """Stop the worker threads and close the files (also done at interpreter exit)."""
         self._workers.shutdown(wait=True, cancel_futures=True)
         self._train.close()
         self._eval.close()
-
