@@ -10,13 +10,14 @@ examples/sec, step time and the ratio to the first variant, plus per-device opti
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 from pathlib import Path
 
-import jax
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from jdp.mesh import simulate_cpu_devices  # noqa: E402
 
 
 def main() -> int:
@@ -27,7 +28,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
-    jax.config.update("jax_num_cpu_devices", args.devices)
+    simulate_cpu_devices(args.devices)
 
     from jdp import bench
     from jdp import config as config_lib
@@ -35,12 +36,13 @@ def main() -> int:
     variants = {}
     for spec in args.variant:
         name, _, overrides = spec.partition(":")
-        pairs = dict(item.split("=", 1) for item in overrides.split(",") if item)
+        items = re.split(r",(?=[\w.]+=)", overrides) if overrides else []  # commas inside (a, b) values stay
+        pairs = config_lib.parse_overrides([f"--config.{item}" for item in items])
         variants[name] = config_lib.apply_overrides(config_lib.load_config_file(args.config), pairs)
     results = {name: [] for name in variants}
     for _ in range(args.repeats):
         for name, cfg in variants.items():
-            results[name].append(bench.measure(cfg, args.devices, args.steps))
+            results[name].append(bench.measure(cfg, args.devices, args.steps, stats=False))
     first = statistics.median(r["examples_per_sec"] for r in next(iter(results.values())))
     print(f"{args.config.name}, {args.devices} devices, global batch "
           f"{next(iter(variants.values())).train.global_batch_size}, medians of {args.repeats} interleaved runs\n")

@@ -148,14 +148,15 @@ def train(rank: int, spec: dict) -> dict:
         if parity:
             dist.all_reduce(loss)
             loss /= world
-        losses.append(float(loss))  # rank-local in speed mode
+        losses.append(loss)  # rank-local in speed mode; read after the loop, so no step waits on it
         if step == 0:
             sync()
             t_first = time.time()
     sync()
     t_end = time.time()
 
-    result = {"losses": losses, "grad_norms": grad_norms, "world": world, "backend": dist.get_backend(),
+    result = {"losses": [float(loss) for loss in losses], "grad_norms": grad_norms, "world": world,
+              "backend": dist.get_backend(),
               "time_to_first_step_s": t_first - spec["launch_time"],
               "examples_per_sec": batch_size * (steps - 1) / (t_end - t_first) if steps > 1 else float("nan"),
               "torch": torch.__version__, "threads": torch.get_num_threads()}
