@@ -16,18 +16,15 @@ and the scaling efficiency throughput_N / (N x throughput_1). Writes bench.json 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
-from unittest import mock
 
 import jax
 
 from jdp import config as config_lib
-from jdp import step as step_lib
 from jdp.mesh import simulate_cpu_devices
 
 COMM_DOMINATES = 0.5  # warn when the collective takes more than this share of the step
@@ -61,27 +58,24 @@ def _time_steps(parallel, state, batches, steps: int) -> tuple[float, float, obj
 def measure(cfg, num_devices: int, steps: int, collective: bool = True, stats: bool = True) -> dict:
     """One measurement of the config's step on `num_devices` devices; `stats` adds XLA's memory and FLOP
     accounting (one more compilation)."""
-    from jdp.wiring import build
+    from jdp.task import build
 
     cfg = cfg.copy_and_resolve_references()
     cfg.parallel.num_devices = num_devices
-    patch = (contextlib.nullcontext() if collective
-             else mock.patch.object(step_lib, "all_reduce_mean", lambda tree, axis_name: tree))
-    with patch:
-        b = build(cfg)
-        parallel, source = b.parallel, b.source
-        t0 = time.perf_counter()
-        rows = [source.train_batch(i) for i in range(4)]
-        batches = [parallel.shard_batch(r) for r in rows]
-        jax.block_until_ready(batches)
-        input_s = (time.perf_counter() - t0) / len(rows)
-        source.close()
-        state = parallel.to_devices(parallel.init_state(b.init_state))
-        memory = {"params_bytes": _bytes_on_first_device(state.params),
-                  "grads_bytes": _bytes_on_first_device(state.params),  # one gradient per parameter, same dtype
-                  "opt_state_bytes": _bytes_on_first_device(state.opt_state)}
-        first, step_s, state = _time_steps(parallel, state, batches, steps)
-        compiled = parallel.compiled_stats(state, batches[0]) if stats else {}
+    b = build(cfg, all_reduce=collective)
+    parallel, source = b.parallel, b.source
+    t0 = time.perf_counter()
+    rows = [source.train_batch(i) for i in range(4)]
+    batches = [parallel.shard_batch(r) for r in rows]
+    jax.block_until_ready(batches)
+    input_s = (time.perf_counter() - t0) / len(rows)
+    source.close()
+    state = parallel.to_devices(b.init_state())
+    memory = {"params_bytes": _bytes_on_first_device(state.params),
+              "grads_bytes": _bytes_on_first_device(state.params),  # one gradient per parameter, same dtype
+              "opt_state_bytes": _bytes_on_first_device(state.opt_state)}
+    first, step_s, state = _time_steps(parallel, state, batches, steps)
+    compiled = parallel.compiled_stats(state, batches[0]) if stats else {}
     return {"devices": num_devices, "first_step_s": first, "step_s": step_s, "input_s": input_s,
             "examples_per_sec": cfg.train.global_batch_size / step_s, **memory, **compiled}
 

@@ -19,6 +19,10 @@ from jdp.faults import kill_if_requested
 logging.getLogger("absl").setLevel(logging.WARNING)
 
 
+# What a checkpoint holds: 2 = TrainState with the model's RNG state (format 1, before it, had none).
+FORMAT = 2
+
+
 class CheckpointError(RuntimeError):
     """No usable checkpoint where one was expected; the message names the directory and the cause."""
 
@@ -42,8 +46,9 @@ class Checkpointer:
         """Starts an asynchronous save; returns once the arrays are copied off the devices."""
         if step in self._manager.all_steps():
             return
+        data = {**data_position, "format": FORMAT}
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                         data=ocp.args.JsonSave(data_position)), force=True)
+                                                         data=ocp.args.JsonSave(data)), force=True)
         kill_if_requested("save", step)
 
     def wait(self) -> None:
@@ -56,14 +61,22 @@ class Checkpointer:
         problems = []
         for step in reversed(steps):
             try:
+                data = self._manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+                if data.get("format", 1) != FORMAT:
+                    raise CheckpointError(
+                        f"checkpoint {self.directory / str(step)} has format {data.get('format', 1)}, this jdp reads "
+                        f"format {FORMAT} (the model's RNG state was added); resume it with the jdp that wrote it, "
+                        "or start afresh in a new workdir")
                 restored = self._manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+                    state=ocp.args.StandardRestore(abstract_state)))
+            except CheckpointError:
+                raise
             except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
                 problem = f"checkpoint {self.directory / str(step)} is unusable: {_first_line(e)}"
                 problems.append(problem)
                 warn(f"warning: {problem}; trying the previous one")
                 continue
-            return step, restored["state"], dict(restored["data"])
+            return step, restored["state"], {k: v for k, v in data.items() if k != "format"}
         if problems:
             raise CheckpointError(f"no usable checkpoint in {self.directory}: {problems[0]}; restore the files, "
                                   "or move the directory away to start afresh")

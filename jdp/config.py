@@ -12,6 +12,7 @@ from pathlib import Path
 import ml_collections
 
 import configs
+from jdp.errors import UsageError
 
 DEFAULT_CONFIG = Path(configs.__file__).parent / "mnist1d_cnn.py"
 
@@ -25,7 +26,7 @@ ALLREDUCE_DTYPES = ("fp32", "bf16")
 STATE_DEFINING = ("model.", "optim.", "data.name", "data.shape", "data.num_classes", "data.image_size")
 
 
-class ConfigError(ValueError):
+class ConfigError(UsageError):
     """A bad config or command line: the message is one line naming the field and the fix."""
 
 

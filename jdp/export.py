@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jdp.export: {e}", file=sys.stderr)
         return 2
     built.source.close()
-    host = built.parallel.to_host(state)
+    host = built.parallel.to_host(state)  # RNG streams are left out: they are not weights
     arrays = {**flatten(host.params, "params"), **flatten(host.model_state, "model_state"), "step": np.int64(step)}
     np.savez(args.out, **arrays)
     print(f"wrote {args.out}: {len(arrays) - 1} arrays from step {step} of {args.workdir}")

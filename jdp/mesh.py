@@ -7,7 +7,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp.config import ConfigError
+from jdp.errors import UsageError
 
 DATA_AXIS = "data"
 
@@ -23,8 +23,9 @@ def make_mesh(num_devices: int = 0) -> Mesh:
     devices are contiguous: process p then holds a contiguous block of every global batch."""
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if num_devices > len(devices):
-        raise ConfigError(f"parallel.num_devices={num_devices} but only {len(devices)} devices exist; "
-                          "lower it, or simulate more with --cpu_devices N on a CPU")
+        raise UsageError(f"{num_devices} devices asked for (num_devices / parallel.num_devices) but only "
+                         f"{len(devices)} exist; lower it, or simulate more on a CPU (--cpu_devices N, or "
+                         "jax.config.update('jax_num_cpu_devices', N) before JAX starts)")
     chosen = devices[:num_devices] if num_devices else devices
     return Mesh(np.array(chosen), (DATA_AXIS,), axis_types=(AxisType.Auto,))
 

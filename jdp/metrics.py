@@ -51,47 +51,50 @@ class MetricsWriter:
     """Writes one JSON object per line to WORKDIR/metrics.jsonl, mirrors it to TensorBoard, and
     shows progress. On processes other than 0 every method is a no-op."""
 
-    def __init__(self, workdir: Path, *, total_steps: int, start_step: int = 0, resume: bool = True,
+    def __init__(self, workdir: Path | None, *, total_steps: int, start_step: int = 0, resume: bool = True,
                  enabled: bool = True) -> None:
-        """`resume`: drop the lines past `start_step` that an interrupted run wrote, then append."""
+        """`resume`: drop the lines past `start_step` that an interrupted run wrote, then append.
+        Without a `workdir` only progress is shown."""
         self.enabled = enabled
         if not enabled:
             return
         self._start = time.time()
-        path = workdir / "metrics.jsonl"
-        if resume and path.exists():
-            _truncate_after(path, start_step)
-        self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
-        self._tb = _tensorboard_writer(workdir)
+        self._file = self._tb = None
+        if workdir is not None:
+            path = workdir / "metrics.jsonl"
+            if resume and path.exists():
+                _truncate_after(path, start_step)
+            self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+            self._tb = _tensorboard_writer(workdir)
         self._bar = (tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
                      if sys.stderr.isatty() else None)
 
     def _write(self, record: dict) -> None:
         record["wall_time"] = round(time.time() - self._start, 3)
-        self._file.write(json.dumps(record) + "\n")
+        if self._file is not None:
+            self._file.write(json.dumps(record) + "\n")
         if self._tb is not None:
             for key, value in record.items():
                 if key not in ("step", "split", "wall_time") and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"{record['split']}/{key}", value, record.get("step", 0))
 
-    def train(self, step: int, *, loss: float, accuracy: float, lr: float, examples_per_sec: float,
-              **more: float) -> None:
+    def train(self, step: int, metrics: dict[str, float]) -> None:
+        """A train line: `metrics` holds `loss`, the loss function's other outputs and jdp's own fields."""
         if not self.enabled:
             return
-        self._write({"step": step, "split": "train", "loss": loss, "accuracy": accuracy, "lr": lr,
-                     "examples_per_sec": examples_per_sec, **more})
-        text = f"loss {loss:.4f}  acc {accuracy:.3f}  {examples_per_sec:,.0f} ex/s"
+        self._write({"step": step, "split": "train", **metrics})
+        text = _short(metrics) + f"  {metrics['examples_per_sec']:,.0f} ex/s"
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=False)
             self._bar.update(step - self._bar.n)
         else:
             print(f"step {step}: {text}", flush=True)
 
-    def eval(self, step: int, *, loss: float, accuracy: float) -> None:
+    def eval(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
-        self._write({"step": step, "split": "eval", "loss": loss, "accuracy": accuracy})
-        self.echo(f"eval at step {step}: loss {loss:.4f}  accuracy {accuracy:.4f}")
+        self._write({"step": step, "split": "eval", **metrics})
+        self.echo(f"eval at step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
     def summary(self, **fields: float) -> None:
         if self.enabled:
@@ -108,7 +111,14 @@ class MetricsWriter:
             self._bar.close()
         if self._tb is not None:
             self._tb.close()
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
+
+
+def _short(metrics: dict[str, float]) -> str:
+    """Loss and accuracy (when the loss function reports one) for the progress line."""
+    text = f"loss {metrics['loss']:.4f}"
+    return text + (f"  acc {metrics['accuracy']:.3f}" if "accuracy" in metrics else "")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -10,6 +10,11 @@ import optax
 from jdp import zero
 
 
+class Sliceable(optax.GradientTransformation):
+    """A transform that jdp built to be right on ZeRO-1 slices (element-wise, its clipping summing norms
+    across devices): `jdp.fit` skips its slicing probe."""
+
+
 def learning_rate(cfg: ml_collections.ConfigDict, global_batch_size: int, total_steps: int) -> optax.Schedule:
     """Linear warmup from 0, then cosine or linear decay to 0, or constant."""
     peak = cfg.lr * global_batch_size / 256 if cfg.scale_lr_by_batch else cfg.lr
@@ -69,4 +74,4 @@ def build_optimizer(cfg: ml_collections.ConfigDict, global_batch_size: int, tota
         raise ValueError(f"unknown optimizer {cfg.name!r}")
     if cfg.grad_clip_norm > 0:
         tx = optax.chain(clip_by_global_norm(cfg.grad_clip_norm, sharded_axis), tx)
-    return tx, lr
+    return (Sliceable(*tx) if sharded_axis else tx), lr

@@ -19,13 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp import step as step_lib
 from jdp import zero
 from jdp.mesh import DATA_AXIS, data_sharded, global_batch, replicated
+from jdp.modeldef import LossFn, ModelDef
 
 Tree = step_lib.Tree
 
@@ -33,9 +33,9 @@ Tree = step_lib.Tree
 class DataParallel:
     """The train and eval steps compiled for one backend, plus the layout of state and batches."""
 
-    def __init__(self, backend: str, mesh: Mesh, graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
-                 schedule: optax.Schedule, abstract_state: step_lib.TrainState,
-                 options: step_lib.StepOptions | None = None):
+    def __init__(self, backend: str, mesh: Mesh, model: ModelDef, loss_fn: LossFn, eval_fn: LossFn,
+                 tx: optax.GradientTransformation, schedule: optax.Schedule | None,
+                 abstract_state: step_lib.TrainState, options: step_lib.StepOptions | None = None):
         """`options.axis_name` is set here, from the backend; `options.bn_groups` (per-device BatchNorm
         as groups of the global batch) applies to jit only: the other backends see one device's rows."""
         self.backend, self.mesh = backend, mesh
@@ -43,14 +43,14 @@ class DataParallel:
         self._sharded_optimizer = options.shard_optimizer
         opt_specs = jax.tree.map(lambda x: P(DATA_AXIS) if options.shard_optimizer and zero.is_sharded(x) else P(),
                                  abstract_state.opt_state)
-        self._state_specs = step_lib.TrainState(P(), P(), P(), opt_specs, P(), P(), P())
+        self._state_specs = step_lib.TrainState(P(), P(), P(), P(), opt_specs, P(), P(), P())
         per_device = dataclasses.replace(options, axis_name=DATA_AXIS, bn_groups=1)
-        evaluate = partial(step_lib.eval_step, graphdef=graphdef, prepare_input=options.prepare_input)
+        evaluate = partial(step_lib.eval_step, model=model, loss_fn=eval_fn, device_input=options.device_input)
         repl, split = replicated(mesh), data_sharded(mesh)
         self._batch_sharding = split
 
         def train(opts: step_lib.StepOptions) -> Callable:
-            return partial(step_lib.train_step, graphdef=graphdef, tx=tx, schedule=schedule, options=opts)
+            return partial(step_lib.train_step, model=model, loss_fn=loss_fn, tx=tx, schedule=schedule, options=opts)
 
         if backend == "jit":
             self._train = jax.jit(train(dataclasses.replace(options, axis_name=None)), in_shardings=(repl, split),

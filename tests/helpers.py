@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from configs import base
+from jdp import step as step_lib
 from jdp.metrics import read_metrics
 
 TINY_CIFAR = Path(__file__).parent / "fixtures" / "tfds"  # data_dir of the committed CIFAR-format fixture
@@ -38,6 +39,17 @@ def small_config(name: str, *, backend: str = "shard_map", num_devices: int = 0,
         for section, values in fields.items():
             cfg[section].update(values)
     return cfg
+
+
+def logits_and_state(model, params, model_state, x, *, train: bool, groups: int = 1):
+    """A jdp model (`jdp.modeldef.ModelDef`, e.g. `build(cfg).model`) run on `x` as the step runs it:
+    (logits, the model state after the forward)."""
+    outputs, new_state, _ = step_lib.run_loss(model, lambda m, batch: {"logits": m(batch["x"])}, params,
+                                              model_state, NO_RNG, {"x": x}, train=train, groups=groups)
+    return outputs["logits"], new_state
+
+
+NO_RNG = {"keys": {}, "counts": {}}  # the RNG state of a model without stochastic layers
 
 
 def max_abs_diff(a, b) -> float:

@@ -16,12 +16,15 @@ if os.environ.get("CI"):
 else:
     torch = pytest.importorskip("torch")
 
-from jdp import models, step
+import optax
+
+from jdp import models
 from jdp.compare import parity as parity_lib
 from jdp.compare import speed as speed_lib
 from jdp.compare import torch_models, weights
+from jdp.modeldef import ModelDef
 from jdp.train import build
-from tests.helpers import small_config
+from tests.helpers import logits_and_state, small_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -43,8 +46,9 @@ def _built(name):
     cfg = CASES[name].copy_and_resolve_references()
     cfg.parallel.num_devices = 1
     b = build(cfg)
+    b.cfg = cfg
     state = b.init_state()
-    return b, jax.tree.map(np.asarray, state.params), state.model_state
+    return b, jax.tree.map(np.asarray, state.params), jax.tree.map(np.asarray, state.model_state)
 
 
 def _jdp_state(name):
@@ -70,7 +74,7 @@ def test_weights_round_trip_exactly(name):
     twin = _twin(b)
     twin.load_state_dict(weights.jdp_to_torch(params, model_state, twin), strict=True)
     back_params, back_state = weights.torch_to_jdp(twin.state_dict(), twin)
-    abstract = jax.eval_shape(b.init_state)
+    abstract = b.abstract_state
     assert jax.tree.structure(back_params) == jax.tree.structure(abstract.params)
     assert jax.tree.structure(back_state) == jax.tree.structure(abstract.model_state)
     for want, got in ((params, back_params), (model_state, back_state)):
@@ -95,14 +99,11 @@ def test_twin_computes_what_jdp_computes(name):
     """Same logits from the same weights, in eval and in train mode, and the same BatchNorm statistics after
     a train-mode forward (momentum and biased variance conventions)."""
     b, params, model_state = _jdp_state(name)
-    cfg = b.cfg
     twin = _twin(b)
     twin.load_state_dict(weights.jdp_to_torch(params, model_state, twin))
-    graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.build_model(
-        cfg.model, b.source.input_shape, cfg.data.num_classes or b.source.num_classes, axis_name=None, seed=0)))
     x = b.source.train_batch(0)["x"][:8]
     for train in (False, True):
-        logits, new_state = step.forward(graphdef, params, model_state, x, train=train)
+        logits, new_state = logits_and_state(b.model, params, model_state, x, train=train)
         twin.train(train)
         with torch.no_grad():
             twin_logits = twin(torch_models.prepare_input(twin, x)).numpy()
@@ -119,14 +120,14 @@ def test_resnet_gradients_agree_in_float64():
     cfg = b.cfg
     rows = b.source.train_batch(0)
     with jax.enable_x64(True):
-        graphdef = nnx.graphdef(nnx.eval_shape(lambda: models.ResNet(
-            cfg.model.stage_sizes, "basic", cfg.model.width, "cifar", 3, 10, axis_name=None,
-            dtype=jax.numpy.float64, rngs=nnx.Rngs(0))))
+        model = ModelDef.of(nnx.eval_shape(lambda: models.ResNet(
+            cfg.model.stage_sizes, "basic", cfg.model.width, "cifar", 3, 10, dtype=jax.numpy.float64,
+            rngs=nnx.Rngs(0))), bn_axis=None)
         as64 = lambda tree: jax.tree.map(lambda a: jax.numpy.asarray(a, jax.numpy.float64), tree)  # noqa: E731
 
         def loss(p):
-            logits, _ = step.forward(graphdef, p, as64(model_state), as64(rows["x"]), train=True, groups=2)
-            return step.cross_entropy(logits, rows["y"]).mean()
+            logits, _ = logits_and_state(model, p, as64(model_state), as64(rows["x"]), train=True, groups=2)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, rows["y"]).mean()
 
         grads = weights.flatten_tree(jax.tree.map(np.asarray, jax.grad(loss)(as64(params))), "params")
     twin = _twin(b)

@@ -7,13 +7,13 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jdp.data import DATASET_NAMES, Batcher, Split, build_source, sources
+from jdp.data import DATASET_NAMES, Batcher, build_source, sources
 
 
-def _ids_split(n: int) -> Split:
+def _ids_split(n: int) -> dict[str, np.ndarray]:
     """Row i has x = [i, i] and y = i, so a batch tells which rows it holds."""
     ids = np.arange(n)
-    return Split(np.stack([ids, ids], axis=1).astype(np.float32), ids.astype(np.int32))
+    return {"x": np.stack([ids, ids], axis=1).astype(np.float32), "y": ids.astype(np.int32)}
 
 
 def _batcher(
@@ -143,7 +143,7 @@ def test_digits_split_is_fixed() -> None:
     a = build_source(_data_cfg("digits", normalize=False), seed=0, global_batch_size=32, eval_batch_size=32)
     assert (a.num_train, a.num_eval, a.input_shape, a.num_classes) == (1437, 360, (8, 8, 1), 10)
     train, _ = sources._digits()
-    assert train.x.min() == 0.0 and train.x.max() == 1.0
+    assert train["x"].min() == 0.0 and train["x"].max() == 1.0
     sources._digits.cache_clear()
     b = build_source(_data_cfg("digits", normalize=False), seed=0, global_batch_size=32, eval_batch_size=32)
     np.testing.assert_array_equal(next(a.eval_batches())["x"], next(b.eval_batches())["x"])
@@ -171,8 +171,8 @@ def test_synthetic_shapes_determinism_and_balance(shape: tuple[int, ...]) -> Non
 def test_synthetic_labels_follow_a_linear_teacher() -> None:
     train, _ = sources._synthetic((6,), 3, 2000, 10)
     # least squares on one-hot labels recovers a linear rule that beats chance by far
-    w, *_ = np.linalg.lstsq(train.x, np.eye(3)[train.y], rcond=None)
-    assert (np.argmax(train.x @ w, axis=1) == train.y).mean() > 0.8
+    w, *_ = np.linalg.lstsq(train["x"], np.eye(3)[train["y"]], rcond=None)
+    assert (np.argmax(train["x"] @ w, axis=1) == train["y"]).mean() > 0.8
 
 
 def test_synthetic_needs_num_classes() -> None:

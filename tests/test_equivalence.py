@@ -58,18 +58,24 @@ def test_clipping_applies_to_the_averaged_gradient(backend, references, tmp_path
 @pytest.mark.parametrize("backend", ["shard_map", "pmap"])
 def test_a_missing_all_reduce_is_caught(backend, monkeypatch, tmp_path):
     """Without the average each replica applies its own gradient: the replica check stops the run."""
-    monkeypatch.setattr(step_lib, "all_reduce_mean", lambda tree, axis_name, dtype=None: tree)
+    monkeypatch.setattr(step_lib, "all_reduce_mean", lambda tree, axis_name: tree)
     with pytest.raises(ReplicaMismatchError, match="replicas differ at step 5"):
         run(small_config("mlp", backend=backend, num_devices=8), tmp_path)
 
 
 @pytest.mark.parametrize("backend", ["shard_map", "pmap"])
 def test_a_summed_instead_of_averaged_gradient_is_caught(backend, references, monkeypatch, tmp_path):
-    """psum keeps the replicas identical but scales the gradient by 8: equivalence must fail."""
-    def summed(tree, axis_name, dtype=None):
-        return tree if axis_name is None else jax.lax.psum(tree, axis_name)
+    """A gradient summed rather than averaged over the devices (the weight totals still averaged) keeps
+    the replicas identical but scales the gradient by 8: equivalence must fail."""
+    def summed_gradient(tree, axis_name):
+        if axis_name is None:
+            return tree
+        averaged = jax.lax.pmean(tree, axis_name)
+        if "grads" in tree:
+            averaged["grads"] = jax.lax.psum(tree["grads"], axis_name)
+        return averaged
 
-    monkeypatch.setattr(step_lib, "all_reduce_mean", summed)
+    monkeypatch.setattr(step_lib, "all_reduce_mean", summed_gradient)
     result = run(small_config("mlp", backend=backend, num_devices=8), tmp_path)
     reference = references("mlp")
     assert max_abs_diff(result.params, reference.params) > 1e-2

@@ -13,6 +13,7 @@ import pytest
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from jdp.modeldef import set_batchnorm_axis
 from jdp.models import MODEL_NAMES, build_model, count_params, max_pool_2x2, resnet18, resnet50
 
 
@@ -33,8 +34,10 @@ def _cfg(name: str, **overrides) -> ml_collections.ConfigDict:
 
 
 def _split(cfg, input_shape, axis_name=None):
-    """(graphdef, params, rest) as pure dicts of jax arrays: random params from numpy, fresh BN statistics."""
-    model = nnx.eval_shape(lambda: build_model(cfg, input_shape, 10, axis_name=axis_name, seed=0))
+    """(graphdef, params, rest) as pure dicts of jax arrays: random params from numpy, fresh BN statistics;
+    every BatchNorm on `axis_name`, as jdp.fit sets it."""
+    model = nnx.eval_shape(lambda: build_model(cfg, input_shape, 10, seed=0))
+    set_batchnorm_axis(model, axis_name)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda s: rng.normal(0, 0.3, s.shape).astype(s.dtype), nnx.to_pure_dict(params))
@@ -52,7 +55,7 @@ def _train_step(graphdef):
     def step(params, rest, x):
         def loss_fn(params):
             m = nnx.merge(graphdef, params, rest)
-            logits = m(x, train=True)
+            logits = m(x)
             return logits.sum(), (logits, nnx.to_pure_dict(nnx.state(m, nnx.Not(nnx.Param))))
 
         return jax.grad(loss_fn, has_aux=True)(params)
@@ -98,36 +101,41 @@ def test_jit_grad_runs(case):
     assert all(bool(jnp.isfinite(g).all()) and bool((g != 0).any()) for g in jax.tree.leaves(grads))
     if new_rest:
         assert not np.allclose(new_rest["stem_bn"]["mean"], rest["stem_bn"]["mean"])
-        eval_logits = jax.jit(lambda p, r, x: nnx.merge(graphdef, p, r)(x, train=False))(params, new_rest, x)
+        def eval_forward(p, r, x):
+            m = nnx.merge(graphdef, p, r)
+            m.eval()
+            return m(x)
+
+        eval_logits = jax.jit(eval_forward)(params, new_rest, x)
         assert not np.allclose(eval_logits, logits)  # eval uses the running statistics
 
 
 def test_cnn1d_is_mnist1d_convbase():
     cfg = _cfg("cnn1d", channels=(25, 25, 25), kernel_sizes=(5, 3, 3), strides=(2, 2, 2))
-    model = nnx.eval_shape(lambda: build_model(cfg, (40,), 10, axis_name=None, seed=0))
+    model = nnx.eval_shape(lambda: build_model(cfg, (40,), 10, seed=0))
     assert model.head.in_features == 125  # 25 channels x length 5, as with torch Conv1d(padding=1)
 
 
 def test_resnet_param_counts_match_torchvision():
-    r18 = nnx.eval_shape(lambda: resnet18(1000, axis_name=None, rngs=nnx.Rngs(0)))
-    r50 = nnx.eval_shape(lambda: resnet50(1000, axis_name=None, rngs=nnx.Rngs(0)))
+    r18 = nnx.eval_shape(lambda: resnet18(1000, rngs=nnx.Rngs(0)))
+    r50 = nnx.eval_shape(lambda: resnet50(1000, rngs=nnx.Rngs(0)))
     assert count_params(nnx.state(r18, nnx.Param)) == 11_689_512
     assert count_params(nnx.state(r50, nnx.Param)) == 25_557_032
 
 
 def test_build_model_init_and_count_params():
-    model = build_model(_cfg("mlp", hidden_sizes=(3,)), (4,), 2, axis_name=None, seed=0)
+    model = build_model(_cfg("mlp", hidden_sizes=(3,)), (4,), 2, seed=0)
     assert count_params(nnx.to_pure_dict(nnx.state(model, nnx.Param))) == 4 * 3 + 3 + 3 * 2 + 2
-    again = build_model(_cfg("mlp", hidden_sizes=(3,)), (4,), 2, axis_name=None, seed=0)
+    again = build_model(_cfg("mlp", hidden_sizes=(3,)), (4,), 2, seed=0)
     np.testing.assert_array_equal(model.layers[0].kernel[...], again.layers[0].kernel[...])
 
 
 def test_resnet_bfloat16_gives_float32_logits():
     model = nnx.eval_shape(
-        lambda: resnet18(10, axis_name=None, width=4, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
+        lambda: resnet18(10, width=4, dtype=jnp.bfloat16, rngs=nnx.Rngs(0))
     )
     x = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32)
-    assert jax.eval_shape(lambda m, x: m(x, train=True), model, x).dtype == jnp.float32
+    assert jax.eval_shape(lambda m, x: m(x), model, x).dtype == jnp.float32
 
 
 @pytest.mark.parametrize("hw", [(8, 8), (7, 9)])
@@ -144,7 +152,7 @@ def _train_forward_on_mesh(axis_name, params, rest, x):
 
     def forward(params, rest, x):
         m = nnx.merge(graphdef, params, rest)
-        return m(x, train=True), nnx.to_pure_dict(nnx.state(m, nnx.Not(nnx.Param)))
+        return m(x), nnx.to_pure_dict(nnx.state(m, nnx.Not(nnx.Param)))
 
     specs = dict(in_specs=(P(), P(), P("data")), out_specs=(P("data"), P()))
     return jax.jit(jax.shard_map(forward, mesh=mesh, check_vma=False, **specs))(params, rest, x)
@@ -156,7 +164,7 @@ def test_batchnorm_axis_name_syncs_statistics_across_devices():
     # Per-example scales make every device's slice statistically different.
     x = jax.random.normal(jax.random.key(0), (4 * n, 8, 8, 3)) * jnp.arange(1, 4 * n + 1)[:, None, None, None]
     model = nnx.merge(graphdef, params, rest)
-    ref_logits = model(x, train=True)
+    ref_logits = model(x)
     ref_stats = nnx.to_pure_dict(nnx.state(model, nnx.BatchStat))
 
     logits, stats = _train_forward_on_mesh("data", params, rest, x)
@@ -172,5 +180,5 @@ def test_batchnorm_axis_name_syncs_statistics_across_devices():
 
 def test_unknown_model_name():
     with pytest.raises(ValueError, match="unknown model name 'vgg'.*'mlp'.*'resnet50'"):
-        build_model(_cfg("vgg"), (8, 8, 1), 10, axis_name=None, seed=0)
+        build_model(_cfg("vgg"), (8, 8, 1), 10, seed=0)
     assert len(MODEL_NAMES) == 6

@@ -7,22 +7,21 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from flax import nnx
 
-from jdp import models
-from jdp import step as step_lib
-from jdp.train import build, evaluate
-from tests.helpers import small_config
+from jdp.train import build
+from jdp.trainer import evaluate
+from tests.helpers import logits_and_state, small_config
 
 
-def _train(cfg, steps):
+def _train(cfg, steps, with_model=False):
     b = build(cfg)
-    state = b.parallel.to_devices(b.parallel.init_state(b.init_state))
+    state = b.parallel.to_devices(b.init_state())
     for i in range(steps):
         state, metrics = b.parallel.train_step(state, b.parallel.shard_batch(b.source.train_batch(i)))
     jax.block_until_ready(metrics)
-    return b.source, b.parallel, state
+    return (b.source, b.parallel, state) + ((b.model,) if with_model else ())
 
 
 def _copies_differ(tree):
@@ -67,11 +66,11 @@ def test_eval_sees_every_example_exactly_once(num_devices):
     cfg = small_config("resnet", num_devices=num_devices)
     cfg.data.num_eval_examples = 37
     cfg.train.update(global_batch_size=24, eval_batch_size=24)
-    source, parallel, state = _train(cfg, steps=1)
-    count = sum(parallel.fetch(parallel.eval_step(state, parallel.shard_batch(rows)))["count"]
+    source, parallel, state, model = _train(cfg, steps=1, with_model=True)
+    count = sum(parallel.fetch(parallel.eval_step(state, parallel.shard_batch(rows)))["weight"]
                 for rows in source.eval_batches())
     assert count == 37
-    loss, accuracy = evaluate(parallel, state, source)
+    metrics = evaluate(parallel, state, source)
 
     # The same model, unpadded, on one device.
     rows = list(source.eval_batches())
@@ -79,10 +78,10 @@ def test_eval_sees_every_example_exactly_once(num_devices):
     y = np.concatenate([r["y"] for r in rows])[:37]
     logical = parallel.to_host(parallel.to_logical(state))
     params, model_state = logical.params, logical.model_state
-    model = models.build_model(cfg.model, source.input_shape, source.num_classes, axis_name=None, seed=0)
-    logits, _ = step_lib.forward(nnx.graphdef(model), params, model_state, jnp.asarray(x), train=False)
-    np.testing.assert_allclose(loss, float(step_lib.cross_entropy(logits, jnp.asarray(y)).mean()), rtol=1e-5)
-    np.testing.assert_allclose(accuracy, float(np.mean(np.argmax(logits, -1) == y)), rtol=1e-6)
+    logits, _ = logits_and_state(model, params, model_state, jnp.asarray(x), train=False)
+    loss = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(y)).mean()
+    np.testing.assert_allclose(metrics["loss"], float(loss), rtol=1e-5)
+    np.testing.assert_allclose(metrics["accuracy"], float(np.mean(np.argmax(logits, -1) == y)), rtol=1e-6)
 
 
 def test_more_than_100_steps_without_blocking(tmp_path):

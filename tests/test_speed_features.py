@@ -43,7 +43,7 @@ def test_sharded_optimizer_matches_plain_data_parallelism(optimizer, tmp_path):
 def test_sharded_optimizer_memory_and_restore_on_other_device_counts(tmp_path):
     sections = {"optim": {"name": "adamw", "lr": 0.01}, "parallel": {"shard_optimizer": True}}
     b = build(small_config("mlp", num_devices=8, **sections))
-    state = b.parallel.to_devices(b.parallel.init_state(b.init_state))
+    state = b.parallel.to_devices(b.init_state())
     per_device = bench._bytes_on_first_device(state.opt_state)
     whole = sum(x.nbytes for x in jax.tree.leaves(b.parallel.to_host(b.parallel.to_logical(state).opt_state)))
     assert per_device <= 1.1 * whole / 8
@@ -85,7 +85,7 @@ def test_local_sgd_syncs_every_h_steps(tmp_path):
                 "checkpoint": {"every_steps": 4}, "train": {"eval_every": 8}}
     cfg = small_config("mlp", num_devices=8, steps=8, **sections)
     b = build(cfg)
-    state = b.parallel.to_devices(b.parallel.init_state(b.init_state))
+    state = b.parallel.to_devices(b.init_state())
     for i in range(3):
         state, _ = b.parallel.train_step(state, b.parallel.shard_batch(b.source.train_batch(i)))
     assert b.parallel.first_differing_leaf(state.params) is not None  # between syncs: replicas differ

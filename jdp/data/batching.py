@@ -6,26 +6,13 @@ each. So the global batch does not depend on the process or device count (1x4 ==
 read directly, which makes resuming a matter of knowing the step.
 """
 
-import dataclasses
 import math
-import operator
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import numpy as np
 
-
-@dataclasses.dataclass(frozen=True)
-class Split:
-    """One in-memory split: x float32 (N, *input_shape), y int32 (N,)."""
-
-    x: np.ndarray
-    y: np.ndarray
-
-    def __post_init__(self) -> None:
-        if self.x.dtype != np.float32 or self.y.dtype != np.int32:
-            raise TypeError(f"Split wants x float32 and y int32, got {self.x.dtype} and {self.y.dtype}")
-        if self.y.ndim != 1 or self.x.shape[:1] != self.y.shape:
-            raise ValueError(f"Split x {self.x.shape} and y {self.y.shape} disagree on the number of rows")
+from jdp.errors import UsageError
 
 
 def _local_block(global_size: int, process_index: int, process_count: int, what: str) -> slice:
@@ -98,53 +85,112 @@ class OrderedSource:
         return self._order.num_eval_batches()
 
 
+class DataError(UsageError):
+    """Data that cannot be trained on: the message is one line naming what is wrong and the fix."""
+
+
+class ArrayDataset:
+    """A dict of arrays that share a leading length: row i is {key: array[i]}."""
+
+    def __init__(self, arrays: Mapping[str, Any], what: str = "the data") -> None:
+        if not arrays:
+            raise DataError(f"{what} is an empty dict; give a dict of arrays that share a leading length")
+        self.arrays = {k: np.asarray(v) for k, v in arrays.items()}
+        lengths = {k: (v.shape[0] if v.ndim else None) for k, v in self.arrays.items()}
+        if None in lengths.values() or len(set(lengths.values())) > 1:
+            listed = ", ".join(f"{k}: {n}" for k, n in lengths.items())
+            raise DataError(f"{what}: the arrays' leading lengths differ ({listed}); every array needs one row "
+                            "per example")
+        self.keys = tuple(self.arrays)
+        self._length = next(iter(lengths.values()))
+
+    def __len__(self) -> int:
+        return self._length
+
+    def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        return {k: v[ids] for k, v in self.arrays.items()}
+
+
+class RandomAccessDataset:
+    """Any object with `__len__` and `__getitem__(i)` returning a dict of arrays (e.g. `grain.MapDataset`,
+    `tfds.data_source`); `__getitems__(ids)`, where it exists, reads a batch of rows at once."""
+
+    def __init__(self, data: Any, what: str = "the data") -> None:
+        if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise DataError(f"{what} is a {type(data).__name__}; give a dict of numpy arrays, a random-access "
+                            "dataset (__len__ and __getitem__ returning a dict) or a jdp Source")
+        self._data = data
+        first = data[0] if len(data) else {}
+        if not isinstance(first, Mapping):
+            raise DataError(f"{what}[0] is a {type(first).__name__}, not a dict of arrays")
+        self.keys = tuple(first)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        ids = [int(i) for i in ids]
+        items = self._data.__getitems__(ids) if hasattr(self._data, "__getitems__") else [self._data[i] for i in ids]
+        return {k: np.stack([np.asarray(item[k]) for item in items]) for k in self.keys}
+
+
+Dataset = ArrayDataset | RandomAccessDataset
+
+
+def as_dataset(data: Any, what: str = "the data") -> Dataset:
+    """A dict of arrays or a random-access dataset, as a `Dataset` that reads rows by index."""
+    if isinstance(data, (ArrayDataset, RandomAccessDataset)):
+        return data
+    return ArrayDataset(data, what) if isinstance(data, Mapping) else RandomAccessDataset(data, what)
+
+
 class Batcher(OrderedSource):
-    """Global permutation -> this process's rows, for train and eval. Shared by every offline source."""
+    """Global permutation -> this process's rows, for train and eval, of any `Dataset`s (jdp's `Source`
+    for dicts of arrays, random-access datasets and jdp's in-memory datasets)."""
 
     def __init__(
         self,
-        train: Split,
-        eval: Split,
+        train: Any,
+        eval: Any = None,
         *,
         seed: int,
         global_batch_size: int,
-        eval_batch_size: int,
+        eval_batch_size: int = 0,
         process_index: int = 0,
         process_count: int = 1,
-        num_classes: int = 0,
     ) -> None:
-        """`num_classes` 0 means max label + 1 over both splits."""
-        if train.x.shape[1:] != eval.x.shape[1:]:
-            raise ValueError(f"train inputs {train.x.shape[1:]} and eval inputs {eval.x.shape[1:]} differ")
-        self._train, self._eval = train, eval
-        super().__init__(RowOrder(seed=seed, num_train=len(train.y), num_eval=len(eval.y),
-                                  global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
+        """`train` and `eval`: dicts of arrays or random-access datasets (see `as_dataset`); no `eval`, no
+        eval batches. `eval_batch_size` 0 = `global_batch_size`."""
+        self._train = as_dataset(train, "the train data")
+        self._eval = None if eval is None else as_dataset(eval, "the eval data")
+        if self._eval is not None and set(self._eval.keys) != set(self._train.keys):
+            raise DataError(f"the eval data's keys {sorted(self._eval.keys)} differ from the train data's "
+                            f"{sorted(self._train.keys)}; give both the same keys")
+        super().__init__(RowOrder(seed=seed, num_train=len(self._train),
+                                  num_eval=len(self._eval) if self._eval is not None else 0,
+                                  global_batch_size=global_batch_size,
+                                  eval_batch_size=eval_batch_size or global_batch_size,
                                   process_index=process_index, process_count=process_count))
-        self.input_shape: tuple[int, ...] = tuple(train.x.shape[1:])
-        self.device_input = operator.itemgetter("x")  # batches hold the model's input as it is
-
-        labels = np.concatenate([train.y, eval.y])
-        if labels.min() < 0:
-            raise ValueError(f"labels must be >= 0, got {labels.min()}")
-        seen = int(labels.max()) + 1
-        if num_classes and num_classes < seen:
-            raise ValueError(f"num_classes is {num_classes} but the data has label {seen - 1}")
-        self.num_classes: int = num_classes or seen
+        self.device_input = _unchanged  # batches hold the model's input as it is
 
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
-        """This process's rows of the global train batch at `step`: {'x': (B/P, *shape), 'y': (B/P,)}."""
-        rows = self._order.train_rows(step)
-        return {"x": self._train.x[rows], "y": self._train.y[rows]}
+        """This process's rows of the global train batch at `step`."""
+        return self._train.rows(self._order.train_rows(step))
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
         """The eval split once, in order; the last batch is padded with row 0 and `mask` 0 so none is dropped.
 
         Every process yields num_eval_batches() items, so collectives over eval batches stay in lockstep.
         """
+        if self._eval is None:
+            return
         for i in range(self.num_eval_batches()):
             ids, real = self._order.eval_rows(i)
-            rows = np.where(real, ids, 0)
-            yield {"x": self._eval.x[rows], "y": self._eval.y[rows], "mask": real.astype(np.float32)}
+            yield {**self._eval.rows(np.where(real, ids, 0)), "mask": real.astype(np.float32)}
 
     def close(self) -> None:
         """Nothing to release (the tfds source stops its threads and closes its files here)."""
+
+
+def _unchanged(batch: dict) -> dict:
+    return batch

@@ -30,15 +30,17 @@ def pad_crop_flip(x_BxHxWxC: jax.Array, offsets_Bx2: jax.Array, flips_B: jax.Arr
 
 @dataclasses.dataclass(frozen=True)
 class ImageInput:
-    """A batch {'x': uint8 (B, H, W, C)[, 'crop': int (B, 2), 'flip': bool (B,)]} -> the model's float32
-    input: cropped and flipped if the batch says so, then (x / 255 - mean) / std per channel."""
+    """A batch {'x': uint8 (B, H, W, C)[, 'crop': int (B, 2), 'flip': bool (B,)], ...} -> the batch the loss
+    sees: 'x' cropped and flipped if the batch says so, then (x / 255 - mean) / std per channel, float32."""
 
     mean: tuple[float, ...]
     std: tuple[float, ...]
 
-    def __call__(self, batch: dict[str, jax.Array]) -> jax.Array:
+    def __call__(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+        rows = {k: v for k, v in batch.items() if k not in ("crop", "flip")}
         x = batch["x"]
         if "crop" in batch:
             x = pad_crop_flip(x, batch["crop"], batch["flip"])
         std = jnp.asarray(self.std, jnp.float32)
-        return x.astype(jnp.float32) * (1 / (255 * std)) - jnp.asarray(self.mean, jnp.float32) / std
+        rows["x"] = x.astype(jnp.float32) * (1 / (255 * std)) - jnp.asarray(self.mean, jnp.float32) / std
+        return rows

@@ -11,12 +11,14 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jdp.data.batching import Batcher, Split
+from jdp.data.batching import Batcher, DataError
 
 if TYPE_CHECKING:
     import ml_collections
 
     from jdp.data.tfds_source import TfdsSource
+
+Split = dict[str, np.ndarray]  # an in-memory split: "x" float32 (N, *input_shape), "y" int32 (N,)
 
 DATASET_NAMES = ("mnist1d", "digits", "synthetic")
 TFDS_PREFIX = "tfds:"  # data.name=tfds:NAME is any prepared tensorflow-datasets dataset
@@ -45,7 +47,7 @@ def _mnist1d() -> tuple[Split, Split]:
     x, x_test = d["x"].astype(np.float32), d["x_test"].astype(np.float32)
     y, y_test = d["y"].astype(np.int32), d["y_test"].astype(np.int32)
     _read_only(x, y, x_test, y_test)
-    return Split(x, y), Split(x_test, y_test)
+    return {"x": x, "y": y}, {"x": x_test, "y": y_test}
 
 
 @functools.cache
@@ -62,7 +64,7 @@ def _digits() -> tuple[Split, Split]:
     y = digits.target.astype(np.int32)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
     _read_only(x_train, x_test, y_train, y_test)
-    return Split(x_train, y_train), Split(x_test, y_test)
+    return {"x": x_train, "y": y_train}, {"x": x_test, "y": y_test}
 
 
 def _synthetic(
@@ -84,7 +86,7 @@ def _synthetic(
 
     def split(stream: int, n: int) -> Split:
         x = normal(stream, (n, *shape))
-        return Split(x, np.argmax(x.reshape(n, dim) @ teacher, axis=1).astype(np.int32))
+        return {"x": x, "y": np.argmax(x.reshape(n, dim) @ teacher, axis=1).astype(np.int32)}
 
     return split(1, num_train), split(2, num_eval)
 
@@ -95,13 +97,13 @@ def _normalize(train: Split, eval: Split) -> tuple[Split, Split]:
     A scalar keeps the relative scale of pixels and channels, and never divides by a constant feature's
     zero std (digits' border pixels are always 0).
     """
-    mean, std = train.x.mean(), train.x.std()
+    mean, std = train["x"].mean(), train["x"].std()
     scale = 1 / std if std > 0 else np.float32(1)
 
     def apply(s: Split) -> Split:
-        x = s.x - mean
+        x = s["x"] - mean
         x *= scale  # in place: one new array per split
-        return Split(x, s.y)
+        return {**s, "x": x}
 
     return apply(train), apply(eval)
 
@@ -135,13 +137,19 @@ def build_source(
         raise ValueError(f"unknown data.name {cfg.name!r}; expected one of {DATASET_NAMES} or tfds:NAME")
     if cfg.normalize:
         train, eval = _normalize(train, eval)
-    return Batcher(
-        train,
-        eval,
-        seed=seed,
-        global_batch_size=global_batch_size,
-        eval_batch_size=eval_batch_size,
-        process_index=process_index,
-        process_count=process_count,
-        num_classes=cfg.num_classes,
-    )
+    source = Batcher(train, eval, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
+                     process_index=process_index, process_count=process_count)
+    source.input_shape = tuple(train["x"].shape[1:])
+    source.num_classes = _num_classes(train["y"], eval["y"], cfg.num_classes)
+    return source
+
+
+def _num_classes(train_y: np.ndarray, eval_y: np.ndarray, num_classes: int) -> int:
+    """`num_classes`, checked against the labels; 0 = max label + 1."""
+    labels = np.concatenate([train_y, eval_y])
+    if labels.min() < 0:
+        raise DataError(f"labels must be >= 0, got {labels.min()}")
+    seen = int(labels.max()) + 1
+    if num_classes and num_classes < seen:
+        raise DataError(f"data.num_classes is {num_classes} but the data has label {seen - 1}; raise it or set 0")
+    return num_classes or seen

@@ -40,10 +40,9 @@ def build_model(
     input_shape: tuple[int, ...],
     num_classes: int,
     *,
-    axis_name: str | None,
     seed: int,
 ) -> nnx.Module:
-    """Build `cfg.name` for inputs of `input_shape` (no batch axis); `axis_name` is for BatchNorm only."""
+    """Build `cfg.name` for inputs of `input_shape` (no batch axis)."""
     rngs = nnx.Rngs(seed)
     if cfg.name == "mlp":
         return MLP(math.prod(input_shape), cfg.hidden_sizes, num_classes, rngs=rngs)
@@ -67,7 +66,6 @@ def build_model(
             stem,
             c,
             num_classes,
-            axis_name=axis_name,
             bn_momentum=cfg.bn_momentum,
             rngs=rngs,
         )

@@ -49,7 +49,7 @@ class CNN1D(nnx.Module):
             length = (length + 2 - k) // s + 1
         self.head = nnx.Linear(length * channels[-1], num_classes, rngs=rngs)
 
-    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         if x.ndim == 2:
             x = x[..., None]
         for conv in self.convs:
@@ -83,7 +83,7 @@ class CNN2D(nnx.Module):
         sizes = [h * w * channels[-1], *dense_sizes, num_classes]
         self.dense = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in pairwise(sizes)])
 
-    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         if x.ndim == 3:
             x = x[..., None]
         for conv in self.convs:

@@ -14,7 +14,7 @@ class MLP(nnx.Module):
         sizes = [in_features, *hidden_sizes, num_classes]
         self.layers = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in pairwise(sizes)])
 
-    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         x = x.reshape(x.shape[0], -1)
         *hidden, head = self.layers
         for layer in hidden:

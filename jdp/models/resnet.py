@@ -1,7 +1,6 @@
-"""ResNet v1.5 (stride on the 3x3 conv of the bottleneck) with optionally cross-device BatchNorm.
+"""ResNet v1.5 (stride on the 3x3 conv of the bottleneck).
 
-`axis_name='data'` makes every BatchNorm average its batch statistics over that mapped axis (inside
-shard_map / pmap); `axis_name=None` keeps per-device statistics.
+Its BatchNorms know nothing of devices: `jdp.fit` points them at the `data` axis when BatchNorm is synced.
 """
 
 from collections.abc import Sequence
@@ -22,8 +21,8 @@ ARCHS: dict[str, tuple[str, tuple[int, ...]]] = {
 class _Layers:
     """Conv / BatchNorm constructors sharing one configuration."""
 
-    def __init__(self, axis_name: str | None, bn_momentum: float, dtype: Any, rngs: nnx.Rngs):
-        self.axis_name, self.bn_momentum, self.dtype, self.rngs = axis_name, bn_momentum, dtype, rngs
+    def __init__(self, bn_momentum: float, dtype: Any, rngs: nnx.Rngs):
+        self.bn_momentum, self.dtype, self.rngs = bn_momentum, dtype, rngs
 
     def conv(self, c_in: int, c_out: int, k: int, stride: int = 1) -> nnx.Conv:
         # Symmetric padding k // 2, as in torchvision, rather than SAME (asymmetric for stride 2).
@@ -44,7 +43,6 @@ class _Layers:
             c,
             momentum=self.bn_momentum,
             epsilon=1e-5,
-            axis_name=self.axis_name,
             dtype=self.dtype,
             rngs=self.rngs,
         )
@@ -58,10 +56,10 @@ class _Shortcut(nnx.Module):
         self.proj = layers.conv(c_in, c_out, 1, stride) if project else None
         self.bn = layers.bn(c_out) if project else None
 
-    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         if self.proj is None:
             return x
-        return self.bn(self.proj(x), use_running_average=not train)
+        return self.bn(self.proj(x))
 
 
 class BasicBlock(nnx.Module):
@@ -72,10 +70,10 @@ class BasicBlock(nnx.Module):
         self.conv2, self.bn2 = layers.conv(filters, filters, 3), layers.bn(filters)
         self.shortcut = _Shortcut(c_in, filters, stride, layers)
 
-    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-        y = nnx.relu(self.bn1(self.conv1(x), use_running_average=not train))
-        y = self.bn2(self.conv2(y), use_running_average=not train)
-        return nnx.relu(y + self.shortcut(x, train))
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = nnx.relu(self.bn1(self.conv1(x)))
+        y = self.bn2(self.conv2(y))
+        return nnx.relu(y + self.shortcut(x))
 
 
 class BottleneckBlock(nnx.Module):
@@ -88,11 +86,11 @@ class BottleneckBlock(nnx.Module):
         self.conv3, self.bn3 = layers.conv(filters, c_out, 1), layers.bn(c_out)
         self.shortcut = _Shortcut(c_in, c_out, stride, layers)
 
-    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
-        y = nnx.relu(self.bn1(self.conv1(x), use_running_average=not train))
-        y = nnx.relu(self.bn2(self.conv2(y), use_running_average=not train))
-        y = self.bn3(self.conv3(y), use_running_average=not train)
-        return nnx.relu(y + self.shortcut(x, train))
+    def __call__(self, x: jax.Array) -> jax.Array:
+        y = nnx.relu(self.bn1(self.conv1(x)))
+        y = nnx.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return nnx.relu(y + self.shortcut(x))
 
 
 BLOCKS: dict[str, type[BasicBlock] | type[BottleneckBlock]] = {
@@ -117,7 +115,6 @@ class ResNet(nnx.Module):
         in_channels: int,
         num_classes: int,
         *,
-        axis_name: str | None,
         bn_momentum: float = 0.9,
         dtype: Any = jnp.float32,
         rngs: nnx.Rngs,
@@ -126,7 +123,7 @@ class ResNet(nnx.Module):
             raise ValueError(f"unknown ResNet block {block!r}; choose from {tuple(BLOCKS)}")
         if stem not in STEMS:
             raise ValueError(f"unknown ResNet stem {stem!r}; choose from {STEMS}")
-        layers = _Layers(axis_name, bn_momentum, dtype, rngs)
+        layers = _Layers(bn_momentum, dtype, rngs)
         self.imagenet_stem = stem == "imagenet"
         k, stride = (7, 2) if self.imagenet_stem else (3, 1)
         self.stem_conv = layers.conv(in_channels, width, k, stride)
@@ -140,14 +137,14 @@ class ResNet(nnx.Module):
         self.blocks = nnx.List(blocks)
         self.head = nnx.Linear(c, num_classes, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x: jax.Array, train: bool) -> jax.Array:
+    def __call__(self, x: jax.Array) -> jax.Array:
         if x.ndim == 3:
             x = x[..., None]
-        x = nnx.relu(self.stem_bn(self.stem_conv(x), use_running_average=not train))
+        x = nnx.relu(self.stem_bn(self.stem_conv(x)))
         if self.imagenet_stem:
             x = nnx.max_pool(x, (3, 3), (2, 2), padding="SAME")
         for block in self.blocks:
-            x = block(x, train)
+            x = block(x)
         return self.head(x.mean(axis=(1, 2))).astype(jnp.float32)
 
 

@@ -1,0 +1,17 @@
+"""The errors jdp reports as one line, and the exit code each maps to in `python -m jdp.train`."""
+
+
+class UsageError(ValueError):
+    """Bad input (arguments, config, data, workdir): one line naming what is wrong and the fix (exit 2)."""
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss or gradient was not finite and the run halted, its state from before saved (exit 3)."""
+
+
+class ReplicaMismatchError(RuntimeError):
+    """The replicas' parameters differ (exit 4)."""
+
+
+class Preempted(RuntimeError):
+    """SIGTERM or SIGINT: a checkpoint was written and the run stopped (exit 75)."""

@@ -1,0 +1,124 @@
+"""Any Flax NNX model as pure data for the compiled step.
+
+The model is split once into graph definitions (one in training mode, one in eval mode, NNX's own
+`model.train()` / `model.eval()`) and three groups of state, all pure dicts:
+- `params`: the `nnx.Param` leaves, differentiated and updated;
+- `model_state`: everything else but RNG streams (BatchNorm statistics), averaged across replicas;
+- `rng_state`: each RNG stream's key (stored as its raw `key_data`, so checkpoints and collectives see
+  plain uint32) and counter. Keys are never averaged or cast.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Tree = Any
+LossFn = Callable[[nnx.Module, dict[str, jax.Array]], dict[str, jax.Array]]
+_GROUPS = (nnx.Param, nnx.RngKey, nnx.RngCount, ...)  # split order: params, keys, counts, the rest
+
+
+def set_batchnorm_axis(model: nnx.Module, axis_name: str | None) -> dict[nnx.BatchNorm, str | None]:
+    """Point every `nnx.BatchNorm` of `model` at `axis_name` (like torch's `convert_sync_batchnorm`);
+    returns what they had, for `restore_batchnorm_axis`."""
+    before = {}
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.BatchNorm):
+            before[module] = module.axis_name
+            module.axis_name = axis_name
+    return before
+
+
+def restore_batchnorm_axis(before: dict[nnx.BatchNorm, str | None]) -> None:
+    for module, axis_name in before.items():
+        module.axis_name = axis_name
+
+
+def _key_impl(key: Any) -> Any:
+    """The PRNG implementation of a key, or of an abstract one (from `nnx.eval_shape`) of the default kind."""
+    if isinstance(key, jax.ShapeDtypeStruct):
+        default = jax.random.key(0)
+        if key.dtype != default.dtype:
+            raise ValueError(f"an RNG stream of the model uses {key.dtype}, not JAX's default PRNG; pass the model "
+                             "as an instance rather than a function")
+        return jax.random.key_impl(default)
+    return jax.random.key_impl(key)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ModelDef:
+    """Static description of a model: what the compiled step closes over."""
+
+    train_graph: nnx.GraphDef
+    eval_graph: nnx.GraphDef
+    key_impls: tuple[Any, ...]  # the PRNG implementation of each RNG key, in tree order
+
+    @classmethod
+    def of(cls, model: nnx.Module, bn_axis: str | None) -> ModelDef:
+        """The graphs of `model` (concrete or from `nnx.eval_shape`), with its BatchNorms on `bn_axis`."""
+        before = set_batchnorm_axis(model, bn_axis)
+        try:
+            model.train()
+            train_graph = nnx.graphdef(model)
+            model.eval()
+            eval_graph = nnx.graphdef(model)
+            model.train()
+        finally:
+            restore_batchnorm_axis(before)
+        keys = jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.RngKey)))
+        return cls(train_graph, eval_graph, tuple(_key_impl(k) for k in keys))
+
+    @staticmethod
+    def split(model: nnx.Module, seed: int) -> tuple[Tree, Tree, Tree]:
+        """(params, model_state, rng_state) of `model` as pure dicts; `seed` is folded into every stream."""
+        _, params, keys, counts, rest = nnx.split(model, *_GROUPS)
+        keys = jax.tree.map(lambda k: jax.random.key_data(jax.random.fold_in(k, seed)), nnx.to_pure_dict(keys))
+        return nnx.to_pure_dict(params), nnx.to_pure_dict(rest), {"keys": keys, "counts": nnx.to_pure_dict(counts)}
+
+    def _keys(self, key_data: Tree, folds: tuple[jax.Array, ...]) -> Tree:
+        leaves, treedef = jax.tree.flatten(key_data)
+        keys = []
+        for data, impl in zip(leaves, self.key_impls, strict=True):
+            key = jax.random.wrap_key_data(data, impl=impl)
+            for value in folds:
+                key = jax.random.fold_in(key, value)
+            keys.append(key)
+        return jax.tree.unflatten(treedef, keys)
+
+    def module(self, params: Tree, model_state: Tree, rng_state: Tree, *, train: bool,
+               folds: tuple[jax.Array, ...] = ()) -> nnx.Module:
+        """The model, merged from its state; each RNG key has `folds` folded in (step, device...)."""
+        graph = self.train_graph if train else self.eval_graph
+        return nnx.merge(graph, params, self._keys(rng_state["keys"], folds), rng_state["counts"], model_state)
+
+    @staticmethod
+    def updated_state(module: nnx.Module) -> tuple[Tree, Tree]:
+        """(model_state, rng counts) of a module after it ran."""
+        _, _, _, counts, rest = nnx.split(module, *_GROUPS)
+        return nnx.to_pure_dict(rest), nnx.to_pure_dict(counts)
+
+    def load_into(self, model: nnx.Module, params: Tree, model_state: Tree, rng_state: Tree) -> None:
+        """Write trained state back into the caller's model object."""
+        keys = self._keys(jax.tree.map(jnp.asarray, rng_state["keys"]), ())
+        replace_state(model, params, model_state, keys, rng_state["counts"])
+
+
+def replace_state(model: nnx.Module, params: Tree, model_state: Tree, keys: Tree | None = None,
+                  counts: Tree | None = None) -> None:
+    """Set `model`'s parameters and other state (and, if given, its RNG keys and counters) from pure dicts."""
+    _, *groups = nnx.split(model, *_GROUPS)
+    for state, values in zip(groups, (params, keys, counts, model_state), strict=True):
+        if values is not None:
+            nnx.replace_by_pure_dict(state, values)
+            nnx.update(model, state)
+
+
+def state_groups(model: nnx.Module) -> tuple[Tree, Tree]:
+    """(params, model_state) of `model` as pure dicts, without its RNG streams."""
+    _, params, _, _, rest = nnx.split(model, *_GROUPS)
+    return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)

@@ -1,0 +1,79 @@
+"""Config -> the task `jdp.fit` trains: the model, the loss, the data and the optimizer named by a config,
+and the fit options of its `train`, `parallel`, `checkpoint` and `precision` settings. Checked before
+anything compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+from flax import nnx
+
+from jdp import config as config_lib
+from jdp import data as data_lib
+from jdp import models, trainer
+from jdp.mesh import DATA_AXIS, make_mesh
+from jdp.optim import build_optimizer
+
+
+def classification_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Integer-label cross-entropy and accuracy per example, the loss of every shipped config."""
+    logits_BxC = model(batch["x"]).astype(jnp.float32)
+    return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits_BxC, batch["y"]),
+            "accuracy": (jnp.argmax(logits_BxC, -1) == batch["y"]).astype(jnp.float32)}
+
+
+@dataclasses.dataclass
+class Task:
+    make_model: Callable[[], nnx.Module]
+    loss_fn: Callable
+    source: data_lib.Source
+    optimizer: optax.GradientTransformation
+    options: trainer.FitOptions
+    steps: int
+    global_batch_size: int
+
+
+def build_task(cfg: ml_collections.ConfigDict) -> Task:
+    """The task `cfg` names, checked before anything compiles (ConfigError otherwise)."""
+    num_devices = make_mesh(cfg.parallel.num_devices).size
+    config_lib.validate(cfg, model_names=models.MODEL_NAMES, dataset_names=data_lib.DATASET_NAMES,
+                        num_devices=num_devices)
+    batch_size = cfg.train.global_batch_size
+    try:
+        source = data_lib.build_source(cfg.data, seed=cfg.seed, global_batch_size=batch_size,
+                                       eval_batch_size=cfg.train.eval_batch_size or batch_size,
+                                       process_index=jax.process_index(), process_count=jax.process_count())
+    except ValueError as e:  # the sources' own checks of the data section
+        raise config_lib.ConfigError(str(e)) from None
+    num_classes = cfg.data.num_classes or source.num_classes
+
+    def make_model() -> nnx.Module:
+        return models.build_model(cfg.model, source.input_shape, num_classes, seed=cfg.seed)
+
+    params, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)[1:]
+    tx, schedule = build_optimizer(cfg.optim, batch_size, cfg.train.steps, nnx.to_pure_dict(params),
+                                   sharded_axis=DATA_AXIS if cfg.parallel.shard_optimizer else None)
+    options = trainer.FitOptions(
+        eval_every=cfg.train.eval_every, eval_batch_size=cfg.train.eval_batch_size, seed=cfg.seed,
+        backend=cfg.parallel.backend, num_devices=cfg.parallel.num_devices, precision=cfg.precision,
+        grad_accum_steps=cfg.train.grad_accum_steps, checkpoint_every=cfg.checkpoint.every_steps,
+        keep_checkpoints=cfg.checkpoint.keep, log_every=cfg.train.log_every, bn_sync=cfg.model.bn_sync,
+        on_nonfinite=cfg.train.on_nonfinite, check_replicas_every=cfg.parallel.check_replicas_every,
+        shard_optimizer=cfg.parallel.shard_optimizer, sync_every=cfg.parallel.sync_every,
+        allreduce_dtype=cfg.parallel.allreduce_dtype, log_grad_norm=cfg.train.log_grad_norm,
+        loss_scale=cfg.loss_scale.initial, loss_scale_growth_interval=cfg.loss_scale.growth_interval,
+        schedule=schedule, profile_steps=config_lib.profile_steps(cfg.profile.steps),
+        description=f"{cfg.model.name} on {cfg.data.name} ({source.num_eval} eval examples)")
+    return Task(make_model, classification_loss, source, tx, options, cfg.train.steps, batch_size)
+
+
+def build(cfg: ml_collections.ConfigDict, *, all_reduce: bool = True) -> trainer.Engine:
+    """The compiled steps, data and state factory of `cfg`'s run, for tools that drive the step themselves."""
+    task = build_task(cfg)
+    return trainer.prepare(task.make_model, task.loss_fn, task.source, optimizer=task.optimizer,
+                           global_batch_size=task.global_batch_size, options=task.options, all_reduce=all_reduce)
