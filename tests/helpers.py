@@ -54,8 +54,8 @@ NO_RNG = {"keys": {}, "counts": {}}  # the RNG state of a model without stochast
 
 def max_abs_diff(a, b) -> float:
     """Largest |a - b| over all leaves of two pytrees of the same structure."""
-    return max(float(np.max(np.abs(x - y), initial=0.0)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b),
-                                                                          strict=True))
+    return max((float(np.max(np.abs(x - y), initial=0.0)) for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b),
+                                                                           strict=True)), default=0.0)
 
 
 def records(workdir, split: str) -> list[dict]:
