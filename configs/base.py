@@ -8,17 +8,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.seed = 0
 
     c.model = ml_collections.ConfigDict()
-    c.model.name = "cnn1d"
-    c.model.hidden_sizes = (256, 256)  # mlp
-    c.model.channels = (25, 25, 25)  # cnn1d, cnn2d
-    c.model.kernel_sizes = (5, 3, 3)  # cnn1d
-    c.model.strides = (2, 2, 2)  # cnn1d
-    c.model.dense_sizes = (128,)  # cnn2d
-    c.model.width = 64  # resnet
-    c.model.stage_sizes = ()  # resnet; empty = the standard stages of the named depth
-    c.model.stem = "auto"  # resnet: auto | cifar | imagenet
-    c.model.bn_sync = True  # average BatchNorm statistics across devices
-    c.model.bn_momentum = 0.9
+    c.model.name = "cnn1d"  # a built-in model (jdp.models.MODELS) or an import path package.module:Name
+    c.model.kwargs = ml_collections.ConfigDict()  # the model's own settings, e.g. hidden_sizes for mlp
+    c.model.bn_sync = True  # average every BatchNorm's statistics across devices
+
+    c.task = ml_collections.ConfigDict()
+    c.task.loss = "classification"  # a built-in loss (jdp.task.LOSSES) or an import path package.module:fn
 
     c.data = ml_collections.ConfigDict()
     c.data.name = "mnist1d"
@@ -74,6 +69,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.loss_scale = ml_collections.ConfigDict()
     c.loss_scale.initial = 2.0**15  # fp16 only
     c.loss_scale.growth_interval = 2000  # finite steps before the scale doubles
+
+    c.code_dir = ""  # importable for import-path names; "" = the folder of the config file (set when it is loaded)
 
     c.init_from = ""  # start from a parameter file written by `python -m jdp.export`
 

@@ -5,13 +5,13 @@ warmup epochs, weight decay 5e-4, cosine schedule, 200 epochs, 4-pixel-padded ra
 reference accuracy ~95% (not measured here).
 """
 
-from configs import base
+from jdp.configs import base
 
 
 def get_config():
     c = base.get_config()
     c.model.name = "resnet18"
-    c.model.stem = "cifar"
+    c.model.kwargs.stem = "cifar"
     c.data.name = "tfds:cifar10"
     c.train.global_batch_size = 512
     c.train.steps = 200 * 50_000 // 512

@@ -1,12 +1,12 @@
 """An MLP on scikit-learn's 8x8 handwritten digits (1437 train / 360 test, fixed stratified split)."""
 
-from configs import base
+from jdp.configs import base
 
 
 def get_config():
     c = base.get_config()
     c.model.name = "mlp"
-    c.model.hidden_sizes = (128,)
+    c.model.kwargs.hidden_sizes = (128,)
     c.data.name = "digits"
     c.train.global_batch_size = 64
     c.train.steps = 1000

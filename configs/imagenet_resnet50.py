@@ -4,13 +4,13 @@ Goyal et al.'s recipe: momentum SGD, lr 0.1 x batch/256, 5 warmup epochs, weight
 90 epochs; reference top-1 ~76-77% (not measured here).
 """
 
-from configs import base
+from jdp.configs import base
 
 
 def get_config():
     c = base.get_config()
     c.model.name = "resnet50"
-    c.model.stem = "imagenet"
+    c.model.kwargs.stem = "imagenet"
     c.data.name = "tfds:imagenet2012"
     c.data.eval_split = "validation"  # imagenet2012 has train and validation (the test split has no labels)
     c.data.image_size = 224  # random-resized crops for training; centre 0.875 crop for eval

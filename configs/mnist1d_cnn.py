@@ -1,6 +1,6 @@
 """The default: the MNIST-1D paper's CNN (3 strided conv1d layers of 25 channels) on MNIST-1D."""
 
-from configs import base
+from jdp.configs import base
 
 
 def get_config():

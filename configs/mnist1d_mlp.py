@@ -1,6 +1,6 @@
 """An MLP (2 hidden layers of 256) on MNIST-1D."""
 
-from configs import base
+from jdp.configs import base
 
 
 def get_config():

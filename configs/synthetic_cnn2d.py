@@ -1,13 +1,13 @@
 """Benchmark: conv3x3/32, conv3x3/64 (VALID), maxpool 2, dense 128, dense 10 on synthetic 28x28x1."""
 
-from configs import base
+from jdp.configs import base
 
 
 def get_config():
     c = base.get_config()
     c.model.name = "cnn2d"
-    c.model.channels = (32, 64)
-    c.model.dense_sizes = (128,)
+    c.model.kwargs.channels = (32, 64)
+    c.model.kwargs.dense_sizes = (128,)
     c.data.name = "synthetic"
     c.data.shape = (28, 28, 1)
     c.data.num_classes = 10

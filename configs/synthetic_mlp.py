@@ -1,12 +1,12 @@
 """Benchmark: MLP 784-1024-1024-10 on synthetic 784-feature inputs, global batch 256."""
 
-from configs import base
+from jdp.configs import base
 
 
 def get_config():
     c = base.get_config()
     c.model.name = "mlp"
-    c.model.hidden_sizes = (1024, 1024)
+    c.model.kwargs.hidden_sizes = (1024, 1024)
     c.data.name = "synthetic"
     c.data.shape = (784,)
     c.data.num_classes = 10

@@ -1,6 +1,6 @@
 """Benchmark: ResNet-18 (CIFAR stem, synced BatchNorm) on synthetic 32x32x3 images."""
 
-from configs import base
+from jdp.configs import base
 
 
 def get_config():

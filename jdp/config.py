@@ -7,21 +7,18 @@ import difflib
 import importlib.util
 import json
 import re
+import sys
 from pathlib import Path
 
 import ml_collections
 
-import configs
+from jdp import configs
 from jdp.errors import UsageError
 
 DEFAULT_CONFIG = Path(configs.__file__).parent / "mnist1d_cnn.py"
 
-BACKENDS = ("shard_map", "pmap", "jit")
-OPTIMIZERS = ("sgd", "momentum", "nesterov", "adamw", "lamb", "lars")
 SCHEDULES = ("cosine", "linear", "constant")
-NONFINITE_POLICIES = ("halt", "skip")
-PRECISIONS = ("fp32", "bf16", "fp16")
-ALLREDUCE_DTYPES = ("fp32", "bf16")
+OPEN_SECTIONS = ("model.kwargs.",)  # keys a config may add: a user model's own settings
 # Settings a checkpoint's state depends on: changing them under a workdir is refused by default.
 STATE_DEFINING = ("model.", "optim.", "data.name", "data.shape", "data.num_classes", "data.image_size")
 
@@ -30,18 +27,36 @@ class ConfigError(UsageError):
     """A bad config or command line: the message is one line naming the field and the fix."""
 
 
+def shipped_configs() -> list[str]:
+    return sorted(p.stem for p in DEFAULT_CONFIG.parent.glob("[!_]*.py") if p.stem != "base")
+
+
 def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
+    """A config file by path, or a shipped config by name (`mnist1d_cnn`). The file's folder becomes
+    importable, so a config beside the user's code can name it (`model.name = "nets:ViT"`)."""
     path = Path(path)
+    if not path.is_file() and (DEFAULT_CONFIG.parent / path.with_suffix(".py").name).is_file() \
+            and path.parent == Path():
+        path = DEFAULT_CONFIG.parent / path.with_suffix(".py").name
     if not path.is_file():
-        shipped = ", ".join(sorted(p.name for p in DEFAULT_CONFIG.parent.glob("[!_]*.py") if p.stem != "base"))
-        raise ConfigError(f"config file {path} not found; pass --config PATH.py (shipped configs in "
-                          f"{DEFAULT_CONFIG.parent}: {shipped})")
+        raise ConfigError(f"config file {path} not found; pass --config PATH.py or the name of a shipped config "
+                          f"({', '.join(shipped_configs())})")
+    _importable(str(path.parent.absolute()))
     spec = importlib.util.spec_from_file_location(f"jdp_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path} defines no get_config(); it must return an ml_collections.ConfigDict")
-    return module.get_config()
+    cfg = module.get_config()
+    if "code_dir" in cfg and not cfg.code_dir:
+        cfg.code_dir = str(path.parent.absolute())
+    return cfg
+
+
+def _importable(folder: str) -> None:
+    """User code in `folder` (a config's `code_dir`) can be named by import path."""
+    if folder and folder not in sys.path:
+        sys.path.insert(0, folder)
 
 
 def _parse_value(key: str, raw: str, current: object) -> object:
@@ -85,7 +100,8 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
     """Apply `--config.a.b=v` overrides; unknown keys are refused with the closest known key."""
     known = list(_flatten(cfg.to_dict()))
     for key, raw in overrides.items():
-        if key not in known:
+        is_open = key.startswith(OPEN_SECTIONS) and key.count(".") == 2
+        if key not in known and not is_open:
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"did you mean --config.{close[0]}?" if close else "see configs/base.py for the keys"
             raise ConfigError(f"unknown config key --config.{key}; {hint}")
@@ -93,8 +109,16 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
         *parents, leaf = key.split(".")
         for part in parents:
             node = node[part]
-        node[leaf] = _parse_value(key, raw, node[leaf])
+        node[leaf] = _parse_value(key, raw, node[leaf]) if leaf in node else _literal(raw)
     return cfg
+
+
+def _literal(raw: str) -> object:
+    """A new key's value: a Python literal (number, tuple, bool, ...) if it is one, else the string."""
+    try:
+        return ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return raw
 
 
 def _require(ok: bool, message: str) -> None:
@@ -102,21 +126,26 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
-def validate(cfg: ml_collections.ConfigDict, *, model_names: tuple[str, ...], dataset_names: tuple[str, ...],
-             num_devices: int | None = None) -> None:
+def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
     """Check the config before anything compiles. `num_devices` is the device count the run will use."""
+    from jdp import data, models, optim, parallel, step, task
+
     def choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         _require(value in choices, f"{key}={value!r} is unknown; choose one of {', '.join(choices)}")
 
-    choice("model.name", cfg.model.name, model_names)
-    if not cfg.data.name.startswith("tfds:"):
-        choice("data.name", cfg.data.name, dataset_names)
-    choice("optim.name", cfg.optim.name, OPTIMIZERS)
+    registries = {"model.name": models.MODELS, "optim.name": optim.OPTIMIZERS, "task.loss": task.LOSSES}
+    if not cfg.data.name.startswith(data.TFDS_PREFIX):
+        registries["data.name"] = data.DATASETS
+    for key, registry in registries.items():
+        try:
+            registry.get(cfg[key])  # an unknown name, or an import path that does not import
+        except UsageError as e:
+            raise ConfigError(str(e)) from None
     choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
-    choice("parallel.backend", cfg.parallel.backend, BACKENDS)
-    choice("train.on_nonfinite", cfg.train.on_nonfinite, NONFINITE_POLICIES)
-    choice("precision", cfg.precision, PRECISIONS)
-    choice("parallel.allreduce_dtype", cfg.parallel.allreduce_dtype, ALLREDUCE_DTYPES)
+    choice("parallel.backend", cfg.parallel.backend, parallel.BACKENDS)
+    choice("train.on_nonfinite", cfg.train.on_nonfinite, step.NONFINITE_POLICIES)
+    choice("precision", cfg.precision, tuple(step.COMPUTE_DTYPES))
+    choice("parallel.allreduce_dtype", cfg.parallel.allreduce_dtype, step.ALLREDUCE_DTYPES)
     per_device_step = cfg.parallel.backend in ("shard_map", "pmap")
     _require(per_device_step or cfg.parallel.allreduce_dtype == "fp32",
              "parallel.allreduce_dtype=bf16 needs an explicit collective; use --config.parallel.backend=shard_map")
@@ -184,11 +213,13 @@ def save_config(cfg: ml_collections.ConfigDict, path: Path) -> None:
 
 def load_saved_config(path: Path) -> ml_collections.ConfigDict:
     """A workdir's config.json back as a ConfigDict with the field types of configs/base.py."""
-    from configs import base
+    from jdp.configs import base
 
     cfg = base.get_config()
     flat = _flatten(json.loads(path.read_text()))
-    return apply_overrides(cfg, {k: repr(tuple(v)) if isinstance(v, list) else str(v) for k, v in flat.items()})
+    cfg = apply_overrides(cfg, {k: repr(tuple(v)) if isinstance(v, list) else str(v) for k, v in flat.items()})
+    _importable(cfg.code_dir)
+    return cfg
 
 
 def state_changes(old: ml_collections.ConfigDict, new: ml_collections.ConfigDict) -> list[str]:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 import ml_collections
 import optax
 
 from jdp import zero
+from jdp.registry import Registry
 
 
 class Sliceable(optax.GradientTransformation):
@@ -50,6 +53,39 @@ def clip_by_global_norm(max_norm: float, axis_name: str | None = None) -> optax.
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
+# optim.name -> (schedule, optim section, weight-decay mask) -> optax transform
+OPTIMIZERS: Registry[Callable[..., optax.GradientTransformation]] = Registry("optim.name")
+
+
+def _sgd(nesterov: bool, momentum: bool) -> Callable[..., optax.GradientTransformation]:
+    def build(lr: optax.Schedule, cfg: ml_collections.ConfigDict, mask: optax.Params) -> optax.GradientTransformation:
+        return optax.chain(optax.add_decayed_weights(cfg.weight_decay, mask),
+                           optax.sgd(lr, momentum=cfg.momentum if momentum else None, nesterov=nesterov))
+
+    return build
+
+
+OPTIMIZERS.register("sgd")(_sgd(nesterov=False, momentum=False))
+OPTIMIZERS.register("momentum")(_sgd(nesterov=False, momentum=True))
+OPTIMIZERS.register("nesterov")(_sgd(nesterov=True, momentum=True))
+
+
+@OPTIMIZERS.register("adamw")
+def _adamw(lr: optax.Schedule, cfg: ml_collections.ConfigDict, mask: optax.Params) -> optax.GradientTransformation:
+    return optax.adamw(lr, b1=cfg.momentum, weight_decay=cfg.weight_decay, mask=mask)
+
+
+@OPTIMIZERS.register("lamb")
+def _lamb(lr: optax.Schedule, cfg: ml_collections.ConfigDict, mask: optax.Params) -> optax.GradientTransformation:
+    return optax.lamb(lr, b1=cfg.momentum, weight_decay=cfg.weight_decay, mask=mask)
+
+
+@OPTIMIZERS.register("lars")
+def _lars(lr: optax.Schedule, cfg: ml_collections.ConfigDict, mask: optax.Params) -> optax.GradientTransformation:
+    return optax.lars(lr, weight_decay=cfg.weight_decay, weight_decay_mask=mask, trust_ratio_mask=mask,
+                      momentum=cfg.momentum)
+
+
 def build_optimizer(cfg: ml_collections.ConfigDict, global_batch_size: int, total_steps: int, params: optax.Params,
                     sharded_axis: str | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Returns the optax transform and its schedule (the schedule is also used to log `lr`).
@@ -59,19 +95,7 @@ def build_optimizer(cfg: ml_collections.ConfigDict, global_batch_size: int, tota
     holds when a sharded optimizer (`sharded_axis`) updates flat slices of the parameters.
     """
     lr = learning_rate(cfg, global_batch_size, total_steps)
-    wd, mask = cfg.weight_decay, decay_mask(params)
-    if cfg.name in ("sgd", "momentum", "nesterov"):
-        momentum = None if cfg.name == "sgd" else cfg.momentum
-        tx = optax.chain(optax.add_decayed_weights(wd, mask),
-                         optax.sgd(lr, momentum=momentum, nesterov=cfg.name == "nesterov"))
-    elif cfg.name == "adamw":
-        tx = optax.adamw(lr, b1=cfg.momentum, weight_decay=wd, mask=mask)
-    elif cfg.name == "lamb":
-        tx = optax.lamb(lr, b1=cfg.momentum, weight_decay=wd, mask=mask)
-    elif cfg.name == "lars":
-        tx = optax.lars(lr, weight_decay=wd, weight_decay_mask=mask, trust_ratio_mask=mask, momentum=cfg.momentum)
-    else:
-        raise ValueError(f"unknown optimizer {cfg.name!r}")
+    tx = OPTIMIZERS.get(cfg.name)(lr, cfg, decay_mask(params))
     if cfg.grad_clip_norm > 0:
         tx = optax.chain(clip_by_global_norm(cfg.grad_clip_norm, sharded_axis), tx)
     return (Sliceable(*tx) if sharded_axis else tx), lr

@@ -30,6 +30,39 @@ from jdp.modeldef import LossFn, ModelDef
 Tree = step_lib.Tree
 
 
+# backend -> (train, eval), compiled from (mesh, state specs, step_for, eval_for); `step_for(axis_name)` and
+# `eval_for(axis_name)` give the one step with the all-reduce over `axis_name` (None: the arrays are global).
+
+def _jit(mesh: Mesh, state_specs: Tree, step_for: Callable, eval_for: Callable) -> tuple[Callable, Callable]:
+    """One call on the global batch; XLA partitions it and inserts the all-reduce."""
+    repl, split = replicated(mesh), data_sharded(mesh)
+    return (jax.jit(step_for(None), in_shardings=(repl, split), out_shardings=(repl, repl), donate_argnums=0),
+            jax.jit(eval_for(None), in_shardings=(repl, split), out_shardings=repl))
+
+
+def _shard_map(mesh: Mesh, state_specs: Tree, step_for: Callable, eval_for: Callable) -> tuple[Callable, Callable]:
+    """One call per device on its rows, the step's explicit `lax.pmean` the all-reduce.
+
+    check_vma=False: with it on, the gradient of a replicated parameter is already summed over devices,
+    and the classic pmean of the step would leave it N times too large."""
+    def on_each_device(fn: Callable, out_specs: object) -> Callable:
+        return jax.shard_map(fn, mesh=mesh, in_specs=(state_specs, P(DATA_AXIS)), out_specs=out_specs,
+                             check_vma=False)
+
+    return (jax.jit(on_each_device(step_for(DATA_AXIS), (state_specs, P())), donate_argnums=0),
+            jax.jit(on_each_device(eval_for(DATA_AXIS), P())))
+
+
+def _pmap(mesh: Mesh, state_specs: Tree, step_for: Callable, eval_for: Callable) -> tuple[Callable, Callable]:
+    """The classic pmap over the mesh's devices, the state stacked along a leading device axis."""
+    devices = list(mesh.devices.flat)
+    return (jax.pmap(step_for(DATA_AXIS), axis_name=DATA_AXIS, devices=devices, donate_argnums=0),
+            jax.pmap(eval_for(DATA_AXIS), axis_name=DATA_AXIS, devices=devices))
+
+
+BACKENDS: dict[str, Callable] = {"shard_map": _shard_map, "pmap": _pmap, "jit": _jit}
+
+
 class DataParallel:
     """The train and eval steps compiled for one backend, plus the layout of state and batches."""
 
@@ -44,33 +77,19 @@ class DataParallel:
         opt_specs = jax.tree.map(lambda x: P(DATA_AXIS) if options.shard_optimizer and zero.is_sharded(x) else P(),
                                  abstract_state.opt_state)
         self._state_specs = step_lib.TrainState(P(), P(), P(), P(), opt_specs, P(), P(), P())
-        per_device = dataclasses.replace(options, axis_name=DATA_AXIS, bn_groups=1)
-        evaluate = partial(step_lib.eval_step, model=model, loss_fn=eval_fn, device_input=options.device_input)
         repl, split = replicated(mesh), data_sharded(mesh)
         self._batch_sharding = split
 
-        def train(opts: step_lib.StepOptions) -> Callable:
+        def step_for(axis_name: str | None) -> Callable:
+            groups = options.bn_groups if axis_name is None else 1  # per-device rows need no grouping
+            opts = dataclasses.replace(options, axis_name=axis_name, bn_groups=groups)
             return partial(step_lib.train_step, model=model, loss_fn=loss_fn, tx=tx, schedule=schedule, options=opts)
 
-        if backend == "jit":
-            self._train = jax.jit(train(dataclasses.replace(options, axis_name=None)), in_shardings=(repl, split),
-                                  out_shardings=(repl, repl), donate_argnums=0)
-            self._eval = jax.jit(partial(evaluate, axis_name=None), in_shardings=(repl, split), out_shardings=repl)
-        elif backend == "shard_map":
-            # check_vma=False: with it on, the gradient of a replicated parameter is already summed
-            # over devices, and the classic pmean of the step would leave it N times too large.
-            def on_each_device(fn: Callable, out_specs: object) -> Callable:
-                return jax.shard_map(fn, mesh=mesh, in_specs=(self._state_specs, P(DATA_AXIS)), out_specs=out_specs,
-                                     check_vma=False)
+        def eval_for(axis_name: str | None) -> Callable:
+            return partial(step_lib.eval_step, model=model, loss_fn=eval_fn, axis_name=axis_name,
+                           device_input=options.device_input)
 
-            self._train = jax.jit(on_each_device(train(per_device), (self._state_specs, P())), donate_argnums=0)
-            self._eval = jax.jit(on_each_device(partial(evaluate, axis_name=DATA_AXIS), P()))
-        elif backend == "pmap":
-            devices = list(mesh.devices.flat)
-            self._train = jax.pmap(train(per_device), axis_name=DATA_AXIS, devices=devices, donate_argnums=0)
-            self._eval = jax.pmap(partial(evaluate, axis_name=DATA_AXIS), axis_name=DATA_AXIS, devices=devices)
-        else:
-            raise ValueError(f"unknown backend {backend!r}")
+        self._train, self._eval = BACKENDS[backend](mesh, self._state_specs, step_for, eval_for)
         n = mesh.size
         self._stack = jax.jit(lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), t),
                               out_shardings=split)

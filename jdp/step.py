@@ -73,7 +73,9 @@ class StepOptions:
     device_input: Callable[[dict[str, jax.Array]], dict[str, jax.Array]] = lambda batch: batch
 
 
-COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}
+COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}  # the precisions
+ALLREDUCE_DTYPES = ("fp32", "bf16")
+NONFINITE_POLICIES = ("halt", "skip")
 
 
 def _cast(tree: Tree, dtype: jnp.dtype) -> Tree:

@@ -17,9 +17,15 @@ from jdp import config as config_lib
 from jdp import data as data_lib
 from jdp import models, trainer
 from jdp.mesh import DATA_AXIS, make_mesh
+from jdp.modeldef import LossFn
 from jdp.optim import build_optimizer
+from jdp.registry import Registry
+
+# task.loss -> loss function (model, batch) -> per-example outputs (see jdp.fit)
+LOSSES: Registry[LossFn] = Registry("task.loss")
 
 
+@LOSSES.register("classification")
 def classification_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
     """Integer-label cross-entropy and accuracy per example, the loss of every shipped config."""
     logits_BxC = model(batch["x"]).astype(jnp.float32)
@@ -30,7 +36,7 @@ def classification_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[
 @dataclasses.dataclass
 class Task:
     make_model: Callable[[], nnx.Module]
-    loss_fn: Callable
+    loss_fn: LossFn
     source: data_lib.Source
     optimizer: optax.GradientTransformation
     options: trainer.FitOptions
@@ -40,9 +46,7 @@ class Task:
 
 def build_task(cfg: ml_collections.ConfigDict) -> Task:
     """The task `cfg` names, checked before anything compiles (ConfigError otherwise)."""
-    num_devices = make_mesh(cfg.parallel.num_devices).size
-    config_lib.validate(cfg, model_names=models.MODEL_NAMES, dataset_names=data_lib.DATASET_NAMES,
-                        num_devices=num_devices)
+    config_lib.validate(cfg, num_devices=make_mesh(cfg.parallel.num_devices).size)
     batch_size = cfg.train.global_batch_size
     try:
         source = data_lib.build_source(cfg.data, seed=cfg.seed, global_batch_size=batch_size,
@@ -52,10 +56,15 @@ def build_task(cfg: ml_collections.ConfigDict) -> Task:
         raise config_lib.ConfigError(str(e)) from None
     num_classes = cfg.data.num_classes or source.num_classes
 
-    def make_model() -> nnx.Module:
-        return models.build_model(cfg.model, source.input_shape, num_classes, seed=cfg.seed)
+    kwargs = cfg.model.kwargs.to_dict()
 
-    params, _ = nnx.split(nnx.eval_shape(make_model), nnx.Param, ...)[1:]
+    def make_model() -> nnx.Module:
+        return models.build_model(cfg.model.name, kwargs, source.input_shape, num_classes, seed=cfg.seed)
+
+    try:
+        params = nnx.state(nnx.eval_shape(make_model), nnx.Param)
+    except ValueError as e:  # the model's own checks of its settings and input shape
+        raise config_lib.ConfigError(str(e)) from None
     tx, schedule = build_optimizer(cfg.optim, batch_size, cfg.train.steps, nnx.to_pure_dict(params),
                                    sharded_axis=DATA_AXIS if cfg.parallel.shard_optimizer else None)
     options = trainer.FitOptions(
@@ -69,7 +78,7 @@ def build_task(cfg: ml_collections.ConfigDict) -> Task:
         loss_scale=cfg.loss_scale.initial, loss_scale_growth_interval=cfg.loss_scale.growth_interval,
         schedule=schedule, profile_steps=config_lib.profile_steps(cfg.profile.steps),
         description=f"{cfg.model.name} on {cfg.data.name} ({source.num_eval} eval examples)")
-    return Task(make_model, classification_loss, source, tx, options, cfg.train.steps, batch_size)
+    return Task(make_model, LOSSES.get(cfg.task.loss), source, tx, options, cfg.train.steps, batch_size)
 
 
 def build(cfg: ml_collections.ConfigDict, *, all_reduce: bool = True) -> trainer.Engine:

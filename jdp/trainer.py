@@ -31,14 +31,16 @@ from jdp.faults import kill_if_requested
 from jdp.mesh import DATA_AXIS, make_mesh, replicated
 from jdp.metrics import MetricsWriter, ThroughputClock
 from jdp.modeldef import LossFn, ModelDef
-from jdp.parallel import DataParallel
+from jdp.parallel import BACKENDS, DataParallel
 from jdp.preemption import PreemptionRequest
-from jdp.step import StepOptions, TrainState, run_loss
-
-BACKENDS = ("shard_map", "pmap", "jit")
-PRECISIONS = ("fp32", "bf16", "fp16")
-NONFINITE_POLICIES = ("halt", "skip")
-ALLREDUCE_DTYPES = ("fp32", "bf16")
+from jdp.step import (
+    ALLREDUCE_DTYPES,
+    COMPUTE_DTYPES,
+    NONFINITE_POLICIES,
+    StepOptions,
+    TrainState,
+    run_loss,
+)
 
 
 class FitError(UsageError):
@@ -109,7 +111,7 @@ class FitOptions:
     description: str = ""  # named in the start-up line
 
     def __post_init__(self) -> None:
-        choices = {"backend": BACKENDS, "precision": PRECISIONS, "on_nonfinite": NONFINITE_POLICIES,
+        choices = {"backend": BACKENDS, "precision": tuple(COMPUTE_DTYPES), "on_nonfinite": NONFINITE_POLICIES,
                    "allreduce_dtype": ALLREDUCE_DTYPES}
         for key, allowed in choices.items():
             if getattr(self, key) not in allowed:

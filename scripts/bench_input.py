@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from configs import base, mnist1d_cnn  # noqa: E402
+from jdp.configs import base, mnist1d_cnn  # noqa: E402
 from jdp.data import TfdsSource, tfds_source  # noqa: E402
 from jdp.train import build  # noqa: E402
 
@@ -52,7 +52,7 @@ HOST_PREPARED = "float32 batches on device, prepared on the host (no crop, flip,
 def _cnn2d_tiny_cifar(channels: tuple[int, ...], dense: int):
     def get_config():
         c = base.get_config()
-        c.model.update(name="cnn2d", channels=channels, dense_sizes=(dense,))
+        c.model.update(name="cnn2d", kwargs={"channels": channels, "dense_sizes": (dense,)})
         c.data.update(name="tfds:tiny_cifar", data_dir=str(FIXTURE_DIR))
         c.optim.update(name="sgd", lr=0.05)
         return c

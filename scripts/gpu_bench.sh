@@ -20,7 +20,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out
 python3 -c "import jax, flax, optax; print('jax', jax.__version__, 'flax', flax.__version__, jax.devices())" \
   | tee -a "$out/gpu.txt"
 
-resnet50=(--config configs/synthetic_resnet18.py --config.model.name=resnet50 --config.model.stem=imagenet
+resnet50=(--config configs/synthetic_resnet18.py --config.model.name=resnet50 --config.model.kwargs.stem=imagenet
           "--config.data.shape=(224, 224, 3)" --config.data.num_examples=512 --config.data.num_eval_examples=256
           --config.train.global_batch_size=256)
 for precision in bf16 fp32; do

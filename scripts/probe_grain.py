@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 import grain  # noqa: E402
 import numpy as np  # noqa: E402
 
-from configs import base  # noqa: E402
+from jdp.configs import base  # noqa: E402
 from jdp.data import TfdsSource, augment  # noqa: E402
 
 BATCH = 128

@@ -7,21 +7,21 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from configs import base
 from jdp import step as step_lib
+from jdp.configs import base
 from jdp.metrics import read_metrics
 
 TINY_CIFAR = Path(__file__).parent / "fixtures" / "tfds"  # data_dir of the committed CIFAR-format fixture
 
 # Tiny models that compile in seconds on a 2-core CPU; resnet is built by the ResNet-18 class.
 MODELS = {
-    "mlp": dict(model={"name": "mlp", "hidden_sizes": (32, 32)}, data={"name": "mnist1d"}),
+    "mlp": dict(model={"name": "mlp", "kwargs": {"hidden_sizes": (32, 32)}}, data={"name": "mnist1d"}),
     "cnn1d": dict(model={"name": "cnn1d"}, data={"name": "mnist1d"}),
-    "resnet": dict(model={"name": "resnet18", "stage_sizes": (1, 1, 1, 1), "width": 8},
+    "resnet": dict(model={"name": "resnet18", "kwargs": {"stage_sizes": (1, 1, 1, 1), "width": 8}},
                    data={"name": "synthetic", "shape": (8, 8, 3), "num_classes": 10, "num_examples": 256,
                          "num_eval_examples": 40},
                    optim={"lr": 0.05}),  # stable at this lr, so float32 rounding is not amplified
-    "tiny_cifar": dict(model={"name": "cnn2d", "channels": (8,), "dense_sizes": (16,)},
+    "tiny_cifar": dict(model={"name": "cnn2d", "kwargs": {"channels": (8,), "dense_sizes": (16,)}},
                        data={"name": "tfds:tiny_cifar", "data_dir": str(TINY_CIFAR)}),  # augmented on the device
 }
 

@@ -18,7 +18,7 @@ from jdp.train import main, run
 from tests.helpers import records, small_config, train_losses
 
 # A short MLP run with a checkpoint every 4 steps, as a user would type it.
-RUN = ["--config", "configs/mnist1d_mlp.py", "--config.model.hidden_sizes=(32,)", "--config.train.steps=12",
+RUN = ["--config", "configs/mnist1d_mlp.py", "--config.model.kwargs.hidden_sizes=(32,)", "--config.train.steps=12",
        "--config.train.log_every=1", "--config.train.eval_every=6", "--config.checkpoint.every_steps=4"]
 ENV = {**os.environ, "JAX_NUM_CPU_DEVICES": "2"}
 
@@ -114,12 +114,13 @@ def test_a_damaged_checkpoint_falls_back_to_the_previous_one(uninterrupted, tmp_
 
 def test_a_changed_model_is_refused_with_the_differing_keys(tmp_path):
     assert train(tmp_path, *RUN).returncode == 0
-    out = train(tmp_path, *RUN, "--config.model.hidden_sizes=(64,)", "--config.optim.lr=0.5")
+    out = train(tmp_path, *RUN, "--config.model.kwargs.hidden_sizes=(64,)", "--config.optim.lr=0.5")
     assert out.returncode == 2
-    assert "model.hidden_sizes: (32,) -> (64,)" in out.stderr and "optim.lr: 0.01 -> 0.5" in out.stderr
+    assert "model.kwargs.hidden_sizes: (32,) -> (64,)" in out.stderr and "optim.lr: 0.01 -> 0.5" in out.stderr
     assert "allow_config_change=True" in out.stderr
     # Allowed on purpose, the shapes no longer fit: every checkpoint is named as unusable.
-    out = train(tmp_path, *RUN, "--config.model.hidden_sizes=(64,)", "--config.checkpoint.allow_config_change=True")
+    out = train(tmp_path, *RUN, "--config.model.kwargs.hidden_sizes=(64,)",
+                "--config.checkpoint.allow_config_change=True")
     assert out.returncode == 2 and "not compatible with the stored shape" in out.stderr
 
 
@@ -221,6 +222,6 @@ def test_export_round_trips_into_a_new_run(tmp_path, capsys):
     assert evals[-1]["step"] == 3 and evals[-1]["loss"] == pytest.approx(first.eval_loss, rel=1e-6)
     second = small_config("resnet", steps=1, init_from=str(tmp_path / "p.npz"))
     second.optim.lr = 1e-12
-    second.model.bn_momentum = 1.0  # keep the loaded running statistics through the one step
+    second.model.kwargs.bn_momentum = 1.0  # keep the loaded running statistics through the one step
     result = run(second, tmp_path / "b")
     assert result.eval_loss == pytest.approx(first.eval_loss, rel=1e-5)

@@ -32,11 +32,11 @@ REPO = Path(__file__).resolve().parents[1]
 CASES = {
     "mlp": small_config("mlp"),
     "cnn1d": small_config("cnn1d"),
-    "cnn2d": small_config("mlp", model={"name": "cnn2d", "channels": (4, 6), "dense_sizes": (16,)},
+    "cnn2d": small_config("mlp", model={"name": "cnn2d", "kwargs": {"channels": (4, 6), "dense_sizes": (16,)}},
                           data={"name": "synthetic", "shape": (11, 13, 2), "num_classes": 10, "num_examples": 64,
                                 "num_eval_examples": 32}),
     "resnet": small_config("resnet"),
-    "resnet_imagenet_stem": small_config("resnet", model={"stem": "imagenet"},
+    "resnet_imagenet_stem": small_config("resnet", model={"kwargs": {"stem": "imagenet"}},
                                          data={"shape": (16, 16, 3)}),
 }
 
@@ -122,7 +122,7 @@ def test_resnet_gradients_agree_in_float64():
     rows = b.source.train_batch(0)
     with jax.enable_x64(True):
         model = ModelDef.of(nnx.eval_shape(lambda: models.ResNet(
-            cfg.model.stage_sizes, "basic", cfg.model.width, "cifar", 3, 10, dtype=jax.numpy.float64,
+            cfg.model.kwargs.stage_sizes, "basic", cfg.model.kwargs.width, "cifar", 3, 10, dtype=jax.numpy.float64,
             rngs=nnx.Rngs(0))), bn_axis=None)
         as64 = lambda tree: jax.tree.map(lambda a: jax.numpy.asarray(a, jax.numpy.float64), tree)  # noqa: E731
 
@@ -161,7 +161,7 @@ def test_parity_mlp_cli(tmp_path):
     """The command line: 2 workers each side, 20 steps, plain SGD (loss tolerance 1e-6); exit 0 and the verdict
     on the last line."""
     cmd = [sys.executable, "-m", "jdp.compare", "parity", "--config", str(REPO / "configs" / "mnist1d_mlp.py"),
-           "--workers", "2", "--steps", "20", "--workdir", str(tmp_path), "--config.model.hidden_sizes=(32,32)",
+           "--workers", "2", "--steps", "20", "--workdir", str(tmp_path), "--config.model.kwargs.hidden_sizes=(32,32)",
            "--config.optim.name=sgd", "--config.optim.lr=0.1", "--config.train.global_batch_size=32",
            *[f"--config.data.{k}={v}" for k, v in SYNTHETIC_1D.items()]]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)

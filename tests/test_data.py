@@ -7,7 +7,7 @@ import ml_collections
 import numpy as np
 import pytest
 
-from jdp.data import DATASET_NAMES, Batcher, build_source, sources
+from jdp.data import DATASETS, Batcher, build_source, sources
 
 
 def _ids_split(n: int) -> dict[str, np.ndarray]:
@@ -118,7 +118,7 @@ def test_batch_sizes_are_checked() -> None:
 def test_unknown_name() -> None:
     with pytest.raises(ValueError, match="mnist1d"):
         build_source(_data_cfg("imagenet"), seed=0, global_batch_size=8, eval_batch_size=8)
-    assert DATASET_NAMES == ("mnist1d", "digits", "synthetic")
+    assert DATASETS.names() == ("mnist1d", "digits", "synthetic")
 
 
 def test_mnist1d_is_generated_offline_and_leaves_global_rngs_alone(monkeypatch: pytest.MonkeyPatch) -> None:

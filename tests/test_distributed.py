@@ -22,7 +22,7 @@ from tests.helpers import MODELS, train_losses
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, "-m", "jdp.train"]
 TIMEOUT_S = 5  # init and heartbeat timeouts of the failure tests
-ARGS = ["--config", "configs/mnist1d_mlp.py", "--config.model.hidden_sizes=(32,)", "--config.optim.name=sgd",
+ARGS = ["--config", "configs/mnist1d_mlp.py", "--config.model.kwargs.hidden_sizes=(32,)", "--config.optim.name=sgd",
         "--config.optim.lr=0.2", "--config.train.steps=5", "--config.train.log_every=1",
         "--config.parallel.backend=shard_map", "--config.compile_cache_dir=",
         "--config.distributed.init_timeout_s=20", "--config.distributed.heartbeat_timeout_s=10"]

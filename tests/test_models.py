@@ -14,7 +14,7 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from jdp.modeldef import set_batchnorm_axis
-from jdp.models import MODEL_NAMES, build_model, count_params, max_pool_2x2, resnet18, resnet50
+from jdp.models import MODELS, build_model, count_params, max_pool_2x2, resnet18, resnet50, settings
 
 
 def _cfg(name: str, **overrides) -> ml_collections.ConfigDict:
@@ -30,13 +30,19 @@ def _cfg(name: str, **overrides) -> ml_collections.ConfigDict:
         stem="auto",
         bn_momentum=0.9,
     )
-    return ml_collections.ConfigDict({**cfg, **overrides})
+    cfg = {**cfg, **overrides}
+    accepted = settings(name, {}) if name in MODELS.names() else {}
+    return ml_collections.ConfigDict({"name": name, "kwargs": {k: v for k, v in cfg.items() if k in accepted}})
+
+
+def _build(cfg, input_shape, num_classes=10):
+    return build_model(cfg.name, cfg.kwargs.to_dict(), input_shape, num_classes, seed=0)
 
 
 def _split(cfg, input_shape, axis_name=None):
     """(graphdef, params, rest) as pure dicts of jax arrays: random params from numpy, fresh BN statistics;
     every BatchNorm on `axis_name`, as jdp.fit sets it."""
-    model = nnx.eval_shape(lambda: build_model(cfg, input_shape, 10, seed=0))
+    model = nnx.eval_shape(lambda: _build(cfg, input_shape))
     set_batchnorm_axis(model, axis_name)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     rng = np.random.default_rng(0)
@@ -112,7 +118,7 @@ def test_jit_grad_runs(case):
 
 def test_cnn1d_is_mnist1d_convbase():
     cfg = _cfg("cnn1d", channels=(25, 25, 25), kernel_sizes=(5, 3, 3), strides=(2, 2, 2))
-    model = nnx.eval_shape(lambda: build_model(cfg, (40,), 10, seed=0))
+    model = nnx.eval_shape(lambda: _build(cfg, (40,)))
     assert model.head.in_features == 125  # 25 channels x length 5, as with torch Conv1d(padding=1)
 
 
@@ -124,9 +130,9 @@ def test_resnet_param_counts_match_torchvision():
 
 
 def test_build_model_init_and_count_params():
-    model = build_model(_cfg("mlp", hidden_sizes=(3,)), (4,), 2, seed=0)
+    model = _build(_cfg("mlp", hidden_sizes=(3,)), (4,), 2)
     assert count_params(nnx.to_pure_dict(nnx.state(model, nnx.Param))) == 4 * 3 + 3 + 3 * 2 + 2
-    again = build_model(_cfg("mlp", hidden_sizes=(3,)), (4,), 2, seed=0)
+    again = _build(_cfg("mlp", hidden_sizes=(3,)), (4,), 2)
     np.testing.assert_array_equal(model.layers[0].kernel[...], again.layers[0].kernel[...])
 
 
@@ -179,6 +185,6 @@ def test_batchnorm_axis_name_syncs_statistics_across_devices():
 
 
 def test_unknown_model_name():
-    with pytest.raises(ValueError, match="unknown model name 'vgg'.*'mlp'.*'resnet50'"):
-        build_model(_cfg("vgg"), (8, 8, 1), 10, seed=0)
-    assert len(MODEL_NAMES) == 6
+    with pytest.raises(ValueError, match="model.name='vgg' is unknown.*mlp.*resnet50"):
+        _build(_cfg("vgg"), (8, 8, 1))
+    assert MODELS.names() == ("mlp", "cnn1d", "cnn2d", "resnet18", "resnet34", "resnet50")

@@ -89,7 +89,7 @@ def test_more_than_100_steps_without_blocking(tmp_path):
     trainer's one-step-late fetch is the only thing that bounds it here (no logging, no eval)."""
     out = subprocess.run(
         [sys.executable, "-m", "jdp.train", "--cpu_devices", "2", "--workdir", str(tmp_path),
-         "--config.model.name=mlp", "--config.model.hidden_sizes=(16,)", "--config.train.global_batch_size=16",
+         "--config.model.name=mlp", "--config.model.kwargs.hidden_sizes=(16,)", "--config.train.global_batch_size=16",
          "--config.train.steps=300", "--config.train.log_every=300", "--config.train.eval_every=300"],
         capture_output=True, text=True, timeout=240, env={**os.environ, "JAX_NUM_CPU_DEVICES": "2"})
     assert out.returncode == 0, out.stderr[-2000:]

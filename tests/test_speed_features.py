@@ -31,7 +31,7 @@ def test_gradient_accumulation_must_split_the_batch():
 @pytest.mark.parametrize("optimizer", ["momentum", "adamw"])
 def test_sharded_optimizer_matches_plain_data_parallelism(optimizer, tmp_path):
     # 33 and 7 units: leaves that 8 devices do not divide, so the padding is exercised.
-    sections = {"model": {"hidden_sizes": (33, 7)},
+    sections = {"model": {"kwargs": {"hidden_sizes": (33, 7)}},
                 "optim": {"name": optimizer, "lr": 0.05, "grad_clip_norm": 0.5, "weight_decay": 0.1}}
     plain = run(small_config("mlp", num_devices=8, **sections), tmp_path / "plain")
     sharded = run(small_config("mlp", num_devices=8, parallel={"shard_optimizer": True}, **sections),
@@ -110,7 +110,7 @@ def test_profile_writes_a_trace(tmp_path):
 
 def test_bench_reports_time_memory_and_scaling(tmp_path, capsys):
     assert bench.main(["--config", "configs/mnist1d_mlp.py", "--devices", "1,2", "--steps", "3", "--repeats", "1",
-                       "--out", str(tmp_path), "--config.model.hidden_sizes=(64,)"]) == 0
+                       "--out", str(tmp_path), "--config.model.kwargs.hidden_sizes=(64,)"]) == 0
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [r["devices"] for r in rows] == [1, 2]
     for r in rows:

@@ -24,7 +24,7 @@ if os.environ.get("CI"):
 else:
     tfds = pytest.importorskip("tensorflow_datasets")
 
-from configs import base  # noqa: E402
+from jdp.configs import base  # noqa: E402
 from jdp.data import TfdsSource, augment, build_source  # noqa: E402
 from jdp.data.device_input import CROP_PADDING, pad_crop_flip  # noqa: E402
 from tests.helpers import max_abs_diff, small_config  # noqa: E402

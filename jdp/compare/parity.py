@@ -62,7 +62,6 @@ TOLERANCES = {("mlp", "sgd"): _SGD, ("cnn1d", "sgd"): _SGD, ("cnn2d", "sgd"): _S
               ("mlp", "momentum"): _MOMENTUM, ("cnn1d", "momentum"): _MOMENTUM, ("cnn2d", "momentum"): _MOMENTUM,
               ("mlp", "adamw"): _ADAM, ("cnn1d", "adamw"): _ADAM, ("cnn2d", "adamw"): _ADAM,
               ("resnet", "sgd"): _RESNET, ("resnet", "momentum"): _RESNET, ("resnet", "adamw"): _RESNET}
-MODELS = ("mlp", "cnn1d", "cnn2d", "resnet18", "resnet34", "resnet50")
 
 
 def default_tolerance(cfg) -> Tolerance:
@@ -71,7 +70,6 @@ def default_tolerance(cfg) -> Tolerance:
     return TOLERANCES[(model, optimizer)]
 
 
-SUPPORTED_OPTIMIZERS = ("sgd", "momentum", "nesterov", "adamw")
 
 
 @dataclasses.dataclass
@@ -103,10 +101,14 @@ _FP32_PLAIN = {"precision": "fp32", "train.grad_accum_steps": 1, "parallel.allre
 
 def check_supported(cfg, workers: int) -> None:
     """Raises ValueError naming the first setting the DDP twin cannot reproduce."""
-    if cfg.optim.name not in SUPPORTED_OPTIMIZERS:
-        raise ValueError(f"optim.name={cfg.optim.name!r}: the DDP twin supports {', '.join(SUPPORTED_OPTIMIZERS)}")
-    if cfg.model.name not in MODELS:
-        raise ValueError(f"model.name={cfg.model.name!r}: the twin has {', '.join(MODELS)}")
+    from jdp.compare.ddp import OPTIMIZERS
+    from jdp.compare.torch_models import MODEL_NAMES
+
+    if cfg.optim.name not in OPTIMIZERS:
+        raise ValueError(f"optim.name={cfg.optim.name!r}: the DDP twin supports {', '.join(OPTIMIZERS)}")
+    if cfg.model.name not in MODEL_NAMES:
+        raise ValueError(f"model.name={cfg.model.name!r}: the PyTorch twin has no such model; it has "
+                         f"{', '.join(MODEL_NAMES)}")
     if cfg.data.name not in ("mnist1d", "digits", "synthetic"):
         raise ValueError(f"data.name={cfg.data.name!r}: the comparison uses jdp's in-memory sources only")
     for key, wanted in _FP32_PLAIN.items():

@@ -273,25 +273,27 @@ def _image_shape(input_shape: Sequence[int]) -> tuple[int, int, int]:
 
 
 def build_twin(model_cfg, input_shape: Sequence[int], num_classes: int, *, sync_bn: bool = False) -> nn.Module:
-    """The twin of `jdp.models.build_model(model_cfg, input_shape, num_classes, ...)`.
+    """The twin of the jdp model that `model_cfg` (a config's `model` section) names.
 
     `sync_bn`: BatchNorm statistics over the global batch (jdp `model.bn_sync` with more than one worker)."""
+    from jdp.models import settings
+
     name = model_cfg.name
+    if name not in MODEL_NAMES:
+        raise ValueError(f"the PyTorch twin has no model {name!r}; it has {', '.join(MODEL_NAMES)}")
+    s = settings(name, model_cfg.kwargs.to_dict())
     if name == "mlp":
-        return MLP(math.prod(input_shape), model_cfg.hidden_sizes, num_classes)
+        return MLP(math.prod(input_shape), s["hidden_sizes"], num_classes)
     if name == "cnn1d":
         length, *c = input_shape
-        return CNN1D(length, c[0] if c else 1, model_cfg.channels, model_cfg.kernel_sizes, model_cfg.strides,
-                     num_classes)
+        return CNN1D(length, c[0] if c else 1, s["channels"], s["kernel_sizes"], s["strides"], num_classes)
     if name == "cnn2d":
-        return CNN2D(_image_shape(input_shape), model_cfg.channels, model_cfg.dense_sizes, num_classes)
-    if name in RESNET_ARCHS:
-        h, _, c = _image_shape(input_shape)
-        block, standard_stages = RESNET_ARCHS[name]
-        stem = model_cfg.stem if model_cfg.stem != "auto" else ("cifar" if h <= 64 else "imagenet")
-        return ResNet(tuple(model_cfg.stage_sizes) or standard_stages, block, model_cfg.width, stem, c, num_classes,
-                      bn_momentum=model_cfg.bn_momentum, sync_bn=sync_bn)
-    raise ValueError(f"the PyTorch twin has no model {name!r}; it has {', '.join(MODEL_NAMES)}")
+        return CNN2D(_image_shape(input_shape), s["channels"], s["dense_sizes"], num_classes)
+    h, _, c = _image_shape(input_shape)
+    block, standard_stages = RESNET_ARCHS[name]
+    stem = s["stem"] if s["stem"] != "auto" else ("cifar" if h <= 64 else "imagenet")
+    return ResNet(tuple(s["stage_sizes"]) or standard_stages, block, s["width"], stem, c, num_classes,
+                  bn_momentum=s["bn_momentum"], sync_bn=sync_bn)
 
 
 def prepare_input(model: nn.Module, x: np.ndarray) -> torch.Tensor:

@@ -1,10 +1,10 @@
 """Host-side data: each process gets its own rows of every global batch, as numpy arrays."""
 
 from jdp.data.batching import ArrayDataset, Batcher, DataError, RandomAccessDataset, as_dataset
-from jdp.data.sources import DATASET_NAMES, TFDS_PREFIX, build_source
+from jdp.data.sources import DATASETS, TFDS_PREFIX, build_source
 from jdp.data.tfds_source import TfdsSource  # imports tensorflow-datasets only when one is built
 
 Source = Batcher | TfdsSource  # what build_source returns: both read any step's rows by random access
 
-__all__ = ["DATASET_NAMES", "TFDS_PREFIX", "ArrayDataset", "Batcher", "DataError", "RandomAccessDataset", "Source",
+__all__ = ["DATASETS", "TFDS_PREFIX", "ArrayDataset", "Batcher", "DataError", "RandomAccessDataset", "Source",
            "TfdsSource", "as_dataset", "build_source"]

@@ -7,11 +7,13 @@ them, so the synthetic source runs on a machine that has only numpy.
 
 import functools
 import random
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
 
 from jdp.data.batching import Batcher, DataError
+from jdp.registry import Registry
 
 if TYPE_CHECKING:
     import ml_collections
@@ -20,7 +22,6 @@ if TYPE_CHECKING:
 
 Split = dict[str, np.ndarray]  # an in-memory split: "x" float32 (N, *input_shape), "y" int32 (N,)
 
-DATASET_NAMES = ("mnist1d", "digits", "synthetic")
 TFDS_PREFIX = "tfds:"  # data.name=tfds:NAME is any prepared tensorflow-datasets dataset
 
 _SYNTHETIC_SEED = 0  # fixed: the synthetic task is the same for every run seed
@@ -108,6 +109,14 @@ def _normalize(train: Split, eval: Split) -> tuple[Split, Split]:
     return apply(train), apply(eval)
 
 
+# data.name -> (the data section) -> (train, eval) splits in memory; `tfds:NAME` is read by TfdsSource.
+DATASETS: Registry[Callable[["ml_collections.ConfigDict"], tuple[Split, Split]]] = Registry("data.name")
+DATASETS.register("mnist1d")(lambda cfg: _mnist1d())
+DATASETS.register("digits")(lambda cfg: _digits())
+DATASETS.register("synthetic")(lambda cfg: _synthetic(tuple(int(d) for d in cfg.shape), cfg.num_classes,
+                                                      cfg.num_examples, cfg.num_eval_examples))
+
+
 def build_source(
     cfg: "ml_collections.ConfigDict",
     *,
@@ -126,15 +135,7 @@ def build_source(
 
         return TfdsSource(cfg, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
                           process_index=process_index, process_count=process_count)
-    if cfg.name == "mnist1d":
-        train, eval = _mnist1d()
-    elif cfg.name == "digits":
-        train, eval = _digits()
-    elif cfg.name == "synthetic":
-        shape = tuple(int(d) for d in cfg.shape)
-        train, eval = _synthetic(shape, cfg.num_classes, cfg.num_examples, cfg.num_eval_examples)
-    else:
-        raise ValueError(f"unknown data.name {cfg.name!r}; expected one of {DATASET_NAMES} or tfds:NAME")
+    train, eval = DATASETS.get(cfg.name)(cfg)
     if cfg.normalize:
         train, eval = _normalize(train, eval)
     source = Batcher(train, eval, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,

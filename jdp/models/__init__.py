@@ -1,31 +1,24 @@
-"""Model families, and the one place that maps the `model` config section to a model."""
+"""Model families, and the model registry: `model.name` (a built-in name or `package.module:Name`) plus
+`model.kwargs` -> a model. Every entry is called the same way, as `obj(**kwargs, rngs=nnx.Rngs(seed))`, plus
+`input_shape=` and `num_classes=` when its signature names them."""
 
+import inspect
 import math
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import ml_collections
 from flax import nnx
 
 from jdp.models.cnn import CNN1D, CNN2D, max_pool_2x2
 from jdp.models.mlp import MLP
 from jdp.models.resnet import ARCHS, ResNet, resnet18, resnet34, resnet50
+from jdp.registry import Registry
 
-__all__ = [
-    "CNN1D",
-    "CNN2D",
-    "MLP",
-    "MODEL_NAMES",
-    "ResNet",
-    "build_model",
-    "count_params",
-    "max_pool_2x2",
-    "resnet18",
-    "resnet34",
-    "resnet50",
-]
+__all__ = ["CNN1D", "CNN2D", "MLP", "MODELS", "ResNet", "build_model", "count_params", "max_pool_2x2", "resnet18",
+           "resnet34", "resnet50", "settings"]
 
-MODEL_NAMES = ("mlp", "cnn1d", "cnn2d", "resnet18", "resnet34", "resnet50")
+MODELS: Registry[Callable[..., nnx.Module]] = Registry("model.name")
 
 
 def _image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
@@ -35,41 +28,65 @@ def _image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
     return h, w, c[0] if c else 1
 
 
-def build_model(
-    cfg: ml_collections.ConfigDict,
-    input_shape: tuple[int, ...],
-    num_classes: int,
-    *,
-    seed: int,
-) -> nnx.Module:
-    """Build `cfg.name` for inputs of `input_shape` (no batch axis)."""
-    rngs = nnx.Rngs(seed)
-    if cfg.name == "mlp":
-        return MLP(math.prod(input_shape), cfg.hidden_sizes, num_classes, rngs=rngs)
-    if cfg.name == "cnn1d":
-        if len(input_shape) not in (1, 2):
-            raise ValueError(f"cnn1d needs an input shape (L,) or (L, C), got {input_shape}")
-        length, *c = input_shape
-        return CNN1D(
-            length, c[0] if c else 1, cfg.channels, cfg.kernel_sizes, cfg.strides, num_classes, rngs=rngs
-        )
-    if cfg.name == "cnn2d":
-        return CNN2D(_image_shape(input_shape), cfg.channels, cfg.dense_sizes, num_classes, rngs=rngs)
-    if cfg.name in ARCHS:
+@MODELS.register("mlp")
+def mlp(*, input_shape: tuple[int, ...], num_classes: int, hidden_sizes: Sequence[int] = (256, 256),
+        rngs: nnx.Rngs) -> MLP:
+    return MLP(math.prod(input_shape), hidden_sizes, num_classes, rngs=rngs)
+
+
+@MODELS.register("cnn1d")
+def cnn1d(*, input_shape: tuple[int, ...], num_classes: int, channels: Sequence[int] = (25, 25, 25),
+          kernel_sizes: Sequence[int] = (5, 3, 3), strides: Sequence[int] = (2, 2, 2), rngs: nnx.Rngs) -> CNN1D:
+    if len(input_shape) not in (1, 2):
+        raise ValueError(f"cnn1d needs an input shape (L,) or (L, C), got {input_shape}")
+    length, *c = input_shape
+    return CNN1D(length, c[0] if c else 1, channels, kernel_sizes, strides, num_classes, rngs=rngs)
+
+
+@MODELS.register("cnn2d")
+def cnn2d(*, input_shape: tuple[int, ...], num_classes: int, channels: Sequence[int] = (25, 25, 25),
+          dense_sizes: Sequence[int] = (128,), rngs: nnx.Rngs) -> CNN2D:
+    return CNN2D(_image_shape(input_shape), channels, dense_sizes, num_classes, rngs=rngs)
+
+
+def _resnet(name: str) -> Callable[..., ResNet]:
+    def build(*, input_shape: tuple[int, ...], num_classes: int, width: int = 64, stage_sizes: Sequence[int] = (),
+              stem: str = "auto", bn_momentum: float = 0.9, rngs: nnx.Rngs) -> ResNet:
+        """`stage_sizes` () = the standard stages of the depth; `stem` auto = cifar for images of <= 64 px."""
         h, _, c = _image_shape(input_shape)
-        block, standard_stages = ARCHS[cfg.name]
-        stem = cfg.stem if cfg.stem != "auto" else ("cifar" if h <= 64 else "imagenet")
-        return ResNet(
-            tuple(cfg.stage_sizes) or standard_stages,
-            block,
-            cfg.width,
-            stem,
-            c,
-            num_classes,
-            bn_momentum=cfg.bn_momentum,
-            rngs=rngs,
-        )
-    raise ValueError(f"unknown model name {cfg.name!r}; choose one of {MODEL_NAMES}")
+        block, standard_stages = ARCHS[name]
+        stem = stem if stem != "auto" else ("cifar" if h <= 64 else "imagenet")
+        return ResNet(tuple(stage_sizes) or standard_stages, block, width, stem, c, num_classes,
+                      bn_momentum=bn_momentum, rngs=rngs)
+
+    return build
+
+
+for _name in ARCHS:
+    MODELS.register(_name)(_resnet(_name))
+
+
+def build_model(name: str, kwargs: dict[str, Any], input_shape: tuple[int, ...], num_classes: int, *,
+                seed: int) -> nnx.Module:
+    """The model `name` names (registered, or an import path), built with `kwargs` for inputs of
+    `input_shape` (no batch axis) and `num_classes` outputs."""
+    factory = MODELS.get(name)
+    try:  # a class's own __init__: NNX's metaclass hides the signature of the class itself
+        parameters = inspect.signature(factory.__init__ if isinstance(factory, type) else factory).parameters
+    except (TypeError, ValueError):  # no signature to read (a C extension): pass only what was asked for
+        parameters = {}
+    given = {key: value for key, value in (("input_shape", tuple(input_shape)), ("num_classes", num_classes))
+             if key in parameters}
+    try:
+        return factory(**kwargs, **given, rngs=nnx.Rngs(seed))
+    except TypeError as e:
+        raise ValueError(f"model.name={name!r} with model.kwargs {sorted(kwargs)}: {e}") from None
+
+
+def settings(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments model `name` is built with: its own defaults, overridden by `kwargs`."""
+    parameters = inspect.signature(MODELS.get(name)).parameters.values()
+    return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty} | dict(kwargs)
 
 
 def count_params(params: Any) -> int:
