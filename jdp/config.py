@@ -14,6 +14,8 @@ import ml_collections
 
 from jdp import configs
 from jdp.errors import UsageError
+from jdp.parallel import BACKENDS
+from jdp.step import ALLREDUCE_DTYPES, COMPUTE_DTYPES, NONFINITE_POLICIES
 
 DEFAULT_CONFIG = Path(configs.__file__).parent / "mnist1d_cnn.py"
 
@@ -128,24 +130,14 @@ def _require(ok: bool, message: str) -> None:
 
 def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
     """Check the config before anything compiles. `num_devices` is the device count the run will use."""
-    from jdp import data, models, optim, parallel, step, task
-
     def choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         _require(value in choices, f"{key}={value!r} is unknown; choose one of {', '.join(choices)}")
 
-    registries = {"model.name": models.MODELS, "optim.name": optim.OPTIMIZERS, "task.loss": task.LOSSES}
-    if not cfg.data.name.startswith(data.TFDS_PREFIX):
-        registries["data.name"] = data.DATASETS
-    for key, registry in registries.items():
-        try:
-            registry.get(cfg[key])  # an unknown name, or an import path that does not import
-        except UsageError as e:
-            raise ConfigError(str(e)) from None
     choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
-    choice("parallel.backend", cfg.parallel.backend, parallel.BACKENDS)
-    choice("train.on_nonfinite", cfg.train.on_nonfinite, step.NONFINITE_POLICIES)
-    choice("precision", cfg.precision, tuple(step.COMPUTE_DTYPES))
-    choice("parallel.allreduce_dtype", cfg.parallel.allreduce_dtype, step.ALLREDUCE_DTYPES)
+    choice("parallel.backend", cfg.parallel.backend, tuple(BACKENDS))
+    choice("train.on_nonfinite", cfg.train.on_nonfinite, NONFINITE_POLICIES)
+    choice("precision", cfg.precision, tuple(COMPUTE_DTYPES))
+    choice("parallel.allreduce_dtype", cfg.parallel.allreduce_dtype, ALLREDUCE_DTYPES)
     per_device_step = cfg.parallel.backend in ("shard_map", "pmap")
     _require(per_device_step or cfg.parallel.allreduce_dtype == "fp32",
              "parallel.allreduce_dtype=bf16 needs an explicit collective; use --config.parallel.backend=shard_map")

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import jax
 
+from jdp import kvstore
 from jdp.config import ConfigError, differences
 
 # jax aborts about 4 s after its own initialization_timeout; give it this much more than jdp's,
@@ -182,12 +183,7 @@ def _slurm_coordinator() -> str | None:
     """The address JAX derives in a SLURM job, for messages only (None if it cannot be worked out)."""
     if not all(k in os.environ for k in _SLURM_VARIABLES):
         return None
-    try:
-        from jax._src.clusters.slurm_cluster import SlurmCluster
-
-        return SlurmCluster.get_coordinator_address(None, os.environ.get("JAX_COORDINATOR_PORT"))
-    except Exception:  # noqa: BLE001 - a private JAX helper; the address only appears in messages
-        return None
+    return f"the first host of SLURM_STEP_NODELIST={os.environ['SLURM_STEP_NODELIST']}"
 
 
 def check_timeouts(init_timeout_s: float, heartbeat_timeout_s: float) -> None:
@@ -237,10 +233,8 @@ def check_same_run(settings: dict, timeout_s: float) -> None:
     """Every process must train the same run: compares `settings` (JSON-able) with process 0's through
     the coordinator's key-value store. Process 0 compares with every process, the others with process 0,
     so that all of them stop (exit 2) rather than some waiting forever in a collective."""
-    from jax._src.distributed import global_state
-
-    client, me = global_state.client, jax.process_index()
-    if client is None or jax.process_count() == 1:
+    client, me = kvstore.client(), jax.process_index()
+    if client is None:
         return
     mine = json.dumps(settings, sort_keys=True, default=str)
     client.key_value_set(f"jdp/run/{me}", mine)
@@ -280,9 +274,7 @@ class StopAgreement:
     KEY = "jdp/stop_at_step/"  # a directory: looking it up never raises
 
     def __init__(self) -> None:
-        from jax._src.distributed import global_state
-
-        self._client = global_state.client if jax.process_count() > 1 else None
+        self._client = kvstore.client()
         self._proposed = False
         self.stop_at: int | None = None
 

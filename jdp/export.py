@@ -1,5 +1,5 @@
 """`python -m jdp.export --workdir W --out params.npz`: a run's parameters and BatchNorm statistics
-in a framework-neutral .npz, and the loader behind `--config.init_from=params.npz`.
+in a framework-neutral .npz (`jdp.params_file`), which `--config.init_from=params.npz` starts a run from.
 
 Key names: `params/<module path>/<name>` and `model_state/<module path>/<name>`, path parts joined
 by "/", e.g. `params/layers/0/kernel` (Dense kernels are (in, out); conv kernels are HWIO or WIO),
@@ -11,38 +11,13 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Any
 
-import jax
 import numpy as np
 
-SECTIONS = ("params", "model_state")
-
-
-def flatten(tree: Any, prefix: str) -> dict[str, np.ndarray]:
-    return {prefix + "/" + "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): np.asarray(leaf)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-
-
-def load_into(path: str | Path, params: Any, model_state: Any) -> tuple[Any, Any]:
-    """Values from an exported .npz in the structure of `params` and `model_state`; every key must be
-    present with the same shape. Raises ValueError naming the first key that does not fit."""
-    with np.load(path) as stored:
-        values = dict(stored)
-
-    def fill(tree: Any, prefix: str) -> Any:
-        keys = list(flatten(tree, prefix))
-        leaves = jax.tree.leaves(tree)
-        filled = []
-        for key, leaf in zip(keys, leaves, strict=True):
-            if key not in values:
-                raise ValueError(f"{path} has no {key}; was it exported from a run of the same model?")
-            if values[key].shape != leaf.shape:
-                raise ValueError(f"{path}: {key} has shape {values[key].shape}, the model expects {leaf.shape}")
-            filled.append(values[key].astype(leaf.dtype))
-        return jax.tree.unflatten(jax.tree.structure(tree), filled)
-
-    return fill(params, "params"), fill(model_state, "model_state")
+from jdp import config as config_lib
+from jdp.checkpoint import CheckpointError
+from jdp.params_file import flatten
+from jdp.resume import restore_for_inference
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,10 +26,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", required=True, type=Path)
     parser.add_argument("--out", required=True, type=Path)
     args = parser.parse_args(argv)
-
-    from jdp import config as config_lib
-    from jdp.checkpoint import CheckpointError
-    from jdp.resume import restore_for_inference
 
     try:
         step, built, state = restore_for_inference(args.workdir)

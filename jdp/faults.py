@@ -1,7 +1,7 @@
-"""Deterministic crash points for crash-safety tests. `JDP_KILL_AT=save:STEP` sends SIGKILL to this
-process in the middle of writing checkpoint STEP (its asynchronous write has started, not finished);
-`JDP_KILL_AT=step:STEP` right after step STEP is dispatched, once earlier checkpoint writes are complete.
-Unset, nothing happens."""
+"""Deterministic crash points for the crash-safety tests, set through the environment. `JDP_KILL_AT=save:STEP`
+sends SIGKILL to this process in the middle of writing checkpoint STEP (its asynchronous write has started,
+not finished); `JDP_KILL_AT=step:STEP` right after step STEP, once earlier checkpoint writes are complete
+(`jdp.callbacks.KillAfterStep`). Unset, nothing happens."""
 
 from __future__ import annotations
 
@@ -14,3 +14,9 @@ def kill_if_requested(point: str, step: int, before: Callable[[], None] = lambda
     if os.environ.get("JDP_KILL_AT") == f"{point}:{step}":
         before()
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def requested_step() -> int | None:
+    """STEP of `JDP_KILL_AT=step:STEP`, else None."""
+    point, _, step = os.environ.get("JDP_KILL_AT", "").partition(":")
+    return int(step) if point == "step" else None

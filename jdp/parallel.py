@@ -12,7 +12,7 @@ internally, converted at its boundary.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from functools import partial
 
 import jax
@@ -144,6 +144,27 @@ class DataParallel:
 
     def eval_step(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         return self._eval(state, batch)
+
+    def evaluate(self, state: step_lib.TrainState, batches: Iterable[dict[str, np.ndarray]]) -> dict[str, float]:
+        """Weighted means of the eval function's outputs over `batches` (this process's rows of each eval
+        batch, with a `mask`; {} when there are none): padded rows weigh nothing."""
+        totals: dict[str, float] = {}
+        pending = None
+
+        def add(sums: dict) -> None:
+            for k, v in self.fetch(sums).items():
+                totals[k] = totals.get(k, 0.0) + v
+
+        for rows in batches:
+            sums = self.eval_step(state, self.shard_batch(rows))
+            if pending is not None:  # one batch late, so the host never queues the whole eval
+                add(pending)
+            pending = sums
+        if pending is None:
+            return {}
+        add(pending)
+        weight = totals.pop("weight")
+        return {k: v / weight for k, v in totals.items()}
 
     def compiled_stats(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> dict[str, float]:
         """XLA's own accounting of the compiled train step: memory (bytes per device) and FLOPs."""

@@ -10,8 +10,8 @@ from flax import nnx
 
 from jdp import config as config_lib
 from jdp.checkpoint import Checkpointer, CheckpointError
-from jdp.export import load_into
 from jdp.modeldef import replace_state, state_groups
+from jdp.params_file import load_into
 from jdp.step import TrainState
 from jdp.task import build
 from jdp.trainer import Engine

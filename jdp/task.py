@@ -16,9 +16,10 @@ from flax import nnx
 from jdp import config as config_lib
 from jdp import data as data_lib
 from jdp import models, trainer
+from jdp.errors import UsageError
 from jdp.mesh import DATA_AXIS, make_mesh
 from jdp.modeldef import LossFn
-from jdp.optim import build_optimizer
+from jdp.optim import OPTIMIZERS, build_optimizer
 from jdp.registry import Registry
 
 # task.loss -> loss function (model, batch) -> per-example outputs (see jdp.fit)
@@ -44,9 +45,22 @@ class Task:
     global_batch_size: int
 
 
+def check_names(cfg: ml_collections.ConfigDict) -> None:
+    """Every name the config gives is registered, or an import path that imports (ConfigError otherwise)."""
+    registries = {"model.name": models.MODELS, "optim.name": OPTIMIZERS, "task.loss": LOSSES}
+    if not cfg.data.name.startswith(data_lib.TFDS_PREFIX):
+        registries["data.name"] = data_lib.DATASETS
+    for key, registry in registries.items():
+        try:
+            registry.get(cfg[key])
+        except UsageError as e:
+            raise config_lib.ConfigError(str(e)) from None
+
+
 def build_task(cfg: ml_collections.ConfigDict) -> Task:
     """The task `cfg` names, checked before anything compiles (ConfigError otherwise)."""
     config_lib.validate(cfg, num_devices=make_mesh(cfg.parallel.num_devices).size)
+    check_names(cfg)
     batch_size = cfg.train.global_batch_size
     try:
         source = data_lib.build_source(cfg.data, seed=cfg.seed, global_batch_size=batch_size,

@@ -54,7 +54,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
 def evaluate_checkpoint(workdir: Path) -> dict[str, float]:
     """`--eval_only`: evaluate the latest checkpoint of `workdir` and append the eval line."""
     step, engine, state = restore_for_inference(workdir)
-    metrics = trainer.evaluate(engine.parallel, engine.parallel.to_devices(state), engine.source)
+    metrics = engine.parallel.evaluate(engine.parallel.to_devices(state), engine.source.eval_batches())
     engine.source.close()
     writer = MetricsWriter(workdir, total_steps=step, resume=False, enabled=jax.process_index() == 0)
     writer.eval(step, metrics)

@@ -1,8 +1,7 @@
 """`jdp.fit`: any Flax NNX model, any loss, any data, trained data-parallel over every device of the run.
 
-The loop keeps the four steps in sight: the batch is split over the `data` axis (`DataParallel.shard_batch`),
-and the compiled step computes, all-reduces and updates (`jdp.step.train_step`); everything else (logging,
-eval, checkpoints, replica checks, the stop agreement, user callbacks) runs by period between steps.
+This module checks the input and builds the run (`prepare`: model split, data, compiled steps), all before
+anything compiles; `jdp.loop` runs it.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -22,17 +20,13 @@ import optax
 from flax import nnx
 
 from jdp import distributed as distributed_lib
+from jdp import loop, zero
 from jdp import optim as optim_lib
-from jdp import zero
-from jdp.checkpoint import Checkpointer
 from jdp.data.batching import Batcher
-from jdp.errors import NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
-from jdp.faults import kill_if_requested
+from jdp.errors import UsageError
 from jdp.mesh import DATA_AXIS, make_mesh, replicated
-from jdp.metrics import MetricsWriter, ThroughputClock
 from jdp.modeldef import LossFn, ModelDef
 from jdp.parallel import BACKENDS, DataParallel
-from jdp.preemption import PreemptionRequest
 from jdp.step import (
     ALLREDUCE_DTYPES,
     COMPUTE_DTYPES,
@@ -334,239 +328,14 @@ def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
         raise FitError(f"steps={steps} must be positive")
     engine = prepare(model, loss_fn, train_data, optimizer=optimizer, global_batch_size=global_batch_size, options=o)
     try:
-        result = _Loop(engine, o, steps, global_batch_size).run()
+        outcome = loop.train(engine, o, steps, global_batch_size)
     finally:
         engine.source.close()
+    final = outcome.final
     if isinstance(model, nnx.Module):
-        engine.model.load_into(model, result.public.params, result.public.model_state, result.rng_state)
+        engine.model.load_into(model, final.params, final.model_state, final.rng_state)
+    result = FitResult(outcome.losses, outcome.eval_metrics, final.params, final.model_state, outcome.step,
+                       outcome.examples_per_sec)
     for callback in o.callbacks:
-        callback.on_end(result.public)
-    return result.public
-
-
-@dataclasses.dataclass
-class _Finished:
-    public: FitResult
-    rng_state: Any
-
-
-class _Loop:
-    """The training loop of one `fit` call, with its periodic actions."""
-
-    def __init__(self, engine: Engine, options: FitOptions, steps: int, global_batch_size: int) -> None:
-        self.e, self.o, self.steps, self.batch_size = engine, options, steps, global_batch_size
-        self.parallel = engine.parallel
-        self.workdir = Path(options.workdir) if options.workdir is not None else None
-        self.is_main = jax.process_index() == 0
-        self.checkpointer = (Checkpointer(self.workdir / "checkpoints", keep=options.keep_checkpoints,
-                                          every_steps=options.checkpoint_every) if self.workdir else None)
-        self.clock, self.losses, self.save_stalls = ThroughputClock(), [], []
-        self.window: dict[str, float] = {}  # sums of the metrics since the last train line
-        self.window_steps = 0
-        self.eval_metrics: dict[str, float] = {}
-        self.compile_time = self.first_step_end = math.nan
-
-    def _restore_or_init(self) -> tuple[int, TrainState]:
-        echo = self.writer_echo
-        if self.checkpointer is not None:
-            restored = self.checkpointer.restore_latest(self.e.abstract_state, echo)
-            if restored is not None:
-                step, state, position = restored
-                echo(f"resumed from {self.checkpointer.directory / str(step)} (data position {position})")
-                return step, state._replace(halted=state.halted * 0)  # a halted run may go on (e.g. at a lower lr)
-        return 0, self.e.init_state()
-
-    def writer_echo(self, line: str) -> None:
-        if self.is_main:
-            print(line, flush=True)
-
-    def run(self) -> _Finished:
-        t_start = time.perf_counter()
-        if self.workdir is not None and self.is_main:
-            self.workdir.mkdir(parents=True, exist_ok=True)
-        start, logical = self._restore_or_init()
-        self.start = start
-        self.state = self.parallel.to_devices(logical)
-        self.writer = MetricsWriter(self.workdir, total_steps=self.steps, start_step=start, enabled=self.is_main)
-        self._header()
-        try:
-            if start < self.steps:
-                self._train(start)
-                stall = sum(self.save_stalls) / len(self.save_stalls) if self.save_stalls else 0.0
-                self.writer.summary(**{f"eval_{k}": v for k, v in self.eval_metrics.items()},
-                                    examples_per_sec=self.clock.rate(), compile_time_s=self.compile_time,
-                                    total_time_s=time.perf_counter() - t_start, checkpoint_stall_s=stall,
-                                    first_step_end_unix=self.first_step_end)
-                evaluated = "  ".join(f"eval {k} {v:.4f}" for k, v in self.eval_metrics.items())
-                where = f"; metrics in {self.workdir / 'metrics.jsonl'}" if self.workdir else ""
-                self.writer.echo(f"done: {evaluated + ', ' if evaluated else ''}{self.clock.rate():,.0f} examples/s, "
-                                 f"first step (compile) {self.compile_time:.1f}s, checkpoint stall "
-                                 f"{stall * 1e3:.0f} ms/save{where}")
-            else:
-                self.writer.echo(f"nothing to do: {self.workdir} is at step {start}, steps is {self.steps}")
-                self.eval_metrics = evaluate(self.parallel, self.state, self.e.source)
-        except NonFiniteLossError:
-            # The compiled step froze the state before the bad update: keep it for inspection and resume.
-            if self.checkpointer is not None:
-                halted = self.parallel.to_logical(self.state)
-                halted_step = int(halted.step.addressable_data(0))
-                self.checkpointer.save(halted_step, halted, self._position(halted_step))
-            raise
-        finally:
-            if self.checkpointer is not None:
-                self.checkpointer.wait()
-                self.checkpointer.close()
-            self.writer.close()
-        final = self.parallel.to_host(self.parallel.to_logical(self.state))
-        result = FitResult(self.losses, self.eval_metrics, final.params, final.model_state,
-                           int(final.step), self.clock.rate())
-        return _Finished(result, final.rng_state)
-
-    def _header(self) -> None:
-        mesh, n = self.parallel.mesh, self.parallel.mesh.size
-        params = sum(x.size for x in jax.tree.leaves(self.e.abstract_state.params))
-        source = self.e.source
-        what = f"{self.o.description}: " if self.o.description else ""
-        self.writer.echo(
-            f"jdp: {n} {mesh.devices.flat[0].platform} devices x {self.batch_size // n} examples = global batch "
-            f"{self.batch_size} ({jax.process_count()} process(es)); {what}{params:,} parameters, "
-            f"{source.num_train} train examples, {self.steps} steps = {self.steps / source.steps_per_epoch:.1f} "
-            f"epochs; backend {self.o.backend}")
-
-    def _position(self, step: int) -> dict[str, int]:  # informative: the source reads any step directly
-        return {"step": step, "epoch": step // self.e.source.steps_per_epoch}
-
-    def _record(self, step: int, metrics: dict) -> None:
-        """Host side of step `step`, fetched one step late so the device queue stays short."""
-        values = self.parallel.fetch(metrics)
-        if step == self.start + 1:  # the first step includes compilation: the clock starts after it
-            self.compile_time = time.perf_counter() - self.t_first
-            self.first_step_end = time.time()
-            self.clock.start()
-        else:
-            self.clock.add(self.batch_size)
-        nonfinite, weight = values.pop("nonfinite"), values.pop("weight")
-        if nonfinite:
-            if self.o.on_nonfinite == "halt":
-                raise NonFiniteLossError(
-                    f"non-finite loss or gradient at step {step} (loss {values['loss']}); the state from before it "
-                    "is saved; rerun to resume, with train.on_nonfinite=skip, or with a lower optim.lr or an "
-                    "optim.grad_clip_norm plus checkpoint.allow_config_change=True")
-            self.writer.echo(f"warning: step {step} had a non-finite loss or gradient; its update was skipped")
-        else:
-            self.losses.append(values["loss"])
-        averaged = {k: v for k, v in values.items() if k not in _COUNTERS}
-        if not nonfinite and weight > 0:
-            for key, value in averaged.items():
-                self.window[key] = self.window.get(key, 0.0) + value
-            self.window_steps += 1
-        for callback in self.o.callbacks:
-            if step % callback.every == 0:
-                callback.on_step(step, values, self.parallel.to_logical(self.state))
-        if (step % self.o.log_every == 0 or step == self.steps) and self.window_steps:
-            line = {k: v / self.window_steps for k, v in self.window.items()}
-            line.update({k: values[k] for k in ("lr",) if k in values})
-            line["examples_per_sec"] = self.clock.interval_rate()
-            line["skipped_steps"] = int(values["skipped_steps"])
-            if self.o.precision == "fp16":  # loss-scale overflows skip an update but are not failures
-                line.update(loss_scale=values["loss_scale"], overflow_steps=int(values["overflow_steps"]))
-            self.writer.train(step, line)
-            self.window, self.window_steps = {}, 0
-
-    def _save(self, step: int) -> None:
-        self.clock.pause()
-        t = time.perf_counter()
-        self.checkpointer.save(step, self.parallel.to_logical(self.state), self._position(step))
-        self.save_stalls.append(time.perf_counter() - t)
-        self.clock.start()
-
-    def _check_replicas(self, step: int) -> None:
-        s = self.state
-        leaf = self.parallel.first_differing_leaf({"params": s.params, "model_state": s.model_state,
-                                                   "rng_state": s.rng_state})
-        if leaf is not None:
-            raise ReplicaMismatchError(f"replicas differ at step {step}: first differing parameter {leaf}")
-
-    def _evaluate(self, step: int) -> None:
-        self.clock.pause()
-        metrics = evaluate(self.parallel, self.state, self.e.source)
-        if metrics:
-            self.eval_metrics = metrics
-            self.writer.eval(step, metrics)
-        self.clock.start()
-
-    def _train(self, start: int) -> None:
-        o, parallel, source = self.o, self.parallel, self.e.source
-        stop = distributed_lib.StopAgreement()  # every process stops at the same step after a signal
-        stop_agreed, pending = False, None
-        profile = o.profile_steps
-        self.t_first = time.perf_counter()
-        with PreemptionRequest() as preemption:
-            for step in range(start + 1, self.steps + 1):
-                # 1. split. Dispatch is asynchronous: this batch is read and put on the devices while the
-                # previous step still runs, so the next batch is already there when it ends.
-                batch = parallel.shard_batch(source.train_batch(step - 1))
-                if profile and step == profile[0] and self.workdir:
-                    jax.profiler.start_trace(self.workdir / "profile")
-                # 2-4. compute, all-reduce, update.
-                self.state, metrics = parallel.train_step(self.state, batch)
-                if profile and step == profile[1] and self.workdir:
-                    jax.block_until_ready(metrics)
-                    jax.profiler.stop_trace()
-                    self.writer.echo(f"profile of steps {profile[0]}-{profile[1]} written to "
-                                     f"{self.workdir / 'profile'} (open with TensorBoard's profile plugin or Perfetto)")
-                kill_if_requested("step", step, before=self.checkpointer.wait if self.checkpointer else lambda: None)
-                if pending is not None:
-                    self._record(*pending)
-                pending = (step, metrics)
-                stop_agreed |= stop.should_stop(step, preemption.signal_name is not None)
-                # Under local SGD the replicas agree only at sync points: stop at the next one.
-                stopping = stop_agreed and step % o.sync_every == 0
-                last = step == self.steps
-                check_now = last or bool(o.check_replicas_every and step % o.check_replicas_every == 0)
-                save_now = self.checkpointer is not None and (last or self.checkpointer.due(step))
-                eval_now = last or bool(o.eval_every and step % o.eval_every == 0)
-                if stopping or check_now or save_now or eval_now:
-                    self._record(*pending)
-                    pending = None
-                if stopping:
-                    if self.checkpointer is None:
-                        raise Preempted(f"{preemption.signal_name or 'a signal'} at step {step}; no workdir, so no "
-                                        "checkpoint was written")
-                    self._save(step)
-                    self.checkpointer.wait()
-                    cause = preemption.signal_name or "a signal to another process"
-                    raise Preempted(f"{cause} at step {step}: checkpoint written to "
-                                    f"{self.checkpointer.directory / str(step)}; rerun the same command to resume")
-                if check_now:
-                    self._check_replicas(step)
-                if save_now:
-                    self._save(step)
-                if eval_now:
-                    self._evaluate(step)
-
-
-_COUNTERS = ("skipped_steps", "lr", "loss_scale", "overflow_steps")  # reported as they are, not averaged
-
-
-def evaluate(parallel: DataParallel, state: TrainState, source: Source) -> dict[str, float]:
-    """Weighted means of the eval function's outputs over the whole eval split ({} without one); padded
-    rows weigh nothing."""
-    totals: dict[str, float] = {}
-    pending = None
-
-    def add(sums: dict) -> None:
-        for k, v in parallel.fetch(sums).items():
-            totals[k] = totals.get(k, 0.0) + v
-
-    for rows in source.eval_batches():
-        sums = parallel.eval_step(state, parallel.shard_batch(rows))
-        if pending is not None:  # one batch late, so the host never queues the whole eval
-            add(pending)
-        pending = sums
-    if pending is None:
-        return {}
-    add(pending)
-    weight = totals.pop("weight")
-    return {k: v / weight for k, v in totals.items()}
-
+        callback.on_end(result)
+    return result

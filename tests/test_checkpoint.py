@@ -10,7 +10,7 @@ import jax
 import numpy as np
 import pytest
 
-from jdp import export
+from jdp import export, params_file
 from jdp.data.batching import Batcher
 from jdp.optim import learning_rate
 from jdp.parallel import DataParallel
@@ -211,9 +211,9 @@ def test_export_round_trips_into_a_new_run(tmp_path, capsys):
     with np.load(tmp_path / "p.npz") as stored:
         assert "params/stem_conv/kernel" in stored.files and "model_state/stem_bn/mean" in stored.files
         assert int(stored["step"]) == 3
-    exported = export.flatten(first.params, "params") | export.flatten(first.model_state, "model_state")
-    params, model_state = export.load_into(tmp_path / "p.npz", first.params, first.model_state)
-    loaded = export.flatten(params, "params") | export.flatten(model_state, "model_state")
+    exported = params_file.flatten(first.params, "params") | params_file.flatten(first.model_state, "model_state")
+    params, model_state = params_file.load_into(tmp_path / "p.npz", first.params, first.model_state)
+    loaded = params_file.flatten(params, "params") | params_file.flatten(model_state, "model_state")
     assert all(np.array_equal(exported[k], loaded[k]) for k in exported)
 
     # A new run from the file evaluates like the run it came from, before its first update.

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from jdp import config as config_lib
+from jdp.task import check_names
 from jdp.train import main, parse_command_line
 
 REPO = Path(__file__).resolve().parents[1]
@@ -17,7 +18,9 @@ CONFIGS = sorted(p for p in (REPO / "configs").glob("*.py") if p.stem not in ("_
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 def test_every_shipped_config_loads_and_validates(path):
-    config_lib.validate(config_lib.load_config_file(path))
+    cfg = config_lib.load_config_file(path)
+    config_lib.validate(cfg)
+    check_names(cfg)
 
 
 def test_overrides_parse_as_the_fields_type():

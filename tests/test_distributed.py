@@ -342,3 +342,12 @@ def test_launcher_passes_sigterm_on(tmp_path):
     finally:
         finish([launcher], timeout=0.1)
     assert "[0] got SIGTERM" in out.read_text() and "[1] got SIGTERM" in out.read_text()
+
+
+def test_only_the_key_value_shim_reaches_into_jax_private_modules():
+    from jdp import kvstore
+
+    package = Path(distributed.__file__).parent
+    offenders = [p.name for p in package.rglob("*.py") if "jax._src" in p.read_text() and p.name != "kvstore.py"]
+    assert offenders == []
+    assert kvstore.client() is None  # one process: no store (the multi-process tests above use it)

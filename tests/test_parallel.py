@@ -11,7 +11,6 @@ import optax
 import pytest
 
 from jdp.train import build
-from jdp.trainer import evaluate
 from tests.helpers import logits_and_state, small_config
 
 
@@ -70,7 +69,7 @@ def test_eval_sees_every_example_exactly_once(num_devices):
     count = sum(parallel.fetch(parallel.eval_step(state, parallel.shard_batch(rows)))["weight"]
                 for rows in source.eval_batches())
     assert count == 37
-    metrics = evaluate(parallel, state, source)
+    metrics = parallel.evaluate(state, source.eval_batches())
 
     # The same model, unpadded, on one device.
     rows = list(source.eval_batches())

@@ -83,6 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_OK if result.passed else EXIT_OUTSIDE_TOLERANCE
         from jdp.compare.speed import report_workdir as report_speed
         from jdp.compare.speed import speed
+        from jdp.parallel import BACKENDS
 
         workdir = args.workdir or Path("runs") / f"compare-{name}-speed"
         if args.report_only:
@@ -90,9 +91,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"report: {Path(workdir) / 'speed.md'}")
             return EXIT_OK
         backends = tuple(b for b in args.backends.split(",") if b)
-        unknown = set(backends) - {"shard_map", "pmap", "jit"}
+        unknown = set(backends) - set(BACKENDS)
         if unknown:
-            raise config_lib.ConfigError(f"unknown backend(s) {', '.join(sorted(unknown))}; use shard_map,pmap,jit")
+            raise config_lib.ConfigError(f"unknown backend(s) {', '.join(sorted(unknown))}; use "
+                                         f"{','.join(BACKENDS)}")
         result = speed(cfg, name=name, workers=args.workers, workdir=workdir, steps=args.steps,
                        repeats=args.repeats, backends=backends, timeout_s=args.timeout,
                        compile_cache=args.compile_cache, device=args.device, command=command)

@@ -32,8 +32,8 @@ def write_init(cfg, out: Path) -> None:
 
     import numpy as np
 
-    from jdp.export import flatten
     from jdp.optim import learning_rate
+    from jdp.params_file import flatten
     from jdp.train import build
 
     one = copy.deepcopy(cfg)
@@ -48,9 +48,9 @@ def write_init(cfg, out: Path) -> None:
 def parity(cfg, out: Path, devices: int) -> None:
     import jax
 
-    from jdp.export import flatten
     from jdp.mesh import simulate_cpu_devices
     from jdp.metrics import read_metrics
+    from jdp.params_file import flatten
     from jdp.train import run
 
     if devices:

@@ -17,7 +17,6 @@ the same batches, compared step by step.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import math
 import shutil
@@ -27,19 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from jdp.compare import procs
-
-
-@dataclasses.dataclass(frozen=True)
-class Tolerance:
-    """Relative (|jdp - ddp| / |jdp|) bounds on the per-step differences."""
-
-    loss: float  # every step's train loss
-    grad_norm: float  # every step's gradient norm
-    step1: float  # step 1's loss and gradient norm: same weights, same batch, nothing compounded yet
-
-    def describe(self) -> str:
-        return f"loss {self.loss:.0e}, gradient norm {self.grad_norm:.0e}, step 1 {self.step1:.0e}"
-
+from jdp.compare.report import Parity, Tolerance
 
 # Float32 on CPU, by (model family, optimizer family); measured on a 2-core CPU over 50 steps and rounded up
 # (docs/compare_example/README.md has the runs).
@@ -70,28 +57,6 @@ def default_tolerance(cfg) -> Tolerance:
     return TOLERANCES[(model, optimizer)]
 
 
-
-
-@dataclasses.dataclass
-class Parity:
-    name: str
-    steps: list[dict]  # step, loss_jdp, loss_ddp, loss_rel, grad_norm_jdp, grad_norm_ddp, grad_rel
-    worst_loss: tuple[float, int]  # (relative difference, step)
-    worst_grad: tuple[float, int]
-    final_params_rel: float  # max over tensors of max|a - b| / max|a|
-    final_worst_tensor: str
-    eval: dict  # loss/accuracy of both sides
-    tolerance: Tolerance
-    first_step: float  # the larger of step 1's loss and gradient-norm differences
-    passed: bool
-    meta: dict
-
-    def last_line(self) -> str:
-        t = self.tolerance
-        return (f"parity {self.name}: worst loss difference {self.worst_loss[0]:.2e} relative (step "
-                f"{self.worst_loss[1]}; tolerance {t.loss:.0e}), worst gradient-norm difference "
-                f"{self.worst_grad[0]:.2e} (step {self.worst_grad[1]}; tolerance {t.grad_norm:.0e}), step 1 "
-                f"{self.first_step:.1e} (tolerance {t.step1:.0e}): {'PASS' if self.passed else 'FAIL'}")
 
 
 # Settings the twin does not mirror, and the value it needs (absent keys are fine: an older config).

@@ -7,11 +7,48 @@ import json
 import os
 import platform
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from jdp.compare.parity import Parity
-    from jdp.compare.speed import Speed
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    """Relative (|jdp - ddp| / |jdp|) bounds on the per-step differences."""
+
+    loss: float  # every step's train loss
+    grad_norm: float  # every step's gradient norm
+    step1: float  # step 1's loss and gradient norm: same weights, same batch, nothing compounded yet
+
+    def describe(self) -> str:
+        return f"loss {self.loss:.0e}, gradient norm {self.grad_norm:.0e}, step 1 {self.step1:.0e}"
+
+
+@dataclasses.dataclass
+class Parity:
+    name: str
+    steps: list[dict]  # step, loss_jdp, loss_ddp, loss_rel, grad_norm_jdp, grad_norm_ddp, grad_rel
+    worst_loss: tuple[float, int]  # (relative difference, step)
+    worst_grad: tuple[float, int]
+    final_params_rel: float  # max over tensors of max|a - b| / max|a|
+    final_worst_tensor: str
+    eval: dict  # loss/accuracy of both sides
+    tolerance: Tolerance
+    first_step: float  # the larger of step 1's loss and gradient-norm differences
+    passed: bool
+    meta: dict
+
+    def last_line(self) -> str:
+        t = self.tolerance
+        return (f"parity {self.name}: worst loss difference {self.worst_loss[0]:.2e} relative (step "
+                f"{self.worst_loss[1]}; tolerance {t.loss:.0e}), worst gradient-norm difference "
+                f"{self.worst_grad[0]:.2e} (step {self.worst_grad[1]}; tolerance {t.grad_norm:.0e}), step 1 "
+                f"{self.first_step:.1e} (tolerance {t.step1:.0e}): {'PASS' if self.passed else 'FAIL'}")
+
+
+@dataclasses.dataclass
+class Speed:
+    name: str
+    rows: list[dict]  # per run kind, medians over repeats
+    runs: list[dict]  # every run
+    meta: dict
 
 
 def machine_info() -> dict:

@@ -10,7 +10,6 @@ Both sides start from the same initial weights (init.npz) and see the same batch
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 import os
 import shutil
@@ -19,18 +18,11 @@ import time
 from pathlib import Path
 
 from jdp.compare import procs
+from jdp.compare.report import Speed
 from jdp.metrics import read_metrics
+from jdp.parallel import BACKENDS
 
-BACKENDS = ("shard_map", "pmap", "jit")
 _CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
-
-
-@dataclasses.dataclass
-class Speed:
-    name: str
-    rows: list[dict]  # per run kind, medians over repeats
-    runs: list[dict]  # every run
-    meta: dict
 
 
 def prepare_config(cfg, *, workers: int, steps: int | None, compile_cache: bool):
@@ -94,7 +86,7 @@ def _run_ddp(cfg, run_dir: Path, init: Path, lrs: list[float], workers: int, tim
 
 
 def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = None, repeats: int = 3,
-          backends: tuple[str, ...] = BACKENDS, timeout_s: float = 600, compile_cache: bool = False,
+          backends: tuple[str, ...] = tuple(BACKENDS), timeout_s: float = 600, compile_cache: bool = False,
           device: str = "cpu", command: str = "", echo=print) -> Speed:
     """Runs everything into `workdir` and writes speed.md, speed.json and speed.png."""
     from jdp import config as config_lib

@@ -109,7 +109,7 @@ def torch_to_flat(state_dict: dict[str, torch.Tensor], model: nn.Module) -> Flat
 
 
 def flatten_tree(tree: Any, prefix: str) -> Flat:
-    """A jdp pure dict -> {'prefix/a/0/b': array}, the names of jdp.export.flatten (without jax)."""
+    """A jdp pure dict -> {'prefix/a/0/b': array}, the names of jdp.params_file.flatten (without jax)."""
     if isinstance(tree, dict):
         out = {}
         for k, v in tree.items():

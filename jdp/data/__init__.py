@@ -1,8 +1,8 @@
 """Host-side data: each process gets its own rows of every global batch, as numpy arrays."""
 
 from jdp.data.batching import ArrayDataset, Batcher, DataError, RandomAccessDataset, as_dataset
-from jdp.data.sources import DATASETS, TFDS_PREFIX, build_source
-from jdp.data.tfds_source import TfdsSource  # imports tensorflow-datasets only when one is built
+from jdp.data.sources import DATASETS, build_source
+from jdp.data.tfds_source import TFDS_PREFIX, TfdsSource  # imports tensorflow-datasets only when one is built
 
 Source = Batcher | TfdsSource  # what build_source returns: both read any step's rows by random access
 

@@ -13,16 +13,13 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jdp.data.batching import Batcher, DataError
+from jdp.data.tfds_source import TFDS_PREFIX, TfdsSource
 from jdp.registry import Registry
 
 if TYPE_CHECKING:
     import ml_collections
 
-    from jdp.data.tfds_source import TfdsSource
-
 Split = dict[str, np.ndarray]  # an in-memory split: "x" float32 (N, *input_shape), "y" int32 (N,)
-
-TFDS_PREFIX = "tfds:"  # data.name=tfds:NAME is any prepared tensorflow-datasets dataset
 
 _SYNTHETIC_SEED = 0  # fixed: the synthetic task is the same for every run seed
 
@@ -125,14 +122,12 @@ def build_source(
     eval_batch_size: int,
     process_index: int = 0,
     process_count: int = 1,
-) -> "Batcher | TfdsSource":
+) -> Batcher | TfdsSource:
     """The source named by `cfg` (the config's `data` section), batched for this process.
 
     `seed` (the run seed) orders the train split; the data itself does not depend on it.
     """
     if cfg.name.startswith(TFDS_PREFIX):
-        from jdp.data.tfds_source import TfdsSource
-
         return TfdsSource(cfg, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
                           process_index=process_index, process_count=process_count)
     train, eval = DATASETS.get(cfg.name)(cfg)

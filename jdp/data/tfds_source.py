@@ -30,13 +30,14 @@ import numpy as np
 from jdp.data import augment
 from jdp.data.batching import OrderedSource, RowOrder
 from jdp.data.device_input import ImageInput
-from jdp.data.sources import TFDS_PREFIX
 from jdp.data.tfrecord import TfrecordRecords, UnreadableFileError
 
 if TYPE_CHECKING:
     import ml_collections
 
 MIN_ROWS_PER_TASK = 16  # fewer rows than this per thread cost more in hand-offs than they save
+
+TFDS_PREFIX = "tfds:"  # data.name=tfds:NAME is any prepared tensorflow-datasets dataset
 
 
 def _import_tfds():

@@ -1,0 +1,249 @@
+"""The training loop's periodic actions: train lines, the non-finite guard, replica checks, checkpoints, eval,
+profiling, the agreed stop after a signal, and the user's callbacks, each with its period.
+
+After dispatching step s the loop asks each action whether it is `due(s)`. If any is, the loop waits for
+step s, hands every action its metrics (`on_metrics`, otherwise one step late so the host never stalls the
+devices), then calls the due ones' `on_step(s, metrics, state)` with the state after step s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jdp import distributed as distributed_lib
+from jdp import faults
+from jdp.checkpoint import Checkpointer
+from jdp.errors import NonFiniteLossError, Preempted, ReplicaMismatchError
+from jdp.metrics import MetricsWriter, ThroughputClock
+from jdp.parallel import DataParallel
+from jdp.preemption import PreemptionRequest
+
+_AS_REPORTED = ("skipped_steps", "lr", "loss_scale", "overflow_steps")  # step counters, not averaged over a window
+
+
+@dataclasses.dataclass
+class Run:
+    """What the actions of one run share."""
+
+    parallel: DataParallel
+    source: Any  # jdp.Source
+    writer: MetricsWriter
+    clock: ThroughputClock
+    workdir: Path | None
+    steps: int  # the last step
+    start: int  # the step the run started (or resumed) from
+    batch_size: int
+    steps_per_epoch: int
+    state: Any  # the train state after the latest step, in the compiled step's layout
+
+
+class Action:
+    """A periodic action; see the module docstring. Every hook is optional."""
+
+    def before(self, step: int) -> None:
+        """Right before step `step` is dispatched."""
+
+    def due(self, step: int) -> bool:
+        return False
+
+    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        """Every step's metrics (global-batch means and jdp's counters), in order."""
+
+    def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
+        """When due: `state` is the state after `step`, in the compiled step's layout."""
+
+
+class Every(Action):
+    """Due every `every` steps (0 = never) and at the last step."""
+
+    def __init__(self, every: int, last: int) -> None:
+        self.every, self.last = every, last
+
+    def due(self, step: int) -> bool:
+        return step == self.last or bool(self.every and step % self.every == 0)
+
+
+class TrainLog(Action):
+    """Per-step losses, the throughput clock (started after the first step: it includes compilation) and a
+    train line every `every` steps: means over the steps since the previous line."""
+
+    def __init__(self, run: Run, every: int, precision: str) -> None:
+        self.run, self.every, self.precision = run, every, precision
+        self.losses: list[float] = []
+        self.window: dict[str, float] = {}
+        self.window_steps = 0
+        self.compile_time = self.first_step_end = math.nan
+        self._t_first = time.perf_counter()
+
+    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        run = self.run
+        if step == run.start + 1:
+            self.compile_time = time.perf_counter() - self._t_first
+            self.first_step_end = time.time()
+            run.clock.start()
+        else:
+            run.clock.add(run.batch_size)
+        if metrics["nonfinite"]:
+            return
+        self.losses.append(metrics["loss"])
+        if metrics["weight"] > 0:  # a batch that weighed nothing has no means
+            for key, value in metrics.items():
+                if key not in (*_AS_REPORTED, "nonfinite", "weight"):
+                    self.window[key] = self.window.get(key, 0.0) + value
+            self.window_steps += 1
+        if (step % self.every == 0 or step == run.steps) and self.window_steps:
+            line = {k: v / self.window_steps for k, v in self.window.items()}
+            line.update({k: metrics[k] for k in ("lr",) if k in metrics})
+            line["examples_per_sec"] = run.clock.interval_rate()
+            line["skipped_steps"] = int(metrics["skipped_steps"])
+            if self.precision == "fp16":  # loss-scale overflows skip an update but are not failures
+                line.update(loss_scale=metrics["loss_scale"], overflow_steps=int(metrics["overflow_steps"]))
+            run.writer.train(step, line)
+            self.window, self.window_steps = {}, 0
+
+
+class NonFiniteGuard(Action):
+    """`halt`: stop (the compiled step froze the state before the bad update); `skip`: warn and go on."""
+
+    def __init__(self, run: Run, policy: str) -> None:
+        self.run, self.policy = run, policy
+
+    def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
+        if not metrics["nonfinite"]:
+            return
+        if self.policy == "halt":
+            raise NonFiniteLossError(
+                f"non-finite loss or gradient at step {step} (loss {metrics['loss']}); the state from before it is "
+                "saved; rerun to resume, with train.on_nonfinite=skip, or with a lower optim.lr or an "
+                "optim.grad_clip_norm plus checkpoint.allow_config_change=True")
+        self.run.writer.echo(f"warning: step {step} had a non-finite loss or gradient; its update was skipped")
+
+
+class ReplicaCheck(Every):
+    """Each device checksums its copy of the parameters, model state and RNG state; a mismatch stops the run."""
+
+    def __init__(self, run: Run, every: int) -> None:
+        super().__init__(every, run.steps)
+        self.run = run
+
+    def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
+        leaf = self.run.parallel.first_differing_leaf({"params": state.params, "model_state": state.model_state,
+                                                       "rng_state": state.rng_state})
+        if leaf is not None:
+            raise ReplicaMismatchError(f"replicas differ at step {step}: first differing parameter {leaf}")
+
+
+class Checkpoints(Every):
+    """Asynchronous orbax saves of the whole train state and the data position; the clock stops meanwhile."""
+
+    def __init__(self, run: Run, checkpointer: Checkpointer) -> None:
+        super().__init__(checkpointer.every_steps, run.steps)
+        self.run, self.checkpointer = run, checkpointer
+        self.stalls: list[float] = []
+
+    def save(self, step: int, state: Any) -> None:
+        self.run.clock.pause()
+        t = time.perf_counter()
+        position = {"step": step, "epoch": step // self.run.steps_per_epoch}  # informative: any step reads directly
+        self.checkpointer.save(step, self.run.parallel.to_logical(state), position)
+        self.stalls.append(time.perf_counter() - t)
+        self.run.clock.start()
+
+    def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
+        self.save(step, state)
+
+    def mean_stall(self) -> float:
+        return sum(self.stalls) / len(self.stalls) if self.stalls else 0.0
+
+
+class Evaluation(Every):
+    """The whole eval split, weighted means written as an eval line; the clock stops meanwhile."""
+
+    def __init__(self, run: Run, every: int) -> None:
+        super().__init__(every, run.steps)
+        self.run = run
+        self.metrics: dict[str, float] = {}
+
+    def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
+        self.run.clock.pause()
+        result = self.run.parallel.evaluate(state, self.run.source.eval_batches())
+        if result:
+            self.metrics = result
+            self.run.writer.eval(step, result)
+        self.run.clock.start()
+
+
+class Profile(Action):
+    """A JAX profiler trace of steps first..last into WORKDIR/profile."""
+
+    def __init__(self, run: Run, first: int, last: int) -> None:
+        self.run, self.first, self.last = run, first, last
+
+    def before(self, step: int) -> None:
+        if step == self.first:
+            jax.profiler.start_trace(self.run.workdir / "profile")
+
+    def due(self, step: int) -> bool:
+        return step == self.last
+
+    def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
+        jax.profiler.stop_trace()
+        self.run.writer.echo(f"profile of steps {self.first}-{self.last} written to {self.run.workdir / 'profile'} "
+                             "(open with TensorBoard's profile plugin or Perfetto)")
+
+
+class StopOnSignal(Action):
+    """SIGTERM or SIGINT to any process: every process stops at the same step, checkpoints there and raises
+    Preempted. Under local SGD the replicas agree only at sync points: the stop waits for the next one."""
+
+    def __init__(self, run: Run, preemption: PreemptionRequest, checkpoints: Checkpoints | None,
+                 sync_every: int) -> None:
+        self.run, self.preemption, self.checkpoints, self.sync_every = run, preemption, checkpoints, sync_every
+        self.agreement = distributed_lib.StopAgreement()
+        self.agreed = False
+
+    def due(self, step: int) -> bool:
+        self.agreed |= self.agreement.should_stop(step, self.preemption.signal_name is not None)
+        return self.agreed and step % self.sync_every == 0
+
+    def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
+        cause = self.preemption.signal_name or "a signal to another process"
+        if self.checkpoints is None:
+            raise Preempted(f"{cause} at step {step}; no workdir, so no checkpoint was written")
+        self.checkpoints.save(step, state)
+        self.checkpoints.checkpointer.wait()
+        raise Preempted(f"{cause} at step {step}: checkpoint written to "
+                        f"{self.checkpoints.checkpointer.directory / str(step)}; rerun the same command to resume")
+
+
+class UserCallback(Action):
+    """A `jdp.Callback`: `on_step(step, metrics, state)` every `every` steps, with the logical state."""
+
+    def __init__(self, run: Run, callback: Any) -> None:
+        self.run, self.callback = run, callback
+
+    def due(self, step: int) -> bool:
+        return step % self.callback.every == 0
+
+    def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
+        self.callback.on_step(step, metrics, self.run.parallel.to_logical(state))
+
+
+class KillAfterStep(Action):
+    """`JDP_KILL_AT=step:STEP` (`jdp.faults`): SIGKILL after step STEP, once earlier checkpoints are written."""
+
+    def __init__(self, step: int, checkpoints: Checkpoints | None) -> None:
+        self.step, self.checkpoints = step, checkpoints
+
+    def due(self, step: int) -> bool:
+        return step == self.step
+
+    def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
+        faults.kill_if_requested("step", step, before=self.checkpoints.checkpointer.wait if self.checkpoints else
+                                 lambda: None)

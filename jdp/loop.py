@@ -1,0 +1,142 @@
+"""The training loop of one `jdp.fit` call: restore or initialise, then for every step the four steps of data
+parallelism and the periodic actions of `jdp.callbacks`, then the summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jdp import callbacks as actions_lib
+from jdp import faults
+from jdp.checkpoint import Checkpointer
+from jdp.errors import NonFiniteLossError
+from jdp.metrics import MetricsWriter, ThroughputClock
+from jdp.preemption import PreemptionRequest
+
+
+@dataclasses.dataclass
+class Outcome:
+    step: int
+    losses: list[float]
+    eval_metrics: dict[str, float]
+    examples_per_sec: float
+    final: Any  # the logical state, numpy
+
+
+def train(engine: Any, options: Any, steps: int, global_batch_size: int) -> Outcome:
+    """Runs `engine` (a `jdp.trainer.Engine`) to `steps` with `options` (`jdp.FitOptions`)."""
+    t_start = time.perf_counter()
+    parallel, source = engine.parallel, engine.source
+    workdir = Path(options.workdir) if options.workdir is not None else None
+    is_main = jax.process_index() == 0
+    if workdir is not None and is_main:
+        workdir.mkdir(parents=True, exist_ok=True)
+    checkpointer = (Checkpointer(workdir / "checkpoints", keep=options.keep_checkpoints,
+                                 every_steps=options.checkpoint_every) if workdir is not None else None)
+    start, logical = _restore_or_init(engine, checkpointer, print if is_main else lambda *_: None)
+    writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=is_main)
+    run = actions_lib.Run(parallel, source, writer, ThroughputClock(), workdir, steps, start, global_batch_size,
+                          source.steps_per_epoch, parallel.to_devices(logical))
+    _header(run, engine, options)
+    log = actions_lib.TrainLog(run, options.log_every, options.precision)
+    evaluation = actions_lib.Evaluation(run, options.eval_every)
+    checkpoints = actions_lib.Checkpoints(run, checkpointer) if checkpointer is not None else None
+    try:
+        if start < steps:
+            with PreemptionRequest() as preemption:
+                actions = [log, actions_lib.NonFiniteGuard(run, options.on_nonfinite),
+                           actions_lib.StopOnSignal(run, preemption, checkpoints, options.sync_every),
+                           actions_lib.ReplicaCheck(run, options.check_replicas_every),
+                           *([checkpoints] if checkpoints else []), evaluation,
+                           *([actions_lib.Profile(run, *options.profile_steps)]
+                             if options.profile_steps and workdir is not None else []),
+                           *[actions_lib.UserCallback(run, c) for c in options.callbacks]]
+                kill_at = faults.requested_step()
+                if kill_at is not None:
+                    actions.append(actions_lib.KillAfterStep(kill_at, checkpoints))
+                _steps(run, actions)
+            _summary(run, log, evaluation, checkpoints, time.perf_counter() - t_start)
+        else:
+            writer.echo(f"nothing to do: {workdir} is at step {start}, steps is {steps}")
+            evaluation.metrics = parallel.evaluate(run.state, source.eval_batches())
+    except NonFiniteLossError:
+        # The compiled step froze the state before the bad update: keep it for inspection and resume.
+        if checkpoints is not None:
+            halted = int(parallel.to_logical(run.state).step.addressable_data(0))
+            checkpoints.save(halted, run.state)
+        raise
+    finally:
+        if checkpointer is not None:
+            checkpointer.wait()
+            checkpointer.close()
+        writer.close()
+    final = parallel.to_host(parallel.to_logical(run.state))
+    return Outcome(int(final.step), log.losses, evaluation.metrics, run.clock.rate(), final)
+
+
+def _steps(run: actions_lib.Run, actions: list[actions_lib.Action]) -> None:
+    parallel, source = run.parallel, run.source
+    pending = None  # (step, metrics) not yet fetched: the host reads each step's metrics one step late
+
+    def deliver(step: int, metrics: dict) -> dict[str, float]:
+        values = parallel.fetch(metrics)
+        for action in actions:
+            action.on_metrics(step, values)
+        return values
+
+    for step in range(run.start + 1, run.steps + 1):
+        for action in actions:
+            action.before(step)
+        # 1. split. Dispatch is asynchronous: this batch is read and put on the devices while the
+        # previous step still runs, so the next batch is already there when it ends.
+        batch = parallel.shard_batch(source.train_batch(step - 1))
+        # 2-4. compute, all-reduce, update.
+        run.state, metrics = parallel.train_step(run.state, batch)
+        if pending is not None:
+            deliver(*pending)
+        pending = (step, metrics)
+        due = [action for action in actions if action.due(step)]
+        if due:
+            values = deliver(*pending)
+            pending = None
+            for action in due:
+                action.on_step(step, values, run.state)
+
+
+def _restore_or_init(engine: Any, checkpointer: Checkpointer | None, echo) -> tuple[int, Any]:
+    """The latest usable checkpoint of the workdir, else a fresh state; logical layout."""
+    if checkpointer is not None:
+        restored = checkpointer.restore_latest(engine.abstract_state, echo)
+        if restored is not None:
+            step, state, position = restored
+            echo(f"resumed from {checkpointer.directory / str(step)} (data position {position})")
+            return step, state._replace(halted=state.halted * 0)  # a halted run may go on (e.g. at a lower lr)
+    return 0, engine.init_state()
+
+
+def _header(run: actions_lib.Run, engine: Any, options: Any) -> None:
+    mesh, n = run.parallel.mesh, run.parallel.mesh.size
+    params = sum(x.size for x in jax.tree.leaves(engine.abstract_state.params))
+    what = f"{options.description}: " if options.description else ""
+    run.writer.echo(
+        f"jdp: {n} {mesh.devices.flat[0].platform} devices x {run.batch_size // n} examples = global batch "
+        f"{run.batch_size} ({jax.process_count()} process(es)); {what}{params:,} parameters, "
+        f"{run.source.num_train} train examples, {run.steps} steps = {run.steps / run.steps_per_epoch:.1f} "
+        f"epochs; backend {options.backend}")
+
+
+def _summary(run: actions_lib.Run, log: actions_lib.TrainLog, evaluation: actions_lib.Evaluation,
+             checkpoints: actions_lib.Checkpoints | None, total_time_s: float) -> None:
+    stall = checkpoints.mean_stall() if checkpoints else 0.0
+    rate = run.clock.rate()
+    run.writer.summary(**{f"eval_{k}": v for k, v in evaluation.metrics.items()}, examples_per_sec=rate,
+                       compile_time_s=log.compile_time, total_time_s=total_time_s, checkpoint_stall_s=stall,
+                       first_step_end_unix=log.first_step_end)
+    evaluated = "  ".join(f"eval {k} {v:.4f}" for k, v in evaluation.metrics.items())
+    where = f"; metrics in {run.workdir / 'metrics.jsonl'}" if run.workdir else ""
+    run.writer.echo(f"done: {evaluated + ', ' if evaluated else ''}{rate:,.0f} examples/s, first step (compile) "
+                    f"{log.compile_time:.1f}s, checkpoint stall {stall * 1e3:.0f} ms/save{where}")

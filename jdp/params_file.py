@@ -1,0 +1,36 @@
+"""The parameter file format of `python -m jdp.export` and `init_from`: a framework-neutral .npz whose keys are
+`params/<module path>/<name>` and `model_state/<module path>/<name>` (path parts joined by "/")."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def flatten(tree: Any, prefix: str) -> dict[str, np.ndarray]:
+    return {prefix + "/" + "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): np.asarray(leaf)
+            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def load_into(path: str | Path, params: Any, model_state: Any) -> tuple[Any, Any]:
+    """Values from an exported .npz in the structure of `params` and `model_state`; every key must be
+    present with the same shape. Raises ValueError naming the first key that does not fit."""
+    with np.load(path) as stored:
+        values = dict(stored)
+
+    def fill(tree: Any, prefix: str) -> Any:
+        keys = list(flatten(tree, prefix))
+        leaves = jax.tree.leaves(tree)
+        filled = []
+        for key, leaf in zip(keys, leaves, strict=True):
+            if key not in values:
+                raise ValueError(f"{path} has no {key}; was it exported from a run of the same model?")
+            if values[key].shape != leaf.shape:
+                raise ValueError(f"{path}: {key} has shape {values[key].shape}, the model expects {leaf.shape}")
+            filled.append(values[key].astype(leaf.dtype))
+        return jax.tree.unflatten(jax.tree.structure(tree), filled)
+
+    return fill(params, "params"), fill(model_state, "model_state")
