@@ -139,8 +139,16 @@ def _truncate_after(path: Path, step: int) -> None:
 
 
 def _tensorboard_writer(workdir: Path):
+    # tensorboardX imports torch when it is installed (2-3 s at every start) only to accept torch tensors;
+    # jdp writes Python floats, so torch is hidden from that import.
+    hide_torch = "torch" not in sys.modules
+    if hide_torch:
+        sys.modules["torch"] = None
     try:  # optional: a bare GPU box may lack tensorboardX
         from tensorboardX import SummaryWriter
     except ImportError:
         return None
+    finally:
+        if hide_torch:
+            del sys.modules["torch"]
     return SummaryWriter(str(workdir / "tensorboard"))

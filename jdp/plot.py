@@ -1,4 +1,4 @@
-"""`python -m jdp.plot RUN_DIR [RUN_DIR ...] --out curves.png`: overlay the loss and accuracy
+"""`python -m jdp.plot RUN_DIR [RUN_DIR ...] --out curves.png`: overlay the loss and the other metrics
 curves of several runs (their metrics.jsonl) in one PNG."""
 
 from __future__ import annotations
@@ -16,18 +16,21 @@ from jdp.metrics import read_metrics  # noqa: E402
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> None:
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for i, run_dir in enumerate(run_dirs):
-        records = read_metrics(run_dir)
+    """One panel for the loss and one for each other output of the runs' loss functions (e.g. accuracy)."""
+    runs = [(run_dir, read_metrics(run_dir)) for run_dir in run_dirs]
+    outputs = sorted({k for _, records in runs for r in records if r.get("split") == "eval" for k in r} - _NOT_OUTPUTS)
+    keys = ["loss", *outputs]
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
+    axes = axes[0]
+    for i, (run_dir, records) in enumerate(runs):
         for split, style in (("train", "-"), ("eval", "o--")):
             rows = [r for r in records if r.get("split") == split]
-            if not rows:
-                continue
-            steps = [r["step"] for r in rows]
-            for ax, key in zip(axes, ("loss", "accuracy"), strict=True):
-                ax.plot(steps, [r[key] for r in rows], style, color=f"C{i}", markersize=3,
-                        label=f"{run_dir.name} {split}")
-    for ax, key in zip(axes, ("loss", "accuracy"), strict=True):
+            for ax, key in zip(axes, keys, strict=True):
+                points = [(r["step"], r[key]) for r in rows if key in r]
+                if points:
+                    ax.plot(*zip(*points, strict=True), style, color=f"C{i}", markersize=3,
+                            label=f"{run_dir.name} {split}")
+    for ax, key in zip(axes, keys, strict=True):
         ax.set_xlabel("step")
         ax.set_ylabel(key)
         ax.grid(alpha=0.3)
@@ -36,6 +39,9 @@ def plot_runs(run_dirs: list[Path], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
+
+
+_NOT_OUTPUTS = {"step", "split", "wall_time", "loss"}
 
 
 def main(argv: list[str] | None = None) -> int:

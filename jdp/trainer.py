@@ -63,7 +63,8 @@ class Source(Protocol):
 
 class Callback(Protocol):
     """Called by `fit` on every process: `on_step` every `every` steps, with that step's metrics (global-batch
-    means, fetched one step late so the host never stalls the devices) and the train state; `on_end` once."""
+    means) and the train state after it (logical layout: replicated, whole optimizer state); `on_end` once,
+    with the result. Between calls the host reads metrics one step late, so the devices never wait for it."""
 
     every: int
 

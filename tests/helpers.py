@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import jax
+import ml_collections
 import numpy as np
 
 from jdp import step as step_lib
@@ -37,8 +38,17 @@ def small_config(name: str, *, backend: str = "shard_map", num_devices: int = 0,
     cfg.compile_cache_dir = ""
     for fields in (MODELS[name], sections):
         for section, values in fields.items():
+            if values.get("name", cfg[section].get("name")) != cfg[section].get("name"):
+                cfg[section].kwargs = ml_collections.ConfigDict()  # another model: none of the old one's settings
             cfg[section].update(values)
     return cfg
+
+
+def overrides(sections: dict, prefix: str = "--config.") -> list[str]:
+    """Nested config sections -> command-line overrides, e.g. {"model": {"kwargs": {"width": 8}}} ->
+    ["--config.model.kwargs.width=8"]."""
+    return [arg for key, value in sections.items()
+            for arg in (overrides(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}={value}"])]
 
 
 def logits_and_state(model, params, model_state, x, *, train: bool, groups: int = 1):

@@ -23,6 +23,15 @@ def test_every_shipped_config_loads_and_validates(path):
     check_names(cfg)
 
 
+def test_a_shipped_config_by_name_and_model_kwargs_overrides():
+    command = parse_command_line(["--config", "digits_mlp", "--config.model.kwargs.hidden_sizes=(8,)",
+                                  "--config.model.kwargs.new_setting=0.5"])
+    assert command.cfg.data.name == "digits" and command.workdir == Path("runs/digits_mlp")
+    assert command.cfg.model.kwargs.to_dict() == {"hidden_sizes": (8,), "new_setting": 0.5}
+    with pytest.raises(config_lib.ConfigError, match="did you mean --config.model.kwargs"):
+        parse_command_line(["--config", "digits_mlp", "--config.model.kwarg.hidden_sizes=(1,)"])
+
+
 def test_overrides_parse_as_the_fields_type():
     command = parse_command_line(["--config.train.steps=7", "--config.optim.lr", "0.5",
                                   "--config.model.bn_sync=false", "--config.model.kwargs.hidden_sizes=(8, 4)",

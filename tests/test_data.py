@@ -121,11 +121,12 @@ def test_unknown_name() -> None:
     assert DATASETS.names() == ("mnist1d", "digits", "synthetic")
 
 
-def test_mnist1d_is_generated_offline_and_leaves_global_rngs_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mnist1d_is_generated_offline_and_leaves_global_rngs_alone(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     def no_network(*args: object) -> None:
         raise AssertionError("mnist1d tried the network")
 
     monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setenv("JDP_CACHE_DIR", str(tmp_path))  # empty: generated here, then kept
     sources._mnist1d.cache_clear()
     np.random.seed(123)
     random.seed(123)
@@ -137,6 +138,15 @@ def test_mnist1d_is_generated_offline_and_leaves_global_rngs_alone(monkeypatch: 
     assert shapes == (4000, 1000, (40,), 10)
     assert source.train_batch(0)["x"].shape == (128, 40)
     assert source.steps_per_epoch == 31
+
+    # Kept: the next process reads the same data back without generating it.
+    assert [p.name for p in tmp_path.iterdir()] == ["mnist1d-standard.npz"]
+    generated = sources._mnist1d()
+    sources._mnist1d.cache_clear()
+    monkeypatch.setattr(sources, "_generate_mnist1d", lambda: pytest.fail("generated again"))
+    for a, b in zip(sources._mnist1d(), generated, strict=True):
+        assert all(np.array_equal(a[k], b[k]) for k in ("x", "y"))
+    sources._mnist1d.cache_clear()
 
 
 def test_digits_split_is_fixed() -> None:

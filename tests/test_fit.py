@@ -2,6 +2,7 @@
 device, uneven token weights give the one-device gradient, dropout is per device and per step yet
 reproducible, and bad input is refused in one line before anything compiles."""
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -85,13 +86,21 @@ def _fit(model_cls, loss, data, **options):
     return jdp.fit(lambda: model_cls(nnx.Rngs(0)), loss, data, **options)
 
 
+CASES = {"regression": (Regressor, mse, regression_data()), "batchnorm": (NormNet, mse, regression_data()),
+         "tokens": (TokenNet, token_loss, token_data())}
+
+
+@functools.cache
+def one_device(case):
+    model_cls, loss, data = CASES[case]
+    return _fit(model_cls, loss, data, backend="jit", num_devices=1)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("case", ["regression", "batchnorm", "tokens"])
+@pytest.mark.parametrize("case", list(CASES))
 def test_n_devices_equal_one_device(case, backend):
-    model_cls, loss, data = {"regression": (Regressor, mse, regression_data()),
-                             "batchnorm": (NormNet, mse, regression_data()),
-                             "tokens": (TokenNet, token_loss, token_data())}[case]
-    reference = _fit(model_cls, loss, data, backend="jit", num_devices=1)
+    model_cls, loss, data = CASES[case]
+    reference = one_device(case)
     for n in (8, 2):
         result = _fit(model_cls, loss, data, backend=backend, num_devices=n)
         np.testing.assert_allclose(result.losses, reference.losses, rtol=RTOL, atol=1e-6)
@@ -104,7 +113,7 @@ def test_uneven_token_weights_give_the_one_device_gradient_where_per_device_mean
     """DDP averages each rank's mean loss: with devices holding 1 or 24 real tokens, that weights a token
     by its device. jdp's weighted sums travel with the weight total, so 8 devices equal 1 device."""
     data = token_data()
-    reference = _fit(TokenNet, token_loss, data, backend="jit", num_devices=1)
+    reference = one_device("tokens")
     exact = _fit(TokenNet, token_loss, data, num_devices=8)
     assert max_abs_diff(exact.params, reference.params) < 1e-5
 

@@ -21,3 +21,16 @@ def test_plot_overlays_runs_into_a_png(tmp_path):
 def test_plot_of_a_missing_run_is_one_clear_error(tmp_path, capsys):
     assert main([str(tmp_path / "nope"), "--out", str(tmp_path / "x.png")]) == 2
     assert "metrics.jsonl not found" in capsys.readouterr().err
+
+
+def test_plot_shows_the_outputs_of_a_users_loss(tmp_path):
+    """A loss without accuracy: the panels are the loss and the loss function's own outputs."""
+    from jdp.plot import plot_runs
+
+    run = tmp_path / "regression"
+    run.mkdir()
+    lines = [{"step": 1, "split": "train", "loss": 1.0, "abs_err": 0.8, "lr": 0.1},
+             {"step": 1, "split": "eval", "loss": 0.9, "abs_err": 0.7}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    plot_runs([run], tmp_path / "curves.png")
+    assert (tmp_path / "curves.png").stat().st_size > 10_000

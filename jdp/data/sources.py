@@ -6,8 +6,11 @@ them, so the synthetic source runs on a machine that has only numpy.
 """
 
 import functools
+import os
 import random
+import zipfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -32,7 +35,22 @@ def _read_only(*arrays: np.ndarray) -> None:
 
 @functools.cache
 def _mnist1d() -> tuple[Split, Split]:
-    """Standard MNIST-1D (4000 train / 1000 test, 40 features, 10 classes), generated, never downloaded."""
+    """Standard MNIST-1D (4000 train / 1000 test, 40 features, 10 classes), generated, never downloaded, and
+    kept in the cache folder: generating it takes seconds that every later process saves."""
+    path = cache_dir() / "mnist1d-standard.npz"
+    try:
+        with np.load(path) as stored:
+            d = {k: stored[k] for k in ("x", "y", "x_test", "y_test")}
+    except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):  # absent, or damaged: make it anew
+        d = _generate_mnist1d()
+        _write_atomically(path, d)
+    x, x_test = d["x"].astype(np.float32), d["x_test"].astype(np.float32)
+    y, y_test = d["y"].astype(np.int32), d["y_test"].astype(np.int32)
+    _read_only(x, y, x_test, y_test)
+    return {"x": x, "y": y}, {"x": x_test, "y": y_test}
+
+
+def _generate_mnist1d() -> dict[str, np.ndarray]:
     from mnist1d.data import get_dataset_args, make_dataset
 
     # make_dataset reseeds the global numpy and Python RNGs: give the caller theirs back.
@@ -42,10 +60,27 @@ def _mnist1d() -> tuple[Split, Split]:
     finally:
         np.random.set_state(np_state)
         random.setstate(py_state)
-    x, x_test = d["x"].astype(np.float32), d["x_test"].astype(np.float32)
-    y, y_test = d["y"].astype(np.int32), d["y_test"].astype(np.int32)
-    _read_only(x, y, x_test, y_test)
-    return {"x": x, "y": y}, {"x": x_test, "y": y_test}
+    return {k: np.asarray(d[k]) for k in ("x", "y", "x_test", "y_test")}
+
+
+def cache_dir() -> Path:
+    """Where generated datasets are kept between runs: $JDP_CACHE_DIR, else ~/.cache/jdp."""
+    return Path(os.environ.get("JDP_CACHE_DIR") or Path.home() / ".cache" / "jdp")
+
+
+def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """Written to a temporary name and renamed, so no process ever reads a half-written file; an unwritable
+    cache folder only means the next process generates the data again."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 @functools.cache
