@@ -38,7 +38,7 @@ def classification_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[
 class Task:
     make_model: Callable[[], nnx.Module]
     loss_fn: LossFn
-    source: data_lib.Source
+    source: trainer.Source
     optimizer: optax.GradientTransformation
     options: trainer.FitOptions
     steps: int

@@ -4,7 +4,5 @@ from jdp.data.batching import ArrayDataset, Batcher, DataError, RandomAccessData
 from jdp.data.sources import DATASETS, build_source
 from jdp.data.tfds_source import TFDS_PREFIX, TfdsSource  # imports tensorflow-datasets only when one is built
 
-Source = Batcher | TfdsSource  # what build_source returns: both read any step's rows by random access
-
-__all__ = ["DATASETS", "TFDS_PREFIX", "ArrayDataset", "Batcher", "DataError", "RandomAccessDataset", "Source",
+__all__ = ["DATASETS", "TFDS_PREFIX", "ArrayDataset", "Batcher", "DataError", "RandomAccessDataset",
            "TfdsSource", "as_dataset", "build_source"]
