@@ -22,7 +22,6 @@ simulated devices (one CPU device).
 from __future__ import annotations
 
 import argparse
-import operator
 import os
 import statistics
 import sys
@@ -147,11 +146,12 @@ def bench(name: str, make_config, args) -> list[tuple]:
     plain_state = None
     if uncached:  # the same model and step without device preprocessing, fed the model's input itself
         modes.append(HOST_PREPARED)
-        with mock.patch.object(tfds_source, "ImageInput", lambda *_: operator.itemgetter("x")):
+        with mock.patch.object(tfds_source, "ImageInput", lambda *_: lambda batch: batch):
             plain = build(cfg)
         plain.source.close()
-        prepared = [plain.parallel.shard_batch({"x": np.asarray(source.device_input(r)), "y": r["y"]}) for r in rows]
-        plain_state = plain.parallel.to_devices(plain.parallel.init_state(plain.init_state))
+        prepared = [plain.parallel.shard_batch({"x": np.asarray(source.device_input(r)["x"]), "y": r["y"]})
+                    for r in rows]
+        plain_state = plain.parallel.to_devices(plain.init_state())
         plain_state = _loop(plain.parallel, plain_state, lambda i: prepared[i % 4], 3, 0)  # compile, warm up
 
     def run_mode(mode: str, state, start: int):
@@ -166,7 +166,7 @@ def bench(name: str, make_config, args) -> list[tuple]:
         reader = uncached if mode == NO_CACHE else source
         return _loop(parallel, state, lambda i: parallel.shard_batch(reader.train_batch(i)), steps, start)
 
-    state = parallel.to_devices(parallel.init_state(b.init_state))
+    state = parallel.to_devices(b.init_state())
     state = _loop(parallel, state, lambda i: resident[i % 4], 3, 0)  # compile, warm up
     t = time.perf_counter()
     state = _loop(parallel, state, lambda i: resident[i % 4], 5, 0)
