@@ -4,8 +4,8 @@ For each device count (interleaved, repeated; medians reported) it measures, at 
 - steady-state examples/sec of the compiled step on batches already on the devices, and the time to the
   first step (compile);
 - input: the host pipeline's time per global batch (reading + assembling the global array);
-- all-reduce: the same step compiled without its collective (`jdp.step.all_reduce_mean` made the
-  identity) is timed too, and the difference is the collective's cost ("with/without" method);
+- all-reduce: the same step compiled without its collective (`StepOptions.all_reduce=False`) is timed
+  too, and the difference is the collective's cost ("with/without" method);
 - the ratio to a plain single-device jit step on the same global batch, measured in the same run;
 - per-device memory of parameters, gradients and optimizer state (bytes of each array's shard on
   device 0), and XLA's `memory_analysis()` of the compiled step; with `--peak_tflops`, MFU from

@@ -89,10 +89,8 @@ class TrainLog(Action):
             run.clock.start()
         else:
             run.clock.add(run.batch_size)
-        if metrics["nonfinite"]:
-            return
-        self.losses.append(metrics["loss"])
-        if metrics["weight"] > 0:  # a batch that weighed nothing has no means
+        if not metrics["nonfinite"] and metrics["weight"] > 0:  # a batch that weighed nothing has no means
+            self.losses.append(metrics["loss"])
             for key, value in metrics.items():
                 if key not in (*_AS_REPORTED, "nonfinite", "weight"):
                     self.window[key] = self.window.get(key, 0.0) + value
@@ -120,8 +118,9 @@ class NonFiniteGuard(Action):
         if self.policy == "halt":
             raise NonFiniteLossError(
                 f"non-finite loss or gradient at step {step} (loss {metrics['loss']}); the state from before it is "
-                "saved; rerun to resume, with train.on_nonfinite=skip, or with a lower optim.lr or an "
-                "optim.grad_clip_norm plus checkpoint.allow_config_change=True")
+                "saved; rerun to resume, skipping such steps (train.on_nonfinite=skip), or with a lower learning "
+                "rate (optim.lr) or gradient clipping (optim.grad_clip_norm) plus "
+                "checkpoint.allow_config_change=True")
         self.run.writer.echo(f"warning: step {step} had a non-finite loss or gradient; its update was skipped")
 
 

@@ -39,9 +39,6 @@ class Checkpointer:
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
 
-    def due(self, step: int) -> bool:
-        return self.every_steps > 0 and step % self.every_steps == 0
-
     def save(self, step: int, state: Any, data_position: dict[str, int]) -> None:
         """Starts an asynchronous save; returns once the arrays are copied off the devices."""
         if step in self._manager.all_steps():

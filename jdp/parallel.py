@@ -12,6 +12,7 @@ internally, converted at its boundary.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable
 from functools import partial
 
@@ -164,7 +165,7 @@ class DataParallel:
             return {}
         add(pending)
         weight = totals.pop("weight")
-        return {k: v / weight for k, v in totals.items()}
+        return {k: v / weight if weight else math.nan for k, v in totals.items()}
 
     def compiled_stats(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> dict[str, float]:
         """XLA's own accounting of the compiled train step: memory (bytes per device) and FLOPs."""

@@ -192,8 +192,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     axis = o.axis_name if o.all_reduce else None
     local_sgd = o.sync_every > 1
     local_weight = weight
-    if o.shard_optimizer:
-        grads = zero.reduce_scatter_mean(grads, axis)
+    if o.shard_optimizer:  # the layout of the update, kept even when the bench compiles the collective out
+        grads = zero.reduce_scatter_mean(grads, o.axis_name)
     averaged = {"model_state": _floating(model_state), "sums": sums, "weight": weight}
     if not (o.shard_optimizer or local_sgd):  # one collective for all of it: each costs a rendezvous
         averaged["grads"] = grads if o.allreduce_dtype == "fp32" else _cast(grads, jnp.bfloat16)
@@ -207,7 +207,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     grads = jax.tree.map(lambda g: g * (rows / jnp.where(denominator > 0, denominator, 1.0)), grads)
     empty = weight <= 0
     metrics = {k: v / weight for k, v in averaged["sums"].items()}
-    metrics["weight"] = weight
+    metrics["weight"] = weight * (jax.lax.psum(1, axis) if axis else 1)  # the global total, on every backend
     if o.log_grad_norm:  # the norm the update sees, before clipping (local SGD: mean of the local norms)
         metrics["grad_norm"] = zero.global_norm(grads, o.axis_name if o.shard_optimizer else None)
         if local_sgd:
@@ -221,12 +221,6 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     else:
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-    if local_sgd:
-        at_sync = (state.step + 1) % o.sync_every == 0
-        # Step counts in the optimizer state are identical everywhere; the float leaves are averaged.
-        average = partial(jax.tree.map, lambda x: all_reduce_mean(x, axis)
-                          if jnp.issubdtype(x.dtype, jnp.floating) else x)
-        params, opt_state = jax.lax.cond(at_sync, average, lambda t: t, (params, opt_state))
 
     grads_finite = _all_finite(grads)
     if (local_sgd or o.shard_optimizer) and axis is not None:  # per-device gradients: decide alike
@@ -235,6 +229,13 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     updated = state._replace(step=state.step + 1, params=params, model_state=model_state, rng_state=rng_state,
                              opt_state=opt_state)
     new_state, guard_metrics = _guard(state, updated, jnp.isfinite(metrics["loss"]) | empty, grads_finite, empty, o)
+    if local_sgd:  # after the guard, so that a sync step whose update was dropped or held still syncs
+        at_sync = (state.step + 1) % o.sync_every == 0
+        # Step counts in the optimizer state are identical everywhere; the float leaves are averaged.
+        average = partial(jax.tree.map, lambda x: all_reduce_mean(x, axis)
+                          if jnp.issubdtype(x.dtype, jnp.floating) else x)
+        params, opt_state = jax.lax.cond(at_sync, average, lambda t: t, (new_state.params, new_state.opt_state))
+        new_state = new_state._replace(params=params, opt_state=opt_state)
     metrics.update(guard_metrics)
     if schedule is not None:
         metrics["lr"] = schedule(_updates_applied(state))

@@ -34,7 +34,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
     Raises ConfigError before compiling anything if the config is bad."""
     task = build_task(cfg)
     workdir = Path(workdir)
-    resuming = (workdir / "checkpoints").is_dir() and any((workdir / "checkpoints").iterdir())
+    resuming = any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*"))  # committed steps only
     if resuming:
         check_workdir_config(cfg, workdir, print if jax.process_index() == 0 else lambda *_: None)
     if jax.process_index() == 0:

@@ -117,6 +117,9 @@ class FitOptions:
         for key in ("eval_every", "eval_batch_size", "num_devices", "checkpoint_every", "check_replicas_every", "seed"):
             if getattr(self, key) < 0:
                 raise FitError(f"{key}={getattr(self, key)} must not be negative")
+        for callback in self.callbacks:
+            if not getattr(callback, "every", 0) >= 1:
+                raise FitError(f"callback {callback!r} needs an `every` of at least 1 (steps between calls)")
         per_device = self.backend in ("shard_map", "pmap")
         if self.allreduce_dtype != "fp32" and not per_device:
             raise FitError("allreduce_dtype=bf16 needs an explicit collective; use backend='shard_map'")
@@ -227,7 +230,10 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
             options: FitOptions = FitOptions(), all_reduce: bool = True) -> Engine:
     """The compiled steps, the data and the state factory of a run; raises FitError on bad input."""
     o = options
-    mesh = make_mesh(o.num_devices)
+    try:
+        mesh = make_mesh(o.num_devices)
+    except UsageError as e:
+        raise FitError(str(e)) from None
     n = mesh.size
     if global_batch_size <= 0 or global_batch_size % (n * o.grad_accum_steps):
         raise FitError(f"global_batch_size={global_batch_size} does not split into {o.grad_accum_steps} "
@@ -242,17 +248,18 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
         model_def = ModelDef.of(nnx.eval_shape(make) if make else model, bn_axis)
     except ValueError as e:
         raise FitError(str(e)) from None
-    if make is None:  # host copies: the devices' replicated buffers must not alias the caller's
-        initial = jax.tree.map(np.asarray, ModelDef.split(model, o.seed))
+    # A module's state goes in as host copies (an argument, not constants baked into the program); the
+    # devices' replicated buffers then never alias the caller's.
+    initial = () if make else (jax.tree.map(np.asarray, ModelDef.split(model, o.seed)),)
 
-    def init_state() -> TrainState:
-        params, model_state, rng_state = ModelDef.split(make(), o.seed) if make else initial
+    def init_state(*given: Any) -> TrainState:
+        params, model_state, rng_state = ModelDef.split(make(), o.seed) if make else given[0]
         zero_ = jnp.zeros((), jnp.int32)
         loss_scale = jnp.array([o.loss_scale if o.precision == "fp16" else 1.0, 0, 0], jnp.float32)
         return TrainState(zero_, params, model_state, rng_state, optimizer.init(params), zero_, loss_scale, zero_)
 
-    abstract = jax.eval_shape(init_state)
-    _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, n)
+    abstract = jax.eval_shape(init_state, *initial)
+    _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, n, global_batch_size)
     if o.shard_optimizer:
         _check_sliceable(optimizer, abstract.params, n)
     step_options = StepOptions(
@@ -265,14 +272,18 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
                             abstract, step_options)
     sharding = replicated(mesh)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract)
-    return Engine(parallel, source, model_def, lambda: parallel.init_state(init_state), abstract)
+    return Engine(parallel, source, model_def, lambda: parallel.init_state(init_state, *initial), abstract)
 
 
 def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract: TrainState, source: Source,
-                n: int) -> None:
+                n: int, global_batch_size: int) -> None:
     """The loss contract, checked on shapes alone: a dict with a per-example `"loss"`, every value (and the
     optional `"weight"`) of one shape whose leading axis is the batch."""
     rows = source.train_batch(0)
+    read = len(next(iter(rows.values()))) * jax.process_count()
+    if read != global_batch_size:
+        raise FitError(f"the Source reads global batches of {read} rows, fit was given global_batch_size="
+                       f"{global_batch_size}; make the Source for the same global batch size")
     local = {k: jax.ShapeDtypeStruct((v.shape[0] // max(1, n // jax.process_count()), *v.shape[1:]), v.dtype)
              for k, v in rows.items()}
     device_input = getattr(source, "device_input", StepOptions.device_input)
@@ -325,8 +336,8 @@ def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
     """`fit` with its options already gathered (what `python -m jdp.train` calls)."""
     o = options
     _check_joined()
-    if steps <= 0:
-        raise FitError(f"steps={steps} must be positive")
+    if steps <= 0 or steps % o.sync_every:
+        raise FitError(f"steps={steps} must be a positive multiple of sync_every={o.sync_every}")
     engine = prepare(model, loss_fn, train_data, optimizer=optimizer, global_batch_size=global_batch_size, options=o)
     try:
         outcome = loop.train(engine, o, steps, global_batch_size)

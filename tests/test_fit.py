@@ -17,6 +17,7 @@ from flax import nnx
 import jdp
 from jdp import checkpoint
 from jdp import step as step_lib
+from jdp.data.batching import RowOrder
 from jdp.trainer import FitOptions, prepare
 from tests.helpers import max_abs_diff
 
@@ -139,6 +140,18 @@ def test_a_batch_that_weighs_nothing_makes_no_update_and_is_not_a_failure():
     assert result.step == 3
 
 
+def test_local_sgd_syncs_at_a_sync_step_that_makes_no_update():
+    """Local SGD: the replicas drift apart between syncs. A sync step whose batch weighs nothing holds the
+    update back, and must still average the replicas, or the replica check at that step stops the run."""
+    data = token_data()
+    order = RowOrder(seed=0, num_train=128, num_eval=0, global_batch_size=32, eval_batch_size=32,
+                     process_index=0, process_count=1)
+    data["weight"][order.train_rows(1)] = 0  # the global batch of step 2, a sync step
+    result = jdp.fit(lambda: TokenNet(nnx.Rngs(0)), token_loss, data, optimizer=optax.sgd(0.3), steps=4,
+                     global_batch_size=32, num_devices=8, sync_every=2, check_replicas_every=2, log_every=1)
+    assert len(result.losses) == 3  # step 2 weighed nothing
+
+
 def test_integer_tokens_reach_embed_uncast_under_bf16():
     result = _fit(TokenNet, token_loss, token_data(), num_devices=2, precision="bf16", optimizer=optax.adam(0.05),
                   steps=20)
@@ -258,11 +271,14 @@ def test_a_random_access_dataset_trains_like_the_same_arrays():
      "updates slices differently"),
     ({"backend": "tpu"}, "backend='tpu' is unknown"),
     ({"eval_evry": 4}, "did you mean 'eval_every'"),
+    ({"data": {**regression_data(), "mask": np.ones(256, np.float32)}}, "key 'mask'"),
+    ({"data": jdp.Batcher(regression_data(), seed=0, global_batch_size=64)}, "global batches of 64 rows"),
+    ({"sync_every": 2, "steps": 5, "check_replicas_every": 2}, "multiple of sync_every=2"),
 ])
 def test_bad_input_is_refused_in_one_line_before_compiling(case, message):
     case = dict(case)
     loss, data = case.pop("loss", mse), case.pop("data", regression_data())
-    with pytest.raises(jdp.UsageError, match=message) as error:
+    with pytest.raises(jdp.FitError, match=message) as error:
         _fit(Regressor, loss, data, **case)
     assert "\n" not in str(error.value)
 

@@ -163,6 +163,9 @@ class Batcher(OrderedSource):
         eval batches. `eval_batch_size` 0 = `global_batch_size`."""
         self._train = as_dataset(train, "the train data")
         self._eval = None if eval is None else as_dataset(eval, "the eval data")
+        if "mask" in self._train.keys:
+            raise DataError("the data has a key 'mask', which jdp uses to mark the padding rows of eval batches; "
+                            "rename it (e.g. 'token_mask')")
         if self._eval is not None and set(self._eval.keys) != set(self._train.keys):
             raise DataError(f"the eval data's keys {sorted(self._eval.keys)} differ from the train data's "
                             f"{sorted(self._train.keys)}; give both the same keys")

@@ -4,7 +4,7 @@
 
 import inspect
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -71,10 +71,7 @@ def build_model(name: str, kwargs: dict[str, Any], input_shape: tuple[int, ...],
     """The model `name` names (registered, or an import path), built with `kwargs` for inputs of
     `input_shape` (no batch axis) and `num_classes` outputs."""
     factory = MODELS.get(name)
-    try:  # a class's own __init__: NNX's metaclass hides the signature of the class itself
-        parameters = inspect.signature(factory.__init__ if isinstance(factory, type) else factory).parameters
-    except (TypeError, ValueError):  # no signature to read (a C extension): pass only what was asked for
-        parameters = {}
+    parameters = _parameters(factory)
     given = {key: value for key, value in (("input_shape", tuple(input_shape)), ("num_classes", num_classes))
              if key in parameters}
     try:
@@ -85,8 +82,16 @@ def build_model(name: str, kwargs: dict[str, Any], input_shape: tuple[int, ...],
 
 def settings(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments model `name` is built with: its own defaults, overridden by `kwargs`."""
-    parameters = inspect.signature(MODELS.get(name)).parameters.values()
+    parameters = _parameters(MODELS.get(name)).values()
     return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty} | dict(kwargs)
+
+
+def _parameters(factory: Callable[..., nnx.Module]) -> Mapping[str, inspect.Parameter]:
+    """What a model factory takes: a class's own __init__ (NNX's metaclass hides the class's signature)."""
+    try:
+        return inspect.signature(factory.__init__ if isinstance(factory, type) else factory).parameters
+    except (TypeError, ValueError):  # no signature to read (a C extension): pass only what was asked for
+        return {}
 
 
 def count_params(params: Any) -> int:
