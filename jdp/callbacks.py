@@ -39,7 +39,6 @@ class Run:
     steps: int  # the last step
     start: int  # the step the run started (or resumed) from
     batch_size: int
-    steps_per_epoch: int
     state: Any  # the train state after the latest step, in the compiled step's layout
 
 
@@ -149,7 +148,8 @@ class Checkpoints(Every):
     def save(self, step: int, state: Any) -> None:
         self.run.clock.pause()
         t = time.perf_counter()
-        position = {"step": step, "epoch": step // self.run.steps_per_epoch}  # informative: any step reads directly
+        # Informative: a source reads any step directly.
+        position = {"step": step, "epoch": step // self.run.source.steps_per_epoch}
         self.checkpointer.save(step, self.run.parallel.to_logical(state), position)
         self.stalls.append(time.perf_counter() - t)
         self.run.clock.start()

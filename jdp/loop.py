@@ -40,7 +40,7 @@ def train(engine: Any, options: Any, steps: int, global_batch_size: int) -> Outc
     start, logical = _restore_or_init(engine, checkpointer, print if is_main else lambda *_: None)
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=is_main)
     run = actions_lib.Run(parallel, source, writer, ThroughputClock(), workdir, steps, start, global_batch_size,
-                          source.steps_per_epoch, parallel.to_devices(logical))
+                          parallel.to_devices(logical))
     _header(run, engine, options)
     log = actions_lib.TrainLog(run, options.log_every, options.precision)
     evaluation = actions_lib.Evaluation(run, options.eval_every)
@@ -125,7 +125,7 @@ def _header(run: actions_lib.Run, engine: Any, options: Any) -> None:
     run.writer.echo(
         f"jdp: {n} {mesh.devices.flat[0].platform} devices x {run.batch_size // n} examples = global batch "
         f"{run.batch_size} ({jax.process_count()} process(es)); {what}{params:,} parameters, "
-        f"{run.source.num_train} train examples, {run.steps} steps = {run.steps / run.steps_per_epoch:.1f} "
+        f"{run.source.num_train} train examples, {run.steps} steps = {run.steps / run.source.steps_per_epoch:.1f} "
         f"epochs; backend {options.backend}")
 
 

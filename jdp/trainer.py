@@ -259,7 +259,8 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
         return TrainState(zero_, params, model_state, rng_state, optimizer.init(params), zero_, loss_scale, zero_)
 
     abstract = jax.eval_shape(init_state, *initial)
-    _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, n, global_batch_size)
+    device_input = getattr(source, "device_input", StepOptions.device_input)  # optional in a Source
+    _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, device_input, n, global_batch_size)
     if o.shard_optimizer:
         _check_sliceable(optimizer, abstract.params, n)
     step_options = StepOptions(
@@ -267,7 +268,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
         grad_accum_steps=o.grad_accum_steps, allreduce_dtype=o.allreduce_dtype, all_reduce=all_reduce,
         log_grad_norm=o.log_grad_norm, sync_every=o.sync_every, shard_optimizer=o.shard_optimizer,
         loss_scale_growth_interval=o.loss_scale_growth_interval,
-        device_input=getattr(source, "device_input", StepOptions.device_input))
+        device_input=device_input)
     parallel = DataParallel(o.backend, mesh, model_def, loss_fn, o.eval_fn or loss_fn, optimizer, o.schedule,
                             abstract, step_options)
     sharding = replicated(mesh)
@@ -276,7 +277,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
 
 
 def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract: TrainState, source: Source,
-                n: int, global_batch_size: int) -> None:
+                device_input: Callable, n: int, global_batch_size: int) -> None:
     """The loss contract, checked on shapes alone: a dict with a per-example `"loss"`, every value (and the
     optional `"weight"`) of one shape whose leading axis is the batch."""
     rows = source.train_batch(0)
@@ -286,7 +287,6 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
                        f"{global_batch_size}; make the Source for the same global batch size")
     local = {k: jax.ShapeDtypeStruct((v.shape[0] // max(1, n // jax.process_count()), *v.shape[1:]), v.dtype)
              for k, v in rows.items()}
-    device_input = getattr(source, "device_input", StepOptions.device_input)
     for name, fn, train in (("loss_fn", loss_fn, True), ("eval_fn", eval_fn, False)):
         def call(state, batch, fn=fn, train=train):
             return run_loss(model_def, fn, state.params, state.model_state, state.rng_state, device_input(batch),

@@ -174,7 +174,6 @@ class Batcher(OrderedSource):
                                   global_batch_size=global_batch_size,
                                   eval_batch_size=eval_batch_size or global_batch_size,
                                   process_index=process_index, process_count=process_count))
-        self.device_input = _unchanged  # batches hold the model's input as it is
 
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of the global train batch at `step`."""
@@ -194,6 +193,3 @@ class Batcher(OrderedSource):
     def close(self) -> None:
         """Nothing to release (the tfds source stops its threads and closes its files here)."""
 
-
-def _unchanged(batch: dict) -> dict:
-    return batch
