@@ -24,7 +24,8 @@ from jdp.metrics import MetricsWriter, ThroughputClock
 from jdp.parallel import DataParallel
 from jdp.preemption import PreemptionRequest
 
-_AS_REPORTED = ("skipped_steps", "lr", "loss_scale", "overflow_steps")  # step counters, not averaged over a window
+# Step counters and flags, not averaged over a window.
+_AS_REPORTED = ("skipped_steps", "lr", "loss_scale", "overflow_steps", "overflow", "nonfinite", "weight")
 
 
 @dataclasses.dataclass
@@ -88,10 +89,11 @@ class TrainLog(Action):
             run.clock.start()
         else:
             run.clock.add(run.batch_size)
-        if not metrics["nonfinite"] and metrics["weight"] > 0:  # a batch that weighed nothing has no means
+        # Dropped, fp16-overflowed (gradients non-finite) and weightless steps have no means to report.
+        if not metrics["nonfinite"] and not metrics.get("overflow") and metrics["weight"] > 0:
             self.losses.append(metrics["loss"])
             for key, value in metrics.items():
-                if key not in (*_AS_REPORTED, "nonfinite", "weight"):
+                if key not in _AS_REPORTED:
                     self.window[key] = self.window.get(key, 0.0) + value
             self.window_steps += 1
         if (step % self.every == 0 or step == run.steps) and self.window_steps:
@@ -106,20 +108,26 @@ class TrainLog(Action):
 
 
 class NonFiniteGuard(Action):
-    """`halt`: stop (the compiled step froze the state before the bad update); `skip`: warn and go on."""
+    """`halt`: stop (the compiled step froze the state before the bad update; the loop saves it when the
+    replicas agree on it, which under local SGD is at sync points only); `skip`: warn and go on."""
 
-    def __init__(self, run: Run, policy: str) -> None:
-        self.run, self.policy = run, policy
+    def __init__(self, run: Run, policy: str, sync_every: int, precision: str) -> None:
+        self.run, self.policy, self.sync_every, self.precision = run, policy, sync_every, precision
 
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
         if not metrics["nonfinite"]:
             return
         if self.policy == "halt":
+            saved = ("the state from before it is saved" if (step - 1) % self.sync_every == 0 else
+                     f"the last checkpoint stays the latest (local SGD saves only at sync points, every "
+                     f"{self.sync_every} steps)")
+            # Loss scaling rescues gradients, not the forward pass: a float16 overflow there is not retried.
+            cause = (" (under precision=fp16 the forward pass overflowed float16; precision=bf16 has float32's "
+                     "range)" if self.precision == "fp16" and not math.isfinite(metrics["loss"]) else "")
             raise NonFiniteLossError(
-                f"non-finite loss or gradient at step {step} (loss {metrics['loss']}); the state from before it is "
-                "saved; rerun to resume, skipping such steps (train.on_nonfinite=skip), or with a lower learning "
-                "rate (optim.lr) or gradient clipping (optim.grad_clip_norm) plus "
-                "checkpoint.allow_config_change=True")
+                f"non-finite loss or gradient at step {step} (loss {metrics['loss']}){cause}; {saved}; rerun to "
+                "resume, skipping such steps (train.on_nonfinite=skip), or with a lower learning rate (optim.lr) "
+                "or gradient clipping (optim.grad_clip_norm) plus checkpoint.allow_config_change=True")
         self.run.writer.echo(f"warning: step {step} had a non-finite loss or gradient; its update was skipped")
 
 

@@ -193,6 +193,8 @@ def _validate_local_sgd(cfg: ml_collections.ConfigDict, per_device_step: bool) -
         return
     _require(per_device_step, "parallel.sync_every > 1 (local SGD) needs a per-device step; use "
                               "--config.parallel.backend=shard_map or pmap")
+    _require(cfg.parallel.allreduce_dtype == "fp32", "parallel.allreduce_dtype=bf16 compresses gradients, and local "
+             "SGD (parallel.sync_every > 1) averages parameters instead; use --config.parallel.allreduce_dtype=fp32")
     for key in ("train.steps", "train.eval_every", "checkpoint.every_steps", "parallel.check_replicas_every"):
         value = cfg[key]
         _require(value % h == 0, f"{key}={value} is not a multiple of parallel.sync_every={h}: with local SGD "

@@ -48,7 +48,8 @@ def train(engine: Any, options: Any, steps: int, global_batch_size: int) -> Outc
     try:
         if start < steps:
             with PreemptionRequest() as preemption:
-                actions = [log, actions_lib.NonFiniteGuard(run, options.on_nonfinite),
+                actions = [log, actions_lib.NonFiniteGuard(run, options.on_nonfinite, options.sync_every,
+                                                           options.precision),
                            actions_lib.StopOnSignal(run, preemption, checkpoints, options.sync_every),
                            actions_lib.ReplicaCheck(run, options.check_replicas_every),
                            *([checkpoints] if checkpoints else []), evaluation,
@@ -64,9 +65,10 @@ def train(engine: Any, options: Any, steps: int, global_batch_size: int) -> Outc
             writer.echo(f"nothing to do: {workdir} is at step {start}, steps is {steps}")
             evaluation.metrics = parallel.evaluate(run.state, source.eval_batches())
     except NonFiniteLossError:
-        # The compiled step froze the state before the bad update: keep it for inspection and resume.
-        if checkpoints is not None:
-            halted = int(parallel.to_logical(run.state).step.addressable_data(0))
+        # The compiled step froze the state before the bad update: keep it for inspection and resume, if the
+        # replicas agree on it (under local SGD they do at sync points only).
+        halted = int(parallel.to_logical(run.state).step.addressable_data(0))
+        if checkpoints is not None and halted % options.sync_every == 0:
             checkpoints.save(halted, run.state)
         raise
     finally:

@@ -4,6 +4,7 @@ lines, and a steady-state throughput clock that leaves out compile, eval and che
 from __future__ import annotations
 
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -33,11 +34,11 @@ class ThroughputClock:
         self.examples += examples
         self._interval_examples += examples
 
-    def interval_rate(self) -> float:
-        """Examples/sec since the previous call (the clock keeps running)."""
+    def interval_rate(self) -> float | None:
+        """Examples/sec since the previous call (the clock keeps running); None before any timed step."""
         running = self._started is not None
         self.pause()
-        rate = self._interval_examples / self._interval_seconds if self._interval_seconds else float("nan")
+        rate = self._interval_examples / self._interval_seconds if self._interval_examples else None
         self._interval_examples, self._interval_seconds = 0, 0.0
         if running:
             self.start()
@@ -71,8 +72,10 @@ class MetricsWriter:
 
     def _write(self, record: dict) -> None:
         record["wall_time"] = round(time.time() - self._start, 3)
+        # Strict JSON: a value that is not a finite number (a NaN loss, a rate not yet measured) is null.
+        record = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
         if self._file is not None:
-            self._file.write(json.dumps(record) + "\n")
+            self._file.write(json.dumps(record, allow_nan=False) + "\n")
         if self._tb is not None:
             for key, value in record.items():
                 if key not in ("step", "split", "wall_time") and isinstance(value, (int, float)):
@@ -83,7 +86,8 @@ class MetricsWriter:
         if not self.enabled:
             return
         self._write({"step": step, "split": "train", **metrics})
-        text = _short(metrics) + f"  {metrics['examples_per_sec']:,.0f} ex/s"
+        rate = metrics["examples_per_sec"]
+        text = _short(metrics) + (f"  {rate:,.0f} ex/s" if rate is not None else "")
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=False)
             self._bar.update(step - self._bar.n)

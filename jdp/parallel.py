@@ -167,9 +167,16 @@ class DataParallel:
         weight = totals.pop("weight")
         return {k: v / weight if weight else math.nan for k, v in totals.items()}
 
+    def lower_train(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> jax.stages.Lowered:
+        """The train step's program as jdp asks for it (`.as_text()`), before XLA's own passes (`.compile()`)."""
+        return self._train.lower(state, batch)
+
+    def lower_eval(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> jax.stages.Lowered:
+        return self._eval.lower(state, batch)
+
     def compiled_stats(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> dict[str, float]:
         """XLA's own accounting of the compiled train step: memory (bytes per device) and FLOPs."""
-        compiled = self._train.lower(state, batch).compile()
+        compiled = self.lower_train(state, batch).compile()
         stats, stats_out = compiled.memory_analysis(), {}
         if stats is not None:
             for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes"):

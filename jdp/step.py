@@ -192,11 +192,12 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     axis = o.axis_name if o.all_reduce else None
     local_sgd = o.sync_every > 1
     local_weight = weight
+    sent = grads if o.allreduce_dtype == "fp32" else _cast(grads, jnp.bfloat16)
     if o.shard_optimizer:  # the layout of the update, kept even when the bench compiles the collective out
-        grads = zero.reduce_scatter_mean(grads, o.axis_name)
+        grads = _cast(zero.reduce_scatter_mean(sent, o.axis_name), jnp.float32)
     averaged = {"model_state": _floating(model_state), "sums": sums, "weight": weight}
     if not (o.shard_optimizer or local_sgd):  # one collective for all of it: each costs a rendezvous
-        averaged["grads"] = grads if o.allreduce_dtype == "fp32" else _cast(grads, jnp.bfloat16)
+        averaged["grads"] = sent
     averaged = all_reduce_mean(averaged, axis)
     model_state = _merge_floating(averaged["model_state"], model_state)
     weight = averaged["weight"]
@@ -264,14 +265,16 @@ def _guard(state: TrainState, updated: TrainState, loss_finite: jax.Array, grads
         loss_scale = jnp.stack([jnp.where(overflow, scale / 2, jnp.where(grow, scale * 2, scale)),
                                 jnp.where(grow, 0, good).astype(scale.dtype), overflows + overflow])
         finite = loss_finite
-        metrics.update(loss_scale=scale, overflow_steps=loss_scale[2])
+        metrics.update(loss_scale=scale, overflow_steps=loss_scale[2], overflow=overflow.astype(jnp.float32))
     else:
         overflow, finite = jnp.bool_(False), loss_finite & grads_finite
     halt = o.on_nonfinite == "halt"
     apply = finite & (state.halted == 0) if halt else finite
     updated = updated._replace(loss_scale=loss_scale)
-    dropped = state._replace(step=state.step + (not halt), skipped=state.skipped + 1,
-                             halted=jnp.ones_like(state.halted) if halt else state.halted)
+    # skip: the step is dropped and counted. halt: the state from before the bad step freezes, uncounted, as the
+    # steps already dispatched after it find it; a resumed run retries that step.
+    dropped = (state._replace(halted=jnp.ones_like(state.halted)) if halt
+               else state._replace(step=state.step + 1, skipped=state.skipped + 1))
     held = state._replace(step=state.step + 1, loss_scale=loss_scale)
     new_state = jax.tree.map(lambda new, old, hold: jnp.where(apply, jnp.where(overflow | empty, hold, new), old),
                              updated, dropped, held)

@@ -126,6 +126,9 @@ class FitOptions:
         if self.shard_optimizer and (self.backend != "shard_map" or self.sync_every > 1):
             raise FitError("shard_optimizer=True needs backend='shard_map' and no local SGD (sync_every=1)")
         if self.sync_every > 1:
+            if self.allreduce_dtype != "fp32":  # it would average float32 master parameters in bfloat16
+                raise FitError("allreduce_dtype=bf16 compresses gradients, and local SGD (sync_every > 1) averages "
+                               "parameters instead; use allreduce_dtype='fp32' with sync_every > 1")
             if not per_device:
                 raise FitError("sync_every > 1 (local SGD) needs a per-device step; use backend='shard_map' or 'pmap'")
             for key in ("eval_every", "checkpoint_every", "check_replicas_every"):

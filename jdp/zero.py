@@ -1,9 +1,10 @@
 """Sharded optimizer state (ZeRO-1; "cross-replica weight-update sharding", Xu et al. 2020).
 
 Every leaf with at least one axis is flattened and zero-padded to a multiple of N devices; device i
-owns the i-th 1/N slice of it. Gradients are reduce-scattered into those slices, each device
-updates its slice of the parameters and optimizer state, and the parameters are all-gathered.
-Checkpoints hold the gathered, unpadded ("logical") optimizer state, so they restore on any N.
+owns the i-th 1/N slice of it. Scalar leaves stay whole: every device updates them, with their mean
+gradient. Gradients are reduce-scattered into those slices, each device updates its slice of the
+parameters and optimizer state, and the parameters are all-gathered. Checkpoints hold the gathered,
+unpadded ("logical") optimizer state, so they restore on any N.
 """
 
 from __future__ import annotations
@@ -33,21 +34,35 @@ def _unpadded(flat: jax.Array, like: Any) -> jax.Array:
 
 def global_norm(tree: Tree, axis_name: str | None = None) -> jax.Array:
     """The L2 norm of all leaves; with `axis_name`, of the whole leaves whose slices the devices hold."""
-    squares = sum(jnp.sum(jnp.square(x)) for x in jax.tree.leaves(tree))
-    return jnp.sqrt(squares if axis_name is None else jax.lax.psum(squares, axis_name))
+    def squares(leaves: list[jax.Array]) -> jax.Array:
+        return sum((jnp.sum(jnp.square(x)) for x in leaves), jnp.float32(0))
+
+    leaves = jax.tree.leaves(tree)
+    if axis_name is None:
+        return jnp.sqrt(squares(leaves))
+    sliced = jax.lax.psum(squares([x for x in leaves if is_sharded(x)]), axis_name)
+    return jnp.sqrt(sliced + squares([x for x in leaves if not is_sharded(x)]))
 
 
 def reduce_scatter_mean(grads: Tree, axis_name: str) -> Tree:
-    """Each device receives the cross-device mean of its own slice of every gradient."""
+    """Each device receives the cross-device mean of its own slice of every gradient (of a scalar: all of it)."""
     n = jax.lax.psum(1, axis_name)
-    return jax.tree.map(lambda g: jax.lax.psum_scatter(_flat_padded(g, n), axis_name, tiled=True) / n, grads)
+
+    def scatter(g: jax.Array) -> jax.Array:
+        if not is_sharded(g):
+            return jax.lax.pmean(g, axis_name)
+        return jax.lax.psum_scatter(_flat_padded(g, n), axis_name, tiled=True) / n
+
+    return jax.tree.map(scatter, grads)
 
 
 def local_slice(tree: Tree, axis_name: str) -> Tree:
-    """This device's slice of each (replicated) leaf."""
+    """This device's slice of each (replicated) leaf; scalars whole, like their optimizer state."""
     n, i = jax.lax.psum(1, axis_name), jax.lax.axis_index(axis_name)
 
     def cut(x: jax.Array) -> jax.Array:
+        if not is_sharded(x):
+            return x
         flat = _flat_padded(x, n)
         size = flat.size // n
         return jax.lax.dynamic_slice(flat, (i * size,), (size,))
@@ -56,9 +71,9 @@ def local_slice(tree: Tree, axis_name: str) -> Tree:
 
 
 def all_gather_like(slices: Tree, like: Tree, axis_name: str) -> Tree:
-    """Reassemble full leaves shaped like `like` from every device's slice."""
+    """Reassemble full leaves shaped like `like` from every device's slice (a scalar every device updated whole)."""
     def gather(s: jax.Array, x: jax.Array) -> jax.Array:
-        return _unpadded(jax.lax.all_gather(s, axis_name, tiled=True), x)
+        return _unpadded(jax.lax.all_gather(s, axis_name, tiled=True), x) if is_sharded(x) else s
 
     return jax.tree.map(gather, slices, like)
 
