@@ -108,3 +108,19 @@ def test_advice_follows_the_steps_examples_trade_off():
     assert "cut the steps by about 40%" in noise_scale.advice(250, 1000)
     assert "save only 8% of the steps" in noise_scale.advice(5000, 1000)
     assert "near the critical batch" in noise_scale.advice(1000, 1000)
+
+
+def test_the_critical_batch_sweep_runs_two_points(tmp_path):
+    """The smoke version of scripts/critical_batch.py: two batch sizes reach the target, the Pareto fit and the
+    noise scale at the target come out finite and positive, and the plot is written."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "scripts/critical_batch.py", "--batches", "16,128", "--lrs", "1",
+                          "--max_steps", "600", "--target", "1.2", "--window", "256", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads((tmp_path / "critical_batch.json").read_text())
+    assert [r["batch"] for r in result["best"]] == [16, 128]
+    assert result["b_crit"] > 0 and result["b_simple"] > 0 and (tmp_path / "critical_batch.png").stat().st_size
