@@ -2,8 +2,10 @@
 step and threshold arithmetic, the gradient bytes of a config's model, and the command on a shipped config."""
 
 import os
+import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from flax import nnx
@@ -83,13 +85,23 @@ def test_bad_predict_input_is_one_line_and_exit_2(capsys):
     assert err == "jdp.bench --predict: 12 devices do not fill nodes of 8; use a multiple of --per_node"
 
 
-def test_predict_command_on_a_shipped_config():
-    """The command as a user runs it; --step_ms, so nothing is measured or trained."""
-    out = subprocess.run([sys.executable, "-m", "jdp.bench", "--predict", "--config", "configs/synthetic_mlp.py",
-                          "--step_ms", "10", "--inter", "net-25g"], capture_output=True, text=True, timeout=240,
-                         env={**os.environ, "JAX_PLATFORMS": "cpu"})
-    assert out.returncode == 0, out.stderr
-    assert "1,863,690 parameters" in out.stdout and "gradient 7.45 MB per all-reduce" in out.stdout
-    rows = [line for line in out.stdout.splitlines() if line.startswith("| ") and line[2].isdigit()]
-    assert [int(r.split("|")[1]) for r in rows] == [1, 8, 64, 512]
-    assert "net-25g: 25 Gb/s" in out.stdout
+def test_readme_prediction_commands_run_as_printed():
+    """The README's commands as a user runs them, on a shipped config: --step_ms, so nothing is measured or
+    trained, and --input_shape, so the ImageNet data is not needed."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme[readme.index("## How big a batch, how many devices"):]
+    block = section[section.index("```bash") + len("```bash"):section.index("```", section.index("```bash") + 7)]
+    commands = [shlex.split(line) for line in block.strip().splitlines()]
+    assert [c[:4] for c in commands] == [["python", "-m", "jdp.bench", "--predict"]] * 2
+    outs = []
+    for command in commands:
+        out = subprocess.run([sys.executable, *command[1:]], capture_output=True, text=True, timeout=240,
+                             env={**os.environ, "JAX_PLATFORMS": "cpu"})
+        assert out.returncode == 0, out.stderr
+        outs.append(out.stdout)
+    predicted, validated = outs
+    assert "25,557,032 parameters" in predicted and "gradient 102.23 MB per all-reduce" in predicted
+    rows = [line.split("|") for line in predicted.splitlines() if line.startswith("| ") and line[2].isdigit()]
+    assert [int(r[1]) for r in rows] == [1, 8, 64, 512]
+    assert [r[7].strip() for r in rows[1:3]] == ["98.4%", "27.8%"]  # the figures the README quotes
+    assert all(c.name in validated for c in predict_validation.CASES)
