@@ -11,6 +11,8 @@ For each device count (interleaved, repeated; medians reported) it measures, at 
   device 0), and XLA's `memory_analysis()` of the compiled step; with `--peak_tflops`, MFU from
   XLA's `cost_analysis()` FLOP count;
 and the scaling efficiency throughput_N / (N x throughput_1). Writes bench.json and bench.md.
+
+`--predict` predicts step time and scaling on devices this machine does not have (jdp/predict.py).
 """
 
 from __future__ import annotations
@@ -148,6 +150,11 @@ def warnings_for(rows: list[dict]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--predict" in argv:  # scaling predicted before hardware: jdp/predict.py
+        from jdp import predict
+
+        return predict.main([a for a in argv if a != "--predict"])
     parser = argparse.ArgumentParser(prog="python -m jdp.bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=config_lib.DEFAULT_CONFIG)

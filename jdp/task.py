@@ -57,6 +57,25 @@ def check_names(cfg: ml_collections.ConfigDict) -> None:
             raise config_lib.ConfigError(str(e)) from None
 
 
+def model_maker(cfg: ml_collections.ConfigDict, input_shape: tuple[int, ...],
+                num_classes: int) -> Callable[[], nnx.Module]:
+    """A function building the model `cfg` names, for inputs of `input_shape` and `num_classes` outputs."""
+    kwargs = cfg.model.kwargs.to_dict()
+
+    def make_model() -> nnx.Module:
+        return models.build_model(cfg.model.name, kwargs, input_shape, num_classes, seed=cfg.seed)
+
+    return make_model
+
+
+def abstract_params(make_model: Callable[[], nnx.Module]) -> nnx.State:
+    """The model's parameters as shapes and dtypes, nothing allocated (ConfigError for a bad model setting)."""
+    try:
+        return nnx.state(nnx.eval_shape(make_model), nnx.Param)
+    except ValueError as e:  # the model's own checks of its settings and input shape
+        raise config_lib.ConfigError(str(e)) from None
+
+
 def build_task(cfg: ml_collections.ConfigDict) -> Task:
     """The task `cfg` names, checked before anything compiles (ConfigError otherwise)."""
     config_lib.validate(cfg, num_devices=make_mesh(cfg.parallel.num_devices).size)
@@ -68,17 +87,8 @@ def build_task(cfg: ml_collections.ConfigDict) -> Task:
                                        process_index=jax.process_index(), process_count=jax.process_count())
     except ValueError as e:  # the sources' own checks of the data section
         raise config_lib.ConfigError(str(e)) from None
-    num_classes = cfg.data.num_classes or source.num_classes
-
-    kwargs = cfg.model.kwargs.to_dict()
-
-    def make_model() -> nnx.Module:
-        return models.build_model(cfg.model.name, kwargs, source.input_shape, num_classes, seed=cfg.seed)
-
-    try:
-        params = nnx.state(nnx.eval_shape(make_model), nnx.Param)
-    except ValueError as e:  # the model's own checks of its settings and input shape
-        raise config_lib.ConfigError(str(e)) from None
+    make_model = model_maker(cfg, source.input_shape, cfg.data.num_classes or source.num_classes)
+    params = abstract_params(make_model)
     tx, schedule = build_optimizer(cfg.optim, batch_size, cfg.train.steps, nnx.to_pure_dict(params),
                                    sharded_axis=DATA_AXIS if cfg.parallel.shard_optimizer else None)
     options = trainer.FitOptions(
