@@ -119,6 +119,10 @@ def plot(runs: list[dict], best: list[dict], s_min: float, b_crit: float, b_simp
         batches = [2 ** (k / 8) for k in range(0, 8 * 13)]
         ax.plot([s_min * (1 + b_crit / b) * b for b in batches], [s_min * (1 + b_crit / b) for b in batches],
                 color="C1", label=f"fit: (S/S_min-1)(E/E_min-1)=1, B_crit={b_crit:,.0f}")
+        for b, name, color in ((b_crit, "B_crit (fit)", "C1"), (b_simple, "B_simple (jdp)", "C3")):
+            if math.isfinite(b):
+                ax.scatter([s_min * (1 + b_crit / b) * b], [s_min * (1 + b_crit / b)], marker="*", s=150,
+                           color=color, zorder=3, label=f"{name} = {b:,.0f}, on the fitted front")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("examples to reach the target loss (E)")
