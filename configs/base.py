@@ -82,4 +82,5 @@ def get_config() -> ml_collections.ConfigDict:
     c.distributed = ml_collections.ConfigDict()  # multi-process runs; see jdp/distributed.py
     c.distributed.init_timeout_s = 120.0  # all processes must join within this, else exit 5
     c.distributed.heartbeat_timeout_s = 60.0  # a peer silent this long stops the survivors
+    c.distributed.bind_address = ""  # HOST:PORT process 0's coordinator listens on; "" = JAX's default (all)
     return c

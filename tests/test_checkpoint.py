@@ -118,10 +118,14 @@ def test_a_changed_model_is_refused_with_the_differing_keys(tmp_path):
     assert out.returncode == 2
     assert "model.kwargs.hidden_sizes: (32,) -> (64,)" in out.stderr and "optim.lr: 0.01 -> 0.5" in out.stderr
     assert "allow_config_change=True" in out.stderr
-    # Allowed on purpose, the shapes no longer fit: every checkpoint is named as unusable.
+    # Allowed on purpose, the shapes no longer fit: a config change, not damage, so nothing is moved aside.
     out = train(tmp_path, *RUN, "--config.model.kwargs.hidden_sizes=(64,)",
                 "--config.checkpoint.allow_config_change=True")
-    assert out.returncode == 2 and "not compatible with the stored shape" in out.stderr
+    assert out.returncode == 2
+    assert (f"checkpoint {tmp_path / 'checkpoints' / '12'} does not fit this model (.params['layers'][0]['bias'] is "
+            "float32(32,) there, float32(64,) in the model)") in out.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["12", "4", "8"]
+    assert not (tmp_path / "rejected").exists()
 
 
 def test_elastic_restore_from_8_devices_to_4_and_1(tmp_path):
