@@ -1,6 +1,8 @@
 """Checkpoints, exact resume and failure handling."""
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -29,11 +31,17 @@ def train(workdir, *args, env=None, timeout=120):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def reference(tmp_path_factory):
+    """The uninterrupted run's workdir."""
     workdir = tmp_path_factory.mktemp("uninterrupted")
     out = train(workdir, *RUN)
     assert out.returncode == 0, out.stderr
-    return train_losses(workdir)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(reference):
+    return train_losses(reference)
 
 
 @pytest.mark.parametrize("kill_at", ["step:7", "save:8"])
@@ -92,24 +100,88 @@ def test_sigterm_checkpoints_and_exits_75(tmp_path):
     assert [s for s, _ in train_losses(tmp_path)][-3:] == [step, step + 1, step + 2]
 
 
-def test_a_damaged_checkpoint_falls_back_to_the_previous_one(uninterrupted, tmp_path):
+def evals(workdir):
+    return [(r["step"], r["loss"], r["accuracy"]) for r in records(workdir, "eval")]
+
+
+def _change_a_stored_value(checkpoint):
+    """Rewrites one value of the stored first kernel through tensorstore (the store orbax writes): the checkpoint
+    stays readable and consistent, with a wrong value, as flipped bits in its data file can leave it."""
+    import tensorstore as ts
+
+    kernel = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{checkpoint / 'state'}",
+                                                    "path": "params.layers.0.kernel/"}}).result()
+    kernel[3, 5].write(kernel[3, 5].read().result() + 1).result()
+
+
+def test_a_damaged_checkpoint_is_moved_aside_and_saved_anew(reference, tmp_path):
     assert train(tmp_path, *RUN).returncode == 0
     damaged = tmp_path / "checkpoints" / "12"
-    for path in damaged.rglob("*"):  # truncate every file of the newest checkpoint
-        if path.is_file():
-            path.write_bytes(path.read_bytes()[:5])
-    out = train(tmp_path, "--config.train.steps=16")
+    _change_a_stored_value(damaged)  # the final checkpoint: without digests it restores without complaint
+    out = train(tmp_path)  # the same run again
     assert out.returncode == 0, out.stderr
-    assert f"warning: checkpoint {damaged} is unusable" in out.stdout
+    assert (f"warning: checkpoint {damaged} is unusable: the digest of .params['layers'][0]['kernel'] does not match "
+            "the one saved with it (damaged bytes); trying the previous one") in out.stdout
+    assert f"warning: moved the damaged checkpoint {damaged} to {tmp_path / 'rejected' / '12'}" in out.stdout
     assert "resumed from" in out.stdout and "checkpoints/8" in out.stdout
+    assert train_losses(tmp_path) == train_losses(reference)  # steps 9-12 trained again, bitwise
+    assert evals(tmp_path) == evals(reference)
+    out = train(tmp_path)  # step 12 was saved anew: nothing to do, nothing unusable
+    assert out.returncode == 0 and "nothing to do" in out.stdout and "unusable" not in out.stdout, out.stdout
 
-    for step in ("8", "12", "16"):
+    for step in ("4", "8", "12"):
         for path in (tmp_path / "checkpoints" / step).rglob("*"):
             if path.is_file():
                 path.unlink()
     out = train(tmp_path, "--config.train.steps=20")
     assert out.returncode == 2
     assert f"no usable checkpoint in {tmp_path / 'checkpoints'}" in out.stderr and "Traceback" not in out.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["12", "4", "8"]  # none usable: none moved
+
+
+def test_a_kill_before_an_eval_loses_no_result(reference, tmp_path):
+    """Killed after checkpoint 12 was written, before its (final) eval: the rerun writes that eval and the summary,
+    and nothing else; a further rerun writes nothing; a run resumed at such a step redoes its eval."""
+    finished, extended = tmp_path / "finished", tmp_path / "extended"
+    assert train(finished, *RUN, env={"JDP_KILL_AT": "step:12"}).returncode == -signal.SIGKILL
+    shutil.copytree(finished, extended)
+    out = train(finished)
+    assert out.returncode == 0 and "nothing to do" in out.stdout, out.stderr
+    assert evals(finished) == evals(reference)
+    assert [r["split"] for r in records(finished, "summary")] == ["summary"]
+    written = {p: p.read_bytes() for p in finished.rglob("*") if p.is_file() and p.name != "jdp.lock"}
+    out = train(finished)  # rerunning the finished run: nothing to do, nothing written, the summary kept
+    assert out.returncode == 0 and "nothing to do" in out.stdout, out.stderr
+    assert {p: p.read_bytes() for p in finished.rglob("*") if p.is_file() and p.name != "jdp.lock"} == written
+
+    out = train(extended, "--config.train.steps=16")
+    assert out.returncode == 0, out.stderr
+    assert evals(extended)[:2] == evals(reference)
+    lines = [(r["split"], r.get("step")) for r in records(extended, "train") + records(extended, "eval")]
+    assert lines.count(("eval", 12)) == 1 and ("eval", 16) in lines
+    history = [json.loads(line) for line in (extended / "config_history.jsonl").read_text().splitlines()]
+    assert [(h["latest_checkpoint_step"], h["config"]["train"]["steps"]) for h in history] == [(0, 12), (12, 16)]
+
+
+def test_sigterm_during_start_up_or_restore_exits_75(tmp_path):
+    """Safe to requeue: nothing was trained since the last checkpoint. The killed run's lock does not block the
+    rerun."""
+    out = train(tmp_path, *RUN, env={"JDP_KILL_AT": "restore:0"})  # SIGTERM while restoring
+    assert out.returncode == 75, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        "jdp: preempted: SIGTERM outside the training steps; exiting with code 75 (no step was lost: a rerun "
+        "resumes from the last checkpoint, or starts over without one)")
+    holder = (tmp_path / "jdp.lock").read_text()  # left by the process that was stopped
+    proc = subprocess.Popen([sys.executable, "-m", "jdp.train", "--workdir", str(tmp_path), *RUN],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    time.sleep(1.0)  # still importing JAX (about 3 s here)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75 and "Traceback" not in err, err
+    out = train(tmp_path, *RUN)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "jdp.lock").read_text() != holder
+    assert [step for step, _ in train_losses(tmp_path)] == list(range(1, 13))
 
 
 def test_a_changed_model_is_refused_with_the_differing_keys(tmp_path):
