@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -23,6 +24,7 @@ from tests.helpers import records, small_config, train_losses
 RUN = ["--config", "configs/mnist1d_mlp.py", "--config.model.kwargs.hidden_sizes=(32,)", "--config.train.steps=12",
        "--config.train.log_every=1", "--config.train.eval_every=6", "--config.checkpoint.every_steps=4"]
 ENV = {**os.environ, "JAX_NUM_CPU_DEVICES": "2"}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(workdir, *args, env=None, timeout=120):
@@ -74,6 +76,16 @@ def test_a_real_kill_at_an_arbitrary_moment(tmp_path):
     out = train(tmp_path / "run")
     assert out.returncode == 0, out.stderr
     assert train_losses(tmp_path / "run") == train_losses(reference)
+
+
+def test_a_crash_campaign_of_three_kills():
+    """scripts/crash_campaign.py, small: one run killed three times at seeded moments (seed 1: twice during a save,
+    once from outside), then rerun and compared bitwise with an uninterrupted run."""
+    out = subprocess.run([sys.executable, "scripts/crash_campaign.py", "--kills", "3", "--kills_per_run", "3",
+                          "--seed", "1", "--steps", "12"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=ENV)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert out.stdout.splitlines()[-1] == "survived 3 / tried 3"
 
 
 def test_sigterm_checkpoints_and_exits_75(tmp_path):
