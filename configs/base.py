@@ -63,7 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 1000  # also saved at the end and on preemption; 0 = only then
     c.checkpoint.keep = 3
-    c.checkpoint.allow_config_change = False  # resume even if model/optimizer settings changed
+    c.checkpoint.allow_config_change = False  # resume even if settings that change data order or numerics changed
 
     c.precision = "fp32"  # fp32 | bf16 (float32 masters) | fp16 (plus dynamic loss scaling)
     c.loss_scale = ml_collections.ConfigDict()
