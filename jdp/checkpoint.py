@@ -72,8 +72,9 @@ class Checkpointer:
         if step in self._manager.all_steps():
             return
         data = {**data_position, "format": FORMAT}
-        # Process 0 writes the JSON item: it copies the state to the host here and hashes it on the save thread.
-        host = jax.tree.map(np.array, state) if jax.process_index() == 0 else None
+        # Process 0 writes the JSON item: it fetches the state to the host here (on CPU a view, which JAX keeps alive:
+        # it does not donate a buffer that has a view) and hashes it on the save thread.
+        host = jax.tree.map(np.asarray, state) if jax.process_index() == 0 else None
 
         def with_digests() -> dict:
             return {**data, "digests": digest.of_tree(host)} if host is not None else data

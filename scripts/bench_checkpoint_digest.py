@@ -53,7 +53,7 @@ def main() -> None:
         a = timed_save(lambda step=step: with_digests.save(step, state, {"step": step, "epoch": 0}), with_digests.wait)
         b = timed_save(lambda step=step: without.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data)), force=True), without.wait_until_finished)
-        host = jax.tree.map(np.array, state)
+        host = jax.tree.map(np.asarray, state)
         t0 = time.perf_counter()
         digest.of_tree(host)
         alone = time.perf_counter() - t0
