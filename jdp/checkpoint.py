@@ -95,27 +95,10 @@ class Checkpointer:
         signal_if_requested("restore")
         problems, damaged = [], []
         for step in reversed(self.steps()):
-            try:
-                data = self._manager.restore(step, args=ocp.args.Composite(data=_DataRestore()))["data"]
-            except Exception as e:  # noqa: BLE001 - unreadable: damage
-                data, problem = None, _first_line(e)
-            else:
-                problem = None
-            if data is not None:
-                self._check_format(step, data)
-                digests = data.get("digests")
-                if digests is not None:
-                    self._check_layout(step, digests, abstract_state)
-                try:
-                    state = self._manager.restore(step, args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state)))["state"]
-                    problem = digest.mismatch(digests, jax.tree.map(np.asarray, state)) if digests else None
-                except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
-                    problem = _first_line(e)
+            state, data, problem = self._restore(step, abstract_state)
             if problem is None:
                 self._reject(damaged, warn, timeout_s)
-                position = {k: v for k, v in data.items() if k not in ("format", "digests")}
-                return step, state, position
+                return step, state, {k: v for k, v in data.items() if k not in ("format", "digests")}
             problem = f"checkpoint {self.directory / str(step)} is unusable: {problem}"
             problems.append(problem)
             warn(f"warning: {problem}; trying the previous one")
@@ -125,6 +108,25 @@ class Checkpointer:
             raise CheckpointError(f"no usable checkpoint in {self.directory}: {problems[0]}; restore the files, "
                                   "or move the directory away to start afresh")
         return None
+
+    def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict | None, str | None]:
+        """(state, data item, None), or what is wrong with checkpoint `step`: (None, data item or None if it is
+        unreadable, the problem). Raises CheckpointError for a checkpoint that is intact but does not fit."""
+        try:
+            data = self._manager.restore(step, args=ocp.args.Composite(data=_DataRestore()))["data"]
+        except Exception as e:  # noqa: BLE001 - unreadable: damage
+            return None, None, _first_line(e)
+        self._check_format(step, data)
+        digests = data.get("digests")  # absent from checkpoints written before digests: restored unchecked
+        if digests is not None:
+            self._check_layout(step, digests, abstract_state)
+        try:
+            state = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state)))["state"]
+        except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
+            return None, data, _first_line(e)
+        problem = digest.mismatch(digests, jax.tree.map(np.asarray, state)) if digests is not None else None
+        return (None if problem else state), data, problem
 
     def _check_format(self, step: int, data: dict) -> None:
         if data.get("format", 1) != FORMAT:
