@@ -9,6 +9,7 @@ background write to finish.
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
 import time
@@ -63,6 +64,7 @@ def main() -> None:
             rows["digests alone"].append((0.0, alone))
     with_digests.close()
     without.close()
+    shutil.rmtree(root)
     print(f"{args.config}: train state {megabytes:.1f} MiB, {args.repeats} interleaved saves each, medians")
     print("| save | stall ms | total ms |\n|---|---|---|")
     for name, times in rows.items():
