@@ -64,7 +64,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.checkpoint = ml_collections.ConfigDict()
     c.checkpoint.every_steps = 1000  # also saved at the end and on preemption; 0 = only then
     c.checkpoint.keep = 3
-    c.checkpoint.allow_config_change = False  # resume even if model/optimizer settings changed
+    c.checkpoint.allow_config_change = False  # resume even if settings that change data order or numerics changed
 
     c.precision = "fp32"  # fp32 | bf16 (float32 masters) | fp16 (plus dynamic loss scaling)
     c.loss_scale = ml_collections.ConfigDict()
@@ -83,4 +83,5 @@ def get_config() -> ml_collections.ConfigDict:
     c.distributed = ml_collections.ConfigDict()  # multi-process runs; see jdp/distributed.py
     c.distributed.init_timeout_s = 120.0  # all processes must join within this, else exit 5
     c.distributed.heartbeat_timeout_s = 60.0  # a peer silent this long stops the survivors
+    c.distributed.bind_address = ""  # HOST:PORT process 0's coordinator listens on; "" = JAX's default (all)
     return c

@@ -3,24 +3,41 @@
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING
+
 __version__ = "0.1.0"
 
-from jdp.data.batching import Batcher
-from jdp.errors import NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
-from jdp.step import TrainState
-from jdp.trainer import Callback, FitError, FitOptions, FitResult, Source, fit
+# Imported on first use: `python -m jdp.train` installs its signal handler before JAX's seconds of imports.
+_EXPORTS = {"Batcher": "jdp.data.batching", "NonFiniteLossError": "jdp.errors", "Preempted": "jdp.errors",
+            "ReplicaMismatchError": "jdp.errors", "UsageError": "jdp.errors", "TrainState": "jdp.step",
+            **{name: "jdp.trainer" for name in ("Callback", "FitError", "FitOptions", "FitResult", "Source", "fit")}}
+
+if TYPE_CHECKING:
+    from jdp.data.batching import Batcher
+    from jdp.errors import NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
+    from jdp.step import TrainState
+    from jdp.trainer import Callback, FitError, FitOptions, FitResult, Source, fit
 
 __all__ = ["Batcher", "Callback", "FitError", "FitOptions", "FitResult", "NonFiniteLossError", "Preempted",
            "ReplicaMismatchError", "Source", "TrainState", "UsageError", "fit", "initialize"]
 
 
+def __getattr__(name: str) -> object:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'jdp' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
 def initialize(*, coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
-               init_timeout_s: float = 120.0, heartbeat_timeout_s: float = 60.0) -> None:
+               init_timeout_s: float = 120.0, heartbeat_timeout_s: float = 60.0, bind_address: str = "") -> None:
     """Join a multi-process run (`jax.distributed`) from these arguments or the environment (JAX_*, torchrun's
     MASTER_ADDR/RANK/WORLD_SIZE, SLURM), as `python -m jdp.train` does; alone, nothing happens. Call it before
-    any other JAX work: JAX refuses to join once it has started."""
+    any other JAX work: JAX refuses to join once it has started. `bind_address` (HOST:PORT): where process 0's
+    coordinator listens ("" = JAX_COORDINATOR_BIND_ADDRESS, else every interface)."""
     from jdp import distributed
 
     job = distributed.resolve(coordinator=coordinator, num_processes=num_processes, process_id=process_id)
     if job is not None:
-        distributed.initialize(job, init_timeout_s=init_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s)
+        distributed.initialize(job, init_timeout_s=init_timeout_s, heartbeat_timeout_s=heartbeat_timeout_s,
+                               bind_address=bind_address)

@@ -252,7 +252,8 @@ class UserCallback(Action):
 
 
 class KillAfterStep(Action):
-    """`JDP_KILL_AT=step:STEP` (`jdp.faults`): SIGKILL after step STEP, once earlier checkpoints are written."""
+    """`JDP_KILL_AT=step:STEP` or `raise:STEP` (`jdp.faults`): SIGKILL or an exception after step STEP, once
+    checkpoints are written (before that step's eval)."""
 
     def __init__(self, step: int, checkpoints: Checkpoints | None) -> None:
         self.step, self.checkpoints = step, checkpoints
@@ -263,3 +264,4 @@ class KillAfterStep(Action):
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
         faults.kill_if_requested("step", step, before=self.checkpoints.checkpointer.wait if self.checkpoints else
                                  lambda: None)
+        faults.raise_if_requested(step)

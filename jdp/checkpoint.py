@@ -1,30 +1,58 @@
-"""Orbax checkpoints in WORKDIR/checkpoints: the full train state plus the data position.
+"""Orbax checkpoints in WORKDIR/checkpoints: the full train state plus the data position and a digest of every leaf.
 
-Saves are asynchronous (the devices wait only for the device-to-host copy) and atomic (orbax
-writes to a temporary directory and renames it when complete), so a kill at any moment leaves
-the previous checkpoints usable. Restore falls back past damaged checkpoints with a warning.
+Saves are asynchronous (the devices wait only for the device-to-host copy) and atomic (orbax writes to a
+temporary directory and renames it when complete), so a kill at any moment leaves the previous checkpoints
+usable. The digests (`jdp.digest`) are computed on orbax's save thread, before the rename, and checked on
+restore. Restore falls back past damaged checkpoints with a warning and moves them to WORKDIR/rejected, so that
+the step is saved anew; a checkpoint whose shapes no longer fit the model is a config change, not damage.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
 
+import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
-from jdp.faults import kill_if_requested
+from jdp import digest
+from jdp import distributed as distributed_lib
+from jdp.faults import kill_if_requested, signal_if_requested
 
 # Orbax logs every save at INFO through absl; jdp reports saves itself.
 logging.getLogger("absl").setLevel(logging.WARNING)
 
 
 # What a checkpoint holds: 2 = TrainState with the model's RNG state (format 1, before it, had none).
+# The leaf digests came later, within format 2: a checkpoint without them restores unchecked.
 FORMAT = 2
+REJECTED = "rejected"  # WORKDIR/rejected: checkpoints that failed their integrity check
 
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint where one was expected; the message names the directory and the cause."""
+
+
+class _DataHandler(ocp.handlers.JsonCheckpointHandler):
+    """orbax's JSON item, whose value may be a function: it is called on the save thread (the digests)."""
+
+    async def _save_fn(self, x: Any, directory: Any) -> None:
+        await super()._save_fn(x() if callable(x) else x, directory)
+
+
+@ocp.args.register_with_handler(_DataHandler, for_save=True)
+@dataclasses.dataclass
+class _DataSave(ocp.args.CheckpointArgs):
+    item: Any  # a JSON-able dict, or a function returning one
+
+
+@ocp.args.register_with_handler(_DataHandler, for_restore=True)
+@dataclasses.dataclass
+class _DataRestore(ocp.args.CheckpointArgs):
+    item: Any = None
 
 
 class Checkpointer:
@@ -44,40 +72,95 @@ class Checkpointer:
         if step in self._manager.all_steps():
             return
         data = {**data_position, "format": FORMAT}
+        # Process 0 writes the JSON item: it fetches the state to the host here (on CPU a view, which JAX keeps alive:
+        # it does not donate a buffer that has a view) and hashes it on the save thread.
+        host = jax.tree.map(np.asarray, state) if jax.process_index() == 0 else None
+
+        def with_digests() -> dict:
+            return {**data, "digests": digest.of_tree(host)} if host is not None else data
+
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                         data=ocp.args.JsonSave(data)), force=True)
+                                                         data=_DataSave(with_digests)), force=True)
         kill_if_requested("save", step)
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
 
-    def restore_latest(self, abstract_state: Any, warn) -> tuple[int, Any, dict[str, int]] | None:
-        """The newest checkpoint that restores into `abstract_state` (shapes, dtypes, shardings),
-        falling back past damaged ones; None when there is no checkpoint at all."""
-        steps = self.steps()
-        problems = []
-        for step in reversed(steps):
-            try:
-                data = self._manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
-                if data.get("format", 1) != FORMAT:
-                    raise CheckpointError(
-                        f"checkpoint {self.directory / str(step)} has format {data.get('format', 1)}, this jdp reads "
-                        f"format {FORMAT} (the model's RNG state was added); resume it with the jdp that wrote it, "
-                        "or start afresh in a new workdir")
-                restored = self._manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state)))
-            except CheckpointError:
-                raise
-            except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
-                problem = f"checkpoint {self.directory / str(step)} is unusable: {_first_line(e)}"
-                problems.append(problem)
-                warn(f"warning: {problem}; trying the previous one")
-                continue
-            return step, restored["state"], {k: v for k, v in data.items() if k != "format"}
+    def restore_latest(self, abstract_state: Any, warn, *, reject_damaged: bool = True, timeout_s: float = 120.0
+                       ) -> tuple[int, Any, dict[str, int]] | None:
+        """The newest checkpoint that restores into `abstract_state` (shapes, dtypes, shardings) and matches its
+        digests, falling back past damaged ones; None when there is no checkpoint at all. With `reject_damaged`,
+        damaged checkpoints newer than the one restored are moved to WORKDIR/rejected (every process of the run
+        must call this together)."""
+        signal_if_requested("restore")
+        problems, damaged = [], []
+        for step in reversed(self.steps()):
+            state, data, problem = self._restore(step, abstract_state)
+            if problem is None:
+                self._reject(damaged, warn, timeout_s)
+                return step, state, {k: v for k, v in data.items() if k not in ("format", "digests")}
+            problem = f"checkpoint {self.directory / str(step)} is unusable: {problem}"
+            problems.append(problem)
+            warn(f"warning: {problem}; trying the previous one")
+            if reject_damaged and (data is None or data.get("digests") is not None):  # known to be damage
+                damaged.append(step)
         if problems:
             raise CheckpointError(f"no usable checkpoint in {self.directory}: {problems[0]}; restore the files, "
                                   "or move the directory away to start afresh")
         return None
+
+    def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict | None, str | None]:
+        """(state, data item, None), or what is wrong with checkpoint `step`: (None, data item or None if it is
+        unreadable, the problem). Raises CheckpointError for a checkpoint that is intact but does not fit."""
+        try:
+            data = self._manager.restore(step, args=ocp.args.Composite(data=_DataRestore()))["data"]
+        except Exception as e:  # noqa: BLE001 - unreadable: damage
+            return None, None, _first_line(e)
+        self._check_format(step, data)
+        digests = data.get("digests")  # absent from checkpoints written before digests: restored unchecked
+        if digests is not None:
+            self._check_layout(step, digests, abstract_state)
+        try:
+            state = self._manager.restore(step, args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state)))["state"]
+        except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
+            return None, data, _first_line(e)
+        problem = digest.mismatch(digests, jax.tree.map(np.asarray, state)) if digests is not None else None
+        return (None if problem else state), data, problem
+
+    def _check_format(self, step: int, data: dict) -> None:
+        if data.get("format", 1) != FORMAT:
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} has format {data.get('format', 1)}, this jdp reads "
+                f"format {FORMAT} (the model's RNG state was added); resume it with the jdp that wrote it, "
+                "or start afresh in a new workdir")
+
+    def _check_layout(self, step: int, digests: dict, abstract_state: Any) -> None:
+        """Leaves, dtypes and shapes that differ from the model's are a config change (exit 2), not damage."""
+        difference = digest.layout_difference(digests, abstract_state)
+        if difference:
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} does not fit this model ({difference}); the model or "
+                "optimizer settings changed: resume with the settings that wrote it, or use a new --workdir")
+
+    def _reject(self, steps: list[int], warn, timeout_s: float) -> None:
+        """Moves damaged checkpoints aside (process 0, once every process has read them), so that those steps are
+        saved anew."""
+        if not steps:
+            return
+        distributed_lib.barrier("damaged checkpoints read", timeout_s)
+        if jax.process_index() == 0:
+            rejected = self.directory.parent / REJECTED
+            rejected.mkdir(exist_ok=True)
+            for step in steps:
+                target = rejected / str(step)
+                n = 1
+                while target.exists():
+                    target, n = rejected / f"{step}.{n}", n + 1
+                (self.directory / str(step)).rename(target)
+                warn(f"warning: moved the damaged checkpoint {self.directory / str(step)} to {target}")
+        distributed_lib.barrier("damaged checkpoints moved", timeout_s)
+        self._manager.reload()
 
     def close(self) -> None:
         self._manager.close()
@@ -86,4 +169,3 @@ class Checkpointer:
 def _first_line(error: Exception) -> str:
     text = str(error).strip().splitlines()
     return f"{type(error).__name__}: {text[0] if text else ''}"[:400]
-

@@ -14,6 +14,7 @@ import ml_collections
 
 from jdp import configs
 from jdp.errors import UsageError
+from jdp.files import write_atomic
 from jdp.parallel import BACKENDS
 from jdp.step import ALLREDUCE_DTYPES, COMPUTE_DTYPES, NONFINITE_POLICIES
 
@@ -21,8 +22,12 @@ DEFAULT_CONFIG = Path(configs.__file__).parent / "mnist1d_cnn.py"
 
 SCHEDULES = ("cosine", "linear", "constant")
 OPEN_SECTIONS = ("model.kwargs.",)  # keys a config may add: a user model's own settings
-# Settings a checkpoint's state depends on: changing them under a workdir is refused by default.
-STATE_DEFINING = ("model.", "optim.", "data.name", "data.shape", "data.num_classes", "data.image_size")
+# Settings that change what a run computes (its data order or its numerics): changing them when resuming a
+# workdir is refused by default. Paths, caches, lengths and periods are not among them.
+STATE_DEFINING = ("model.", "optim.", "task.", "loss_scale.", "seed", "precision", "train.global_batch_size",
+                  "train.grad_accum_steps", "parallel.allreduce_dtype", "parallel.sync_every", "data.name",
+                  "data.shape", "data.num_classes", "data.num_examples", "data.normalize", "data.augment",
+                  "data.image_size", "data.train_split")
 
 
 class ConfigError(UsageError):
@@ -202,7 +207,7 @@ def _validate_local_sgd(cfg: ml_collections.ConfigDict, per_device_step: bool) -
 
 
 def save_config(cfg: ml_collections.ConfigDict, path: Path) -> None:
-    path.write_text(json.dumps(cfg.to_dict(), indent=2, sort_keys=True, default=list) + "\n")
+    write_atomic(path, json.dumps(cfg.to_dict(), indent=2, sort_keys=True, default=list) + "\n")
 
 
 def load_saved_config(path: Path) -> ml_collections.ConfigDict:
@@ -217,9 +222,9 @@ def load_saved_config(path: Path) -> ml_collections.ConfigDict:
 
 
 def state_changes(old: ml_collections.ConfigDict, new: ml_collections.ConfigDict) -> list[str]:
-    """`key: old -> new` for each setting that changes the model or the optimizer."""
+    """`key: old -> new` for each setting that changes the data order or the numerics (STATE_DEFINING)."""
     return [f"{k}: {before!r} -> {after!r}" for k, before, after in differences(old.to_dict(), new.to_dict())
-            if k.startswith(STATE_DEFINING)]
+            if any(k == key or (key.endswith(".") and k.startswith(key)) for key in STATE_DEFINING)]
 
 
 def differences(a: dict, b: dict) -> list[tuple[str, object, object]]:

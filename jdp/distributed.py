@@ -19,6 +19,7 @@ JAX_LOCAL_DEVICE_IDS is set. Nothing set, or a process count of 1, is a single-p
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -193,13 +194,17 @@ def check_timeouts(init_timeout_s: float, heartbeat_timeout_s: float) -> None:
             raise DistributedUsageError(f"{name}={value} must be positive")
 
 
-def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float) -> None:
+def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, bind_address: str = "") -> None:
     """`jax.distributed.initialize` for `job`; must run before JAX touches a device.
 
     If not every process has joined after `init_timeout_s`, prints one line and ends the process with
     exit code 5 (JAX itself would abort later with a misleading message). A peer that stops sending
-    heartbeats for `heartbeat_timeout_s` makes JAX stop the survivors."""
+    heartbeats for `heartbeat_timeout_s` makes JAX stop the survivors, and a process that exits waits at
+    most as long for the others (JAX's shutdown barrier; 300 s by default). Process 0's coordinator
+    listens on `bind_address` (HOST:PORT; "" = JAX_COORDINATOR_BIND_ADDRESS, else every interface)."""
     check_timeouts(init_timeout_s, heartbeat_timeout_s)
+    if bind_address:
+        _address("distributed.bind_address", bind_address)
     message = (f"jdp: distributed: not all {job.num_processes} processes joined within {init_timeout_s:g} s "
                f"({job.describe()}); start every process with the same coordinator and process count, check that "
                "the coordinator is reachable from every host, or raise distributed.init_timeout_s")
@@ -212,7 +217,8 @@ def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float) -
             local_device_ids=list(job.local_device_ids) if job.local_device_ids else None,
             cluster_detection_method=None if job.auto_detect else "deactivate",
             initialization_timeout=math.ceil(init_timeout_s) + JAX_TIMEOUT_MARGIN_S,
-            heartbeat_timeout_seconds=math.ceil(heartbeat_timeout_s))
+            heartbeat_timeout_seconds=math.ceil(heartbeat_timeout_s),
+            shutdown_timeout_seconds=math.ceil(heartbeat_timeout_s), coordinator_bind_address=bind_address or None)
     except Exception as e:  # noqa: BLE001 - e.g. the coordinator's port is taken
         raise DistributedFailure(f"could not start ({job.describe()}): {first_line(e)}") from None
     finally:
@@ -252,6 +258,36 @@ def check_same_run(settings: dict, timeout_s: float) -> None:
             raise DistributedUsageError(f"process {index} was started with other settings than process 0 "
                                         f"({'; '.join(differing[:5])}); start every process with the same "
                                         "config, overrides and --workdir")
+
+
+_sequence = itertools.count()  # every process makes the same calls in the same order: the same key names
+
+
+def broadcast(name: str, value: str, timeout_s: float) -> str:
+    """Process 0's `value` on every process (through the coordinator's key-value store); alone, `value`."""
+    client = kvstore.client()
+    if client is None:
+        return value
+    key = f"jdp/broadcast/{name}/{next(_sequence)}"
+    if jax.process_index() == 0:
+        client.key_value_set(key, value)
+        return value
+    try:
+        return client.blocking_key_value_get(key, int(timeout_s * 1000))
+    except Exception as e:  # noqa: BLE001 - process 0 went away
+        raise DistributedFailure(f"process 0 did not report {name} within {timeout_s:g} s: {first_line(e)}") from None
+
+
+def barrier(name: str, timeout_s: float) -> None:
+    """Every process waits here until all have arrived; alone, nothing happens."""
+    client = kvstore.client()
+    if client is None:
+        return
+    try:
+        client.wait_at_barrier(f"jdp/barrier/{name}/{next(_sequence)}", int(timeout_s * 1000))
+    except Exception as e:  # noqa: BLE001 - a peer went away
+        raise DistributedFailure(f"not every process reached {name} within {timeout_s:g} s: "
+                                 f"{first_line(e)}") from None
 
 
 def run_settings(cfg_dict: dict, workdir: Path) -> dict:

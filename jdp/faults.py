@@ -1,7 +1,13 @@
-"""Deterministic crash points for the crash-safety tests, set through the environment. `JDP_KILL_AT=save:STEP`
-sends SIGKILL to this process in the middle of writing checkpoint STEP (its asynchronous write has started,
-not finished); `JDP_KILL_AT=step:STEP` right after step STEP, once earlier checkpoint writes are complete
-(`jdp.callbacks.KillAfterStep`). Unset, nothing happens."""
+"""Deterministic faults for the crash-safety tests, set through the environment as `JDP_KILL_AT=POINT:STEP`, or
+`POINT:STEP@PROCESS` for one process of a multi-process run. Unset, nothing happens.
+
+| POINT   | what happens                                                                                   |
+|---------|------------------------------------------------------------------------------------------------|
+| `save`  | SIGKILL in the middle of writing checkpoint STEP (its asynchronous write started, not finished) |
+| `step`  | SIGKILL right after step STEP, once checkpoint writes are complete, before that step's eval    |
+| `raise` | a RuntimeError right after step STEP: an unexpected exception                                  |
+| `restore` | SIGTERM to itself while restoring (STEP is ignored): a signal during start-up                |
+"""
 
 from __future__ import annotations
 
@@ -10,13 +16,38 @@ import signal
 from collections.abc import Callable
 
 
+def _requested(point: str) -> int | None:
+    """STEP of `JDP_KILL_AT=POINT:STEP[@PROCESS]` when it names `point` (and this process), else None."""
+    spec = os.environ.get("JDP_KILL_AT", "")
+    name, _, rest = spec.partition(":")
+    step, _, process = rest.partition("@")
+    if name != point or not step.lstrip("-").isdigit():
+        return None
+    if process:
+        import jax  # only when a process is named: jdp.faults is imported before JAX starts
+
+        if int(process) != jax.process_index():
+            return None
+    return int(step)
+
+
 def kill_if_requested(point: str, step: int, before: Callable[[], None] = lambda: None) -> None:
-    if os.environ.get("JDP_KILL_AT") == f"{point}:{step}":
+    if _requested(point) == step:
         before()
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+def raise_if_requested(step: int) -> None:
+    if _requested("raise") == step:
+        raise RuntimeError(f"JDP_KILL_AT=raise:{step}: a fault injected after step {step}")
+
+
+def signal_if_requested(point: str) -> None:
+    """SIGTERM to this process at `point` (`restore`), as a scheduler would send it."""
+    if _requested(point) is not None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
 def requested_step() -> int | None:
-    """STEP of `JDP_KILL_AT=step:STEP`, else None."""
-    point, _, step = os.environ.get("JDP_KILL_AT", "").partition(":")
-    return int(step) if point == "step" else None
+    """STEP of a `step` or `raise` fault for this process, else None: the step after which the loop acts."""
+    return next((s for s in map(_requested, ("step", "raise")) if s is not None), None)

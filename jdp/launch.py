@@ -2,7 +2,8 @@
 like `torchrun --standalone`.
 
 Each child gets torchrun's variables (MASTER_ADDR=127.0.0.1, MASTER_PORT=a free port, RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE) and, with --cpu_devices, that many simulated CPU devices
+LOCAL_RANK, LOCAL_WORLD_SIZE), JAX_COORDINATOR_BIND_ADDRESS=127.0.0.1:PORT (process 0's coordinator listens on
+loopback only, not on every interface) and, with --cpu_devices, that many simulated CPU devices
 (JAX_NUM_CPU_DEVICES, JAX_PLATFORMS=cpu). Every line a child prints comes out prefixed with its rank,
 `[0] ...`. SIGINT and SIGTERM are passed on to every child (a jdp.train child checkpoints and exits 75); after a
 second one, children still running --grace_s later get SIGKILL.
@@ -25,7 +26,8 @@ import time
 from typing import IO
 
 # Variables of other conventions that would take precedence over the launcher's in jdp.distributed.
-_CLEARED = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS")
+_CLEARED = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS",
+            "JAX_COORDINATOR_BIND_ADDRESS")
 _PR_SET_PDEATHSIG = 1
 PREEMPTED = 75  # jdp.train's exit code after a SIGTERM/SIGINT and a checkpoint
 
@@ -40,7 +42,8 @@ def free_port() -> int:
 def child_env(base: dict[str, str], *, rank: int, nprocs: int, port: int, cpu_devices: int) -> dict[str, str]:
     env = {k: v for k, v in base.items() if k not in _CLEARED}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nprocs),
-               LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs), PYTHONUNBUFFERED="1")
+               LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs), PYTHONUNBUFFERED="1",
+               JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")
     if cpu_devices:
         env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
         env.setdefault("JAX_PLATFORMS", "cpu")
@@ -94,7 +97,7 @@ class Launcher:
                 self._pumps.append(threading.Thread(target=self._pump, args=(rank, stream, sink), daemon=True))
                 self._pumps[-1].start()
         pids = ", ".join(f"rank {rank} pid {child.pid}" for rank, child in enumerate(self.children))
-        self.say(f"{self.nprocs} processes, coordinator 127.0.0.1:{self.port}: {pids}")
+        self.say(f"{self.nprocs} processes, coordinator 127.0.0.1:{self.port} (loopback only): {pids}")
 
     def _signal_all(self, signum: int) -> None:
         for child in self.children:

@@ -4,6 +4,7 @@ parallelism and the periodic actions of `jdp.callbacks`, then the summary."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from pathlib import Path
 from typing import Any
@@ -11,11 +12,14 @@ from typing import Any
 import jax
 
 from jdp import callbacks as actions_lib
-from jdp import faults, noise_scale
+from jdp import distributed as distributed_lib
+from jdp import faults, noise_scale, workdir_lock
 from jdp.checkpoint import Checkpointer
 from jdp.errors import NonFiniteLossError
 from jdp.metrics import MetricsWriter, ThroughputClock
 from jdp.preemption import PreemptionRequest
+
+RESULTS_TIMEOUT_S = 120.0  # process 0 reads metrics.jsonl while the others wait for its answer
 
 
 @dataclasses.dataclass
@@ -28,7 +32,15 @@ class Outcome:
 
 
 def train(engine: Any, options: Any, steps: int, global_batch_size: int) -> Outcome:
-    """Runs `engine` (a `jdp.trainer.Engine`) to `steps` with `options` (`jdp.FitOptions`)."""
+    """Runs `engine` (a `jdp.trainer.Engine`) to `steps` with `options` (`jdp.FitOptions`), holding the workdir's
+    lock (`jdp.workdir_lock`) throughout."""
+    if options.workdir is None:
+        return _train(engine, options, steps, global_batch_size)
+    with workdir_lock.held(options.workdir):
+        return _train(engine, options, steps, global_batch_size)
+
+
+def _train(engine: Any, options: Any, steps: int, global_batch_size: int) -> Outcome:
     t_start = time.perf_counter()
     parallel, source = engine.parallel, engine.source
     workdir = Path(options.workdir) if options.workdir is not None else None
@@ -45,25 +57,32 @@ def train(engine: Any, options: Any, steps: int, global_batch_size: int) -> Outc
     log = actions_lib.TrainLog(run, options.log_every, options.precision)
     evaluation = actions_lib.Evaluation(run, options.eval_every)
     checkpoints = actions_lib.Checkpoints(run, checkpointer) if checkpointer is not None else None
+    eval_missing, summary_missing = _missing_results(run, options.eval_every)
     try:
         if start < steps:
+            if eval_missing:  # the run was stopped between saving the checkpoint at `start` and its eval line
+                evaluation.on_step(start, {}, run.state)
             with PreemptionRequest() as preemption:
+                kill_at = faults.requested_step()
                 actions = [log, actions_lib.NonFiniteGuard(run, options.on_nonfinite, options.sync_every,
                                                            options.precision),
                            actions_lib.StopOnSignal(run, preemption, checkpoints, options.sync_every),
                            actions_lib.ReplicaCheck(run, options.check_replicas_every),
-                           *([checkpoints] if checkpoints else []), evaluation,
+                           *([checkpoints] if checkpoints else []),
+                           *([actions_lib.KillAfterStep(kill_at, checkpoints)] if kill_at is not None else []),
+                           evaluation,
                            *([actions_lib.Profile(run, *options.profile_steps)]
                              if options.profile_steps and workdir is not None else []),
                            *[actions_lib.UserCallback(run, c) for c in options.callbacks]]
-                kill_at = faults.requested_step()
-                if kill_at is not None:
-                    actions.append(actions_lib.KillAfterStep(kill_at, checkpoints))
                 _steps(run, actions)
             _summary(run, log, evaluation, checkpoints, time.perf_counter() - t_start)
         else:
             writer.echo(f"nothing to do: {workdir} is at step {start}, steps is {steps}")
             evaluation.metrics = parallel.evaluate(run.state, source.eval_batches())
+            if eval_missing and evaluation.metrics:  # stopped during the final eval: write what it lost
+                writer.eval(start, evaluation.metrics)
+            if summary_missing:  # the timings died with the process that trained; the eval results are known
+                writer.summary(**{f"eval_{k}": v for k, v in evaluation.metrics.items()})
     except NonFiniteLossError:
         # The compiled step froze the state before the bad update: keep it for inspection and resume, if the
         # replicas agree on it (under local SGD they do at sync points only).
@@ -78,6 +97,18 @@ def train(engine: Any, options: Any, steps: int, global_batch_size: int) -> Outc
         writer.close()
     final = parallel.to_host(parallel.to_logical(run.state))
     return Outcome(int(final.step), log.losses, evaluation.metrics, run.clock.rate(), final)
+
+
+def _missing_results(run: actions_lib.Run, eval_every: int) -> tuple[bool, bool]:
+    """(the eval due at the resume step has no line, the finished run has no summary line), as process 0 reads
+    metrics.jsonl; every process gets its answer, since an eval runs on all of them."""
+    if run.workdir is None or run.start == 0:
+        return False, False
+    finished = run.start >= run.steps
+    eval_due = finished or bool(eval_every and run.start % eval_every == 0)
+    missing = (eval_due and run.start not in run.writer.eval_steps, finished and not run.writer.summary_written)
+    answer = distributed_lib.broadcast("missing results", json.dumps(missing), RESULTS_TIMEOUT_S)
+    return tuple(json.loads(answer))
 
 
 def _steps(run: actions_lib.Run, actions: list[actions_lib.Action]) -> None:

@@ -11,6 +11,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from jdp.files import write_atomic
+
 
 class ThroughputClock:
     """Counts examples per second of training only: pause it around eval and checkpoints."""
@@ -57,16 +59,19 @@ class MetricsWriter:
         """`resume`: drop the lines past `start_step` that an interrupted run wrote, then append.
         Without a `workdir` only progress is shown."""
         self.enabled = enabled
+        self.eval_steps: set[int] = set()  # steps with an eval line in the file (process 0)
+        self.summary_written = False  # the file ends with a summary line (process 0)
         if not enabled:
             return
         self._start = time.time()
-        self._file = self._tb = None
+        self._workdir, self._file, self._tb = workdir, None, None
         if workdir is not None:
             path = workdir / "metrics.jsonl"
-            if resume and path.exists():
-                _truncate_after(path, start_step)
+            if path.exists():
+                records = _truncate_after(path, start_step) if resume else _records(path)
+                self.eval_steps = {r["step"] for r in records if r.get("split") == "eval"}
+                self.summary_written = bool(records) and records[-1].get("split") == "summary"
             self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
-            self._tb = _tensorboard_writer(workdir)
         self._bar = (tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
                      if sys.stderr.isatty() else None)
 
@@ -76,7 +81,9 @@ class MetricsWriter:
         record = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
         if self._file is not None:
             self._file.write(json.dumps(record, allow_nan=False) + "\n")
-        if self._tb is not None:
+        if self._tb is None and self._workdir is not None:  # opened on the first line: a rerun with nothing to
+            self._tb = _tensorboard_writer(self._workdir) or False  # do leaves no new event file
+        if self._tb:
             for key, value in record.items():
                 if key not in ("step", "split", "wall_time") and isinstance(value, (int, float)):
                     self._tb.add_scalar(f"{record['split']}/{key}", value, record.get("step", 0))
@@ -113,7 +120,7 @@ class MetricsWriter:
             return
         if self._bar is not None:
             self._bar.close()
-        if self._tb is not None:
+        if self._tb:
             self._tb.close()
         if self._file is not None:
             self._file.close()
@@ -126,20 +133,56 @@ def _short(metrics: dict[str, float]) -> str:
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The records of RUN_DIR/metrics.jsonl, in order."""
+    """The records of RUN_DIR/metrics.jsonl, in order (lines that are not JSON are left out, with a warning)."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; pass run directories written by python -m jdp.train")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return _records(path)
 
 
-def _truncate_after(path: Path, step: int) -> None:
-    """Keep the train and eval lines up to `step` (atomically), so a resumed run has no duplicates."""
-    records = read_metrics(path.parent)
-    kept = [r for r in records if r.get("split") in ("train", "eval") and r["step"] <= step]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-    tmp.replace(path)
+def _records(path: Path) -> list[dict]:
+    return [record for _, record in _parse(path) if record is not None]
+
+
+def _parse(path: Path) -> list[tuple[str, dict | None]]:
+    """(line, record or None) for each non-empty line. An unparsable last line (a write cut short by a crash or a
+    full disk) is dropped; one elsewhere is kept as None. Both with a warning."""
+    lines = path.read_text().splitlines()
+    parsed = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:
+            if number == len(lines):
+                _warn(f"the last line ({number}) of {path} is cut short; dropping it")
+                continue
+            _warn(f"line {number} of {path} is not JSON; keeping it as it is")
+            record = None
+        parsed.append((line, record))
+    return parsed
+
+
+def _truncate_after(path: Path, step: int) -> list[dict]:
+    """Drops the train and eval lines past `step`, and the summary lines after them, so that a resumed run has no
+    duplicates; a finished run's summary stays. Rewrites the file atomically if anything changed. Returns the
+    records kept."""
+    text = path.read_text()
+    kept, beyond = [], False
+    for line, record in _parse(path):
+        if record is not None and record.get("split") in ("train", "eval") and record.get("step", 0) > step:
+            beyond = True
+        elif record is None or not (beyond and record.get("split") == "summary"):
+            kept.append((line, record))
+    new_text = "".join(line + "\n" for line, _ in kept)
+    if new_text != text:
+        write_atomic(path, new_text)
+    return [record for _, record in kept if record is not None]
+
+
+def _warn(line: str) -> None:
+    print(f"jdp: warning: {line}", file=sys.stderr, flush=True)
 
 
 def _tensorboard_writer(workdir: Path):

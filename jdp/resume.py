@@ -3,6 +3,8 @@ evaluation or export, and starting a new run from an exported parameter file (`i
 
 from __future__ import annotations
 
+import json
+import time
 from pathlib import Path
 
 import ml_collections
@@ -28,7 +30,14 @@ def initialised_from(path: str, model: nnx.Module) -> nnx.Module:
     return model
 
 
+def committed_steps(workdir: Path) -> list[int]:
+    """The steps of WORKDIR/checkpoints that orbax committed (renamed from their temporary names), ascending."""
+    return sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
+
+
 def check_workdir_config(cfg: ml_collections.ConfigDict, workdir: Path, echo) -> None:
+    """Refuses to resume `workdir` with settings that change the data order or the numerics (ConfigError),
+    unless checkpoint.allow_config_change is set."""
     saved = workdir / "config.json"
     if not saved.exists():
         return
@@ -36,11 +45,21 @@ def check_workdir_config(cfg: ml_collections.ConfigDict, workdir: Path, echo) ->
     changes = config_lib.state_changes(old, cfg)
     if changes and not cfg.checkpoint.allow_config_change:
         raise config_lib.ConfigError(
-            f"{workdir} holds a run whose model or optimizer differs ({'; '.join(changes)}); use a new --workdir, "
-            "or pass --config.checkpoint.allow_config_change=True")
+            f"{workdir} holds a run with other settings that change the data order or the numerics "
+            f"({'; '.join(changes)}); use a new --workdir, or pass --config.checkpoint.allow_config_change=True")
     if cfg.train.steps != old.train.steps:
         echo(f"warning: train.steps changed from {old.train.steps} to {cfg.train.steps}: the learning-rate "
              "schedule changes from here on")
+
+
+def record_config(cfg: ml_collections.ConfigDict, workdir: Path) -> None:
+    """config.json (the config in force, which `--workdir W` alone continues with) and one line per run segment
+    appended to config_history.jsonl, so the settings of earlier segments are kept. Process 0 only."""
+    config_lib.save_config(cfg, workdir / "config.json")
+    line = {"time_unix": round(time.time(), 3), "latest_checkpoint_step": max(committed_steps(workdir), default=0),
+            "config": cfg.to_dict()}
+    with open(workdir / "config_history.jsonl", "a") as f:
+        f.write(json.dumps(line, sort_keys=True, default=list) + "\n")
 
 
 def restore_for_inference(workdir: Path) -> tuple[int, Engine, TrainState]:
@@ -52,7 +71,7 @@ def restore_for_inference(workdir: Path) -> tuple[int, Engine, TrainState]:
     engine = build(cfg)
     checkpointer = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0)
     try:
-        restored = checkpointer.restore_latest(engine.abstract_state, print)
+        restored = checkpointer.restore_latest(engine.abstract_state, print, reject_damaged=False)
     finally:
         checkpointer.close()
     if restored is None:

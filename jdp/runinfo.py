@@ -13,6 +13,8 @@ from pathlib import Path
 import jax
 from jax.sharding import Mesh
 
+from jdp.files import write_atomic
+
 
 def _version(package: str) -> str | None:
     try:
@@ -48,4 +50,4 @@ def run_metadata(mesh: Mesh) -> dict:
 
 
 def write_run_metadata(workdir: Path, mesh: Mesh) -> None:
-    (workdir / "run.json").write_text(json.dumps(run_metadata(mesh), indent=2) + "\n")
+    write_atomic(workdir / "run.json", json.dumps(run_metadata(mesh), indent=2) + "\n")

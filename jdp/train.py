@@ -1,12 +1,19 @@
 """`python -m jdp.train`: the command line, and `run(config)`, which builds the config's task and trains it
 with `jdp.fit`."""
 
+# ruff: noqa: E402 - the signal handler goes in before the seconds of imports below
 from __future__ import annotations
+
+from jdp import preemption
+
+if __name__ == "__main__":  # a SIGTERM from here until training starts exits 75: safe to requeue
+    preemption.exit_on_signal()
 
 import argparse
 import dataclasses
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import jax
@@ -14,18 +21,19 @@ import ml_collections
 
 from jdp import config as config_lib
 from jdp import distributed as distributed_lib
-from jdp import trainer
+from jdp import trainer, workdir_lock
 from jdp.checkpoint import CheckpointError
 from jdp.errors import NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
 from jdp.mesh import make_mesh, simulate_cpu_devices
 from jdp.metrics import MetricsWriter
-from jdp.resume import check_workdir_config, initialised_from, restore_for_inference
+from jdp.resume import check_workdir_config, committed_steps, initialised_from, record_config, restore_for_inference
 from jdp.runinfo import write_run_metadata
 from jdp.task import build, build_task  # noqa: F401 - build is part of jdp.train's API
 from jdp.trainer import FitResult
 from jdp.xla_flags import apply_communication_flags
 
-EXIT_OK, EXIT_USAGE, EXIT_NONFINITE, EXIT_REPLICAS_DIFFER, EXIT_DISTRIBUTED, EXIT_PREEMPTED = 0, 2, 3, 4, 5, 75
+EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_NONFINITE, EXIT_REPLICAS_DIFFER, EXIT_DISTRIBUTED = 0, 1, 2, 3, 4, 5
+EXIT_PREEMPTED = preemption.EXIT_PREEMPTED
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
@@ -34,21 +42,24 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
     Raises ConfigError before compiling anything if the config is bad."""
     task = build_task(cfg)
     workdir = Path(workdir)
-    resuming = any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*"))  # committed steps only
-    if resuming:
-        check_workdir_config(cfg, workdir, print if jax.process_index() == 0 else lambda *_: None)
-    if jax.process_index() == 0:
-        workdir.mkdir(parents=True, exist_ok=True)
-        config_lib.save_config(cfg, workdir / "config.json")
-        write_run_metadata(workdir, make_mesh(cfg.parallel.num_devices))
-        if jax.devices()[0].platform == "gpu":
-            print(f"jdp: XLA_FLAGS in force: {os.environ.get('XLA_FLAGS', '')}")
-    model = task.make_model
-    if cfg.init_from and not resuming:
-        model = initialised_from(cfg.init_from, task.make_model())
-    return trainer.run(model, task.loss_fn, task.source, optimizer=task.optimizer, steps=task.steps,
-                       global_batch_size=task.global_batch_size,
-                       options=dataclasses.replace(task.options, workdir=workdir))
+    timeout_s = cfg.distributed.init_timeout_s
+    with workdir_lock.held(workdir, timeout_s):
+        steps = committed_steps(workdir)
+        if steps:
+            check_workdir_config(cfg, workdir, print if jax.process_index() == 0 else lambda *_: None)
+        distributed_lib.barrier("config checked", timeout_s)  # every process has read config.json: rewrite it
+        finished = bool(steps) and steps[-1] >= cfg.train.steps  # a rerun of a finished run records nothing
+        if jax.process_index() == 0 and not finished:
+            record_config(cfg, workdir)
+            write_run_metadata(workdir, make_mesh(cfg.parallel.num_devices))
+            if jax.devices()[0].platform == "gpu":
+                print(f"jdp: XLA_FLAGS in force: {os.environ.get('XLA_FLAGS', '')}")
+        model = task.make_model
+        if cfg.init_from and not steps:
+            model = initialised_from(cfg.init_from, task.make_model())
+        return trainer.run(model, task.loss_fn, task.source, optimizer=task.optimizer, steps=task.steps,
+                           global_batch_size=task.global_batch_size,
+                           options=dataclasses.replace(task.options, workdir=workdir))
 
 
 def evaluate_checkpoint(workdir: Path) -> dict[str, float]:
@@ -105,6 +116,11 @@ def _enable_compilation_cache(cache_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with preemption.ExitOnSignal():  # already in force when run as python -m jdp.train
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     failures = [(distributed_lib.DistributedUsageError, EXIT_USAGE, "distributed"),
                 (config_lib.ConfigError, EXIT_USAGE, "config error"), (UsageError, EXIT_USAGE, "error"),
                 (CheckpointError, EXIT_USAGE, "checkpoint"),
@@ -121,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         simulate_cpu_devices(cfg.parallel.cpu_devices)  # before initialize, which fixes the device count
         if job is not None:
             distributed_lib.initialize(job, init_timeout_s=cfg.distributed.init_timeout_s,
-                                       heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s)
+                                       heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s,
+                                       bind_address=cfg.distributed.bind_address)
             distributed_lib.check_same_run(distributed_lib.run_settings(cfg.to_dict(), command.workdir),
                                            timeout_s=cfg.distributed.init_timeout_s)
         _enable_compilation_cache(cfg.compile_cache_dir)
@@ -135,11 +152,24 @@ def main(argv: list[str] | None = None) -> int:
         return code
     except jax.errors.JaxRuntimeError as e:  # a collective or barrier whose peer is gone
         if not distributed_lib.is_peer_failure(e):
-            raise
+            return _unexpected()
         print(f"jdp: distributed: process {jax.process_index()} of {jax.process_count()} stopped: another process "
               f"or the coordinator failed ({distributed_lib.first_line(e)})", file=sys.stderr)
         return EXIT_DISTRIBUTED
+    except Exception:  # noqa: BLE001 - a bug or an unforeseen failure
+        return _unexpected()
     return EXIT_OK
+
+
+def _unexpected() -> int:
+    """One traceback and exit code 1. In a multi-process run at once: a normal exit would wait in JAX's shutdown
+    barrier for processes that are themselves waiting for this one in a collective."""
+    traceback.print_exc()
+    if jax.distributed.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_UNEXPECTED)
+    return EXIT_UNEXPECTED
 
 
 if __name__ == "__main__":

@@ -1,10 +1,13 @@
 """Checkpoints, exact resume and failure handling."""
 
+import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -21,6 +24,7 @@ from tests.helpers import records, small_config, train_losses
 RUN = ["--config", "configs/mnist1d_mlp.py", "--config.model.kwargs.hidden_sizes=(32,)", "--config.train.steps=12",
        "--config.train.log_every=1", "--config.train.eval_every=6", "--config.checkpoint.every_steps=4"]
 ENV = {**os.environ, "JAX_NUM_CPU_DEVICES": "2"}
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def train(workdir, *args, env=None, timeout=120):
@@ -29,11 +33,17 @@ def train(workdir, *args, env=None, timeout=120):
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
+def reference(tmp_path_factory):
+    """The uninterrupted run's workdir."""
     workdir = tmp_path_factory.mktemp("uninterrupted")
     out = train(workdir, *RUN)
     assert out.returncode == 0, out.stderr
-    return train_losses(workdir)
+    return workdir
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(reference):
+    return train_losses(reference)
 
 
 @pytest.mark.parametrize("kill_at", ["step:7", "save:8"])
@@ -68,6 +78,16 @@ def test_a_real_kill_at_an_arbitrary_moment(tmp_path):
     assert train_losses(tmp_path / "run") == train_losses(reference)
 
 
+def test_a_crash_campaign_of_three_kills():
+    """scripts/crash_campaign.py, small: one run killed three times at seeded moments (seed 1: twice during a save,
+    once from outside), then rerun and compared bitwise with an uninterrupted run."""
+    out = subprocess.run([sys.executable, "scripts/crash_campaign.py", "--kills", "3", "--kills_per_run", "3",
+                          "--seed", "1", "--steps", "12"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=ENV)
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    assert out.stdout.splitlines()[-1] == "survived 3 / tried 3"
+
+
 def test_sigterm_checkpoints_and_exits_75(tmp_path):
     args = [*RUN, "--config.train.steps=100000", "--config.checkpoint.every_steps=0"]
     proc = subprocess.Popen([sys.executable, "-m", "jdp.train", "--workdir", str(tmp_path), *args],
@@ -92,24 +112,84 @@ def test_sigterm_checkpoints_and_exits_75(tmp_path):
     assert [s for s, _ in train_losses(tmp_path)][-3:] == [step, step + 1, step + 2]
 
 
-def test_a_damaged_checkpoint_falls_back_to_the_previous_one(uninterrupted, tmp_path):
+def evals(workdir):
+    return [(r["step"], r["loss"], r["accuracy"]) for r in records(workdir, "eval")]
+
+
+def _change_a_stored_value(checkpoint):
+    """Rewrites one value of the stored first kernel through tensorstore (the store orbax writes): the checkpoint
+    stays readable and consistent, with a wrong value, as flipped bits in its data file can leave it."""
+    import tensorstore as ts
+
+    kernel = ts.open({"driver": "zarr", "kvstore": {"driver": "ocdbt", "base": f"file://{checkpoint / 'state'}",
+                                                    "path": "params.layers.0.kernel/"}}).result()
+    kernel[3, 5].write(kernel[3, 5].read().result() + 1).result()
+
+
+def test_a_damaged_checkpoint_is_moved_aside_and_saved_anew(reference, tmp_path):
     assert train(tmp_path, *RUN).returncode == 0
     damaged = tmp_path / "checkpoints" / "12"
-    for path in damaged.rglob("*"):  # truncate every file of the newest checkpoint
-        if path.is_file():
-            path.write_bytes(path.read_bytes()[:5])
-    out = train(tmp_path, "--config.train.steps=16")
+    _change_a_stored_value(damaged)  # the final checkpoint: without digests it restores without complaint
+    out = train(tmp_path)  # the same run again
     assert out.returncode == 0, out.stderr
-    assert f"warning: checkpoint {damaged} is unusable" in out.stdout
+    assert (f"warning: checkpoint {damaged} is unusable: the digest of .params['layers'][0]['kernel'] does not match "
+            "the one saved with it (damaged bytes); trying the previous one") in out.stdout
+    assert f"warning: moved the damaged checkpoint {damaged} to {tmp_path / 'rejected' / '12'}" in out.stdout
     assert "resumed from" in out.stdout and "checkpoints/8" in out.stdout
+    assert train_losses(tmp_path) == train_losses(reference)  # steps 9-12 trained again, bitwise
+    assert evals(tmp_path) == evals(reference)
+    out = train(tmp_path)  # step 12 was saved anew: nothing to do, nothing unusable
+    assert out.returncode == 0 and "nothing to do" in out.stdout and "unusable" not in out.stdout, out.stdout
 
-    for step in ("8", "12", "16"):
+    for step in ("4", "8", "12"):
         for path in (tmp_path / "checkpoints" / step).rglob("*"):
             if path.is_file():
                 path.unlink()
     out = train(tmp_path, "--config.train.steps=20")
     assert out.returncode == 2
     assert f"no usable checkpoint in {tmp_path / 'checkpoints'}" in out.stderr and "Traceback" not in out.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["12", "4", "8"]  # none usable: none moved
+
+
+def test_a_kill_before_an_eval_loses_no_result(reference, tmp_path):
+    """Killed after checkpoint 12 was written, before its (final) eval: the rerun writes that eval and the summary,
+    and nothing else; a further rerun writes nothing; a run resumed at such a step redoes its eval."""
+    finished, extended = tmp_path / "finished", tmp_path / "extended"
+    assert train(finished, *RUN, env={"JDP_KILL_AT": "step:12"}).returncode == -signal.SIGKILL
+    shutil.copytree(finished, extended)
+    holder = (finished / "jdp.lock").read_text()  # the killed process's lock file: it does not block the rerun
+    out = train(finished)
+    assert out.returncode == 0 and "nothing to do" in out.stdout, out.stderr
+    assert (finished / "jdp.lock").read_text() != holder
+    assert evals(finished) == evals(reference)
+    assert [r["split"] for r in records(finished, "summary")] == ["summary"]
+    written = {p: p.read_bytes() for p in finished.rglob("*") if p.is_file() and p.name != "jdp.lock"}
+    out = train(finished)  # rerunning the finished run: nothing to do, nothing written, the summary kept
+    assert out.returncode == 0 and "nothing to do" in out.stdout, out.stderr
+    assert {p: p.read_bytes() for p in finished.rglob("*") if p.is_file() and p.name != "jdp.lock"} == written
+
+    out = train(extended, "--config.train.steps=16")
+    assert out.returncode == 0, out.stderr
+    assert evals(extended)[:2] == evals(reference)
+    lines = [(r["split"], r.get("step")) for r in records(extended, "train") + records(extended, "eval")]
+    assert lines.count(("eval", 12)) == 1 and ("eval", 16) in lines
+    history = [json.loads(line) for line in (extended / "config_history.jsonl").read_text().splitlines()]
+    assert [(h["latest_checkpoint_step"], h["config"]["train"]["steps"]) for h in history] == [(0, 12), (12, 16)]
+
+
+def test_sigterm_during_start_up_or_restore_exits_75(tmp_path):
+    """Safe to requeue: nothing was trained since the last checkpoint."""
+    out = train(tmp_path, *RUN, env={"JDP_KILL_AT": "restore:0"})  # SIGTERM while restoring
+    assert out.returncode == 75, out.stderr
+    assert out.stderr.strip().splitlines()[-1] == (
+        "jdp: preempted: SIGTERM outside the training steps; exiting with code 75 (no step was lost: a rerun "
+        "resumes from the last checkpoint, or starts over without one)")
+    proc = subprocess.Popen([sys.executable, "-m", "jdp.train", "--workdir", str(tmp_path), *RUN],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    time.sleep(1.0)  # still importing JAX (about 3 s here)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 75 and "Traceback" not in err, err
 
 
 def test_a_changed_model_is_refused_with_the_differing_keys(tmp_path):
@@ -118,10 +198,14 @@ def test_a_changed_model_is_refused_with_the_differing_keys(tmp_path):
     assert out.returncode == 2
     assert "model.kwargs.hidden_sizes: (32,) -> (64,)" in out.stderr and "optim.lr: 0.01 -> 0.5" in out.stderr
     assert "allow_config_change=True" in out.stderr
-    # Allowed on purpose, the shapes no longer fit: every checkpoint is named as unusable.
+    # Allowed on purpose, the shapes no longer fit: a config change, not damage, so nothing is moved aside.
     out = train(tmp_path, *RUN, "--config.model.kwargs.hidden_sizes=(64,)",
                 "--config.checkpoint.allow_config_change=True")
-    assert out.returncode == 2 and "not compatible with the stored shape" in out.stderr
+    assert out.returncode == 2
+    assert (f"checkpoint {tmp_path / 'checkpoints' / '12'} does not fit this model (.params['layers'][0]['bias'] is "
+            "float32(32,) there, float32(64,) in the model)") in out.stderr
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["12", "4", "8"]
+    assert not (tmp_path / "rejected").exists()
 
 
 def test_elastic_restore_from_8_devices_to_4_and_1(tmp_path):

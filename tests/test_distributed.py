@@ -4,10 +4,13 @@ failure modes: missing peer, killed peer, bad variables."""
 
 from __future__ import annotations
 
+import fcntl
+import ipaddress
 import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -182,6 +185,9 @@ def test_killed_peer_stops_the_launcher(tmp_path):
             assert launcher.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
             time.sleep(0.2)
         pids = {int(rank): int(pid) for rank, pid in re.findall(r"rank (\d+) pid (\d+)", out.read_text())}
+        port = int(re.search(r"coordinator 127\.0\.0\.1:(\d+)", out.read_text())[1])
+        listening = listening_addresses(port)  # gRPC's IPv6 socket shows 127.0.0.1 as ::ffff:127.0.0.1
+        assert listening and all(_loopback(address) for address in listening), listening  # not [::] nor 0.0.0.0
         t0 = time.monotonic()
         os.kill(pids[1], signal.SIGKILL)
         code = launcher.wait(timeout=30)
@@ -193,6 +199,74 @@ def test_killed_peer_stops_the_launcher(tmp_path):
     assert detected_s < 10
     assert not any(_alive(pid) for pid in pids.values())
     assert "[launch] rank 1 exited with code 137; stopping the others" in out.read_text()
+
+
+def listening_addresses(port: int) -> list[str]:
+    """The local addresses of the TCP sockets listening on `port` (IPv4 and IPv6), from /proc/net."""
+    found = []
+    for table, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
+        for row in Path(table).read_text().splitlines()[1:]:
+            local, state = row.split()[1], row.split()[3]
+            address, local_port = local.split(":")
+            if state == "0A" and int(local_port, 16) == port:  # 0A: LISTEN
+                raw = bytes.fromhex(address)  # 32-bit words in host (little-endian) order
+                found.append(socket.inet_ntop(family, b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))))
+    return found
+
+
+def _loopback(address: str) -> bool:
+    ip = ipaddress.ip_address(address)
+    return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+
+def test_an_exception_in_one_process_ends_the_launch(tmp_path):
+    """Rank 1 raises after step 3: it prints one traceback and exits 1 at once (not after JAX's 300 s shutdown
+    barrier), and the launcher stops rank 0, which waits for it in the next step's collective."""
+    out = tmp_path / "launch.log"
+    t0, raised = time.monotonic(), None
+    launcher = start([sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--cpu_devices", "2", "--grace_s", "2", "--",
+                      *TRAIN, *ARGS, "--config.train.steps=100000", "--config.train.eval_every=100000",
+                      "--workdir", str(tmp_path / "run")], clean_env(JDP_KILL_AT="raise:3@1"), out)
+    try:
+        while launcher.poll() is None and time.monotonic() - t0 < 60:
+            if raised is None and "Traceback" in out.read_text():
+                raised = time.monotonic()
+            time.sleep(0.05)
+        code = launcher.wait(timeout=0.1)
+    finally:
+        finish([launcher], timeout=0.1)
+    ended, log = time.monotonic(), out.read_text()
+    print(f"launch ended with {code} {ended - t0:.1f} s after its start, {ended - (raised or t0):.1f} s after the "
+          "exception")
+    # Without the fix rank 1 waits in JAX's shutdown barrier, then every rank aborts (134). The whole launch takes
+    # ~13 s on 2 idle cores (start-up and compilation included); the time after the exception is what the fix sets.
+    assert code == 1 and raised is not None and ended - raised < 10 and ended - t0 < 45, log[-3000:]
+    assert "[launch] rank 1 exited with code 1; stopping the others" in log
+    assert log.count("Traceback") == 1 and "[1] RuntimeError: JDP_KILL_AT=raise:3: a fault injected after step 3" in log
+    pids = [int(pid) for pid in re.findall(r"rank \d+ pid (\d+)", log)]
+    assert len(pids) == 2 and not any(_alive(pid) for pid in pids)
+
+
+def test_every_process_of_a_second_run_on_a_workdir_stops(tmp_path):
+    """Another run holds the workdir's lock: both processes of this one exit 2 naming it, before anything compiles."""
+    workdir, port = tmp_path / "run", launch.free_port()
+    workdir.mkdir()
+    lock = workdir / "jdp.lock"
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        os.write(fd, b"otherhost:4242\n")
+        procs = [start([*TRAIN, *ARGS, "--cpu_devices", "1", "--workdir", str(workdir)],
+                       clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2"),
+                       tmp_path / f"rank{rank}.log") for rank in range(2)]
+        codes = finish(procs, timeout=60)
+    finally:
+        os.close(fd)
+    assert codes == [2, 2], (tmp_path / "rank1.log").read_text()[-2000:]
+    for rank in range(2):
+        assert (f"jdp: error: {workdir} is in use by another run: {lock} is locked by process otherhost:4242 "
+                "(host:pid)") in (tmp_path / f"rank{rank}.log").read_text()
+    assert not (workdir / "checkpoints").exists() and not (workdir / "config.json").exists()
 
 
 # Bad or inconsistent variables: found before anything waits, one line, exit 2.
@@ -256,6 +330,7 @@ def test_launcher_environment_and_exit_codes():
                                 "JAX_NUM_CPU_DEVICES", "HOME")} == {
         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1234", "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
         "JAX_NUM_CPU_DEVICES": "2", "HOME": "/h"}
+    assert env["JAX_COORDINATOR_BIND_ADDRESS"] == "127.0.0.1:1234"
     assert "JAX_COORDINATOR_ADDRESS" not in env
     assert [launch.exit_code(c) for c in (0, 5, -9, -15)] == [0, 5, 137, 143]
 

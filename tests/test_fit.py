@@ -2,7 +2,9 @@
 device, uneven token weights give the one-device gradient, dropout is per device and per step yet
 reproducible, and bad input is refused in one line before anything compiles."""
 
+import fcntl
 import functools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -209,6 +211,14 @@ def test_dropout_training_resumes_bitwise(tmp_path):
     resumed = dropout_fit(6, tmp_path / "resumed")
     assert resumed.losses == whole.losses[3:]
     assert max_abs_diff(resumed.params, whole.params) == 0
+    # While another run holds the workdir, a fit on it is refused before it restores or trains anything.
+    lock = os.open(tmp_path / "resumed" / "jdp.lock", os.O_RDWR)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(jdp.UsageError, match="is in use by another run"):
+            dropout_fit(8, tmp_path / "resumed")
+    finally:
+        os.close(lock)
 
 
 def test_dropout_under_jit_does_not_depend_on_the_device_count():

@@ -1,0 +1,34 @@
+"""Whole-file rewrites that a crash or a concurrent reader never sees half done: write a temporary file beside
+the target, fsync it, rename it over the target, fsync the directory. (Appends, such as metrics.jsonl, stay
+appends.)"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+
+
+def write_atomic(path: Path, text: str) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    fsync_directory(path.parent)
+
+
+def fsync_directory(directory: Path) -> None:
+    """Makes a rename inside `directory` durable (where the filesystem allows opening a directory)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

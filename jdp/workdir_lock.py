@@ -1,0 +1,92 @@
+"""One run per workdir: an exclusive `fcntl.flock` on WORKDIR/jdp.lock, which holds the holder's host:pid.
+
+Process 0 of a run takes the lock and tells the others the outcome, so every process of a second run stops
+(WorkdirLocked, exit 2) naming the lock and its holder. The kernel drops the lock when its process dies, so a
+lock file left by a dead run never blocks a rerun. Where the filesystem refuses locks (ENOLCK, some network
+filesystems), jdp warns and goes on unprotected. Held re-entrantly: `python -m jdp.train` takes it before
+writing config.json, and the `jdp.fit` inside takes it again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+
+from jdp import distributed as distributed_lib
+from jdp.errors import UsageError
+
+LOCK_NAME = "jdp.lock"
+_UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
+_held: dict[Path, list] = {}  # workdir -> [descriptor or None, depth]: locks are per process by nature
+
+
+class WorkdirLocked(UsageError):
+    """Another run holds the workdir (exit 2)."""
+
+
+@contextlib.contextmanager
+def held(workdir: str | Path, timeout_s: float = 120.0) -> Iterator[None]:
+    """The workdir's lock for the duration of the block, on every process of the run."""
+    workdir = Path(workdir).absolute()
+    if workdir in _held:
+        _held[workdir][1] += 1
+        try:
+            yield
+        finally:
+            _held[workdir][1] -= 1
+        return
+    fd, problem = None, ""
+    if jax.process_index() == 0:
+        workdir.mkdir(parents=True, exist_ok=True)
+        fd, problem = _acquire(workdir / LOCK_NAME)
+    problem = distributed_lib.broadcast("workdir lock", problem, timeout_s)
+    if problem:
+        raise WorkdirLocked(problem)
+    _held[workdir] = [fd, 1]
+    try:
+        yield
+    finally:
+        del _held[workdir]
+        if fd is not None:
+            os.close(fd)  # releases the lock; the file stays (unlinking it would race with a new run opening it)
+
+
+def _acquire(path: Path) -> tuple[int | None, str]:
+    """(descriptor holding the lock, "") or (None, why the run must stop)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None, (f"{path.parent} is in use by another run: {path} is locked by {_holder(path)}; wait for that "
+                      "run to end or stop it, or use another --workdir")
+    except OSError as e:
+        os.close(fd)
+        if e.errno not in _UNSUPPORTED:
+            raise
+        print(f"jdp: warning: the filesystem refuses locks on {path} ({os.strerror(e.errno)}); going on without "
+              "protection against a second run on this workdir", file=sys.stderr, flush=True)
+        return None, ""
+    os.ftruncate(fd, 0)
+    os.write(fd, f"{socket.gethostname()}:{os.getpid()}\n".encode())
+    return fd, ""
+
+
+def _holder(path: Path) -> str:
+    """host:pid written by the holder (which writes it right after locking: look again briefly if empty)."""
+    for _ in range(10):
+        with contextlib.suppress(OSError):
+            text = path.read_text().strip()
+            if text:
+                return f"process {text} (host:pid)"
+        time.sleep(0.05)
+    return "a process that has not written its host:pid"

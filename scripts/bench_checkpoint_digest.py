@@ -1,0 +1,76 @@
+"""Cost of the per-leaf digests of a checkpoint save: jdp's save (a host copy on the training thread, the digests
+on orbax's save thread) against the same orbax save without them (jdp's save before digests), interleaved and
+repeated, medians. `stall` is the time the training thread spends in save(); `total` adds the wait for the
+background write to finish.
+
+    python scripts/bench_checkpoint_digest.py --config synthetic_mlp --repeats 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jdp import config as config_lib
+from jdp import digest
+from jdp.checkpoint import FORMAT, Checkpointer
+from jdp.task import build
+
+
+def timed_save(save, wait) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    save()
+    stall = time.perf_counter() - t0
+    wait()
+    return stall, time.perf_counter() - t0
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="synthetic_mlp")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    cfg = config_lib.load_config_file(args.config)
+    cfg.parallel.num_devices = 1
+    engine = build(cfg)
+    state = engine.parallel.to_logical(engine.parallel.to_devices(engine.init_state()))
+    jax.block_until_ready(state)
+    megabytes = sum(x.nbytes for x in jax.tree.leaves(state)) / 2**20
+    root = Path(tempfile.mkdtemp(prefix="jdp-digest-bench-"))
+    with_digests = Checkpointer(root / "with", keep=2, every_steps=0)
+    without = ocp.CheckpointManager(root / "without", options=ocp.CheckpointManagerOptions(
+        max_to_keep=2, enable_async_checkpointing=True, create=True))
+    data = {"step": 0, "epoch": 0, "format": FORMAT}
+    rows = {"with digests": [], "without": [], "digests alone": []}
+    for step in range(1, args.repeats + 2):  # the first round warms up and is left out
+        a = timed_save(lambda step=step: with_digests.save(step, state, {"step": step, "epoch": 0}), with_digests.wait)
+        b = timed_save(lambda step=step: without.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data)), force=True), without.wait_until_finished)
+        host = jax.tree.map(np.asarray, state)
+        t0 = time.perf_counter()
+        digest.of_tree(host)
+        alone = time.perf_counter() - t0
+        if step > 1:
+            rows["with digests"].append(a)
+            rows["without"].append(b)
+            rows["digests alone"].append((0.0, alone))
+    with_digests.close()
+    without.close()
+    shutil.rmtree(root)
+    print(f"{args.config}: train state {megabytes:.1f} MiB, {args.repeats} interleaved saves each, medians")
+    print("| save | stall ms | total ms |\n|---|---|---|")
+    for name, times in rows.items():
+        stall, total = (statistics.median(t[i] for t in times) * 1e3 for i in (0, 1))
+        print(f"| {name} | {stall:.1f} | {total:.1f} |")
+
+
+if __name__ == "__main__":
+    main()

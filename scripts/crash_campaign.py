@@ -1,0 +1,130 @@
+"""Crash campaign: SIGKILL `python -m jdp.train` at seeded random moments, rerun it, and compare the result bitwise
+with an uninterrupted run.
+
+About a third of the kills land in the middle of a checkpoint write (`JDP_KILL_AT=save:STEP`, `jdp.faults`); the
+others are sent from outside at a random moment of the run's life (start-up, restore, training, eval, saves,
+summary). After each kill the same command is rerun (with `--kills_per_run K`, the first K-1 reruns are killed
+again), and the run survived when the last rerun finishes and its per-step losses, eval lines and final state (the
+leaf digests of its last checkpoint) equal the uninterrupted run's, with no step missing or repeated and one
+summary line.
+
+    python scripts/crash_campaign.py --kills 45 --seed 0
+
+Prints one line per run and `survived N / tried M` (kills); exits 1 unless every kill was survived.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TIMEOUT_S = 300  # any single run
+
+
+def command(workdir: Path, steps: int) -> list[str]:
+    every = max(1, steps // 6)
+    return [sys.executable, "-m", "jdp.train", "--workdir", str(workdir), "--config", "mnist1d_mlp",
+            "--config.model.kwargs.hidden_sizes=(32,)", f"--config.train.steps={steps}", "--config.train.log_every=1",
+            f"--config.train.eval_every={2 * every}", f"--config.checkpoint.every_steps={every}"]
+
+
+def outcome(workdir: Path) -> dict:
+    """What must be bitwise equal: train and eval lines (without wall times), summary count, final digests."""
+    lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    drop = ("wall_time", "examples_per_sec")
+    final = max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit())
+    data = json.loads((workdir / "checkpoints" / str(final) / "data" / "metadata").read_text())
+    return {"train": [{k: v for k, v in r.items() if k not in drop} for r in lines if r["split"] == "train"],
+            "eval": [{k: v for k, v in r.items() if k not in drop} for r in lines if r["split"] == "eval"],
+            "summaries": sum(r["split"] == "summary" for r in lines), "final_step": final,
+            "digests": data["digests"]}
+
+
+def run(workdir: Path, steps: int, env: dict[str, str], kill_after_s: float | None = None) -> int:
+    """Runs the command to its end, or SIGKILLs it `kill_after_s` seconds after it started. Returns its code."""
+    proc = subprocess.Popen(command(workdir, steps), env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        if kill_after_s is not None:
+            try:
+                proc.wait(timeout=kill_after_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        _, err = proc.communicate(timeout=TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if proc.returncode not in (0, -signal.SIGKILL):
+        print(err[-2000:], file=sys.stderr)
+    return proc.returncode
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--kills", type=int, default=45)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=int, default=60, help="steps of each run (a checkpoint every steps/6)")
+    parser.add_argument("--kills_per_run", type=int, default=1,
+                        help="kill each run this many times (every rerun but the last) before comparing it")
+    parser.add_argument("--devices", type=int, default=2, help="simulated CPU devices")
+    parser.add_argument("--workdir", type=Path, help="keep the runs here (default: a temporary directory)")
+    args = parser.parse_args(argv)
+    rng = random.Random(args.seed)
+    root = args.workdir or Path(tempfile.mkdtemp(prefix="jdp-crash-"))
+    env = {k: v for k, v in os.environ.items() if k != "JDP_KILL_AT"}
+    env.update(JAX_NUM_CPU_DEVICES=str(args.devices), JAX_PLATFORMS="cpu")
+    env.setdefault("JAX_COMPILATION_CACHE_DIR", str(root / "xla-cache"))
+
+    t0 = time.monotonic()
+    if run(root / "reference", args.steps, env) != 0:
+        print("the uninterrupted run failed", file=sys.stderr)
+        return 1
+    lifetime = time.monotonic() - t0
+    expected = outcome(root / "reference")
+    every = max(1, args.steps // 6)
+    saves = list(range(every, args.steps + 1, every))
+
+    survived = tried = trial = 0
+    while tried < args.kills:
+        workdir, trial = root / f"run{trial}", trial + 1
+        shutil.rmtree(workdir, ignore_errors=True)
+        landed = []  # the kills of this run: each rerun but the last is killed again
+        while len(landed) < min(args.kills_per_run, args.kills - tried):
+            if rng.random() < 1 / 3:
+                step = rng.choice(saves)
+                how = f"during the save of step {step}"
+                code = run(workdir, args.steps, {**env, "JDP_KILL_AT": f"save:{step}"})
+            else:
+                delay = rng.uniform(0.0, lifetime)
+                how, code = f"{delay:.2f} s after the start", run(workdir, args.steps, env, kill_after_s=delay)
+            if code != -signal.SIGKILL:  # it finished (or failed) before the kill
+                break
+            landed.append(how)
+        if not landed:
+            continue
+        tried += len(landed)
+        code = run(workdir, args.steps, env)
+        ok = code == 0 and outcome(workdir) == expected
+        survived += len(landed) if ok else 0
+        print(f"run {trial}, killed {'; '.join(landed)}: {'survived' if ok else f'FAILED (exit code {code})'}",
+              flush=True)
+        if ok and args.workdir is None:
+            shutil.rmtree(workdir)
+    print(f"survived {survived} / tried {tried}")
+    if args.workdir is None and survived == tried:
+        shutil.rmtree(root)
+    return 0 if survived == tried else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""What a workdir holds, in-process: the lock that keeps a second run out, whole-file rewrites a reader never sees
+half done, metrics.jsonl with damaged lines, the settings a resume refuses, and leaf digests."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from jdp import config as config_lib
+from jdp import digest, workdir_lock
+from jdp.configs import base
+from jdp.metrics import MetricsWriter, read_metrics
+from jdp.resume import check_workdir_config
+
+
+def test_a_locked_workdir_is_refused_naming_the_holder(tmp_path):
+    lock = tmp_path / workdir_lock.LOCK_NAME
+    fd = os.open(lock, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another run holds it
+        os.write(fd, b"otherhost:4242\n")
+        with pytest.raises(workdir_lock.WorkdirLocked) as refused:
+            with workdir_lock.held(tmp_path):
+                pass
+        assert str(refused.value) == (f"{tmp_path} is in use by another run: {lock} is locked by process "
+                                      "otherhost:4242 (host:pid); wait for that run to end or stop it, or use "
+                                      "another --workdir")
+    finally:
+        os.close(fd)
+    # Released (its holder ended): the lock is taken, re-entrantly, and names this process.
+    with workdir_lock.held(tmp_path), workdir_lock.held(tmp_path):
+        assert lock.read_text().strip().endswith(f":{os.getpid()}")
+        with pytest.raises(BlockingIOError):  # really held: nobody else gets it
+            other = os.open(lock, os.O_RDWR)
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            finally:
+                os.close(other)
+
+
+def test_a_filesystem_without_locks_warns_and_goes_on(tmp_path, monkeypatch, capsys):
+    def refuse(fd, operation):
+        raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
+
+    monkeypatch.setattr(fcntl, "flock", refuse)
+    with workdir_lock.held(tmp_path):
+        pass
+    assert (f"jdp: warning: the filesystem refuses locks on {tmp_path / workdir_lock.LOCK_NAME} (No locks "
+            "available); going on without protection") in capsys.readouterr().err
+
+
+def test_config_json_is_never_seen_half_written(tmp_path):
+    """A reader (another process checking the resume) polls config.json while it is rewritten: with a plain
+    truncate-and-write it reads an empty or partial file thousands of times in this loop."""
+    path, cfg = tmp_path / "config.json", base.get_config()
+    config_lib.save_config(cfg, path)
+    failures, done = [], threading.Event()
+
+    def read_all_the_time():
+        while not done.is_set():
+            try:
+                json.loads(path.read_text())
+            except ValueError as e:
+                failures.append(e)
+
+    reader = threading.Thread(target=read_all_the_time)
+    reader.start()
+    try:
+        for _ in range(300):
+            config_lib.save_config(cfg, path)
+    finally:
+        done.set()
+        reader.join()
+    assert failures == []
+    assert [p.name for p in tmp_path.iterdir()] == ["config.json"]  # no temporary file left
+
+
+def test_metrics_lines_that_do_not_parse(tmp_path, capsys):
+    """A torn last line (a full disk, a kill) is dropped; a bad line elsewhere is kept, and named."""
+    lines = [json.dumps({"step": 1, "split": "train", "loss": 1.0}), "{garbage",
+             json.dumps({"step": 2, "split": "train", "loss": 0.5}), json.dumps({"step": 2, "split": "eval"}),
+             json.dumps({"split": "summary", "eval_loss": 0.5})]
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("\n".join(lines) + '\n{"step": 3, "spl')
+    assert [r.get("step") for r in read_metrics(tmp_path)] == [1, 2, 2, None]
+    err = capsys.readouterr().err
+    assert f"jdp: warning: line 2 of {path} is not JSON; keeping it as it is" in err
+    assert f"jdp: warning: the last line (6) of {path} is cut short; dropping it" in err
+
+    writer = MetricsWriter(tmp_path, total_steps=2, start_step=2)  # a finished run's rerun: the summary stays
+    writer.close()
+    assert path.read_text() == "\n".join(lines) + "\n"
+    assert writer.eval_steps == {2} and writer.summary_written
+    assert not (tmp_path / "tensorboard").exists()  # nothing was written, so no event file either
+
+    writer = MetricsWriter(tmp_path, total_steps=5, start_step=1)  # resumed from step 1
+    writer.close()
+    assert path.read_text() == "\n".join(lines[:2]) + "\n"
+    assert writer.eval_steps == set() and not writer.summary_written
+
+
+def test_resume_refuses_settings_that_change_the_data_order_or_the_numerics(tmp_path):
+    saved = base.get_config()
+    config_lib.save_config(saved, tmp_path / "config.json")
+    changed = base.get_config()
+    changed.seed, changed.train.global_batch_size, changed.precision = 1, 64, "bf16"
+    changed.data.normalize, changed.train.grad_accum_steps, changed.data.train_split = False, 2, "train[:90%]"
+    with pytest.raises(config_lib.ConfigError) as refused:
+        check_workdir_config(changed, tmp_path, print)
+    assert str(refused.value) == (
+        f"{tmp_path} holds a run with other settings that change the data order or the numerics (data.normalize: "
+        "True -> False; data.train_split: 'train' -> 'train[:90%]'; precision: 'fp32' -> 'bf16'; seed: 0 -> 1; "
+        "train.global_batch_size: 128 -> 64; train.grad_accum_steps: 1 -> 2); use a new --workdir, or pass "
+        "--config.checkpoint.allow_config_change=True")
+    changed.checkpoint.allow_config_change = True
+    check_workdir_config(changed, tmp_path, print)
+    # Paths, caches and periods change nothing the run computes.
+    moved = base.get_config()
+    moved.data.data_dir, moved.data.cache_decoded_mb, moved.compile_cache_dir = "/elsewhere", 0, ""
+    moved.train.log_every, moved.checkpoint.every_steps = 7, 5
+    check_workdir_config(moved, tmp_path, print)
+
+
+def test_digests_name_the_damaged_leaf_and_a_changed_layout():
+    state = {"params": {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, "step": np.int32(4)}
+    saved = digest.of_tree(state)
+    assert saved["['step']"][:2] == ["int32", []]
+    assert digest.mismatch(saved, state) is None
+    flipped = {**state, "params": {"w": state["params"]["w"].copy()}}
+    flipped["params"]["w"].reshape(-1).view(np.uint8)[5] ^= 1
+    assert digest.mismatch(saved, flipped) == ("the digest of ['params']['w'] does not match the one saved with it "
+                                               "(damaged bytes)")
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), state)
+    assert digest.layout_difference(saved, abstract) is None
+    wider = {**abstract, "params": {"w": jax.ShapeDtypeStruct((2, 4), np.float32)}}
+    assert digest.layout_difference(saved, wider) == ("['params']['w'] is float32(2, 3) there, float32(2, 4) in the "
+                                                      "model")
