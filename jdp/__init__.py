@@ -6,11 +6,11 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from jdp.data.batching import Batcher
-from jdp.errors import NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
+from jdp.errors import DiskError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
 from jdp.step import TrainState
 from jdp.trainer import Callback, FitError, FitOptions, FitResult, Source, fit
 
-__all__ = ["Batcher", "Callback", "FitError", "FitOptions", "FitResult", "NonFiniteLossError", "Preempted",
+__all__ = ["Batcher", "Callback", "DiskError", "FitError", "FitOptions", "FitResult", "NonFiniteLossError", "Preempted",
            "ReplicaMismatchError", "Source", "TrainState", "UsageError", "fit", "initialize"]
 
 

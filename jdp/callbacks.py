@@ -8,6 +8,7 @@ devices), then calls the due ones' `on_step(s, metrics, state)` with the state a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from jdp import distributed as distributed_lib
 from jdp import faults
@@ -106,21 +108,48 @@ class TrainLog(Action):
 
 
 class NonFiniteGuard(Action):
-    """`halt`: stop (the compiled step froze the state before the bad update); `skip`: warn and go on."""
+    """`halt`: stop at the first non-finite step (the compiled step froze the state before its update). `skip`:
+    warn and go on, but stop once more than `max_skipped_fraction` of the last `WINDOW` steps were skipped, so a
+    run cannot skip its way to the end (fp16 loss-scale overflows are not counted: they are not failures)."""
 
-    def __init__(self, run: Run, policy: str) -> None:
-        self.run, self.policy = run, policy
+    WINDOW = 100
+
+    def __init__(self, run: Run, policy: str, max_skipped_fraction: float) -> None:
+        self.run, self.policy, self.max_skipped_fraction = run, policy, max_skipped_fraction
+        self.recent: collections.deque[bool] = collections.deque(maxlen=self.WINDOW)
 
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        if not metrics["nonfinite"]:
+        bad = bool(metrics["nonfinite"])
+        self.recent.append(bad)
+        if not bad:
             return
         if self.policy == "halt":
             raise NonFiniteLossError(
-                f"non-finite loss or gradient at step {step} (loss {metrics['loss']}); the state from before it is "
-                "saved; rerun to resume, skipping such steps (train.on_nonfinite=skip), or with a lower learning "
-                "rate (optim.lr) or gradient clipping (optim.grad_clip_norm) plus "
-                "checkpoint.allow_config_change=True")
-        self.run.writer.echo(f"warning: step {step} had a non-finite loss or gradient; its update was skipped")
+                f"non-finite {self._cause(step, metrics)} at step {step}; the state from before it is saved; rerun to "
+                "resume, skipping such steps (train.on_nonfinite=skip), or with a lower learning rate (optim.lr) or "
+                "gradient clipping (optim.grad_clip_norm) plus checkpoint.allow_config_change=True")
+        skipped = sum(self.recent)
+        if skipped > self.max_skipped_fraction * self.WINDOW:
+            raise NonFiniteLossError(
+                f"{skipped} of the last {len(self.recent)} steps were skipped as non-finite, more than "
+                f"max_skipped_fraction={self.max_skipped_fraction:g} of {self.WINDOW} (train.max_skipped_fraction); "
+                f"the latest, step {step}, had non-finite {self._cause(step, metrics)}; the state is saved; fix the "
+                "data, lower the learning rate (optim.lr) or clip gradients (optim.grad_clip_norm)")
+        self.run.writer.echo(f"warning: step {step} had non-finite {self._cause(step, metrics)}; its update was "
+                             "skipped")
+
+    def _cause(self, step: int, metrics: dict[str, float]) -> str:
+        """What was not finite, as far as the host can tell: this process's rows of the batch (read again, a
+        function of the step), else the loss (the global mean), else the gradients."""
+        loss = metrics["loss"]
+        rows = self.run.source.train_batch(step - 1)
+        bad_keys = [k for k, v in rows.items() if np.issubdtype(np.asarray(v).dtype, np.floating)
+                    and not np.isfinite(v).all()]
+        if bad_keys:
+            return f"inputs (batch key {', '.join(repr(k) for k in bad_keys)}), hence the loss ({loss})"
+        if not math.isfinite(loss):
+            return f"loss ({loss}) from finite inputs"
+        return f"gradients (the loss, {loss:.4g}, was finite)"
 
 
 class ReplicaCheck(Every):

@@ -3,6 +3,7 @@ evaluation or export, and starting a new run from an exported parameter file (`i
 
 from __future__ import annotations
 
+import zipfile
 from pathlib import Path
 
 import ml_collections
@@ -21,8 +22,9 @@ def initialised_from(path: str, model: nnx.Module) -> nnx.Module:
     """`model` with the parameters and BatchNorm statistics of a `python -m jdp.export` file."""
     try:
         params, model_state = load_into(path, *state_groups(model))
-    except (OSError, ValueError, EOFError) as e:
-        raise config_lib.ConfigError(f"init_from={path}: {e}") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise config_lib.ConfigError(f"init_from={path} cannot be read ({type(e).__name__}: {e}); give a file "
+                                     "written by python -m jdp.export") from None
     replace_state(model, params, model_state)
     print(f"initialised from {path}")
     return model
@@ -41,6 +43,20 @@ def check_workdir_config(cfg: ml_collections.ConfigDict, workdir: Path, echo) ->
     if cfg.train.steps != old.train.steps:
         echo(f"warning: train.steps changed from {old.train.steps} to {cfg.train.steps}: the learning-rate "
              "schedule changes from here on")
+
+
+def report_finished_run(cfg: ml_collections.ConfigDict, workdir: Path, step: int, echo) -> None:
+    """A finished run met with other settings: say which differ and what to do (nothing is written)."""
+    saved = workdir / "config.json"
+    if not saved.exists():
+        return
+    changed = [f"{key}: {old!r} -> {new!r}" for key, old, new in
+               config_lib.differences(config_lib.load_saved_config(saved).to_dict(), cfg.to_dict())
+               if key != "train.steps"]
+    if changed:
+        echo(f"warning: {workdir} holds a run finished at step {step} with other settings ({'; '.join(changed)}); "
+             "nothing was trained or written: to train with these settings pass a new --workdir, or raise "
+             "--config.train.steps to extend this run")
 
 
 def restore_for_inference(workdir: Path) -> tuple[int, Engine, TrainState]:
