@@ -117,6 +117,7 @@ class NonFiniteGuard(Action):
     def __init__(self, run: Run, policy: str, max_skipped_fraction: float) -> None:
         self.run, self.policy, self.max_skipped_fraction = run, policy, max_skipped_fraction
         self.recent: collections.deque[bool] = collections.deque(maxlen=self.WINDOW)
+        self.warned = False
 
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
         bad = bool(metrics["nonfinite"])
@@ -135,8 +136,10 @@ class NonFiniteGuard(Action):
                 f"max_skipped_fraction={self.max_skipped_fraction:g} of {self.WINDOW} (train.max_skipped_fraction); "
                 f"the latest, step {step}, had non-finite {self._cause(step, metrics)}; the state is saved; fix the "
                 "data, lower the learning rate (optim.lr) or clip gradients (optim.grad_clip_norm)")
-        self.run.writer.echo(f"warning: step {step} had non-finite {self._cause(step, metrics)}; its update was "
-                             "skipped")
+        if not self.warned:  # later ones are counted in the train lines' skipped_steps
+            self.warned = True
+            self.run.writer.echo(f"warning: step {step} had non-finite {self._cause(step, metrics)}; its update was "
+                                 "skipped, as later ones will be (counted as skipped_steps in the train lines)")
 
     def _cause(self, step: int, metrics: dict[str, float]) -> str:
         """What was not finite, as far as the host can tell: this process's rows of the batch (read again, a

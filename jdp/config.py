@@ -339,7 +339,7 @@ def load_saved_config(path: Path) -> ml_collections.ConfigDict:
     """A workdir's config.json back as a ConfigDict with the field types of configs/base.py."""
     from jdp.configs import base
 
-    fix = f"move {path} away, or pass --config"
+    fix = "move it away, or pass --config"
     try:
         saved = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

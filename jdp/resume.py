@@ -6,6 +6,7 @@ from __future__ import annotations
 import zipfile
 from pathlib import Path
 
+import jax
 import ml_collections
 from flax import nnx
 
@@ -59,12 +60,23 @@ def report_finished_run(cfg: ml_collections.ConfigDict, workdir: Path, step: int
              "--config.train.steps to extend this run")
 
 
+def inference_devices(cfg: ml_collections.ConfigDict) -> int:
+    """The devices to evaluate or export a run on here: as many as the run used, or fewer when this machine has
+    fewer, so that the batch sizes still split evenly."""
+    n = min(cfg.parallel.num_devices or len(jax.devices()), len(jax.devices()))
+    eval_batch_size = cfg.train.eval_batch_size or cfg.train.global_batch_size
+    while cfg.train.global_batch_size % (n * cfg.train.grad_accum_steps) or eval_batch_size % n:
+        n -= 1
+    return n
+
+
 def restore_for_inference(workdir: Path) -> tuple[int, Engine, TrainState]:
     """A finished or interrupted run's latest checkpoint, with its config, on this machine's devices."""
     saved = workdir / "config.json"
     if not saved.exists():
         raise config_lib.ConfigError(f"{saved} not found; pass the --workdir of a jdp.train run")
     cfg = config_lib.load_saved_config(saved)
+    cfg.parallel.num_devices = inference_devices(cfg)  # the state is replicated: any count restores it
     engine = build(cfg)
     checkpointer = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0)
     try:

@@ -178,7 +178,7 @@ def test_nonfinite_halt_saves_the_state_before_the_bad_step(monkeypatch, tmp_pat
     assert main([*args, "--workdir", str(clean), "--config.train.steps=5"]) == 0
     _nan_at_index(monkeypatch, 5)  # the batch of step 6
     assert main([*args, "--workdir", str(tmp_path / "bad")]) == 3
-    assert "non-finite loss or gradient at step 6" in capsys.readouterr().err
+    assert "non-finite inputs (batch key 'x'), hence the loss (nan) at step 6" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "bad" / "checkpoints").iterdir()) == ["5"]
     monkeypatch.undo()
     for workdir in (clean, tmp_path / "bad"):
