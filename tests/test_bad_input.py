@@ -300,3 +300,19 @@ def test_the_halt_says_whether_the_loss_or_the_gradients_were_not_finite(what):
     with pytest.raises(jdp.NonFiniteLossError, match="3 of the last 3 steps were skipped"):
         jdp.fit(_Linear(), loss_fn, _data(), optimizer=optax.sgd(0.1), steps=8, global_batch_size=8, num_devices=1,
                 on_nonfinite="skip", max_skipped_fraction=0.02)
+
+
+# -- 6. a command that trains nothing writes nothing ----------------------------------------------------------
+
+def test_a_finished_run_met_with_other_settings_says_so_and_writes_nothing(tmp_path, capsys):
+    args = [*TINY, "--config.train.steps=3", "--config.train.eval_every=3", "--workdir", str(tmp_path)]
+    assert main(args) == 0
+    before = {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in tmp_path.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert main([*args, "--config.checkpoint.keep=5", "--config.train.log_every=2"]) == 0
+    out = capsys.readouterr().out
+    assert (f"warning: {tmp_path} holds a run finished at step 3 with other settings (checkpoint.keep: 3 -> 5; "
+            "train.log_every: 1 -> 2); nothing was trained or written: to train with these settings pass a new "
+            "--workdir, or raise --config.train.steps to extend this run") in out
+    assert f"nothing to do: {tmp_path} is at step 3, steps is 3" in out
+    assert {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in tmp_path.rglob("*") if p.is_file()} == before
