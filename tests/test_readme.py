@@ -21,6 +21,7 @@ RUN_BY = {
     "python -m jdp.train --config configs/NAME.py": "test_readme::test_the_running_example",
     "python -m jdp.compare parity": "test_compare::test_parity_mlp_cli",
     "python -m jdp.compare speed": "test_compare::test_speed_cli",
+    "python -m jdp.bench --predict": "test_predict::test_readme_prediction_commands_run_as_printed",
 }
 
 
