@@ -39,6 +39,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.log_noise_scale = False  # add grad_noise_scale (the critical-batch estimate) to the train lines
     c.train.grad_accum_steps = 1  # micro-batches per step, all-reduced once (like DDP's no_sync)
     c.train.on_nonfinite = "halt"  # halt: save the state from before the bad step and exit 3 | skip the update
+    c.train.max_skipped_fraction = 0.1  # skip: halt (exit 3) once more of the last 100 steps were skipped
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"  # sgd | momentum | nesterov | adamw | lamb | lars

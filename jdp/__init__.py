@@ -9,18 +9,19 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 # Imported on first use: `python -m jdp.train` installs its signal handler before JAX's seconds of imports.
-_EXPORTS = {"Batcher": "jdp.data.batching", "NonFiniteLossError": "jdp.errors", "Preempted": "jdp.errors",
-            "ReplicaMismatchError": "jdp.errors", "UsageError": "jdp.errors", "TrainState": "jdp.step",
+_EXPORTS = {"Batcher": "jdp.data.batching", "DiskError": "jdp.errors", "NonFiniteLossError": "jdp.errors",
+            "Preempted": "jdp.errors", "ReplicaMismatchError": "jdp.errors", "UsageError": "jdp.errors",
+            "TrainState": "jdp.step",
             **{name: "jdp.trainer" for name in ("Callback", "FitError", "FitOptions", "FitResult", "Source", "fit")}}
 
 if TYPE_CHECKING:
     from jdp.data.batching import Batcher
-    from jdp.errors import NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
+    from jdp.errors import DiskError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
     from jdp.step import TrainState
     from jdp.trainer import Callback, FitError, FitOptions, FitResult, Source, fit
 
-__all__ = ["Batcher", "Callback", "FitError", "FitOptions", "FitResult", "NonFiniteLossError", "Preempted",
-           "ReplicaMismatchError", "Source", "TrainState", "UsageError", "fit", "initialize"]
+__all__ = ["Batcher", "Callback", "DiskError", "FitError", "FitOptions", "FitResult", "NonFiniteLossError",
+           "Preempted", "ReplicaMismatchError", "Source", "TrainState", "UsageError", "fit", "initialize"]
 
 
 def __getattr__(name: str) -> object:

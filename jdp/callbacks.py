@@ -8,6 +8,7 @@ devices), then calls the due ones' `on_step(s, metrics, state)` with the state a
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 
 from jdp import distributed as distributed_lib
 from jdp import faults
@@ -117,27 +119,59 @@ class TrainLog(Action):
 
 
 class NonFiniteGuard(Action):
-    """`halt`: stop (the compiled step froze the state before the bad update; the loop saves it when the
-    replicas agree on it, which under local SGD is at sync points only); `skip`: warn and go on."""
+    """`halt`: stop at the first non-finite step (the compiled step froze the state before its update; the loop
+    saves it when the replicas agree on it, which under local SGD is at sync points only). `skip`: warn and go
+    on, but stop once more than `max_skipped_fraction` of the last `WINDOW` steps were skipped, so a run cannot
+    skip its way to the end (fp16 loss-scale overflows are not counted: they are not failures)."""
 
-    def __init__(self, run: Run, policy: str, sync_every: int, precision: str) -> None:
-        self.run, self.policy, self.sync_every, self.precision = run, policy, sync_every, precision
+    WINDOW = 100
+
+    def __init__(self, run: Run, policy: str, max_skipped_fraction: float, sync_every: int, precision: str) -> None:
+        self.run, self.policy, self.max_skipped_fraction = run, policy, max_skipped_fraction
+        self.sync_every, self.precision = sync_every, precision
+        self.recent: collections.deque[bool] = collections.deque(maxlen=self.WINDOW)
+        self.warned = False
 
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        if not metrics["nonfinite"]:
+        bad = bool(metrics["nonfinite"])
+        self.recent.append(bad)
+        if not bad:
             return
         if self.policy == "halt":
             saved = ("the state from before it is saved" if (step - 1) % self.sync_every == 0 else
                      f"the last checkpoint stays the latest (local SGD saves only at sync points, every "
                      f"{self.sync_every} steps)")
-            # Loss scaling rescues gradients, not the forward pass: a float16 overflow there is not retried.
-            cause = (" (under precision=fp16 the forward pass overflowed float16; precision=bf16 has float32's "
-                     "range)" if self.precision == "fp16" and not math.isfinite(metrics["loss"]) else "")
             raise NonFiniteLossError(
-                f"non-finite loss or gradient at step {step} (loss {metrics['loss']}){cause}; {saved}; rerun to "
-                "resume, skipping such steps (train.on_nonfinite=skip), or with a lower learning rate (optim.lr) "
-                "or gradient clipping (optim.grad_clip_norm) plus checkpoint.allow_config_change=True")
-        self.run.writer.echo(f"warning: step {step} had a non-finite loss or gradient; its update was skipped")
+                f"non-finite {self._cause(step, metrics)} at step {step}; {saved}; rerun to resume, skipping such "
+                "steps (train.on_nonfinite=skip), or with a lower learning rate (optim.lr) or gradient clipping "
+                "(optim.grad_clip_norm) plus checkpoint.allow_config_change=True")
+        skipped = sum(self.recent)
+        if skipped > self.max_skipped_fraction * self.WINDOW:
+            raise NonFiniteLossError(
+                f"{skipped} of the last {len(self.recent)} steps were skipped as non-finite, more than "
+                f"max_skipped_fraction={self.max_skipped_fraction:g} of {self.WINDOW} (train.max_skipped_fraction); "
+                f"the latest, step {step}, had non-finite {self._cause(step, metrics)}; the state is saved; fix the "
+                "data, lower the learning rate (optim.lr) or clip gradients (optim.grad_clip_norm)")
+        if not self.warned:  # later ones are counted in the train lines' skipped_steps
+            self.warned = True
+            self.run.writer.echo(f"warning: step {step} had non-finite {self._cause(step, metrics)}; its update was "
+                                 "skipped, as later ones will be (counted as skipped_steps in the train lines)")
+
+    def _cause(self, step: int, metrics: dict[str, float]) -> str:
+        """What was not finite, as far as the host can tell: this process's rows of the batch (read again, a
+        function of the step), else the loss (the global mean), else the gradients."""
+        loss = metrics["loss"]
+        rows = self.run.source.train_batch(step - 1)
+        bad_keys = [k for k, v in rows.items() if np.issubdtype(np.asarray(v).dtype, np.floating)
+                    and not np.isfinite(v).all()]
+        if bad_keys:
+            return f"inputs (batch key {', '.join(repr(k) for k in bad_keys)}), hence the loss ({loss})"
+        if not math.isfinite(loss):
+            # Loss scaling rescues gradients, not the forward pass: a float16 overflow there is not retried.
+            fp16 = ("; under precision=fp16 the forward pass overflowed float16; precision=bf16 has float32's range"
+                    if self.precision == "fp16" else "")
+            return f"loss ({loss}) from finite inputs{fp16}"
+        return f"gradients (the loss, {loss:.4g}, was finite)"
 
 
 class ReplicaCheck(Every):

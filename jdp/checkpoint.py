@@ -21,9 +21,12 @@ import orbax.checkpoint as ocp
 from jdp import digest
 from jdp import distributed as distributed_lib
 from jdp.faults import kill_if_requested, signal_if_requested
+from jdp.storage import QuietDiskFailures
 
-# Orbax logs every save at INFO through absl; jdp reports saves itself.
+# Orbax logs every save at INFO through absl, and a failed write once per thread with a traceback; jdp reports
+# saves, and a full disk (jdp.storage), itself.
 logging.getLogger("absl").setLevel(logging.WARNING)
+logging.getLogger("absl").addFilter(QuietDiskFailures())
 
 
 # What a checkpoint holds: 2 = TrainState with the model's RNG state (format 1, before it, had none).

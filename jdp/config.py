@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import difflib
 import importlib.util
 import json
+import math
 import re
 import sys
+import traceback
 from pathlib import Path
 
 import ml_collections
@@ -34,6 +37,81 @@ class ConfigError(UsageError):
     """A bad config or command line: the message is one line naming the field and the fix."""
 
 
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric field: [low, high], either end open; NaN is never in it."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = True
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return bool(above and below)
+
+    def condition(self) -> str:
+        """`> 0`, `>= 1`, `in [0, 1)`: what a value must satisfy."""
+        low, high = _number(self.low), _number(self.high)
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {low}"
+        return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+POSITIVE, NON_NEGATIVE, AT_LEAST_1 = Range(0, low_open=True), Range(0), Range(1)
+# The valid range of every numeric field of configs/base.py (a test holds this table to the file).
+RANGES: dict[str, Range] = {
+    "seed": Range(0, 2**32 - 1, high_open=False),  # folded into uint32 RNG keys
+    "data.num_classes": NON_NEGATIVE,  # 0 = from the data
+    "data.num_examples": AT_LEAST_1,
+    "data.num_eval_examples": AT_LEAST_1,
+    "data.image_size": AT_LEAST_1,
+    "data.cache_decoded_mb": NON_NEGATIVE,
+    "train.global_batch_size": POSITIVE,
+    "train.eval_batch_size": NON_NEGATIVE,  # 0 = train.global_batch_size; at most what the eval split needs
+    "train.steps": POSITIVE,
+    "train.log_every": POSITIVE,
+    "train.eval_every": POSITIVE,
+    "train.grad_accum_steps": POSITIVE,
+    "train.max_skipped_fraction": Range(0, 1, high_open=False),
+    "optim.lr": POSITIVE,
+    "optim.momentum": Range(0, 1),
+    "optim.weight_decay": NON_NEGATIVE,
+    "optim.warmup_steps": NON_NEGATIVE,
+    "optim.grad_clip_norm": NON_NEGATIVE,
+    "parallel.cpu_devices": NON_NEGATIVE,
+    "parallel.num_devices": NON_NEGATIVE,
+    "parallel.sync_every": AT_LEAST_1,
+    "parallel.allreduce_combine_threshold_bytes": NON_NEGATIVE,
+    "parallel.check_replicas_every": NON_NEGATIVE,
+    "checkpoint.every_steps": NON_NEGATIVE,
+    "checkpoint.keep": AT_LEAST_1,
+    "loss_scale.initial": POSITIVE,
+    "loss_scale.growth_interval": AT_LEAST_1,
+    "distributed.init_timeout_s": POSITIVE,
+    "distributed.heartbeat_timeout_s": POSITIVE,
+}
+_PHRASES = {POSITIVE: "must be positive", NON_NEGATIVE: "must not be negative", AT_LEAST_1: "must be at least 1"}
+
+
+def check_ranges(cfg: ml_collections.ConfigDict) -> None:
+    """Every numeric field within its `RANGES` entry, and `data.shape` a tuple of positive sizes."""
+    for key, valid in RANGES.items():
+        value = cfg[key]
+        if value not in valid:
+            raise ConfigError(f"{key}={value} {_PHRASES.get(valid, 'must be ' + valid.condition())}; set "
+                              f"--config.{key} to a value {valid.condition()}")
+    shape = cfg.data.shape
+    if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
+        raise ConfigError(f"data.shape={tuple(shape)} must be a tuple of positive sizes; set e.g. "
+                          "--config.data.shape=(28,28,1)")
+
+
 def shipped_configs() -> list[str]:
     return sorted(p.stem for p in DEFAULT_CONFIG.parent.glob("[!_]*.py") if p.stem != "base")
 
@@ -51,13 +129,76 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
     _importable(str(path.parent.absolute()))
     spec = importlib.util.spec_from_file_location(f"jdp_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:
+        raise ConfigError(f"config file {path} line {e.lineno}: {e.msg}; fix the file") from None
+    except Exception as e:  # noqa: BLE001 - the user's file failed: say where, in one line
+        raise ConfigError(f"config file {path}{_where(e, path)}: {_first_line(e)}; fix the file") from None
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path} defines no get_config(); it must return an ml_collections.ConfigDict")
-    cfg = module.get_config()
+    try:
+        cfg = module.get_config()
+    except Exception as e:  # noqa: BLE001
+        raise ConfigError(f"config file {path}{_where(e, path)}: get_config() raised {_first_line(e)}; "
+                          "fix the file") from None
+    if not isinstance(cfg, ml_collections.ConfigDict):
+        raise ConfigError(f"config file {path}: get_config() returned a {type(cfg).__name__}; it must return an "
+                          "ml_collections.ConfigDict (start from jdp.configs.base.get_config())")
+    check_fields(cfg, f"config file {path}")
     if "code_dir" in cfg and not cfg.code_dir:
         cfg.code_dir = str(path.parent.absolute())
     return cfg
+
+
+def _where(error: Exception, path: Path) -> str:
+    """` line N`: the last line of `path` in the error's traceback, if any."""
+    lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
+             if Path(frame.filename).resolve() == path.resolve()]
+    return f" line {lines[-1]}" if lines else ""
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def check_fields(cfg: ml_collections.ConfigDict, where: str) -> None:
+    """The keys and value types of configs/base.py, no others (`model.kwargs` excepted); ints given for
+    float fields become floats, lists for tuples tuples."""
+    from jdp.configs import base
+
+    known, given = _flatten(base.get_config().to_dict()), _flatten(cfg.to_dict())
+    for key, value in given.items():
+        if key.startswith(OPEN_SECTIONS):
+            continue
+        if key not in known:
+            close = difflib.get_close_matches(key, list(known), n=1)
+            hint = f"did you mean {close[0]}?" if close else "see configs/base.py for the keys"
+            raise ConfigError(f"{where} sets an unknown key {key}; {hint}")
+        default = known[key]
+        node, leaf = _parent(cfg, key)
+        if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        elif isinstance(default, tuple) and isinstance(value, list):
+            value = tuple(value)
+        if type(value) is not type(default):
+            raise ConfigError(f"{where}: {key}={value!r} is a {type(value).__name__}; it must be a "
+                              f"{type(default).__name__}, like {default!r}")
+        with node.ignore_type():
+            node[leaf] = value
+    missing = [key for key in known if key not in given and not key.startswith(OPEN_SECTIONS)]
+    if missing:
+        raise ConfigError(f"{where} lacks {missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}; "
+                          "build the config from jdp.configs.base.get_config(), which sets every key")
+
+
+def _parent(cfg: ml_collections.ConfigDict, key: str) -> tuple[ml_collections.ConfigDict, str]:
+    *parents, leaf = key.split(".")
+    node = cfg
+    for part in parents:
+        node = node[part]
+    return node, leaf
 
 
 def _importable(folder: str) -> None:
@@ -138,6 +279,7 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
     def choice(key: str, value: str, choices: tuple[str, ...]) -> None:
         _require(value in choices, f"{key}={value!r} is unknown; choose one of {', '.join(choices)}")
 
+    check_ranges(cfg)
     choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
     choice("parallel.backend", cfg.parallel.backend, tuple(BACKENDS))
     choice("train.on_nonfinite", cfg.train.on_nonfinite, NONFINITE_POLICIES)
@@ -155,16 +297,6 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
                  "(trust ratios); parallel.shard_optimizer=True supports sgd, momentum, nesterov and adamw")
         _require(cfg.parallel.sync_every == 1, "parallel.shard_optimizer=True and parallel.sync_every > 1 "
                                                "(local SGD) cannot be combined")
-    _require(cfg.checkpoint.keep >= 1, f"checkpoint.keep={cfg.checkpoint.keep} must be at least 1")
-    for key in ("train.steps", "train.global_batch_size", "train.log_every", "train.eval_every", "optim.lr",
-                "train.grad_accum_steps", "parallel.sync_every"):
-        value = cfg[key]
-        _require(value > 0, f"{key}={value} must be positive; set --config.{key} to a value > 0")
-    for key in ("train.eval_batch_size", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip_norm",
-                "parallel.cpu_devices", "parallel.num_devices", "parallel.check_replicas_every",
-                "checkpoint.every_steps"):
-        value = cfg[key]
-        _require(value >= 0, f"{key}={value} must not be negative")
     _require(cfg.optim.warmup_steps < cfg.train.steps,
              f"optim.warmup_steps={cfg.optim.warmup_steps} is not shorter than train.steps={cfg.train.steps}; "
              "lower --config.optim.warmup_steps or raise --config.train.steps")
@@ -214,9 +346,19 @@ def load_saved_config(path: Path) -> ml_collections.ConfigDict:
     """A workdir's config.json back as a ConfigDict with the field types of configs/base.py."""
     from jdp.configs import base
 
-    cfg = base.get_config()
-    flat = _flatten(json.loads(path.read_text()))
-    cfg = apply_overrides(cfg, {k: repr(tuple(v)) if isinstance(v, list) else str(v) for k, v in flat.items()})
+    fix = "move it away, or pass --config"
+    try:
+        saved = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path} is not a readable jdp config ({_first_line(e)}); {fix}") from None
+    if not isinstance(saved, dict):
+        raise ConfigError(f"{path} holds a {type(saved).__name__}, not a jdp config; {fix}")
+    flat = _flatten(saved)
+    try:
+        cfg = apply_overrides(base.get_config(),
+                              {k: repr(tuple(v)) if isinstance(v, list) else str(v) for k, v in flat.items()})
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}; {fix}") from None
     _importable(cfg.code_dir)
     return cfg
 

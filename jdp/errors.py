@@ -13,5 +13,9 @@ class ReplicaMismatchError(RuntimeError):
     """The replicas' parameters differ (exit 4)."""
 
 
+class DiskError(RuntimeError):
+    """Out of disk or an I/O error writing the workdir; the last checkpoint is intact (exit 6)."""
+
+
 class Preempted(RuntimeError):
     """SIGTERM or SIGINT: a checkpoint was written and the run stopped (exit 75)."""

@@ -3,9 +3,11 @@ parallelism and the periodic actions of `jdp.callbacks`, then the summary."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +15,7 @@ import jax
 
 from jdp import callbacks as actions_lib
 from jdp import distributed as distributed_lib
-from jdp import faults, noise_scale, workdir_lock
+from jdp import faults, noise_scale, storage, workdir_lock
 from jdp.checkpoint import Checkpointer
 from jdp.errors import NonFiniteLossError
 from jdp.metrics import MetricsWriter, ThroughputClock
@@ -31,25 +33,38 @@ class Outcome:
     final: Any  # the logical state, numpy
 
 
-def train(engine: Any, options: Any, steps: int, global_batch_size: int) -> Outcome:
+def train(engine: Any, options: Any, steps: int, global_batch_size: int,
+          on_start: Callable[[int], None] | None = None) -> Outcome:
     """Runs `engine` (a `jdp.trainer.Engine`) to `steps` with `options` (`jdp.FitOptions`), holding the workdir's
-    lock (`jdp.workdir_lock`) throughout."""
-    if options.workdir is None:
-        return _train(engine, options, steps, global_batch_size)
-    with workdir_lock.held(options.workdir):
-        return _train(engine, options, steps, global_batch_size)
+    lock (`jdp.workdir_lock`) throughout. `on_start(step)` is called with the step the run starts (or resumed)
+    from, before the loop writes anything to the workdir; a run already at `steps` writes nothing. A full disk
+    or an I/O error raises `DiskError`."""
+    workdir = Path(options.workdir) if options.workdir is not None else None
+    with workdir_lock.held(workdir) if workdir is not None else contextlib.nullcontext():
+        checkpointer = None
+        try:
+            if workdir is not None and jax.process_index() == 0:
+                workdir.mkdir(parents=True, exist_ok=True)
+            checkpointer = (Checkpointer(workdir / "checkpoints", keep=options.keep_checkpoints,
+                                         every_steps=options.checkpoint_every) if workdir is not None else None)
+            return _train(engine, options, steps, global_batch_size, workdir, checkpointer,
+                          on_start or (lambda start: None))
+        except Exception as e:
+            failure = storage.disk_failure(e)
+            if failure is None or workdir is None:
+                raise
+            last = checkpointer.steps()[-1] if checkpointer is not None and checkpointer.steps() else None
+            raise storage.disk_error(failure, workdir, last) from None
 
 
-def _train(engine: Any, options: Any, steps: int, global_batch_size: int) -> Outcome:
+def _train(engine: Any, options: Any, steps: int, global_batch_size: int, workdir: Path | None,
+           checkpointer: Checkpointer | None, on_start: Callable[[int], None]) -> Outcome:
     t_start = time.perf_counter()
     parallel, source = engine.parallel, engine.source
-    workdir = Path(options.workdir) if options.workdir is not None else None
     is_main = jax.process_index() == 0
-    if workdir is not None and is_main:
-        workdir.mkdir(parents=True, exist_ok=True)
-    checkpointer = (Checkpointer(workdir / "checkpoints", keep=options.keep_checkpoints,
-                                 every_steps=options.checkpoint_every) if workdir is not None else None)
     start, logical = _restore_or_init(engine, checkpointer, print if is_main else lambda *_: None)
+    on_start(start)
+    # A run with nothing left to do only reports, and writes no more than a final eval or summary line it lacks.
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=is_main)
     run = actions_lib.Run(parallel, source, writer, ThroughputClock(), workdir, steps, start, global_batch_size,
                           parallel.to_devices(logical))
@@ -64,8 +79,8 @@ def _train(engine: Any, options: Any, steps: int, global_batch_size: int) -> Out
                 evaluation.on_step(start, {}, run.state)
             with PreemptionRequest() as preemption:
                 kill_at = faults.requested_step()
-                actions = [log, actions_lib.NonFiniteGuard(run, options.on_nonfinite, options.sync_every,
-                                                           options.precision),
+                actions = [log, actions_lib.NonFiniteGuard(run, options.on_nonfinite, options.max_skipped_fraction,
+                                                           options.sync_every, options.precision),
                            actions_lib.StopOnSignal(run, preemption, checkpoints, options.sync_every),
                            actions_lib.ReplicaCheck(run, options.check_replicas_every),
                            *([checkpoints] if checkpoints else []),
@@ -91,10 +106,14 @@ def _train(engine: Any, options: Any, steps: int, global_batch_size: int) -> Out
             checkpoints.save(halted, run.state)
         raise
     finally:
-        if checkpointer is not None:
-            checkpointer.wait()
-            checkpointer.close()
-        writer.close()
+        try:
+            if checkpointer is not None:
+                try:
+                    checkpointer.wait()
+                finally:
+                    checkpointer.close()
+        finally:
+            writer.close()
     final = parallel.to_host(parallel.to_logical(run.state))
     return Outcome(int(final.step), log.losses, evaluation.metrics, run.clock.rate(), final)
 

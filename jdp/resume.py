@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import json
 import time
+import zipfile
 from pathlib import Path
 
+import jax
 import ml_collections
 from flax import nnx
 
@@ -23,8 +25,9 @@ def initialised_from(path: str, model: nnx.Module) -> nnx.Module:
     """`model` with the parameters and BatchNorm statistics of a `python -m jdp.export` file."""
     try:
         params, model_state = load_into(path, *state_groups(model))
-    except (OSError, ValueError, EOFError) as e:
-        raise config_lib.ConfigError(f"init_from={path}: {e}") from None
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as e:
+        raise config_lib.ConfigError(f"init_from={path} cannot be read ({type(e).__name__}: {e}); give a file "
+                                     "written by python -m jdp.export") from None
     replace_state(model, params, model_state)
     print(f"initialised from {path}")
     return model
@@ -62,12 +65,37 @@ def record_config(cfg: ml_collections.ConfigDict, workdir: Path) -> None:
         f.write(json.dumps(line, sort_keys=True, default=list) + "\n")
 
 
+def report_finished_run(cfg: ml_collections.ConfigDict, workdir: Path, step: int, echo) -> None:
+    """A finished run met with other settings: say which differ and what to do (nothing is written)."""
+    saved = workdir / "config.json"
+    if not saved.exists():
+        return
+    changed = [f"{key}: {old!r} -> {new!r}" for key, old, new in
+               config_lib.differences(config_lib.load_saved_config(saved).to_dict(), cfg.to_dict())
+               if key != "train.steps"]
+    if changed:
+        echo(f"warning: {workdir} holds a run finished at step {step} with other settings ({'; '.join(changed)}); "
+             "nothing was trained or written: to train with these settings pass a new --workdir, or raise "
+             "--config.train.steps to extend this run")
+
+
+def inference_devices(cfg: ml_collections.ConfigDict) -> int:
+    """The devices to evaluate or export a run on here: as many as the run used, or fewer when this machine has
+    fewer, so that the batch sizes still split evenly."""
+    n = min(cfg.parallel.num_devices or len(jax.devices()), len(jax.devices()))
+    eval_batch_size = cfg.train.eval_batch_size or cfg.train.global_batch_size
+    while cfg.train.global_batch_size % (n * cfg.train.grad_accum_steps) or eval_batch_size % n:
+        n -= 1
+    return n
+
+
 def restore_for_inference(workdir: Path) -> tuple[int, Engine, TrainState]:
     """A finished or interrupted run's latest checkpoint, with its config, on this machine's devices."""
     saved = workdir / "config.json"
     if not saved.exists():
         raise config_lib.ConfigError(f"{saved} not found; pass the --workdir of a jdp.train run")
     cfg = config_lib.load_saved_config(saved)
+    cfg.parallel.num_devices = inference_devices(cfg)  # the state is replicated: any count restores it
     engine = build(cfg)
     checkpointer = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0)
     try:

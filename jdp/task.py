@@ -74,11 +74,16 @@ def abstract_params(make_model: Callable[[], nnx.Module]) -> nnx.State:
         return nnx.state(nnx.eval_shape(make_model), nnx.Param)
     except ValueError as e:  # the model's own checks of its settings and input shape
         raise config_lib.ConfigError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a model (maybe the user's) that cannot be built: one line
+        text = str(e).strip().splitlines()
+        raise config_lib.ConfigError(f"the model cannot be built: {type(e).__name__}: {text[0] if text else ''}; "
+                                     "fix model.kwargs") from None
 
 
 def build_task(cfg: ml_collections.ConfigDict) -> Task:
     """The task `cfg` names, checked before anything compiles (ConfigError otherwise)."""
-    config_lib.validate(cfg, num_devices=make_mesh(cfg.parallel.num_devices).size)
+    num_devices = make_mesh(cfg.parallel.num_devices).size
+    config_lib.validate(cfg, num_devices=num_devices)
     check_names(cfg)
     batch_size = cfg.train.global_batch_size
     try:
@@ -87,6 +92,13 @@ def build_task(cfg: ml_collections.ConfigDict) -> Task:
                                        process_index=jax.process_index(), process_count=jax.process_count())
     except ValueError as e:  # the sources' own checks of the data section
         raise config_lib.ConfigError(str(e)) from None
+    largest = trainer.eval_batch_limit(source.num_eval, num_devices)
+    if cfg.train.eval_batch_size > largest:
+        source.close()
+        raise config_lib.ConfigError(
+            f"train.eval_batch_size={cfg.train.eval_batch_size} is larger than the eval split needs "
+            f"({source.num_eval} examples on {num_devices} device(s)); set --config.train.eval_batch_size to at most "
+            f"{largest}, or 0 (= train.global_batch_size)")
     make_model = model_maker(cfg, source.input_shape, cfg.data.num_classes or source.num_classes)
     params = abstract_params(make_model)
     tx, schedule = build_optimizer(cfg.optim, batch_size, cfg.train.steps, nnx.to_pure_dict(params),
@@ -96,7 +108,8 @@ def build_task(cfg: ml_collections.ConfigDict) -> Task:
         backend=cfg.parallel.backend, num_devices=cfg.parallel.num_devices, precision=cfg.precision,
         grad_accum_steps=cfg.train.grad_accum_steps, checkpoint_every=cfg.checkpoint.every_steps,
         keep_checkpoints=cfg.checkpoint.keep, log_every=cfg.train.log_every, bn_sync=cfg.model.bn_sync,
-        on_nonfinite=cfg.train.on_nonfinite, check_replicas_every=cfg.parallel.check_replicas_every,
+        on_nonfinite=cfg.train.on_nonfinite, max_skipped_fraction=cfg.train.max_skipped_fraction,
+        check_replicas_every=cfg.parallel.check_replicas_every,
         shard_optimizer=cfg.parallel.shard_optimizer, sync_every=cfg.parallel.sync_every,
         allreduce_dtype=cfg.parallel.allreduce_dtype, log_grad_norm=cfg.train.log_grad_norm,
         log_noise_scale=cfg.train.log_noise_scale,

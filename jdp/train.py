@@ -21,45 +21,60 @@ import ml_collections
 
 from jdp import config as config_lib
 from jdp import distributed as distributed_lib
-from jdp import trainer, workdir_lock
+from jdp import storage, trainer, workdir_lock
 from jdp.checkpoint import CheckpointError
-from jdp.errors import NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
+from jdp.errors import DiskError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
 from jdp.mesh import make_mesh, simulate_cpu_devices
 from jdp.metrics import MetricsWriter
-from jdp.resume import check_workdir_config, committed_steps, initialised_from, record_config, restore_for_inference
+from jdp.resume import (
+    check_workdir_config,
+    committed_steps,
+    initialised_from,
+    record_config,
+    report_finished_run,
+    restore_for_inference,
+)
 from jdp.runinfo import write_run_metadata
 from jdp.task import build, build_task  # noqa: F401 - build is part of jdp.train's API
 from jdp.trainer import FitResult
 from jdp.xla_flags import apply_communication_flags
 
-EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_NONFINITE, EXIT_REPLICAS_DIFFER, EXIT_DISTRIBUTED = 0, 1, 2, 3, 4, 5
+EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_NONFINITE, EXIT_REPLICAS_DIFFER, EXIT_DISTRIBUTED, EXIT_DISK = (
+    0, 1, 2, 3, 4, 5, 6)
 EXIT_PREEMPTED = preemption.EXIT_PREEMPTED
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
     """Trains `cfg` into `workdir` with `jdp.fit`, resuming from its latest checkpoint if there is one.
 
-    Raises ConfigError before compiling anything if the config is bad."""
-    task = build_task(cfg)
+    Raises ConfigError before compiling anything if the config is bad. A run with nothing left to train writes
+    nothing to its workdir but a final eval or summary line it lacks."""
     workdir = Path(workdir)
+    storage.check_writable(workdir)
+    task = build_task(cfg)
     timeout_s = cfg.distributed.init_timeout_s
+    echo = print if jax.process_index() == 0 else lambda *_: None
     with workdir_lock.held(workdir, timeout_s):
         steps = committed_steps(workdir)
         if steps:
-            check_workdir_config(cfg, workdir, print if jax.process_index() == 0 else lambda *_: None)
+            check_workdir_config(cfg, workdir, echo)
         distributed_lib.barrier("config checked", timeout_s)  # every process has read config.json: rewrite it
-        finished = bool(steps) and steps[-1] >= cfg.train.steps  # a rerun of a finished run records nothing
-        if jax.process_index() == 0 and not finished:
-            record_config(cfg, workdir)
-            write_run_metadata(workdir, make_mesh(cfg.parallel.num_devices))
-            if jax.devices()[0].platform == "gpu":
-                print(f"jdp: XLA_FLAGS in force: {os.environ.get('XLA_FLAGS', '')}")
         model = task.make_model
         if cfg.init_from and not steps:
             model = initialised_from(cfg.init_from, task.make_model())
+
+        def on_start(start: int) -> None:
+            if start >= cfg.train.steps:  # a rerun of a finished run records nothing
+                report_finished_run(cfg, workdir, start, echo)
+            elif jax.process_index() == 0:
+                record_config(cfg, workdir)
+                write_run_metadata(workdir, make_mesh(cfg.parallel.num_devices))
+                if jax.devices()[0].platform == "gpu":
+                    print(f"jdp: XLA_FLAGS in force: {os.environ.get('XLA_FLAGS', '')}")
+
         return trainer.run(model, task.loss_fn, task.source, optimizer=task.optimizer, steps=task.steps,
                            global_batch_size=task.global_batch_size,
-                           options=dataclasses.replace(task.options, workdir=workdir))
+                           options=dataclasses.replace(task.options, workdir=workdir), on_start=on_start)
 
 
 def evaluate_checkpoint(workdir: Path) -> dict[str, float]:
@@ -106,6 +121,7 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     cfg = config_lib.apply_overrides(cfg, overrides)
     if args.cpu_devices is not None:
         cfg.parallel.cpu_devices = args.cpu_devices
+    config_lib.check_ranges(cfg)  # before any value is used: a negative device count, a NaN timeout
     return CommandLine(cfg, workdir, args.eval_only)
 
 
@@ -125,7 +141,7 @@ def _main(argv: list[str] | None) -> int:
                 (config_lib.ConfigError, EXIT_USAGE, "config error"), (UsageError, EXIT_USAGE, "error"),
                 (CheckpointError, EXIT_USAGE, "checkpoint"),
                 (NonFiniteLossError, EXIT_NONFINITE, "halted"), (ReplicaMismatchError, EXIT_REPLICAS_DIFFER, "halted"),
-                (distributed_lib.DistributedFailure, EXIT_DISTRIBUTED, "distributed"),
+                (distributed_lib.DistributedFailure, EXIT_DISTRIBUTED, "distributed"), (DiskError, EXIT_DISK, "disk"),
                 (Preempted, EXIT_PREEMPTED, "preempted")]
     argv = sys.argv[1:] if argv is None else argv
     try:
@@ -156,8 +172,12 @@ def _main(argv: list[str] | None) -> int:
         print(f"jdp: distributed: process {jax.process_index()} of {jax.process_count()} stopped: another process "
               f"or the coordinator failed ({distributed_lib.first_line(e)})", file=sys.stderr)
         return EXIT_DISTRIBUTED
-    except Exception:  # noqa: BLE001 - a bug or an unforeseen failure
-        return _unexpected()
+    except Exception as e:  # noqa: BLE001 - a full disk or an I/O error outside the training loop, or a bug
+        failure = storage.disk_failure(e)
+        if failure is None:
+            return _unexpected()
+        print(f"jdp: disk: {storage.describe(failure, Path.cwd())}; free space and rerun", file=sys.stderr)
+        return EXIT_DISK
     return EXIT_OK
 
 

@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 
 from jdp import distributed as distributed_lib
-from jdp import loop, zero
+from jdp import loop, storage, zero
 from jdp import optim as optim_lib
 from jdp.data.batching import Batcher
 from jdp.errors import UsageError
@@ -94,6 +94,7 @@ class FitOptions:
     callbacks: Sequence[Callback] = ()
     bn_sync: bool = True  # every nnx.BatchNorm averages its statistics across devices
     on_nonfinite: str = "halt"  # halt: save the state from before it and raise | skip the update
+    max_skipped_fraction: float = 0.1  # skip: raise once more of the last 100 steps were skipped
     check_replicas_every: int = 500  # compare the replicas' bits every N steps (0 = at the end only)
     shard_optimizer: bool = False  # ZeRO-1 (shard_map; element-wise optimizers only)
     sync_every: int = 1  # local SGD: average parameters every H steps
@@ -118,6 +119,10 @@ class FitOptions:
         for key in ("eval_every", "eval_batch_size", "num_devices", "checkpoint_every", "check_replicas_every", "seed"):
             if getattr(self, key) < 0:
                 raise FitError(f"{key}={getattr(self, key)} must not be negative")
+        if not 0 <= self.max_skipped_fraction <= 1:
+            raise FitError(f"max_skipped_fraction={self.max_skipped_fraction} must be in [0, 1]")
+        if self.seed > 2**32 - 1:
+            raise FitError(f"seed={self.seed} must be below 2**32 (it is folded into uint32 RNG keys)")
         for callback in self.callbacks:
             if not getattr(callback, "every", 0) >= 1:
                 raise FitError(f"callback {callback!r} needs an `every` of at least 1 (steps between calls)")
@@ -253,6 +258,10 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     if o.eval_batch_size % n:
         raise FitError(f"eval_batch_size={o.eval_batch_size} is not divisible by the {n} devices")
     source = _source(train_data, o.eval_data, o, global_batch_size)
+    largest = eval_batch_limit(getattr(source, "num_eval", 0), n)
+    if o.eval_batch_size > largest:
+        raise FitError(f"eval_batch_size={o.eval_batch_size} is larger than the eval data needs ({source.num_eval} "
+                       f"examples on {n} device(s)); use at most {largest}, or 0 (= global_batch_size)")
     # Under jit the batch is global, so BatchNorm statistics are global without a named axis.
     bn_axis = DATA_AXIS if o.bn_sync and o.backend != "jit" else None
     make = model if callable(model) and not isinstance(model, nnx.Module) else None
@@ -287,6 +296,12 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     sharding = replicated(mesh)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract)
     return Engine(parallel, source, model_def, lambda: parallel.init_state(init_state, *initial), abstract)
+
+
+def eval_batch_limit(num_eval: int, num_devices: int) -> float:
+    """The largest useful eval batch: the eval split in one batch, rounded up to a multiple of the devices
+    (a larger one only pads); any size goes without eval data."""
+    return -(-num_eval // num_devices) * num_devices if num_eval else math.inf
 
 
 def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract: TrainState, source: Source,
@@ -344,16 +359,22 @@ def fit(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
 
 
 def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
-        optimizer: optax.GradientTransformation, steps: int, global_batch_size: int, options: FitOptions
-        ) -> FitResult:
-    """`fit` with its options already gathered (what `python -m jdp.train` calls)."""
+        optimizer: optax.GradientTransformation, steps: int, global_batch_size: int, options: FitOptions,
+        on_start: Callable[[int], None] | None = None) -> FitResult:
+    """`fit` with its options already gathered (what `python -m jdp.train` calls). `on_start(step)`: called
+    with the step the run starts or resumes from, before anything is written to the workdir."""
     o = options
     _check_joined()
     if steps <= 0 or steps % o.sync_every:
         raise FitError(f"steps={steps} must be a positive multiple of sync_every={o.sync_every}")
+    if o.workdir is not None:
+        try:
+            storage.check_writable(o.workdir, "workdir")
+        except UsageError as e:
+            raise FitError(str(e)) from None
     engine = prepare(model, loss_fn, train_data, optimizer=optimizer, global_batch_size=global_batch_size, options=o)
     try:
-        outcome = loop.train(engine, o, steps, global_batch_size)
+        outcome = loop.train(engine, o, steps, global_batch_size, on_start)
     finally:
         engine.source.close()
     final = outcome.final

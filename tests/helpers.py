@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 import jax
@@ -76,3 +77,30 @@ def records(workdir, split: str) -> list[dict]:
 def train_losses(workdir) -> list[tuple[int, float]]:
     """(step, loss) of every train line, in order, so a duplicated step shows."""
     return [(r["step"], r["loss"]) for r in records(workdir, "train")]
+
+
+README = Path(__file__).parent.parent / "README.md"
+NOT_RUN = "<!-- not run by the tests: "  # the README's mark on a command block that needs a GPU or a cluster
+
+
+def readme_command_blocks() -> list[tuple[str, list[str]]]:
+    """Each ```bash block of the README: (its mark, or "" if the tests run it; its commands, `a && b` split)."""
+    lines = README.read_text().splitlines()
+    blocks = []
+    for i, line in enumerate(lines):
+        if line.strip() != "```bash":
+            continue
+        end = lines.index("```", i + 1)
+        mark = lines[i - 1] if i and lines[i - 1].startswith(NOT_RUN) else ""
+        commands = [c.strip() for text in lines[i + 1:end] for c in text.split("#")[0].split("&&") if c.strip()]
+        blocks.append((mark, commands))
+    return blocks
+
+
+def readme_command(prefix: str) -> list[str]:
+    """The one command of the README's run blocks that is `prefix`, or else starts with it, as printed, split into
+    arguments."""
+    run = [c for mark, commands in readme_command_blocks() if not mark for c in commands]
+    found = [c for c in run if c == prefix] or [c for c in run if c.startswith(prefix)]
+    assert len(found) == 1, f"the README's run blocks hold {len(found)} commands starting with {prefix!r}: {found}"
+    return shlex.split(found[0])

@@ -262,7 +262,7 @@ def test_nonfinite_halt_saves_the_state_before_the_bad_step(monkeypatch, tmp_pat
     assert main([*args, "--workdir", str(clean), "--config.train.steps=5"]) == 0
     _nan_at_index(monkeypatch, 5)  # the batch of step 6
     assert main([*args, "--workdir", str(tmp_path / "bad")]) == 3
-    assert "non-finite loss or gradient at step 6" in capsys.readouterr().err
+    assert "non-finite inputs (batch key 'x'), hence the loss (nan) at step 6" in capsys.readouterr().err
     assert sorted(p.name for p in (tmp_path / "bad" / "checkpoints").iterdir()) == ["5"]
     monkeypatch.undo()
     for workdir in (clean, tmp_path / "bad"):
@@ -287,6 +287,25 @@ def test_nonfinite_skip_drops_the_update_and_counts_it(monkeypatch, tmp_path):
     schedule = learning_rate(first.optim, first.train.global_batch_size, 6)
     np.testing.assert_allclose([r["lr"] for r in train_lines[:5]], [schedule(n) for n in range(5)], rtol=1e-6)
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(result.params))
+
+
+def test_export_eval_only_and_init_from_work_whatever_device_count_the_run_used(tmp_path):
+    """A run on 4 devices, exported and evaluated in processes that have 1 device, started from on 2."""
+    first = run(small_config("mlp", steps=2, num_devices=4), tmp_path / "a")
+    one_device = {"env": {"JAX_NUM_CPU_DEVICES": "1"}}
+    out = subprocess.run([sys.executable, "-m", "jdp.export", "--workdir", str(tmp_path / "a"), "--out",
+                          str(tmp_path / "p.npz")], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, **one_device["env"]})
+    assert out.returncode == 0, out.stderr
+    out = train(tmp_path / "a", "--eval_only", **one_device)
+    assert out.returncode == 0, out.stderr
+    assert records(tmp_path / "a", "eval")[-1]["loss"] == pytest.approx(first.eval_loss, rel=1e-5)
+    with np.load(tmp_path / "p.npz") as stored:
+        exported = params_file.flatten(first.params, "params")
+        assert all(np.array_equal(stored[k], v) for k, v in exported.items())
+    second = small_config("mlp", steps=1, num_devices=2, init_from=str(tmp_path / "p.npz"))
+    second.optim.lr = 1e-12
+    assert run(second, tmp_path / "b").eval_loss == pytest.approx(first.eval_loss, rel=1e-5)
 
 
 def test_export_round_trips_into_a_new_run(tmp_path, capsys):

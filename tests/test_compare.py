@@ -1,6 +1,7 @@
 """jdp.compare: the PyTorch twins, weight transfer both ways, parity with DDP, and the speed command."""
 
 import functools
+import json
 import os
 import subprocess
 import sys
@@ -20,11 +21,10 @@ import optax
 
 from jdp import models
 from jdp.compare import parity as parity_lib
-from jdp.compare import speed as speed_lib
 from jdp.compare import torch_models, weights
 from jdp.modeldef import ModelDef
 from jdp.train import build
-from tests.helpers import logits_and_state, small_config
+from tests.helpers import logits_and_state, readme_command, small_config
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -158,12 +158,11 @@ SYNTHETIC_1D = {"name": "synthetic", "shape": (40,), "num_classes": 10, "num_exa
 
 
 def test_parity_mlp_cli(tmp_path):
-    """The command line: 2 workers each side, 20 steps, plain SGD (loss tolerance 1e-6); exit 0 and the verdict
-    on the last line."""
-    cmd = [sys.executable, "-m", "jdp.compare", "parity", "--config", str(REPO / "configs" / "mnist1d_mlp.py"),
-           "--workers", "2", "--steps", "20", "--workdir", str(tmp_path), "--config.model.kwargs.hidden_sizes=(32,32)",
-           "--config.optim.name=sgd", "--config.optim.lr=0.1", "--config.train.global_batch_size=32",
-           *[f"--config.data.{k}={v}" for k, v in SYNTHETIC_1D.items()]]
+    """The README's command as printed (2 workers each side, 20 steps), on a smaller MLP, synthetic data and
+    plain SGD (loss tolerance 1e-6): exit 0 and the verdict on the last line."""
+    cmd = [sys.executable, *readme_command("python -m jdp.compare parity")[1:], "--workdir", str(tmp_path),
+           "--config.model.kwargs.hidden_sizes=(32,32)", "--config.optim.name=sgd", "--config.optim.lr=0.1",
+           "--config.train.global_batch_size=32", *[f"--config.data.{k}={v}" for k, v in SYNTHETIC_1D.items()]]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
     last = done.stdout.strip().splitlines()[-1]
@@ -249,15 +248,20 @@ def test_unsupported_settings_are_refused():
         parity_lib.check_supported(cfg, 2)
 
 
-def test_speed_end_to_end(tmp_path):
-    cfg = small_config("mlp", data=SYNTHETIC_1D, train={"global_batch_size": 32, "steps": 4})
-    result = speed_lib.speed(cfg, name="tiny_mlp", workers=2, workdir=tmp_path, repeats=1, timeout_s=120,
-                             backends=("shard_map", "jit"), compile_cache=True, echo=lambda *_: None)
-    assert [row["run"] for row in result.rows] == ["ddp", "shard_map", "jit"]
-    for row in result.rows:
+def test_speed_cli(tmp_path):
+    """The README's command as printed, on a smaller MLP, synthetic data, 4 steps and one repeat."""
+    cmd = [sys.executable, *readme_command("python -m jdp.compare speed")[1:], "--workdir", str(tmp_path),
+           "--steps", "4", "--repeats", "1", "--backends", "shard_map,jit", "--compile_cache", "--timeout", "120",
+           "--config.model.kwargs.hidden_sizes=(32,32)", "--config.train.global_batch_size=32",
+           *[f"--config.data.{k}={v}" for k, v in SYNTHETIC_1D.items()]]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = json.loads((tmp_path / "speed.json").read_text())["rows"]
+    assert [row["run"] for row in rows] == ["ddp", "shard_map", "jit"]
+    for row in rows:
         assert row["examples_per_sec"] > 0 and row["time_to_first_step_s"] > 0
         assert row["peak_rss_mib_per_worker"] > 50
-    assert result.rows[0]["ratio_vs_ddp"] == 1.0
+    assert rows[0]["ratio_vs_ddp"] == 1.0
     for name in ("speed.md", "speed.json", "speed.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "| shard_map |" in (tmp_path / "speed.md").read_text()

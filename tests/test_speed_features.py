@@ -63,8 +63,10 @@ def test_bf16_compute_keeps_float32_masters_and_tracks_fp32(tmp_path):
 
 
 def test_fp16_loss_scaling_skips_overflows_without_halting(tmp_path):
-    # A loss scale of 2^40 overflows float16 gradients: each such step halves the scale and is skipped.
-    cfg = small_config("mlp", num_devices=2, steps=40, precision="fp16", loss_scale={"initial": 2.0**40})
+    # A loss scale of 2^40 overflows float16 gradients: each such step halves the scale and is skipped, and
+    # does not count against train.max_skipped_fraction (0.1: 20 of 40 steps would halt the run).
+    cfg = small_config("mlp", num_devices=2, steps=40, precision="fp16", loss_scale={"initial": 2.0**40},
+                       train={"on_nonfinite": "skip"})
     result = run(cfg, tmp_path)
     train = records(tmp_path, "train")
     assert train[-1]["overflow_steps"] >= 20 and train[-1]["skipped_steps"] == 0

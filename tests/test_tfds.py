@@ -155,7 +155,7 @@ def test_prepared_cifar_like_fixture_reads_without_tensorflow(make) -> None:
     assert x.shape == (32, 32, 32, 3) and x.dtype == np.float32 and np.isfinite(x).all()
     assert "tensorflow" not in sys.modules
     assert make("tiny_cifar", num_classes=12).num_classes == 12  # the config wins over the dataset info
-    with pytest.raises(ValueError, match=r"label \d+, outside \[0, 3\)"):
+    with pytest.raises(ValueError, match=r"split 'train' of tiny_cifar has label \d+, outside \[0, 3\) for 3 classes"):
         make("tiny_cifar", num_classes=3).train_batch(0)
 
 
@@ -516,3 +516,18 @@ def test_augmented_training_on_8_devices_equals_1_device(backend: str, one_devic
     result = run(small_config("tiny_cifar", backend=backend, num_devices=8, steps=3), tmp_path)
     np.testing.assert_allclose(result.losses, one_device_run.losses, rtol=1e-4)
     assert max_abs_diff(result.params, one_device_run.params) < 1e-5
+
+
+def test_a_label_past_num_classes_exits_2_in_one_line(tmp_path, capsys) -> None:
+    """Found where the labels are first read (before anything compiles), naming the label, the class count and the
+    split."""
+    from jdp.train import main
+    from tests.helpers import TINY_CIFAR
+
+    code = main(["--config", "synthetic_cnn2d", "--config.data.name=tfds:tiny_cifar",
+                 f"--config.data.data_dir={TINY_CIFAR}", "--config.data.num_classes=3",
+                 "--config.train.global_batch_size=32", "--workdir", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, err
+    assert re.match(r"jdp: error: split 'train' of tiny_cifar has label \d, outside \[0, 3\) for 3 classes; raise "
+                    r"data.num_classes above \d", err), err

@@ -163,6 +163,8 @@ class Batcher(OrderedSource):
         eval batches. `eval_batch_size` 0 = `global_batch_size`."""
         self._train = as_dataset(train, "the train data")
         self._eval = None if eval is None else as_dataset(eval, "the eval data")
+        if self._eval is not None and len(self._eval) == 0:
+            raise DataError("the eval data has no rows; give at least one example, or no eval data")
         if "mask" in self._train.keys:
             raise DataError("the data has a key 'mask', which jdp uses to mark the padding rows of eval batches; "
                             "rename it (e.g. 'token_mask')")

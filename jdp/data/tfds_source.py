@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jdp.data import augment
-from jdp.data.batching import OrderedSource, RowOrder
+from jdp.data.batching import DataError, OrderedSource, RowOrder
 from jdp.data.device_input import ImageInput
 from jdp.data.tfrecord import TfrecordRecords, UnreadableFileError
 
@@ -142,6 +142,7 @@ class _Records:
             decoders = {image_key: tfds.decode.SkipDecoding()} if isinstance(image, tfds.features.Image) else None
             self._decode = functools.partial(info.features.deserialize_example_np, decoders=decoders)
         self._image_key, self._label_key = image_key, label_key
+        self.split = split
 
     def __len__(self) -> int:
         return len(self._source)
@@ -285,11 +286,11 @@ class TfdsSource(OrderedSource):
         else:
             for f in [self._workers.submit(task, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]:
                 f.result()
-        if labels.min() < 0 or labels.max() >= self.num_classes:
+        if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
             bad = labels[(labels < 0) | (labels >= self.num_classes)][0]
-            raise ValueError(f"{self.name} has label {bad}, outside [0, {self.num_classes}); unlabelled splits (such "
-                             "as imagenet2012's test) cannot be trained or evaluated on, and data.num_classes must "
-                             "cover every label")
+            raise DataError(f"split {source.split!r} of {self.name} has label {bad}, outside [0, {self.num_classes}) "
+                            f"for {self.num_classes} classes; raise data.num_classes above {bad} (0 = from the dataset "
+                            "info), or use a labelled split (imagenet2012's test split has none)")
         return pixels, labels
 
     def _read_small(self, source: _Records, cache: _DecodedCache | None, rows: np.ndarray

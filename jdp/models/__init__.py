@@ -28,9 +28,19 @@ def _image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
     return h, w, c[0] if c else 1
 
 
+def _sizes(key: str, value: Any, example: tuple[int, ...], *, allow_empty: bool = True) -> tuple[int, ...]:
+    """`model.kwargs.<key>`: a tuple of positive ints, or a ValueError naming it and the fix."""
+    sizes = tuple(value) if isinstance(value, (tuple, list)) else (value,)
+    if not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in sizes) or not (sizes or allow_empty):
+        raise ValueError(f"model.kwargs.{key}={value!r} must be a tuple of positive ints; set e.g. "
+                         f"--config.model.kwargs.{key}={str(example).replace(' ', '')}")
+    return sizes
+
+
 @MODELS.register("mlp")
 def mlp(*, input_shape: tuple[int, ...], num_classes: int, hidden_sizes: Sequence[int] = (256, 256),
         rngs: nnx.Rngs) -> MLP:
+    hidden_sizes = _sizes("hidden_sizes", hidden_sizes, (256, 256))
     return MLP(math.prod(input_shape), hidden_sizes, num_classes, rngs=rngs)
 
 
@@ -39,6 +49,11 @@ def cnn1d(*, input_shape: tuple[int, ...], num_classes: int, channels: Sequence[
           kernel_sizes: Sequence[int] = (5, 3, 3), strides: Sequence[int] = (2, 2, 2), rngs: nnx.Rngs) -> CNN1D:
     if len(input_shape) not in (1, 2):
         raise ValueError(f"cnn1d needs an input shape (L,) or (L, C), got {input_shape}")
+    channels = _sizes("channels", channels, (25, 25, 25), allow_empty=False)
+    kernel_sizes, strides = _sizes("kernel_sizes", kernel_sizes, (5, 3, 3)), _sizes("strides", strides, (2, 2, 2))
+    if not len(channels) == len(kernel_sizes) == len(strides):
+        raise ValueError(f"model.kwargs channels {channels}, kernel_sizes {kernel_sizes} and strides {strides} need "
+                         "one entry per conv layer each; give them the same length")
     length, *c = input_shape
     return CNN1D(length, c[0] if c else 1, channels, kernel_sizes, strides, num_classes, rngs=rngs)
 
@@ -46,6 +61,8 @@ def cnn1d(*, input_shape: tuple[int, ...], num_classes: int, channels: Sequence[
 @MODELS.register("cnn2d")
 def cnn2d(*, input_shape: tuple[int, ...], num_classes: int, channels: Sequence[int] = (25, 25, 25),
           dense_sizes: Sequence[int] = (128,), rngs: nnx.Rngs) -> CNN2D:
+    channels = _sizes("channels", channels, (25, 25, 25), allow_empty=False)
+    dense_sizes = _sizes("dense_sizes", dense_sizes, (128,))
     return CNN2D(_image_shape(input_shape), channels, dense_sizes, num_classes, rngs=rngs)
 
 
@@ -54,6 +71,10 @@ def _resnet(name: str) -> Callable[..., ResNet]:
               stem: str = "auto", bn_momentum: float = 0.9, rngs: nnx.Rngs) -> ResNet:
         """`stage_sizes` () = the standard stages of the depth; `stem` auto = cifar for images of <= 64 px."""
         h, _, c = _image_shape(input_shape)
+        _sizes("width", width, (64,))
+        stage_sizes = _sizes("stage_sizes", stage_sizes, (2, 2, 2, 2))
+        if not 0 <= bn_momentum <= 1:
+            raise ValueError(f"model.kwargs.bn_momentum={bn_momentum} must be in [0, 1]; e.g. 0.9")
         block, standard_stages = ARCHS[name]
         stem = stem if stem != "auto" else ("cifar" if h <= 64 else "imagenet")
         return ResNet(tuple(stage_sizes) or standard_stages, block, width, stem, c, num_classes,

@@ -1,0 +1,322 @@
+"""Every bad input gets one line naming the field or path and the fix, and its documented exit code, before
+anything compiles where that is possible; `jdp.fit` raises the same lines as exceptions."""
+
+import errno
+import json
+import logging
+import math
+import os
+import re
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jdp
+from jdp import config as config_lib
+from jdp import storage
+from jdp.configs import base
+from jdp.data.batching import Batcher
+from jdp.metrics import MetricsWriter
+from jdp.train import main
+
+TINY = ["--config", "digits_mlp", "--config.model.kwargs.hidden_sizes=(16,)", "--config.train.log_every=1",
+        "--config.parallel.num_devices=2", "--config.train.global_batch_size=32"]
+
+
+def one_line(capsys, code_expected: int, code: int, *expected: str) -> str:
+    """The exit code, and one line on stderr holding every `expected` text (stdout: a warning or two at most)."""
+    out, err = capsys.readouterr()
+    assert code == code_expected, err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
+    assert len([line for line in out.splitlines() if line.startswith(("warning", "Traceback"))]) <= 2, out
+    for text in expected:
+        assert text in err, err
+    return err
+
+
+def write(path, text: str):
+    path.write_text(textwrap.dedent(text))
+    return path
+
+
+# -- 1. usage errors in the config file, the workdir and the data: exit 2 ------------------------------------
+
+FILES = {
+    "syntax error": ("def get_config(:\n    pass\n", "line 1"),
+    "get_config raises": ("def get_config():\n    raise RuntimeError('no GPU here')\n",
+                          "line 2: get_config() raised RuntimeError: no GPU here"),
+    "not a ConfigDict": ("def get_config():\n    return {'train': {}}\n", "returned a dict; it must return an "
+                                                                        "ml_collections.ConfigDict"),
+    "string in an int field": ("from jdp.configs import base\ndef get_config():\n    c = base.get_config()\n"
+                               "    c.train.steps = 'ten'\n    return c\n", "line 4: get_config() raised TypeError"),
+    "string in an int section": ("import ml_collections\nfrom jdp.configs import base\ndef get_config():\n"
+                                 "    c = base.get_config()\n    c.checkpoint = ml_collections.ConfigDict("
+                                 "dict(every_steps='5', keep=3, allow_config_change=False))\n    return c\n",
+                                 "checkpoint.every_steps='5' is a str; it must be a int"),
+    "unknown key": ("from jdp.configs import base\ndef get_config():\n    c = base.get_config()\n"
+                    "    c.train.stepz = 5\n    return c\n",
+                    "sets an unknown key train.stepz; did you mean train.steps?"),
+    "missing key": ("import ml_collections\ndef get_config():\n    return ml_collections.ConfigDict({'seed': 0})\n",
+                    "lacks checkpoint.allow_config_change and "),
+}
+
+
+@pytest.mark.parametrize("case", FILES, ids=list(FILES))
+def test_a_bad_config_file_is_one_line(case, tmp_path, capsys):
+    text, expected = FILES[case]
+    path = write(tmp_path / "my_config.py", text)
+    one_line(capsys, 2, main(["--config", str(path), "--workdir", str(tmp_path / "run")]), str(path), expected)
+    assert not (tmp_path / "run").exists()
+
+
+def test_model_kwargs_in_a_config_file_are_the_models_own(tmp_path):
+    path = write(tmp_path / "c.py", """
+        from jdp.configs import base
+        def get_config():
+            c = base.get_config()
+            c.model.name = "mlp"
+            c.model.kwargs.hidden_sizes = [8]
+            c.optim.lr = 1  # an int for a float field
+            return c
+        """)
+    cfg = config_lib.load_config_file(path)
+    assert cfg.model.kwargs.hidden_sizes == [8] and cfg.optim.lr == 1.0 and isinstance(cfg.optim.lr, float)
+
+
+OVERRIDES = {
+    "hidden_sizes float": (["--config.model.kwargs.hidden_sizes=0.5"], "model.kwargs.hidden_sizes=(0.5,) must be"),
+    "hidden_sizes negative": (["--config.model.kwargs.hidden_sizes=(-3,)"], "model.kwargs.hidden_sizes=(-3,)"),
+    "hidden_sizes zero": (["--config.model.kwargs.hidden_sizes=(0,)"], "a tuple of positive ints"),
+    "synthetic shape": (["--config.data.name=synthetic", "--config.data.num_classes=10", "--config.data.shape=(0,)"],
+                        "data.shape=(0,) must be a tuple of positive sizes"),
+    "no eval examples": (["--config.data.name=synthetic", "--config.data.num_classes=10",
+                          "--config.data.num_eval_examples=0"], "data.num_eval_examples=0 must be at least 1"),
+    "eval batch past the split": (["--config.train.eval_batch_size=2000000000"],
+                                  "train.eval_batch_size=2000000000 is larger than the eval split needs (360 "
+                                  "examples on 2 device(s)); set --config.train.eval_batch_size to at most 360"),
+    "truncated init_from": (["--config.init_from=TRUNCATED"], "init_from=TRUNCATED cannot be read"),
+}
+
+
+@pytest.mark.parametrize("case", OVERRIDES, ids=list(OVERRIDES))
+def test_a_bad_setting_is_one_line_before_anything_compiles(case, tmp_path, capsys, monkeypatch):
+    args, expected = OVERRIDES[case]
+    monkeypatch.chdir(tmp_path)
+    np.savez(tmp_path / "whole.npz", a=np.zeros(1000))
+    (tmp_path / "TRUNCATED").write_bytes((tmp_path / "whole.npz").read_bytes()[:300])
+    one_line(capsys, 2, main([*TINY, *args, "--workdir", "run"]), expected)
+    assert not (tmp_path / "run").exists()
+
+
+def _read_only_access(monkeypatch):
+    """Root writes anywhere whatever the mode bits: then report them as a non-root user would see them."""
+    if os.geteuid() == 0:
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and bool(os.stat(p).st_mode & 0o200))
+
+
+@pytest.mark.parametrize("case", ["a file", "under a file", "read-only"])
+def test_an_unusable_workdir_is_one_line(case, tmp_path, capsys, monkeypatch):
+    (tmp_path / "f").write_text("")
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o555)
+    _read_only_access(monkeypatch)
+    workdir, expected = {"a file": (tmp_path / "f", "is a file, not a directory"),
+                         "under a file": (tmp_path / "f" / "run", f"lies under {tmp_path / 'f'}, which is a file"),
+                         "read-only": (locked / "run", f"({locked} is read-only to this user)")}[case]
+    one_line(capsys, 2, main([*TINY, "--workdir", str(workdir)]), str(workdir), expected)
+    with pytest.raises(jdp.FitError, match=re.escape(expected)):
+        jdp.fit(lambda: nnx.Linear(2, 1, rngs=nnx.Rngs(0)), _mse, _data(), optimizer=optax.sgd(0.1), steps=1,
+                global_batch_size=8, workdir=workdir)
+
+
+def test_a_garbage_config_json_in_the_workdir_is_one_line(tmp_path, capsys):
+    (tmp_path / "config.json").write_text("{not json")
+    one_line(capsys, 2, main(["--workdir", str(tmp_path)]), f"{tmp_path / 'config.json'} is not a readable jdp "
+                                                            "config", "move it away, or pass --config")
+    (tmp_path / "config.json").write_text(json.dumps({"train": {"steps": "many"}}))
+    one_line(capsys, 2, main(["--workdir", str(tmp_path)]), "--config.train.steps=many is not a valid int")
+
+
+# -- 2. one table of the valid range of every numeric field ---------------------------------------------------
+
+def _numeric_fields(cfg) -> dict:
+    return {k: v for k, v in config_lib._flatten(cfg.to_dict()).items()
+            if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def test_every_numeric_field_of_base_has_a_range():
+    fields = _numeric_fields(base.get_config())
+    assert sorted(fields) == sorted(config_lib.RANGES)
+    for key, value in fields.items():
+        assert value in config_lib.RANGES[key], f"the default {key}={value} is outside its own range"
+
+
+def _outside(valid: config_lib.Range) -> float:
+    if valid.high != math.inf:
+        return valid.high + 1
+    return valid.low if valid.low_open else valid.low - 1
+
+
+@pytest.mark.parametrize("key", list(config_lib.RANGES))
+def test_each_numeric_field_refuses_a_value_out_of_its_range(key, tmp_path, capsys):
+    value = _outside(config_lib.RANGES[key])
+    value = int(value) if isinstance(base.get_config()[key], int) else float(value)
+    one_line(capsys, 2, main([f"--config.{key}={value}", "--workdir", str(tmp_path)]),
+             f"{key}={value} must ", f"set --config.{key} to a value")
+
+
+def test_nan_is_outside_every_range(tmp_path, capsys):
+    one_line(capsys, 2, main(["--config.optim.momentum=nan", "--workdir", str(tmp_path)]),
+             "optim.momentum=nan must be in [0, 1)")
+
+
+# -- jdp.fit: the same checks, raised as one-line FitErrors -----------------------------------------------------
+
+def _mse(model, batch):
+    return {"loss": (model(batch["x"])[:, 0] - batch["y"]) ** 2}
+
+
+def _data(n: int = 64) -> dict:
+    x = np.random.default_rng(0).normal(size=(n, 2)).astype(np.float32)
+    return {"x": x, "y": x.sum(1)}
+
+
+FIT_CASES = {
+    "eval data without rows": (dict(eval_data=_data(0)), "the eval data has no rows"),
+    "eval batch past the eval data": (dict(eval_data=_data(10), eval_batch_size=64, num_devices=2),
+                                      "eval_batch_size=64 is larger than the eval data needs (10 examples on 2 "
+                                      "device(s)); use at most 10"),
+    "skipped fraction": (dict(max_skipped_fraction=1.5), "max_skipped_fraction=1.5 must be in [0, 1]"),
+    "seed": (dict(seed=2**32), "must be below 2**32"),
+}
+
+
+@pytest.mark.parametrize("case", FIT_CASES, ids=list(FIT_CASES))
+def test_fit_refuses_in_one_line(case):
+    options, expected = FIT_CASES[case]
+    with pytest.raises(jdp.FitError) as raised:
+        jdp.fit(lambda: nnx.Linear(2, 1, rngs=nnx.Rngs(0)), _mse, _data(), optimizer=optax.sgd(0.1), steps=1,
+                global_batch_size=8, **options)
+    assert expected in str(raised.value) and "\n" not in str(raised.value)
+
+
+# -- 4. a full disk: exit 6, one line naming the path and the free space --------------------------------------
+
+def test_a_full_disk_is_one_line_and_the_last_checkpoint_resumes(tmp_path, capsys, monkeypatch):
+    """Simulated: the metrics file's writes fail with ENOSPC from step 5 on, after the checkpoint of step 4."""
+    original = MetricsWriter._write
+
+    def full_from_step_5(self, record):
+        if record.get("step", 0) >= 5:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(tmp_path / "metrics.jsonl"))
+        original(self, record)
+
+    monkeypatch.setattr(MetricsWriter, "_write", full_from_step_5)
+    args = [*TINY, "--config.train.steps=8", "--config.checkpoint.every_steps=2", "--config.train.eval_every=8",
+            "--workdir", str(tmp_path)]
+    one_line(capsys, 6, main(args), f"jdp: disk: no space left on device writing {tmp_path / 'metrics.jsonl'} (",
+             " free there); the last checkpoint, step 4, is intact: free space and rerun to resume")
+    monkeypatch.undo()
+    assert main(args) == 0
+    assert f"resumed from {tmp_path / 'checkpoints' / '4'}" in capsys.readouterr().out
+
+
+def test_orbax_write_failures_are_recognised_and_kept_quiet():
+    """The text orbax 0.12 raised (and logged from each of its threads) when a real 2 MB tmpfs filled up."""
+    text = ('RESOURCE_EXHAUSTED: Error writing "params.layers.0.bias/0" in OCDBT database at local file "/w/c/6.orbax-'
+            'checkpoint-tmp/ocdbt.process_0/": Failed writing: "/w/c/6.orbax-checkpoint-tmp/ocdbt.process_0/d/aa2a": '
+            "Failed to write 733997 bytes to file 12: No space left on device [os_error_code='28']")
+    try:
+        try:
+            raise ValueError(text)
+        except ValueError as inner:
+            raise RuntimeError("Save Finalize thread (save_finalize) failed.") from inner
+    except RuntimeError as outer:
+        error = outer
+    assert storage.disk_failure(error) == (errno.ENOSPC, "/w/c/6.orbax-checkpoint-tmp/ocdbt.process_0/d/aa2a")
+    assert storage.disk_failure(ValueError("shapes differ")) is None
+    assert storage.disk_failure(FileNotFoundError(errno.ENOENT, "gone", "x")) is None  # not the disk's fault
+    quiet = storage.QuietDiskFailures()
+
+    def record(message, exc_info=None):
+        return logging.LogRecord("absl", logging.ERROR, "f", 1, message, (), exc_info)
+
+    assert not quiet.filter(record("thread failed", (RuntimeError, error, None)))
+    assert not quiet.filter(record(text))
+    assert quiet.filter(record("something else failed"))
+
+
+# -- 5. skipping non-finite steps has a limit, and the halt says what was not finite --------------------------
+
+def test_skipping_past_max_skipped_fraction_halts_with_exit_3(tmp_path, capsys, monkeypatch):
+    original = Batcher.train_batch
+
+    def nan_from_step_3(self, step):
+        rows = original(self, step)
+        return {**rows, "x": np.full_like(rows["x"], np.nan)} if step >= 2 else rows
+
+    monkeypatch.setattr(Batcher, "train_batch", nan_from_step_3)
+    code = main([*TINY, "--config.train.steps=40", "--config.train.on_nonfinite=skip",
+                 "--config.train.max_skipped_fraction=0.05", "--workdir", str(tmp_path)])
+    err = one_line(capsys, 3, code, "jdp: halted: 6 of the last 8 steps were skipped as non-finite, more than "
+                   "max_skipped_fraction=0.05", "the latest, step 8, had non-finite inputs (batch key 'x')")
+    assert "state is saved" in err and sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+
+
+class _Linear(nnx.Module):
+    def __init__(self):
+        self.w = nnx.Param(jnp.ones((2,)))
+
+    def __call__(self, x):
+        return x @ self.w[...]
+
+
+@jax.custom_vjp
+def _nan_gradient(x):
+    return x
+
+
+_nan_gradient.defvjp(lambda x: (x, None), lambda _, g: (g * jnp.nan,))
+
+LOSSES = {
+    "loss": (lambda m, b: {"loss": (m(b["x"]) - b["y"] + 1) ** 2 * jnp.inf},
+             "non-finite loss (inf) from finite inputs"),
+    "gradients": (lambda m, b: {"loss": (_nan_gradient(m(b["x"])) - b["y"]) ** 2},
+                  "non-finite gradients (the loss, "),
+}
+
+
+@pytest.mark.parametrize("what", LOSSES)
+def test_the_halt_says_whether_the_loss_or_the_gradients_were_not_finite(what):
+    loss_fn, expected = LOSSES[what]
+    with pytest.raises(jdp.NonFiniteLossError, match=re.escape(expected)):
+        jdp.fit(_Linear(), loss_fn, _data(), optimizer=optax.sgd(0.1), steps=2, global_batch_size=8, num_devices=1)
+    with pytest.raises(jdp.NonFiniteLossError, match="3 of the last 3 steps were skipped"):
+        jdp.fit(_Linear(), loss_fn, _data(), optimizer=optax.sgd(0.1), steps=8, global_batch_size=8, num_devices=1,
+                on_nonfinite="skip", max_skipped_fraction=0.02)
+
+
+# -- 6. a command that trains nothing writes nothing ----------------------------------------------------------
+
+def test_a_finished_run_met_with_other_settings_says_so_and_writes_nothing(tmp_path, capsys):
+    args = [*TINY, "--config.train.steps=3", "--config.train.eval_every=3", "--workdir", str(tmp_path)]
+    assert main(args) == 0
+    def files():  # the lock file excepted: every run, even one with nothing to do, takes the workdir's lock
+        return {p: (p.read_bytes(), p.stat().st_mtime_ns) for p in tmp_path.rglob("*")
+                if p.is_file() and p.name != "jdp.lock"}
+
+    before = files()
+    capsys.readouterr()
+    assert main([*args, "--config.checkpoint.keep=5", "--config.train.log_every=2"]) == 0
+    out = capsys.readouterr().out
+    assert (f"warning: {tmp_path} holds a run finished at step 3 with other settings (checkpoint.keep: 3 -> 5; "
+            "train.log_every: 1 -> 2); nothing was trained or written: to train with these settings pass a new "
+            "--workdir, or raise --config.train.steps to extend this run") in out
+    assert f"nothing to do: {tmp_path} is at step 3, steps is 3" in out
+    assert files() == before
