@@ -22,7 +22,8 @@ DEFAULT_CONFIG = Path(configs.__file__).parent / "mnist1d_cnn.py"
 SCHEDULES = ("cosine", "linear", "constant")
 OPEN_SECTIONS = ("model.kwargs.",)  # keys a config may add: a user model's own settings
 # Settings a checkpoint's state depends on: changing them under a workdir is refused by default.
-STATE_DEFINING = ("model.", "optim.", "data.name", "data.shape", "data.num_classes", "data.image_size")
+STATE_DEFINING = ("model.", "optim.", "data.name", "data.shape", "data.num_classes", "data.image_size",
+                  "data.block_size", "data.tokenizer")
 
 
 class ConfigError(UsageError):
@@ -155,7 +156,11 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
                 "train.grad_accum_steps", "parallel.sync_every"):
         value = cfg[key]
         _require(value > 0, f"{key}={value} must be positive; set --config.{key} to a value > 0")
+    _require(cfg.optim.min_lr <= cfg.optim.lr, f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; "
+             "the schedule decays to min_lr: lower it")
+    _require(0 <= cfg.optim.b2 < 1, f"optim.b2={cfg.optim.b2} must be in [0, 1); nanoGPT uses 0.99 or 0.95")
     for key in ("train.eval_batch_size", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip_norm",
+                "optim.min_lr", "sample.tokens", "sample.top_k",
                 "parallel.cpu_devices", "parallel.num_devices", "parallel.check_replicas_every",
                 "checkpoint.every_steps"):
         value = cfg[key]

@@ -49,7 +49,7 @@ def restore_for_inference(workdir: Path) -> tuple[int, Engine, TrainState]:
     if not saved.exists():
         raise config_lib.ConfigError(f"{saved} not found; pass the --workdir of a jdp.train run")
     cfg = config_lib.load_saved_config(saved)
-    engine = build(cfg)
+    engine = build(cfg, workdir=workdir)
     checkpointer = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0)
     try:
         restored = checkpointer.restore_latest(engine.abstract_state, print)

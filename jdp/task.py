@@ -5,7 +5,9 @@ anything compiles."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ from jdp.mesh import DATA_AXIS, make_mesh
 from jdp.modeldef import LossFn
 from jdp.optim import OPTIMIZERS, build_optimizer
 from jdp.registry import Registry
+from jdp.step import COMPUTE_DTYPES
 
 # task.loss -> loss function (model, batch) -> per-example outputs (see jdp.fit)
 LOSSES: Registry[LossFn] = Registry("task.loss")
@@ -32,6 +35,24 @@ def classification_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[
     logits_BxC = model(batch["x"]).astype(jnp.float32)
     return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits_BxC, batch["y"]),
             "accuracy": (jnp.argmax(logits_BxC, -1) == batch["y"]).astype(jnp.float32)}
+
+
+@LOSSES.register("lm")
+def language_model_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Next-token cross-entropy and accuracy per token (B, T): jdp's weighted mean makes them token means
+    over the global batch. The softmax runs in float32 whatever the compute dtype."""
+    logits_BxTxV = model(batch["x"]).astype(jnp.float32)
+    return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch["y"]),
+            "accuracy": (jnp.argmax(logits_BxTxV, -1) == batch["y"]).astype(jnp.float32)}
+
+
+def perplexity(metrics: dict[str, float]) -> dict[str, float]:
+    """exp(mean next-token loss): an eval metric of the whole split, not a mean of per-batch values."""
+    return {"perplexity": math.exp(metrics["loss"]) if metrics["loss"] < 700 else math.inf}
+
+
+# task.loss -> eval metrics computed from the eval means
+DERIVED_EVAL_METRICS: dict[str, Callable[[dict[str, float]], dict[str, float]]] = {"lm": perplexity}
 
 
 @dataclasses.dataclass
@@ -48,7 +69,7 @@ class Task:
 def check_names(cfg: ml_collections.ConfigDict) -> None:
     """Every name the config gives is registered, or an import path that imports (ConfigError otherwise)."""
     registries = {"model.name": models.MODELS, "optim.name": OPTIMIZERS, "task.loss": LOSSES}
-    if not cfg.data.name.startswith(data_lib.TFDS_PREFIX):
+    if not (cfg.data.name.startswith(data_lib.TFDS_PREFIX) or data_lib.is_text(cfg.data.name)):
         registries["data.name"] = data_lib.DATASETS
     for key, registry in registries.items():
         try:
@@ -57,15 +78,17 @@ def check_names(cfg: ml_collections.ConfigDict) -> None:
             raise config_lib.ConfigError(str(e)) from None
 
 
-def build_task(cfg: ml_collections.ConfigDict) -> Task:
-    """The task `cfg` names, checked before anything compiles (ConfigError otherwise)."""
+def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None) -> Task:
+    """The task `cfg` names, checked before anything compiles (ConfigError otherwise). A text source keeps
+    its vocabulary in `workdir`."""
     config_lib.validate(cfg, num_devices=make_mesh(cfg.parallel.num_devices).size)
     check_names(cfg)
     batch_size = cfg.train.global_batch_size
     try:
         source = data_lib.build_source(cfg.data, seed=cfg.seed, global_batch_size=batch_size,
                                        eval_batch_size=cfg.train.eval_batch_size or batch_size,
-                                       process_index=jax.process_index(), process_count=jax.process_count())
+                                       process_index=jax.process_index(), process_count=jax.process_count(),
+                                       workdir=None if workdir is None else Path(workdir))
     except ValueError as e:  # the sources' own checks of the data section
         raise config_lib.ConfigError(str(e)) from None
     num_classes = cfg.data.num_classes or source.num_classes
@@ -73,10 +96,12 @@ def build_task(cfg: ml_collections.ConfigDict) -> Task:
     kwargs = cfg.model.kwargs.to_dict()
 
     def make_model() -> nnx.Module:
-        return models.build_model(cfg.model.name, kwargs, source.input_shape, num_classes, seed=cfg.seed)
+        return models.build_model(cfg.model.name, kwargs, source.input_shape, num_classes, seed=cfg.seed,
+                                  dtype=COMPUTE_DTYPES[cfg.precision])
 
     try:
-        params = nnx.state(nnx.eval_shape(make_model), nnx.Param)
+        abstract_model = nnx.eval_shape(make_model)
+        params = nnx.state(abstract_model, nnx.Param)
     except ValueError as e:  # the model's own checks of its settings and input shape
         raise config_lib.ConfigError(str(e)) from None
     tx, schedule = build_optimizer(cfg.optim, batch_size, cfg.train.steps, nnx.to_pure_dict(params),
@@ -91,12 +116,15 @@ def build_task(cfg: ml_collections.ConfigDict) -> Task:
         allreduce_dtype=cfg.parallel.allreduce_dtype, log_grad_norm=cfg.train.log_grad_norm,
         loss_scale=cfg.loss_scale.initial, loss_scale_growth_interval=cfg.loss_scale.growth_interval,
         schedule=schedule, profile_steps=config_lib.profile_steps(cfg.profile.steps),
-        description=f"{cfg.model.name} on {cfg.data.name} ({source.num_eval} eval examples)")
+        eval_derived=DERIVED_EVAL_METRICS.get(cfg.task.loss),
+        description=f"{cfg.model.name} on {cfg.data.name} ({source.num_eval} eval examples)"
+                    + (f"; {abstract_model.describe()}" if hasattr(abstract_model, "describe") else ""))
     return Task(make_model, LOSSES.get(cfg.task.loss), source, tx, options, cfg.train.steps, batch_size)
 
 
-def build(cfg: ml_collections.ConfigDict, *, all_reduce: bool = True) -> trainer.Engine:
+def build(cfg: ml_collections.ConfigDict, *, all_reduce: bool = True, workdir: str | Path | None = None
+          ) -> trainer.Engine:
     """The compiled steps, data and state factory of `cfg`'s run, for tools that drive the step themselves."""
-    task = build_task(cfg)
+    task = build_task(cfg, workdir)
     return trainer.prepare(task.make_model, task.loss_fn, task.source, optimizer=task.optimizer,
                            global_batch_size=task.global_batch_size, options=task.options, all_reduce=all_reduce)

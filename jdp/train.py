@@ -32,8 +32,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
     """Trains `cfg` into `workdir` with `jdp.fit`, resuming from its latest checkpoint if there is one.
 
     Raises ConfigError before compiling anything if the config is bad."""
-    task = build_task(cfg)
     workdir = Path(workdir)
+    task = build_task(cfg, workdir)
     resuming = any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*"))  # committed steps only
     if resuming:
         check_workdir_config(cfg, workdir, print if jax.process_index() == 0 else lambda *_: None)
