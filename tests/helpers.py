@@ -13,6 +13,7 @@ from jdp.configs import base
 from jdp.metrics import read_metrics
 
 TINY_CIFAR = Path(__file__).parent / "fixtures" / "tfds"  # data_dir of the committed CIFAR-format fixture
+TINY_TEXT = Path(__file__).parent / "fixtures" / "shakespeare_excerpt.txt"  # the start of the shakespeare text
 
 # Tiny models that compile in seconds on a 2-core CPU; resnet is built by the ResNet-18 class.
 MODELS = {
@@ -22,6 +23,8 @@ MODELS = {
                    data={"name": "synthetic", "shape": (8, 8, 3), "num_classes": 10, "num_examples": 256,
                          "num_eval_examples": 40},
                    optim={"lr": 0.05}),  # stable at this lr, so float32 rounding is not amplified
+    "gpt": dict(model={"name": "gpt", "kwargs": {"num_layers": 2, "num_heads": 2, "embed_dim": 16}},
+                data={"name": f"text:{TINY_TEXT}", "block_size": 8}, task={"loss": "lm"}),
     "tiny_cifar": dict(model={"name": "cnn2d", "kwargs": {"channels": (8,), "dense_sizes": (16,)}},
                        data={"name": "tfds:tiny_cifar", "data_dir": str(TINY_CIFAR)}),  # augmented on the device
 }

@@ -121,9 +121,9 @@ class GPT(nnx.Module):
     def empty_cache(self, batch: int) -> Cache:
         """Zero keys and values for `block_size` positions of every block, in the compute dtype."""
         attn = self.blocks[0].attn
-        d = self.wte.embedding.value.shape[1]
+        d = self.wte.embedding[...].shape[1]
         shape = (batch, self.block_size, attn.num_heads, d // attn.num_heads)
-        dtype = self.dtype or self.wte.embedding.value.dtype
+        dtype = self.dtype or self.wte.embedding[...].dtype
         return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in self.blocks]
 
     def decode(self, tokens_BxT: jax.Array, cache: Cache, start: jax.Array | int) -> tuple[jax.Array, Cache]:
