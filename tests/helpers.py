@@ -54,11 +54,11 @@ def overrides(sections: dict, prefix: str = "--config.") -> list[str]:
             for arg in (overrides(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}={value}"])]
 
 
-def logits_and_state(model, params, model_state, x, *, train: bool, groups: int = 1):
+def logits_and_state(model, params, model_state, x, *, train: bool, groups: int = 1, rng_state=None):
     """A jdp model (`jdp.modeldef.ModelDef`, e.g. `build(cfg).model`) run on `x` as the step runs it:
-    (logits, the model state after the forward)."""
+    (logits, the model state after the forward). `rng_state`: that of a model with stochastic layers."""
     outputs, new_state, _ = step_lib.run_loss(model, lambda m, batch: {"logits": m(batch["x"])}, params,
-                                              model_state, NO_RNG, {"x": x}, train=train, groups=groups)
+                                              model_state, rng_state or NO_RNG, {"x": x}, train=train, groups=groups)
     return outputs["logits"], new_state
 
 

@@ -36,6 +36,7 @@ CASES = {
                           data={"name": "synthetic", "shape": (11, 13, 2), "num_classes": 10, "num_examples": 64,
                                 "num_eval_examples": 32}),
     "resnet": small_config("resnet"),
+    "gpt": small_config("gpt"),  # 2 layers, width 16, block 8, characters
     "resnet_imagenet_stem": small_config("resnet", model={"kwargs": {"stem": "imagenet"}},
                                          data={"shape": (16, 16, 3)}),
 }
@@ -49,6 +50,7 @@ def _built(name):
     b = build(cfg)
     b.cfg = cfg
     state = b.init_state()
+    b.rng_state = jax.tree.map(np.asarray, state.rng_state)  # dropout streams (the GPT's; dropout 0 here)
     return b, jax.tree.map(np.asarray, state.params), jax.tree.map(np.asarray, state.model_state)
 
 
@@ -104,7 +106,7 @@ def test_twin_computes_what_jdp_computes(name):
     twin.load_state_dict(weights.jdp_to_torch(params, model_state, twin))
     x = b.source.train_batch(0)["x"][:8]
     for train in (False, True):
-        logits, new_state = logits_and_state(b.model, params, model_state, x, train=train)
+        logits, new_state = logits_and_state(b.model, params, model_state, x, train=train, rng_state=b.rng_state)
         twin.train(train)
         with torch.no_grad():
             twin_logits = twin(torch_models.prepare_input(twin, x)).numpy()
@@ -181,6 +183,15 @@ def test_parity_cnn1d(tmp_path):
     assert result.passed, result.last_line()
     assert result.tolerance.loss == 1e-6 and result.worst_loss[0] <= 1e-6 and result.first_step <= 1e-6
     assert result.final_params_rel < 1e-5
+    assert result.steps[-1]["loss_jdp"] < result.steps[0]["loss_jdp"]  # it trained
+
+
+def test_parity_gpt(tmp_path):
+    """A 2-layer GPT on characters, 2 workers, plain SGD: per-token losses agree to 1e-6 every step."""
+    cfg = small_config("gpt", optim={"name": "sgd", "lr": 0.5, "grad_clip_norm": 1.0})
+    result = parity_lib.parity(cfg, name="gpt", workers=2, steps=10, workdir=tmp_path, timeout_s=180)
+    assert result.passed, result.last_line()
+    assert result.tolerance.loss == 1e-6 and result.first_step <= 1e-6
     assert result.steps[-1]["loss_jdp"] < result.steps[0]["loss_jdp"]  # it trained
 
 

@@ -48,7 +48,8 @@ _RESNET = Tolerance(0.5, 1.0, 1e-4)
 TOLERANCES = {("mlp", "sgd"): _SGD, ("cnn1d", "sgd"): _SGD, ("cnn2d", "sgd"): _SGD,
               ("mlp", "momentum"): _MOMENTUM, ("cnn1d", "momentum"): _MOMENTUM, ("cnn2d", "momentum"): _MOMENTUM,
               ("mlp", "adamw"): _ADAM, ("cnn1d", "adamw"): _ADAM, ("cnn2d", "adamw"): _ADAM,
-              ("resnet", "sgd"): _RESNET, ("resnet", "momentum"): _RESNET, ("resnet", "adamw"): _RESNET}
+              ("resnet", "sgd"): _RESNET, ("resnet", "momentum"): _RESNET, ("resnet", "adamw"): _RESNET,
+              ("gpt", "sgd"): _SGD, ("gpt", "momentum"): _MOMENTUM, ("gpt", "adamw"): _ADAM}
 
 
 def default_tolerance(cfg) -> Tolerance:
@@ -74,7 +75,9 @@ def check_supported(cfg, workers: int) -> None:
     if cfg.model.name not in MODEL_NAMES:
         raise ValueError(f"model.name={cfg.model.name!r}: the PyTorch twin has no such model; it has "
                          f"{', '.join(MODEL_NAMES)}")
-    if cfg.data.name not in ("mnist1d", "digits", "synthetic"):
+    from jdp.data.text import is_text
+
+    if cfg.data.name not in ("mnist1d", "digits", "synthetic") and not is_text(cfg.data.name):
         raise ValueError(f"data.name={cfg.data.name!r}: the comparison uses jdp's in-memory sources only")
     for key, wanted in _FP32_PLAIN.items():
         node = cfg
