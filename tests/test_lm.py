@@ -244,16 +244,17 @@ def _readme_commands() -> list[str]:
 
 
 def test_the_readme_language_model_commands_run(tmp_path):
-    """The README's CPU demo, shortened (60 steps, a 1-layer model of width 32, 64 eval windows) to keep the
-    test fast: it trains offline, its loss falls well below that of a uniform guess (ln 76 = 4.33), it ends
+    """The README's CPU demo, shortened (60 steps at lr 1e-2, a 1-layer model of width 32, 64 eval windows) to
+    keep the test fast: it trains offline, its loss falls well below that of a uniform guess (ln 76 = 4.33), it ends
     with a sample, and `jdp.sample` continues the prompt; a prompt character outside the vocabulary exits 2,
     naming it."""
     commands = _readme_commands()
     (tmp_path / "configs").symlink_to(Path(__file__).parent.parent / "configs")  # run as from the repository
     train, sample = (next(c for c in commands if c.startswith(f"python -m jdp.{m}")) for m in ("train", "sample"))
     short = ["--config.train.steps=60", "--config.train.eval_every=60", "--config.optim.warmup_steps=10",
-             "--config.data.eval_windows=64", "--config.sample.tokens=40", "--config.model.kwargs.num_layers=1",
-             "--config.model.kwargs.embed_dim=32", "--config.model.kwargs.num_heads=2"]
+             "--config.optim.lr=1e-2", "--config.data.eval_windows=64", "--config.sample.tokens=40",
+             "--config.model.kwargs.num_layers=1", "--config.model.kwargs.embed_dim=32",
+             "--config.model.kwargs.num_heads=2"]
     out = subprocess.run([sys.executable, *shlex.split(train)[1:], *short], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -95,11 +95,15 @@ def prepare_config(cfg, *, workers: int, steps: int):
     """The config both sides train: `steps` steps, every loss logged, eval and checkpoint only at the end."""
     cfg = copy.deepcopy(cfg)
     check_supported(cfg, workers)
+    if cfg.model.kwargs.get("dropout", 0.0):
+        raise ValueError(f"model.kwargs.dropout={cfg.model.kwargs.dropout}: the two sides draw different dropout "
+                         "masks; compare with --config.model.kwargs.dropout=0")
     cfg.train.steps = steps
     cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, steps - 1)
     cfg.train.update(log_every=1, eval_every=steps, log_grad_norm=True)
     cfg.checkpoint.every_steps = 0
     cfg.parallel.update(cpu_devices=workers, num_devices=0, check_replicas_every=0)
+    cfg.sample.tokens = 0  # a language model's closing sample is not part of the comparison
     cfg.init_from = ""
     return cfg
 

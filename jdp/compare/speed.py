@@ -38,6 +38,7 @@ def prepare_config(cfg, *, workers: int, steps: int | None, compile_cache: bool)
     cfg.train.update(eval_every=steps, log_every=min(cfg.train.log_every, steps))
     cfg.checkpoint.every_steps = 0
     cfg.parallel.update(cpu_devices=workers, num_devices=0, check_replicas_every=0)
+    cfg.sample.tokens = 0  # a language model's closing sample is not part of the comparison
     if not compile_cache:
         cfg.compile_cache_dir = ""
     return cfg
@@ -120,13 +121,17 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
             echo(f"{kind:>9} repeat {rep}: {figures['examples_per_sec']:,.0f} examples/s, first step after "
                  f"{figures['time_to_first_step_s']:.1f} s, peak RSS {figures['peak_rss_mib_per_worker']:,.0f} MiB")
 
+    from jdp.data.text import is_text
+
     batch = cfg.train.global_batch_size
+    tokens = cfg.data.block_size if is_text(cfg.data.name) else 0  # a language model's tokens per example
     ddp_rate = _median([r["examples_per_sec"] for r in runs if r["run"] == "ddp"])
     rows = []
     for kind in plan:
         mine = [r for r in runs if r["run"] == kind]
         rate = _median([r["examples_per_sec"] for r in mine])
         rows.append({"run": kind, "examples_per_sec": rate, "ratio_vs_ddp": rate / ddp_rate,
+                     **({"tokens_per_sec": rate * tokens} if tokens else {}),
                      "step_time_ms": 1000 * batch / rate,
                      "time_to_first_step_s": _median([r["time_to_first_step_s"] for r in mine]),
                      "peak_rss_mib_per_worker": _median([r["peak_rss_mib_per_worker"] for r in mine]),
@@ -134,7 +139,8 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
     loads = [load for r in runs for load in r["load_avg_1min"]]
     meta = {"config": name, "model": cfg.model.name, "workers": workers, "steps": cfg.train.steps,
             "load_avg_1min_median": _median(loads), "load_avg_1min_max": max(loads),
-            "repeats": repeats, "global_batch_size": batch, "device": device, "compile_cache": compile_cache,
+            "repeats": repeats, "global_batch_size": batch, "tokens_per_example": tokens, "device": device,
+            "compile_cache": compile_cache,
             "command": command}
     result = Speed(name, rows, [{k: v for k, v in r.items() if k != "losses"} | {"final_loss": r["losses"][-1]}
                                 for r in runs], meta)
