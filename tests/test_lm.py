@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jdp import bench
 from jdp.data import DataError, build_source
 from jdp.data.text import Vocabulary, shakespeare_from_markdown
 from jdp.models.gpt import GPT
 from jdp.sample import Sampler
-from jdp.train import run
+from jdp.train import build, run
 from tests.helpers import TINY_TEXT, records, small_config
 
 TEXT = TINY_TEXT.read_text()
@@ -186,6 +187,21 @@ def test_bf16_computes_in_bf16():
     model = _gpt(dtype=jnp.bfloat16)
     assert forward(model, jnp.arange(8)[None] % 11).dtype == jnp.bfloat16
     assert nnx.state(model, nnx.Param)["wte"]["embedding"][...].dtype == jnp.float32  # float32 masters
+
+
+def test_flops_per_token_and_what_xla_counts():
+    """N counts the tied embedding once and leaves out the position embedding; XLA's count of the compiled
+    train step (SGD) is the model's 6N + 12 x L x T x D plus the elementwise work (here ~25%: width 16)."""
+    cfg = small_config("gpt", num_devices=1)
+    b = build(cfg)
+    block = 2 * 16 + 16 * 48 + 48 + 16 * 16 + 16 + 2 * 16 + 16 * 64 + 64 + 64 * 16 + 16  # ln1, qkv, proj, ln2, mlp
+    n = b.source.num_classes * 16 + 2 * block + 2 * 16
+    stats = b.parallel.compiled_stats(b.init_state(), b.parallel.shard_batch(b.source.train_batch(0)))
+    figures = bench._token_figures(cfg, b.source, b.abstract_state.params,
+                                   {"examples_per_sec": 1.0, "devices": 1, **stats})
+    assert figures["model_params_n"] == n and figures["model_flops_per_token"] == 6 * n + 12 * 2 * 8 * 16
+    assert 1.0 < figures["xla_flops_per_token"] / figures["model_flops_per_token"] < 1.4
+    assert figures["tokens_per_sec"] == 8.0
 
 
 # ---------------------------------------------------------------------------------------------- sampling

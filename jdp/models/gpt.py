@@ -154,8 +154,8 @@ class GPT(nnx.Module):
 def non_embedding_params(params: dict) -> int:
     """Parameters of a GPT's pure parameter dict without the position embedding (the tied token embedding
     counted once): the N of the 6N FLOPs-per-token estimate."""
-    total = sum(x.size for x in jax.tree.leaves(params))
-    return total - params["wpe"]["embedding"].size
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))  # arrays or shapes (ShapeDtypeStruct)
+    return total - math.prod(params["wpe"]["embedding"].shape)
 
 
 def flops_per_token(params: dict, num_layers: int, block_size: int, embed_dim: int) -> int:
