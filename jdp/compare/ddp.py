@@ -16,8 +16,9 @@ overwrite every rank's statistics with rank 0's at each forward.
 SPEC keys: config (a jdp config.json), workers, steps, init, lrs, out (directory; also holds the
 rendezvous file), mode ("parity": also all-reduce the loss and take the gradient norm every step, evaluate
 and save the final weights; "speed": only the rank's own loss), launch_time (the parent's time.time() at
-launch), device ("cpu" | "cuda"), threads, timeout_s. Rank 0 writes OUT/ddp_result.json (and
-OUT/ddp_final.npz in parity mode).
+launch), device ("cpu" | "cuda"), threads, timeout_s, compile (torch.compile the twin), autocast (bf16
+autocast of the forward and loss: nanoGPT's GPU recipe; parameters and optimizer state stay float32).
+Rank 0 writes OUT/ddp_result.json (and OUT/ddp_final.npz in parity mode).
 """
 
 from __future__ import annotations
@@ -120,9 +121,11 @@ def train(rank: int, spec: dict) -> dict:
     if spec.get("init"):
         weights.load_npz(model, spec["init"])
     model.to(device)
+    compiled = torch.compile(model) if spec.get("compile") else model  # the same parameters
+    autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bool(spec.get("autocast")))
     with warnings.catch_warnings():  # torch 2.13 deprecates it, but advises it for rank-local buffers
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-        ddp = DDP(model, device_ids=[rank] if device.type == "cuda" else None, broadcast_buffers=False)
+        ddp = DDP(compiled, device_ids=[rank] if device.type == "cuda" else None, broadcast_buffers=False)
     optimizer = make_optimizer(cfg.optim, model)
     params = [p for p in model.parameters()]
     bn_stats = [] if (cfg.model.bn_sync and world > 1) else torch_models.bn_buffers(model)
@@ -140,7 +143,8 @@ def train(rank: int, spec: dict) -> dict:
         y = torch.from_numpy(rows["y"]).long().to(device, non_blocking=True)
         for group in optimizer.param_groups:
             group["lr"] = lrs[step]
-        loss = _cross_entropy(ddp(x).float(), y)
+        with autocast:
+            loss = _cross_entropy(ddp(x).float(), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # DDP all-reduces (averages) the gradients here
         grads = [p.grad for p in params]

@@ -65,8 +65,9 @@ _FP32_PLAIN = {"precision": "fp32", "train.grad_accum_steps": 1, "parallel.allre
                "parallel.sync_every": 1}
 
 
-def check_supported(cfg, workers: int) -> None:
-    """Raises ValueError naming the first setting the DDP twin cannot reproduce."""
+def check_supported(cfg, workers: int, *, bf16: bool = False) -> None:
+    """Raises ValueError naming the first setting the DDP twin cannot reproduce. `bf16`: precision=bf16 is
+    allowed too (speed on a GPU: the twin then runs under bf16 autocast)."""
     from jdp.compare.ddp import OPTIMIZERS
     from jdp.compare.torch_models import MODEL_NAMES
 
@@ -80,6 +81,8 @@ def check_supported(cfg, workers: int) -> None:
     if cfg.data.name not in ("mnist1d", "digits", "synthetic") and not is_text(cfg.data.name):
         raise ValueError(f"data.name={cfg.data.name!r}: the comparison uses jdp's in-memory sources only")
     for key, wanted in _FP32_PLAIN.items():
+        if bf16 and key == "precision" and cfg.precision == "bf16":
+            continue
         node = cfg
         for part in key.split("."):
             node = node[part] if part in node else wanted

@@ -25,11 +25,11 @@ from jdp.parallel import BACKENDS
 _CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
 
 
-def prepare_config(cfg, *, workers: int, steps: int | None, compile_cache: bool):
+def prepare_config(cfg, *, workers: int, steps: int | None, compile_cache: bool, device: str = "cpu"):
     from jdp.compare.parity import check_supported
 
     cfg = copy.deepcopy(cfg)
-    check_supported(cfg, workers)
+    check_supported(cfg, workers, bf16=device == "cuda")
     steps = steps or cfg.train.steps
     if steps < 2:
         raise ValueError("--steps must be at least 2: the first step is left out of the throughput")
@@ -73,14 +73,14 @@ def _threads_per_rank(workers: int) -> int:
 
 
 def _run_ddp(cfg, run_dir: Path, init: Path, lrs: list[float], workers: int, timeout_s: float,
-             device: str) -> dict:
+             device: str, torch_compile: bool = False) -> dict:
     from jdp import config as config_lib
 
     config_lib.save_config(cfg, run_dir / "config.json")
     spec = {"config": str(run_dir / "config.json"), "workers": workers, "steps": cfg.train.steps,
             "init": str(init), "lrs": lrs, "out": str(run_dir), "mode": "speed",
             "device": device, "threads": _threads_per_rank(workers), "timeout_s": timeout_s,
-            "launch_time": time.time()}
+            "launch_time": time.time(), "compile": torch_compile, "autocast": cfg.precision == "bf16"}
     (run_dir / "spec.json").write_text(json.dumps(spec))
     finished = procs.run(["-m", "jdp.compare.ddp", str(run_dir / "spec.json")], log=run_dir / "log.txt",
                          timeout_s=timeout_s)
@@ -95,12 +95,13 @@ def _run_ddp(cfg, run_dir: Path, init: Path, lrs: list[float], workers: int, tim
 
 def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = None, repeats: int = 3,
           backends: tuple[str, ...] = tuple(BACKENDS), timeout_s: float = 600, compile_cache: bool = False,
-          device: str = "cpu", command: str = "", echo=print) -> Speed:
-    """Runs everything into `workdir` and writes speed.md, speed.json and speed.png."""
+          device: str = "cpu", command: str = "", echo=print, torch_compile: bool = False) -> Speed:
+    """Runs everything into `workdir` and writes speed.md, speed.json and speed.png. On cuda with
+    precision=bf16 the twin runs under bf16 autocast; `torch_compile` compiles it (nanoGPT's recipe)."""
     from jdp import config as config_lib
     from jdp.compare import report
 
-    cfg = prepare_config(cfg, workers=workers, steps=steps, compile_cache=compile_cache)
+    cfg = prepare_config(cfg, workers=workers, steps=steps, compile_cache=compile_cache, device=device)
     if device == "cuda":
         cfg.parallel.update(cpu_devices=0, num_devices=workers)
     workdir = Path(workdir).resolve()
@@ -121,7 +122,7 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
             run_dir.mkdir(parents=True)
             load_before = os.getloadavg()[0]
             if kind == "ddp":
-                figures = _run_ddp(cfg, run_dir, workdir / "init.npz", lrs, workers, timeout_s, device)
+                figures = _run_ddp(cfg, run_dir, workdir / "init.npz", lrs, workers, timeout_s, device, torch_compile)
             else:
                 figures = _run_jdp(cfg, kind, run_dir, timeout_s, compile_cache)
             runs.append({"run": kind, "repeat": rep, **figures, "load_avg_1min": [load_before, os.getloadavg()[0]]})
@@ -147,7 +148,7 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
     meta = {"config": name, "model": cfg.model.name, "workers": workers, "steps": cfg.train.steps,
             "load_avg_1min_median": _median(loads), "load_avg_1min_max": max(loads),
             "repeats": repeats, "global_batch_size": batch, "tokens_per_example": tokens, "device": device,
-            "compile_cache": compile_cache,
+            "compile_cache": compile_cache, "precision": cfg.precision, "torch_compile": torch_compile,
             "command": command}
     result = Speed(name, rows, [{k: v for k, v in r.items() if k != "losses"} | {"final_loss": r["losses"][-1]}
                                 for r in runs], meta)
