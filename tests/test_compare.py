@@ -187,11 +187,18 @@ def test_parity_cnn1d(tmp_path):
 
 
 def test_parity_gpt(tmp_path):
-    """A 2-layer GPT on characters, 2 workers, plain SGD: per-token losses agree to 1e-6 every step."""
-    cfg = small_config("gpt", optim={"name": "sgd", "lr": 0.5, "grad_clip_norm": 1.0})
-    result = parity_lib.parity(cfg, name="gpt", workers=2, steps=10, workdir=tmp_path, timeout_s=180)
-    assert result.passed, result.last_line()
-    assert result.tolerance.loss == 1e-6 and result.first_step <= 1e-6
+    """The README's GPT parity command (AdamW, per-token cross-entropy), shortened to a 2-layer GPT of width
+    32 and 10 steps: the per-step losses agree far inside the Adam tolerance (measured at full size: 3.8e-7)."""
+    command = "python -m jdp.compare parity --config configs/shakespeare_char_cpu.py --workers 2 --steps 50"
+    assert command in (REPO / "README.md").read_text()
+    args = command.split()[1:]
+    args[args.index("--steps") + 1] = "10"
+    short = ["--config.model.kwargs.num_layers=2", "--config.model.kwargs.embed_dim=32",
+             "--config.model.kwargs.num_heads=2", "--config.data.eval_windows=32", "--workdir", str(tmp_path)]
+    done = subprocess.run([sys.executable, *args, *short], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stdout + done.stderr
+    result = parity_lib.report_workdir(tmp_path)
+    assert result.passed and result.worst_loss[0] < 1e-5 and result.first_step < 1e-6, result.last_line()
     assert result.steps[-1]["loss_jdp"] < result.steps[0]["loss_jdp"]  # it trained
 
 
