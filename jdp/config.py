@@ -158,6 +158,7 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
         _require(value > 0, f"{key}={value} must be positive; set --config.{key} to a value > 0")
     _require(cfg.optim.min_lr <= cfg.optim.lr, f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; "
              "the schedule decays to min_lr: lower it")
+    _require(cfg.sample.temperature > 0, f"sample.temperature={cfg.sample.temperature} must be positive")
     _require(0 <= cfg.optim.b2 < 1, f"optim.b2={cfg.optim.b2} must be in [0, 1); nanoGPT uses 0.99 or 0.95")
     for key in ("train.eval_batch_size", "optim.warmup_steps", "optim.weight_decay", "optim.grad_clip_norm",
                 "optim.min_lr", "sample.tokens", "sample.top_k",
