@@ -66,12 +66,6 @@ def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: 
             "losses": [r["loss"] for r in lines if r["split"] == "train"], "wall_s": finished.seconds}
 
 
-def _threads_per_rank(workers: int) -> int:
-    """The machine's cores shared out among the ranks, as XLA:CPU shares them among jdp's devices (one
-    thread per rank when there are as many ranks as cores; all of them for a single process)."""
-    return max(1, (os.cpu_count() or 1) // workers)
-
-
 def _run_ddp(cfg, run_dir: Path, init: Path, lrs: list[float], workers: int, timeout_s: float,
              device: str, torch_compile: bool = False) -> dict:
     from jdp import config as config_lib
@@ -79,7 +73,7 @@ def _run_ddp(cfg, run_dir: Path, init: Path, lrs: list[float], workers: int, tim
     config_lib.save_config(cfg, run_dir / "config.json")
     spec = {"config": str(run_dir / "config.json"), "workers": workers, "steps": cfg.train.steps,
             "init": str(init), "lrs": lrs, "out": str(run_dir), "mode": "speed",
-            "device": device, "threads": _threads_per_rank(workers), "timeout_s": timeout_s,
+            "device": device, "threads": 1, "timeout_s": timeout_s,
             "launch_time": time.time(), "compile": torch_compile, "autocast": cfg.precision == "bf16"}
     (run_dir / "spec.json").write_text(json.dumps(spec))
     finished = procs.run(["-m", "jdp.compare.ddp", str(run_dir / "spec.json")], log=run_dir / "log.txt",
