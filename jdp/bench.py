@@ -164,8 +164,9 @@ def to_markdown(cfg, rows: list[dict]) -> str:
     gpt = next((r for r in rows if "model_flops_per_token" in r), None)
     if gpt:
         xla = gpt.get("xla_flops_per_token")
-        lines += ["", f"FLOPs per token (6N + 12 x layers x block x width, N = {gpt['model_params_n']:,}): "
-                      f"{gpt['model_flops_per_token']:,}" + (f"; XLA's cost analysis counts {xla:,.0f}" if xla else "")]
+        counted = f"; XLA's cost analysis counts {xla:,.0f}" if xla else ""
+        lines += ["", f"FLOPs per token (6N + 12 x layers x block x width, N = {int(gpt['model_params_n']):,}): "
+                      f"{int(gpt['model_flops_per_token']):,}{counted}"]
     if any("mfu" in r for r in rows):
         how = "model FLOPs per token x tokens/s per device" if gpt else "XLA FLOPs per device step / step time"
         parts = [f"{r['devices']} devices {r['mfu']:.1%}" + (f" (from XLA's count: {r['mfu_xla']:.1%})"
