@@ -28,6 +28,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.data.image_size = 224  # tfds, images taller than 64 px: train and eval resolution
     c.data.cache_decoded_mb = 4096  # tfds, images <= 64 px: keep decoded images in memory if the splits fit
     c.data.augment = True  # tfds train: pad-4 crop + flip (small images), random-resized crop + flip (large)
+    c.data.block_size = 64  # text: tokens a model sees (a training window is block_size + 1 tokens)
+    c.data.tokenizer = "chars"  # text: chars (the text's own characters, nanoGPT's vocabulary) | bytes (256)
+    c.data.eval_windows = 0  # text: evaluate on the first N non-overlapping validation windows; 0 = all of them
 
     c.train = ml_collections.ConfigDict()
     c.train.global_batch_size = 128
@@ -45,9 +48,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.name = "adamw"  # sgd | momentum | nesterov | adamw | lamb | lars
     c.optim.lr = 1e-2
     c.optim.momentum = 0.9  # momentum, nesterov, lars; b1 for adamw and lamb
+    c.optim.b2 = 0.999  # adamw, lamb
     c.optim.weight_decay = 0.0  # masked off biases and normalisation parameters
     c.optim.schedule = "cosine"  # cosine | linear | constant, after linear warmup
     c.optim.warmup_steps = 0
+    c.optim.min_lr = 0.0  # where cosine and linear decay end
     c.optim.grad_clip_norm = 0.0  # 0 = off; applied to the averaged gradient
     c.optim.scale_lr_by_batch = False  # lr = optim.lr * global_batch / 256
 
@@ -66,6 +71,12 @@ def get_config() -> ml_collections.ConfigDict:
     c.checkpoint.every_steps = 1000  # also saved at the end and on preemption; 0 = only then
     c.checkpoint.keep = 3
     c.checkpoint.allow_config_change = False  # resume even if settings that change data order or numerics changed
+
+    c.sample = ml_collections.ConfigDict()  # language models: a sample printed at the end of python -m jdp.train
+    c.sample.tokens = 0  # 0 = no sample
+    c.sample.prompt = "\n"
+    c.sample.temperature = 0.8
+    c.sample.top_k = 200
 
     c.precision = "fp32"  # fp32 | bf16 (float32 masters) | fp16 (plus dynamic loss scaling)
     c.loss_scale = ml_collections.ConfigDict()

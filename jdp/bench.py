@@ -12,6 +12,9 @@ For each device count (interleaved, repeated; medians reported) it measures, at 
   XLA's `cost_analysis()` FLOP count;
 and the scaling efficiency throughput_N / (N x throughput_1). Writes bench.json and bench.md.
 
+For a language model it adds tokens/sec; for the GPT the model FLOPs per token, 6N + 12 x layers x block x
+width (N: parameters without the position embedding, the tied embedding once; the attention term as in the
+PaLM paper's appendix), with MFU from it, and beside it what XLA's cost analysis counts per token.
 `--predict` predicts step time and scaling on devices this machine does not have (jdp/predict.py).
 """
 
@@ -78,8 +81,27 @@ def measure(cfg, num_devices: int, steps: int, collective: bool = True, stats: b
               "opt_state_bytes": _bytes_on_first_device(state.opt_state)}
     first, step_s, state = _time_steps(parallel, state, batches, steps)
     compiled = parallel.compiled_stats(state, batches[0]) if stats else {}
-    return {"devices": num_devices, "first_step_s": first, "step_s": step_s, "input_s": input_s,
-            "examples_per_sec": cfg.train.global_batch_size / step_s, **memory, **compiled}
+    result = {"devices": num_devices, "first_step_s": first, "step_s": step_s, "input_s": input_s,
+              "examples_per_sec": cfg.train.global_batch_size / step_s, **memory, **compiled}
+    return result | _token_figures(cfg, source, b.abstract_state.params, result)
+
+
+def _token_figures(cfg, source, params, result: dict) -> dict:
+    """A language model's tokens/sec, and the GPT's model FLOPs per token (6N + 12 x L x T x D)."""
+    tokens = getattr(source, "tokens_per_example", 0)
+    if not tokens:
+        return {}
+    out = {"tokens_per_example": tokens, "tokens_per_sec": result["examples_per_sec"] * tokens}
+    if cfg.model.name == "gpt":
+        from jdp.models import settings
+        from jdp.models.gpt import flops_per_token, non_embedding_params
+
+        s = settings("gpt", cfg.model.kwargs.to_dict())
+        out["model_params_n"] = non_embedding_params(params)
+        out["model_flops_per_token"] = flops_per_token(params, s["num_layers"], tokens, s["embed_dim"])
+    if "flops" in result:  # XLA's count for one device's step, per token of that device's rows
+        out["xla_flops_per_token"] = result["flops"] * result["devices"] / (cfg.train.global_batch_size * tokens)
+    return out
 
 
 def run_bench(cfg, devices: list[int], steps: int, repeats: int, peak_tflops: float = 0.0) -> list[dict]:
@@ -110,9 +132,14 @@ def run_bench(cfg, devices: list[int], steps: int, repeats: int, peak_tflops: fl
     for r in rows:
         r["efficiency"] = r["examples_per_sec"] / (r["devices"] * base["examples_per_sec"]) if base else None
         r["vs_single_device_jit"] = r["examples_per_sec"] / single_jit
-        # Model FLOPs utilisation: XLA's FLOP count of one device's step over its time, against the peak.
+        # Model FLOPs utilisation against the peak: the GPT's model FLOPs per token x tokens/sec per device;
+        # XLA's FLOP count of one device's step over its time (the only figure for other models).
         if peak_tflops and r.get("flops"):
-            r["mfu"] = r["flops"] / r["step_s"] / (peak_tflops * 1e12)
+            r["mfu_xla"] = r["flops"] / r["step_s"] / (peak_tflops * 1e12)
+        if peak_tflops and r.get("model_flops_per_token"):
+            r["mfu"] = r["model_flops_per_token"] * r["tokens_per_sec"] / r["devices"] / (peak_tflops * 1e12)
+        elif "mfu_xla" in r:
+            r["mfu"] = r["mfu_xla"]
     return rows
 
 
@@ -133,9 +160,20 @@ def to_markdown(cfg, rows: list[dict]) -> str:
             f"{ms(r['allreduce_s'])} | {ms(r['input_s'])} | {r['first_step_s']:.2f} | {eff} | "
             f"{r['params_bytes'] / 2**20:.2f} | {r['grads_bytes'] / 2**20:.2f} | {r['opt_state_bytes'] / 2**20:.2f} | "
             f"{r.get('temp_bytes', 0) / 2**20:.2f} |")
+    if any("tokens_per_sec" in r for r in rows):
+        lines += ["", "tokens/s: " + ", ".join(f"{r['devices']} devices {r['tokens_per_sec']:,.0f}" for r in rows)]
+    gpt = next((r for r in rows if "model_flops_per_token" in r), None)
+    if gpt:
+        xla = gpt.get("xla_flops_per_token")
+        counted = f"; XLA's cost analysis counts {xla:,.0f}" if xla else ""
+        lines += ["", f"FLOPs per token (6N + 12 x layers x block x width, N = {int(gpt['model_params_n']):,}): "
+                      f"{int(gpt['model_flops_per_token']):,}{counted}"]
     if any("mfu" in r for r in rows):
-        lines += ["", "MFU (XLA FLOPs per device step / step time / peak): "
-                  + ", ".join(f"{r['devices']} devices {r['mfu']:.1%}" for r in rows if "mfu" in r)]
+        how = "model FLOPs per token x tokens/s per device" if gpt else "XLA FLOPs per device step / step time"
+        parts = [f"{r['devices']} devices {r['mfu']:.1%}" + (f" (from XLA's count: {r['mfu_xla']:.1%})"
+                                                             if gpt and "mfu_xla" in r else "")
+                 for r in rows if "mfu" in r]
+        lines += ["", f"MFU ({how}, over the peak): " + ", ".join(parts)]
     return "\n".join(lines) + "\n"
 
 

@@ -45,6 +45,7 @@ class Run:
     start: int  # the step the run started (or resumed) from
     batch_size: int
     state: Any  # the train state after the latest step, in the compiled step's layout
+    tokens_per_example: int = 0  # a language model's tokens per example (0: not counted in tokens)
 
 
 class Action:
@@ -111,6 +112,8 @@ class TrainLog(Action):
             if self.noise_scale is not None:
                 line["grad_noise_scale"] = self.noise_scale.value
             line["examples_per_sec"] = run.clock.interval_rate()
+            if run.tokens_per_example:
+                line["tokens_per_sec"] = line["examples_per_sec"] * run.tokens_per_example
             line["skipped_steps"] = int(metrics["skipped_steps"])
             if self.precision == "fp16":  # loss-scale overflows skip an update but are not failures
                 line.update(loss_scale=metrics["loss_scale"], overflow_steps=int(metrics["overflow_steps"]))

@@ -30,7 +30,7 @@ OPEN_SECTIONS = ("model.kwargs.",)  # keys a config may add: a user model's own 
 STATE_DEFINING = ("model.", "optim.", "task.", "loss_scale.", "seed", "precision", "train.global_batch_size",
                   "train.grad_accum_steps", "parallel.allreduce_dtype", "parallel.sync_every", "data.name",
                   "data.shape", "data.num_classes", "data.num_examples", "data.normalize", "data.augment",
-                  "data.image_size", "data.train_split")
+                  "data.image_size", "data.train_split", "data.block_size", "data.tokenizer")
 
 
 class ConfigError(UsageError):
@@ -297,6 +297,8 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
                  "(trust ratios); parallel.shard_optimizer=True supports sgd, momentum, nesterov and adamw")
         _require(cfg.parallel.sync_every == 1, "parallel.shard_optimizer=True and parallel.sync_every > 1 "
                                                "(local SGD) cannot be combined")
+    _require(cfg.optim.min_lr <= cfg.optim.lr, f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; "
+             "the schedule decays to min_lr: lower it")
     _require(cfg.optim.warmup_steps < cfg.train.steps,
              f"optim.warmup_steps={cfg.optim.warmup_steps} is not shorter than train.steps={cfg.train.steps}; "
              "lower --config.optim.warmup_steps or raise --config.train.steps")

@@ -67,7 +67,7 @@ def _train(engine: Any, options: Any, steps: int, global_batch_size: int, workdi
     # A run with nothing left to do only reports, and writes no more than a final eval or summary line it lacks.
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=is_main)
     run = actions_lib.Run(parallel, source, writer, ThroughputClock(), workdir, steps, start, global_batch_size,
-                          parallel.to_devices(logical))
+                          parallel.to_devices(logical), getattr(source, "tokens_per_example", 0))
     _header(run, engine, options)
     log = actions_lib.TrainLog(run, options.log_every, options.precision)
     evaluation = actions_lib.Evaluation(run, options.eval_every)
@@ -186,12 +186,14 @@ def _summary(run: actions_lib.Run, log: actions_lib.TrainLog, evaluation: action
     stall = checkpoints.mean_stall() if checkpoints else 0.0
     rate = run.clock.rate()
     noise = {"grad_noise_scale": log.noise_scale.value} if log.noise_scale else {}
-    run.writer.summary(**{f"eval_{k}": v for k, v in evaluation.metrics.items()}, examples_per_sec=rate,
+    tokens = {"tokens_per_sec": rate * run.tokens_per_example} if run.tokens_per_example else {}
+    run.writer.summary(**{f"eval_{k}": v for k, v in evaluation.metrics.items()}, examples_per_sec=rate, **tokens,
                        compile_time_s=log.compile_time, total_time_s=total_time_s, checkpoint_stall_s=stall,
                        first_step_end_unix=log.first_step_end, **noise)
     evaluated = "  ".join(f"eval {k} {v:.4f}" for k, v in evaluation.metrics.items())
     where = f"; metrics in {run.workdir / 'metrics.jsonl'}" if run.workdir else ""
     if log.noise_scale:
         run.writer.echo(f"batch size: {noise_scale.advice(log.noise_scale.global_batch, log.noise_scale.value)}")
-    run.writer.echo(f"done: {evaluated + ', ' if evaluated else ''}{rate:,.0f} examples/s, first step (compile) "
+    per_sec = f"{rate:,.0f} examples/s" + (f" ({tokens['tokens_per_sec']:,.0f} tokens/s)" if tokens else "")
+    run.writer.echo(f"done: {evaluated + ', ' if evaluated else ''}{per_sec}, first step (compile) "
                     f"{log.compile_time:.1f}s, checkpoint stall {stall * 1e3:.0f} ms/save{where}")

@@ -19,14 +19,14 @@ class Sliceable(optax.GradientTransformation):
 
 
 def learning_rate(cfg: ml_collections.ConfigDict, global_batch_size: int, total_steps: int) -> optax.Schedule:
-    """Linear warmup from 0, then cosine or linear decay to 0, or constant."""
+    """Linear warmup from 0, then cosine or linear decay to `min_lr`, or constant."""
     peak = cfg.lr * global_batch_size / 256 if cfg.scale_lr_by_batch else cfg.lr
     warmup = cfg.warmup_steps
     decay_steps = total_steps - warmup
     if cfg.schedule == "cosine":
-        after = optax.cosine_decay_schedule(peak, decay_steps)
+        after = optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr / peak)
     elif cfg.schedule == "linear":
-        after = optax.linear_schedule(peak, 0.0, decay_steps)
+        after = optax.linear_schedule(peak, cfg.min_lr, decay_steps)
     else:
         after = optax.constant_schedule(peak)
     if warmup == 0:
@@ -35,7 +35,8 @@ def learning_rate(cfg: ml_collections.ConfigDict, global_batch_size: int, total_
 
 
 def decay_mask(params: optax.Params) -> optax.Params:
-    """Weight decay applies to kernels only: biases and normalisation scales/offsets are vectors."""
+    """Weight decay applies to parameters of 2 or more dimensions (kernels and embeddings, as nanoGPT decays
+    them): biases and normalisation scales/offsets are vectors."""
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
@@ -72,12 +73,12 @@ OPTIMIZERS.register("nesterov")(_sgd(nesterov=True, momentum=True))
 
 @OPTIMIZERS.register("adamw")
 def _adamw(lr: optax.Schedule, cfg: ml_collections.ConfigDict, mask: optax.Params) -> optax.GradientTransformation:
-    return optax.adamw(lr, b1=cfg.momentum, weight_decay=cfg.weight_decay, mask=mask)
+    return optax.adamw(lr, b1=cfg.momentum, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
 
 
 @OPTIMIZERS.register("lamb")
 def _lamb(lr: optax.Schedule, cfg: ml_collections.ConfigDict, mask: optax.Params) -> optax.GradientTransformation:
-    return optax.lamb(lr, b1=cfg.momentum, weight_decay=cfg.weight_decay, mask=mask)
+    return optax.lamb(lr, b1=cfg.momentum, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
 
 
 @OPTIMIZERS.register("lars")

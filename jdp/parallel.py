@@ -69,10 +69,13 @@ class DataParallel:
 
     def __init__(self, backend: str, mesh: Mesh, model: ModelDef, loss_fn: LossFn, eval_fn: LossFn,
                  tx: optax.GradientTransformation, schedule: optax.Schedule | None,
-                 abstract_state: step_lib.TrainState, options: step_lib.StepOptions | None = None):
+                 abstract_state: step_lib.TrainState, options: step_lib.StepOptions | None = None,
+                 eval_derived: Callable[[dict[str, float]], dict[str, float]] | None = None):
         """`options.axis_name` is set here, from the backend; `options.bn_groups` (per-device BatchNorm
-        as groups of the global batch) applies to jit only: the other backends see one device's rows."""
+        as groups of the global batch) applies to jit only: the other backends see one device's rows.
+        `eval_derived` adds eval metrics computed from the eval means (e.g. perplexity = exp(loss))."""
         self.backend, self.mesh = backend, mesh
+        self._eval_derived = eval_derived
         options = options or step_lib.StepOptions()
         self._sharded_optimizer = options.shard_optimizer
         opt_specs = jax.tree.map(lambda x: P(DATA_AXIS) if options.shard_optimizer and zero.is_sharded(x) else P(),
@@ -165,7 +168,8 @@ class DataParallel:
             return {}
         add(pending)
         weight = totals.pop("weight")
-        return {k: v / weight if weight else math.nan for k, v in totals.items()}
+        means = {k: v / weight if weight else math.nan for k, v in totals.items()}
+        return means | self._eval_derived(means) if self._eval_derived else means
 
     def lower_train(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> jax.stages.Lowered:
         """The train step's program as jdp asks for it (`.as_text()`), before XLA's own passes (`.compile()`)."""

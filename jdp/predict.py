@@ -152,6 +152,7 @@ def gradient_bytes(cfg, input_shape: tuple[int, ...] | None = None, num_classes:
     """(parameters, bytes one gradient all-reduce sends) of the config's model, built abstractly through jdp's
     own task building; without `input_shape` and `num_classes` they come from the config's data."""
     import jax
+    from flax import nnx
 
     from jdp import task
 
@@ -164,7 +165,7 @@ def gradient_bytes(cfg, input_shape: tuple[int, ...] | None = None, num_classes:
     else:
         task.check_names(cfg)
         make_model = task.model_maker(cfg, input_shape, num_classes)
-    params = sum(leaf.size for leaf in jax.tree.leaves(task.abstract_params(make_model)))
+    params = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(task.abstract_model(make_model), nnx.Param)))
     return params, params * ALLREDUCE_BYTES[cfg.parallel.allreduce_dtype]
 
 

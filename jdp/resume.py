@@ -96,7 +96,7 @@ def restore_for_inference(workdir: Path) -> tuple[int, Engine, TrainState]:
         raise config_lib.ConfigError(f"{saved} not found; pass the --workdir of a jdp.train run")
     cfg = config_lib.load_saved_config(saved)
     cfg.parallel.num_devices = inference_devices(cfg)  # the state is replicated: any count restores it
-    engine = build(cfg)
+    engine = build(cfg, workdir=workdir)
     checkpointer = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0)
     try:
         restored = checkpointer.restore_latest(engine.abstract_state, print, reject_damaged=False)

@@ -5,7 +5,9 @@ anything compiles."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -21,6 +23,7 @@ from jdp.mesh import DATA_AXIS, make_mesh
 from jdp.modeldef import LossFn
 from jdp.optim import OPTIMIZERS, build_optimizer
 from jdp.registry import Registry
+from jdp.step import COMPUTE_DTYPES
 
 # task.loss -> loss function (model, batch) -> per-example outputs (see jdp.fit)
 LOSSES: Registry[LossFn] = Registry("task.loss")
@@ -32,6 +35,24 @@ def classification_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[
     logits_BxC = model(batch["x"]).astype(jnp.float32)
     return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits_BxC, batch["y"]),
             "accuracy": (jnp.argmax(logits_BxC, -1) == batch["y"]).astype(jnp.float32)}
+
+
+@LOSSES.register("lm")
+def language_model_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
+    """Next-token cross-entropy and accuracy per token (B, T): jdp's weighted mean makes them token means
+    over the global batch. The softmax runs in float32 whatever the compute dtype."""
+    logits_BxTxV = model(batch["x"]).astype(jnp.float32)
+    return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch["y"]),
+            "accuracy": (jnp.argmax(logits_BxTxV, -1) == batch["y"]).astype(jnp.float32)}
+
+
+def perplexity(metrics: dict[str, float]) -> dict[str, float]:
+    """exp(mean next-token loss): an eval metric of the whole split, not a mean of per-batch values."""
+    return {"perplexity": math.exp(metrics["loss"]) if metrics["loss"] < 700 else math.inf}
+
+
+# task.loss -> eval metrics computed from the eval means
+DERIVED_EVAL_METRICS: dict[str, Callable[[dict[str, float]], dict[str, float]]] = {"lm": perplexity}
 
 
 @dataclasses.dataclass
@@ -48,7 +69,7 @@ class Task:
 def check_names(cfg: ml_collections.ConfigDict) -> None:
     """Every name the config gives is registered, or an import path that imports (ConfigError otherwise)."""
     registries = {"model.name": models.MODELS, "optim.name": OPTIMIZERS, "task.loss": LOSSES}
-    if not cfg.data.name.startswith(data_lib.TFDS_PREFIX):
+    if not (cfg.data.name.startswith(data_lib.TFDS_PREFIX) or data_lib.is_text(cfg.data.name)):
         registries["data.name"] = data_lib.DATASETS
     for key, registry in registries.items():
         try:
@@ -63,15 +84,16 @@ def model_maker(cfg: ml_collections.ConfigDict, input_shape: tuple[int, ...],
     kwargs = cfg.model.kwargs.to_dict()
 
     def make_model() -> nnx.Module:
-        return models.build_model(cfg.model.name, kwargs, input_shape, num_classes, seed=cfg.seed)
+        return models.build_model(cfg.model.name, kwargs, input_shape, num_classes, seed=cfg.seed,
+                                  dtype=COMPUTE_DTYPES[cfg.precision])
 
     return make_model
 
 
-def abstract_params(make_model: Callable[[], nnx.Module]) -> nnx.State:
-    """The model's parameters as shapes and dtypes, nothing allocated (ConfigError for a bad model setting)."""
+def abstract_model(make_model: Callable[[], nnx.Module]) -> nnx.Module:
+    """The model with shapes and dtypes for arrays, nothing allocated (ConfigError for a bad model setting)."""
     try:
-        return nnx.state(nnx.eval_shape(make_model), nnx.Param)
+        return nnx.eval_shape(make_model)
     except ValueError as e:  # the model's own checks of its settings and input shape
         raise config_lib.ConfigError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - a model (maybe the user's) that cannot be built: one line
@@ -80,8 +102,9 @@ def abstract_params(make_model: Callable[[], nnx.Module]) -> nnx.State:
                                      "fix model.kwargs") from None
 
 
-def build_task(cfg: ml_collections.ConfigDict) -> Task:
-    """The task `cfg` names, checked before anything compiles (ConfigError otherwise)."""
+def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None) -> Task:
+    """The task `cfg` names, checked before anything compiles (ConfigError otherwise). A text source keeps
+    its vocabulary in `workdir`."""
     num_devices = make_mesh(cfg.parallel.num_devices).size
     config_lib.validate(cfg, num_devices=num_devices)
     check_names(cfg)
@@ -89,7 +112,8 @@ def build_task(cfg: ml_collections.ConfigDict) -> Task:
     try:
         source = data_lib.build_source(cfg.data, seed=cfg.seed, global_batch_size=batch_size,
                                        eval_batch_size=cfg.train.eval_batch_size or batch_size,
-                                       process_index=jax.process_index(), process_count=jax.process_count())
+                                       process_index=jax.process_index(), process_count=jax.process_count(),
+                                       workdir=None if workdir is None else Path(workdir))
     except ValueError as e:  # the sources' own checks of the data section
         raise config_lib.ConfigError(str(e)) from None
     largest = trainer.eval_batch_limit(source.num_eval, num_devices)
@@ -100,7 +124,8 @@ def build_task(cfg: ml_collections.ConfigDict) -> Task:
             f"({source.num_eval} examples on {num_devices} device(s)); set --config.train.eval_batch_size to at most "
             f"{largest}, or 0 (= train.global_batch_size)")
     make_model = model_maker(cfg, source.input_shape, cfg.data.num_classes or source.num_classes)
-    params = abstract_params(make_model)
+    model = abstract_model(make_model)
+    params = nnx.state(model, nnx.Param)
     tx, schedule = build_optimizer(cfg.optim, batch_size, cfg.train.steps, nnx.to_pure_dict(params),
                                    sharded_axis=DATA_AXIS if cfg.parallel.shard_optimizer else None)
     options = trainer.FitOptions(
@@ -115,12 +140,15 @@ def build_task(cfg: ml_collections.ConfigDict) -> Task:
         log_noise_scale=cfg.train.log_noise_scale,
         loss_scale=cfg.loss_scale.initial, loss_scale_growth_interval=cfg.loss_scale.growth_interval,
         schedule=schedule, profile_steps=config_lib.profile_steps(cfg.profile.steps),
-        description=f"{cfg.model.name} on {cfg.data.name} ({source.num_eval} eval examples)")
+        eval_derived=DERIVED_EVAL_METRICS.get(cfg.task.loss),
+        description=f"{cfg.model.name} on {cfg.data.name} ({source.num_eval} eval examples)"
+                    + (f"; {model.describe()}" if hasattr(model, "describe") else ""))
     return Task(make_model, LOSSES.get(cfg.task.loss), source, tx, options, cfg.train.steps, batch_size)
 
 
-def build(cfg: ml_collections.ConfigDict, *, all_reduce: bool = True) -> trainer.Engine:
+def build(cfg: ml_collections.ConfigDict, *, all_reduce: bool = True, workdir: str | Path | None = None
+          ) -> trainer.Engine:
     """The compiled steps, data and state factory of `cfg`'s run, for tools that drive the step themselves."""
-    task = build_task(cfg)
+    task = build_task(cfg, workdir)
     return trainer.prepare(task.make_model, task.loss_fn, task.source, optimizer=task.optimizer,
                            global_batch_size=task.global_batch_size, options=task.options, all_reduce=all_reduce)

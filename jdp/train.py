@@ -18,6 +18,7 @@ from pathlib import Path
 
 import jax
 import ml_collections
+from flax import nnx
 
 from jdp import config as config_lib
 from jdp import distributed as distributed_lib
@@ -26,6 +27,7 @@ from jdp.checkpoint import CheckpointError
 from jdp.errors import DiskError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
 from jdp.mesh import make_mesh, simulate_cpu_devices
 from jdp.metrics import MetricsWriter
+from jdp.modeldef import replace_state
 from jdp.resume import (
     check_workdir_config,
     committed_steps,
@@ -35,6 +37,7 @@ from jdp.resume import (
     restore_for_inference,
 )
 from jdp.runinfo import write_run_metadata
+from jdp.sample import sample_text
 from jdp.task import build, build_task  # noqa: F401 - build is part of jdp.train's API
 from jdp.trainer import FitResult
 from jdp.xla_flags import apply_communication_flags
@@ -51,7 +54,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
     nothing to its workdir but a final eval or summary line it lacks."""
     workdir = Path(workdir)
     storage.check_writable(workdir)
-    task = build_task(cfg)
+    task = build_task(cfg, workdir)
     timeout_s = cfg.distributed.init_timeout_s
     echo = print if jax.process_index() == 0 else lambda *_: None
     with workdir_lock.held(workdir, timeout_s):
@@ -72,9 +75,23 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
                 if jax.devices()[0].platform == "gpu":
                     print(f"jdp: XLA_FLAGS in force: {os.environ.get('XLA_FLAGS', '')}")
 
-        return trainer.run(model, task.loss_fn, task.source, optimizer=task.optimizer, steps=task.steps,
-                           global_batch_size=task.global_batch_size,
-                           options=dataclasses.replace(task.options, workdir=workdir), on_start=on_start)
+        result = trainer.run(model, task.loss_fn, task.source, optimizer=task.optimizer, steps=task.steps,
+                             global_batch_size=task.global_batch_size,
+                             options=dataclasses.replace(task.options, workdir=workdir), on_start=on_start)
+    vocab = getattr(task.source, "vocabulary", None)
+    if cfg.sample.tokens and vocab is not None and jax.process_index() == 0:
+        _print_sample(cfg, task.make_model(), result, vocab)
+    return result
+
+
+def _print_sample(cfg: ml_collections.ConfigDict, model: nnx.Module, result: FitResult, vocab) -> None:
+    """A language model's run ends with a sample of `sample.tokens` from the trained model."""
+    replace_state(model, result.params, result.model_state)
+    model.eval()
+    text = sample_text(model, vocab, cfg.sample.prompt, cfg.sample.tokens, temperature=cfg.sample.temperature,
+                       top_k=cfg.sample.top_k, seed=cfg.seed)
+    print(f"sample ({cfg.sample.tokens} tokens after {cfg.sample.prompt!r}, temperature {cfg.sample.temperature}, "
+          f"top_k {cfg.sample.top_k}):\n{text}")
 
 
 def evaluate_checkpoint(workdir: Path) -> dict[str, float]:

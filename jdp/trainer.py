@@ -79,6 +79,7 @@ class FitOptions:
 
     eval_data: Any = None  # like train_data; None = no eval (unless train_data is a Source with an eval split)
     eval_fn: LossFn | None = None  # eval loss function; None = loss_fn
+    eval_derived: Callable[[dict[str, float]], dict[str, float]] | None = None  # more eval metrics from the means
     eval_every: int = 0  # steps between evals; 0 = at the end only
     eval_batch_size: int = 0  # 0 = global_batch_size
     workdir: str | Path | None = None  # checkpoints and metrics here, resumed from; None = nothing written
@@ -292,7 +293,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
         loss_scale_growth_interval=o.loss_scale_growth_interval,
         device_input=device_input)
     parallel = DataParallel(o.backend, mesh, model_def, loss_fn, o.eval_fn or loss_fn, optimizer, o.schedule,
-                            abstract, step_options)
+                            abstract, step_options, eval_derived=o.eval_derived)
     sharding = replicated(mesh)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract)
     return Engine(parallel, source, model_def, lambda: parallel.init_state(init_state, *initial), abstract)

@@ -14,6 +14,7 @@ from jdp.configs import base
 from jdp.metrics import read_metrics
 
 TINY_CIFAR = Path(__file__).parent / "fixtures" / "tfds"  # data_dir of the committed CIFAR-format fixture
+TINY_TEXT = Path(__file__).parent / "fixtures" / "shakespeare_excerpt.txt"  # the start of the shakespeare text
 
 # Tiny models that compile in seconds on a 2-core CPU; resnet is built by the ResNet-18 class.
 MODELS = {
@@ -23,6 +24,8 @@ MODELS = {
                    data={"name": "synthetic", "shape": (8, 8, 3), "num_classes": 10, "num_examples": 256,
                          "num_eval_examples": 40},
                    optim={"lr": 0.05}),  # stable at this lr, so float32 rounding is not amplified
+    "gpt": dict(model={"name": "gpt", "kwargs": {"num_layers": 2, "num_heads": 2, "embed_dim": 16}},
+                data={"name": f"text:{TINY_TEXT}", "block_size": 8}, task={"loss": "lm"}),
     "tiny_cifar": dict(model={"name": "cnn2d", "kwargs": {"channels": (8,), "dense_sizes": (16,)}},
                        data={"name": "tfds:tiny_cifar", "data_dir": str(TINY_CIFAR)}),  # augmented on the device
 }
@@ -52,11 +55,11 @@ def overrides(sections: dict, prefix: str = "--config.") -> list[str]:
             for arg in (overrides(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}={value}"])]
 
 
-def logits_and_state(model, params, model_state, x, *, train: bool, groups: int = 1):
+def logits_and_state(model, params, model_state, x, *, train: bool, groups: int = 1, rng_state=None):
     """A jdp model (`jdp.modeldef.ModelDef`, e.g. `build(cfg).model`) run on `x` as the step runs it:
-    (logits, the model state after the forward)."""
+    (logits, the model state after the forward). `rng_state`: that of a model with stochastic layers."""
     outputs, new_state, _ = step_lib.run_loss(model, lambda m, batch: {"logits": m(batch["x"])}, params,
-                                              model_state, NO_RNG, {"x": x}, train=train, groups=groups)
+                                              model_state, rng_state or NO_RNG, {"x": x}, train=train, groups=groups)
     return outputs["logits"], new_state
 
 

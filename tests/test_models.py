@@ -187,4 +187,4 @@ def test_batchnorm_axis_name_syncs_statistics_across_devices():
 def test_unknown_model_name():
     with pytest.raises(ValueError, match="model.name='vgg' is unknown.*mlp.*resnet50"):
         _build(_cfg("vgg"), (8, 8, 1))
-    assert MODELS.names() == ("mlp", "cnn1d", "cnn2d", "resnet18", "resnet34", "resnet50")
+    assert MODELS.names() == ("mlp", "cnn1d", "cnn2d", "resnet18", "resnet34", "resnet50", "gpt")

@@ -44,6 +44,9 @@ def _parser() -> argparse.ArgumentParser:
     speed.add_argument("--repeats", type=int, default=3)
     speed.add_argument("--backends", default="shard_map,pmap,jit", help="comma-separated jdp backends")
     speed.add_argument("--report_only", action="store_true", help="write the report of --workdir's speed.json again")
+    speed.add_argument("--torch_compile", action="store_true",
+                       help="torch.compile the twin (with --config.precision=bf16 on cuda: bf16 autocast, nanoGPT's "
+                            "recipe)")
     speed.add_argument("--compile_cache", action="store_true",
                        help="keep jdp's persistent compilation cache (default: off, so compile time is cold)")
     return parser
@@ -97,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
                                          f"{','.join(BACKENDS)}")
         result = speed(cfg, name=name, workers=args.workers, workdir=workdir, steps=args.steps,
                        repeats=args.repeats, backends=backends, timeout_s=args.timeout,
-                       compile_cache=args.compile_cache, device=args.device, command=command)
+                       compile_cache=args.compile_cache, device=args.device, command=command,
+                       torch_compile=args.torch_compile)
         print(f"report: {Path(workdir) / 'speed.md'}")
         ddp = next(r for r in result.rows if r["run"] == "ddp")
         print("; ".join(f"{r['run']} {r['examples_per_sec']:,.0f} ex/s ({r['ratio_vs_ddp']:.2f}x)"

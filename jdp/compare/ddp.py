@@ -16,8 +16,9 @@ overwrite every rank's statistics with rank 0's at each forward.
 SPEC keys: config (a jdp config.json), workers, steps, init, lrs, out (directory; also holds the
 rendezvous file), mode ("parity": also all-reduce the loss and take the gradient norm every step, evaluate
 and save the final weights; "speed": only the rank's own loss), launch_time (the parent's time.time() at
-launch), device ("cpu" | "cuda"), threads, timeout_s. Rank 0 writes OUT/ddp_result.json (and
-OUT/ddp_final.npz in parity mode).
+launch), device ("cpu" | "cuda"), threads, timeout_s, compile (torch.compile the twin), autocast (bf16
+autocast of the forward and loss: nanoGPT's GPU recipe; parameters and optimizer state stay float32).
+Rank 0 writes OUT/ddp_result.json (and OUT/ddp_final.npz in parity mode).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def make_optimizer(optim_cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
     """jdp.optim.build_optimizer's transform as a torch optimizer (the learning rate is set per step).
 
     sgd/momentum/nesterov: optax chain(add_decayed_weights(wd, mask), sgd(lr, momentum, nesterov)) is
-    torch SGD with dampening 0 and coupled weight decay, exactly. adamw: optax adamw(b1=momentum, b2=0.999,
+    torch SGD with dampening 0 and coupled weight decay, exactly. adamw: optax adamw(b1=momentum, b2=optim.b2,
     eps=1e-8) and torch AdamW are the same update (eps added to sqrt of the bias-corrected second moment,
     decoupled decay lr * wd * p) computed in a different order, so they agree to float rounding. Weight
     decay is masked off vectors (biases, BatchNorm) on both sides: jdp's mask is `p.ndim > 1`.
@@ -60,7 +61,7 @@ def make_optimizer(optim_cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
         momentum = 0.0 if name == "sgd" else optim_cfg.momentum
         return torch.optim.SGD(groups, lr=0.0, momentum=momentum, dampening=0.0, nesterov=name == "nesterov")
     if name == "adamw":
-        return torch.optim.AdamW(groups, lr=0.0, betas=(optim_cfg.momentum, 0.999), eps=1e-8)
+        return torch.optim.AdamW(groups, lr=0.0, betas=(optim_cfg.momentum, optim_cfg.get("b2", 0.999)), eps=1e-8)
     raise ValueError(f"the DDP twin supports optim.name {', '.join(OPTIMIZERS)}, not {name!r}")
 
 
@@ -77,6 +78,13 @@ def _clip_like_optax(grads: list[torch.Tensor], max_norm: float) -> None:
             g.div_(norm).mul_(max_norm)
 
 
+def _cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Per example (classification) or per token (language models, logits (B, T, V)); the mean is over every
+    entry of the rank's rows, as jdp's weighted mean is over every entry of the global batch."""
+    losses = F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
+    return losses.view(y.shape) if reduction == "none" else losses
+
+
 def _evaluate(model: torch.nn.Module, cfg, device: torch.device) -> tuple[float, float]:
     """Loss and accuracy over the whole eval split, as jdp's evaluate (padded rows masked)."""
     from jdp.data import build_source
@@ -89,8 +97,8 @@ def _evaluate(model: torch.nn.Module, cfg, device: torch.device) -> tuple[float,
         for rows in source.eval_batches():
             logits = model(torch_models.prepare_input(model, rows["x"]).to(device)).float()
             y = torch.from_numpy(rows["y"]).long().to(device)
-            mask = torch.from_numpy(rows["mask"]).to(device)
-            loss_sum += float((F.cross_entropy(logits, y, reduction="none") * mask).sum())
+            mask = torch.from_numpy(rows["mask"]).to(device).view(-1, *[1] * (y.ndim - 1)).expand(y.shape)
+            loss_sum += float((_cross_entropy(logits, y, reduction="none") * mask).sum())
             correct += float(((logits.argmax(-1) == y).float() * mask).sum())
             count += float(mask.sum())
     model.train()
@@ -113,9 +121,11 @@ def train(rank: int, spec: dict) -> dict:
     if spec.get("init"):
         weights.load_npz(model, spec["init"])
     model.to(device)
+    compiled = torch.compile(model) if spec.get("compile") else model  # the same parameters
+    autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bool(spec.get("autocast")))
     with warnings.catch_warnings():  # torch 2.13 deprecates it, but advises it for rank-local buffers
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
-        ddp = DDP(model, device_ids=[rank] if device.type == "cuda" else None, broadcast_buffers=False)
+        ddp = DDP(compiled, device_ids=[rank] if device.type == "cuda" else None, broadcast_buffers=False)
     optimizer = make_optimizer(cfg.optim, model)
     params = [p for p in model.parameters()]
     bn_stats = [] if (cfg.model.bn_sync and world > 1) else torch_models.bn_buffers(model)
@@ -133,7 +143,8 @@ def train(rank: int, spec: dict) -> dict:
         y = torch.from_numpy(rows["y"]).long().to(device, non_blocking=True)
         for group in optimizer.param_groups:
             group["lr"] = lrs[step]
-        loss = F.cross_entropy(ddp(x).float(), y)
+        with autocast:
+            loss = _cross_entropy(ddp(x).float(), y)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # DDP all-reduces (averages) the gradients here
         grads = [p.grad for p in params]

@@ -48,7 +48,8 @@ _RESNET = Tolerance(0.5, 1.0, 1e-4)
 TOLERANCES = {("mlp", "sgd"): _SGD, ("cnn1d", "sgd"): _SGD, ("cnn2d", "sgd"): _SGD,
               ("mlp", "momentum"): _MOMENTUM, ("cnn1d", "momentum"): _MOMENTUM, ("cnn2d", "momentum"): _MOMENTUM,
               ("mlp", "adamw"): _ADAM, ("cnn1d", "adamw"): _ADAM, ("cnn2d", "adamw"): _ADAM,
-              ("resnet", "sgd"): _RESNET, ("resnet", "momentum"): _RESNET, ("resnet", "adamw"): _RESNET}
+              ("resnet", "sgd"): _RESNET, ("resnet", "momentum"): _RESNET, ("resnet", "adamw"): _RESNET,
+              ("gpt", "sgd"): _SGD, ("gpt", "momentum"): _MOMENTUM, ("gpt", "adamw"): _ADAM}
 
 
 def default_tolerance(cfg) -> Tolerance:
@@ -64,8 +65,9 @@ _FP32_PLAIN = {"precision": "fp32", "train.grad_accum_steps": 1, "parallel.allre
                "parallel.sync_every": 1}
 
 
-def check_supported(cfg, workers: int) -> None:
-    """Raises ValueError naming the first setting the DDP twin cannot reproduce."""
+def check_supported(cfg, workers: int, *, bf16: bool = False) -> None:
+    """Raises ValueError naming the first setting the DDP twin cannot reproduce. `bf16`: precision=bf16 is
+    allowed too (speed on a GPU: the twin then runs under bf16 autocast)."""
     from jdp.compare.ddp import OPTIMIZERS
     from jdp.compare.torch_models import MODEL_NAMES
 
@@ -74,9 +76,13 @@ def check_supported(cfg, workers: int) -> None:
     if cfg.model.name not in MODEL_NAMES:
         raise ValueError(f"model.name={cfg.model.name!r}: the PyTorch twin has no such model; it has "
                          f"{', '.join(MODEL_NAMES)}")
-    if cfg.data.name not in ("mnist1d", "digits", "synthetic"):
+    from jdp.data.text import is_text
+
+    if cfg.data.name not in ("mnist1d", "digits", "synthetic") and not is_text(cfg.data.name):
         raise ValueError(f"data.name={cfg.data.name!r}: the comparison uses jdp's in-memory sources only")
     for key, wanted in _FP32_PLAIN.items():
+        if bf16 and key == "precision" and cfg.precision == "bf16":
+            continue
         node = cfg
         for part in key.split("."):
             node = node[part] if part in node else wanted
@@ -92,11 +98,15 @@ def prepare_config(cfg, *, workers: int, steps: int):
     """The config both sides train: `steps` steps, every loss logged, eval and checkpoint only at the end."""
     cfg = copy.deepcopy(cfg)
     check_supported(cfg, workers)
+    if cfg.model.kwargs.get("dropout", 0.0):
+        raise ValueError(f"model.kwargs.dropout={cfg.model.kwargs.dropout}: the two sides draw different dropout "
+                         "masks; compare with --config.model.kwargs.dropout=0")
     cfg.train.steps = steps
     cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, steps - 1)
     cfg.train.update(log_every=1, eval_every=steps, log_grad_norm=True)
     cfg.checkpoint.every_steps = 0
     cfg.parallel.update(cpu_devices=workers, num_devices=0, check_replicas_every=0)
+    cfg.sample.tokens = 0  # a language model's closing sample is not part of the comparison
     cfg.init_from = ""
     return cfg
 

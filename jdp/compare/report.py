@@ -167,6 +167,7 @@ def plot_parity(p: Parity, path: Path) -> None:
 def write_speed(s: Speed, workdir: Path) -> None:
     m = s.meta
     info = machine_info()
+    tokens = m.get("tokens_per_example", 0)  # language models: tokens/s beside examples/s
     lines = [
         f"# Speed: jdp vs PyTorch DDP, {s.name}",
         "",
@@ -178,19 +179,20 @@ def write_speed(s: Speed, workdir: Path) -> None:
         + (" (the machine was shared with other jobs: read the ratios, not the absolute rates)."
            if m["load_avg_1min_median"] > info["cores"] + 0.5 else "."),
         "",
-        "| run | examples/s | vs DDP | step time (ms) | time to first step (s) | peak RSS per worker (MiB) "
-        "| peak RSS, all processes (MiB) |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| run | examples/s |" + (" tokens/s |" if tokens else "") + " vs DDP | step time (ms) | time to first "
+        "step (s) | peak RSS per worker (MiB) | peak RSS, all processes (MiB) |",
+        "|---|---:|" + ("---:|" if tokens else "") + "---:|---:|---:|---:|---:|",
     ]
     for row in s.rows:
-        lines.append(f"| {row['run']} | {row['examples_per_sec']:,.0f} | {row['ratio_vs_ddp']:.2f}x | "
+        per_token = f"{row['tokens_per_sec']:,.0f} | " if tokens else ""
+        lines.append(f"| {row['run']} | {row['examples_per_sec']:,.0f} | {per_token}{row['ratio_vs_ddp']:.2f}x | "
                      f"{row['step_time_ms']:.1f} | {row['time_to_first_step_s']:.1f} | "
                      f"{row['peak_rss_mib_per_worker']:,.0f} | {row['peak_rss_mib_total']:,.0f} |")
     lines += [
         "",
         "- examples/s: steady state, leaving out the first step (jdp: the summary line's `examples_per_sec`; "
         "DDP: rank 0's wall time from the end of step 1 to the end of the last step). Step time = global "
-        "batch / examples/s.",
+        "batch / examples/s." + (f" tokens/s = examples/s x {tokens} tokens per example." if tokens else ""),
         "- time to first step: from launching the process to the end of the first step: interpreter and "
         "library start-up, data, model and (jdp) compilation"
         + (" with the persistent compilation cache on" if m.get("compile_cache") else ", with no compilation cache")

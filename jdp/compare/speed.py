@@ -25,11 +25,11 @@ from jdp.parallel import BACKENDS
 _CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
 
 
-def prepare_config(cfg, *, workers: int, steps: int | None, compile_cache: bool):
+def prepare_config(cfg, *, workers: int, steps: int | None, compile_cache: bool, device: str = "cpu"):
     from jdp.compare.parity import check_supported
 
     cfg = copy.deepcopy(cfg)
-    check_supported(cfg, workers)
+    check_supported(cfg, workers, bf16=device == "cuda")
     steps = steps or cfg.train.steps
     if steps < 2:
         raise ValueError("--steps must be at least 2: the first step is left out of the throughput")
@@ -38,6 +38,7 @@ def prepare_config(cfg, *, workers: int, steps: int | None, compile_cache: bool)
     cfg.train.update(eval_every=steps, log_every=min(cfg.train.log_every, steps))
     cfg.checkpoint.every_steps = 0
     cfg.parallel.update(cpu_devices=workers, num_devices=0, check_replicas_every=0)
+    cfg.sample.tokens = 0  # a language model's closing sample is not part of the comparison
     if not compile_cache:
         cfg.compile_cache_dir = ""
     return cfg
@@ -66,13 +67,14 @@ def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: 
 
 
 def _run_ddp(cfg, run_dir: Path, init: Path, lrs: list[float], workers: int, timeout_s: float,
-             device: str) -> dict:
+             device: str, torch_compile: bool = False) -> dict:
     from jdp import config as config_lib
 
     config_lib.save_config(cfg, run_dir / "config.json")
     spec = {"config": str(run_dir / "config.json"), "workers": workers, "steps": cfg.train.steps,
             "init": str(init), "lrs": lrs, "out": str(run_dir), "mode": "speed",
-            "device": device, "threads": 1, "timeout_s": timeout_s, "launch_time": time.time()}
+            "device": device, "threads": 1, "timeout_s": timeout_s,
+            "launch_time": time.time(), "compile": torch_compile, "autocast": cfg.precision == "bf16"}
     (run_dir / "spec.json").write_text(json.dumps(spec))
     finished = procs.run(["-m", "jdp.compare.ddp", str(run_dir / "spec.json")], log=run_dir / "log.txt",
                          timeout_s=timeout_s)
@@ -87,12 +89,13 @@ def _run_ddp(cfg, run_dir: Path, init: Path, lrs: list[float], workers: int, tim
 
 def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = None, repeats: int = 3,
           backends: tuple[str, ...] = tuple(BACKENDS), timeout_s: float = 600, compile_cache: bool = False,
-          device: str = "cpu", command: str = "", echo=print) -> Speed:
-    """Runs everything into `workdir` and writes speed.md, speed.json and speed.png."""
+          device: str = "cpu", command: str = "", echo=print, torch_compile: bool = False) -> Speed:
+    """Runs everything into `workdir` and writes speed.md, speed.json and speed.png. On cuda with
+    precision=bf16 the twin runs under bf16 autocast; `torch_compile` compiles it (nanoGPT's recipe)."""
     from jdp import config as config_lib
     from jdp.compare import report
 
-    cfg = prepare_config(cfg, workers=workers, steps=steps, compile_cache=compile_cache)
+    cfg = prepare_config(cfg, workers=workers, steps=steps, compile_cache=compile_cache, device=device)
     if device == "cuda":
         cfg.parallel.update(cpu_devices=0, num_devices=workers)
     workdir = Path(workdir).resolve()
@@ -113,20 +116,24 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
             run_dir.mkdir(parents=True)
             load_before = os.getloadavg()[0]
             if kind == "ddp":
-                figures = _run_ddp(cfg, run_dir, workdir / "init.npz", lrs, workers, timeout_s, device)
+                figures = _run_ddp(cfg, run_dir, workdir / "init.npz", lrs, workers, timeout_s, device, torch_compile)
             else:
                 figures = _run_jdp(cfg, kind, run_dir, timeout_s, compile_cache)
             runs.append({"run": kind, "repeat": rep, **figures, "load_avg_1min": [load_before, os.getloadavg()[0]]})
             echo(f"{kind:>9} repeat {rep}: {figures['examples_per_sec']:,.0f} examples/s, first step after "
                  f"{figures['time_to_first_step_s']:.1f} s, peak RSS {figures['peak_rss_mib_per_worker']:,.0f} MiB")
 
+    from jdp.data.text import is_text
+
     batch = cfg.train.global_batch_size
+    tokens = cfg.data.block_size if is_text(cfg.data.name) else 0  # a language model's tokens per example
     ddp_rate = _median([r["examples_per_sec"] for r in runs if r["run"] == "ddp"])
     rows = []
     for kind in plan:
         mine = [r for r in runs if r["run"] == kind]
         rate = _median([r["examples_per_sec"] for r in mine])
         rows.append({"run": kind, "examples_per_sec": rate, "ratio_vs_ddp": rate / ddp_rate,
+                     **({"tokens_per_sec": rate * tokens} if tokens else {}),
                      "step_time_ms": 1000 * batch / rate,
                      "time_to_first_step_s": _median([r["time_to_first_step_s"] for r in mine]),
                      "peak_rss_mib_per_worker": _median([r["peak_rss_mib_per_worker"] for r in mine]),
@@ -134,7 +141,8 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
     loads = [load for r in runs for load in r["load_avg_1min"]]
     meta = {"config": name, "model": cfg.model.name, "workers": workers, "steps": cfg.train.steps,
             "load_avg_1min_median": _median(loads), "load_avg_1min_max": max(loads),
-            "repeats": repeats, "global_batch_size": batch, "device": device, "compile_cache": compile_cache,
+            "repeats": repeats, "global_batch_size": batch, "tokens_per_example": tokens, "device": device,
+            "compile_cache": compile_cache, "precision": cfg.precision, "torch_compile": torch_compile,
             "command": command}
     result = Speed(name, rows, [{k: v for k, v in r.items() if k != "losses"} | {"final_loss": r["losses"][-1]}
                                 for r in runs], meta)

@@ -31,7 +31,7 @@ RESNET_ARCHS: dict[str, tuple[str, tuple[int, ...]]] = {
     "resnet34": ("basic", (3, 4, 6, 3)),
     "resnet50": ("bottleneck", (3, 4, 6, 3)),
 }
-MODEL_NAMES = ("mlp", "cnn1d", "cnn2d", *RESNET_ARCHS)
+MODEL_NAMES = ("mlp", "cnn1d", "cnn2d", *RESNET_ARCHS, "gpt")
 
 
 class BatchNorm(nn.BatchNorm2d):
@@ -267,6 +267,68 @@ class ResNet(nn.Module):
         return self.head(x.mean((2, 3)))
 
 
+class CausalSelfAttention(nn.Module):
+    """jdp.models.gpt.CausalSelfAttention: q, k, v are the three thirds of `qkv`'s output, heads inside each."""
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float, bias: bool):
+        super().__init__()
+        self.num_heads, self.dropout = num_heads, dropout
+        self.qkv = nn.Linear(embed_dim, 3 * embed_dim, bias=bias)
+        self.proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.resid_dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, self.num_heads, d // self.num_heads).transpose(1, 2)
+                   for z in self.qkv(x).split(d, dim=2))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)))
+
+
+class GPTMLP(nn.Module):
+    def __init__(self, embed_dim: int, dropout: float, bias: bool):
+        super().__init__()
+        self.fc = nn.Linear(embed_dim, 4 * embed_dim, bias=bias)
+        self.proj = nn.Linear(4 * embed_dim, embed_dim, bias=bias)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.proj(F.gelu(self.fc(x))))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float, bias: bool):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(embed_dim, eps=1e-5, bias=bias)
+        self.attn = CausalSelfAttention(embed_dim, num_heads, dropout, bias)
+        self.ln2 = nn.LayerNorm(embed_dim, eps=1e-5, bias=bias)
+        self.mlp = GPTMLP(embed_dim, dropout, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    """jdp.models.gpt.GPT (nanoGPT's model): the head is the token embedding, transposed (tied)."""
+
+    def __init__(self, vocab_size: int, block_size: int, num_layers: int, num_heads: int, embed_dim: int,
+                 dropout: float, bias: bool):
+        super().__init__()
+        self.wte = nn.Embedding(vocab_size, embed_dim)
+        self.wpe = nn.Embedding(block_size, embed_dim)
+        self.drop = nn.Dropout(dropout)
+        self.blocks = nn.ModuleList([GPTBlock(embed_dim, num_heads, dropout, bias) for _ in range(num_layers)])
+        self.ln_f = nn.LayerNorm(embed_dim, eps=1e-5, bias=bias)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.drop(self.wte(tokens) + self.wpe(positions))
+        for block in self.blocks:
+            x = block(x)
+        return self.ln_f(x) @ self.wte.weight.T
+
+
 def _image_shape(input_shape: Sequence[int]) -> tuple[int, int, int]:
     h, w, *c = input_shape
     return h, w, c[0] if c else 1
@@ -289,6 +351,9 @@ def build_twin(model_cfg, input_shape: Sequence[int], num_classes: int, *, sync_
         return CNN1D(length, c[0] if c else 1, s["channels"], s["kernel_sizes"], s["strides"], num_classes)
     if name == "cnn2d":
         return CNN2D(_image_shape(input_shape), s["channels"], s["dense_sizes"], num_classes)
+    if name == "gpt":
+        return GPT(num_classes, input_shape[0], s["num_layers"], s["num_heads"], s["embed_dim"], s["dropout"],
+                   s["bias"])
     h, _, c = _image_shape(input_shape)
     block, standard_stages = RESNET_ARCHS[name]
     stem = s["stem"] if s["stem"] != "auto" else ("cifar" if h <= 64 else "imagenet")
@@ -304,4 +369,6 @@ def prepare_input(model: nn.Module, x: np.ndarray) -> torch.Tensor:
         return t[:, None, :] if t.ndim == 2 else t.permute(0, 2, 1).contiguous()
     if isinstance(model, (CNN2D, ResNet)):
         return t[:, None] if t.ndim == 3 else t.permute(0, 3, 1, 2).contiguous()
+    if isinstance(model, GPT):  # token ids
+        return t.long()
     return t

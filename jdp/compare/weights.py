@@ -9,7 +9,8 @@ file written by `python -m jdp.export` or read with `np.load`.
 | Dense `<path>/kernel`, (in, out) | `<path>.weight`, (out, in); columns permuted (H, W, C) -> (C, H, W) after convs |
 | Conv `<path>/kernel`, HWIO / WIO | `<path>.weight`, OIHW / OIW |
 | `<path>/bias` | `<path>.bias` |
-| BatchNorm `<path>/scale`, `bias` | `<path>.weight`, `bias` |
+| BatchNorm, LayerNorm `<path>/scale`, `bias` | `<path>.weight`, `bias` |
+| Embed `<path>/embedding`, (vocab, width) | `<path>.weight`, the same (the GPT's tied head uses it too) |
 | BatchNorm `model_state/<path>/mean`, `var` | `<path>.running_mean`, `running_var` (see torch_models.BatchNorm) |
 
 torch's `num_batches_tracked` has no jdp counterpart: `jdp_to_torch` keeps the model's own. Every conversion
@@ -38,6 +39,11 @@ def _entries(model: nn.Module) -> list[tuple[str, str, str, Any]]:
             out.append((f"params/{path}/kernel", f"{name}.weight", "linear", getattr(module, "jdp_flatten_from", None)))
         elif isinstance(module, (nn.Conv1d, nn.Conv2d)):
             out.append((f"params/{path}/kernel", f"{name}.weight", "conv", None))
+        elif isinstance(module, nn.Embedding):
+            out.append((f"params/{path}/embedding", f"{name}.weight", "copy", None))
+            continue
+        elif isinstance(module, nn.LayerNorm):
+            out.append((f"params/{path}/scale", f"{name}.weight", "copy", None))
         elif isinstance(module, BatchNorm):
             out += [(f"params/{path}/scale", f"{name}.weight", "copy", None),
                     (f"params/{path}/bias", f"{name}.bias", "copy", None),

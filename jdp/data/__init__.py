@@ -2,7 +2,8 @@
 
 from jdp.data.batching import ArrayDataset, Batcher, DataError, RandomAccessDataset, as_dataset
 from jdp.data.sources import DATASETS, build_source
+from jdp.data.text import TEXT_PREFIX, Vocabulary, is_text
 from jdp.data.tfds_source import TFDS_PREFIX, TfdsSource  # imports tensorflow-datasets only when one is built
 
-__all__ = ["DATASETS", "TFDS_PREFIX", "ArrayDataset", "Batcher", "DataError", "RandomAccessDataset",
-           "TfdsSource", "as_dataset", "build_source"]
+__all__ = ["DATASETS", "TEXT_PREFIX", "TFDS_PREFIX", "ArrayDataset", "Batcher", "DataError", "RandomAccessDataset",
+           "TfdsSource", "Vocabulary", "as_dataset", "build_source", "is_text"]

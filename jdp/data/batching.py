@@ -89,7 +89,19 @@ class DataError(UsageError):
     """Data that cannot be trained on: the message is one line naming what is wrong and the fix."""
 
 
-class ArrayDataset:
+class RowDataset:
+    """Rows read by index: `keys`, `len()` and `rows(ids)` -> {key: array with one entry per id}."""
+
+    keys: tuple[str, ...]
+
+    def __len__(self) -> int:
+        raise NotImplementedError
+
+    def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        raise NotImplementedError
+
+
+class ArrayDataset(RowDataset):
     """A dict of arrays that share a leading length: row i is {key: array[i]}."""
 
     def __init__(self, arrays: Mapping[str, Any], what: str = "the data") -> None:
@@ -111,7 +123,7 @@ class ArrayDataset:
         return {k: v[ids] for k, v in self.arrays.items()}
 
 
-class RandomAccessDataset:
+class RandomAccessDataset(RowDataset):
     """Any object with `__len__` and `__getitem__(i)` returning a dict of arrays (e.g. `grain.MapDataset`,
     `tfds.data_source`); `__getitems__(ids)`, where it exists, reads a batch of rows at once."""
 
@@ -134,12 +146,9 @@ class RandomAccessDataset:
         return {k: np.stack([np.asarray(item[k]) for item in items]) for k in self.keys}
 
 
-Dataset = ArrayDataset | RandomAccessDataset
-
-
-def as_dataset(data: Any, what: str = "the data") -> Dataset:
-    """A dict of arrays or a random-access dataset, as a `Dataset` that reads rows by index."""
-    if isinstance(data, (ArrayDataset, RandomAccessDataset)):
+def as_dataset(data: Any, what: str = "the data") -> RowDataset:
+    """A dict of arrays or a random-access dataset, as a `RowDataset` that reads rows by index."""
+    if isinstance(data, RowDataset):
         return data
     return ArrayDataset(data, what) if isinstance(data, Mapping) else RandomAccessDataset(data, what)
 

@@ -1,12 +1,13 @@
-"""Offline data sources: MNIST-1D, scikit-learn digits and a synthetic task, all held in memory; and
-`tfds:NAME`, a prepared tensorflow-datasets copy read by random access (`jdp.data.tfds_source`).
+"""Offline data sources: MNIST-1D, scikit-learn digits and a synthetic task, all held in memory; text for
+language models (`text:PATH`, `shakespeare`: `jdp.data.text`); and `tfds:NAME`, a prepared
+tensorflow-datasets copy read by random access (`jdp.data.tfds_source`).
 
 Heavy libraries (mnist1d, scikit-learn, tensorflow-datasets, PIL) are imported inside the loader that needs
 them, so the synthetic source runs on a machine that has only numpy.
 """
 
 import functools
-import os
+import io
 import random
 import zipfile
 from collections.abc import Callable
@@ -16,6 +17,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jdp.data.batching import Batcher, DataError
+from jdp.data.cache import cache_dir, write_atomically
+from jdp.data.text import is_text, text_source
 from jdp.data.tfds_source import TFDS_PREFIX, TfdsSource
 from jdp.registry import Registry
 
@@ -43,7 +46,7 @@ def _mnist1d() -> tuple[Split, Split]:
             d = {k: stored[k] for k in ("x", "y", "x_test", "y_test")}
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):  # absent, or damaged: make it anew
         d = _generate_mnist1d()
-        _write_atomically(path, d)
+        _write_arrays(path, d)
     x, x_test = d["x"].astype(np.float32), d["x_test"].astype(np.float32)
     y, y_test = d["y"].astype(np.int32), d["y_test"].astype(np.int32)
     _read_only(x, y, x_test, y_test)
@@ -63,24 +66,10 @@ def _generate_mnist1d() -> dict[str, np.ndarray]:
     return {k: np.asarray(d[k]) for k in ("x", "y", "x_test", "y_test")}
 
 
-def cache_dir() -> Path:
-    """Where generated datasets are kept between runs: $JDP_CACHE_DIR, else ~/.cache/jdp."""
-    return Path(os.environ.get("JDP_CACHE_DIR") or Path.home() / ".cache" / "jdp")
-
-
-def _write_atomically(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """Written to a temporary name and renamed, so no process ever reads a half-written file; an unwritable
-    cache folder only means the next process generates the data again."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            np.savez(f, **arrays)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+def _write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    write_atomically(path, buffer.getvalue())
 
 
 @functools.cache
@@ -157,11 +146,16 @@ def build_source(
     eval_batch_size: int,
     process_index: int = 0,
     process_count: int = 1,
+    workdir: Path | None = None,
 ) -> Batcher | TfdsSource:
     """The source named by `cfg` (the config's `data` section), batched for this process.
 
-    `seed` (the run seed) orders the train split; the data itself does not depend on it.
+    `seed` (the run seed) orders the train split; the data itself does not depend on it. A text source keeps
+    its vocabulary in `workdir` (None: built from the text, not saved).
     """
+    if is_text(cfg.name):
+        return text_source(cfg, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
+                           process_index=process_index, process_count=process_count, workdir=workdir)
     if cfg.name.startswith(TFDS_PREFIX):
         return TfdsSource(cfg, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
                           process_index=process_index, process_count=process_count)

@@ -11,12 +11,13 @@ import jax
 from flax import nnx
 
 from jdp.models.cnn import CNN1D, CNN2D, max_pool_2x2
+from jdp.models.gpt import GPT
 from jdp.models.mlp import MLP
 from jdp.models.resnet import ARCHS, ResNet, resnet18, resnet34, resnet50
 from jdp.registry import Registry
 
-__all__ = ["CNN1D", "CNN2D", "MLP", "MODELS", "ResNet", "build_model", "count_params", "max_pool_2x2", "resnet18",
-           "resnet34", "resnet50", "settings"]
+__all__ = ["CNN1D", "CNN2D", "GPT", "MLP", "MODELS", "ResNet", "build_model", "count_params", "max_pool_2x2",
+           "resnet18", "resnet34", "resnet50", "settings"]
 
 MODELS: Registry[Callable[..., nnx.Module]] = Registry("model.name")
 
@@ -87,14 +88,26 @@ for _name in ARCHS:
     MODELS.register(_name)(_resnet(_name))
 
 
+@MODELS.register("gpt")
+def gpt(*, input_shape: tuple[int, ...], num_classes: int, num_layers: int = 6, num_heads: int = 6,
+        embed_dim: int = 384, dropout: float = 0.0, bias: bool = True, dtype: Any = None, rngs: nnx.Rngs) -> GPT:
+    """A GPT over token windows of `input_shape` (block_size,) and a vocabulary of `num_classes` tokens."""
+    if len(input_shape) != 1:
+        raise ValueError(f"gpt needs token windows of shape (block_size,), got {input_shape}; use a text source")
+    return GPT(num_classes, input_shape[0], num_layers=num_layers, num_heads=num_heads, embed_dim=embed_dim,
+               dropout=dropout, bias=bias, dtype=dtype, rngs=rngs)
+
+
 def build_model(name: str, kwargs: dict[str, Any], input_shape: tuple[int, ...], num_classes: int, *,
-                seed: int) -> nnx.Module:
+                seed: int, dtype: Any = None) -> nnx.Module:
     """The model `name` names (registered, or an import path), built with `kwargs` for inputs of
-    `input_shape` (no batch axis) and `num_classes` outputs."""
+    `input_shape` (no batch axis) and `num_classes` outputs; `dtype` (the compute dtype) goes to a model
+    whose signature names it, unless `kwargs` sets it."""
     factory = MODELS.get(name)
     parameters = _parameters(factory)
-    given = {key: value for key, value in (("input_shape", tuple(input_shape)), ("num_classes", num_classes))
-             if key in parameters}
+    given = {key: value for key, value in (("input_shape", tuple(input_shape)), ("num_classes", num_classes),
+                                           ("dtype", dtype))
+             if key in parameters and key not in kwargs}
     try:
         return factory(**kwargs, **given, rngs=nnx.Rngs(seed))
     except TypeError as e:

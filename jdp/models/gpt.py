@@ -1,0 +1,163 @@
+"""A GPT (nanoGPT's model): token and learned position embeddings, pre-LayerNorm blocks of causal
+self-attention and a GELU MLP, dropout on the embeddings, the attention weights and the residual paths, the
+output head tied to the token embedding, GPT-2 initialisation.
+
+Attention runs through `jax.nn.dot_product_attention(is_causal=True)`: cuDNN's fused kernel on GPU in
+bf16/fp16, XLA's elsewhere (`attention_path` says which). That function has no dropout, so training with
+attention dropout > 0 takes an explicit softmax path (tested equal to the fused one at dropout 0).
+
+For sampling, `decode` runs one or more new tokens against a KV cache of the keys and values of the
+positions before them, so generating a token costs one position's work and never recompiles.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+Cache = list[tuple[jax.Array, jax.Array]]  # per block: keys and values, (B, block_size, heads, head_dim)
+
+
+def attention_implementation(dtype: jnp.dtype) -> str:
+    """cuDNN's fused attention on GPU in bf16/fp16; XLA's everywhere else."""
+    on_gpu = jax.default_backend() == "gpu"
+    return "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+class CausalSelfAttention(nnx.Module):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float, bias: bool, residual_std: float,
+                 dtype: jnp.dtype | None, rngs: nnx.Rngs):
+        if embed_dim % num_heads:
+            raise ValueError(f"gpt: embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
+        self.num_heads = num_heads
+        normal = nnx.initializers.normal(0.02)
+        self.qkv = nnx.Linear(embed_dim, 3 * embed_dim, use_bias=bias, kernel_init=normal, dtype=dtype, rngs=rngs)
+        self.proj = nnx.Linear(embed_dim, embed_dim, use_bias=bias, kernel_init=nnx.initializers.normal(residual_std),
+                               dtype=dtype, rngs=rngs)
+        self.attn_dropout = nnx.Dropout(dropout, rngs=rngs)
+        self.resid_dropout = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x_BxTxD: jax.Array, cache: tuple[jax.Array, jax.Array] | None = None,
+                 start: jax.Array | int = 0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        """Attention of the T positions of `x` to themselves (cache None), or to the cache's positions
+        before `start` and themselves (their keys and values written into the cache at `start`)."""
+        b, t, d = x_BxTxD.shape
+        q, k, v = jnp.split(self.qkv(x_BxTxD).reshape(b, t, 3 * self.num_heads, d // self.num_heads), 3, axis=2)
+        if cache is not None:
+            k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, start, 0, 0))
+            v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, start, 0, 0))
+            visible_TxS = jnp.arange(k.shape[1])[None, :] <= start + jnp.arange(t)[:, None]
+            y = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=visible_TxS)
+        elif self.attn_dropout.rate > 0 and not self.attn_dropout.deterministic:
+            y = self._explicit(q, k, v)
+        else:
+            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(q.dtype))
+        return self.resid_dropout(self.proj(y.reshape(b, t, d))), (k, v)
+
+    def _explicit(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+        """Causal softmax attention written out, with dropout on the attention weights (softmax in float32)."""
+        t = q.shape[1]
+        scores_BxHxTxT = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+        causal = jnp.tril(jnp.ones((t, t), bool))
+        scores_BxHxTxT = jnp.where(causal, scores_BxHxTxT.astype(jnp.float32), -jnp.inf)
+        weights = self.attn_dropout(jax.nn.softmax(scores_BxHxTxT, axis=-1)).astype(v.dtype)
+        return jnp.einsum("bhqk,bkhd->bqhd", weights, v)
+
+
+class MLP(nnx.Module):
+    def __init__(self, embed_dim: int, dropout: float, bias: bool, residual_std: float, dtype: jnp.dtype | None,
+                 rngs: nnx.Rngs):
+        self.fc = nnx.Linear(embed_dim, 4 * embed_dim, use_bias=bias, kernel_init=nnx.initializers.normal(0.02),
+                             dtype=dtype, rngs=rngs)
+        self.proj = nnx.Linear(4 * embed_dim, embed_dim, use_bias=bias,
+                               kernel_init=nnx.initializers.normal(residual_std), dtype=dtype, rngs=rngs)
+        self.dropout = nnx.Dropout(dropout, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.dropout(self.proj(nnx.gelu(self.fc(x), approximate=False)))
+
+
+class Block(nnx.Module):
+    """Pre-LayerNorm: x + attn(ln(x)), then x + mlp(ln(x))."""
+
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float, bias: bool, residual_std: float,
+                 dtype: jnp.dtype | None, rngs: nnx.Rngs):
+        self.ln1 = nnx.LayerNorm(embed_dim, epsilon=1e-5, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.attn = CausalSelfAttention(embed_dim, num_heads, dropout, bias, residual_std, dtype, rngs)
+        self.ln2 = nnx.LayerNorm(embed_dim, epsilon=1e-5, use_bias=bias, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(embed_dim, dropout, bias, residual_std, dtype, rngs)
+
+    def __call__(self, x: jax.Array, cache: tuple[jax.Array, jax.Array] | None = None,
+                 start: jax.Array | int = 0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        attended, kv = self.attn(self.ln1(x), cache, start)
+        x = x + attended
+        return x + self.mlp(self.ln2(x)), kv
+
+
+class GPT(nnx.Module):
+    """`GPT(vocab_size, block_size, ...)(tokens_BxT)` -> next-token logits (B, T, vocab_size), T <= block_size."""
+
+    def __init__(self, vocab_size: int, block_size: int, *, num_layers: int = 6, num_heads: int = 6,
+                 embed_dim: int = 384, dropout: float = 0.0, bias: bool = True, dtype: jnp.dtype | None = None,
+                 rngs: nnx.Rngs):
+        """`dtype`: the compute dtype (None: that of the parameters); parameters are created in float32."""
+        self.block_size, self.dtype = block_size, dtype
+        # GPT-2: normal(0.02), the projections into the residual stream scaled by 1/sqrt(2 x layers).
+        residual_std = 0.02 / math.sqrt(2 * num_layers)
+        normal = nnx.initializers.normal(0.02)
+        self.wte = nnx.Embed(vocab_size, embed_dim, embedding_init=normal, dtype=dtype, rngs=rngs)
+        self.wpe = nnx.Embed(block_size, embed_dim, embedding_init=normal, dtype=dtype, rngs=rngs)
+        self.drop = nnx.Dropout(dropout, rngs=rngs)
+        self.blocks = nnx.List([Block(embed_dim, num_heads, dropout, bias, residual_std, dtype, rngs)
+                                for _ in range(num_layers)])
+        self.ln_f = nnx.LayerNorm(embed_dim, epsilon=1e-5, use_bias=bias, dtype=dtype, rngs=rngs)
+
+    def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+        return self._forward(tokens_BxT, None, 0)[0]
+
+    def empty_cache(self, batch: int) -> Cache:
+        """Zero keys and values for `block_size` positions of every block, in the compute dtype."""
+        attn = self.blocks[0].attn
+        d = self.wte.embedding[...].shape[1]
+        shape = (batch, self.block_size, attn.num_heads, d // attn.num_heads)
+        dtype = self.dtype or self.wte.embedding[...].dtype
+        return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in self.blocks]
+
+    def decode(self, tokens_BxT: jax.Array, cache: Cache, start: jax.Array | int) -> tuple[jax.Array, Cache]:
+        """Logits of tokens at positions start..start+T-1, attending to the cache before them; the new cache.
+        start + T must not pass block_size (the caller crops the context and starts again)."""
+        return self._forward(tokens_BxT, cache, start)
+
+    def _forward(self, tokens_BxT: jax.Array, cache: Cache | None, start: jax.Array | int
+                 ) -> tuple[jax.Array, Cache]:
+        t = tokens_BxT.shape[1]
+        if t > self.block_size:
+            raise ValueError(f"gpt: a sequence of {t} tokens is longer than block_size {self.block_size}")
+        positions = start + jnp.arange(t)
+        x = self.drop(self.wte(tokens_BxT) + self.wpe(positions)[None])
+        new_cache = []
+        for i, block in enumerate(self.blocks):
+            x, kv = block(x, None if cache is None else cache[i], start)
+            new_cache.append(kv)
+        return self.wte.attend(self.ln_f(x)), new_cache  # the head is the token embedding, transposed
+
+    def describe(self) -> str:
+        dropout = self.blocks[0].attn.attn_dropout.rate if len(self.blocks) else 0.0
+        path = attention_implementation(self.dtype or jnp.float32)
+        explicit = "; explicit softmax while training (attention dropout)" if dropout > 0 else ""
+        return f"attention: jax.nn.dot_product_attention ({path}){explicit}"
+
+
+def non_embedding_params(params: dict) -> int:
+    """Parameters of a GPT's pure parameter dict without the position embedding (the tied token embedding
+    counted once): the N of the 6N FLOPs-per-token estimate."""
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))  # arrays or shapes (ShapeDtypeStruct)
+    return total - math.prod(params["wpe"]["embedding"].shape)
+
+
+def flops_per_token(params: dict, num_layers: int, block_size: int, embed_dim: int) -> int:
+    """Training FLOPs per token: 6N + 12 x layers x block x width (attention, as in the PaLM paper's appendix)."""
+    return 6 * non_embedding_params(params) + 12 * num_layers * block_size * embed_dim
