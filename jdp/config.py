@@ -72,6 +72,8 @@ RANGES: dict[str, Range] = {
     "data.num_eval_examples": AT_LEAST_1,
     "data.image_size": AT_LEAST_1,
     "data.cache_decoded_mb": NON_NEGATIVE,
+    "data.block_size": AT_LEAST_1,
+    "data.eval_windows": NON_NEGATIVE,  # 0 = every validation window
     "train.global_batch_size": POSITIVE,
     "train.eval_batch_size": NON_NEGATIVE,  # 0 = train.global_batch_size; at most what the eval split needs
     "train.steps": POSITIVE,
@@ -84,6 +86,11 @@ RANGES: dict[str, Range] = {
     "optim.weight_decay": NON_NEGATIVE,
     "optim.warmup_steps": NON_NEGATIVE,
     "optim.grad_clip_norm": NON_NEGATIVE,
+    "optim.b2": Range(0, 1),
+    "optim.min_lr": NON_NEGATIVE,  # and at most optim.lr
+    "sample.tokens": NON_NEGATIVE,  # 0 = no sample
+    "sample.temperature": POSITIVE,
+    "sample.top_k": NON_NEGATIVE,  # 0 = every token
     "parallel.cpu_devices": NON_NEGATIVE,
     "parallel.num_devices": NON_NEGATIVE,
     "parallel.sync_every": AT_LEAST_1,
