@@ -108,16 +108,35 @@ def test_profile_writes_a_trace(tmp_path):
     assert list((tmp_path / "profile").rglob("*.xplane.pb"))
 
 
-def test_bench_reports_time_memory_and_scaling(tmp_path, capsys):
-    assert bench.main(["--config", "configs/mnist1d_mlp.py", "--devices", "1,2", "--steps", "3", "--repeats", "1",
-                       "--out", str(tmp_path), "--config.model.kwargs.hidden_sizes=(64,)"]) == 0
+def test_bench_reports_time_memory_and_scaling(tmp_path, capsys, monkeypatch):
+    """Each variant is compiled once however many repeats (1 device with its collective, 2 devices with and
+    without, the single-device jit baseline: 4 programs, not 4 per repeat), the program's bf16 products and
+    MFU against the given peak are reported."""
+    from jdp.parallel import DataParallel
+
+    lowered = []
+    lower_train = DataParallel.lower_train
+    monkeypatch.setattr(DataParallel, "lower_train", lambda self, *a: lowered.append(1) or lower_train(self, *a))
+    assert bench.main(["--config", "configs/mnist1d_mlp.py", "--devices", "1,2", "--steps", "3", "--repeats", "2",
+                       "--out", str(tmp_path), "--config.model.kwargs.hidden_sizes=(64,)", "--config.precision=bf16",
+                       "--peak_tflops", "0.5"]) == 0
+    assert len(lowered) == 4
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [r["devices"] for r in rows] == [1, 2]
     for r in rows:
         assert r["examples_per_sec"] > 0 and r["params_bytes"] > 0 and r["vs_single_device_jit"] > 0
         assert r["compute_s"] > 0 and r["allreduce_s"] is not None and "temp_bytes" in r
-    assert rows[0]["efficiency"] == pytest.approx(1.0)
+        assert r["matmul_dtypes"] == {"bf16": 5} and r["mfu"] == pytest.approx(r["flops"] / r["step_s"] / 0.5e12)
+    assert rows[0]["efficiency"] == pytest.approx(1.0) and rows[0]["allreduce_s"] == 0.0
     assert "| devices | examples/s |" in (tmp_path / "bench.md").read_text()
+    assert "has 5 dots/convolutions: 5 bf16" in capsys.readouterr().out
+
+
+def test_bench_peak_follows_the_precision():
+    h200 = [bench.peak_tflops_for("NVIDIA H200", p) for p in ("bf16", "fp32")]
+    assert h200 == [989.5, 494.5]
+    assert bench.peak_tflops_for("NVIDIA H100 PCIe", "bf16") == 756.5
+    assert bench.peak_tflops_for("cpu", "bf16") == 0.0
 
 
 def test_local_sgd_preemption_stops_at_a_sync_point(tmp_path, monkeypatch):
