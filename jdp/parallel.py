@@ -179,8 +179,9 @@ class DataParallel:
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), state)
 
     def fetch(self, outputs: dict[str, jax.Array]) -> dict[str, float]:
-        """A step's scalar outputs (metrics or eval sums) as floats; blocks until the step is done."""
-        return {k: float(np.asarray(v.addressable_data(0)).reshape(-1)[0]) for k, v in outputs.items()}
+        """A step's scalar outputs (metrics or eval sums) as floats, in one transfer; blocks until the step is done."""
+        values = jax.device_get([v.addressable_data(0) for v in outputs.values()])
+        return {k: float(np.reshape(v, -1)[0]) for k, v in zip(outputs, values, strict=True)}
 
     def first_differing_leaf(self, tree: Tree) -> str | None:
         """The path of the first leaf whose copies differ across devices (compared with a collective

@@ -4,6 +4,7 @@ profiling and the benchmark command: each must keep the numbers right."""
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -161,3 +162,34 @@ def test_local_sgd_preemption_stops_at_a_sync_point(tmp_path, monkeypatch):
     with pytest.raises(Preempted, match="at step 8"):
         run(small_config("mlp", num_devices=8, steps=16, **sections), tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["8"]
+
+
+def test_throughput_leaves_out_replica_checks_and_fetches_once_per_step(monkeypatch):
+    """The clock is paused around every replica check (the first one compiles its checksum program, at the last
+    step), and each step's metrics arrive in one device_get, not one blocking transfer per metric."""
+    import optax
+    from flax import nnx
+
+    import jdp
+    from jdp.metrics import ThroughputClock
+    from jdp.parallel import DataParallel
+
+    events = []
+    for name in ("pause", "start"):
+        original = getattr(ThroughputClock, name)
+        monkeypatch.setattr(ThroughputClock, name, lambda self, _o=original, _n=name: events.append(_n) or _o(self))
+    check = DataParallel.first_differing_leaf
+    monkeypatch.setattr(DataParallel, "first_differing_leaf", lambda self, t: events.append("check") or check(self, t))
+    get = jax.device_get
+    transfers = []
+    monkeypatch.setattr(jax, "device_get", lambda x: transfers.append(len(x)) or get(x))
+
+    x = np.random.default_rng(0).standard_normal((64, 6)).astype(np.float32)
+    jdp.fit(lambda: nnx.Linear(6, 1, rngs=nnx.Rngs(0)),
+            lambda m, b: {"loss": (m(b["x"])[:, 0] - b["y"]) ** 2, "abs": jnp.abs(m(b["x"])[:, 0])},
+            {"x": x, "y": x.sum(1)}, optimizer=optax.sgd(0.1), steps=5, global_batch_size=16, num_devices=2,
+            check_replicas_every=2)
+    checks = [i for i, e in enumerate(events) if e == "check"]
+    assert len(checks) == 3  # steps 2, 4 and the last
+    assert all(events[i - 1] == "pause" and events[i + 1] == "start" for i in checks)
+    assert len(transfers) == 5 and min(transfers) >= 4  # loss, abs, weight and jdp's counters, together
