@@ -36,6 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.train.log_every = 50
     c.train.eval_every = 500
     c.train.log_grad_norm = False  # add grad_norm to the train lines (costs a pass over the gradients)
+    c.train.log_noise_scale = False  # add grad_noise_scale (the critical-batch estimate) to the train lines
     c.train.grad_accum_steps = 1  # micro-batches per step, all-reduced once (like DDP's no_sync)
     c.train.on_nonfinite = "halt"  # halt: save the state from before the bad step and exit 3 | skip the update
 

@@ -21,11 +21,13 @@ from jdp import faults
 from jdp.checkpoint import Checkpointer
 from jdp.errors import NonFiniteLossError, Preempted, ReplicaMismatchError
 from jdp.metrics import MetricsWriter, ThroughputClock
+from jdp.noise_scale import NoiseScale
 from jdp.parallel import DataParallel
 from jdp.preemption import PreemptionRequest
 
-# Step counters and flags, not averaged over a window.
-_AS_REPORTED = ("skipped_steps", "lr", "loss_scale", "overflow_steps", "overflow", "nonfinite", "weight")
+# Step counters, flags and the noise scale's inputs: not averaged over a window.
+_AS_REPORTED = ("skipped_steps", "lr", "loss_scale", "overflow_steps", "overflow", "nonfinite", "weight",
+                "noise_small_sq", "noise_big_sq", "noise_small_batch")
 
 
 @dataclasses.dataclass
@@ -70,11 +72,13 @@ class Every(Action):
 
 
 class TrainLog(Action):
-    """Per-step losses, the throughput clock (started after the first step: it includes compilation) and a
-    train line every `every` steps: means over the steps since the previous line."""
+    """Per-step losses, the throughput clock (started after the first step: it includes compilation), the
+    gradient noise scale's moving averages when the step reports its inputs, and a train line every `every`
+    steps: means over the steps since the previous line."""
 
     def __init__(self, run: Run, every: int, precision: str) -> None:
         self.run, self.every, self.precision = run, every, precision
+        self.noise_scale: NoiseScale | None = None
         self.losses: list[float] = []
         self.window: dict[str, float] = {}
         self.window_steps = 0
@@ -92,6 +96,9 @@ class TrainLog(Action):
         # Dropped, fp16-overflowed (gradients non-finite) and weightless steps have no means to report.
         if not metrics["nonfinite"] and not metrics.get("overflow") and metrics["weight"] > 0:
             self.losses.append(metrics["loss"])
+            if "noise_small_sq" in metrics:
+                self.noise_scale = self.noise_scale or NoiseScale()
+                self.noise_scale.update(metrics)
             for key, value in metrics.items():
                 if key not in _AS_REPORTED:
                     self.window[key] = self.window.get(key, 0.0) + value
@@ -99,6 +106,8 @@ class TrainLog(Action):
         if (step % self.every == 0 or step == run.steps) and self.window_steps:
             line = {k: v / self.window_steps for k, v in self.window.items()}
             line.update({k: metrics[k] for k in ("lr",) if k in metrics})
+            if self.noise_scale is not None:
+                line["grad_noise_scale"] = self.noise_scale.value
             line["examples_per_sec"] = run.clock.interval_rate()
             line["skipped_steps"] = int(metrics["skipped_steps"])
             if self.precision == "fp16":  # loss-scale overflows skip an update but are not failures

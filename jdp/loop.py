@@ -11,7 +11,7 @@ from typing import Any
 import jax
 
 from jdp import callbacks as actions_lib
-from jdp import faults
+from jdp import faults, noise_scale
 from jdp.checkpoint import Checkpointer
 from jdp.errors import NonFiniteLossError
 from jdp.metrics import MetricsWriter, ThroughputClock
@@ -135,10 +135,13 @@ def _summary(run: actions_lib.Run, log: actions_lib.TrainLog, evaluation: action
              checkpoints: actions_lib.Checkpoints | None, total_time_s: float) -> None:
     stall = checkpoints.mean_stall() if checkpoints else 0.0
     rate = run.clock.rate()
+    noise = {"grad_noise_scale": log.noise_scale.value} if log.noise_scale else {}
     run.writer.summary(**{f"eval_{k}": v for k, v in evaluation.metrics.items()}, examples_per_sec=rate,
                        compile_time_s=log.compile_time, total_time_s=total_time_s, checkpoint_stall_s=stall,
-                       first_step_end_unix=log.first_step_end)
+                       first_step_end_unix=log.first_step_end, **noise)
     evaluated = "  ".join(f"eval {k} {v:.4f}" for k, v in evaluation.metrics.items())
     where = f"; metrics in {run.workdir / 'metrics.jsonl'}" if run.workdir else ""
+    if log.noise_scale:
+        run.writer.echo(f"batch size: {noise_scale.advice(log.noise_scale.global_batch, log.noise_scale.value)}")
     run.writer.echo(f"done: {evaluated + ', ' if evaluated else ''}{rate:,.0f} examples/s, first step (compile) "
                     f"{log.compile_time:.1f}s, checkpoint stall {stall * 1e3:.0f} ms/save{where}")

@@ -26,7 +26,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> None:
         for split, style in (("train", "-"), ("eval", "o--")):
             rows = [r for r in records if r.get("split") == split]
             for ax, key in zip(axes, keys, strict=True):
-                points = [(r["step"], r[key]) for r in rows if key in r]
+                points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]  # null: not a number
                 if points:
                     ax.plot(*zip(*points, strict=True), style, color=f"C{i}", markersize=3,
                             label=f"{run_dir.name} {split}")

@@ -66,6 +66,10 @@ class StepOptions:
     allreduce_dtype: str = "fp32"  # fp32 | bf16: what the gradient all-reduce sends
     all_reduce: bool = True  # False compiles the step without its collective (jdp.bench's with/without)
     log_grad_norm: bool = False  # report the averaged gradient's norm (one more pass over the gradients)
+    # For `jdp.noise_scale`: report the squared norms of the small-batch gradients and of the global one
+    # (riding in the one collective). The small batches are "devices" (each device's slice) or
+    # "micro_batches" (each gradient-accumulation micro-batch: one device); "" reports nothing.
+    noise_small_batches: str = ""
     sync_every: int = 1  # local SGD: average parameters every H steps instead of gradients every step
     shard_optimizer: bool = False  # ZeRO-1: reduce-scatter, update this device's slice, all-gather (jdp.zero)
     loss_scale_growth_interval: int = 2000  # fp16: finite steps before the loss scale doubles
@@ -77,6 +81,10 @@ class StepOptions:
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}  # the precisions
 ALLREDUCE_DTYPES = ("fp32", "bf16")
 NONFINITE_POLICIES = ("halt", "skip")
+
+
+def _sum_sq(tree: Tree) -> jax.Array:
+    return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)), jnp.float32(0))
 
 
 def _all_finite(tree: Tree) -> jax.Array:
@@ -158,6 +166,10 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
         # the collective. Keeps gradients near the scale of a mean (fp16 loss scaling, bf16 all-reduce).
         return sums["loss"] / rows * scale, (sums, weight, new_model_state, counts)
 
+    def mean_grad_sq(grads: Tree, weight: jax.Array) -> jax.Array:
+        """|gradient of the weighted mean|^2 from d(weighted sum)/rows (float32, loss scale removed)."""
+        return _sum_sq(grads) * (rows / scale / jnp.where(weight > 0, weight, 1.0)) ** 2
+
     grad_fn = jax.value_and_grad(local_loss, has_aux=True)
 
     # 2. compute: forward and backward on the local slice, in `grad_accum_steps` micro-batches.
@@ -169,15 +181,19 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
         def accumulate(carry, micro):
             grads_sum, model_state, counts, sums_sum, weight_sum = carry
             (_, (sums, weight, model_state, counts)), grads = grad_fn(state.params, model_state, counts, micro)
+            micro_sq = mean_grad_sq(grads, weight) if o.noise_small_batches else jnp.float32(0)
             return (jax.tree.map(jnp.add, grads_sum, grads), model_state, counts,
-                    jax.tree.map(jnp.add, sums_sum, sums), weight_sum + weight), None
+                    jax.tree.map(jnp.add, sums_sum, sums), weight_sum + weight), micro_sq
 
         micros = micro_batches(batch, o.grad_accum_steps)
         first = jax.tree.map(lambda a: a[0], micros)
         sums_shape = jax.eval_shape(lambda: grad_fn(state.params, state.model_state, counts, first)[0][1][0])
         zeros = jax.tree.map(jnp.zeros_like, (state.params, sums_shape))
-        (grads, model_state, counts, sums, weight), _ = jax.lax.scan(
+        (grads, model_state, counts, sums, weight), micro_sqs = jax.lax.scan(
             accumulate, (zeros[0], state.model_state, counts, zeros[1], jnp.float32(0)), micros, unroll=True)
+    per_micro_batch = o.noise_small_batches == "micro_batches"
+    if o.noise_small_batches:
+        small_sq = jnp.mean(micro_sqs) if per_micro_batch else mean_grad_sq(grads, weight)
     if o.precision == "fp16":
         grads = jax.tree.map(lambda g: g / scale, grads)
 
@@ -193,6 +209,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     if o.shard_optimizer:  # the layout of the update, kept even when the bench compiles the collective out
         grads = _cast(zero.reduce_scatter_mean(sent, o.axis_name), jnp.float32)
     averaged = {"model_state": _floating(model_state), "sums": sums, "weight": weight}
+    if o.noise_small_batches:
+        averaged["noise_small_sq"] = small_sq
     if not (o.shard_optimizer or local_sgd):  # one collective for all of it: each costs a rendezvous
         averaged["grads"] = sent
     averaged = all_reduce_mean(averaged, axis)
@@ -206,6 +224,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     empty = weight <= 0
     metrics = {k: v / weight for k, v in averaged["sums"].items()}
     metrics["weight"] = weight * (jax.lax.psum(1, axis) if axis else 1)  # the global total, on every backend
+    if o.noise_small_batches:  # the global gradient's norm needs no collective: every device holds it whole
+        metrics.update(noise_small_sq=averaged["noise_small_sq"], noise_big_sq=_sum_sq(grads),
+                       noise_small_batch=weight / o.grad_accum_steps if per_micro_batch else weight)
     if o.log_grad_norm:  # the norm the update sees, before clipping (local SGD: mean of the local norms)
         metrics["grad_norm"] = zero.global_norm(grads, o.axis_name if o.shard_optimizer else None)
         if local_sgd:

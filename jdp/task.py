@@ -89,6 +89,7 @@ def build_task(cfg: ml_collections.ConfigDict) -> Task:
         on_nonfinite=cfg.train.on_nonfinite, check_replicas_every=cfg.parallel.check_replicas_every,
         shard_optimizer=cfg.parallel.shard_optimizer, sync_every=cfg.parallel.sync_every,
         allreduce_dtype=cfg.parallel.allreduce_dtype, log_grad_norm=cfg.train.log_grad_norm,
+        log_noise_scale=cfg.train.log_noise_scale,
         loss_scale=cfg.loss_scale.initial, loss_scale_growth_interval=cfg.loss_scale.growth_interval,
         schedule=schedule, profile_steps=config_lib.profile_steps(cfg.profile.steps),
         description=f"{cfg.model.name} on {cfg.data.name} ({source.num_eval} eval examples)")

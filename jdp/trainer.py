@@ -102,6 +102,7 @@ class FitOptions:
     sync_every: int = 1  # local SGD: average parameters every H steps
     allreduce_dtype: str = "fp32"  # fp32 | bf16 gradient all-reduce
     log_grad_norm: bool = False
+    log_noise_scale: bool = False  # the gradient noise scale (jdp.noise_scale) in the train lines and summary
     loss_scale: float = 2.0**15  # fp16: initial dynamic loss scale
     loss_scale_growth_interval: int = 2000
     schedule: optax.Schedule | None = None  # the optimizer's learning-rate schedule, logged as `lr`
@@ -128,6 +129,11 @@ class FitOptions:
             raise FitError("allreduce_dtype=bf16 needs an explicit collective; use backend='shard_map'")
         if self.shard_optimizer and (self.backend != "shard_map" or self.sync_every > 1):
             raise FitError("shard_optimizer=True needs backend='shard_map' and no local SGD (sync_every=1)")
+        if self.log_noise_scale and (self.backend == "jit" or self.sync_every > 1 or self.shard_optimizer):
+            raise FitError("log_noise_scale (train.log_noise_scale) compares each device's gradient with the "
+                           "all-reduced one, which jit (no per-device gradients), local SGD (no all-reduced "
+                           "gradient) and shard_optimizer (no whole gradient on a device) do not have; use "
+                           "backend='shard_map' or 'pmap' with sync_every=1 and shard_optimizer=False")
         if self.sync_every > 1:
             if self.allreduce_dtype != "fp32":  # it would average float32 master parameters in bfloat16
                 raise FitError("allreduce_dtype=bf16 compresses gradients, and local SGD (sync_every > 1) averages "
@@ -244,6 +250,9 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     if global_batch_size <= 0 or global_batch_size % (n * o.grad_accum_steps):
         raise FitError(f"global_batch_size={global_batch_size} does not split into {o.grad_accum_steps} "
                        f"micro-batch(es) on each of {n} devices; use a positive multiple of {n * o.grad_accum_steps}")
+    if o.log_noise_scale and n == 1 and o.grad_accum_steps == 1:
+        raise FitError("log_noise_scale (train.log_noise_scale) needs small batches to compare with the global "
+                       "one: several devices, or on one device grad_accum_steps > 1 (its micro-batches)")
     if o.eval_batch_size % n:
         raise FitError(f"eval_batch_size={o.eval_batch_size} is not divisible by the {n} devices")
     source = _source(train_data, o.eval_data, o, global_batch_size)
@@ -273,6 +282,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
         bn_groups=1 if o.bn_sync else n, on_nonfinite=o.on_nonfinite, precision=o.precision, keep_fp32=o.keep_fp32,
         grad_accum_steps=o.grad_accum_steps, allreduce_dtype=o.allreduce_dtype, all_reduce=all_reduce,
         log_grad_norm=o.log_grad_norm, sync_every=o.sync_every, shard_optimizer=o.shard_optimizer,
+        noise_small_batches=("micro_batches" if n == 1 else "devices") if o.log_noise_scale else "",
         loss_scale_growth_interval=o.loss_scale_growth_interval,
         device_input=device_input)
     parallel = DataParallel(o.backend, mesh, model_def, loss_fn, o.eval_fn or loss_fn, optimizer, o.schedule,
