@@ -43,10 +43,11 @@ def _bytes_on_first_device(tree) -> int:
 # Dense peak TFLOP/s per GPU, by device kind (`jax.devices()[0].device_kind`, matched by substring, first match
 # wins): bf16/fp16 tensor cores, and TF32, which XLA uses for float32 matmuls on these GPUs by default.
 # NVIDIA datasheets list H100/H200 figures "with sparsity"; dense is half: H100 SXM and H200 SXM 1,979 bf16 and
-# 989 TF32 (nvidia.com/en-us/data-center/h100, /h200), H100 PCIe 1,513 and 756; A100 dense 312 bf16, 156 TF32
-# (A100 datasheet).
+# 989 TF32 (nvidia.com/en-us/data-center/h100, /h200), H100 PCIe 1,513 and 756, H200 NVL 1,671 and 835; A100
+# dense 312 bf16, 156 TF32 (A100 datasheet). Sustained matmul rates are lower (~790 bf16 measured on an H200).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 PCIe": {"bf16": 756.5, "fp16": 756.5, "fp32": 378.0},
+    "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "fp32": 417.5},
     "H100": {"bf16": 989.5, "fp16": 989.5, "fp32": 494.5},
     "H200": {"bf16": 989.5, "fp16": 989.5, "fp32": 494.5},
     "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
