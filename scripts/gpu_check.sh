@@ -2,7 +2,7 @@
 # The one GPU check: under 8 minutes on one H200, offline, run from the repository root (scripts/gpu_check.sh).
 # Steps in priority order, so that running out of time loses the least useful ones; each has its own timeout
 # (capped by what is left of GPU_CHECK_BUDGET_S, default 450 s) and prints one result. Steps that need a GPU say
-# "no GPU" on a machine without one and the check moves on (a CPU dry run takes about two minutes).
+# "no GPU" on a machine without one and the check moves on (a CPU dry run takes about a minute).
 #   1 versions (jax, flax, optax, torch, NCCL, device)   2 XLA flags: jdp's parse, an unknown one aborts
 #   3 ResNet-50 224x224, global batch 256, synthetic: jdp bf16 img/s, MFU, compile time, XLA memory
 #   4 torchvision ResNet-50, channels_last + bf16 autocast + cudnn.benchmark: img/s beside jdp's
