@@ -1,15 +1,18 @@
 """`python -m jdp.bench --config configs/X.py [--devices 1,2,4,8]`: where a data-parallel step's time goes.
 
-For each device count (interleaved, repeated; medians reported) it measures, at the config's global batch:
+Each variant (device count, with or without its collective) is built and compiled once, with the persistent
+compilation cache on (`compile_cache_dir`), then timed `--repeats` times, interleaved; medians reported.
+At the config's global batch it measures:
 - steady-state examples/sec of the compiled step on batches already on the devices, and the time to the
   first step (compile);
 - input: the host pipeline's time per global batch (reading + assembling the global array);
 - all-reduce: the same step compiled without its collective (`StepOptions.all_reduce=False`) is timed
-  too, and the difference is the collective's cost ("with/without" method);
+  too, and the difference is the collective's cost ("with/without" method; not on one device);
 - the ratio to a plain single-device jit step on the same global batch, measured in the same run;
 - per-device memory of parameters, gradients and optimizer state (bytes of each array's shard on
-  device 0), and XLA's `memory_analysis()` of the compiled step; with `--peak_tflops`, MFU from
-  XLA's `cost_analysis()` FLOP count;
+  device 0), and XLA's `memory_analysis()` of the compiled step; MFU from XLA's `cost_analysis()` FLOP
+  count against the peak of the precision that runs (`PEAK_TFLOPS` for known GPUs, or `--peak_tflops`);
+- the dtypes the step's dots and convolutions produce (bf16 under precision=bf16);
 and the scaling efficiency throughput_N / (N x throughput_1). Writes bench.json and bench.md.
 
 For a language model it adds tokens/sec; for the GPT the model FLOPs per token, 6N + 12 x layers x block x
@@ -21,6 +24,7 @@ PaLM paper's appendix), with MFU from it, and beside it what XLA's cost analysis
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -30,7 +34,9 @@ from pathlib import Path
 import jax
 
 from jdp import config as config_lib
+from jdp import precision
 from jdp.mesh import simulate_cpu_devices
+from jdp.train import enable_compilation_cache
 
 COMM_DOMINATES = 0.5  # warn when the collective takes more than this share of the step
 
@@ -39,56 +45,28 @@ def _bytes_on_first_device(tree) -> int:
     return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
 
 
-def _time_steps(parallel, state, batches, steps: int) -> tuple[float, float, object]:
-    """(seconds to the end of the first step, median seconds per step after it, final state)."""
-    t0 = time.perf_counter()
-    state, metrics = parallel.train_step(state, batches[0])
-    parallel.fetch(metrics)
-    first = time.perf_counter() - t0
-    times = []
-    pending = None
-    t_last = time.perf_counter()
-    for i in range(steps):
-        state, metrics = parallel.train_step(state, batches[(i + 1) % len(batches)])
-        if pending is not None:  # the trainer's own pattern: fetch one step late
-            parallel.fetch(pending)
-            now = time.perf_counter()
-            times.append(now - t_last)
-            t_last = now
-        pending = metrics
-    parallel.fetch(pending)
-    return first, statistics.median(times), state
+# Dense peak TFLOP/s per GPU, by device kind (`jax.devices()[0].device_kind`, matched by substring, first match
+# wins): bf16/fp16 tensor cores, and TF32, which XLA uses for float32 matmuls on these GPUs by default.
+# NVIDIA datasheets list H100/H200 figures "with sparsity"; dense is half: H100 SXM and H200 SXM 1,979 bf16 and
+# 989 TF32 (nvidia.com/en-us/data-center/h100, /h200), H100 PCIe 1,513 and 756, H200 NVL 1,671 and 835; A100
+# dense 312 bf16, 156 TF32 (A100 datasheet). Sustained matmul rates are lower (~790 bf16 measured on an H200).
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H100 PCIe": {"bf16": 756.5, "fp16": 756.5, "fp32": 378.0},
+    "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "fp32": 417.5},
+    "H100": {"bf16": 989.5, "fp16": 989.5, "fp32": 494.5},
+    "H200": {"bf16": 989.5, "fp16": 989.5, "fp32": 494.5},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
+}
 
 
-def measure(cfg, num_devices: int, steps: int, collective: bool = True, stats: bool = True) -> dict:
-    """One measurement of the config's step on `num_devices` devices; `stats` adds XLA's memory and FLOP
-    accounting (one more compilation)."""
-    from jdp.task import build
-
-    cfg = cfg.copy_and_resolve_references()
-    cfg.parallel.num_devices = num_devices
-    b = build(cfg, all_reduce=collective)
-    parallel, source = b.parallel, b.source
-    t0 = time.perf_counter()
-    rows = [source.train_batch(i) for i in range(4)]
-    batches = [parallel.shard_batch(r) for r in rows]
-    jax.block_until_ready(batches)
-    input_s = (time.perf_counter() - t0) / len(rows)
-    source.close()
-    state = parallel.to_devices(b.init_state())
-    memory = {"params_bytes": _bytes_on_first_device(state.params),
-              "grads_bytes": _bytes_on_first_device(state.params),  # one gradient per parameter, same dtype
-              "opt_state_bytes": _bytes_on_first_device(state.opt_state)}
-    first, step_s, state = _time_steps(parallel, state, batches, steps)
-    compiled = parallel.compiled_stats(state, batches[0]) if stats else {}
-    result = {"devices": num_devices, "first_step_s": first, "step_s": step_s, "input_s": input_s,
-              "examples_per_sec": cfg.train.global_batch_size / step_s, **memory, **compiled}
-    return result | _token_figures(cfg, source, b.abstract_state.params, result)
+def peak_tflops_for(device_kind: str, precision: str) -> float:
+    """The known dense peak of `device_kind` at `precision` (0.0 when not in PEAK_TFLOPS)."""
+    return next((peaks[precision] for kind, peaks in PEAK_TFLOPS.items() if kind.lower() in device_kind.lower()),
+                0.0)
 
 
-def _token_figures(cfg, source, params, result: dict) -> dict:
+def _token_figures(cfg, tokens: int, params, result: dict) -> dict:
     """A language model's tokens/sec, and the GPT's model FLOPs per token (6N + 12 x L x T x D)."""
-    tokens = getattr(source, "tokens_per_example", 0)
     if not tokens:
         return {}
     out = {"tokens_per_example": tokens, "tokens_per_sec": result["examples_per_sec"] * tokens}
@@ -104,40 +82,118 @@ def _token_figures(cfg, source, params, result: dict) -> dict:
     return out
 
 
-def run_bench(cfg, devices: list[int], steps: int, repeats: int, peak_tflops: float = 0.0) -> list[dict]:
+class Variant:
+    """One configuration's step (device count, with or without its collective): built, put on the devices and
+    compiled once, then timed as often as asked (the state carries on from one timing to the next)."""
+
+    def __init__(self, cfg, num_devices: int, collective: bool = True) -> None:
+        from jdp.task import build
+
+        cfg = cfg.copy_and_resolve_references()
+        cfg.parallel.num_devices = num_devices
+        self.num_devices, self.batch_size = num_devices, cfg.train.global_batch_size
+        b = build(cfg, all_reduce=collective)
+        self.parallel, source = b.parallel, b.source
+        self.tokens_per_example = getattr(source, "tokens_per_example", 0)  # language models
+        self.abstract_params = b.abstract_state.params
+        t0 = time.perf_counter()
+        rows = [source.train_batch(i) for i in range(4)]
+        self.batches = [self.parallel.shard_batch(r) for r in rows]
+        jax.block_until_ready(self.batches)
+        self.input_s = (time.perf_counter() - t0) / len(rows)
+        source.close()
+        self.state = self.parallel.to_devices(b.init_state())
+        self.memory = {"params_bytes": _bytes_on_first_device(self.state.params),
+                       "grads_bytes": _bytes_on_first_device(self.state.params),  # one gradient per parameter
+                       "opt_state_bytes": _bytes_on_first_device(self.state.opt_state)}
+        t0 = time.perf_counter()
+        # Compiled here, once: the step runs this executable, and XLA's accounting reads it.
+        self._lowered = self.parallel.lower_train(self.state, self.batches[0])
+        self._step = self._lowered.compile()
+        self.state, metrics = self._step(self.state, self.batches[0])
+        self.parallel.fetch(metrics)
+        self.first_step_s = time.perf_counter() - t0  # compilation (or a persistent-cache hit) and one step
+
+    def time(self, steps: int) -> float:
+        """Median seconds per step over `steps` steps, fetching metrics one step late as the trainer does."""
+        times, pending = [], None
+        t_last = time.perf_counter()
+        for i in range(steps + 1):
+            self.state, metrics = self._step(self.state, self.batches[(i + 1) % len(self.batches)])
+            if pending is not None:
+                self.parallel.fetch(pending)
+                now = time.perf_counter()
+                times.append(now - t_last)
+                t_last = now
+            pending = metrics
+        self.parallel.fetch(pending)
+        return statistics.median(times)
+
+    def stats(self) -> dict:
+        """XLA's own accounting of the compiled step: memory (bytes per device) and FLOPs, and how many of its
+        dots and convolutions produce each dtype (`matmul_dtypes`, in the program as lowered)."""
+        out = {"matmul_dtypes": dict(precision.hlo_matmul_dtypes(self._lowered.as_text(dialect="hlo")))}
+        memory = self._step.memory_analysis()
+        if memory is not None:
+            for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes"):
+                out[field.replace("_size_in", "")] = int(getattr(memory, field))
+        cost = self._step.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost  # one entry per device program on some versions
+        if cost and "flops" in cost:
+            out["flops"] = float(cost["flops"])
+        return out
+
+    def row(self, step_s: float) -> dict:
+        return {"devices": self.num_devices, "first_step_s": self.first_step_s, "step_s": step_s,
+                "input_s": self.input_s, "examples_per_sec": self.batch_size / step_s, **self.memory}
+
+
+def run_bench(cfg, devices: list[int], steps: int, repeats: int, peak_tflops: float = 0.0,
+              baseline: bool = True) -> list[dict]:
+    """Every variant compiled once, then timed `repeats` times, interleaved so that drift on a shared machine
+    hits every variant alike. `peak_tflops` 0 = the known peak of the device at the config's precision."""
     explicit = cfg.parallel.backend in ("shard_map", "pmap")  # jit has no collective of jdp's to remove
-    runs = {(n, c): [] for n in devices for c in ((True, False) if explicit else (True,))}
-    baseline_cfg = cfg.copy_and_resolve_references()
-    baseline_cfg.parallel.backend = "jit"
-    baseline = []  # a plain single-device jit step: what data parallelism must not fall far behind
-    for repeat in range(repeats):  # interleaved, so drift on a shared machine hits every variant alike
-        baseline.append(measure(baseline_cfg, 1, steps, stats=False)["examples_per_sec"])
-        for n, collective in runs:  # XLA's accounting is the same every time: taken once
-            runs[(n, collective)].append(measure(cfg, n, steps, collective, stats=repeat == 0 and collective))
+    # Without its collective, a step on one device is the same program: nothing to measure.
+    variants = {(n, c): Variant(cfg, n, c) for n in devices for c in ((True, False) if explicit and n > 1 else (True,))}
+    single_jit = None  # a plain single-device jit step: what data parallelism must not fall far behind
+    if baseline:
+        baseline_cfg = cfg.copy_and_resolve_references()
+        baseline_cfg.parallel.backend = "jit"
+        single_jit = Variant(baseline_cfg, 1)
+    times = {key: [] for key in variants}
+    baseline_times = []
+    for _ in range(repeats):
+        if single_jit is not None:
+            baseline_times.append(single_jit.time(steps))
+        for key, variant in variants.items():
+            times[key].append(variant.time(steps))
+    kind = jax.devices()[0].device_kind
+    peak = peak_tflops or peak_tflops_for(kind, cfg.precision)
     rows = []
     for n in devices:
-        with_c = runs[(n, True)]
-        timed = with_c[-1].keys()  # in every run; XLA's accounting only in the first
-        row = {**with_c[0], **{k: statistics.median(r[k] for r in with_c) for k in timed}}
-        row["devices"] = n
-        if explicit and n > 1:
-            without = statistics.median(r["step_s"] for r in runs[(n, False)])
+        with_c = variants[(n, True)]
+        row = {**with_c.row(statistics.median(times[(n, True)])), **with_c.stats()}
+        row |= _token_figures(cfg, with_c.tokens_per_example, with_c.abstract_params, row)
+        if (n, False) in variants:
+            without = statistics.median(times[(n, False)])
             row["allreduce_s"] = max(row["step_s"] - without, 0.0)
             row["compute_s"] = without
         else:
             row["allreduce_s"], row["compute_s"] = (0.0 if n == 1 else None), row["step_s"]
+        row.update(precision=cfg.precision, device_kind=kind)
         rows.append(row)
     base = next((r for r in rows if r["devices"] == 1), None)
-    single_jit = statistics.median(baseline)
     for r in rows:
         r["efficiency"] = r["examples_per_sec"] / (r["devices"] * base["examples_per_sec"]) if base else None
-        r["vs_single_device_jit"] = r["examples_per_sec"] / single_jit
+        r["vs_single_device_jit"] = (r["examples_per_sec"] * statistics.median(baseline_times) / single_jit.batch_size
+                                     if single_jit is not None else None)
         # Model FLOPs utilisation against the peak: the GPT's model FLOPs per token x tokens/sec per device;
         # XLA's FLOP count of one device's step over its time (the only figure for other models).
-        if peak_tflops and r.get("flops"):
-            r["mfu_xla"] = r["flops"] / r["step_s"] / (peak_tflops * 1e12)
-        if peak_tflops and r.get("model_flops_per_token"):
-            r["mfu"] = r["model_flops_per_token"] * r["tokens_per_sec"] / r["devices"] / (peak_tflops * 1e12)
+        if peak and r.get("flops"):
+            r["peak_tflops"] = peak
+            r["mfu_xla"] = r["flops"] / r["step_s"] / (peak * 1e12)
+        if peak and r.get("model_flops_per_token"):
+            r["mfu"] = r["model_flops_per_token"] * r["tokens_per_sec"] / r["devices"] / (peak * 1e12)
         elif "mfu_xla" in r:
             r["mfu"] = r["mfu_xla"]
     return rows
@@ -147,6 +203,9 @@ def to_markdown(cfg, rows: list[dict]) -> str:
     def ms(x):
         return "n/a" if x is None else f"{x * 1e3:.2f}"
 
+    def ratio(x):
+        return "n/a" if x is None else f"{x:.2f}"
+
     lines = [f"config: model {cfg.model.name}, data {cfg.data.name}, global batch {cfg.train.global_batch_size}, "
              f"backend {cfg.parallel.backend}, {jax.devices()[0].platform} ({jax.devices()[0].device_kind})", "",
              "| devices | examples/s | vs 1-device jit | step ms | compute ms | all-reduce ms | input ms/batch "
@@ -155,11 +214,16 @@ def to_markdown(cfg, rows: list[dict]) -> str:
     for r in rows:
         eff = "n/a" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
         lines.append(
-            f"| {r['devices']} | {r['examples_per_sec']:,.0f} | {r['vs_single_device_jit']:.2f} | {ms(r['step_s'])} | "
+            f"| {r['devices']} | {r['examples_per_sec']:,.0f} | {ratio(r['vs_single_device_jit'])} | "
+            f"{ms(r['step_s'])} | "
             f"{ms(r['compute_s'])} | "
             f"{ms(r['allreduce_s'])} | {ms(r['input_s'])} | {r['first_step_s']:.2f} | {eff} | "
             f"{r['params_bytes'] / 2**20:.2f} | {r['grads_bytes'] / 2**20:.2f} | {r['opt_state_bytes'] / 2**20:.2f} | "
             f"{r.get('temp_bytes', 0) / 2**20:.2f} |")
+    matmuls = rows[0].get("matmul_dtypes")
+    if matmuls:
+        lines += ["", f"precision {cfg.precision}: the compiled train step has "
+                  f"{precision.summary(collections.Counter(matmuls))} (as jdp lowers it, before XLA's passes)"]
     if any("tokens_per_sec" in r for r in rows):
         lines += ["", "tokens/s: " + ", ".join(f"{r['devices']} devices {r['tokens_per_sec']:,.0f}" for r in rows)]
     gpt = next((r for r in rows if "model_flops_per_token" in r), None)
@@ -173,7 +237,8 @@ def to_markdown(cfg, rows: list[dict]) -> str:
         parts = [f"{r['devices']} devices {r['mfu']:.1%}" + (f" (from XLA's count: {r['mfu_xla']:.1%})"
                                                              if gpt and "mfu_xla" in r else "")
                  for r in rows if "mfu" in r]
-        lines += ["", f"MFU ({how}, over the peak): " + ", ".join(parts)]
+        lines += ["", f"MFU ({how}, over the peak {rows[0]['peak_tflops']:g} TFLOP/s at {cfg.precision}): "
+                  + ", ".join(parts)]
     return "\n".join(lines) + "\n"
 
 
@@ -201,7 +266,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, help="output directory (default runs/bench-CONFIG_NAME)")
     parser.add_argument("--peak_tflops", type=float, default=0.0,
-                        help="the device's peak TFLOP/s at the config's precision, to report MFU")
+                        help="the device's peak TFLOP/s at the config's precision, for MFU (default: from "
+                             "PEAK_TFLOPS for known GPUs, bf16 or TF32 peak as the precision runs)")
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time a plain single-device jit step (one more compilation)")
     args, rest = parser.parse_known_args(argv)
     try:
         cfg = config_lib.load_config_file(args.config)
@@ -214,8 +282,9 @@ def main(argv: list[str] | None = None) -> int:
         simulate_cpu_devices(cfg.parallel.cpu_devices or max(devices))
     except RuntimeError:  # called from Python after JAX started: the devices are already fixed
         pass
+    enable_compilation_cache(cfg.compile_cache_dir)
     try:
-        rows = run_bench(cfg, devices, args.steps, args.repeats, args.peak_tflops)
+        rows = run_bench(cfg, devices, args.steps, args.repeats, args.peak_tflops, args.baseline)
     except config_lib.ConfigError as e:
         print(f"jdp.bench: {e}", file=sys.stderr)
         return 2

@@ -178,26 +178,14 @@ class DataParallel:
     def lower_eval(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> jax.stages.Lowered:
         return self._eval.lower(state, batch)
 
-    def compiled_stats(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> dict[str, float]:
-        """XLA's own accounting of the compiled train step: memory (bytes per device) and FLOPs."""
-        compiled = self.lower_train(state, batch).compile()
-        stats, stats_out = compiled.memory_analysis(), {}
-        if stats is not None:
-            for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes"):
-                stats_out[field.replace("_size_in", "")] = int(getattr(stats, field))
-        cost = compiled.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost  # one entry per device program on some versions
-        if cost and "flops" in cost:
-            stats_out["flops"] = float(cost["flops"])
-        return stats_out
-
     def to_host(self, state: Tree) -> Tree:
         """A logical (replicated) tree as numpy: this process's first copy."""
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), state)
 
     def fetch(self, outputs: dict[str, jax.Array]) -> dict[str, float]:
-        """A step's scalar outputs (metrics or eval sums) as floats; blocks until the step is done."""
-        return {k: float(np.asarray(v.addressable_data(0)).reshape(-1)[0]) for k, v in outputs.items()}
+        """A step's scalar outputs (metrics or eval sums) as floats, in one transfer; blocks until the step is done."""
+        values = jax.device_get([v.addressable_data(0) for v in outputs.values()])
+        return {k: float(np.reshape(v, -1)[0]) for k, v in zip(outputs, values, strict=True)}
 
     def first_differing_leaf(self, tree: Tree) -> str | None:
         """The path of the first leaf whose copies differ across devices (compared with a collective

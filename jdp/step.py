@@ -18,6 +18,7 @@ import optax
 
 from jdp import zero
 from jdp.modeldef import LossFn, ModelDef
+from jdp.precision import cast_floating as _cast
 
 Tree = Any
 
@@ -80,10 +81,6 @@ class StepOptions:
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}  # the precisions
 ALLREDUCE_DTYPES = ("fp32", "bf16")
 NONFINITE_POLICIES = ("halt", "skip")
-
-
-def _cast(tree: Tree, dtype: jnp.dtype) -> Tree:
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
 
 
 def _sum_sq(tree: Tree) -> jax.Array:

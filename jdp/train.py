@@ -142,7 +142,7 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     return CommandLine(cfg, workdir, args.eval_only)
 
 
-def _enable_compilation_cache(cache_dir: str) -> None:
+def enable_compilation_cache(cache_dir: str) -> None:
     """Persistent XLA cache, unless disabled or already set through JAX's own JAX_COMPILATION_CACHE_DIR."""
     if cache_dir and not jax.config.jax_compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
@@ -174,7 +174,7 @@ def _main(argv: list[str] | None) -> int:
                                        bind_address=cfg.distributed.bind_address)
             distributed_lib.check_same_run(distributed_lib.run_settings(cfg.to_dict(), command.workdir),
                                            timeout_s=cfg.distributed.init_timeout_s)
-        _enable_compilation_cache(cfg.compile_cache_dir)
+        enable_compilation_cache(cfg.compile_cache_dir)
         if command.eval_only:
             evaluate_checkpoint(command.workdir)
         else:

@@ -6,9 +6,11 @@ anything compiles; `jdp.loop` runs it.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import difflib
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -27,6 +29,7 @@ from jdp.errors import UsageError
 from jdp.mesh import DATA_AXIS, make_mesh, replicated
 from jdp.modeldef import LossFn, ModelDef
 from jdp.parallel import BACKENDS, DataParallel
+from jdp.precision import cast_floating, jaxpr_matmul_dtypes
 from jdp.step import (
     ALLREDUCE_DTYPES,
     COMPUTE_DTYPES,
@@ -282,7 +285,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
 
     abstract = jax.eval_shape(init_state, *initial)
     device_input = getattr(source, "device_input", StepOptions.device_input)  # optional in a Source
-    _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, device_input, n, global_batch_size)
+    _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, device_input, n, global_batch_size, o)
     if o.shard_optimizer:
         _check_sliceable(optimizer, abstract.params, n)
     step_options = StepOptions(
@@ -306,9 +309,10 @@ def eval_batch_limit(num_eval: int, num_devices: int) -> float:
 
 
 def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract: TrainState, source: Source,
-                device_input: Callable, n: int, global_batch_size: int) -> None:
+                device_input: Callable, n: int, global_batch_size: int, options: FitOptions) -> None:
     """The loss contract, checked on shapes alone: a dict with a per-example `"loss"`, every value (and the
-    optional `"weight"`) of one shape whose leading axis is the batch."""
+    optional `"weight"`) of one shape whose leading axis is the batch. Under bf16 or fp16, the train trace
+    casts as the step does, and a model whose dots and convolutions all stay float32 is warned about."""
     rows = source.train_batch(0)
     read = len(next(iter(rows.values()))) * jax.process_count()
     if read != global_batch_size:
@@ -316,13 +320,17 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
                        f"{global_batch_size}; make the Source for the same global batch size")
     local = {k: jax.ShapeDtypeStruct((v.shape[0] // max(1, n // jax.process_count()), *v.shape[1:]), v.dtype)
              for k, v in rows.items()}
+    compute_dtype = COMPUTE_DTYPES[options.precision]
     for name, fn, train in (("loss_fn", loss_fn, True), ("eval_fn", eval_fn, False)):
         def call(state, batch, fn=fn, train=train):
-            return run_loss(model_def, fn, state.params, state.model_state, state.rng_state, device_input(batch),
-                            train=train)[0]
+            params, batch = state.params, device_input(batch)
+            if train:  # as the step casts them (eval runs in float32)
+                params = cast_floating(params, compute_dtype)
+                batch = {k: v if k in options.keep_fp32 else cast_floating(v, compute_dtype) for k, v in batch.items()}
+            return run_loss(model_def, fn, params, state.model_state, state.rng_state, batch, train=train)[0]
         try:  # vmapped over a `data` axis of one, which synced BatchNorm reduces over
             per_device = jax.vmap(call, in_axes=(None, 0), axis_name=DATA_AXIS)
-            outputs = jax.eval_shape(per_device, abstract, jax.tree.map(_one_device, local))
+            jaxpr, outputs = jax.make_jaxpr(per_device, return_shape=True)(abstract, jax.tree.map(_one_device, local))
             outputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), outputs)
         except Exception as e:  # noqa: BLE001 - the user's code failed on the batch: say where, in one line
             raise FitError(f"{name}(model, batch) failed on a batch with keys {sorted(rows)}: "
@@ -339,6 +347,17 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
             if value.shape != shape:
                 raise FitError(f"{name}'s {key!r} has shape {value.shape}, 'loss' has {shape}; every output needs "
                                "the loss's shape (one value per example, or per example and token)")
+        if train and compute_dtype != jnp.float32:
+            _warn_if_float32(jaxpr_matmul_dtypes(jaxpr), options.precision)
+
+
+def _warn_if_float32(matmuls: collections.Counter[str], precision: str) -> None:
+    """Flax layers built with `dtype=jnp.float32` (or float32 constants mixed in) promote the cast
+    parameters back to float32: the step would run at float32 speed."""
+    if matmuls and set(matmuls) == {"float32"}:
+        warnings.warn(f"precision={precision}, but all {sum(matmuls.values())} dots/convolutions of the model's "
+                      "forward compute in float32: build its layers with dtype=None (Flax's default, which follows "
+                      "the inputs and parameters jdp casts) rather than dtype=jnp.float32", stacklevel=4)
 
 
 def _one_device(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:

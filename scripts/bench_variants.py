@@ -39,10 +39,11 @@ def main() -> int:
         items = re.split(r",(?=[\w.]+=)", overrides) if overrides else []  # commas inside (a, b) values stay
         pairs = config_lib.parse_overrides([f"--config.{item}" for item in items])
         variants[name] = config_lib.apply_overrides(config_lib.load_config_file(args.config), pairs)
+    built = {name: bench.Variant(cfg, args.devices) for name, cfg in variants.items()}  # each compiled once
     results = {name: [] for name in variants}
     for _ in range(args.repeats):
-        for name, cfg in variants.items():
-            results[name].append(bench.measure(cfg, args.devices, args.steps, stats=False))
+        for name, variant in built.items():
+            results[name].append(variant.row(variant.time(args.steps)))
     first = statistics.median(r["examples_per_sec"] for r in next(iter(results.values())))
     print(f"{args.config.name}, {args.devices} devices, global batch "
           f"{next(iter(variants.values())).train.global_batch_size}, medians of {args.repeats} interleaved runs\n")

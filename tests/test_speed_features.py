@@ -4,6 +4,7 @@ profiling and the benchmark command: each must keep the numbers right."""
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -110,16 +111,35 @@ def test_profile_writes_a_trace(tmp_path):
     assert list((tmp_path / "profile").rglob("*.xplane.pb"))
 
 
-def test_bench_reports_time_memory_and_scaling(tmp_path, capsys):
-    assert bench.main(["--config", "configs/mnist1d_mlp.py", "--devices", "1,2", "--steps", "3", "--repeats", "1",
-                       "--out", str(tmp_path), "--config.model.kwargs.hidden_sizes=(64,)"]) == 0
+def test_bench_reports_time_memory_and_scaling(tmp_path, capsys, monkeypatch):
+    """Each variant is compiled once however many repeats (1 device with its collective, 2 devices with and
+    without, the single-device jit baseline: 4 programs, not 4 per repeat), the program's bf16 products and
+    MFU against the given peak are reported."""
+    from jdp.parallel import DataParallel
+
+    lowered = []
+    lower_train = DataParallel.lower_train
+    monkeypatch.setattr(DataParallel, "lower_train", lambda self, *a: lowered.append(1) or lower_train(self, *a))
+    assert bench.main(["--config", "configs/mnist1d_mlp.py", "--devices", "1,2", "--steps", "3", "--repeats", "2",
+                       "--out", str(tmp_path), "--config.model.kwargs.hidden_sizes=(64,)", "--config.precision=bf16",
+                       "--peak_tflops", "0.5"]) == 0
+    assert len(lowered) == 4
     rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
     assert [r["devices"] for r in rows] == [1, 2]
     for r in rows:
         assert r["examples_per_sec"] > 0 and r["params_bytes"] > 0 and r["vs_single_device_jit"] > 0
         assert r["compute_s"] > 0 and r["allreduce_s"] is not None and "temp_bytes" in r
-    assert rows[0]["efficiency"] == pytest.approx(1.0)
+        assert r["matmul_dtypes"] == {"bf16": 5} and r["mfu"] == pytest.approx(r["flops"] / r["step_s"] / 0.5e12)
+    assert rows[0]["efficiency"] == pytest.approx(1.0) and rows[0]["allreduce_s"] == 0.0
     assert "| devices | examples/s |" in (tmp_path / "bench.md").read_text()
+    assert "has 5 dots/convolutions: 5 bf16" in capsys.readouterr().out
+
+
+def test_bench_peak_follows_the_precision():
+    h200 = [bench.peak_tflops_for("NVIDIA H200", p) for p in ("bf16", "fp32")]
+    assert h200 == [989.5, 494.5]
+    assert bench.peak_tflops_for("NVIDIA H100 PCIe", "bf16") == 756.5
+    assert bench.peak_tflops_for("cpu", "bf16") == 0.0
 
 
 def test_local_sgd_preemption_stops_at_a_sync_point(tmp_path, monkeypatch):
@@ -144,3 +164,34 @@ def test_local_sgd_preemption_stops_at_a_sync_point(tmp_path, monkeypatch):
     with pytest.raises(Preempted, match="at step 8"):
         run(small_config("mlp", num_devices=8, steps=16, **sections), tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["8"]
+
+
+def test_throughput_leaves_out_replica_checks_and_fetches_once_per_step(monkeypatch):
+    """The clock is paused around every replica check (the first one compiles its checksum program, at the last
+    step), and each step's metrics arrive in one device_get, not one blocking transfer per metric."""
+    import optax
+    from flax import nnx
+
+    import jdp
+    from jdp.metrics import ThroughputClock
+    from jdp.parallel import DataParallel
+
+    events = []
+    for name in ("pause", "start"):
+        original = getattr(ThroughputClock, name)
+        monkeypatch.setattr(ThroughputClock, name, lambda self, _o=original, _n=name: events.append(_n) or _o(self))
+    check = DataParallel.first_differing_leaf
+    monkeypatch.setattr(DataParallel, "first_differing_leaf", lambda self, t: events.append("check") or check(self, t))
+    get = jax.device_get
+    transfers = []
+    monkeypatch.setattr(jax, "device_get", lambda x: transfers.append(len(x)) or get(x))
+
+    x = np.random.default_rng(0).standard_normal((64, 6)).astype(np.float32)
+    jdp.fit(lambda: nnx.Linear(6, 1, rngs=nnx.Rngs(0)),
+            lambda m, b: {"loss": (m(b["x"])[:, 0] - b["y"]) ** 2, "abs": jnp.abs(m(b["x"])[:, 0])},
+            {"x": x, "y": x.sum(1)}, optimizer=optax.sgd(0.1), steps=5, global_batch_size=16, num_devices=2,
+            check_replicas_every=2)
+    checks = [i for i, e in enumerate(events) if e == "check"]
+    assert len(checks) == 3  # steps 2, 4 and the last
+    assert all(events[i - 1] == "pause" and events[i + 1] == "start" for i in checks)
+    assert len(transfers) == 5 and min(transfers) >= 4  # loss, abs, weight and jdp's counters, together

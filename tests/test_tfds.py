@@ -195,6 +195,47 @@ def test_decode_converts_modes(decoder: str, monkeypatch: pytest.MonkeyPatch) ->
     np.testing.assert_array_equal(augment.decode(rgb, 3), rgb)  # already decoded (tfds Tensor features)
 
 
+def _jpeg(height: int, width: int, seed: int = 0) -> bytes:
+    """A photo-like JPEG: ramps across and down (red, green), smooth blobs (blue), mild noise."""
+    import io
+
+    from PIL import Image
+
+    y, x = np.mgrid[0:height, 0:width].astype(np.float32)
+    rng = np.random.default_rng(seed)
+    blobs = sum(np.sin(x / rng.uniform(8, 40) + rng.uniform(0, 6)) * np.cos(y / rng.uniform(8, 40)) for _ in range(4))
+    rgb = np.stack([255 * x / width, 255 * y / height, 128 + 30 * blobs], -1) + rng.normal(0, 4, (height, width, 3))
+    buffer = io.BytesIO()
+    Image.fromarray(np.clip(rgb, 0, 255).astype(np.uint8)).save(buffer, format="JPEG", quality=90)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("decoder", ["pil", "opencv"])
+def test_reduced_jpeg_decoding_keeps_the_crop(decoder: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A JPEG whose crop box is k times the output size is decoded at 1/k (k = 2, 4, 8) and gives the crop of
+    the full decode up to resampling noise. Fails if the box is not scaled to the smaller image (the ramps
+    move by tens of levels) or if the reduced decode is not used."""
+    if decoder == "opencv":
+        pytest.importorskip("cv2")
+    else:
+        monkeypatch.setattr(augment, "_opencv", lambda: None)
+    value, size = _jpeg(375, 500), 32
+    full = augment.decode(value, 3)
+    reduced_calls = []
+    decode_reduced = augment._decode_reduced_jpeg
+    monkeypatch.setattr(augment, "_decode_reduced_jpeg", lambda *a: reduced_calls.append(a[-1]) or decode_reduced(*a))
+    for box, k in [((10, 20, 90, 100), 2), ((100, 30, 240, 250), 4), ((0, 0, 500, 375), 8), ((37, 11, 99, 70), 1)]:
+        assert augment.reduction(box, size) == k
+        for flip in (False, True):
+            got = augment.decode_crop(value, 3, lambda h, w, box=box: box, size, flip).astype(np.float32)
+            want = augment.resize_box(full, box, size, flip).astype(np.float32)
+            assert got.shape == (size, size, 3)
+            assert np.abs(got - want).mean() < 2.5 and np.abs(got - want).max() < 40, (box, k)
+    assert reduced_calls == [2, 2, 4, 4, 8, 8]
+    gray = augment.decode_crop(value, 1, augment.center_box, size, False)
+    assert gray.shape == (size, size, 1)
+
+
 def test_splits_and_slicing(make) -> None:
     source = make("jdp_ids", train_split="train[:80%]", eval_split="train[80%:]", **PLAIN)
     assert (source.num_train, source.num_eval) == (80, 20)

@@ -8,7 +8,8 @@ Two regimes, chosen from the stored image shape:
 - large images (ImageNet-like, or any variable size): train takes a random-resized crop (area scale
   (0.08, 1), aspect ratio (3/4, 4/3), torchvision's ten tries then a centre fallback) resized to S x S and
   flips half; eval takes the centre square of side 0.875 x the shorter side resized to S x S (the same as
-  resizing the shorter side to S / 0.875 and centre-cropping S), with PIL.
+  resizing the shorter side to S / 0.875 and centre-cropping S), with PIL. A JPEG whose crop box is at least
+  2, 4 or 8 times S is decoded at that fraction of its size (`decode_crop`).
 
 Decoding and the large-image crops run per image on the source's worker threads; normalisation runs on
 the device.
@@ -24,6 +25,7 @@ import dataclasses
 import functools
 import io
 import math
+from collections.abc import Callable
 
 import numpy as np
 
@@ -152,6 +154,60 @@ def decode(value: bytes | np.ndarray, channels: int) -> np.ndarray:
         width, height = im.size
         # tobytes + frombuffer: ~25% cheaper than np.asarray(im) on small images
         return np.frombuffer(im.tobytes(), np.uint8).reshape(height, width, 1 if mode == "L" else 3)
+
+
+JPEG_REDUCTIONS = (8, 4, 2)  # libjpeg's DCT scaling: decode at 1/8, 1/4 or 1/2 of the stored size
+
+
+def reduction(box: tuple[float, float, float, float], size: int) -> int:
+    """The largest JPEG scale-down k that keeps `box` at least `size` pixels on its shorter side (1 = none):
+    the crop's resize to size x size still only shrinks, so the result barely changes."""
+    shorter = min(box[2] - box[0], box[3] - box[1])
+    return next((k for k in JPEG_REDUCTIONS if shorter / k >= size), 1)
+
+
+def _decode_reduced_jpeg(value: bytes, channels: int, k: int) -> np.ndarray:
+    """A JPEG decoded at about 1/k of its size (each side rounded up), as (H', W', channels) uint8."""
+    cv2 = _opencv()
+    if cv2 is not None:
+        reduced = getattr(cv2, f"IMREAD_REDUCED_{'GRAYSCALE' if channels == 1 else 'COLOR'}_{k}")
+        image = cv2.imdecode(np.frombuffer(value, np.uint8), reduced | cv2.IMREAD_IGNORE_ORIENTATION)
+        if image is not None:
+            return image[..., None] if channels == 1 else cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+    from PIL import Image
+
+    with Image.open(io.BytesIO(value), formats=("JPEG",)) as im:
+        mode = "L" if channels == 1 else "RGB"
+        im.draft(mode, (math.ceil(im.size[0] / k), math.ceil(im.size[1] / k)))  # the DCT scaling, before loading
+        if im.mode != mode:
+            im = im.convert(mode)
+        im.load()
+        width, height = im.size
+        return np.frombuffer(im.tobytes(), np.uint8).reshape(height, width, 1 if mode == "L" else 3)
+
+
+def decode_crop(value: bytes | np.ndarray, channels: int,
+                box_of: Callable[[int, int], tuple[float, float, float, float]], size: int, flip: bool) -> np.ndarray:
+    """An encoded (or decoded) image -> its box `box_of(height, width)` (in stored pixels) resized to
+    size x size, mirrored if `flip`: the large-image crop.
+
+    A JPEG whose box is at least k x `size` on its shorter side (`reduction`) is decoded at 1/k of its size,
+    which costs a fraction of a full decode, and the box is scaled to the smaller image. Only the header is
+    read first, for the stored size the box is drawn from, so the box is the same either way."""
+    if isinstance(value, bytes | bytearray | memoryview) and bytes(value[:2]) == b"\xff\xd8":
+        from PIL import Image
+
+        with Image.open(io.BytesIO(value), formats=("JPEG",)) as im:  # reads the header only
+            width, height = im.size
+        box = box_of(height, width)
+        k = reduction(box, size)
+        if k > 1:
+            image = _decode_reduced_jpeg(value, channels, k)
+            sx, sy = image.shape[1] / width, image.shape[0] / height
+            return resize_box(image, (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy), size, flip)
+        return resize_box(decode(value, channels), box, size, flip)
+    image = decode(value, channels)
+    return resize_box(image, box_of(image.shape[0], image.shape[1]), size, flip)
 
 
 def resize_box(image: np.ndarray, box: tuple[float, float, float, float], size: int, flip: bool) -> np.ndarray:

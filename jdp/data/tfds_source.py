@@ -167,8 +167,6 @@ class _Records:
         return pairs
 
 
-def _as_stored(image: np.ndarray, i: int) -> np.ndarray:
-    return image
 
 
 class _DecodedCache:
@@ -262,9 +260,10 @@ class TfdsSource(OrderedSource):
 
     # -- reading ---------------------------------------------------------------------------------------
 
-    def _read(self, source: _Records, rows: np.ndarray, transform: Callable[[np.ndarray, int], np.ndarray],
+    def _read(self, source: _Records, rows: np.ndarray, transform: Callable[[bytes | np.ndarray, int], np.ndarray],
               shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of `source` -> (pixels uint8 (n, *shape), labels int32), `transform(image, i)` per row i.
+        """Rows of `source` -> (pixels uint8 (n, *shape), labels int32), `transform(stored image, i)` (which
+        decodes it) per row i.
 
         The rows are cut into contiguous chunks, one task per worker thread (one task in all for small
         batches); each task reads, decodes and transforms its rows into its own slots, so the result does not
@@ -276,7 +275,7 @@ class TfdsSource(OrderedSource):
 
         def task(lo: int, hi: int) -> None:
             for i, (image, label) in zip(range(lo, hi), source.__getitems__(rows[lo:hi]), strict=True):
-                pixels[i] = transform(augment.decode(image, self._channels), i)
+                pixels[i] = transform(image, i)
                 labels[i] = label
 
         tasks = max(1, min(self._threads, n // MIN_ROWS_PER_TASK))
@@ -297,19 +296,21 @@ class TfdsSource(OrderedSource):
                     ) -> tuple[np.ndarray, np.ndarray]:
         """Small images as stored: decoded once, then served from `cache` if there is one."""
         if cache is None:
-            return self._read(source, rows, _as_stored, self.input_shape)
+            return self._read(source, rows, self._as_stored, self.input_shape)
         missing = np.unique(rows[~cache.filled[rows]])
         if len(missing):
-            cache.store(missing, *self._read(source, missing, _as_stored, self.input_shape))
+            cache.store(missing, *self._read(source, missing, self._as_stored, self.input_shape))
         return cache.pixels[rows], cache.labels[rows]
 
     def _augment_params(self, step: int) -> augment.BatchParams:
         """This process's rows of the random numbers drawn for the whole global batch at `step`."""
         return augment.batch_params(self._seed, step, self._order.global_batch_size).rows(self._order.train_block)
 
-    def _center_crop(self, image: np.ndarray, i: int) -> np.ndarray:
-        return augment.resize_box(image, augment.center_box(image.shape[0], image.shape[1]), self.input_shape[0],
-                                  False)
+    def _as_stored(self, image: bytes | np.ndarray, i: int) -> np.ndarray:
+        return augment.decode(image, self._channels)
+
+    def _center_crop(self, image: bytes | np.ndarray, i: int) -> np.ndarray:
+        return augment.decode_crop(image, self._channels, augment.center_box, self.input_shape[0], False)
 
     # -- the Batcher interface ---------------------------------------------------------------------------
 
@@ -329,9 +330,10 @@ class TfdsSource(OrderedSource):
         params = self._augment_params(step)
         size = self.input_shape[0]
 
-        def transform(image: np.ndarray, i: int) -> np.ndarray:
-            box = augment.random_resized_box(image.shape[0], image.shape[1], params.uniforms[i])
-            return augment.resize_box(image, box, size, bool(params.flips[i]))
+        def transform(image: bytes | np.ndarray, i: int) -> np.ndarray:
+            return augment.decode_crop(image, self._channels,
+                                       functools.partial(augment.random_resized_box, uniforms=params.uniforms[i]),
+                                       size, bool(params.flips[i]))
 
         pixels, labels = self._read(self._train, rows, transform, self.input_shape)
         return {"x": pixels, "y": labels}

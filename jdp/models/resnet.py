@@ -18,6 +18,15 @@ ARCHS: dict[str, tuple[str, tuple[int, ...]]] = {
 }
 
 
+class BatchNorm(nnx.BatchNorm):
+    """`nnx.BatchNorm` whose output keeps its input's dtype. Flax promotes the input to the dtype of the float32
+    running statistics, so statistics and normalisation stay float32 and the next convolution still gets the
+    compute dtype (bf16 in a bf16 step) rather than float32."""
+
+    def __call__(self, x: jax.Array, **kwargs: Any) -> jax.Array:
+        return super().__call__(x, **kwargs).astype(x.dtype)
+
+
 class _Layers:
     """Conv / BatchNorm constructors sharing one configuration."""
 
@@ -38,8 +47,8 @@ class _Layers:
             rngs=self.rngs,
         )
 
-    def bn(self, c: int) -> nnx.BatchNorm:
-        return nnx.BatchNorm(
+    def bn(self, c: int) -> BatchNorm:
+        return BatchNorm(
             c,
             momentum=self.bn_momentum,
             epsilon=1e-5,
@@ -101,7 +110,10 @@ STEMS = ("cifar", "imagenet")
 
 
 class ResNet(nnx.Module):
-    """ResNet on (B, H, W, C) or (B, H, W) images; logits are float32 whatever `dtype` computes in.
+    """ResNet on (B, H, W, C) or (B, H, W) images; logits are float32 whatever it computes in.
+
+    `dtype` None (default) computes in the dtype of the input and parameters it is given, as jdp's step
+    gives them: the run's precision in training, float32 in eval. A fixed `dtype` computes in it always.
 
     Stems: 'cifar' = conv3x3 + BN + ReLU; 'imagenet' = conv7x7/2 + BN + ReLU + maxpool 3x3/2 (SAME).
     """
@@ -116,7 +128,7 @@ class ResNet(nnx.Module):
         num_classes: int,
         *,
         bn_momentum: float = 0.9,
-        dtype: Any = jnp.float32,
+        dtype: Any = None,
         rngs: nnx.Rngs,
     ):
         if block not in BLOCKS:

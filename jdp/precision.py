@@ -1,0 +1,48 @@
+"""Mixed precision: the cast to the compute dtype, and what a program's matrix products (dots and
+convolutions, where nearly all of a step's FLOPs are) actually compute in.
+
+XLA:CPU upcasts bfloat16 products to float32 in its own passes, so the program jdp asks for (jaxpr, or the
+lowered HLO before XLA's passes) is the one to judge: on a GPU that is what runs on the tensor cores.
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+_MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
+# `name = bf16[8,8]{1,0} convolution(...)` / `dot(...)` in `Lowered.as_text(dialect="hlo")`
+_HLO_MATMUL = re.compile(r"=\s*(\w+)\[[^\]]*\](?:\{[^}]*\})?\s+(?:convolution|dot)\(")
+
+
+def cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
+    """Every floating leaf of `tree` cast to `dtype`; integer leaves (token ids, labels) as they are."""
+    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
+
+
+def hlo_matmul_dtypes(hlo_text: str) -> collections.Counter[str]:
+    """How many dots and convolutions of an HLO module produce each dtype (`bf16`, `f32`, ...)."""
+    return collections.Counter(_HLO_MATMUL.findall(hlo_text))
+
+
+def jaxpr_matmul_dtypes(jaxpr: Any) -> collections.Counter[str]:
+    """The same count on a (closed) jaxpr, nested jaxprs (jit, custom_vjp, scan, ...) included."""
+    counts: collections.Counter[str] = collections.Counter()
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in _MATMUL_PRIMITIVES:
+            counts.update(str(v.aval.dtype) for v in eqn.outvars)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
+                    counts += jaxpr_matmul_dtypes(sub)
+    return counts
+
+
+def summary(counts: collections.Counter[str]) -> str:
+    """`62 dots/convolutions: 62 bf16`, for logs."""
+    return f"{sum(counts.values())} dots/convolutions: " + ", ".join(f"{n} {d}" for d, n in counts.most_common())

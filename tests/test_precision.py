@@ -1,0 +1,78 @@
+"""precision=bf16 computes in bfloat16: judged on the train step's program as jdp asks for it, before XLA's
+own passes (XLA:CPU upcasts bfloat16 products to float32 afterwards; a GPU runs them on its tensor cores)."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jdp
+from jdp import models, precision
+from jdp.task import build
+from jdp.trainer import prepare
+from tests.helpers import small_config
+
+IMAGE = {"name": "synthetic", "shape": (8, 8, 3), "num_classes": 4, "num_examples": 64, "num_eval_examples": 8}
+# Small settings per registered model; a model registered later without an entry here is tried on small images,
+# and if it needs other data this test fails for it: give it an entry.
+SMALL = {
+    "mlp": ({"hidden_sizes": (16,)}, IMAGE),
+    "cnn1d": ({"channels": (4, 4), "kernel_sizes": (3, 3), "strides": (2, 2)},
+              {**IMAGE, "shape": (16, 2)}),
+    "cnn2d": ({"channels": (4,), "dense_sizes": (8,)}, IMAGE),
+    **{name: ({"stage_sizes": (1, 1), "width": 4}, IMAGE) for name in models.ARCHS},
+}
+
+
+@pytest.mark.parametrize("name", models.MODELS.names())
+def test_every_model_computes_in_bf16(name):
+    """Every dot and convolution of the train step, forward and backward, produces bf16 under precision=bf16.
+    Fails if a model's layers fix dtype=float32 (Flax then promotes the cast parameters back to float32)."""
+    kwargs, data = SMALL.get(name, ({}, IMAGE))
+    cfg = small_config("mlp", num_devices=2, precision="bf16", model={"name": name, "kwargs": kwargs}, data=data)
+    engine = build(cfg)
+    batch = engine.parallel.shard_batch(engine.source.train_batch(0))
+    text = engine.parallel.lower_train(engine.abstract_state, batch).as_text(dialect="hlo")  # lowered, not compiled
+    counts = precision.hlo_matmul_dtypes(text)
+    assert counts and set(counts) == {"bf16"}, f"{name}: {precision.summary(counts)}"
+
+
+def test_hlo_count_reads_both_kinds_of_product():
+    text = ("  dot.1 = bf16[4,8]{1,0} dot(a, b), lhs_contracting_dims={1}\n"
+            "  conv.2 = f32[2,4,4,8]{3,2,1,0} convolution(x, w), window={size=3x3}\n"
+            "  add.3 = bf16[4,8]{1,0} add(dot.1, dot.1)\n")
+    assert precision.hlo_matmul_dtypes(text) == {"bf16": 1, "f32": 1}
+
+
+class Fixed(nnx.Module):
+    """A user's model whose layers fix their compute dtype."""
+
+    def __init__(self, dtype, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(6, 16, dtype=dtype, rngs=rngs)
+        self.out = nnx.Linear(16, 1, dtype=dtype, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))[:, 0]
+
+
+def _prepare(dtype, precision_: str) -> list[warnings.WarningMessage]:
+    x = np.random.default_rng(0).standard_normal((64, 6)).astype(np.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        prepare(lambda: Fixed(dtype, nnx.Rngs(0)), lambda m, b: {"loss": (m(b["x"]) - b["y"]) ** 2},
+                {"x": x, "y": x.sum(1)}, optimizer=optax.sgd(0.1), global_batch_size=32,
+                options=jdp.FitOptions(precision=precision_, num_devices=2, keep_fp32=("y",)))
+    return [w for w in caught if "dots/convolutions" in str(w.message)]
+
+
+def test_bf16_warns_about_a_model_that_stays_float32():
+    """The check traces the forward as the step casts it: fails if it warns for a model that follows the cast,
+    under fp32, or not at all for layers built with dtype=float32."""
+    stuck = _prepare(jnp.float32, "bf16")
+    assert len(stuck) == 1 and "2 dots/convolutions" in str(stuck[0].message)
+    assert _prepare(None, "bf16") == [] and _prepare(jnp.float32, "fp32") == []
