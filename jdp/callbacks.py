@@ -112,7 +112,7 @@ class TrainLog(Action):
             if self.noise_scale is not None:
                 line["grad_noise_scale"] = self.noise_scale.value
             line["examples_per_sec"] = run.clock.interval_rate()
-            if run.tokens_per_example:
+            if run.tokens_per_example and line["examples_per_sec"] is not None:
                 line["tokens_per_sec"] = line["examples_per_sec"] * run.tokens_per_example
             line["skipped_steps"] = int(metrics["skipped_steps"])
             if self.precision == "fp16":  # loss-scale overflows skip an update but are not failures

@@ -23,7 +23,6 @@ from jdp.mesh import DATA_AXIS, make_mesh
 from jdp.modeldef import LossFn
 from jdp.optim import OPTIMIZERS, build_optimizer
 from jdp.registry import Registry
-from jdp.step import COMPUTE_DTYPES
 
 # task.loss -> loss function (model, batch) -> per-example outputs (see jdp.fit)
 LOSSES: Registry[LossFn] = Registry("task.loss")
@@ -84,8 +83,8 @@ def model_maker(cfg: ml_collections.ConfigDict, input_shape: tuple[int, ...],
     kwargs = cfg.model.kwargs.to_dict()
 
     def make_model() -> nnx.Module:
-        return models.build_model(cfg.model.name, kwargs, input_shape, num_classes, seed=cfg.seed,
-                                  dtype=COMPUTE_DTYPES[cfg.precision])
+        # No dtype: the layers follow the step's cast (bf16 in training, float32 in eval).
+        return models.build_model(cfg.model.name, kwargs, input_shape, num_classes, seed=cfg.seed)
 
     return make_model
 

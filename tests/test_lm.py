@@ -196,9 +196,9 @@ def test_flops_per_token_and_what_xla_counts():
     b = build(cfg)
     block = 2 * 16 + 16 * 48 + 48 + 16 * 16 + 16 + 2 * 16 + 16 * 64 + 64 + 64 * 16 + 16  # ln1, qkv, proj, ln2, mlp
     n = b.source.num_classes * 16 + 2 * block + 2 * 16
-    stats = b.parallel.compiled_stats(b.init_state(), b.parallel.shard_batch(b.source.train_batch(0)))
-    figures = bench._token_figures(cfg, b.source, b.abstract_state.params,
-                                   {"examples_per_sec": 1.0, "devices": 1, **stats})
+    variant = bench.Variant(cfg, 1)
+    figures = bench._token_figures(cfg, variant.tokens_per_example, variant.abstract_params,
+                                   {"examples_per_sec": 1.0, "devices": 1, **variant.stats()})
     assert figures["model_params_n"] == n and figures["model_flops_per_token"] == 6 * n + 12 * 2 * 8 * 16
     assert 1.0 < figures["xla_flops_per_token"] / figures["model_flops_per_token"] < 1.4
     assert figures["tokens_per_sec"] == 8.0
@@ -260,15 +260,15 @@ def _readme_commands() -> list[str]:
 
 
 def test_the_readme_language_model_commands_run(tmp_path):
-    """The README's CPU demo, shortened (60 steps at lr 1e-2, a 1-layer model of width 32, 64 eval windows) to
-    keep the test fast: it trains offline, its loss falls well below that of a uniform guess (ln 76 = 4.33), it ends
-    with a sample, and `jdp.sample` continues the prompt; a prompt character outside the vocabulary exits 2,
-    naming it."""
+    """The README's CPU demo, shortened (60 steps at lr 1e-2, a 1-layer model of width 32, 128 eval windows: one
+    eval batch) to keep the test fast: it trains offline, its loss falls well below that of a uniform guess
+    (ln 76 = 4.33), it ends with a sample, and `jdp.sample` continues the prompt; a prompt character outside the
+    vocabulary exits 2, naming it."""
     commands = _readme_commands()
     (tmp_path / "configs").symlink_to(Path(__file__).parent.parent / "configs")  # run as from the repository
     train, sample = (next(c for c in commands if c.startswith(f"python -m jdp.{m}")) for m in ("train", "sample"))
     short = ["--config.train.steps=60", "--config.train.eval_every=60", "--config.optim.warmup_steps=10",
-             "--config.optim.lr=1e-2", "--config.data.eval_windows=64", "--config.sample.tokens=40",
+             "--config.optim.lr=1e-2", "--config.data.eval_windows=128", "--config.sample.tokens=40",
              "--config.model.kwargs.num_layers=1", "--config.model.kwargs.embed_dim=32",
              "--config.model.kwargs.num_heads=2"]
     out = subprocess.run([sys.executable, *shlex.split(train)[1:], *short], cwd=tmp_path, capture_output=True,

@@ -137,12 +137,17 @@ class GPT(nnx.Module):
         if t > self.block_size:
             raise ValueError(f"gpt: a sequence of {t} tokens is longer than block_size {self.block_size}")
         positions = start + jnp.arange(t)
-        x = self.drop(self.wte(tokens_BxT) + self.wpe(positions)[None])
+        # Looked up and projected by hand, not through nnx.Embed, whose dtype=None means float32: the model
+        # computes in its `dtype`, else in its parameters' (bf16 when the train step casts them).
+        wte = self.wte.embedding[...]
+        dtype = self.dtype or wte.dtype
+        x = self.drop((wte[tokens_BxT] + self.wpe.embedding[...][positions][None]).astype(dtype))
         new_cache = []
         for i, block in enumerate(self.blocks):
             x, kv = block(x, None if cache is None else cache[i], start)
             new_cache.append(kv)
-        return self.wte.attend(self.ln_f(x)), new_cache  # the head is the token embedding, transposed
+        x = self.ln_f(x)
+        return x @ wte.T.astype(x.dtype), new_cache  # the head is the token embedding, transposed
 
     def describe(self) -> str:
         dropout = self.blocks[0].attn.attn_dropout.rate if len(self.blocks) else 0.0
