@@ -71,7 +71,8 @@ class DataParallel:
                  tx: optax.GradientTransformation, schedule: optax.Schedule | None,
                  abstract_state: step_lib.TrainState, options: step_lib.StepOptions | None = None):
         """`options.axis_name` is set here, from the backend; `options.bn_groups` (per-device BatchNorm
-        as groups of the global batch) applies to jit only: the other backends see one device's rows."""
+        as groups of the global batch) applies to jit only: the other backends see one device's rows. Under jit
+        with accumulation the micro-batches run one lane per device (`options.accum_lanes`)."""
         self.backend, self.mesh = backend, mesh
         options = options or step_lib.StepOptions()
         self._sharded_optimizer = options.shard_optimizer
@@ -83,7 +84,8 @@ class DataParallel:
 
         def step_for(axis_name: str | None) -> Callable:
             groups = options.bn_groups if axis_name is None else 1  # per-device rows need no grouping
-            opts = dataclasses.replace(options, axis_name=axis_name, bn_groups=groups)
+            lanes = mesh.size if axis_name is None and options.grad_accum_steps > 1 else 0
+            opts = dataclasses.replace(options, axis_name=axis_name, bn_groups=groups, accum_lanes=lanes)
             return partial(step_lib.train_step, model=model, loss_fn=loss_fn, tx=tx, schedule=schedule, options=opts)
 
         def eval_for(axis_name: str | None) -> Callable:
