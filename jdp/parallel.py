@@ -72,8 +72,9 @@ class DataParallel:
                  abstract_state: step_lib.TrainState, options: step_lib.StepOptions | None = None,
                  eval_derived: Callable[[dict[str, float]], dict[str, float]] | None = None):
         """`options.axis_name` is set here, from the backend; `options.bn_groups` (per-device BatchNorm
-        as groups of the global batch) applies to jit only: the other backends see one device's rows.
-        `eval_derived` adds eval metrics computed from the eval means (e.g. perplexity = exp(loss))."""
+        as groups of the global batch) applies to jit only: the other backends see one device's rows. Under jit
+        with accumulation the micro-batches run one lane per device (`options.accum_lanes`). `eval_derived` adds
+        eval metrics computed from the eval means (e.g. perplexity = exp(loss))."""
         self.backend, self.mesh = backend, mesh
         self._eval_derived = eval_derived
         options = options or step_lib.StepOptions()
@@ -86,7 +87,8 @@ class DataParallel:
 
         def step_for(axis_name: str | None) -> Callable:
             groups = options.bn_groups if axis_name is None else 1  # per-device rows need no grouping
-            opts = dataclasses.replace(options, axis_name=axis_name, bn_groups=groups)
+            lanes = mesh.size if axis_name is None and options.grad_accum_steps > 1 else 0
+            opts = dataclasses.replace(options, axis_name=axis_name, bn_groups=groups, accum_lanes=lanes)
             return partial(step_lib.train_step, model=model, loss_fn=loss_fn, tx=tx, schedule=schedule, options=opts)
 
         def eval_for(axis_name: str | None) -> Callable:

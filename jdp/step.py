@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from jdp import zero
+from jdp.mesh import DATA_AXIS
 from jdp.modeldef import LossFn, ModelDef
 from jdp.precision import cast_floating as _cast
 
@@ -59,6 +60,10 @@ class StepOptions:
 
     axis_name: str | None = None  # "data" under shard_map/pmap, None under jit
     bn_groups: int = 1  # jit with per-device BatchNorm: normalise the global batch in this many groups of rows
+    # jit with grad_accum_steps > 1: the device count. The micro-batch loop then runs one lane per device
+    # (vmapped over a `data` axis laid on the devices), so each device sums its own gradients and XLA
+    # all-reduces once, instead of once per micro-batch. 0: no lanes (the other backends, or k = 1).
+    accum_lanes: int = 0
     on_nonfinite: str = "halt"  # halt | skip
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 adds dynamic loss scaling)
     keep_fp32: tuple[str, ...] = ()  # batch keys never cast to the compute dtype (e.g. regression targets)
@@ -153,13 +158,14 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     # Dropout masks differ across steps and devices, and are reproducible from (seed, step, device count).
     folds = (state.step,) if o.axis_name is None else (state.step, jax.lax.axis_index(o.axis_name))
 
-    def local_loss(params: Tree, model_state: Tree, counts: Tree, micro: dict[str, jax.Array]):
+    def local_loss(params: Tree, model_state: Tree, counts: Tree, micro: dict[str, jax.Array],
+                   folds: tuple[jax.Array, ...] = folds, groups: int = o.bn_groups):
         # Mixed precision: float32 master parameters, cast for the forward; gradients come back float32.
         micro = o.device_input(micro)
         micro = {k: v if k in o.keep_fp32 else _cast(v, compute_dtype) for k, v in micro.items()}
         outputs, new_model_state, counts = run_loss(
             model, loss_fn, _cast(params, compute_dtype), model_state, {**state.rng_state, "counts": counts},
-            micro, train=True, folds=folds, groups=o.bn_groups)
+            micro, train=True, folds=folds, groups=groups)
         new_model_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_model_state, model_state)
         sums, weight = weighted_sums(outputs)
         # Divided by the static row count, not the weight: the weight total is global, known only after
@@ -178,19 +184,44 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     if o.grad_accum_steps == 1:
         (_, (sums, weight, model_state, counts)), grads = grad_fn(state.params, state.model_state, counts, batch)
     else:
-        def accumulate(carry, micro):
-            grads_sum, model_state, counts, sums_sum, weight_sum = carry
-            (_, (sums, weight, model_state, counts)), grads = grad_fn(state.params, model_state, counts, micro)
-            micro_sq = mean_grad_sq(grads, weight) if o.noise_small_batches else jnp.float32(0)
-            return (jax.tree.map(jnp.add, grads_sum, grads), model_state, counts,
-                    jax.tree.map(jnp.add, sums_sum, sums), weight_sum + weight), micro_sq
+        def accumulate_all(micros: dict[str, jax.Array], **loss_options: Any):
+            """The micro-batches one after another: summed gradients, weighted sums and weight; the state
+            after the last; each micro-batch's |gradient|^2 (for `noise_small_batches`)."""
+            def accumulate(carry, micro):
+                grads_sum, model_state, counts, sums_sum, weight_sum = carry
+                (_, (sums, weight, model_state, counts)), grads = grad_fn(
+                    state.params, model_state, counts, micro, **loss_options)
+                micro_sq = mean_grad_sq(grads, weight) if o.noise_small_batches else jnp.float32(0)
+                return (jax.tree.map(jnp.add, grads_sum, grads), model_state, counts,
+                        jax.tree.map(jnp.add, sums_sum, sums), weight_sum + weight), micro_sq
+
+            first = jax.tree.map(lambda a: a[0], micros)
+            sums_shape = jax.eval_shape(lambda: grad_fn(state.params, state.model_state, counts, first,
+                                                        **loss_options)[0][1][0])
+            zeros = jax.tree.map(jnp.zeros_like, (state.params, sums_shape))
+            return jax.lax.scan(accumulate, (zeros[0], state.model_state, counts, zeros[1], jnp.float32(0)),
+                                micros, unroll=True)
 
         micros = micro_batches(batch, o.grad_accum_steps)
-        first = jax.tree.map(lambda a: a[0], micros)
-        sums_shape = jax.eval_shape(lambda: grad_fn(state.params, state.model_state, counts, first)[0][1][0])
-        zeros = jax.tree.map(jnp.zeros_like, (state.params, sums_shape))
-        (grads, model_state, counts, sums, weight), micro_sqs = jax.lax.scan(
-            accumulate, (zeros[0], state.model_state, counts, zeros[1], jnp.float32(0)), micros, unroll=True)
+        if not o.accum_lanes:
+            (grads, model_state, counts, sums, weight), micro_sqs = accumulate_all(micros)
+        else:
+            # jit: XLA would all-reduce each micro-batch's gradient (a partial sum over the devices' rows)
+            # before adding them up, k times the bytes of one all-reduce. One lane per device, each on
+            # its own rows with its own RNG fold (as under shard_map; synced BatchNorm reduces over the
+            # lanes' axis), keeps the partial sums on their devices; summing the lanes is the one
+            # all-reduce. Per-device BatchNorm is then simply each lane's own.
+            def lane(rows: dict[str, jax.Array]):
+                lane_folds = (state.step, jax.lax.axis_index(DATA_AXIS))
+                return accumulate_all(rows, folds=lane_folds, groups=1)
+
+            lanes = jax.tree.map(lambda a: a.reshape(a.shape[0], o.accum_lanes, -1, *a.shape[2:]), micros)
+            (grads, model_state, counts, sums, weight), micro_sqs = jax.vmap(
+                lane, in_axes=1, axis_name=DATA_AXIS, spmd_axis_name=DATA_AXIS)(lanes)
+            grads, sums, weight = jax.tree.map(lambda a: a.sum(0), (grads, sums, weight))
+            model_state = jax.tree.map(lambda s: s.mean(0).astype(s.dtype), model_state)
+            counts = jax.tree.map(lambda c: c[0], counts)
+            micro_sqs = micro_sqs[0]  # per micro-batch noise is asked for on one device only: one lane
     per_micro_batch = o.noise_small_batches == "micro_batches"
     if o.noise_small_batches:
         small_sq = jnp.mean(micro_sqs) if per_micro_batch else mean_grad_sq(grads, weight)

@@ -266,8 +266,9 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     if o.eval_batch_size > largest:
         raise FitError(f"eval_batch_size={o.eval_batch_size} is larger than the eval data needs ({source.num_eval} "
                        f"examples on {n} device(s)); use at most {largest}, or 0 (= global_batch_size)")
-    # Under jit the batch is global, so BatchNorm statistics are global without a named axis.
-    bn_axis = DATA_AXIS if o.bn_sync and o.backend != "jit" else None
+    # Synced BatchNorm reduces over the devices' `data` axis; jit without accumulation sees the global batch
+    # whole, jit with it runs one lane per device on that axis (jdp.step's `accum_lanes`).
+    bn_axis = DATA_AXIS if o.bn_sync and (o.backend != "jit" or o.grad_accum_steps > 1) else None
     make = model if callable(model) and not isinstance(model, nnx.Module) else None
     try:
         model_def = ModelDef.of(nnx.eval_shape(make) if make else model, bn_axis)

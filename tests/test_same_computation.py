@@ -80,22 +80,40 @@ def _lowered(cfg):
     return engine.parallel.lower_train(state, engine.parallel.shard_batch(engine.source.train_batch(0)))
 
 
+_BYTES = {"f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "pred": 1}
+
+
+def _all_reduced_bytes(text: str) -> int:
+    """Bytes per device that the compiled program's all-reduces carry (their result shapes)."""
+    total = 0
+    for shapes in re.findall(r"= (.+?) all-reduce(?:-start)?\(", text):
+        for dtype, dims in re.findall(r"\b(f32|s32|u32|bf16|f16|pred)\[([\d,]*)\]", shapes):
+            total += _BYTES[dtype] * int(np.prod([int(d) for d in dims.split(",") if d]))
+    return total
+
+
 def test_jit_accumulation_does_one_devices_work_plus_one_all_reduce():
     """The micro-batch split keeps each device's rows on that device: no reshuffling collectives, and the
-    FLOPs of one device's share of the batch (the old contiguous split cost 4x at k=4)."""
+    FLOPs of one device's share of the batch (the old contiguous split cost 4x at k=4). The all-reduce
+    carries one gradient: summing per-micro-batch gradients that XLA had each all-reduced (the program
+    before the per-device lanes, 5x slower per step) sends k gradients' worth in the one combined op."""
     def stats(k):
         cfg = small_config("mlp", backend="jit", num_devices=8, train={"grad_accum_steps": k, "global_batch_size": 256})
         compiled = _lowered(cfg).compile()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         text = compiled.as_text()
-        return cost["flops"], {op: len(re.findall(rf"= \S+ {op}(-start)?\(", text))
-                               for op in ("all-reduce", "collective-permute", "all-gather", "all-to-all")}
+        collectives = {op: len(re.findall(rf"= [^\n]*? {op}(-start)?\(", text))
+                       for op in ("all-reduce", "collective-permute", "all-gather", "all-to-all")}
+        return cost["flops"], collectives, _all_reduced_bytes(text)
 
-    flops_1, collectives_1 = stats(1)
-    flops_4, collectives_4 = stats(4)
+    flops_1, collectives_1, reduced_1 = stats(1)
+    flops_4, collectives_4, reduced_4 = stats(4)
     assert flops_4 < 1.2 * flops_1
     assert collectives_4 == collectives_1 and collectives_1["collective-permute"] == collectives_1["all-to-all"] == 0
+    assert collectives_1["all-reduce"] == 1
+    params = sum(x.size for x in jax.tree.leaves(build(small_config("mlp")).init_state().params)) * 4
+    assert params <= reduced_4 < 1.1 * reduced_1, (params, reduced_1, reduced_4)
 
 
 def test_halt_counts_no_skipped_step_and_the_rerun_reports_none(monkeypatch, tmp_path):
