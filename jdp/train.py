@@ -57,14 +57,14 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
     task = build_task(cfg, workdir)
     timeout_s = cfg.distributed.init_timeout_s
     echo = print if jax.process_index() == 0 else lambda *_: None
+    model = task.make_model
+    if cfg.init_from and not committed_steps(workdir):  # read before the lock makes the workdir: a bad file
+        model = initialised_from(cfg.init_from, task.make_model())  # leaves nothing behind
     with workdir_lock.held(workdir, timeout_s):
         steps = committed_steps(workdir)
         if steps:
             check_workdir_config(cfg, workdir, echo)
         distributed_lib.barrier("config checked", timeout_s)  # every process has read config.json: rewrite it
-        model = task.make_model
-        if cfg.init_from and not steps:
-            model = initialised_from(cfg.init_from, task.make_model())
 
         def on_start(start: int) -> None:
             if start >= cfg.train.steps:  # a rerun of a finished run records nothing

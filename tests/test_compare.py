@@ -162,7 +162,8 @@ SYNTHETIC_1D = {"name": "synthetic", "shape": (40,), "num_classes": 10, "num_exa
 def test_parity_mlp_cli(tmp_path):
     """The README's command as printed (2 workers each side, 20 steps), on a smaller MLP, synthetic data and
     plain SGD (loss tolerance 1e-6): exit 0 and the verdict on the last line."""
-    cmd = [sys.executable, *readme_command("python -m jdp.compare parity")[1:], "--workdir", str(tmp_path),
+    printed = readme_command("python -m jdp.compare parity --config configs/mnist1d_mlp.py")
+    cmd = [sys.executable, *printed[1:], "--workdir", str(tmp_path),
            "--config.model.kwargs.hidden_sizes=(32,32)", "--config.optim.name=sgd", "--config.optim.lr=0.1",
            "--config.train.global_batch_size=32", *[f"--config.data.{k}={v}" for k, v in SYNTHETIC_1D.items()]]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
@@ -193,7 +194,8 @@ def test_parity_gpt(tmp_path):
     args = command.split()[1:]
     args[args.index("--steps") + 1] = "10"
     short = ["--config.model.kwargs.num_layers=2", "--config.model.kwargs.embed_dim=32",
-             "--config.model.kwargs.num_heads=2", "--config.data.eval_windows=32", "--workdir", str(tmp_path)]
+             "--config.model.kwargs.num_heads=2", "--config.data.eval_windows=32", "--config.train.eval_batch_size=32",
+             "--workdir", str(tmp_path)]
     done = subprocess.run([sys.executable, *args, *short], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr
     result = parity_lib.report_workdir(tmp_path)

@@ -39,7 +39,7 @@ def references(tmp_path_factory):
 @pytest.mark.parametrize("model", ["mlp", "cnn1d", "resnet"])
 def test_n_devices_equal_one_device(model, backend, references, tmp_path):
     reference = references(model)
-    for num_devices in (8, 2):
+    for num_devices in (8,) if model == "resnet" else (8, 2):  # the ResNet's 2-device runs cost CI a minute
         result = run(small_config(model, backend=backend, num_devices=num_devices), tmp_path / str(num_devices))
         assert_same_run(result, reference)
     if model != "resnet":  # five noisy steps on random images need not lower the tiny ResNet's loss

@@ -22,6 +22,9 @@ RUN_BY = {
     "python -m jdp.compare parity": "test_compare::test_parity_mlp_cli",
     "python -m jdp.compare speed": "test_compare::test_speed_cli",
     "python -m jdp.bench --predict": "test_predict::test_readme_prediction_commands_run_as_printed",
+    **dict.fromkeys(("python -m jdp.train --config configs/shakespeare_char_cpu.py", "python -m jdp.sample"),
+                    "test_lm::test_the_readme_language_model_commands_run"),
+    "python -m jdp.compare parity --config configs/shakespeare_char_cpu.py": "test_compare::test_parity_gpt",
 }
 
 
@@ -90,7 +93,8 @@ def test_the_quick_start_then_the_device_example(tmp_path):
 def test_the_running_example(tmp_path):
     """The "Running" template with NAME a shipped config, from a directory holding the configs folder."""
     (tmp_path / "configs").symlink_to(REPO / "configs")
-    command = [arg.replace("NAME", "digits_mlp") for arg in readme_command("python -m jdp.train --config configs/")]
+    template = readme_command("python -m jdp.train --config configs/NAME.py")
+    command = [arg.replace("NAME", "digits_mlp") for arg in template]
     _run(command, tmp_path)
     summary = json.loads((tmp_path / "runs" / "digits_mlp" / "metrics.jsonl").read_text().splitlines()[-1])
     assert summary["split"] == "summary" and summary["eval_accuracy"] > 0.9
