@@ -9,12 +9,12 @@ import os
 from pathlib import Path
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, content: str | bytes) -> None:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w") as f:
-            f.write(text)
+        with open(tmp, "wb" if isinstance(content, bytes) else "w") as f:
+            f.write(content)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

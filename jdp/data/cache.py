@@ -1,7 +1,10 @@
 """The cache folder where generated data is kept between runs, and atomic writes into it."""
 
+import contextlib
 import os
 from pathlib import Path
+
+from jdp.files import write_atomic
 
 
 def cache_dir() -> Path:
@@ -10,15 +13,8 @@ def cache_dir() -> Path:
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    """Written to a temporary name, fsynced and renamed, so no process ever reads a half-written file; an
-    unwritable folder only means the next process makes the data again."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
+    """`jdp.files.write_atomic` into a folder made if needed; an unwritable folder only means the next process
+    makes the data again."""
+    with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except OSError:
-        tmp.unlink(missing_ok=True)
+        write_atomic(path, data)
