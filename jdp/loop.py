@@ -17,11 +17,12 @@ from jdp import callbacks as actions_lib
 from jdp import distributed as distributed_lib
 from jdp import faults, noise_scale, storage, workdir_lock
 from jdp.checkpoint import Checkpointer
-from jdp.errors import NonFiniteLossError
+from jdp.errors import NonFiniteLossError, Preempted, ReplicaMismatchError
 from jdp.metrics import MetricsWriter, ThroughputClock
 from jdp.preemption import PreemptionRequest
 
 RESULTS_TIMEOUT_S = 120.0  # process 0 reads metrics.jsonl while the others wait for its answer
+STOPPED_TOGETHER = (NonFiniteLossError, Preempted, ReplicaMismatchError)  # every process raises these at one step
 
 
 @dataclasses.dataclass
@@ -104,6 +105,13 @@ def _train(engine: Any, options: Any, steps: int, global_batch_size: int, workdi
         halted = int(parallel.to_logical(run.state).step.addressable_data(0))
         if checkpoints is not None and halted % options.sync_every == 0:
             checkpoints.save(halted, run.state)
+        raise
+    except BaseException as e:
+        if jax.process_count() > 1 and not isinstance(e, STOPPED_TOGETHER):
+            # Only this process failed; the others wait for it in the step's collective. The checkpointer's closing
+            # barrier (a device collective) would meet theirs out of order and abort them; the checkpoints already
+            # committed stay, and the launcher stops the others.
+            checkpointer = None
         raise
     finally:
         try:

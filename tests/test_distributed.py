@@ -240,7 +240,7 @@ def test_an_exception_in_one_process_ends_the_launch(tmp_path):
           "exception")
     # Without the fix rank 1 waits in JAX's shutdown barrier, then every rank aborts (134). The whole launch takes
     # ~13 s on 2 idle cores (start-up and compilation included); the time after the exception is what the fix sets.
-    assert code == 1 and raised is not None and ended - raised < 10 and ended - t0 < 45, log[-3000:]
+    assert code == 1 and raised is not None and ended - raised < 10 and ended - t0 < 30, log[-3000:]
     assert "[launch] rank 1 exited with code 1; stopping the others" in log
     assert log.count("Traceback") == 1 and "[1] RuntimeError: JDP_KILL_AT=raise:3: a fault injected after step 3" in log
     pids = [int(pid) for pid in re.findall(r"rank \d+ pid (\d+)", log)]

@@ -251,6 +251,31 @@ def test_the_model_passed_in_holds_the_result_and_callbacks_run():
     assert model(regression_data(4)["x"]).shape == (4,)  # still usable outside jdp (no device axis left on it)
 
 
+@pytest.mark.parametrize("error, closed", [(RuntimeError("a bug in one process"), False),
+                                            (jdp.Preempted("SIGTERM at step 2"), True)])
+def test_an_error_of_one_process_skips_the_checkpointers_closing_barrier(monkeypatch, tmp_path, error, closed):
+    """Of a multi-process run, a process that alone raises must not enter orbax's closing barrier: a device
+    collective that meets the others' step collective out of order and aborts them (gloo: "Received data size
+    doesn't match expected size"), so the launch ends 134 instead of the failed process's 1. An error every
+    process raises at the same step (preemption, a non-finite loss) closes the checkpointer as usual."""
+    closes = []
+    close = checkpoint.Checkpointer.close
+    monkeypatch.setattr(checkpoint.Checkpointer, "close", lambda self: (closes.append(1), close(self)))
+
+    class FailsAtStep2:
+        every = 1
+
+        def on_step(self, step, metrics, state):
+            if step == 2:
+                monkeypatch.setattr(jax, "process_count", lambda: 2)  # from here on, one process of two
+                raise error
+
+    with pytest.raises(type(error)):
+        jdp.fit(Regressor(nnx.Rngs(0)), mse, regression_data(), optimizer=optax.sgd(0.1), steps=4,
+                global_batch_size=32, num_devices=2, callbacks=[FailsAtStep2()], workdir=tmp_path / "run")
+    assert bool(closes) == closed
+
+
 class Rows:
     """A random-access dataset: __len__ and __getitem__ returning a dict."""
 
