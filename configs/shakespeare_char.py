@@ -11,11 +11,11 @@ from jdp.configs import base
 def get_config():
     c = base.get_config()
     c.model.name = "gpt"
-    c.model.kwargs.num_layers = 6
-    c.model.kwargs.num_heads = 6
-    c.model.kwargs.embed_dim = 384
-    c.model.kwargs.dropout = 0.2
-    c.model.kwargs.bias = False  # nanoGPT's default
+    c.model.num_layers = 6
+    c.model.num_heads = 6
+    c.model.embed_dim = 384
+    c.model.dropout = 0.2
+    c.model.bias = False  # nanoGPT's default
     c.task.loss = "lm"
     c.data.name = "shakespeare"
     c.data.block_size = 256

@@ -8,10 +8,10 @@ from jdp.configs import shakespeare_char
 
 def get_config():
     c = shakespeare_char.get_config()
-    c.model.kwargs.num_layers = 4
-    c.model.kwargs.num_heads = 4
-    c.model.kwargs.embed_dim = 128
-    c.model.kwargs.dropout = 0.0
+    c.model.num_layers = 4
+    c.model.num_heads = 4
+    c.model.embed_dim = 128
+    c.model.dropout = 0.0
     c.data.block_size = 64
     c.data.eval_windows = 1024
     c.train.global_batch_size = 12

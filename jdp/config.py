@@ -25,6 +25,7 @@ DEFAULT_CONFIG = Path(configs.__file__).parent / "mnist1d_cnn.py"
 
 SCHEDULES = ("cosine", "linear", "constant")
 OPEN_SECTIONS = ("model.kwargs.",)  # keys a config may add: a user model's own settings
+MODEL_FIELDS = ("name", "kwargs", "bn_sync")  # configs/base.py's model section; any other model.X is model.kwargs.X
 # Settings that change what a run computes (its data order or its numerics): changing them when resuming a
 # workdir is refused by default. Paths, caches, lengths and periods are not among them.
 STATE_DEFINING = ("model.", "optim.", "task.", "loss_scale.", "seed", "precision", "train.global_batch_size",
@@ -152,6 +153,7 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
     if not isinstance(cfg, ml_collections.ConfigDict):
         raise ConfigError(f"config file {path}: get_config() returned a {type(cfg).__name__}; it must return an "
                           "ml_collections.ConfigDict (start from jdp.configs.base.get_config())")
+    _fold_model_settings(cfg, f"config file {path}")
     check_fields(cfg, f"config file {path}")
     if "code_dir" in cfg and not cfg.code_dir:
         cfg.code_dir = str(path.parent.absolute())
@@ -198,6 +200,34 @@ def check_fields(cfg: ml_collections.ConfigDict, where: str) -> None:
     if missing:
         raise ConfigError(f"{where} lacks {missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}; "
                           "build the config from jdp.configs.base.get_config(), which sets every key")
+
+
+def _fold_model_settings(cfg: ml_collections.ConfigDict, where: str) -> None:
+    """Moves each `model.X` that is not one of MODEL_FIELDS to `model.kwargs.X`: the model's own settings may be
+    written either way (`model.num_layers` is `model.kwargs.num_layers`)."""
+    model = cfg.get("model")
+    section = ml_collections.ConfigDict
+    if not (isinstance(model, section) and isinstance(model.get("kwargs"), section)):
+        return  # check_fields names what is missing
+    for name in [k for k in model if k not in MODEL_FIELDS]:
+        value = model[name]
+        if name in model.kwargs and model.kwargs[name] != value:
+            raise ConfigError(f"{where} sets model.{name}={value!r} and model.kwargs.{name}={model.kwargs[name]!r}, "
+                              "the same setting; keep one")
+        del model[name]
+        model.kwargs[name] = value
+
+
+def _model_setting(key: str) -> str:
+    """`model.X` on the command line -> `model.kwargs.X` for a model's own setting X (see _fold_model_settings);
+    a near miss of a jdp model field (`model.bn_synk`) is refused as a typo."""
+    section, _, name = key.partition(".")
+    if section != "model" or "." in name or name in MODEL_FIELDS:
+        return key
+    close = difflib.get_close_matches(name, MODEL_FIELDS, n=1, cutoff=0.8)
+    if close:
+        raise ConfigError(f"unknown config key --config.{key}; did you mean --config.model.{close[0]}?")
+    return f"model.kwargs.{name}"
 
 
 def _parent(cfg: ml_collections.ConfigDict, key: str) -> tuple[ml_collections.ConfigDict, str]:
@@ -255,6 +285,7 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
     """Apply `--config.a.b=v` overrides; unknown keys are refused with the closest known key."""
     known = list(_flatten(cfg.to_dict()))
     for key, raw in overrides.items():
+        key = _model_setting(key)
         is_open = key.startswith(OPEN_SECTIONS) and key.count(".") == 2
         if key not in known and not is_open:
             close = difflib.get_close_matches(key, known, n=1)

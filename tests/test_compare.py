@@ -193,8 +193,8 @@ def test_parity_gpt(tmp_path):
     assert command in (REPO / "README.md").read_text()
     args = command.split()[1:]
     args[args.index("--steps") + 1] = "10"
-    short = ["--config.model.kwargs.num_layers=2", "--config.model.kwargs.embed_dim=32",
-             "--config.model.kwargs.num_heads=2", "--config.data.eval_windows=32", "--config.train.eval_batch_size=32",
+    short = ["--config.model.num_layers=2", "--config.model.embed_dim=32",
+             "--config.model.num_heads=2", "--config.data.eval_windows=32", "--config.train.eval_batch_size=32",
              "--workdir", str(tmp_path)]
     done = subprocess.run([sys.executable, *args, *short], capture_output=True, text=True, timeout=300, cwd=REPO)
     assert done.returncode == 0, done.stdout + done.stderr

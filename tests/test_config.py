@@ -32,6 +32,27 @@ def test_a_shipped_config_by_name_and_model_kwargs_overrides():
         parse_command_line(["--config", "digits_mlp", "--config.model.kwarg.hidden_sizes=(1,)"])
 
 
+def test_model_x_is_short_for_model_kwargs_x(tmp_path):
+    """The GPT's settings as the language-model issue names them (`model.num_layers`), in a config file and on
+    the command line, land in model.kwargs, where the model is built from; both forms at odds are refused."""
+    from jdp.configs import base
+
+    assert set(base.get_config().model) == set(config_lib.MODEL_FIELDS)
+    command = parse_command_line(["--config", "shakespeare_char_cpu", "--config.model.num_layers=2",
+                                  "--config.model.kwargs.num_heads=2"])
+    model = command.cfg.model
+    assert (model.kwargs.num_layers, model.kwargs.num_heads, model.kwargs.embed_dim) == (2, 2, 128)
+    assert set(model) == set(config_lib.MODEL_FIELDS) and isinstance(model.kwargs.num_layers, int)
+    both = tmp_path / "both.py"
+    both.write_text("from jdp.configs import shakespeare_char_cpu\ndef get_config():\n"
+                    "    c = shakespeare_char_cpu.get_config()\n    c.model.kwargs.num_layers = 3\n    return c\n")
+    with pytest.raises(config_lib.ConfigError, match=r"sets model.num_layers=4 and model.kwargs.num_layers=3, the "
+                                                     r"same setting; keep one"):
+        parse_command_line(["--config", str(both)])
+    with pytest.raises(config_lib.ConfigError, match=r"did you mean --config.model.bn_sync\?"):
+        parse_command_line(["--config.model.bn_synk=false"])
+
+
 def test_overrides_parse_as_the_fields_type():
     command = parse_command_line(["--config.train.steps=7", "--config.optim.lr", "0.5",
                                   "--config.model.bn_sync=false", "--config.model.kwargs.hidden_sizes=(8, 4)",

@@ -269,8 +269,8 @@ def test_the_readme_language_model_commands_run(tmp_path):
     train, sample = (next(c for c in commands if c.startswith(f"python -m jdp.{m}")) for m in ("train", "sample"))
     short = ["--config.train.steps=60", "--config.train.eval_every=60", "--config.optim.warmup_steps=10",
              "--config.optim.lr=1e-2", "--config.data.eval_windows=128", "--config.sample.tokens=40",
-             "--config.model.kwargs.num_layers=1", "--config.model.kwargs.embed_dim=32",
-             "--config.model.kwargs.num_heads=2"]
+             "--config.model.num_layers=1", "--config.model.embed_dim=32",
+             "--config.model.num_heads=2"]
     out = subprocess.run([sys.executable, *shlex.split(train)[1:], *short], cwd=tmp_path, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -99,8 +99,8 @@ def prepare_config(cfg, *, workers: int, steps: int):
     cfg = copy.deepcopy(cfg)
     check_supported(cfg, workers)
     if cfg.model.kwargs.get("dropout", 0.0):
-        raise ValueError(f"model.kwargs.dropout={cfg.model.kwargs.dropout}: the two sides draw different dropout "
-                         "masks; compare with --config.model.kwargs.dropout=0")
+        raise ValueError(f"model.dropout={cfg.model.kwargs.dropout}: the two sides draw different dropout "
+                         "masks; compare with --config.model.dropout=0")
     cfg.train.steps = steps
     cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, steps - 1)
     cfg.train.update(log_every=1, eval_every=steps, log_grad_norm=True)
