@@ -15,6 +15,7 @@
 # Output: $OUT if set, else ./gpu_check/: gpu_check.log (the result lines), gpu_check.json (the figures) and
 # gpu_check_full.log (every step's whole output). Scratch (checkpoints, reports) goes to a temporary folder.
 # Wheels in .whl/ (scripts/gpu_wheels.sh) are put on PYTHONPATH: nothing is installed.
+# GPU_CHECK_ONLY="versions gpt summary" runs the named steps only (scripts/gpu_bench.sh: the GPT against torch).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_check}
@@ -39,6 +40,7 @@ say() { echo "$*" | tee -a "$log"; }
 step() {
   local name=$1 limit=$2 needs=$3 pattern=$4
   shift 4
+  [[ -z ${GPU_CHECK_ONLY:-} || " $GPU_CHECK_ONLY " == *" $name "* ]] || return 0
   local left=$((budget - ($(date +%s) - start)))
   if [[ $needs == gpu && $backend != gpu ]]; then
     say "[$name] no GPU (JAX backend: ${backend:-none})"
