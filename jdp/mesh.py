@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
@@ -12,10 +14,23 @@ from jdp.errors import UsageError
 DATA_AXIS = "data"
 
 
+ONE_THREAD_PER_DEVICE = "--xla_cpu_multi_thread_eigen=false"
+
+
 def simulate_cpu_devices(count: int) -> None:
-    """Ask XLA:CPU for `count` devices; must run before JAX touches a device (0 leaves JAX alone)."""
-    if count > 0:
-        jax.config.update("jax_num_cpu_devices", count)
+    """Ask XLA:CPU for `count` devices; must run before JAX touches a device (0 leaves JAX alone).
+
+    When the devices fill the cores (count >= usable cores), each device's ops also run on one thread: the
+    devices then compute side by side instead of contending for XLA's shared intra-op pool, which on 2 cores
+    made the GPT's all-reduce wait 17.5 ms for the slower device instead of 2.3 ms (docs/benchmarks.md).
+    A setting of the flag already in XLA_FLAGS wins."""
+    if count <= 0:
+        return
+    jax.config.update("jax_num_cpu_devices", count)
+    current = os.environ.get("XLA_FLAGS", "")
+    flag = ONE_THREAD_PER_DEVICE.split("=")[0]
+    if count >= len(os.sched_getaffinity(0)) and flag not in current:
+        os.environ["XLA_FLAGS"] = f"{current} {ONE_THREAD_PER_DEVICE}".strip()
 
 
 def make_mesh(num_devices: int = 0) -> Mesh:

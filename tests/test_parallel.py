@@ -10,6 +10,7 @@ import numpy as np
 import optax
 import pytest
 
+from jdp import mesh as mesh_lib
 from jdp.train import build
 from tests.helpers import logits_and_state, small_config
 
@@ -109,3 +110,20 @@ def test_the_next_batch_is_on_the_devices_before_the_host_waits_for_a_step(tmp_p
     waits = [i for i, event in enumerate(events) if event == "wait"]
     for k in range(1, steps):  # the k-th wait is for step k's metrics
         assert events[: waits[k - 1]].count("put") == k + 1, events
+
+
+def test_simulated_devices_that_fill_the_cores_run_one_thread_each(monkeypatch):
+    """With as many simulated devices as cores, XLA's intra-op threads are turned off so that the devices
+    compute side by side (without it the GPT's 2-device step waited 17.5 ms in its all-reduce, not 2.3 ms);
+    fewer devices than cores keep XLA's thread pool, and a setting of the user's in XLA_FLAGS wins."""
+    asked = []
+    monkeypatch.setattr(jax.config, "update", lambda name, value: asked.append((name, value)))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    one_thread = mesh_lib.ONE_THREAD_PER_DEVICE
+    user_choice = "--xla_cpu_multi_thread_eigen=true"
+    for count, flags, expected in [(0, "", ""), (1, "", ""), (2, "", one_thread),
+                                   (8, "--xla_a=1", f"--xla_a=1 {one_thread}"), (2, user_choice, user_choice)]:
+        monkeypatch.setenv("XLA_FLAGS", flags)
+        mesh_lib.simulate_cpu_devices(count)
+        assert os.environ["XLA_FLAGS"] == expected, (count, flags)
+    assert asked == [("jax_num_cpu_devices", n) for n in (1, 2, 8, 2)]
