@@ -269,9 +269,11 @@ def test_unsupported_settings_are_refused():
 
 
 def test_speed_cli(tmp_path):
-    """The README's command as printed, on a smaller MLP, synthetic data, 4 steps and one repeat."""
+    """The README's command as printed, on a smaller MLP, synthetic data, 4 steps and one repeat; with two torch
+    threads per rank and one jdp device, which reach the two sides."""
     cmd = [sys.executable, *readme_command("python -m jdp.compare speed")[1:], "--workdir", str(tmp_path),
            "--steps", "4", "--repeats", "1", "--backends", "shard_map,jit", "--compile_cache", "--timeout", "120",
+           "--torch_threads", "2", "--jdp_devices", "1",
            "--config.model.kwargs.hidden_sizes=(32,32)", "--config.train.global_batch_size=32",
            *[f"--config.data.{k}={v}" for k, v in SYNTHETIC_1D.items()]]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
@@ -285,3 +287,7 @@ def test_speed_cli(tmp_path):
     for name in ("speed.md", "speed.json", "speed.png"):
         assert (tmp_path / name).stat().st_size > 0
     assert "| shard_map |" in (tmp_path / "speed.md").read_text()
+    stored = json.loads((tmp_path / "speed.json").read_text())
+    assert [r["torch_threads"] for r in stored["runs"] if r["run"] == "ddp"] == [2]
+    assert json.loads((tmp_path / "runs" / "jit-0" / "config.json").read_text())["parallel"]["cpu_devices"] == 1
+    assert "DDP: 2 rank(s), 2 torch threads each; jdp: one process, 1 device(s)." in (tmp_path / "speed.md").read_text()

@@ -47,6 +47,11 @@ def _parser() -> argparse.ArgumentParser:
     speed.add_argument("--torch_compile", action="store_true",
                        help="torch.compile the twin (with --config.precision=bf16 on cuda: bf16 autocast, nanoGPT's "
                             "recipe)")
+    speed.add_argument("--torch_threads", type=int, default=1,
+                       help="torch threads per DDP rank (default 1: one rank per core, as DDP runs on a CPU)")
+    speed.add_argument("--jdp_devices", type=int,
+                       help="simulated CPU devices of the jdp process (default: --workers); e.g. --workers 1 "
+                            "--torch_threads 2 --jdp_devices 2 gives each side one process and two cores")
     speed.add_argument("--compile_cache", action="store_true",
                        help="keep jdp's persistent compilation cache (default: off, so compile time is cold)")
     return parser
@@ -62,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
         overrides = config_lib.parse_overrides(rest)
         path = Path(args.config) if args.config else config_lib.DEFAULT_CONFIG
         cfg = config_lib.apply_overrides(config_lib.load_config_file(path), overrides)
-        if args.workers < 1:
-            raise config_lib.ConfigError("--workers must be at least 1")
+        if min(args.workers, getattr(args, "torch_threads", 1), getattr(args, "jdp_devices", None) or 1) < 1:
+            raise config_lib.ConfigError("--workers, --torch_threads and --jdp_devices must be at least 1")
         name = path.stem
         command = "python -m jdp.compare " + " ".join(shlex.quote(a) for a in argv)
         if args.command == "parity":
@@ -101,7 +106,8 @@ def main(argv: list[str] | None = None) -> int:
         result = speed(cfg, name=name, workers=args.workers, workdir=workdir, steps=args.steps,
                        repeats=args.repeats, backends=backends, timeout_s=args.timeout,
                        compile_cache=args.compile_cache, device=args.device, command=command,
-                       torch_compile=args.torch_compile)
+                       torch_compile=args.torch_compile, torch_threads=args.torch_threads,
+                       jdp_devices=args.jdp_devices)
         print(f"report: {Path(workdir) / 'speed.md'}")
         ddp = next(r for r in result.rows if r["run"] == "ddp")
         print("; ".join(f"{r['run']} {r['examples_per_sec']:,.0f} ex/s ({r['ratio_vs_ddp']:.2f}x)"

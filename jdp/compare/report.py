@@ -171,8 +171,9 @@ def write_speed(s: Speed, workdir: Path) -> None:
     lines = [
         f"# Speed: jdp vs PyTorch DDP, {s.name}",
         "",
-        f"{m['model']}, global batch {m['global_batch_size']}, {m['workers']} workers, {m['steps']} steps per "
-        f"run, {m['repeats']} interleaved repeats (medians shown); float32 on {m['device']}.",
+        f"{m['model']}, global batch {m['global_batch_size']}, {m['steps']} steps per run, {m['repeats']} "
+        f"interleaved repeats (medians shown); float32 on {m['device']}. DDP: {m['workers']} rank(s)"
+        f"{_threads(m)}; jdp: one process, {m.get('jdp_devices', m['workers'])} device(s).",
         "",
         f"Machine: {_machine_line(info)}. Load average (1 min) around the runs: median "
         f"{m['load_avg_1min_median']:.1f}, max {m['load_avg_1min_max']:.1f} on {info['cores']} cores"
@@ -197,7 +198,8 @@ def write_speed(s: Speed, workdir: Path) -> None:
         "library start-up, data, model and (jdp) compilation"
         + (" with the persistent compilation cache on" if m.get("compile_cache") else ", with no compilation cache")
         + ". DDP's includes spawning the workers and the gloo rendezvous.",
-        f"- peak RSS: ru_maxrss. jdp is one process driving {m['workers']} simulated devices, so both of its "
+        f"- peak RSS: ru_maxrss. jdp is one process driving {m.get('jdp_devices', m['workers'])} devices, so both "
+        "of its "
         f"figures are that one process; DDP's per-worker figure is the largest of its {m['workers']} worker "
         "processes (each holds its own copy of the model, data and torch), and its total adds every worker's "
         "and the launcher's.",
@@ -208,6 +210,14 @@ def write_speed(s: Speed, workdir: Path) -> None:
     (workdir / "speed.md").write_text("\n".join(lines) + "\n")
     (workdir / "speed.json").write_text(json.dumps({**dataclasses.asdict(s), "machine": info}, indent=1))
     plot_speed(s, workdir / "speed.png")
+
+
+def _threads(meta: dict) -> str:
+    """", 2 torch threads each" on a CPU (older reports: 1)."""
+    if meta["device"] != "cpu":
+        return ""
+    n = meta.get("torch_threads", 1)
+    return f", {n} torch thread{'s' if n > 1 else ''} each"
 
 
 def plot_speed(s: Speed, path: Path) -> None:

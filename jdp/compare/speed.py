@@ -67,13 +67,13 @@ def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: 
 
 
 def _run_ddp(cfg, run_dir: Path, init: Path, lrs: list[float], workers: int, timeout_s: float,
-             device: str, torch_compile: bool = False) -> dict:
+             device: str, torch_compile: bool = False, threads: int = 1) -> dict:
     from jdp import config as config_lib
 
     config_lib.save_config(cfg, run_dir / "config.json")
     spec = {"config": str(run_dir / "config.json"), "workers": workers, "steps": cfg.train.steps,
             "init": str(init), "lrs": lrs, "out": str(run_dir), "mode": "speed",
-            "device": device, "threads": 1, "timeout_s": timeout_s,
+            "device": device, "threads": threads, "timeout_s": timeout_s,
             "launch_time": time.time(), "compile": torch_compile, "autocast": cfg.precision == "bf16"}
     (run_dir / "spec.json").write_text(json.dumps(spec))
     finished = procs.run(["-m", "jdp.compare.ddp", str(run_dir / "spec.json")], log=run_dir / "log.txt",
@@ -84,20 +84,25 @@ def _run_ddp(cfg, run_dir: Path, init: Path, lrs: list[float], workers: int, tim
     return {"examples_per_sec": result["examples_per_sec"],
             "time_to_first_step_s": result["time_to_first_step_s"],
             "peak_rss_mib_per_worker": max(rss), "peak_rss_mib_total": sum(rss) + finished.peak_rss_mib,
-            "losses": result["losses"], "wall_s": finished.seconds}
+            "losses": result["losses"], "wall_s": finished.seconds, "torch_threads": result["threads"]}
 
 
 def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = None, repeats: int = 3,
           backends: tuple[str, ...] = tuple(BACKENDS), timeout_s: float = 600, compile_cache: bool = False,
-          device: str = "cpu", command: str = "", echo=print, torch_compile: bool = False) -> Speed:
+          device: str = "cpu", command: str = "", echo=print, torch_compile: bool = False, torch_threads: int = 1,
+          jdp_devices: int | None = None) -> Speed:
     """Runs everything into `workdir` and writes speed.md, speed.json and speed.png. On cuda with
-    precision=bf16 the twin runs under bf16 autocast; `torch_compile` compiles it (nanoGPT's recipe)."""
+    precision=bf16 the twin runs under bf16 autocast; `torch_compile` compiles it (nanoGPT's recipe).
+    On a CPU each DDP rank runs `torch_threads` threads and jdp simulates `jdp_devices` devices (default:
+    `workers`) in its one process."""
     from jdp import config as config_lib
     from jdp.compare import report
 
     cfg = prepare_config(cfg, workers=workers, steps=steps, compile_cache=compile_cache, device=device)
     if device == "cuda":
         cfg.parallel.update(cpu_devices=0, num_devices=workers)
+    elif jdp_devices:
+        cfg.parallel.cpu_devices = jdp_devices
     workdir = Path(workdir).resolve()
     shutil.rmtree(workdir / "runs", ignore_errors=True)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -116,7 +121,8 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
             run_dir.mkdir(parents=True)
             load_before = os.getloadavg()[0]
             if kind == "ddp":
-                figures = _run_ddp(cfg, run_dir, workdir / "init.npz", lrs, workers, timeout_s, device, torch_compile)
+                figures = _run_ddp(cfg, run_dir, workdir / "init.npz", lrs, workers, timeout_s, device, torch_compile,
+                                   torch_threads)
             else:
                 figures = _run_jdp(cfg, kind, run_dir, timeout_s, compile_cache)
             runs.append({"run": kind, "repeat": rep, **figures, "load_avg_1min": [load_before, os.getloadavg()[0]]})
@@ -140,6 +146,7 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
                      "peak_rss_mib_total": _median([r["peak_rss_mib_total"] for r in mine])})
     loads = [load for r in runs for load in r["load_avg_1min"]]
     meta = {"config": name, "model": cfg.model.name, "workers": workers, "steps": cfg.train.steps,
+            "torch_threads": torch_threads, "jdp_devices": cfg.parallel.cpu_devices or cfg.parallel.num_devices,
             "load_avg_1min_median": _median(loads), "load_avg_1min_max": max(loads),
             "repeats": repeats, "global_batch_size": batch, "tokens_per_example": tokens, "device": device,
             "compile_cache": compile_cache, "precision": cfg.precision, "torch_compile": torch_compile,
