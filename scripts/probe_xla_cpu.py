@@ -3,6 +3,7 @@
     python scripts/probe_xla_cpu.py allreduce   # in-process pmean of 7.5 MB vs the same sum on one device
     python scripts/probe_xla_cpu.py matmul      # MLP 784-1024-1024-10 gradient: examples/s by batch rows
     python scripts/probe_xla_cpu.py conv        # the 2-D CNN's fwd+bwd: XLA conv vs im2col variants
+    python scripts/probe_xla_cpu.py gpt         # the CPU GPT's fwd+bwd with each GELU, and its top operations
 """
 
 from __future__ import annotations
@@ -108,6 +109,64 @@ def conv() -> None:
               f"max relative gradient difference {diff:.1e}")
 
 
+def gpt() -> None:
+    """configs/shakespeare_char_cpu.py's GPT at its batch (12 x 64 tokens): fwd+bwd with jax.nn.gelu (erfc form)
+    and with jdp's gelu (PyTorch's erf form), interleaved, then the top operations of a profile of each."""
+    import collections
+    import glob
+    import importlib
+    import re
+    import tempfile
+
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    gpt_module = importlib.import_module("jdp.models.gpt")  # jdp.models.gpt the attribute is the builder
+    tokens = np.random.default_rng(0).integers(0, 65, (12, 65)).astype(np.int32)
+    x, y = jnp.asarray(tokens[:, :-1]), jnp.asarray(tokens[:, 1:])
+    gelus = {"jax.nn.gelu(approximate=False)": lambda v: jax.nn.gelu(v, approximate=False),
+             "jdp.models.gpt.gelu": gpt_module.gelu}
+    steps = {}
+    for name, gelu in gelus.items():
+        gpt_module.gelu = gelu  # read when the MLP is traced
+        model = gpt_module.GPT(65, 64, num_layers=4, num_heads=4, embed_dim=128, bias=False, rngs=nnx.Rngs(0))
+        graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+        def loss(params, x, y, graphdef=graphdef, rest=rest):
+            logits = nnx.merge(graphdef, params, rest)(x)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+        steps[name] = (jax.jit(jax.value_and_grad(loss)), params)
+        jax.block_until_ready(steps[name][0](params, x, y))
+    gpt_module.gelu = gelus["jdp.models.gpt.gelu"]
+    times = collections.defaultdict(list)
+    for _ in range(5):
+        for name, (step, params) in steps.items():
+            times[name].append(timed_ms(step, params, x, y, reps=10))
+    for name, (step, params) in steps.items():
+        print(f"{name}: fwd+bwd {statistics.median(times[name]):.1f} ms (median of 5 x 10 steps)")
+        with tempfile.TemporaryDirectory() as trace:
+            with jax.profiler.trace(trace):
+                for _ in range(10):
+                    jax.block_until_ready(step(params, x, y))
+            profile = jax.profiler.ProfileData.from_file(glob.glob(f"{trace}/**/*.xplane.pb", recursive=True)[0])
+        total = collections.Counter()
+        for plane in profile.planes:
+            for line in plane.lines:
+                if line.name.startswith(("tf_XLAEigen", "tf_XLAPjRt")):
+                    for event in line.events:
+                        if "ThunkExecutor" not in event.name:
+                            total[event.name] += event.duration_ns / 10
+        hlo = step.lower(params, x, y).compile().as_text()
+        print(f"  XLA thread time per step {sum(total.values()) / 1e6:.1f} ms; top operations:")
+        for op, ns in total.most_common(6):
+            found = re.search(rf"^  %{re.escape(op)} = (\S+) .*?op_name=\"([^\"]+)\"", hlo, re.M)
+            shape, origin = found.groups() if found else ("", "")
+            print(f"  {ns / 1e6:6.2f} ms  {op:24s} {shape:22s} {origin}")
+
+
 if __name__ == "__main__":
     jax.config.update("jax_num_cpu_devices", 2)
-    {"allreduce": allreduce, "matmul": matmul, "conv": conv}[sys.argv[1]]()
+    {"allreduce": allreduce, "matmul": matmul, "conv": conv, "gpt": gpt}[sys.argv[1]]()

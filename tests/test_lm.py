@@ -1,5 +1,6 @@
 """Language models: the text source, the GPT, its loss, sampling, and the README's language-model commands."""
 
+import functools
 import json
 import math
 import shlex
@@ -17,7 +18,7 @@ from flax import nnx
 from jdp import bench
 from jdp.data import DataError, build_source
 from jdp.data.text import Vocabulary, shakespeare_from_markdown
-from jdp.models.gpt import GPT
+from jdp.models.gpt import GPT, gelu
 from jdp.sample import Sampler
 from jdp.train import build, run
 from tests.helpers import TINY_TEXT, records, small_config
@@ -164,6 +165,16 @@ def test_the_explicit_attention_path_equals_the_fused_one_at_dropout_0():
     model.train()  # with dropout the model runs the explicit path, and the masks change the output
     tokens = jnp.arange(8)[None] % 11
     assert np.abs(forward(model, tokens) - forward(model, tokens)).max() > 1e-6
+
+
+def test_the_gelu_is_the_exact_gelu_in_values_and_gradients():
+    """jdp's GELU is PyTorch's erf form (its gradient is far cheaper on XLA:CPU than jax.nn.gelu's erfc form);
+    it must stay the exact GELU, not the tanh approximation (which differs by up to ~5e-4)."""
+    x = jnp.linspace(-8.0, 8.0, 4001)
+    exact = functools.partial(jax.nn.gelu, approximate=False)
+    np.testing.assert_allclose(gelu(x), exact(x), rtol=0, atol=2e-6)
+    np.testing.assert_allclose(jax.vmap(jax.grad(gelu))(x), jax.vmap(jax.grad(exact))(x), rtol=0, atol=2e-6)
+    assert gelu(x.astype(jnp.bfloat16)).dtype == jnp.bfloat16
 
 
 def test_gpt2_initialisation_and_tied_head():
