@@ -198,10 +198,9 @@ def write_speed(s: Speed, workdir: Path) -> None:
         "library start-up, data, model and (jdp) compilation"
         + (" with the persistent compilation cache on" if m.get("compile_cache") else ", with no compilation cache")
         + ". DDP's includes spawning the workers and the gloo rendezvous.",
-        f"- peak RSS: ru_maxrss. jdp is one process driving {m.get('jdp_devices', m['workers'])} devices, so both "
-        "of its "
-        f"figures are that one process; DDP's per-worker figure is the largest of its {m['workers']} worker "
-        "processes (each holds its own copy of the model, data and torch), and its total adds every worker's "
+        f"- peak RSS: ru_maxrss. jdp is one process driving {m.get('jdp_devices', m['workers'])} devices, so "
+        f"both of its figures are that one process; DDP's per-worker figure is the largest of its {m['workers']} "
+        "worker processes (each holds its own copy of the model, data and torch), and its total adds every worker's "
         "and the launcher's.",
         f"- per-run figures: speed.json. Command: `{m['command']}`",
         "",
