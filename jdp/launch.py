@@ -8,7 +8,8 @@ loopback only, not on every interface) and, with --cpu_devices, that many simula
 `[0] ...`. SIGINT and SIGTERM are passed on to every child (a jdp.train child checkpoints and exits 75); after a
 second one, children still running --grace_s later get SIGKILL.
 When a child fails, the others get SIGTERM, then SIGKILL after --grace_s, and the launcher exits with the
-failed child's code (128+N for a death by signal N); otherwise with the first non-zero code, or 0.
+failed child's code (128+N for a death by signal N); otherwise with the first non-zero code, or 0. Of children
+found failed together, the one that failed by itself is reported, not one that stopped because of it (4, 134).
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ _CLEARED = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "J
             "JAX_COORDINATOR_BIND_ADDRESS")
 _PR_SET_PDEATHSIG = 1
 PREEMPTED = 75  # jdp.train's exit code after a SIGTERM/SIGINT and a checkpoint
+# Exit codes that report another process's failure: jdp.train's 4 (a peer or the coordinator is gone) and
+# SIGABRT (JAX's heartbeat, or gloo when a peer's connection breaks mid-collective).
+PEER_FAILED = (4, 128 + signal.SIGABRT)
 
 
 def free_port() -> int:
@@ -59,6 +63,13 @@ def _die_with_parent() -> None:
 def exit_code(returncode: int) -> int:
     """Popen's returncode as a shell would report it: -N (killed by signal N) -> 128+N."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def first_failure(returncodes: list[int | None], expected: tuple[int | None, ...]) -> tuple[int, int] | None:
+    """(rank, returncode) of the failure to report among children polled together, or None: a process that
+    failed by itself rather than one that stopped because another failed (PEER_FAILED), else the lowest rank."""
+    failed = [(rank, code) for rank, code in enumerate(returncodes) if code not in expected]
+    return min(failed, key=lambda failure: exit_code(failure[1]) in PEER_FAILED, default=None)
 
 
 class Launcher:
@@ -129,7 +140,7 @@ class Launcher:
                 codes = [child.poll() for child in self.children]
                 # After a forwarded SIGINT/SIGTERM, exit code 75 (checkpointed) is the expected way out.
                 expected = (None, 0, PREEMPTED) if self._signals else (None, 0)
-                failed = next(((rank, code) for rank, code in enumerate(codes) if code not in expected), None)
+                failed = first_failure(codes, expected)
                 if failed is not None:
                     rank, code = failed
                     self.say(f"rank {rank} exited with code {exit_code(code)}; stopping the others")
