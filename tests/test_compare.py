@@ -268,6 +268,18 @@ def test_unsupported_settings_are_refused():
         parity_lib.check_supported(cfg, 2)
 
 
+@pytest.mark.parametrize("command", ["parity", "speed"])
+def test_a_value_out_of_range_is_one_line_before_any_side_starts(command, tmp_path, capsys):
+    """Without the check in jdp.compare's main, the jdp side's subprocess failed with a traceback (exit 3)."""
+    from jdp.compare.__main__ import EXIT_USAGE, main
+
+    code = main([command, "--config", "configs/synthetic_mlp.py", "--workers", "1", "--workdir", str(tmp_path),
+                 "--config.optim.lr=-1"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "optim.lr=-1.0 must be positive" in err and "Traceback" not in err
+    assert not (tmp_path / "logs").exists()
+
+
 def test_speed_cli(tmp_path):
     """The README's command as printed, on a smaller MLP, synthetic data, 4 steps and one repeat; with two torch
     threads per rank and one jdp device, which reach the two sides."""

@@ -67,6 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = config_lib.parse_overrides(rest)
         path = Path(args.config) if args.config else config_lib.DEFAULT_CONFIG
         cfg = config_lib.apply_overrides(config_lib.load_config_file(path), overrides)
+        config_lib.check_ranges(cfg)  # here, in one line, rather than in a side's traceback
         if min(args.workers, getattr(args, "torch_threads", 1), getattr(args, "jdp_devices", None) or 1) < 1:
             raise config_lib.ConfigError("--workers, --torch_threads and --jdp_devices must be at least 1")
         name = path.stem
