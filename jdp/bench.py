@@ -183,14 +183,16 @@ def run_bench(cfg, devices: list[int], steps: int, repeats: int, peak_tflops: fl
         row.update(precision=cfg.precision, device_kind=kind)
         rows.append(row)
     base = next((r for r in rows if r["devices"] == 1), None)
+    single_jit_s = statistics.median(baseline_times) if single_jit is not None else None
     for r in rows:
         r["efficiency"] = r["examples_per_sec"] / (r["devices"] * base["examples_per_sec"]) if base else None
-        r["vs_single_device_jit"] = (r["examples_per_sec"] * statistics.median(baseline_times) / single_jit.batch_size
+        r["vs_single_device_jit"] = (r["examples_per_sec"] * single_jit_s / single_jit.batch_size
                                      if single_jit is not None else None)
         # Model FLOPs utilisation against the peak: the GPT's model FLOPs per token x tokens/sec per device;
         # XLA's FLOP count of one device's step over its time (the only figure for other models).
-        if peak and r.get("flops"):
+        if peak:
             r["peak_tflops"] = peak
+        if peak and r.get("flops"):
             r["mfu_xla"] = r["flops"] / r["step_s"] / (peak * 1e12)
         if peak and r.get("model_flops_per_token"):
             r["mfu"] = r["model_flops_per_token"] * r["tokens_per_sec"] / r["devices"] / (peak * 1e12)

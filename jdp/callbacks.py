@@ -185,10 +185,9 @@ class ReplicaCheck(Every):
         self.run = run
 
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
-        self.run.clock.pause()  # not training time; the first check also compiles the checksum program
-        leaf = self.run.parallel.first_differing_leaf({"params": state.params, "model_state": state.model_state,
-                                                       "rng_state": state.rng_state})
-        self.run.clock.start()
+        with self.run.clock.paused():  # the first check also compiles the checksum program
+            leaf = self.run.parallel.first_differing_leaf({"params": state.params, "model_state": state.model_state,
+                                                           "rng_state": state.rng_state})
         if leaf is not None:
             raise ReplicaMismatchError(f"replicas differ at step {step}: first differing parameter {leaf}")
 
@@ -202,13 +201,12 @@ class Checkpoints(Every):
         self.stalls: list[float] = []
 
     def save(self, step: int, state: Any) -> None:
-        self.run.clock.pause()
-        t = time.perf_counter()
-        # Informative: a source reads any step directly.
-        position = {"step": step, "epoch": step // self.run.source.steps_per_epoch}
-        self.checkpointer.save(step, self.run.parallel.to_logical(state), position)
-        self.stalls.append(time.perf_counter() - t)
-        self.run.clock.start()
+        with self.run.clock.paused():
+            t = time.perf_counter()
+            # Informative: a source reads any step directly.
+            position = {"step": step, "epoch": step // self.run.source.steps_per_epoch}
+            self.checkpointer.save(step, self.run.parallel.to_logical(state), position)
+            self.stalls.append(time.perf_counter() - t)
 
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
         self.save(step, state)
@@ -226,12 +224,11 @@ class Evaluation(Every):
         self.metrics: dict[str, float] = {}
 
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
-        self.run.clock.pause()
-        result = self.run.parallel.evaluate(state, self.run.source.eval_batches())
-        if result:
-            self.metrics = result
-            self.run.writer.eval(step, result)
-        self.run.clock.start()
+        with self.run.clock.paused():
+            result = self.run.parallel.evaluate(state, self.run.source.eval_batches())
+            if result:
+                self.metrics = result
+                self.run.writer.eval(step, result)
 
 
 class Profile(Action):

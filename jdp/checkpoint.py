@@ -20,6 +20,7 @@ import orbax.checkpoint as ocp
 
 from jdp import digest
 from jdp import distributed as distributed_lib
+from jdp.errors import one_line
 from jdp.faults import kill_if_requested, signal_if_requested
 from jdp.storage import QuietDiskFailures
 
@@ -118,7 +119,7 @@ class Checkpointer:
         try:
             data = self._manager.restore(step, args=ocp.args.Composite(data=_DataRestore()))["data"]
         except Exception as e:  # noqa: BLE001 - unreadable: damage
-            return None, None, _first_line(e)
+            return None, None, one_line(e)
         self._check_format(step, data)
         digests = data.get("digests")  # absent from checkpoints written before digests: restored unchecked
         if digests is not None:
@@ -127,7 +128,7 @@ class Checkpointer:
             state = self._manager.restore(step, args=ocp.args.Composite(
                 state=ocp.args.StandardRestore(abstract_state)))["state"]
         except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
-            return None, data, _first_line(e)
+            return None, data, one_line(e)
         problem = digest.mismatch(digests, jax.tree.map(np.asarray, state)) if digests is not None else None
         return (None if problem else state), data, problem
 
@@ -167,8 +168,3 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"[:400]

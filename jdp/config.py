@@ -16,7 +16,7 @@ from pathlib import Path
 import ml_collections
 
 from jdp import configs
-from jdp.errors import UsageError
+from jdp.errors import UsageError, one_line
 from jdp.files import write_atomic
 from jdp.parallel import BACKENDS
 from jdp.step import ALLREDUCE_DTYPES, COMPUTE_DTYPES, NONFINITE_POLICIES
@@ -142,13 +142,13 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
     except SyntaxError as e:
         raise ConfigError(f"config file {path} line {e.lineno}: {e.msg}; fix the file") from None
     except Exception as e:  # noqa: BLE001 - the user's file failed: say where, in one line
-        raise ConfigError(f"config file {path}{_where(e, path)}: {_first_line(e)}; fix the file") from None
+        raise ConfigError(f"config file {path}{_where(e, path)}: {one_line(e)}; fix the file") from None
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path} defines no get_config(); it must return an ml_collections.ConfigDict")
     try:
         cfg = module.get_config()
     except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"config file {path}{_where(e, path)}: get_config() raised {_first_line(e)}; "
+        raise ConfigError(f"config file {path}{_where(e, path)}: get_config() raised {one_line(e)}; "
                           "fix the file") from None
     if not isinstance(cfg, ml_collections.ConfigDict):
         raise ConfigError(f"config file {path}: get_config() returned a {type(cfg).__name__}; it must return an "
@@ -165,11 +165,6 @@ def _where(error: Exception, path: Path) -> str:
     lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
              if Path(frame.filename).resolve() == path.resolve()]
     return f" line {lines[-1]}" if lines else ""
-
-
-def _first_line(error: Exception) -> str:
-    text = str(error).strip().splitlines()
-    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 def check_fields(cfg: ml_collections.ConfigDict, where: str) -> None:
@@ -291,10 +286,7 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
             close = difflib.get_close_matches(key, known, n=1)
             hint = f"did you mean --config.{close[0]}?" if close else "see configs/base.py for the keys"
             raise ConfigError(f"unknown config key --config.{key}; {hint}")
-        node = cfg
-        *parents, leaf = key.split(".")
-        for part in parents:
-            node = node[part]
+        node, leaf = _parent(cfg, key)
         node[leaf] = _parse_value(key, raw, node[leaf]) if leaf in node else _literal(raw)
     return cfg
 
@@ -390,7 +382,7 @@ def load_saved_config(path: Path) -> ml_collections.ConfigDict:
     try:
         saved = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ConfigError(f"{path} is not a readable jdp config ({_first_line(e)}); {fix}") from None
+        raise ConfigError(f"{path} is not a readable jdp config ({one_line(e)}); {fix}") from None
     if not isinstance(saved, dict):
         raise ConfigError(f"{path} holds a {type(saved).__name__}, not a jdp config; {fix}")
     flat = _flatten(saved)

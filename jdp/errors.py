@@ -1,6 +1,12 @@
 """The errors jdp reports as one line, and the exit code each maps to in `python -m jdp.train`."""
 
 
+def one_line(error: BaseException) -> str:
+    """`Type: first line of the message` (at most 400 characters): another error, quoted in one of jdp's lines."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:400]
+
+
 class UsageError(ValueError):
     """Bad input (arguments, config, data, workdir): one line naming what is wrong and the fix (exit 2)."""
 

@@ -9,7 +9,7 @@ loopback only, not on every interface) and, with --cpu_devices, that many simula
 second one, children still running --grace_s later get SIGKILL.
 When a child fails, the others get SIGTERM, then SIGKILL after --grace_s, and the launcher exits with the
 failed child's code (128+N for a death by signal N); otherwise with the first non-zero code, or 0. Of children
-found failed together, the one that failed by itself is reported, not one that stopped because of it (4, 134).
+found failed together, the one that failed by itself is reported, not one that stopped because of it (5, 134).
 """
 
 from __future__ import annotations
@@ -26,14 +26,15 @@ import threading
 import time
 from typing import IO
 
+from jdp.preemption import EXIT_PREEMPTED
+
 # Variables of other conventions that would take precedence over the launcher's in jdp.distributed.
 _CLEARED = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS",
             "JAX_COORDINATOR_BIND_ADDRESS")
 _PR_SET_PDEATHSIG = 1
-PREEMPTED = 75  # jdp.train's exit code after a SIGTERM/SIGINT and a checkpoint
-# Exit codes that report another process's failure: jdp.train's 4 (a peer or the coordinator is gone) and
-# SIGABRT (JAX's heartbeat, or gloo when a peer's connection breaks mid-collective).
-PEER_FAILED = (4, 128 + signal.SIGABRT)
+# Exit codes that report another process's failure: jdp.train's 5 (EXIT_DISTRIBUTED: a peer or the coordinator
+# is gone) and SIGABRT (JAX's heartbeat, or gloo when a peer's connection breaks mid-collective).
+PEER_FAILED = (5, 128 + signal.SIGABRT)
 
 
 def free_port() -> int:
@@ -139,7 +140,7 @@ class Launcher:
             while True:
                 codes = [child.poll() for child in self.children]
                 # After a forwarded SIGINT/SIGTERM, exit code 75 (checkpointed) is the expected way out.
-                expected = (None, 0, PREEMPTED) if self._signals else (None, 0)
+                expected = (None, 0, EXIT_PREEMPTED) if self._signals else (None, 0)
                 failed = first_failure(codes, expected)
                 if failed is not None:
                     rank, code = failed

@@ -38,8 +38,8 @@ def train(engine: Any, options: Any, steps: int, global_batch_size: int,
           on_start: Callable[[int], None] | None = None) -> Outcome:
     """Runs `engine` (a `jdp.trainer.Engine`) to `steps` with `options` (`jdp.FitOptions`), holding the workdir's
     lock (`jdp.workdir_lock`) throughout. `on_start(step)` is called with the step the run starts (or resumed)
-    from, before the loop writes anything to the workdir; a run already at `steps` writes nothing. A full disk
-    or an I/O error raises `DiskError`."""
+    from, before the loop writes anything to the workdir; a run already at `steps` writes no more than a final eval
+    or summary line it lacks. A full disk or an I/O error raises `DiskError`."""
     workdir = Path(options.workdir) if options.workdir is not None else None
     with workdir_lock.held(workdir) if workdir is not None else contextlib.nullcontext():
         checkpointer = None

@@ -3,10 +3,12 @@ lines, and a steady-state throughput clock that leaves out compile, eval and che
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from tqdm import tqdm
@@ -15,7 +17,7 @@ from jdp.files import write_atomic
 
 
 class ThroughputClock:
-    """Counts examples per second of training only: pause it around eval and checkpoints."""
+    """Counts examples per second of training only: `paused()` around eval, checkpoints and checks."""
 
     def __init__(self) -> None:
         self.examples, self.seconds = 0, 0.0
@@ -36,14 +38,22 @@ class ThroughputClock:
         self.examples += examples
         self._interval_examples += examples
 
-    def interval_rate(self) -> float | None:
-        """Examples/sec since the previous call (the clock keeps running); None before any timed step."""
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Not training time (eval, checkpoints, checks): stopped for the block, then running again if it was."""
         running = self._started is not None
         self.pause()
-        rate = self._interval_examples / self._interval_seconds if self._interval_examples else None
-        self._interval_examples, self._interval_seconds = 0, 0.0
-        if running:
-            self.start()
+        try:
+            yield
+        finally:
+            if running:
+                self.start()
+
+    def interval_rate(self) -> float | None:
+        """Examples/sec since the previous call (the clock keeps running); None before any timed step."""
+        with self.paused():
+            rate = self._interval_examples / self._interval_seconds if self._interval_examples else None
+            self._interval_examples, self._interval_seconds = 0, 0.0
         return rate
 
     def rate(self) -> float:

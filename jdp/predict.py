@@ -170,10 +170,11 @@ def gradient_bytes(cfg, input_shape: tuple[int, ...] | None = None, num_classes:
 
 
 def measure_step_s(cfg, steps: int, repeats: int) -> float:
-    """Median over `repeats` of jdp.bench's single-device step time at the config's global batch."""
+    """Median over `repeats` of jdp.bench's single-device step time at the config's global batch (compiled once)."""
     from jdp import bench
 
-    return statistics.median(bench.measure(cfg, 1, steps, stats=False)["step_s"] for _ in range(repeats))
+    variant = bench.Variant(cfg, 1)
+    return statistics.median(variant.time(steps) for _ in range(repeats))
 
 
 def _shape(text: str) -> tuple[int, ...]:

@@ -191,7 +191,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
                 grads_sum, model_state, counts, sums_sum, weight_sum = carry
                 (_, (sums, weight, model_state, counts)), grads = grad_fn(
                     state.params, model_state, counts, micro, **loss_options)
-                micro_sq = mean_grad_sq(grads, weight) if o.noise_small_batches else jnp.float32(0)
+                micro_sq = mean_grad_sq(grads, weight) if o.noise_small_batches == "micro_batches" else jnp.float32(0)
                 return (jax.tree.map(jnp.add, grads_sum, grads), model_state, counts,
                         jax.tree.map(jnp.add, sums_sum, sums), weight_sum + weight), micro_sq
 

@@ -18,7 +18,7 @@ from flax import nnx
 from jdp import config as config_lib
 from jdp import data as data_lib
 from jdp import models, trainer
-from jdp.errors import UsageError
+from jdp.errors import UsageError, one_line
 from jdp.mesh import DATA_AXIS, make_mesh
 from jdp.modeldef import LossFn
 from jdp.optim import OPTIMIZERS, build_optimizer
@@ -96,9 +96,7 @@ def abstract_model(make_model: Callable[[], nnx.Module]) -> nnx.Module:
     except ValueError as e:  # the model's own checks of its settings and input shape
         raise config_lib.ConfigError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - a model (maybe the user's) that cannot be built: one line
-        text = str(e).strip().splitlines()
-        raise config_lib.ConfigError(f"the model cannot be built: {type(e).__name__}: {text[0] if text else ''}; "
-                                     "fix model.kwargs") from None
+        raise config_lib.ConfigError(f"the model cannot be built: {one_line(e)}; fix model.kwargs") from None
 
 
 def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None) -> Task:

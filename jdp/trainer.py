@@ -25,7 +25,7 @@ from jdp import distributed as distributed_lib
 from jdp import loop, storage, zero
 from jdp import optim as optim_lib
 from jdp.data.batching import Batcher
-from jdp.errors import UsageError
+from jdp.errors import UsageError, one_line
 from jdp.mesh import DATA_AXIS, make_mesh, replicated
 from jdp.modeldef import LossFn, ModelDef
 from jdp.parallel import BACKENDS, DataParallel
@@ -335,7 +335,7 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
             outputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), outputs)
         except Exception as e:  # noqa: BLE001 - the user's code failed on the batch: say where, in one line
             raise FitError(f"{name}(model, batch) failed on a batch with keys {sorted(rows)}: "
-                           f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+                           f"{one_line(e)}") from e
         batch_rows = next(iter(local.values())).shape[0]
         if not isinstance(outputs, dict) or "loss" not in outputs:
             raise FitError(f"{name} must return a dict with a 'loss' entry (one value per example); it returned "

@@ -26,7 +26,7 @@ from jdp.errors import UsageError
 
 LOCK_NAME = "jdp.lock"
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
-_held: dict[Path, list] = {}  # workdir -> [descriptor or None, depth]: locks are per process by nature
+_held: set[Path] = set()  # workdirs this process holds: a nested `held` of one of them takes nothing more
 
 
 class WorkdirLocked(UsageError):
@@ -38,11 +38,7 @@ def held(workdir: str | Path, timeout_s: float = 120.0) -> Iterator[None]:
     """The workdir's lock for the duration of the block, on every process of the run."""
     workdir = Path(workdir).absolute()
     if workdir in _held:
-        _held[workdir][1] += 1
-        try:
-            yield
-        finally:
-            _held[workdir][1] -= 1
+        yield
         return
     fd, problem = None, ""
     if jax.process_index() == 0:
@@ -51,11 +47,11 @@ def held(workdir: str | Path, timeout_s: float = 120.0) -> Iterator[None]:
     problem = distributed_lib.broadcast("workdir lock", problem, timeout_s)
     if problem:
         raise WorkdirLocked(problem)
-    _held[workdir] = [fd, 1]
+    _held.add(workdir)
     try:
         yield
     finally:
-        del _held[workdir]
+        _held.discard(workdir)
         if fd is not None:
             os.close(fd)  # releases the lock; the file stays (unlinking it would race with a new run opening it)
 

@@ -110,8 +110,9 @@ def conv() -> None:
 
 
 def gpt() -> None:
-    """configs/shakespeare_char_cpu.py's GPT at its batch (12 x 64 tokens): fwd+bwd with jax.nn.gelu (erfc form)
-    and with jdp's gelu (PyTorch's erf form), interleaved, then the top operations of a profile of each."""
+    """The GPT of configs/shakespeare_char_cpu.py (4 layers, 4 heads, width 128) at its batch of 12 x 64 tokens,
+    with tiny_shakespeare's 65 symbols: fwd+bwd with jax.nn.gelu (erfc form) and with jdp's gelu (PyTorch's
+    erf form), interleaved, then the top operations of a profile of each."""
     import collections
     import glob
     import importlib

@@ -248,11 +248,14 @@ def test_an_exception_in_one_process_ends_the_launch(tmp_path):
 
 
 def test_the_launcher_reports_the_process_that_failed_not_the_ones_it_stopped():
-    """Two children found failed in one poll: the cause is reported, not a peer that aborted (134) or exited 4
+    """Two children found failed in one poll: the cause is reported, not a peer that aborted (134) or exited 5
     because of it; otherwise the lowest rank. CI once saw rank 0's abort reported instead of rank 1's exit 1."""
+    from jdp.train import EXIT_DISTRIBUTED
+
+    assert EXIT_DISTRIBUTED in launch.PEER_FAILED
     assert launch.first_failure([-signal.SIGABRT, 1], (None, 0)) == (1, 1)
-    assert launch.first_failure([4, 1], (None, 0)) == (1, 1)
-    assert launch.first_failure([1, 4], (None, 0)) == (0, 1)
+    assert launch.first_failure([5, 1], (None, 0)) == (1, 1)
+    assert launch.first_failure([1, 5], (None, 0)) == (0, 1)
     assert launch.first_failure([-signal.SIGABRT, None], (None, 0)) == (0, -signal.SIGABRT)
     assert launch.first_failure([-signal.SIGKILL, 1], (None, 0)) == (0, -signal.SIGKILL)
     assert launch.first_failure([0, None, 75], (None, 0, 75)) is None

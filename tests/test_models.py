@@ -188,3 +188,9 @@ def test_unknown_model_name():
     with pytest.raises(ValueError, match="model.name='vgg' is unknown.*mlp.*resnet50"):
         _build(_cfg("vgg"), (8, 8, 1))
     assert MODELS.names() == ("mlp", "cnn1d", "cnn2d", "resnet18", "resnet34", "resnet50", "gpt")
+
+
+def test_a_resnet_width_is_one_positive_int():
+    """A tuple passed the old check of sizes and then broke the ResNet."""
+    with pytest.raises(ValueError, match=r"model.kwargs.width=\(64,\) must be a positive int"):
+        build_model("resnet18", {"width": (64,), "stage_sizes": (1, 1)}, (8, 8, 3), 10, seed=0)

@@ -105,3 +105,11 @@ def test_readme_prediction_commands_run_as_printed():
     assert [int(r[1]) for r in rows] == [1, 8, 64, 512]
     assert [r[7].strip() for r in rows[1:3]] == ["98.4%", "27.8%"]  # the figures the README quotes
     assert all(c.name in validated for c in predict_validation.CASES)
+
+
+def test_without_step_ms_the_step_is_measured_on_one_device():
+    """`--predict` without `--step_ms` times jdp.bench's one-device step (it had called a removed function)."""
+    cfg = load_config_file("configs/synthetic_mlp.py")
+    cfg.model.kwargs.hidden_sizes = (16,)
+    cfg.train.global_batch_size = 16
+    assert 0 < predict.measure_step_s(cfg, steps=2, repeats=2) < 5

@@ -68,8 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.config) if args.config else config_lib.DEFAULT_CONFIG
         cfg = config_lib.apply_overrides(config_lib.load_config_file(path), overrides)
         config_lib.check_ranges(cfg)  # here, in one line, rather than in a side's traceback
-        if min(args.workers, getattr(args, "torch_threads", 1), getattr(args, "jdp_devices", None) or 1) < 1:
-            raise config_lib.ConfigError("--workers, --torch_threads and --jdp_devices must be at least 1")
+        if args.workers < 1:
+            raise config_lib.ConfigError("--workers must be at least 1")
         name = path.stem
         command = "python -m jdp.compare " + " ".join(shlex.quote(a) for a in argv)
         if args.command == "parity":
@@ -99,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
             result = report_speed(workdir)
             print(f"report: {Path(workdir) / 'speed.md'}")
             return EXIT_OK
+        if args.torch_threads < 1 or (args.jdp_devices is not None and args.jdp_devices < 1):
+            raise config_lib.ConfigError("--torch_threads and --jdp_devices must be at least 1")
         backends = tuple(b for b in args.backends.split(",") if b)
         unknown = set(backends) - set(BACKENDS)
         if unknown:

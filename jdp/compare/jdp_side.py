@@ -51,13 +51,11 @@ def parity(cfg, out: Path, devices: int) -> None:
     from jdp.mesh import simulate_cpu_devices
     from jdp.metrics import read_metrics
     from jdp.params_file import flatten
-    from jdp.train import run
+    from jdp.train import enable_compilation_cache, run
 
     if devices:
         simulate_cpu_devices(devices)
-    if cfg.compile_cache_dir and not jax.config.jax_compilation_cache_dir:  # as jdp.train.main does
-        import os
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cfg.compile_cache_dir))
+    enable_compilation_cache(cfg.compile_cache_dir)
     write_init(cfg, out)
     cfg.init_from = str(out / "init.npz")
     workdir = out / "jdp_run"

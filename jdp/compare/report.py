@@ -212,7 +212,7 @@ def write_speed(s: Speed, workdir: Path) -> None:
 
 
 def _threads(meta: dict) -> str:
-    """", 2 torch threads each" on a CPU (older reports: 1)."""
+    """The DDP ranks' torch threads on a CPU, e.g. ", 2 torch threads each" (reports before the option: 1)."""
     if meta["device"] != "cpu":
         return ""
     n = meta.get("torch_threads", 1)

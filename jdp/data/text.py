@@ -23,6 +23,7 @@ import numpy as np
 
 from jdp.data.batching import Batcher, DataError, RowDataset
 from jdp.data.cache import cache_dir, write_atomically
+from jdp.files import write_atomic
 
 if TYPE_CHECKING:
     import ml_collections
@@ -162,7 +163,9 @@ class Vocabulary:
         return json.dumps({"tokenizer": self.tokenizer, "symbols": self.symbols}, ensure_ascii=False)
 
     def save(self, path: Path) -> None:
-        write_atomically(path, self.to_json().encode("utf-8"))
+        """Into `path`, its folder made if needed; a failure to write raises (resume and sampling need it)."""
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: Path) -> Vocabulary:
@@ -202,7 +205,8 @@ class TokenWindows(RowDataset):
         return {"x": windows[:, :-1], "y": windows[:, 1:]}
 
 
-def vocabulary_for(cfg: ml_collections.ConfigDict, raw: bytes, workdir: Path | None) -> Vocabulary:
+def vocabulary_for(cfg: ml_collections.ConfigDict, raw: bytes, workdir: Path | None,
+                   process_index: int) -> Vocabulary:
     """The workdir's saved vocabulary if it has one (a run and its resume share it), else the text's own,
     saved there by process 0."""
     saved = workdir / VOCAB_FILE if workdir is not None else None
@@ -213,16 +217,9 @@ def vocabulary_for(cfg: ml_collections.ConfigDict, raw: bytes, workdir: Path | N
                             f"{cfg.tokenizer}; use a new --workdir")
         return vocab
     vocab = Vocabulary.of_text(cfg.tokenizer, raw)
-    if saved is not None and _is_process_zero():
-        saved.parent.mkdir(parents=True, exist_ok=True)
+    if saved is not None and process_index == 0:
         vocab.save(saved)
     return vocab
-
-
-def _is_process_zero() -> bool:
-    import jax
-
-    return jax.process_index() == 0
 
 
 def text_source(cfg: ml_collections.ConfigDict, *, seed: int, global_batch_size: int, eval_batch_size: int,
@@ -234,7 +231,7 @@ def text_source(cfg: ml_collections.ConfigDict, *, seed: int, global_batch_size:
     if block < 1:
         raise DataError(f"data.block_size={block} must be at least 1")
     raw = read_text(text_path(cfg.name))
-    vocab = vocabulary_for(cfg, raw, workdir)
+    vocab = vocabulary_for(cfg, raw, workdir, process_index)
     tokens = vocab.encode(raw, f"the text of data.name={cfg.name}")
     tokens.setflags(write=False)
     split = int(len(tokens) * TRAIN_FRACTION)

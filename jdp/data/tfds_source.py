@@ -167,8 +167,6 @@ class _Records:
         return pairs
 
 
-
-
 class _DecodedCache:
     """Decoded small images of one split, filled as rows are first read.
 

@@ -72,7 +72,9 @@ def _resnet(name: str) -> Callable[..., ResNet]:
               stem: str = "auto", bn_momentum: float = 0.9, rngs: nnx.Rngs) -> ResNet:
         """`stage_sizes` () = the standard stages of the depth; `stem` auto = cifar for images of <= 64 px."""
         h, _, c = _image_shape(input_shape)
-        _sizes("width", width, (64,))
+        if isinstance(width, bool) or not isinstance(width, int) or width <= 0:
+            raise ValueError(f"model.kwargs.width={width!r} must be a positive int; set e.g. "
+                             "--config.model.kwargs.width=64")
         stage_sizes = _sizes("stage_sizes", stage_sizes, (2, 2, 2, 2))
         if not 0 <= bn_momentum <= 1:
             raise ValueError(f"model.kwargs.bn_momentum={bn_momentum} must be in [0, 1]; e.g. 0.9")
@@ -99,14 +101,12 @@ def gpt(*, input_shape: tuple[int, ...], num_classes: int, num_layers: int = 6, 
 
 
 def build_model(name: str, kwargs: dict[str, Any], input_shape: tuple[int, ...], num_classes: int, *,
-                seed: int, dtype: Any = None) -> nnx.Module:
+                seed: int) -> nnx.Module:
     """The model `name` names (registered, or an import path), built with `kwargs` for inputs of
-    `input_shape` (no batch axis) and `num_classes` outputs; `dtype` (the compute dtype) goes to a model
-    whose signature names it, unless `kwargs` sets it."""
+    `input_shape` (no batch axis) and `num_classes` outputs."""
     factory = MODELS.get(name)
     parameters = _parameters(factory)
-    given = {key: value for key, value in (("input_shape", tuple(input_shape)), ("num_classes", num_classes),
-                                           ("dtype", dtype))
+    given = {key: value for key, value in (("input_shape", tuple(input_shape)), ("num_classes", num_classes))
              if key in parameters and key not in kwargs}
     try:
         return factory(**kwargs, **given, rngs=nnx.Rngs(seed))
