@@ -9,22 +9,28 @@ from typing import TYPE_CHECKING
 __version__ = "0.1.0"
 
 # Imported on first use: `python -m jdp.train` installs its signal handler before JAX's seconds of imports.
-_EXPORTS = {"Batcher": "jdp.data.batching", "DiskError": "jdp.errors", "NonFiniteLossError": "jdp.errors",
-            "Preempted": "jdp.errors", "ReplicaMismatchError": "jdp.errors", "UsageError": "jdp.errors",
-            "TrainState": "jdp.step",
-            **{name: "jdp.trainer" for name in ("Callback", "FitError", "FitOptions", "FitResult", "Source", "fit")}}
+_EXPORTS = {"Batcher": "jdp.data.batching", "TrainState": "jdp.step",
+            **{name: "jdp.errors" for name in ("DiskError", "FitError", "NonFiniteLossError", "Preempted",
+                                               "ReplicaMismatchError", "UsageError")},
+            **{name: "jdp.trainer" for name in ("Callback", "FitOptions", "FitResult", "Source", "fit")},
+            **{name: "jdp.reopen" for name in ("evaluate", "restore")}}
 
 if TYPE_CHECKING:
     from jdp.data.batching import Batcher
-    from jdp.errors import DiskError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
+    from jdp.errors import DiskError, FitError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
+    from jdp.reopen import evaluate, restore
+    from jdp.reopen import export as export
     from jdp.step import TrainState
-    from jdp.trainer import Callback, FitError, FitOptions, FitResult, Source, fit
+    from jdp.trainer import Callback, FitOptions, FitResult, Source, fit
 
 __all__ = ["Batcher", "Callback", "DiskError", "FitError", "FitOptions", "FitResult", "NonFiniteLossError",
-           "Preempted", "ReplicaMismatchError", "Source", "TrainState", "UsageError", "fit", "initialize"]
+           "Preempted", "ReplicaMismatchError", "Source", "TrainState", "UsageError", "evaluate", "export", "fit",
+           "initialize", "restore"]
 
 
 def __getattr__(name: str) -> object:
+    if name == "export":  # the module of python -m jdp.export, callable as jdp.export(workdir, path)
+        return importlib.import_module("jdp.export")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'jdp' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)

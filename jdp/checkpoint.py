@@ -59,6 +59,12 @@ class _DataRestore(ocp.args.CheckpointArgs):
     item: Any = None
 
 
+def _as_dict_path(path: str) -> str:
+    """A digest's path in the TrainState (`.params['w']`) as the path in the dict orbax restores (`['params']['w']`)."""
+    field, bracket, rest = path[1:].partition("[")
+    return f"['{field}']{bracket}{rest}"
+
+
 class Checkpointer:
     def __init__(self, directory: Path, *, keep: int, every_steps: int) -> None:
         self.directory = directory.absolute()
@@ -112,6 +118,37 @@ class Checkpointer:
             raise CheckpointError(f"no usable checkpoint in {self.directory}: {problems[0]}; restore the files, "
                                   "or move the directory away to start afresh")
         return None
+
+    def restore_arrays(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
+        """The latest (or `step`'s) checkpoint as the dict of numpy arrays it holds, without the optimizer whose
+        state it also holds; the model's parts (params, model_state, rng_state) checked against their digests."""
+        steps = self.steps()
+        if not steps or (step is not None and step not in steps):
+            raise CheckpointError(f"no checkpoint {'' if step is None else f'of step {step} '}in {self.directory}"
+                                  + (f" (it holds steps {', '.join(map(str, steps))})" if steps else ""))
+        step = steps[-1] if step is None else step
+        # Restored as numpy, whatever devices saved it: orbax's pytree handler, which takes a restore type per leaf.
+        reader = ocp.CheckpointManager(self.directory, item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                                                                      "data": _DataHandler()},
+                                       options=ocp.CheckpointManagerOptions(create=False))
+        try:
+            tree = reader.item_metadata(step)["state"].tree
+            as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+            restored = reader.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(restore_args=as_numpy), data=_DataRestore()))
+        except Exception as e:  # noqa: BLE001 - unreadable: say which and why
+            raise CheckpointError(f"checkpoint {self.directory / str(step)} is unusable: {one_line(e)}") from None
+        finally:
+            reader.close()
+        self._check_format(step, restored["data"])
+        arrays = jax.tree.map(np.asarray, dict(restored["state"]))
+        digests = restored["data"].get("digests")
+        if digests is not None:
+            model_part = {k: arrays[k] for k in ("params", "model_state", "rng_state")}
+            problem = digest.mismatch({_as_dict_path(path): v for path, v in digests.items()}, model_part)
+            if problem:
+                raise CheckpointError(f"checkpoint {self.directory / str(step)} is unusable: {problem}")
+        return step, arrays
 
     def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict | None, str | None]:
         """(state, data item, None), or what is wrong with checkpoint `step`: (None, data item or None if it is

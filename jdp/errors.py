@@ -11,6 +11,11 @@ class UsageError(ValueError):
     """Bad input (arguments, config, data, workdir): one line naming what is wrong and the fix (exit 2)."""
 
 
+class FitError(UsageError):
+    """Bad input to `jdp.fit` or `jdp.restore`, found before anything compiles (or a resume that would change the
+    run): one line naming it and the fix."""
+
+
 class NonFiniteLossError(RuntimeError):
     """The loss or gradient was not finite and the run halted, its state from before saved (exit 3)."""
 

@@ -1,5 +1,6 @@
-"""`python -m jdp.export --workdir W --out params.npz`: a run's parameters and BatchNorm statistics
-in a framework-neutral .npz (`jdp.params_file`), which `--config.init_from=params.npz` starts a run from.
+"""`python -m jdp.export --workdir W --out params.npz`: a run's parameters and BatchNorm statistics (of a
+`python -m jdp.train` run, or of a `jdp.fit` run whose model is importable: `jdp.export` in Python) in a
+framework-neutral .npz (`jdp.params_file`), which `--config.init_from=params.npz` starts a run from.
 
 Key names: `params/<module path>/<name>` and `model_state/<module path>/<name>`, path parts joined
 by "/", e.g. `params/layers/0/kernel` (Dense kernels are (in, out); conv kernels are HWIO or WIO),
@@ -10,13 +11,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import types
 from pathlib import Path
 
-import numpy as np
-
 from jdp import config as config_lib
+from jdp import reopen
 from jdp.checkpoint import CheckpointError
-from jdp.params_file import flatten
+from jdp.errors import FitError
+from jdp.reopen import write_params_file
 from jdp.resume import restore_for_inference
 
 
@@ -28,17 +30,29 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
-        step, built, state = restore_for_inference(args.workdir)
-    except (config_lib.ConfigError, CheckpointError) as e:
+        if (args.workdir / "config.json").exists():  # a python -m jdp.train run: rebuilt from its config
+            step, built, state = restore_for_inference(args.workdir)
+            built.source.close()
+            host = built.parallel.to_host(state)  # RNG streams are left out: they are not weights
+            write_params_file(args.out, host.params, host.model_state, step)
+        else:  # a jdp.fit run whose record names an importable model
+            step, _ = reopen.export(args.workdir, args.out)
+    except (config_lib.ConfigError, CheckpointError, FitError) as e:
         print(f"jdp.export: {e}", file=sys.stderr)
         return 2
-    built.source.close()
-    host = built.parallel.to_host(state)  # RNG streams are left out: they are not weights
-    arrays = {**flatten(host.params, "params"), **flatten(host.model_state, "model_state"), "step": np.int64(step)}
-    np.savez(args.out, **arrays)
-    print(f"wrote {args.out}: {len(arrays) - 1} arrays from step {step} of {args.workdir}")
+    print(f"wrote {args.out}: the parameters and model state of step {step} of {args.workdir}")
     return 0
 
+
+class _CallableModule(types.ModuleType):
+    """`jdp.export` names both this command's module and the function `jdp.export(workdir, path)`: once the
+    module is imported it is the package's attribute, so the module itself calls `jdp.reopen.export`."""
+
+    def __call__(self, *args: object, **kwargs: object) -> tuple[int, int]:
+        return reopen.export(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -15,9 +15,10 @@ import jax
 
 from jdp import callbacks as actions_lib
 from jdp import distributed as distributed_lib
-from jdp import faults, noise_scale, storage, workdir_lock
+from jdp import faults, noise_scale, runinfo, storage, workdir_lock
+from jdp import record as record_lib
 from jdp.checkpoint import Checkpointer
-from jdp.errors import NonFiniteLossError, Preempted, ReplicaMismatchError
+from jdp.errors import FitError, NonFiniteLossError, Preempted, ReplicaMismatchError
 from jdp.metrics import MetricsWriter, ThroughputClock
 from jdp.preemption import PreemptionRequest
 
@@ -35,11 +36,12 @@ class Outcome:
 
 
 def train(engine: Any, options: Any, steps: int, global_batch_size: int,
-          on_start: Callable[[int], None] | None = None) -> Outcome:
+          on_start: Callable[[int], None] | None = None, fit_record: dict | None = None) -> Outcome:
     """Runs `engine` (a `jdp.trainer.Engine`) to `steps` with `options` (`jdp.FitOptions`), holding the workdir's
-    lock (`jdp.workdir_lock`) throughout. `on_start(step)` is called with the step the run starts (or resumed)
-    from, before the loop writes anything to the workdir; a run already at `steps` writes no more than a final eval
-    or summary line it lacks. A full disk or an I/O error raises `DiskError`."""
+    lock (`jdp.workdir_lock`) throughout. A resumed run is checked against the workdir's record first
+    (`jdp.record`), and `fit_record` is written as its record. `on_start(step)` is called with the step the run
+    starts (or resumed) from, before the loop writes anything else to the workdir; a run already at `steps` writes
+    no more than a final eval or summary line it lacks. A full disk or an I/O error raises `DiskError`."""
     workdir = Path(options.workdir) if options.workdir is not None else None
     with workdir_lock.held(workdir) if workdir is not None else contextlib.nullcontext():
         checkpointer = None
@@ -49,7 +51,7 @@ def train(engine: Any, options: Any, steps: int, global_batch_size: int,
             checkpointer = (Checkpointer(workdir / "checkpoints", keep=options.keep_checkpoints,
                                          every_steps=options.checkpoint_every) if workdir is not None else None)
             return _train(engine, options, steps, global_batch_size, workdir, checkpointer,
-                          on_start or (lambda start: None))
+                          on_start or (lambda start: None), fit_record)
         except Exception as e:
             failure = storage.disk_failure(e)
             if failure is None or workdir is None:
@@ -59,11 +61,14 @@ def train(engine: Any, options: Any, steps: int, global_batch_size: int,
 
 
 def _train(engine: Any, options: Any, steps: int, global_batch_size: int, workdir: Path | None,
-           checkpointer: Checkpointer | None, on_start: Callable[[int], None]) -> Outcome:
+           checkpointer: Checkpointer | None, on_start: Callable[[int], None], fit_record: dict | None) -> Outcome:
     t_start = time.perf_counter()
     parallel, source = engine.parallel, engine.source
     is_main = jax.process_index() == 0
-    start, logical = _restore_or_init(engine, checkpointer, print if is_main else lambda *_: None)
+    echo = print if is_main else lambda *_: None
+    start, logical = _restore_or_init(engine, checkpointer, echo)
+    if fit_record is not None:
+        _check_and_record(fit_record, workdir, start, steps, options.allow_config_change, parallel.mesh, echo)
     on_start(start)
     # A run with nothing left to do only reports, and writes no more than a final eval or summary line it lacks.
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=is_main)
@@ -124,6 +129,29 @@ def _train(engine: Any, options: Any, steps: int, global_batch_size: int, workdi
             writer.close()
     final = parallel.to_host(parallel.to_logical(run.state))
     return Outcome(int(final.step), log.losses, evaluation.metrics, run.clock.rate(), final)
+
+
+def _check_and_record(fit_record: dict, workdir: Path, start: int, steps: int, allow_change: bool, mesh: Any,
+                      echo: Callable[[str], None]) -> None:
+    """A resumed run whose record differs from the workdir's where it changes the numerics or the data order is
+    refused (FitError), unless `allow_change`; a run that goes on writes its record. Process 0 reads the file and
+    every process gets its answer."""
+    old = record_lib.read(workdir) if start > 0 and jax.process_index() == 0 else None
+    found = (record_lib.changes(old, fit_record), old["steps"]) if old is not None else ([], steps)
+    changed, old_steps = json.loads(distributed_lib.broadcast("record checked", json.dumps(found), RESULTS_TIMEOUT_S))
+    if changed and not allow_change:
+        raise FitError(f"{workdir} holds a run with other settings that change the numerics or the data order "
+                       f"({'; '.join(changed)}); use a new workdir, or pass allow_config_change=True "
+                       "(--config.checkpoint.allow_config_change=True)")
+    if changed:
+        echo(f"warning: resuming {workdir} with other settings (allow_config_change): {'; '.join(changed)}")
+    if start >= steps:
+        return  # a finished run's rerun records nothing
+    if old_steps != steps:
+        echo(f"warning: steps changed from {old_steps} to {steps}: the run is extended from step {start}; a "
+             "learning-rate schedule built from steps changes from here on (its fingerprint is not compared)")
+    if jax.process_index() == 0:
+        record_lib.write(workdir, fit_record, runinfo.run_metadata(mesh))
 
 
 def _missing_results(run: actions_lib.Run, eval_every: int) -> tuple[bool, bool]:

@@ -5,12 +5,20 @@ The model is split once into graph definitions (one in training mode, one in eva
 - `params`: the `nnx.Param` leaves, differentiated and updated;
 - `model_state`: everything else but RNG streams (BatchNorm statistics), averaged across replicas;
 - `rng_state`: each RNG stream's key (stored as its raw `key_data`, so checkpoints and collectives see
-  plain uint32) and counter. Keys are never averaged or cast.
+  plain uint32) and counter. Keys are never averaged or cast. A key may have leading axes (one per layer of
+  vmapped or scanned layers, `nnx.split_rngs`): every fold applies to each of its keys.
+
+Values sown with `Module.sow` (`nnx.Intermediate`) are outputs of one call, not state: they are dropped.
+
+A loss that takes a third positional parameter, or a keyword `rngs`, is called as `loss_fn(model, batch, rngs)`
+with an `nnx.Rngs` whose every stream name resolves (Flax's call-time style, e.g. `nnx.Dropout(rate)` built
+without `rngs`); its key is a function of (seed, step, micro-batch, device or group).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -19,8 +27,36 @@ import jax.numpy as jnp
 from flax import nnx
 
 Tree = Any
-LossFn = Callable[[nnx.Module, dict[str, jax.Array]], dict[str, jax.Array]]
-_GROUPS = (nnx.Param, nnx.RngKey, nnx.RngCount, ...)  # split order: params, keys, counts, the rest
+LossFn = Callable[..., dict[str, jax.Array]]  # (model, batch) or (model, batch, rngs) -> per-example outputs
+# split order: params, keys, counts, sown values (dropped), the rest
+_GROUPS = (nnx.Param, nnx.RngKey, nnx.RngCount, nnx.Intermediate, ...)
+
+
+def takes_rngs(loss_fn: Callable) -> bool:
+    """Whether `loss_fn` takes an `nnx.Rngs`: a third positional parameter, or a keyword named `rngs`."""
+    try:
+        parameters = list(inspect.signature(loss_fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C callable: the two-argument form
+        return False
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return (len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
+            or any(p.name == "rngs" and p.kind == p.KEYWORD_ONLY for p in parameters))
+
+
+def call_loss(loss_fn: LossFn, module: nnx.Module, batch: dict[str, jax.Array], key: jax.Array) -> dict:
+    """`loss_fn(module, batch)`, or with `rngs` (an `nnx.Rngs` of `key`, made here: inside the differentiated
+    function, as NNX requires) when it takes them."""
+    if not takes_rngs(loss_fn):
+        return loss_fn(module, batch)
+    rngs = nnx.Rngs(default=key)
+    positional = [p for p in inspect.signature(loss_fn).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    return loss_fn(module, batch, rngs) if len(positional) >= 3 else loss_fn(module, batch, rngs=rngs)
+
+
+def fold_in(key: jax.Array, value: jax.Array | int) -> jax.Array:
+    """`jax.random.fold_in` for a key array of any shape: each key of vmapped or scanned layers alike."""
+    return jax.random.fold_in(key, value) if key.ndim == 0 else jax.vmap(lambda k: fold_in(k, value))(key)
 
 
 def set_batchnorm_axis(model: nnx.Module, axis_name: str | None) -> dict[nnx.BatchNorm, str | None]:
@@ -57,10 +93,13 @@ class ModelDef:
     train_graph: nnx.GraphDef
     eval_graph: nnx.GraphDef
     key_impls: tuple[Any, ...]  # the PRNG implementation of each RNG key, in tree order
+    seed: int = 0  # of the call-time `rngs` a loss may take
 
     @classmethod
-    def of(cls, model: nnx.Module, bn_axis: str | None) -> ModelDef:
-        """The graphs of `model` (concrete or from `nnx.eval_shape`), with its BatchNorms on `bn_axis`."""
+    def of(cls, model: nnx.Module, bn_axis: str | None, seed: int = 0) -> ModelDef:
+        """The graphs of `model` (concrete or from `nnx.eval_shape`), with its BatchNorms on `bn_axis`; values
+        sown by an earlier call are removed from it."""
+        nnx.pop(model, nnx.Intermediate)
         before = set_batchnorm_axis(model, bn_axis)
         try:
             model.train()
@@ -71,14 +110,21 @@ class ModelDef:
         finally:
             restore_batchnorm_axis(before)
         keys = jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.RngKey)))
-        return cls(train_graph, eval_graph, tuple(_key_impl(k) for k in keys))
+        return cls(train_graph, eval_graph, tuple(_key_impl(k) for k in keys), seed)
 
     @staticmethod
     def split(model: nnx.Module, seed: int) -> tuple[Tree, Tree, Tree]:
         """(params, model_state, rng_state) of `model` as pure dicts; `seed` is folded into every stream."""
-        _, params, keys, counts, rest = nnx.split(model, *_GROUPS)
-        keys = jax.tree.map(lambda k: jax.random.key_data(jax.random.fold_in(k, seed)), nnx.to_pure_dict(keys))
+        _, params, keys, counts, _, rest = nnx.split(model, *_GROUPS)
+        keys = jax.tree.map(lambda k: jax.random.key_data(fold_in(k, seed)), nnx.to_pure_dict(keys))
         return nnx.to_pure_dict(params), nnx.to_pure_dict(rest), {"keys": keys, "counts": nnx.to_pure_dict(counts)}
+
+    def call_key(self, folds: tuple[jax.Array, ...]) -> jax.Array:
+        """The key of a loss's call-time `rngs`: the seed with `folds` (step, micro-batch, device...) folded in."""
+        key = jax.random.key(self.seed)
+        for value in folds:
+            key = jax.random.fold_in(key, value)
+        return key
 
     def _keys(self, key_data: Tree, folds: tuple[jax.Array, ...]) -> Tree:
         leaves, treedef = jax.tree.flatten(key_data)
@@ -86,7 +132,7 @@ class ModelDef:
         for data, impl in zip(leaves, self.key_impls, strict=True):
             key = jax.random.wrap_key_data(data, impl=impl)
             for value in folds:
-                key = jax.random.fold_in(key, value)
+                key = fold_in(key, value)
             keys.append(key)
         return jax.tree.unflatten(treedef, keys)
 
@@ -98,8 +144,8 @@ class ModelDef:
 
     @staticmethod
     def updated_state(module: nnx.Module) -> tuple[Tree, Tree]:
-        """(model_state, rng counts) of a module after it ran."""
-        _, _, _, counts, rest = nnx.split(module, *_GROUPS)
+        """(model_state, rng counts) of a module after it ran; what it sowed is dropped."""
+        _, _, _, counts, _, rest = nnx.split(module, *_GROUPS)
         return nnx.to_pure_dict(rest), nnx.to_pure_dict(counts)
 
     def load_into(self, model: nnx.Module, params: Tree, model_state: Tree, rng_state: Tree) -> None:
@@ -111,8 +157,9 @@ class ModelDef:
 def replace_state(model: nnx.Module, params: Tree, model_state: Tree, keys: Tree | None = None,
                   counts: Tree | None = None) -> None:
     """Set `model`'s parameters and other state (and, if given, its RNG keys and counters) from pure dicts."""
-    _, *groups = nnx.split(model, *_GROUPS)
-    for state, values in zip(groups, (params, keys, counts, model_state), strict=True):
+    _, param_state, key_state, count_state, _, other_state = nnx.split(model, *_GROUPS)
+    for state, values in zip((param_state, key_state, count_state, other_state), (params, keys, counts, model_state),
+                             strict=True):
         if values is not None:
             nnx.replace_by_pure_dict(state, values)
             nnx.update(model, state)
@@ -120,5 +167,5 @@ def replace_state(model: nnx.Module, params: Tree, model_state: Tree, keys: Tree
 
 def state_groups(model: nnx.Module) -> tuple[Tree, Tree]:
     """(params, model_state) of `model` as pure dicts, without its RNG streams."""
-    _, params, _, _, rest = nnx.split(model, *_GROUPS)
+    _, params, _, _, _, rest = nnx.split(model, *_GROUPS)
     return nnx.to_pure_dict(params), nnx.to_pure_dict(rest)

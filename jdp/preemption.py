@@ -1,13 +1,20 @@
 """SIGTERM/SIGINT: during training the first asks the run to checkpoint and stop after the current step, and a
-second one exits at once; before training (imports, start-up, restore) and after it, either exits 75 at once."""
+second one exits at once; before training (imports, start-up, restore) and after it, either exits 75 at once.
+`jdp.fit` in a script ends the same way (`during_fit`); in an interactive session `Preempted` is an error like
+any other, and the handlers outside the steps are left alone."""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import os
 import signal
 import sys
 import threading
-from types import FrameType
+from collections.abc import Callable, Iterator
+from types import FrameType, TracebackType
+
+from jdp.errors import Preempted
 
 EXIT_PREEMPTED = 75  # safe to requeue: the rerun resumes from the last checkpoint, or starts over without one
 
@@ -66,3 +73,43 @@ class PreemptionRequest:
     def __exit__(self, *exc: object) -> None:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
+
+
+def interactive() -> bool:
+    """IPython, Jupyter, `python -i` or the REPL: an uncaught error must not end the session."""
+    ipython = sys.modules.get("IPython")
+    return (hasattr(sys, "ps1") or bool(sys.flags.interactive)
+            or (ipython is not None and getattr(ipython, "get_ipython", lambda: None)() is not None))
+
+
+class _PreemptedExits:
+    """`sys.excepthook`: in a script, an uncaught `Preempted` is one line and exit 75, as in `python -m jdp.train`;
+    anything else goes to the previous hook. IPython and Jupyter show a cell's errors without this hook."""
+
+    def __init__(self, previous: Callable[[type[BaseException], BaseException, TracebackType | None], object]) -> None:
+        self.previous = previous
+
+    def __call__(self, kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
+        if not issubclass(kind, Preempted) or interactive():
+            self.previous(kind, error, tb)
+            return
+        print(f"jdp: preempted: {error}", file=sys.stderr)
+        # The interpreter fixes the status of an uncaught exception at 1: end the process here, after what a normal
+        # exit runs first (atexit: loggers, trackers, JAX's distributed shutdown).
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_PREEMPTED)
+
+
+@contextlib.contextmanager
+def during_fit() -> Iterator[None]:
+    """`jdp.fit`'s whole call. In a script, a signal outside the training steps exits 75 at once, as in the CLI (raising
+    there is unsafe: `except Exception` blocks, such as the restore's, would take the error for a damaged checkpoint,
+    and one process of several would wait for the others in a barrier); in the steps it checkpoints and raises
+    `Preempted`, which, uncaught, exits 75 in one line. Interactive, the handlers stay (SIGINT raises
+    KeyboardInterrupt) and `Preempted` is shown as any error: the session lives."""
+    if not isinstance(sys.excepthook, _PreemptedExits):  # installed once: later fits find it
+        sys.excepthook = _PreemptedExits(sys.excepthook)
+    with contextlib.nullcontext() if interactive() else ExitOnSignal():
+        yield

@@ -111,6 +111,10 @@ def sample_workdir(workdir: Path, prompt: str, num_tokens: int, *, temperature: 
     from jdp.resume import restore_for_inference
 
     vocab_path = workdir / VOCAB_FILE
+    if not (workdir / "config.json").exists() and (workdir / "run.json").exists():
+        raise ConfigError(f"{workdir} is a jdp.fit run; python -m jdp.sample samples the language-model runs of "
+                          "python -m jdp.train: restore the model with jdp.restore(workdir, model) and sample it "
+                          "in Python (jdp.sample.sample_text)")
     if not vocab_path.is_file():
         raise ConfigError(f"{vocab_path} not found; pass the --workdir of a language-model run (data.name text:PATH "
                           "or shakespeare)")

@@ -18,7 +18,7 @@ import optax
 
 from jdp import zero
 from jdp.mesh import DATA_AXIS
-from jdp.modeldef import LossFn, ModelDef
+from jdp.modeldef import LossFn, ModelDef, call_loss
 from jdp.precision import cast_floating as _cast
 
 Tree = Any
@@ -106,9 +106,13 @@ def _merge_floating(averaged: Tree, tree: Tree) -> Tree:
 
 
 def run_loss(model: ModelDef, loss_fn: LossFn, params: Tree, model_state: Tree, rng_state: Tree,
-             batch: dict[str, jax.Array], *, train: bool, folds: tuple[jax.Array, ...] = (), groups: int = 1
-             ) -> tuple[dict[str, jax.Array], Tree, Tree]:
+             batch: dict[str, jax.Array], *, train: bool, folds: tuple[jax.Array, ...] = (), groups: int = 1,
+             micro: jax.Array | int = 0) -> tuple[dict[str, jax.Array], Tree, Tree]:
     """`loss_fn` on the model merged from its state; returns its outputs, the new model state and RNG counts.
+
+    `folds` (the step, then the device or group) go into every RNG stream's key; a loss's call-time `rngs` get
+    the seed with the step, the micro-batch index `micro` and the rest of `folds`, so no two micro-batches,
+    steps or devices draw the same masks.
 
     `groups > 1` cuts the batch into that many equal groups of rows, each run as its own model, so
     BatchNorm normalises each group alone: per-device ("ghost") BatchNorm for the jit backend, which sees
@@ -119,13 +123,14 @@ def run_loss(model: ModelDef, loss_fn: LossFn, params: Tree, model_state: Tree, 
         grouped = jax.tree.map(lambda a: a.reshape(groups, -1, *a.shape[1:]), batch)
 
         def one_group(g, rows):
-            return run_loss(model, loss_fn, params, model_state, rng_state, rows, train=train, folds=(*folds, g))
+            return run_loss(model, loss_fn, params, model_state, rng_state, rows, train=train, folds=(*folds, g),
+                            micro=micro)
 
         outputs, states, counts = jax.vmap(one_group)(jnp.arange(groups), grouped)
         outputs = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), outputs)
         return outputs, jax.tree.map(lambda s: s.mean(0).astype(s.dtype), states), jax.tree.map(lambda c: c[0], counts)
     module = model.module(params, model_state, rng_state, train=train, folds=folds)
-    outputs = loss_fn(module, batch)
+    outputs = call_loss(loss_fn, module, batch, model.call_key((*folds[:1], micro, *folds[1:])))
     new_model_state, counts = model.updated_state(module)
     return outputs, new_model_state, counts
 
@@ -159,13 +164,13 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     folds = (state.step,) if o.axis_name is None else (state.step, jax.lax.axis_index(o.axis_name))
 
     def local_loss(params: Tree, model_state: Tree, counts: Tree, micro: dict[str, jax.Array],
-                   folds: tuple[jax.Array, ...] = folds, groups: int = o.bn_groups):
+                   folds: tuple[jax.Array, ...] = folds, groups: int = o.bn_groups, index: jax.Array | int = 0):
         # Mixed precision: float32 master parameters, cast for the forward; gradients come back float32.
         micro = o.device_input(micro)
         micro = {k: v if k in o.keep_fp32 else _cast(v, compute_dtype) for k, v in micro.items()}
         outputs, new_model_state, counts = run_loss(
             model, loss_fn, _cast(params, compute_dtype), model_state, {**state.rng_state, "counts": counts},
-            micro, train=True, folds=folds, groups=groups)
+            micro, train=True, folds=folds, groups=groups, micro=index)
         new_model_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_model_state, model_state)
         sums, weight = weighted_sums(outputs)
         # Divided by the static row count, not the weight: the weight total is global, known only after
@@ -187,10 +192,11 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
         def accumulate_all(micros: dict[str, jax.Array], **loss_options: Any):
             """The micro-batches one after another: summed gradients, weighted sums and weight; the state
             after the last; each micro-batch's |gradient|^2 (for `noise_small_batches`)."""
-            def accumulate(carry, micro):
+            def accumulate(carry, indexed):
                 grads_sum, model_state, counts, sums_sum, weight_sum = carry
+                index, micro = indexed
                 (_, (sums, weight, model_state, counts)), grads = grad_fn(
-                    state.params, model_state, counts, micro, **loss_options)
+                    state.params, model_state, counts, micro, index=index, **loss_options)
                 micro_sq = mean_grad_sq(grads, weight) if o.noise_small_batches == "micro_batches" else jnp.float32(0)
                 return (jax.tree.map(jnp.add, grads_sum, grads), model_state, counts,
                         jax.tree.map(jnp.add, sums_sum, sums), weight_sum + weight), micro_sq
@@ -200,7 +206,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
                                                         **loss_options)[0][1][0])
             zeros = jax.tree.map(jnp.zeros_like, (state.params, sums_shape))
             return jax.lax.scan(accumulate, (zeros[0], state.model_state, counts, zeros[1], jnp.float32(0)),
-                                micros, unroll=True)
+                                (jnp.arange(o.grad_accum_steps), micros), unroll=True)
 
         micros = micro_batches(batch, o.grad_accum_steps)
         if not o.accum_lanes:

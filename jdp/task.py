@@ -5,6 +5,7 @@ anything compiles."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -80,13 +81,10 @@ def check_names(cfg: ml_collections.ConfigDict) -> None:
 def model_maker(cfg: ml_collections.ConfigDict, input_shape: tuple[int, ...],
                 num_classes: int) -> Callable[[], nnx.Module]:
     """A function building the model `cfg` names, for inputs of `input_shape` and `num_classes` outputs."""
-    kwargs = cfg.model.kwargs.to_dict()
-
-    def make_model() -> nnx.Module:
-        # No dtype: the layers follow the step's cast (bf16 in training, float32 in eval).
-        return models.build_model(cfg.model.name, kwargs, input_shape, num_classes, seed=cfg.seed)
-
-    return make_model
+    # By keyword, so that the run's record names it as importable code (jdp.restore rebuilds it). No dtype: the
+    # layers follow the step's cast (bf16 in training, float32 in eval).
+    return functools.partial(models.build_model, name=cfg.model.name, kwargs=cfg.model.kwargs.to_dict(),
+                             input_shape=tuple(input_shape), num_classes=num_classes, seed=cfg.seed)
 
 
 def abstract_model(make_model: Callable[[], nnx.Module]) -> nnx.Module:
@@ -138,6 +136,7 @@ def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None
         loss_scale=cfg.loss_scale.initial, loss_scale_growth_interval=cfg.loss_scale.growth_interval,
         schedule=schedule, profile_steps=config_lib.profile_steps(cfg.profile.steps),
         eval_derived=DERIVED_EVAL_METRICS.get(cfg.task.loss),
+        allow_config_change=cfg.checkpoint.allow_config_change,
         description=f"{cfg.model.name} on {cfg.data.name} ({source.num_eval} eval examples)"
                     + (f"; {model.describe()}" if hasattr(model, "describe") else ""))
     return Task(make_model, LOSSES.get(cfg.task.loss), source, tx, options, cfg.train.steps, batch_size)

@@ -22,10 +22,10 @@ from flax import nnx
 
 from jdp import config as config_lib
 from jdp import distributed as distributed_lib
-from jdp import storage, trainer, workdir_lock
+from jdp import reopen, storage, trainer, workdir_lock
 from jdp.checkpoint import CheckpointError
 from jdp.errors import DiskError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
-from jdp.mesh import make_mesh, simulate_cpu_devices
+from jdp.mesh import simulate_cpu_devices
 from jdp.metrics import MetricsWriter
 from jdp.modeldef import replace_state
 from jdp.resume import (
@@ -36,7 +36,6 @@ from jdp.resume import (
     report_finished_run,
     restore_for_inference,
 )
-from jdp.runinfo import write_run_metadata
 from jdp.sample import sample_text
 from jdp.task import build, build_task  # noqa: F401 - build is part of jdp.train's API
 from jdp.trainer import FitResult
@@ -70,8 +69,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
             if start >= cfg.train.steps:  # a rerun of a finished run records nothing
                 report_finished_run(cfg, workdir, start, echo)
             elif jax.process_index() == 0:
-                record_config(cfg, workdir)
-                write_run_metadata(workdir, make_mesh(cfg.parallel.num_devices))
+                record_config(cfg, workdir)  # beside run.json, the record jdp.fit writes
                 if jax.devices()[0].platform == "gpu":
                     print(f"jdp: XLA_FLAGS in force: {os.environ.get('XLA_FLAGS', '')}")
 
@@ -95,10 +93,14 @@ def _print_sample(cfg: ml_collections.ConfigDict, model: nnx.Module, result: Fit
 
 
 def evaluate_checkpoint(workdir: Path) -> dict[str, float]:
-    """`--eval_only`: evaluate the latest checkpoint of `workdir` and append the eval line."""
-    step, engine, state = restore_for_inference(workdir)
-    metrics = engine.parallel.evaluate(engine.parallel.to_devices(state), engine.source.eval_batches())
-    engine.source.close()
+    """`--eval_only`: evaluate the latest checkpoint of `workdir` (a jdp.train run, or a jdp.fit run whose model,
+    loss and eval data are importable) and append the eval line."""
+    if (workdir / "config.json").exists():
+        step, engine, state = restore_for_inference(workdir)
+        metrics = engine.parallel.evaluate(engine.parallel.to_devices(state), engine.source.eval_batches())
+        engine.source.close()
+    else:
+        step, metrics = reopen.evaluate_run(workdir)
     writer = MetricsWriter(workdir, total_steps=step, resume=False, enabled=jax.process_index() == 0)
     writer.eval(step, metrics)
     writer.close()

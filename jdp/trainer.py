@@ -22,10 +22,11 @@ import optax
 from flax import nnx
 
 from jdp import distributed as distributed_lib
-from jdp import loop, storage, zero
+from jdp import loop, preemption, storage, zero
 from jdp import optim as optim_lib
+from jdp import record as record_lib
 from jdp.data.batching import Batcher
-from jdp.errors import UsageError, one_line
+from jdp.errors import FitError, UsageError, one_line
 from jdp.mesh import DATA_AXIS, make_mesh, replicated
 from jdp.modeldef import LossFn, ModelDef
 from jdp.parallel import BACKENDS, DataParallel
@@ -38,10 +39,6 @@ from jdp.step import (
     TrainState,
     run_loss,
 )
-
-
-class FitError(UsageError):
-    """Bad input to `fit`, found before anything compiles: one line naming it and the fix."""
 
 
 class Source(Protocol):
@@ -110,6 +107,7 @@ class FitOptions:
     schedule: optax.Schedule | None = None  # the optimizer's learning-rate schedule, logged as `lr`
     profile_steps: tuple[int, int] | None = None  # a JAX profiler trace of these steps into WORKDIR/profile
     description: str = ""  # named in the start-up line
+    allow_config_change: bool = False  # resume a workdir whose record has other numerics or data (jdp.record)
 
     def __post_init__(self) -> None:
         choices = {"backend": BACKENDS, "precision": tuple(COMPUTE_DTYPES), "on_nonfinite": NONFINITE_POLICIES,
@@ -191,7 +189,13 @@ def _check_joined() -> None:
                        "runs alone; call jdp.initialize() before any other JAX work")
 
 
+def is_factory(data: Any) -> bool:
+    """Data given as a zero-argument function returning it (recorded by import path, so tools can rebuild it)."""
+    return callable(data) and not hasattr(data, "__getitem__") and not hasattr(data, "train_batch")
+
+
 def _source(train_data: Any, eval_data: Any, options: FitOptions, global_batch_size: int) -> Source:
+    train_data, eval_data = (data() if is_factory(data) else data for data in (train_data, eval_data))
     if hasattr(train_data, "train_batch"):  # a jdp Source: already laid out for this run
         if eval_data is not None:
             raise FitError("eval_data goes with train_data given as arrays or a dataset; a Source brings its own "
@@ -271,7 +275,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     bn_axis = DATA_AXIS if o.bn_sync and (o.backend != "jit" or o.grad_accum_steps > 1) else None
     make = model if callable(model) and not isinstance(model, nnx.Module) else None
     try:
-        model_def = ModelDef.of(nnx.eval_shape(make) if make else model, bn_axis)
+        model_def = ModelDef.of(nnx.eval_shape(make) if make else model, bn_axis, o.seed)
     except ValueError as e:
         raise FitError(str(e)) from None
     # A module's state goes in as host copies (an argument, not constants baked into the program); the
@@ -384,6 +388,14 @@ def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
         on_start: Callable[[int], None] | None = None) -> FitResult:
     """`fit` with its options already gathered (what `python -m jdp.train` calls). `on_start(step)`: called
     with the step the run starts or resumes from, before anything is written to the workdir."""
+    with preemption.during_fit():  # a signal in a script ends it with exit 75, as in the CLI
+        return _run(model, loss_fn, train_data, optimizer=optimizer, steps=steps, global_batch_size=global_batch_size,
+                    options=options, on_start=on_start)
+
+
+def _run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
+         optimizer: optax.GradientTransformation, steps: int, global_batch_size: int, options: FitOptions,
+         on_start: Callable[[int], None] | None) -> FitResult:
     o = options
     _check_joined()
     if steps <= 0 or steps % o.sync_every:
@@ -393,9 +405,14 @@ def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
             storage.check_writable(o.workdir, "workdir")
         except UsageError as e:
             raise FitError(str(e)) from None
-    engine = prepare(model, loss_fn, train_data, optimizer=optimizer, global_batch_size=global_batch_size, options=o)
+    engine = prepare(model, loss_fn, train_data, optimizer=optimizer, global_batch_size=global_batch_size,
+                     options=o)
     try:
-        outcome = loop.train(engine, o, steps, global_batch_size, on_start)
+        fit_record = None if o.workdir is None else record_lib.fit_record(
+            model=model, loss_fn=loss_fn, optimizer=optimizer, source=engine.source,
+            abstract_params=engine.abstract_state.params, steps=steps, global_batch_size=global_batch_size,
+            options=o, data_factories=tuple(d if is_factory(d) else None for d in (train_data, o.eval_data)))
+        outcome = loop.train(engine, o, steps, global_batch_size, on_start, fit_record)
     finally:
         engine.source.close()
     final = outcome.final

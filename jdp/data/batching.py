@@ -7,7 +7,7 @@ read directly, which makes resuming a matter of knowing the step.
 """
 
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -123,15 +123,34 @@ class ArrayDataset(RowDataset):
         return {k: v[ids] for k, v in self.arrays.items()}
 
 
+def _is_rows(got: Any) -> bool:
+    return isinstance(got, Sequence) and not isinstance(got, (str, bytes))
+
+
+def _describe(got: Any, keys: tuple[str, ...]) -> str:
+    """What a dataset returned for a batch of rows, in a few words (one line), for a DataError."""
+    if isinstance(got, Mapping):
+        return "a dict of " + ", ".join(f"{k!r}: {getattr(v, 'shape', type(v).__name__)}" for k, v in got.items())
+    if not _is_rows(got):
+        return f"a {type(got).__name__}"
+    bad = next((i for i, row in enumerate(got) if not (isinstance(row, Mapping) and set(keys) <= row.keys())), None)
+    if bad is None:
+        return f"a {type(got).__name__} of {len(got)} rows"
+    row = got[bad]
+    item = f"a dict with keys {list(row)}" if isinstance(row, Mapping) else f"a {type(row).__name__}"
+    return f"a {type(got).__name__} of {len(got)} whose item {bad} is {item}"
+
+
 class RandomAccessDataset(RowDataset):
     """Any object with `__len__` and `__getitem__(i)` returning a dict of arrays (e.g. `grain.MapDataset`,
-    `tfds.data_source`); `__getitems__(ids)`, where it exists, reads a batch of rows at once."""
+    `tfds.data_source`); `__getitems__(ids)`, where it exists, reads a batch of rows at once and returns
+    either a list of row dicts or a dict of arrays stacked along a leading axis of len(ids)."""
 
     def __init__(self, data: Any, what: str = "the data") -> None:
         if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
             raise DataError(f"{what} is a {type(data).__name__}; give a dict of numpy arrays, a random-access "
                             "dataset (__len__ and __getitem__ returning a dict) or a jdp Source")
-        self._data = data
+        self._data, self._what = data, what
         first = data[0] if len(data) else {}
         if not isinstance(first, Mapping):
             raise DataError(f"{what}[0] is a {type(first).__name__}, not a dict of arrays")
@@ -141,9 +160,22 @@ class RandomAccessDataset(RowDataset):
         return len(self._data)
 
     def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        ids = [int(i) for i in ids]
-        items = self._data.__getitems__(ids) if hasattr(self._data, "__getitems__") else [self._data[i] for i in ids]
-        return {k: np.stack([np.asarray(item[k]) for item in items]) for k in self.keys}
+        ids, n = [int(i) for i in ids], len(ids)
+        batched = hasattr(self._data, "__getitems__")
+        got = self._data.__getitems__(ids) if batched else [self._data[i] for i in ids]
+        if isinstance(got, Mapping):  # a dict of arrays stacked along a leading axis of len(ids)
+            arrays = {k: np.asarray(got[k]) for k in self.keys if k in got}
+            if len(arrays) == len(self.keys) and all(a.ndim and len(a) == n for a in arrays.values()):
+                return arrays
+        elif _is_rows(got) and len(got) == n and all(isinstance(row, Mapping) and set(self.keys) <= row.keys()
+                                                     for row in got):  # a list of row dicts
+            return {k: np.stack([np.asarray(row[k]) for row in got]) for k in self.keys}
+        keys, returned = list(self.keys), _describe(got, self.keys)
+        if not batched:
+            raise DataError(f"{self._what}'s __getitem__ over {n} ids gave {returned}; every row must be a dict with "
+                            f"keys {keys}")
+        raise DataError(f"{self._what}'s __getitems__ returned {returned} for {n} ids; return a list of {n} row dicts "
+                        f"with keys {keys}, or a dict of those keys to arrays of leading length {n}")
 
 
 def as_dataset(data: Any, what: str = "the data") -> RowDataset:
@@ -185,6 +217,10 @@ class Batcher(OrderedSource):
                                   global_batch_size=global_batch_size,
                                   eval_batch_size=eval_batch_size or global_batch_size,
                                   process_index=process_index, process_count=process_count))
+
+    def sample_rows(self, k: int = 8) -> dict[str, np.ndarray]:
+        """`k` rows at fixed places of the train data (not of its order): what the run record hashes."""
+        return self._train.rows(np.unique(np.linspace(0, len(self._train) - 1, k).round().astype(np.int64)))
 
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of the global train batch at `step`."""

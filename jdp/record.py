@@ -1,0 +1,217 @@
+"""The run record, WORKDIR/run.json: what produced a run, written by `jdp.fit` at the start of each run segment,
+and the resume guard that reads it back.
+
+The record holds every `fit` option, the steps and global batch, the model (its import path when it has one,
+its parameter count and shapes), the loss's import path, the data (keys, shapes, dtypes, length and a hash of
+a fixed sample of rows) and a fingerprint of the optimizer, beside the versions, devices and command line of
+`jdp.runinfo`. Fingerprints hash values rounded to 5 significant digits, never raw float bits, so a run
+resumes on another machine or XLA version.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import importlib
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jdp.files import write_atomic
+from jdp.mesh import DATA_AXIS
+
+RECORD_FILE = "run.json"
+FORMAT = 1  # of the `fit` section; a run.json without one (written before it) is not guarded
+# The options that change the numerics or the data order (beside the model, loss, optimizer, data and batch).
+GUARDED_OPTIONS = ("seed", "precision", "loss_scale", "keep_fp32", "bn_sync", "grad_accum_steps", "allreduce_dtype",
+                   "sync_every")
+# Optimizer-state step counts at which the optimizer is probed: the first update shows its kind, learning rate and
+# weight decay (unless a warmup starts from 0); the later ones its schedule, which a schedule built from `steps`
+# changes when `steps` does, so that part is not compared when `steps` changed.
+PROBE_COUNTS = {"optimizer": (0,), "schedule": (1, 10, 100, 1000, 10000)}
+
+
+def import_path(obj: Any) -> dict[str, Any] | None:
+    """{"path": "module:qualname", "kwargs": {...}} of a module-level class or function, or of a
+    `functools.partial` of one with JSON-able keyword arguments only; None when it cannot be imported back."""
+    kwargs: dict[str, Any] = {}
+    if isinstance(obj, functools.partial):
+        if obj.args:
+            return None
+        kwargs, obj = dict(obj.keywords), obj.func
+        try:
+            json.dumps(kwargs)
+        except (TypeError, ValueError):
+            return None
+    module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not module or not name or module == "__main__" or "<" in name:
+        return None
+    try:
+        found = functools.reduce(getattr, name.split("."), importlib.import_module(module))
+    except (ImportError, AttributeError):
+        return None
+    return {"path": f"{module}:{name}", "kwargs": kwargs} if found is obj else None
+
+
+def load(described: Mapping[str, Any]) -> Callable[[], Any]:
+    """The zero-argument factory an `import_path` describes."""
+    module, name = described["path"].split(":")
+    obj = functools.reduce(getattr, name.split("."), importlib.import_module(module))
+    return functools.partial(obj, **described["kwargs"])
+
+
+def _name(obj: Any) -> str | None:
+    """An object's import path if it has one, else its qualified name (informative, not importable)."""
+    described = import_path(obj)
+    if described is not None:
+        return described["path"] + (f" {json.dumps(described['kwargs'], sort_keys=True)}" if described["kwargs"]
+                                    else "")
+    target = obj.func if isinstance(obj, functools.partial) else obj
+    return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__qualname__)}"
+
+
+def _rounded(x: Any) -> list:
+    """Values to 5 significant digits, -0.0 as 0.0: equal on any machine for the same computation."""
+    return [float(f"{v:.5g}") + 0.0 for v in np.ravel(np.asarray(x, np.float64))]
+
+
+def _digest(value: Any) -> str:
+    return hashlib.blake2b(json.dumps(value, sort_keys=True).encode(), digest_size=12).hexdigest()
+
+
+def describe_model(model: Any, abstract_params: Any) -> dict[str, Any]:
+    """The model's factory import path (when `fit` was given an importable factory), its class (or the factory's
+    name), parameter count and shapes."""
+    shapes = {jax.tree_util.keystr(path): list(leaf.shape)
+              for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+    is_module = isinstance(model, nnx.Module)
+    return {"factory": None if is_module else import_path(model), "class": _name(type(model) if is_module else model),
+            "parameters": int(sum(np.prod(shape) for shape in shapes.values())), "shapes": shapes}
+
+
+def describe_data(source: Any, factory: Any = None) -> dict[str, Any]:
+    """Keys, per-example shapes and dtypes, length and a hash of a fixed sample of rows of a Source: its
+    `sample_rows()` when it has one (a `jdp.Batcher`: fixed rows of the dataset), else the first row of global
+    batches 0 and 1, which process 0 reads whatever the process count."""
+    first = source.train_batch(0)
+    if hasattr(source, "sample_rows"):
+        sample = source.sample_rows()
+    else:
+        second = source.train_batch(1)
+        sample = {k: np.stack([first[k][0], second[k][0]]) for k in first}
+    rows = {k: _rounded(v) if np.issubdtype(v.dtype, np.floating) else np.asarray(v).tolist()
+            for k, v in sorted(sample.items())}
+    return {"keys": sorted(first), "shapes": {k: list(v.shape[1:]) for k, v in first.items()},
+            "dtypes": {k: np.dtype(v.dtype).name for k, v in first.items()}, "length": int(source.num_train),
+            "sample_hash": _digest(rows), "factory": None if factory is None else import_path(factory)}
+
+
+def describe_optimizer(tx: optax.GradientTransformation, abstract_params: Any) -> dict[str, str]:
+    """A fingerprint of what `tx` does: the updates it makes from a fixed probe of parameters (the model's tree,
+    each leaf at most 3 wide) and of gradients (random, then zero, which shows weight decay alone), with its step
+    counts set to each of `PROBE_COUNTS` (so that a schedule shows without running updates). Run on a `data` axis
+    of one, for optimizers that reduce over the devices (a sharded optimizer's global norm)."""
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: rng.standard_normal([min(d, 3) for d in x.shape]).astype(np.float32),
+                          abstract_params)
+    probes = [jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32), params),
+              jax.tree.map(np.zeros_like, params)]
+
+    def updates(count: int) -> list:
+        def one_device(params: Any, probes: Any) -> list:
+            state = tx.init(params)
+            counts = optax.tree_utils.tree_get_all_with_path(state, "count")
+            if counts:
+                state = optax.tree_utils.tree_set(state, count=jnp.asarray(count, counts[0][1].dtype))
+            return [tx.update(grads, state, params)[0] for grads in probes]
+
+        stacked = jax.tree.map(lambda x: x[None], (params, probes))
+        return jax.vmap(one_device, axis_name=DATA_AXIS)(*stacked)
+
+    return {part: _digest([_rounded(u) for count in counts for u in jax.tree.leaves(updates(count))])
+            for part, counts in PROBE_COUNTS.items()}
+
+
+def options_record(options: Any) -> dict[str, Any]:
+    """`fit`'s options as JSON: functions and objects by name, data by its description elsewhere."""
+    record = {}
+    for field in dataclasses.fields(options):
+        value = getattr(options, field.name)
+        if field.name == "eval_data":
+            continue
+        if field.name == "callbacks":
+            value = [_name(type(c)) for c in value]
+        elif callable(value):
+            value = _name(value)
+        elif isinstance(value, tuple):
+            value = list(value)
+        record[field.name] = value if not isinstance(value, Path) else str(value)
+    return record
+
+
+def read(workdir: Path) -> dict[str, Any] | None:
+    """The `fit` section of WORKDIR/run.json, or None (no record, or one written before records had it)."""
+    try:
+        saved = json.loads((workdir / RECORD_FILE).read_text())
+    except FileNotFoundError:
+        return None
+    return saved.get("fit") if isinstance(saved, dict) else None
+
+
+def write(workdir: Path, fit_record: dict[str, Any], metadata: dict[str, Any]) -> None:
+    write_atomic(workdir / RECORD_FILE, json.dumps({**metadata, "fit": fit_record}, indent=2, default=str) + "\n")
+
+
+def _guarded(fit_record: dict[str, Any]) -> dict[str, Any]:
+    """The parts of a record a resume must keep, by the name a refusal gives them."""
+    model, data = fit_record["model"], fit_record["data"]["train"]
+    return {"model": model["class"], "model parameter shapes": model["shapes"], "loss_fn": fit_record["loss_fn"],
+            "optimizer (its first update)": fit_record["optimizer"]["optimizer"],
+            "schedule (the optimizer's later updates)": fit_record["optimizer"]["schedule"],
+            "train data (keys, shapes, dtypes, length or sampled rows)": {k: data[k] for k in (
+                "keys", "shapes", "dtypes", "length", "sample_hash")},
+            "global_batch_size": fit_record["global_batch_size"],
+            **{key: fit_record["options"][key] for key in GUARDED_OPTIONS}}
+
+
+def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """What differs between two records where a resume must not change it: `key: old -> new` (fingerprints by
+    name only). A changed schedule is not listed when `steps` changed too: a schedule built from `steps` moves
+    with it, and extending a run is allowed."""
+    before, after = _guarded(old), _guarded(new)
+    listed = []
+    for key in after:
+        if before.get(key) == after[key]:
+            continue
+        if key.startswith("schedule") and old["steps"] != new["steps"]:
+            continue
+        shown = key in ("model", "loss_fn", "global_batch_size", *GUARDED_OPTIONS)  # the rest are fingerprints
+        listed.append(f"{key}: {before.get(key)!r} -> {after[key]!r}" if shown else key)
+    return listed
+
+
+def fit_record(*, model: Any, loss_fn: Callable, optimizer: optax.GradientTransformation, source: Any,
+               abstract_params: Any, steps: int, global_batch_size: int, options: Any,
+               data_factories: tuple[Any, Any]) -> dict[str, Any]:
+    """The `fit` section of a run's record. `data_factories`: the zero-argument functions the train and eval
+    data came from, where they were given so (None otherwise)."""
+    train_factory, eval_factory = data_factories
+    return {"format": FORMAT, "steps": steps, "global_batch_size": global_batch_size,
+            "options": options_record(options), "model": describe_model(model, abstract_params),
+            "loss_fn": _name(loss_fn),
+            "imports": {"loss_fn": import_path(loss_fn),
+                        "eval_fn": import_path(options.eval_fn) if options.eval_fn is not None else None,
+                        "eval_derived": import_path(options.eval_derived) if options.eval_derived else None},
+            "optimizer": describe_optimizer(optimizer, abstract_params),
+            "data": {"train": describe_data(source, train_factory),
+                     "eval": {"length": int(getattr(source, "num_eval", 0)),
+                              "factory": None if eval_factory is None else import_path(eval_factory)}}}
+

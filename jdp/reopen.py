@@ -1,0 +1,153 @@
+"""A run reopened from Python: `jdp.restore` (its model, with a checkpoint's state), `jdp.evaluate` (exact
+data-parallel evaluation of any model) and `jdp.export` (the parameter file of `python -m jdp.export`).
+
+A run's model is rebuilt from its record (`jdp.record`) when `fit` was given an importable factory: a class or
+function by import path, or a `functools.partial` of one with JSON-able keyword arguments. A class defined in
+`__main__` is not importable; pass the model instead.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from jdp import record as record_lib
+from jdp import trainer
+from jdp.checkpoint import Checkpointer, CheckpointError
+from jdp.errors import FitError, UsageError, one_line
+from jdp.files import write_atomic
+from jdp.mesh import make_mesh
+from jdp.modeldef import LossFn, ModelDef, state_groups
+from jdp.params_file import flatten
+
+
+def model_factory(workdir: Path) -> Callable[[], nnx.Module]:
+    """The importable factory a run's record names (FitError, saying what to pass instead, when it names none)."""
+    fit_record = record_lib.read(workdir)
+    if fit_record is None:
+        raise FitError(f"{workdir / record_lib.RECORD_FILE} holds no jdp.fit record; pass the workdir of a jdp.fit "
+                       "or python -m jdp.train run")
+    factory = fit_record["model"]["factory"]
+    if factory is None:
+        raise FitError(f"{workdir}'s model ({fit_record['model']['class']}) cannot be rebuilt: fit was given an "
+                       "instance, or a function that cannot be imported; pass it: jdp.restore(workdir, model)")
+    return imported(factory, "model")
+
+
+def imported(described: dict[str, Any], what: str) -> Callable[[], Any]:
+    """`jdp.record.load`, failing in one line."""
+    try:
+        return record_lib.load(described)
+    except Exception as e:  # noqa: BLE001 - the recorded code is gone or moved: say so
+        raise FitError(f"the run's {what} {described['path']} cannot be imported here ({one_line(e)}); make it "
+                       "importable (install its package, or run from its folder)") from None
+
+
+def restore(workdir: str | Path, model: nnx.Module | Callable[[], nnx.Module] | None = None, *,
+            step: int | None = None) -> nnx.Module:
+    """The run's model with the parameters and state of its latest checkpoint (or of `step`): built from the
+    run's record when that names importable code, else `model` (a module, filled in place, or a factory)."""
+    return _restored(Path(workdir), model, step)[1]
+
+
+def _restored(workdir: Path, model: nnx.Module | Callable[[], nnx.Module] | None, step: int | None
+              ) -> tuple[int, nnx.Module]:
+    if model is None:
+        model = model_factory(workdir)
+    if not isinstance(model, nnx.Module):
+        model = model()
+    if not (workdir / "checkpoints").is_dir():
+        raise FitError(f"{workdir / 'checkpoints'} not found; pass the workdir of a run that saved a checkpoint")
+    checkpointer = Checkpointer(workdir / "checkpoints", keep=1, every_steps=0)
+    try:
+        step, arrays = checkpointer.restore_arrays(step)
+    except CheckpointError as e:
+        raise FitError(str(e)) from None
+    finally:
+        checkpointer.close()
+    params, model_state = state_groups(model)
+    for name, have, saved in (("parameters", params, arrays["params"]), ("state", model_state, arrays["model_state"])):
+        shapes = jax.tree.map(np.shape, have), jax.tree.map(np.shape, saved)
+        if shapes[0] != shapes[1]:
+            raise FitError(f"the model's {name} do not match the checkpoint's in {workdir} (model {shapes[0]}, "
+                           f"checkpoint {shapes[1]}); pass the model the run trained")
+    ModelDef.of(model, None).load_into(model, arrays["params"], arrays["model_state"], arrays["rng_state"])
+    return step, model
+
+
+def evaluate(model: nnx.Module, loss_fn: LossFn, data: Any, *, global_batch_size: int | None = None,
+             num_devices: int = 0, backend: str = "shard_map",
+             derived: Callable[[dict[str, float]], dict[str, float]] | None = None) -> dict[str, float]:
+    """Weighted means of every output of `loss_fn` over all of `data` (a dict of arrays, a random-access dataset
+    or a factory of one), the model in eval mode, data-parallel over `num_devices` (0 = all): the last batch is
+    padded and the padding masked, so nothing is dropped. `global_batch_size`: rows per eval batch (default: the
+    data in one batch, up to 1024 rows per device). `derived`: more metrics from the means (e.g. perplexity)."""
+    data = data() if trainer.is_factory(data) else data
+    try:
+        n = make_mesh(num_devices).size
+    except UsageError as e:
+        raise FitError(str(e)) from None
+    rows = len(next(iter(data.values()))) if isinstance(data, dict) else len(data)
+    if rows < n:
+        raise FitError(f"evaluate needs at least one row per device: {rows} row(s), {n} device(s)")
+    batch = global_batch_size or min(trainer.eval_batch_limit(rows, n), 1024 * n)
+    engine = trainer.prepare(model, loss_fn, data, optimizer=optax.set_to_zero(), global_batch_size=n,
+                             options=trainer.FitOptions(eval_data=data, eval_batch_size=batch, num_devices=n,
+                                                        backend=backend, eval_derived=derived))
+    try:
+        return engine.parallel.evaluate(engine.parallel.to_devices(engine.init_state()), engine.source.eval_batches())
+    finally:
+        engine.source.close()
+
+
+def export(workdir: str | Path, path: str | Path, model: nnx.Module | Callable[[], nnx.Module] | None = None, *,
+           step: int | None = None) -> tuple[int, int]:
+    """What `python -m jdp.export` writes: the run's parameters and model state (not its RNG streams) as an .npz
+    that `init_from` and `jdp.params_file` read. Returns (the step exported, the number of arrays)."""
+    step, restored = _restored(Path(workdir), model, step)
+    params, model_state = state_groups(restored)
+    write_params_file(Path(path), params, model_state, step)
+    return step, len(jax.tree.leaves((params, model_state)))
+
+
+def write_params_file(path: Path, params: Any, model_state: Any, step: int) -> None:
+    """`params/...` and `model_state/...` arrays and the `step`, written atomically."""
+    arrays = {**flatten(params, "params"), **flatten(model_state, "model_state"), "step": np.int64(step)}
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    write_atomic(path, buffer.getvalue())
+
+
+def evaluate_run(workdir: Path) -> tuple[int, dict[str, float]]:
+    """A `jdp.fit` run's latest checkpoint evaluated as `fit` evaluates it (`python -m jdp.train --eval_only`):
+    needs an importable model, loss (or eval_fn) and eval data in its record; FitError naming what is not."""
+    fit_record = record_lib.read(workdir)
+    if fit_record is None:
+        raise FitError(f"{workdir} holds neither config.json nor a jdp.fit record ({record_lib.RECORD_FILE}); pass "
+                       "the workdir of a jdp.train or jdp.fit run")
+    imports = fit_record["imports"]
+    needed = {"model": fit_record["model"]["factory"], "loss": imports["eval_fn"] or imports["loss_fn"],
+              "eval data": fit_record["data"]["eval"]["factory"]}
+    missing = [what for what, described in needed.items() if described is None]
+    if missing:
+        raise FitError(f"{workdir} is a jdp.fit run whose {' and '.join(missing)} cannot be imported (fit was given "
+                       "objects, not importable factories); evaluate it in Python: "
+                       "jdp.evaluate(jdp.restore(workdir, model), loss_fn, data)")
+    step, model = _restored(workdir, None, None)
+    options = fit_record["options"]
+    batch = options["eval_batch_size"] or fit_record["global_batch_size"]
+    available = len(jax.devices())
+    n = next(k for k in range(min(options["num_devices"] or available, available), 0, -1) if batch % k == 0)
+    derived = imports["eval_derived"]
+    # A loss or derived-metrics function loads as itself (with its recorded keyword arguments); data is called.
+    metrics = evaluate(model, imported(needed["loss"], "loss"), imported(needed["eval data"], "eval data")(),
+                       global_batch_size=batch, num_devices=n, backend=options["backend"],
+                       derived=None if derived is None else imported(derived, "eval_derived"))
+    return step, metrics
