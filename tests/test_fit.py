@@ -362,7 +362,8 @@ def test_the_readme_program_runs_as_printed(tmp_path):
     assert loss < 1.0 and abs_err < 1.0
     assert loss == pytest.approx(fit_loss, rel=1e-6)
     assert (tmp_path / "runs" / "regression" / "metrics.jsonl").exists()
-    assert json.loads((tmp_path / "runs" / "regression" / "run.json").read_text())["fit"]["loss_fn"] == "__main__:loss_fn"
+    record = json.loads((tmp_path / "runs" / "regression" / "run.json").read_text())["fit"]
+    assert record["loss_fn"] == "__main__:loss_fn" and record["steps"] == 300
 
 
 def test_the_readme_scanned_model_runs_as_printed(tmp_path):
