@@ -65,6 +65,14 @@ def _as_dict_path(path: str) -> str:
     return f"['{field}']{bracket}{rest}"
 
 
+def _int_keys(tree: Any) -> Any:
+    """orbax names the entries of a list node (`nnx.List`, `nnx.Sequential` layers) "0", "1", ...: back to ints, as
+    the model's pure dicts have them (empty dicts kept)."""
+    if not isinstance(tree, dict):
+        return tree
+    return {int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v) for k, v in tree.items()}
+
+
 class Checkpointer:
     def __init__(self, directory: Path, *, keep: int, every_steps: int) -> None:
         self.directory = directory.absolute()
@@ -141,7 +149,7 @@ class Checkpointer:
         finally:
             reader.close()
         self._check_format(step, restored["data"])
-        arrays = jax.tree.map(np.asarray, dict(restored["state"]))
+        arrays = _int_keys(jax.tree.map(np.asarray, dict(restored["state"])))
         digests = restored["data"].get("digests")
         if digests is not None:
             model_part = {k: arrays[k] for k in ("params", "model_state", "rng_state")}

@@ -66,9 +66,17 @@ def _train(engine: Any, options: Any, steps: int, global_batch_size: int, workdi
     parallel, source = engine.parallel, engine.source
     is_main = jax.process_index() == 0
     echo = print if is_main else lambda *_: None
+    resuming = checkpointer is not None and bool(checkpointer.steps())
+    # Before the restore, which would refuse an optimizer of another state tree without naming the change.
+    old_steps = _check_resume(fit_record, workdir, options.allow_config_change, echo) if fit_record and resuming \
+        else steps
     start, logical = _restore_or_init(engine, checkpointer, echo)
-    if fit_record is not None:
-        _check_and_record(fit_record, workdir, start, steps, options.allow_config_change, parallel.mesh, echo)
+    if fit_record is not None and start < steps:  # a finished run's rerun records nothing
+        if start and old_steps != steps:
+            echo(f"warning: steps changed from {old_steps} to {steps}: the run goes on from step {start}; a "
+                 "learning-rate schedule built from steps changes from here on (it is not compared)")
+        if is_main:
+            record_lib.write(workdir, fit_record, runinfo.run_metadata(parallel.mesh))
     on_start(start)
     # A run with nothing left to do only reports, and writes no more than a final eval or summary line it lacks.
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=is_main)
@@ -131,13 +139,12 @@ def _train(engine: Any, options: Any, steps: int, global_batch_size: int, workdi
     return Outcome(int(final.step), log.losses, evaluation.metrics, run.clock.rate(), final)
 
 
-def _check_and_record(fit_record: dict, workdir: Path, start: int, steps: int, allow_change: bool, mesh: Any,
-                      echo: Callable[[str], None]) -> None:
-    """A resumed run whose record differs from the workdir's where it changes the numerics or the data order is
-    refused (FitError), unless `allow_change`; a run that goes on writes its record. Process 0 reads the file and
-    every process gets its answer."""
-    old = record_lib.read(workdir) if start > 0 and jax.process_index() == 0 else None
-    found = (record_lib.changes(old, fit_record), old["steps"]) if old is not None else ([], steps)
+def _check_resume(fit_record: dict, workdir: Path, allow_change: bool, echo: Callable[[str], None]) -> int:
+    """Refuses (FitError) to resume a workdir whose record differs from this run's where it changes the numerics
+    or the data order, unless `allow_change`; returns the steps the workdir's run was given. Process 0 reads the
+    file and every process gets its answer."""
+    old = record_lib.read(workdir) if jax.process_index() == 0 else None
+    found = (record_lib.changes(old, fit_record), old["steps"]) if old is not None else ([], fit_record["steps"])
     changed, old_steps = json.loads(distributed_lib.broadcast("record checked", json.dumps(found), RESULTS_TIMEOUT_S))
     if changed and not allow_change:
         raise FitError(f"{workdir} holds a run with other settings that change the numerics or the data order "
@@ -145,13 +152,7 @@ def _check_and_record(fit_record: dict, workdir: Path, start: int, steps: int, a
                        "(--config.checkpoint.allow_config_change=True)")
     if changed:
         echo(f"warning: resuming {workdir} with other settings (allow_config_change): {'; '.join(changed)}")
-    if start >= steps:
-        return  # a finished run's rerun records nothing
-    if old_steps != steps:
-        echo(f"warning: steps changed from {old_steps} to {steps}: the run is extended from step {start}; a "
-             "learning-rate schedule built from steps changes from here on (its fingerprint is not compared)")
-    if jax.process_index() == 0:
-        record_lib.write(workdir, fit_record, runinfo.run_metadata(mesh))
+    return old_steps
 
 
 def _missing_results(run: actions_lib.Run, eval_every: int) -> tuple[bool, bool]:

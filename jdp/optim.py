@@ -9,8 +9,8 @@ import jax.numpy as jnp
 import ml_collections
 import optax
 
-from jdp import zero
 from jdp.registry import Registry
+from jdp.sync import zero1
 
 
 class Sliceable(optax.GradientTransformation):
@@ -47,7 +47,7 @@ def clip_by_global_norm(max_norm: float, axis_name: str | None = None) -> optax.
         return optax.clip_by_global_norm(max_norm)
 
     def update(updates, state, params=None):
-        norm = zero.global_norm(updates, axis_name)
+        norm = zero1.global_norm(updates, axis_name)
         factor = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
         return jax.tree.map(lambda u: u * factor, updates), state
 

@@ -24,9 +24,9 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp import step as step_lib
-from jdp import zero
 from jdp.mesh import DATA_AXIS, data_sharded, global_batch, replicated
 from jdp.modeldef import LossFn, ModelDef
+from jdp.sync import Sync
 
 Tree = step_lib.Tree
 
@@ -70,18 +70,18 @@ class DataParallel:
     def __init__(self, backend: str, mesh: Mesh, model: ModelDef, loss_fn: LossFn, eval_fn: LossFn,
                  tx: optax.GradientTransformation, schedule: optax.Schedule | None,
                  abstract_state: step_lib.TrainState, options: step_lib.StepOptions | None = None,
-                 eval_derived: Callable[[dict[str, float]], dict[str, float]] | None = None):
+                 eval_derived: Callable[[dict[str, float]], dict[str, float]] | None = None, sync: Sync | None = None):
         """`options.axis_name` is set here, from the backend; `options.bn_groups` (per-device BatchNorm
         as groups of the global batch) applies to jit only: the other backends see one device's rows. Under jit
         with accumulation the micro-batches run one lane per device (`options.accum_lanes`). `eval_derived` adds
-        eval metrics computed from the eval means (e.g. perplexity = exp(loss))."""
+        eval metrics computed from the eval means (e.g. perplexity = exp(loss)). `sync`: the gradient sync strategy
+        (`jdp.sync`; the mean all-reduce by default), which also lays out the state inside the step."""
         self.backend, self.mesh = backend, mesh
         self._eval_derived = eval_derived
         options = options or step_lib.StepOptions()
-        self._sharded_optimizer = options.shard_optimizer
-        opt_specs = jax.tree.map(lambda x: P(DATA_AXIS) if options.shard_optimizer and zero.is_sharded(x) else P(),
-                                 abstract_state.opt_state)
-        self._state_specs = step_lib.TrainState(P(), P(), P(), P(), opt_specs, P(), P(), P())
+        sync = sync or Sync()
+        self._state_specs = sync.state_specs(abstract_state)
+        self._relayout = any(spec != P() for spec in jax.tree.leaves(self._state_specs))  # else the layout is logical
         repl, split = replicated(mesh), data_sharded(mesh)
         self._batch_sharding = split
 
@@ -89,7 +89,8 @@ class DataParallel:
             groups = options.bn_groups if axis_name is None else 1  # per-device rows need no grouping
             lanes = mesh.size if axis_name is None and options.grad_accum_steps > 1 else 0
             opts = dataclasses.replace(options, axis_name=axis_name, bn_groups=groups, accum_lanes=lanes)
-            return partial(step_lib.train_step, model=model, loss_fn=loss_fn, tx=tx, schedule=schedule, options=opts)
+            return partial(step_lib.train_step, model=model, loss_fn=loss_fn, tx=tx, sync=sync, schedule=schedule,
+                           options=opts)
 
         def eval_for(axis_name: str | None) -> Callable:
             return partial(step_lib.eval_step, model=model, loss_fn=eval_fn, axis_name=axis_name,
@@ -100,12 +101,10 @@ class DataParallel:
         self._stack = jax.jit(lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), t),
                               out_shardings=split)
         self._unstack = jax.jit(lambda t: jax.tree.map(lambda x: x[0], t), out_shardings=repl)
-        self._shard_optimizer_state = jax.jit(
-            lambda t: t._replace(opt_state=zero.shard_layout(t.opt_state, n)),
-            out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec), self._state_specs))
-        self._gather_optimizer_state = jax.jit(
-            lambda t: t._replace(opt_state=zero.logical_layout(t.opt_state, abstract_state.opt_state)),
-            out_shardings=repl)
+        self._to_step_layout = jax.jit(lambda t: sync.to_step_layout(t, n),
+                                       out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                                                                  self._state_specs))
+        self._to_logical = jax.jit(lambda t: sync.to_logical(t, abstract_state), out_shardings=repl)
         # Each device checksums the bits of its own copy; pmax != pmin flags a leaf that differs.
         state_spec = P(DATA_AXIS) if backend == "pmap" else P()
         self._differing_leaves = jax.jit(jax.shard_map(
@@ -121,7 +120,7 @@ class DataParallel:
         optimizer state for a sharded optimizer)."""
         if self.backend == "pmap":
             return self._stack(state)
-        return self._shard_optimizer_state(state) if self._sharded_optimizer else state
+        return self._to_step_layout(state) if self._relayout else state
 
     def _global(self, tree: Tree) -> Tree:
         """pmap's outputs are process-local in a multi-process run (leading axis = this process's
@@ -136,7 +135,7 @@ class DataParallel:
         """The compiled step's layout -> the logical, replicated state."""
         if self.backend == "pmap":
             return self._unstack(self._global(state))
-        return self._gather_optimizer_state(state) if self._sharded_optimizer else state
+        return self._to_logical(state) if self._relayout else state
 
     def shard_batch(self, local_rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Step 1, split: this process's rows of the global batch -> a global array on `data`."""
@@ -177,9 +176,6 @@ class DataParallel:
         """The train step's program as jdp asks for it (`.as_text()`), before XLA's own passes (`.compile()`)."""
         return self._train.lower(state, batch)
 
-    def lower_eval(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> jax.stages.Lowered:
-        return self._eval.lower(state, batch)
-
     def to_host(self, state: Tree) -> Tree:
         """A logical (replicated) tree as numpy: this process's first copy."""
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), state)
@@ -200,6 +196,7 @@ class DataParallel:
 def _differing_leaves(tree: Tree) -> jax.Array:
     sums = []
     for x in jax.tree.leaves(tree):
+        x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x  # bitcast takes no booleans
         bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}")).astype(jnp.uint32)
         sums.append(jnp.sum(bits * (jnp.arange(bits.size, dtype=jnp.uint32).reshape(bits.shape) + 1)))
     sums = jnp.stack(sums)

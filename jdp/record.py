@@ -4,8 +4,8 @@ and the resume guard that reads it back.
 The record holds every `fit` option, the steps and global batch, the model (its import path when it has one,
 its parameter count and shapes), the loss's import path, the data (keys, shapes, dtypes, length and a hash of
 a fixed sample of rows) and a fingerprint of the optimizer, beside the versions, devices and command line of
-`jdp.runinfo`. Fingerprints hash values rounded to 5 significant digits, never raw float bits, so a run
-resumes on another machine or XLA version.
+`jdp.runinfo`. The data's sample is hashed rounded to 5 significant digits, and the optimizer's fingerprint is
+compared to a relative tolerance, never as raw float bits, so a run resumes on another machine or XLA version.
 """
 
 from __future__ import annotations
@@ -114,30 +114,52 @@ def describe_data(source: Any, factory: Any = None) -> dict[str, Any]:
             "sample_hash": _digest(rows), "factory": None if factory is None else import_path(factory)}
 
 
-def describe_optimizer(tx: optax.GradientTransformation, abstract_params: Any) -> dict[str, str]:
-    """A fingerprint of what `tx` does: the updates it makes from a fixed probe of parameters (the model's tree,
-    each leaf at most 3 wide) and of gradients (random, then zero, which shows weight decay alone), with its step
-    counts set to each of `PROBE_COUNTS` (so that a schedule shows without running updates). Run on a `data` axis
-    of one, for optimizers that reduce over the devices (a sharded optimizer's global norm)."""
+def describe_optimizer(tx: optax.GradientTransformation, abstract_params: Any) -> dict[str, list[float]]:
+    """A fingerprint of what `tx` does: two updates in a row at one step count (so that momentum shows, and a
+    schedule built from `steps` does not) from a fixed probe of
+    parameters (the model's tree, each leaf at most 3 wide) and of gradients (random, then zero, which shows
+    weight decay alone), with the optimizer's step counts set to each of `PROBE_COUNTS` (a schedule shows
+    without running it). Each update is kept as two numbers, its L1 norm and a fixed random projection, which
+    `changes` compares to a relative tolerance: a value one float32 ulp away is the same optimizer. Run on a
+    `data` axis of one, for optimizers that reduce over the devices (a sharded optimizer's global norm)."""
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda x: rng.standard_normal([min(d, 3) for d in x.shape]).astype(np.float32),
                           abstract_params)
     probes = [jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32), params),
               jax.tree.map(np.zeros_like, params)]
+    directions = jax.tree.map(lambda p: rng.standard_normal(p.shape), params)
+
+    def summary(updates: Any) -> list[float]:
+        leaves = [np.asarray(u, np.float64) for u in jax.tree.leaves(updates)]
+        return [float(sum(np.abs(u).sum() for u in leaves)),
+                float(sum((u * d).sum() for u, d in zip(leaves, jax.tree.leaves(directions), strict=True)))]
 
     def updates(count: int) -> list:
         def one_device(params: Any, probes: Any) -> list:
-            state = tx.init(params)
-            counts = optax.tree_utils.tree_get_all_with_path(state, "count")
-            if counts:
-                state = optax.tree_utils.tree_set(state, count=jnp.asarray(count, counts[0][1].dtype))
-            return [tx.update(grads, state, params)[0] for grads in probes]
+            def counted(state: Any) -> Any:
+                counts = optax.tree_utils.tree_get_all_with_path(state, "count")
+                return optax.tree_utils.tree_set(state, count=jnp.asarray(count, counts[0][1].dtype)) if counts \
+                    else state
+
+            first, state = tx.update(probes[0], counted(tx.init(params)), params)
+            return [first, *(tx.update(grads, counted(state), params)[0] for grads in probes)]
 
         stacked = jax.tree.map(lambda x: x[None], (params, probes))
         return jax.vmap(one_device, axis_name=DATA_AXIS)(*stacked)
 
-    return {part: _digest([_rounded(u) for count in counts for u in jax.tree.leaves(updates(count))])
+    return {part: [value for count in counts for u in updates(count) for value in summary(u)]
             for part, counts in PROBE_COUNTS.items()}
+
+
+def same_fingerprint(a: list[float], b: list[float], rtol: float = 1e-4) -> bool:
+    """Fingerprints as (L1 norm, projection) pairs, each equal to `rtol` of its update's norm."""
+    if len(a) != len(b):
+        return False
+    for norm_a, projection_a, norm_b, projection_b in zip(a[::2], a[1::2], b[::2], b[1::2], strict=True):
+        tolerance = rtol * max(abs(norm_a), abs(norm_b))
+        if abs(norm_a - norm_b) > tolerance or abs(projection_a - projection_b) > tolerance:
+            return False
+    return True
 
 
 def options_record(options: Any) -> dict[str, Any]:
@@ -189,7 +211,8 @@ def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     before, after = _guarded(old), _guarded(new)
     listed = []
     for key in after:
-        if before.get(key) == after[key]:
+        fingerprint = key.startswith(("optimizer", "schedule"))
+        if (same_fingerprint(before.get(key) or [], after[key]) if fingerprint else before.get(key) == after[key]):
             continue
         if key.startswith("schedule") and old["steps"] != new["steps"]:
             continue

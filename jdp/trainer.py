@@ -22,9 +22,10 @@ import optax
 from flax import nnx
 
 from jdp import distributed as distributed_lib
-from jdp import loop, preemption, storage, zero
+from jdp import loop, preemption, storage
 from jdp import optim as optim_lib
 from jdp import record as record_lib
+from jdp import sync as sync_lib
 from jdp.data.batching import Batcher
 from jdp.errors import FitError, UsageError, one_line
 from jdp.mesh import DATA_AXIS, make_mesh, replicated
@@ -39,6 +40,7 @@ from jdp.step import (
     TrainState,
     run_loss,
 )
+from jdp.sync import zero1
 
 
 class Source(Protocol):
@@ -221,8 +223,8 @@ def _check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: 
     whole, _ = tx.update(grads, tx.init(params), params)
     slices = []
     for i in range(n):
-        local = jax.tree.map(lambda x, i=i: np.array_split(zero.shard_layout(x, n), n)[i] if x.ndim else x, params)
-        local_grads = jax.tree.map(lambda x, i=i: np.array_split(zero.shard_layout(x, n), n)[i] if x.ndim else x,
+        local = jax.tree.map(lambda x, i=i: np.array_split(zero1.shard_layout(x, n), n)[i] if x.ndim else x, params)
+        local_grads = jax.tree.map(lambda x, i=i: np.array_split(zero1.shard_layout(x, n), n)[i] if x.ndim else x,
                                    grads)
         slices.append(tx.update(local_grads, tx.init(local), local)[0])
     gathered = jax.tree.map(lambda w, *s: np.concatenate([np.ravel(p) for p in s])[: w.size].reshape(w.shape)
@@ -295,13 +297,14 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
         _check_sliceable(optimizer, abstract.params, n)
     step_options = StepOptions(
         bn_groups=1 if o.bn_sync else n, on_nonfinite=o.on_nonfinite, precision=o.precision, keep_fp32=o.keep_fp32,
-        grad_accum_steps=o.grad_accum_steps, allreduce_dtype=o.allreduce_dtype, all_reduce=all_reduce,
-        log_grad_norm=o.log_grad_norm, sync_every=o.sync_every, shard_optimizer=o.shard_optimizer,
+        grad_accum_steps=o.grad_accum_steps, all_reduce=all_reduce, log_grad_norm=o.log_grad_norm,
         noise_small_batches=("micro_batches" if n == 1 else "devices") if o.log_noise_scale else "",
         loss_scale_growth_interval=o.loss_scale_growth_interval,
         device_input=device_input)
+    sync = sync_lib.strategy(allreduce_dtype=o.allreduce_dtype, shard_optimizer=o.shard_optimizer,
+                             sync_every=o.sync_every)
     parallel = DataParallel(o.backend, mesh, model_def, loss_fn, o.eval_fn or loss_fn, optimizer, o.schedule,
-                            abstract, step_options, eval_derived=o.eval_derived)
+                            abstract, step_options, eval_derived=o.eval_derived, sync=sync)
     sharding = replicated(mesh)
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract)
     return Engine(parallel, source, model_def, lambda: parallel.init_state(init_state, *initial), abstract)

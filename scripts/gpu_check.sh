@@ -93,7 +93,7 @@ step train 90 gpu '^done:' \
 step parity 60 gpu 'worst|tolerance' env JAX_DEFAULT_MATMUL_PRECISION=highest \
   python3 -m jdp.compare parity --config configs/mnist1d_mlp.py --workers 1 --steps 30 --device cuda \
   --workdir "$work/parity"
-step decode 60 cpu '^\|' python3 scripts/bench_decode.py --threads 1,16 --images $decode_images --repeats 3 \
+step decode 60 cpu '^\|' python3 benchmarks/bench_decode.py --threads 1,16 --images $decode_images --repeats 3 \
   --json "$work/decode.json"
 step gpt 90 gpu '^gpt' python3 $steps gpt "$work"
 budget=$((budget + 30)) step summary 30 cpu '^summary' python3 $steps summary "$work"

@@ -79,9 +79,9 @@ def test_a_real_kill_at_an_arbitrary_moment(tmp_path):
 
 
 def test_a_crash_campaign_of_three_kills():
-    """scripts/crash_campaign.py, small: one run killed three times at seeded moments (seed 1: twice during a save,
+    """benchmarks/crash_campaign.py, small: one run killed three times at seeded moments (seed 1: twice during a save,
     once from outside), then rerun and compared bitwise with an uninterrupted run."""
-    out = subprocess.run([sys.executable, "scripts/crash_campaign.py", "--kills", "3", "--kills_per_run", "3",
+    out = subprocess.run([sys.executable, "benchmarks/crash_campaign.py", "--kills", "3", "--kills_per_run", "3",
                           "--seed", "1", "--steps", "12"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env=ENV)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]

@@ -4,7 +4,7 @@ import jax
 import numpy as np
 import pytest
 
-from jdp import step as step_lib
+from jdp.sync import base as sync_base
 from jdp.train import ReplicaMismatchError, run
 from tests.helpers import max_abs_diff, small_config
 
@@ -58,7 +58,7 @@ def test_clipping_applies_to_the_averaged_gradient(backend, references, tmp_path
 @pytest.mark.parametrize("backend", ["shard_map", "pmap"])
 def test_a_missing_all_reduce_is_caught(backend, monkeypatch, tmp_path):
     """Without the average each replica applies its own gradient: the replica check stops the run."""
-    monkeypatch.setattr(step_lib, "all_reduce_mean", lambda tree, axis_name: tree)
+    monkeypatch.setattr(sync_base, "all_reduce_mean", lambda tree, axis_name: tree)
     with pytest.raises(ReplicaMismatchError, match="replicas differ at step 5"):
         run(small_config("mlp", backend=backend, num_devices=8), tmp_path)
 
@@ -75,7 +75,7 @@ def test_a_summed_instead_of_averaged_gradient_is_caught(backend, references, mo
             averaged["grads"] = jax.lax.psum(tree["grads"], axis_name)
         return averaged
 
-    monkeypatch.setattr(step_lib, "all_reduce_mean", summed_gradient)
+    monkeypatch.setattr(sync_base, "all_reduce_mean", summed_gradient)
     result = run(small_config("mlp", backend=backend, num_devices=8), tmp_path)
     reference = references("mlp")
     assert max_abs_diff(result.params, reference.params) > 1e-2

@@ -19,8 +19,8 @@ from flax import nnx
 
 import jdp
 from jdp import checkpoint
-from jdp import step as step_lib
 from jdp.data.batching import RowOrder
+from jdp.sync import base as sync_base
 from jdp.trainer import FitOptions, prepare
 from tests.helpers import max_abs_diff
 
@@ -128,7 +128,7 @@ def test_uneven_token_weights_give_the_one_device_gradient_where_per_device_mean
         local_means = jax.tree.map(lambda g: g / tree["weight"] * mean_weight, tree["grads"])
         return jax.lax.pmean({**tree, "grads": local_means}, axis_name)
 
-    monkeypatch.setattr(step_lib, "all_reduce_mean", per_device_means)
+    monkeypatch.setattr(sync_base, "all_reduce_mean", per_device_means)
     biased = _fit(TokenNet, token_loss, data, num_devices=8)
     assert max_abs_diff(biased.params, reference.params) > 1e-3
 
@@ -342,10 +342,14 @@ def test_a_checkpoint_without_rng_state_is_refused(monkeypatch, tmp_path):
 
 
 def _readme_program(index: int) -> str:
-    """The `index`-th Python block of the README's "Your own model" section."""
-    readme = (Path(__file__).parent.parent / "README.md").read_text()
-    section = readme.split("## Your own model", 1)[1].split("\n## ", 1)[0]
-    return section.split("```python\n")[1 + index].split("```", 1)[0]
+    """The `index`-th documented program: the Python blocks of the README's "Your own model" section (0: its
+    program), then those of docs/api.md's "Layers in a scan" section (1: the scanned model)."""
+    root = Path(__file__).parent.parent
+    programs = []
+    for page, heading in (("README.md", "## Your own model"), ("docs/api.md", "## Layers in a scan")):
+        section = (root / page).read_text().split(heading, 1)[1].split("\n## ", 1)[0]
+        programs += [block.split("```", 1)[0] for block in section.split("```python\n")[1:]]
+    return programs[index]
 
 
 def _run_program(program: str, cwd: Path) -> list[str]:

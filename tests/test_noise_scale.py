@@ -111,13 +111,13 @@ def test_advice_follows_the_steps_examples_trade_off():
 
 
 def test_the_critical_batch_sweep_runs_two_points(tmp_path):
-    """The smoke version of scripts/critical_batch.py: two batch sizes reach the target, the Pareto fit and the
+    """The smoke version of benchmarks/critical_batch.py: two batch sizes reach the target, the Pareto fit and the
     noise scale at the target come out finite and positive, and the plot is written."""
     import json
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "scripts/critical_batch.py", "--batches", "16,128", "--lrs", "1",
+    out = subprocess.run([sys.executable, "benchmarks/critical_batch.py", "--batches", "16,128", "--lrs", "1",
                           "--max_steps", "600", "--target", "1.2", "--window", "256", "--out", str(tmp_path)],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]

@@ -34,7 +34,7 @@ def write_init(cfg, out: Path) -> None:
 
     from jdp.optim import learning_rate
     from jdp.params_file import flatten
-    from jdp.train import build
+    from jdp.task import build
 
     one = copy.deepcopy(cfg)
     one.parallel.num_devices, one.init_from = 1, ""

@@ -1,7 +1,7 @@
 """The critical batch size, measured, against the gradient noise scale jdp logs while training.
 
-    python scripts/critical_batch.py --lrs 1,2,4,8 --target 0.3 --max_steps 8000 --out docs/critical_batch  # docs
-    python scripts/critical_batch.py --batches 16,64 --lrs 1 --max_steps 300 --target 1.6 --out /tmp/cb  # smoke
+    python benchmarks/critical_batch.py --lrs 1,2,4,8 --target 0.3 --max_steps 8000 --out docs/critical_batch  # docs
+    python benchmarks/critical_batch.py --batches 16,64 --lrs 1 --max_steps 300 --target 1.6 --out /tmp/cb  # smoke
 
 For each global batch B (16 to 2048 by default) and each learning rate of a small sweep around a square-root
 scaling rule, train the synthetic task (an MLP on 200,000 Gaussian examples labelled by a linear teacher) with

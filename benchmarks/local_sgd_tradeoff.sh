@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Local SGD on MNIST-1D: accuracy and throughput for a few sync intervals H, on simulated CPU devices.
-#   scripts/local_sgd_tradeoff.sh [DEVICES] [H ...]     (defaults: 4 devices, H = 1 2 4 8 16)
+#   benchmarks/local_sgd_tradeoff.sh [DEVICES] [H ...]     (defaults: 4 devices, H = 1 2 4 8 16)
 set -euo pipefail
 devices=${1:-4}
 shift || true

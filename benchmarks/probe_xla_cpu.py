@@ -1,9 +1,9 @@
 """Micro-measurements behind docs/benchmarks.md's explanations of XLA:CPU costs.
 
-    python scripts/probe_xla_cpu.py allreduce   # in-process pmean of 7.5 MB vs the same sum on one device
-    python scripts/probe_xla_cpu.py matmul      # MLP 784-1024-1024-10 gradient: examples/s by batch rows
-    python scripts/probe_xla_cpu.py conv        # the 2-D CNN's fwd+bwd: XLA conv vs im2col variants
-    python scripts/probe_xla_cpu.py gpt         # the CPU GPT's fwd+bwd with each GELU, and its top operations
+    python benchmarks/probe_xla_cpu.py allreduce   # in-process pmean of 7.5 MB vs the same sum on one device
+    python benchmarks/probe_xla_cpu.py matmul      # MLP 784-1024-1024-10 gradient: examples/s by batch rows
+    python benchmarks/probe_xla_cpu.py conv        # the 2-D CNN's fwd+bwd: XLA conv vs im2col variants
+    python benchmarks/probe_xla_cpu.py gpt         # the CPU GPT's fwd+bwd with each GELU, and its top operations
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 (jdp/predict.py's alpha-beta model), which is the least compute per step at which the all-reduce does not
 exceed the compute.
 
-    python scripts/predict_thresholds.py
+    python benchmarks/predict_thresholds.py
 
 A device doing E examples/s on the model passes that point at a per-device batch of (all-reduce time) x E.
 The tfds configs' models are built from their known input shapes, without the data.

@@ -2,7 +2,7 @@
 decode one 128-image batch of the committed CIFAR-format fixture, no decoded-image cache, the same rows
 (jdp's (seed, epoch) order) both ways.
 
-    python scripts/probe_grain.py [--batches 40] [--repeats 5]     # needs grain: pip install grain
+    python benchmarks/probe_grain.py [--batches 40] [--repeats 5]     # needs grain: pip install grain
 
 Modes: jdp's `TfdsSource.train_batch`; grain per-row (`MapDataset` of rows -> decode -> `to_iter_dataset`
 with N read threads -> `batch`); grain batch-first (`MapDataset ... .batch` -> `to_iter_dataset`, one

@@ -8,7 +8,7 @@ again), and the run survived when the last rerun finishes and its per-step losse
 leaf digests of its last checkpoint) equal the uninterrupted run's, with no step missing or repeated and one
 summary line.
 
-    python scripts/crash_campaign.py --kills 45 --seed 0
+    python benchmarks/crash_campaign.py --kills 45 --seed 0
 
 Prints one line per run and `survived N / tried M` (kills); exits 1 unless every kill was survived.
 """

@@ -1,7 +1,7 @@
 """Where PyTorch DDP's step time goes on this CPU: the twin model (jdp/compare/torch_models.py) in two
 spawned gloo processes, one thread each, per-rank batch = the config's global batch / 2.
 
-    python scripts/probe_ddp.py [--config configs/synthetic_mlp.py] [--steps 60]     # needs the compare extra
+    python benchmarks/probe_ddp.py [--config configs/synthetic_mlp.py] [--steps 60]     # needs the compare extra
 
 Per step, medians over `--steps` timed steps after 5 warm-up steps, rank 0's view:
 - compute: forward + backward + SGD update, no communication;

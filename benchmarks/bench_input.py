@@ -1,7 +1,7 @@
 """What the input pipeline costs: training throughput with the real pipeline vs with batches already on the
 device (a few batches reused), for the same model and step.
 
-    python scripts/bench_input.py [--run_seconds 0.5] [--repeats 7] [--only SUBSTRING]
+    python benchmarks/bench_input.py [--run_seconds 0.5] [--repeats 7] [--only SUBSTRING]
 
 Workloads: the MNIST-1D CNN (configs/mnist1d_cnn.py, in-memory source) and two small-image CNNs (cnn2d: the
 synthetic_cnn2d config's conv32-conv64-pool-dense128, and a light conv8-conv16-pool-dense64 whose step is

@@ -2,7 +2,7 @@
 images/sec, through the function jdp's tfds source runs per row (`jdp.data.augment.decode_crop` with
 `random_resized_box`), on worker threads cut into contiguous chunks as the source cuts a batch.
 
-    python scripts/bench_decode.py [--threads 1,16] [--images 256] [--size 224] [--repeats 5] [--json out.json]
+    python benchmarks/bench_decode.py [--threads 1,16] [--images 256] [--size 224] [--repeats 5] [--json out.json]
 
 Images: synthetic 500x375 JPEGs (ImageNet's typical size), quality 90, photo-like (ramps, smooth blobs, noise).
 Each thread count runs with reduced-size decoding (`augment.reduction`: 1/2, 1/4 or 1/8 of the stored size

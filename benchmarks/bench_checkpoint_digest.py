@@ -3,7 +3,7 @@ on orbax's save thread) against the same orbax save without them (jdp's save bef
 repeated, medians. `stall` is the time the training thread spends in save(); `total` adds the wait for the
 background write to finish.
 
-    python scripts/bench_checkpoint_digest.py --config synthetic_mlp --repeats 7
+    python benchmarks/bench_checkpoint_digest.py --config synthetic_mlp --repeats 7
 """
 
 from __future__ import annotations

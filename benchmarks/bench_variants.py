@@ -1,6 +1,6 @@
 """Interleaved throughput of config variants against the first one, measured in the same run.
 
-    python scripts/bench_variants.py --config configs/synthetic_mlp.py --devices 2 \
+    python benchmarks/bench_variants.py --config configs/synthetic_mlp.py --devices 2 \
         --variant base: --variant accum4:train.grad_accum_steps=4 --variant bf16ar:parallel.allreduce_dtype=bf16
 
 Each --variant is NAME:KEY=VALUE[,KEY=VALUE...] (config overrides). Prints a markdown table of median

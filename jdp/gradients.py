@@ -1,0 +1,111 @@
+"""Step 2, compute: forward and backward on this device's slice of the global batch, plain or accumulated over
+micro-batches (a transform of the gradient function, as levanter's `microbatched`), one all-reduce either way.
+
+Mixed precision: float32 master parameters are cast for the forward; gradients come back float32. The loss
+is the weighted sum over the slice divided by its static row count, not by the weight: the weight total is
+global, known only after the collective, and this keeps gradients near the scale of a mean (fp16 loss scaling,
+bf16 all-reduce). The sync strategy rescales by the weight total.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jdp.loss import run_loss, weighted_sums
+from jdp.mesh import DATA_AXIS
+from jdp.modeldef import LossFn, ModelDef
+from jdp.precision import cast_floating
+from jdp.sync.base import Local, Tree, sum_of_squares
+
+
+def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
+    """(rows, ...) -> (k, rows / k, ...): row i of every block of rows goes to micro-batch i mod k, so a
+    micro-batch is the same set of global rows whether the step sees one device's block or the whole batch."""
+    return jax.tree.map(lambda a: a.reshape(-1, k, *a.shape[1:]).swapaxes(0, 1), batch)
+
+
+def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef, loss_fn: LossFn, options: Any,
+                    params_view: Callable[[Tree], Tree] = lambda params: params) -> Local:
+    """The gradient of this device's slice (`options`: a `jdp.step.StepOptions`; `params_view`: the parameters
+    the forward sees, from the sync strategy).
+
+    Dropout masks differ across steps, devices and micro-batches, and are reproducible from (seed, step, device
+    count). With `options.accum_lanes` (jit with accumulation) the micro-batch loop runs one lane per device,
+    vmapped over a `data` axis laid on the devices: each device sums its own gradients, and XLA all-reduces once
+    instead of once per micro-batch (each micro-batch's gradient would otherwise be a partial sum over the
+    devices' rows, all-reduced before being added up). Each lane folds in its index as a device does under
+    shard_map, and synced BatchNorm reduces over the lanes' axis.
+    """
+    o = options
+    dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}[o.precision]
+    scale = state.loss_scale[0] if o.precision == "fp16" else 1.0
+    k = o.grad_accum_steps
+    rows = jax.tree.leaves(batch)[0].shape[0] // k  # of each micro-batch
+    folds = (state.step,) if o.axis_name is None else (state.step, jax.lax.axis_index(o.axis_name))
+
+    def loss(params: Tree, model_state: Tree, counts: Tree, micro: dict[str, jax.Array], index: jax.Array | int,
+             folds: tuple[jax.Array, ...], groups: int):
+        micro = o.device_input(micro)
+        micro = {key: v if key in o.keep_fp32 else cast_floating(v, dtype) for key, v in micro.items()}
+        outputs, new_model_state, counts = run_loss(
+            model, loss_fn, cast_floating(params_view(params), dtype), model_state,
+            {**state.rng_state, "counts": counts}, micro, train=True, folds=folds, groups=groups, micro=index)
+        new_model_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_model_state, model_state)
+        sums, weight = weighted_sums(outputs)
+        return sums["loss"] / rows * scale, (sums, weight, new_model_state, counts)
+
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+
+    def mean_grad_sq(grads: Tree, weight: jax.Array) -> jax.Array:
+        """|gradient of the weighted mean|^2 from d(weighted sum)/rows (float32, loss scale removed)."""
+        return sum_of_squares(grads) * (rows / scale / jnp.where(weight > 0, weight, 1.0)) ** 2
+
+    def accumulate_all(micros: dict[str, jax.Array], folds: tuple[jax.Array, ...], groups: int):
+        """The micro-batches one after another: summed gradients, weighted sums and weight; the state after the
+        last; each micro-batch's |gradient|^2 (for the noise scale over micro-batches)."""
+        def accumulate(carry, indexed):
+            grads_sum, model_state, counts, sums_sum, weight_sum = carry
+            index, micro = indexed
+            (_, (sums, weight, model_state, counts)), grads = grad_fn(state.params, model_state, counts, micro,
+                                                                      index, folds, groups)
+            micro_sq = mean_grad_sq(grads, weight) if o.noise_small_batches == "micro_batches" else jnp.float32(0)
+            return (jax.tree.map(jnp.add, grads_sum, grads), model_state, counts,
+                    jax.tree.map(jnp.add, sums_sum, sums), weight_sum + weight), micro_sq
+
+        first = jax.tree.map(lambda a: a[0], micros)
+        sums_shape = jax.eval_shape(lambda: grad_fn(state.params, state.model_state, counts, first, 0, folds,
+                                                    groups)[0][1][0])
+        zeros = jax.tree.map(jnp.zeros_like, (state.params, sums_shape))
+        return jax.lax.scan(accumulate, (zeros[0], state.model_state, counts, zeros[1], jnp.float32(0)),
+                            (jnp.arange(k), micros), unroll=True)
+
+    counts = state.rng_state["counts"]
+    if k == 1:
+        (_, (sums, weight, model_state, counts)), grads = grad_fn(state.params, state.model_state, counts, batch,
+                                                                  0, folds, o.bn_groups)
+    elif not o.accum_lanes:
+        (grads, model_state, counts, sums, weight), micro_sqs = accumulate_all(micro_batches(batch, k), folds,
+                                                                                o.bn_groups)
+    else:
+        lanes = jax.tree.map(lambda a: a.reshape(a.shape[0], o.accum_lanes, -1, *a.shape[2:]),
+                             micro_batches(batch, k))
+        (grads, model_state, counts, sums, weight), micro_sqs = jax.vmap(
+            lambda rows: accumulate_all(rows, (state.step, jax.lax.axis_index(DATA_AXIS)), 1),
+            in_axes=1, axis_name=DATA_AXIS, spmd_axis_name=DATA_AXIS)(lanes)
+        grads, sums, weight = jax.tree.map(lambda a: a.sum(0), (grads, sums, weight))
+        model_state = jax.tree.map(lambda s: s.mean(0).astype(s.dtype), model_state)
+        counts = jax.tree.map(lambda c: c[0], counts)
+        micro_sqs = micro_sqs[0]  # per micro-batch noise is asked for on one device only: one lane
+    small_sq = None
+    if o.noise_small_batches == "micro_batches":
+        small_sq = jnp.mean(micro_sqs)
+    elif o.noise_small_batches:
+        small_sq = mean_grad_sq(grads, weight)
+    if o.precision == "fp16":
+        grads = jax.tree.map(lambda g: g / scale, grads)
+    return Local(grads, sums, weight, model_state, counts, rows, small_sq)
+

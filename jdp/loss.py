@@ -1,0 +1,59 @@
+"""The loss contract: `loss_fn` on the model merged from its state, and the weighted sums jdp averages.
+
+`loss_fn(model, batch)` (or with `rngs`, `jdp.modeldef.call_loss`) returns one value per example (or per example
+and token) under each key, `"loss"` among them, and optionally a `"weight"` of the same shape.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jdp.modeldef import LossFn, ModelDef, call_loss
+
+Tree = Any
+
+
+def weighted_sums(outputs: dict[str, jax.Array], mask_B: jax.Array | None = None
+                  ) -> tuple[dict[str, jax.Array], jax.Array]:
+    """The loss contract: `outputs` holds one value per example (or per example and token) under each
+    key, `"loss"` among them, and optionally a `"weight"` of the same shape. Returns each key's
+    weighted sum (float32) and the weight total; `mask_B` zeroes padding rows."""
+    outputs = dict(outputs)
+    weight = outputs.pop("weight", None)
+    weight = jnp.ones(outputs["loss"].shape, jnp.float32) if weight is None else weight.astype(jnp.float32)
+    if mask_B is not None:
+        weight = weight * mask_B.reshape(mask_B.shape + (1,) * (weight.ndim - 1))
+    return {k: jnp.sum(v.astype(jnp.float32) * weight) for k, v in outputs.items()}, jnp.sum(weight)
+
+
+def run_loss(model: ModelDef, loss_fn: LossFn, params: Tree, model_state: Tree, rng_state: Tree,
+             batch: dict[str, jax.Array], *, train: bool, folds: tuple[jax.Array, ...] = (), groups: int = 1,
+             micro: jax.Array | int = 0) -> tuple[dict[str, jax.Array], Tree, Tree]:
+    """`loss_fn` on the model merged from its state; returns its outputs, the new model state and RNG counts.
+
+    `folds` (the step, then the device or group) go into every RNG stream's key; a loss's call-time `rngs` get
+    the seed with the step, the micro-batch index `micro` and the rest of `folds`, so no two micro-batches,
+    steps or devices draw the same masks.
+
+    `groups > 1` cuts the batch into that many equal groups of rows, each run as its own model, so
+    BatchNorm normalises each group alone: per-device ("ghost") BatchNorm for the jit backend, which sees
+    the global batch. Group g folds g into its RNG keys, as device g does under shard_map; the groups'
+    new running statistics are averaged.
+    """
+    if groups > 1:
+        grouped = jax.tree.map(lambda a: a.reshape(groups, -1, *a.shape[1:]), batch)
+
+        def one_group(g, rows):
+            return run_loss(model, loss_fn, params, model_state, rng_state, rows, train=train, folds=(*folds, g),
+                            micro=micro)
+
+        outputs, states, counts = jax.vmap(one_group)(jnp.arange(groups), grouped)
+        outputs = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), outputs)
+        return outputs, jax.tree.map(lambda s: s.mean(0).astype(s.dtype), states), jax.tree.map(lambda c: c[0], counts)
+    module = model.module(params, model_state, rng_state, train=train, folds=folds)
+    outputs = call_loss(loss_fn, module, batch, model.call_key((*folds[:1], micro, *folds[1:])))
+    new_model_state, counts = model.updated_state(module)
+    return outputs, new_model_state, counts

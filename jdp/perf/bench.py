@@ -1,0 +1,241 @@
+"""`python -m jdp.bench --config configs/X.py [--devices 1,2,4,8]`: where a data-parallel step's time goes.
+
+Each variant (device count, with or without its collective) is built and compiled once, with the persistent
+compilation cache on (`compile_cache_dir`), then timed `--repeats` times, interleaved; medians reported.
+At the config's global batch it measures:
+- steady-state examples/sec of the compiled step on batches already on the devices, and the time to the
+  first step (compile);
+- input: the host pipeline's time per global batch (reading + assembling the global array);
+- all-reduce: the same step compiled without its collective (`StepOptions.all_reduce=False`) is timed
+  too, and the difference is the collective's cost ("with/without" method; not on one device);
+- the ratio to a plain single-device jit step on the same global batch, measured in the same run;
+- per-device memory of parameters, gradients and optimizer state (bytes of each array's shard on
+  device 0), and XLA's `memory_analysis()` of the compiled step; MFU from XLA's `cost_analysis()` FLOP
+  count against the peak of the precision that runs (`PEAK_TFLOPS` for known GPUs, or `--peak_tflops`);
+- the dtypes the step's dots and convolutions produce (bf16 under precision=bf16);
+and the scaling efficiency throughput_N / (N x throughput_1). Writes bench.json and bench.md.
+
+For a language model it adds tokens/sec; for the GPT the model FLOPs per token, 6N + 12 x layers x block x
+width (N: parameters without the position embedding, the tied embedding once; the attention term as in the
+PaLM paper's appendix), with MFU from it, and beside it what XLA's cost analysis counts per token.
+`--predict` predicts step time and scaling on devices this machine does not have (jdp/perf/predict.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+import jax
+
+from jdp import config as config_lib
+from jdp import precision
+from jdp.mesh import simulate_cpu_devices
+from jdp.models import settings
+from jdp.models.gpt import flops_per_token, non_embedding_params
+from jdp.perf import predict
+from jdp.perf.measure import Variant
+
+COMM_DOMINATES = 0.5  # warn when the collective takes more than this share of the step
+
+
+# Dense peak TFLOP/s per GPU, by device kind (`jax.devices()[0].device_kind`, matched by substring, first match
+# wins): bf16/fp16 tensor cores, and TF32, which XLA uses for float32 matmuls on these GPUs by default.
+# NVIDIA datasheets list H100/H200 figures "with sparsity"; dense is half: H100 SXM and H200 SXM 1,979 bf16 and
+# 989 TF32 (nvidia.com/en-us/data-center/h100, /h200), H100 PCIe 1,513 and 756, H200 NVL 1,671 and 835; A100
+# dense 312 bf16, 156 TF32 (A100 datasheet). Sustained matmul rates are lower (~790 bf16 measured on an H200).
+PEAK_TFLOPS: dict[str, dict[str, float]] = {
+    "H100 PCIe": {"bf16": 756.5, "fp16": 756.5, "fp32": 378.0},
+    "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "fp32": 417.5},
+    "H100": {"bf16": 989.5, "fp16": 989.5, "fp32": 494.5},
+    "H200": {"bf16": 989.5, "fp16": 989.5, "fp32": 494.5},
+    "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 156.0},
+}
+
+
+def peak_tflops_for(device_kind: str, precision: str) -> float:
+    """The known dense peak of `device_kind` at `precision` (0.0 when not in PEAK_TFLOPS)."""
+    return next((peaks[precision] for kind, peaks in PEAK_TFLOPS.items() if kind.lower() in device_kind.lower()),
+                0.0)
+
+
+def _token_figures(cfg, tokens: int, params, result: dict) -> dict:
+    """A language model's tokens/sec, and the GPT's model FLOPs per token (6N + 12 x L x T x D)."""
+    if not tokens:
+        return {}
+    out = {"tokens_per_example": tokens, "tokens_per_sec": result["examples_per_sec"] * tokens}
+    if cfg.model.name == "gpt":
+        s = settings("gpt", cfg.model.kwargs.to_dict())
+        out["model_params_n"] = non_embedding_params(params)
+        out["model_flops_per_token"] = flops_per_token(params, s["num_layers"], tokens, s["embed_dim"])
+    if "flops" in result:  # XLA's count for one device's step, per token of that device's rows
+        out["xla_flops_per_token"] = result["flops"] * result["devices"] / (cfg.train.global_batch_size * tokens)
+    return out
+
+
+def run_bench(cfg, devices: list[int], steps: int, repeats: int, peak_tflops: float = 0.0,
+              baseline: bool = True) -> list[dict]:
+    """Every variant compiled once, then timed `repeats` times, interleaved so that drift on a shared machine
+    hits every variant alike. `peak_tflops` 0 = the known peak of the device at the config's precision."""
+    explicit = cfg.parallel.backend in ("shard_map", "pmap")  # jit has no collective of jdp's to remove
+    # Without its collective, a step on one device is the same program: nothing to measure.
+    variants = {(n, c): Variant(cfg, n, c) for n in devices for c in ((True, False) if explicit and n > 1 else (True,))}
+    single_jit = None  # a plain single-device jit step: what data parallelism must not fall far behind
+    if baseline:
+        baseline_cfg = cfg.copy_and_resolve_references()
+        baseline_cfg.parallel.backend = "jit"
+        single_jit = Variant(baseline_cfg, 1)
+    times = {key: [] for key in variants}
+    baseline_times = []
+    for _ in range(repeats):
+        if single_jit is not None:
+            baseline_times.append(single_jit.time(steps))
+        for key, variant in variants.items():
+            times[key].append(variant.time(steps))
+    kind = jax.devices()[0].device_kind
+    peak = peak_tflops or peak_tflops_for(kind, cfg.precision)
+    rows = []
+    for n in devices:
+        with_c = variants[(n, True)]
+        row = {**with_c.row(statistics.median(times[(n, True)])), **with_c.stats()}
+        row |= _token_figures(cfg, with_c.tokens_per_example, with_c.abstract_params, row)
+        if (n, False) in variants:
+            without = statistics.median(times[(n, False)])
+            row["allreduce_s"] = max(row["step_s"] - without, 0.0)
+            row["compute_s"] = without
+        else:
+            row["allreduce_s"], row["compute_s"] = (0.0 if n == 1 else None), row["step_s"]
+        row.update(precision=cfg.precision, device_kind=kind)
+        rows.append(row)
+    base = next((r for r in rows if r["devices"] == 1), None)
+    single_jit_s = statistics.median(baseline_times) if single_jit is not None else None
+    for r in rows:
+        r["efficiency"] = r["examples_per_sec"] / (r["devices"] * base["examples_per_sec"]) if base else None
+        r["vs_single_device_jit"] = (r["examples_per_sec"] * single_jit_s / single_jit.batch_size
+                                     if single_jit is not None else None)
+        # Model FLOPs utilisation against the peak: the GPT's model FLOPs per token x tokens/sec per device;
+        # XLA's FLOP count of one device's step over its time (the only figure for other models).
+        if peak:
+            r["peak_tflops"] = peak
+        if peak and r.get("flops"):
+            r["mfu_xla"] = r["flops"] / r["step_s"] / (peak * 1e12)
+        if peak and r.get("model_flops_per_token"):
+            r["mfu"] = r["model_flops_per_token"] * r["tokens_per_sec"] / r["devices"] / (peak * 1e12)
+        elif "mfu_xla" in r:
+            r["mfu"] = r["mfu_xla"]
+    return rows
+
+
+def to_markdown(cfg, rows: list[dict]) -> str:
+    def ms(x):
+        return "n/a" if x is None else f"{x * 1e3:.2f}"
+
+    def ratio(x):
+        return "n/a" if x is None else f"{x:.2f}"
+
+    lines = [f"config: model {cfg.model.name}, data {cfg.data.name}, global batch {cfg.train.global_batch_size}, "
+             f"backend {cfg.parallel.backend}, {jax.devices()[0].platform} ({jax.devices()[0].device_kind})", "",
+             "| devices | examples/s | vs 1-device jit | step ms | compute ms | all-reduce ms | input ms/batch "
+             "| first step s | efficiency | params MB/dev | grads MB/dev | opt state MB/dev | XLA temp MB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        eff = "n/a" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
+        lines.append(
+            f"| {r['devices']} | {r['examples_per_sec']:,.0f} | {ratio(r['vs_single_device_jit'])} | "
+            f"{ms(r['step_s'])} | "
+            f"{ms(r['compute_s'])} | "
+            f"{ms(r['allreduce_s'])} | {ms(r['input_s'])} | {r['first_step_s']:.2f} | {eff} | "
+            f"{r['params_bytes'] / 2**20:.2f} | {r['grads_bytes'] / 2**20:.2f} | {r['opt_state_bytes'] / 2**20:.2f} | "
+            f"{r.get('temp_bytes', 0) / 2**20:.2f} |")
+    matmuls = rows[0].get("matmul_dtypes")
+    if matmuls:
+        lines += ["", f"precision {cfg.precision}: the compiled train step has "
+                  f"{precision.summary(collections.Counter(matmuls))} (as jdp lowers it, before XLA's passes)"]
+    if any("tokens_per_sec" in r for r in rows):
+        lines += ["", "tokens/s: " + ", ".join(f"{r['devices']} devices {r['tokens_per_sec']:,.0f}" for r in rows)]
+    gpt = next((r for r in rows if "model_flops_per_token" in r), None)
+    if gpt:
+        xla = gpt.get("xla_flops_per_token")
+        counted = f"; XLA's cost analysis counts {xla:,.0f}" if xla else ""
+        lines += ["", f"FLOPs per token (6N + 12 x layers x block x width, N = {int(gpt['model_params_n']):,}): "
+                      f"{int(gpt['model_flops_per_token']):,}{counted}"]
+    if any("mfu" in r for r in rows):
+        how = "model FLOPs per token x tokens/s per device" if gpt else "XLA FLOPs per device step / step time"
+        parts = [f"{r['devices']} devices {r['mfu']:.1%}" + (f" (from XLA's count: {r['mfu_xla']:.1%})"
+                                                             if gpt and "mfu_xla" in r else "")
+                 for r in rows if "mfu" in r]
+        lines += ["", f"MFU ({how}, over the peak {rows[0]['peak_tflops']:g} TFLOP/s at {cfg.precision}): "
+                  + ", ".join(parts)]
+    return "\n".join(lines) + "\n"
+
+
+def warnings_for(rows: list[dict]) -> list[str]:
+    out = []
+    for r in rows:
+        if r["allreduce_s"] and r["allreduce_s"] > COMM_DOMINATES * r["step_s"]:
+            out.append(f"warning: on {r['devices']} devices the gradient all-reduce takes "
+                       f"{r['allreduce_s'] / r['step_s']:.0%} of the step: communication dominates compute, so data "
+                       "parallelism will not pay at this model and batch size (try a larger batch or fewer devices)")
+    return out
+
+
+def enable_compilation_cache(cache_dir: str) -> None:
+    """Persistent XLA cache, unless disabled or already set through JAX's own JAX_COMPILATION_CACHE_DIR (as
+    `python -m jdp.train` does)."""
+    if cache_dir and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--predict" in argv:  # scaling predicted before hardware: jdp/perf/predict.py
+        return predict.main([a for a in argv if a != "--predict"])
+    parser = argparse.ArgumentParser(prog="python -m jdp.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, default=config_lib.DEFAULT_CONFIG)
+    parser.add_argument("--devices", default="1,2", help="comma-separated device counts (default 1,2)")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, help="output directory (default runs/bench-CONFIG_NAME)")
+    parser.add_argument("--peak_tflops", type=float, default=0.0,
+                        help="the device's peak TFLOP/s at the config's precision, for MFU (default: from "
+                             "PEAK_TFLOPS for known GPUs, bf16 or TF32 peak as the precision runs)")
+    parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time a plain single-device jit step (one more compilation)")
+    args, rest = parser.parse_known_args(argv)
+    try:
+        cfg = config_lib.load_config_file(args.config)
+        cfg = config_lib.apply_overrides(cfg, config_lib.parse_overrides(rest))
+        devices = [int(d) for d in args.devices.split(",")]
+    except (config_lib.ConfigError, ValueError) as e:
+        print(f"jdp.bench: {e}", file=sys.stderr)
+        return 2
+    try:  # on a CPU-only machine; ignored by accelerators
+        simulate_cpu_devices(cfg.parallel.cpu_devices or max(devices))
+    except RuntimeError:  # called from Python after JAX started: the devices are already fixed
+        pass
+    enable_compilation_cache(cfg.compile_cache_dir)
+    try:
+        rows = run_bench(cfg, devices, args.steps, args.repeats, args.peak_tflops, args.baseline)
+    except config_lib.ConfigError as e:
+        print(f"jdp.bench: {e}", file=sys.stderr)
+        return 2
+    out = args.out or Path("runs") / f"bench-{args.config.stem}"
+    out.mkdir(parents=True, exist_ok=True)
+    table = to_markdown(cfg, rows)
+    (out / "bench.json").write_text(json.dumps({"config": cfg.to_dict(), "rows": rows}, indent=2, default=list))
+    (out / "bench.md").write_text(table)
+    print(table)
+    for line in warnings_for(rows):
+        print(line)
+    print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

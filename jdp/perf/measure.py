@@ -1,0 +1,87 @@
+"""One configuration's data-parallel step, built from a config through jdp's task building, put on the
+devices, compiled once and timed: what `python -m jdp.bench` measures, and `--predict` takes as one device's
+step time."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import jax
+
+from jdp import precision
+from jdp.task import build
+
+
+def _bytes_on_first_device(tree) -> int:
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+
+class Variant:
+    """One configuration's step (device count, with or without its collective): built, put on the devices and
+    compiled once, then timed as often as asked (the state carries on from one timing to the next)."""
+
+    def __init__(self, cfg, num_devices: int, collective: bool = True) -> None:
+        cfg = cfg.copy_and_resolve_references()
+        cfg.parallel.num_devices = num_devices
+        self.num_devices, self.batch_size = num_devices, cfg.train.global_batch_size
+        b = build(cfg, all_reduce=collective)
+        self.parallel, source = b.parallel, b.source
+        self.tokens_per_example = getattr(source, "tokens_per_example", 0)  # language models
+        self.abstract_params = b.abstract_state.params
+        t0 = time.perf_counter()
+        rows = [source.train_batch(i) for i in range(4)]
+        self.batches = [self.parallel.shard_batch(r) for r in rows]
+        jax.block_until_ready(self.batches)
+        self.input_s = (time.perf_counter() - t0) / len(rows)
+        source.close()
+        self.state = self.parallel.to_devices(b.init_state())
+        self.memory = {"params_bytes": _bytes_on_first_device(self.state.params),
+                       "grads_bytes": _bytes_on_first_device(self.state.params),  # one gradient per parameter
+                       "opt_state_bytes": _bytes_on_first_device(self.state.opt_state)}
+        t0 = time.perf_counter()
+        # Compiled here, once: the step runs this executable, and XLA's accounting reads it.
+        self._lowered = self.parallel.lower_train(self.state, self.batches[0])
+        self._step = self._lowered.compile()
+        self.state, metrics = self._step(self.state, self.batches[0])
+        self.parallel.fetch(metrics)
+        self.first_step_s = time.perf_counter() - t0  # compilation (or a persistent-cache hit) and one step
+
+    def time(self, steps: int) -> float:
+        """Median seconds per step over `steps` steps, fetching metrics one step late as the trainer does."""
+        times, pending = [], None
+        t_last = time.perf_counter()
+        for i in range(steps + 1):
+            self.state, metrics = self._step(self.state, self.batches[(i + 1) % len(self.batches)])
+            if pending is not None:
+                self.parallel.fetch(pending)
+                now = time.perf_counter()
+                times.append(now - t_last)
+                t_last = now
+            pending = metrics
+        self.parallel.fetch(pending)
+        return statistics.median(times)
+
+    def stats(self) -> dict:
+        """XLA's own accounting of the compiled step: memory (bytes per device) and FLOPs, and how many of its
+        dots and convolutions produce each dtype (`matmul_dtypes`, in the program as lowered)."""
+        out = {"matmul_dtypes": dict(precision.hlo_matmul_dtypes(self._lowered.as_text(dialect="hlo")))}
+        memory = self._step.memory_analysis()
+        if memory is not None:
+            for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes"):
+                out[field.replace("_size_in", "")] = int(getattr(memory, field))
+        cost = self._step.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost  # one entry per device program on some versions
+        if cost and "flops" in cost:
+            out["flops"] = float(cost["flops"])
+        return out
+
+    def row(self, step_s: float) -> dict:
+        return {"devices": self.num_devices, "first_step_s": self.first_step_s, "step_s": step_s,
+                "input_s": self.input_s, "examples_per_sec": self.batch_size / step_s, **self.memory}
+
+
+def one_device_step_s(cfg, steps: int, repeats: int) -> float:
+    """Median over `repeats` of the config's single-device step time at its global batch (compiled once)."""
+    variant = Variant(cfg, 1)
+    return statistics.median(variant.time(steps) for _ in range(repeats))

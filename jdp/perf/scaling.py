@@ -1,0 +1,123 @@
+"""The alpha-beta model of data-parallel scaling that `python -m jdp.bench --predict` (jdp.perf.predict) runs:
+a step's time and efficiency on N devices from the gradient's bytes, one device's step time and named links.
+
+- all-reduce within a node (NCCL's ring): 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency;
+- across nodes (hierarchical): reduce-scatter within the node, a ring across the nodes on the inter-node link
+  (each GPU carries 1/g of the bytes, and the node's g GPUs share its link), all-gather within the node;
+- compute scales with the per-device batch (linear: optimistic for small per-device batches);
+- the all-reduce overlaps the backward pass by 0 (none), or by the backward's share of the step, 2/3 (its FLOPs
+  are twice the forward's): a value fixed beforehand, never fitted. The truth lies between the two.
+
+Plain arithmetic: no JAX, no config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+BACKWARD_SHARE = 2 / 3  # the overlap: backward FLOPs are 2x the forward's (Kaplan et al. 2020, C ~ 6N per token)
+ALLREDUCE_BYTES = {"fp32": 4, "bf16": 2}  # parallel.allreduce_dtype -> bytes per gradient element sent
+DEFAULT_DEVICES = (1, 8, 64, 512)
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """One link of the alpha-beta model: achieved bus bandwidth (bytes/s; per GPU within a node, per node
+    between nodes) and latency per ring step (seconds)."""
+
+    bandwidth: float
+    latency: float
+    about: str
+
+
+GB = 1e9
+GBIT = 1e9 / 8
+# Latency per ring step: NCCL's own tuning model (src/graph/tuning.cc, hwLat, Ring with the Simple protocol,
+# used for large messages): NVLink 5.7 us, PCIe 5.7 us, network 6.6 us. TCP without RDMA has higher latency
+# (tens of us), which matters only for small gradients.
+NVLINK_LAT, PCIE_LAT, NET_LAT = 5.7e-6, 5.7e-6, 6.6e-6
+# Achieved share of the datasheet's one-direction bandwidth, from DGX A100: NVIDIA's nccl-tests all-reduce bus
+# bandwidth of about 230 GB/s against NVLink3's 300 GB/s per direction (600 GB/s bidirectional, A100 datasheet).
+NVLINK_ACHIEVED = 230 / 300
+# Between nodes, NCCL over RDMA (InfiniBand or RoCE) is assumed to reach 90% of the line rate (protocol headers);
+# an assumption, not measured here. TCP Ethernet without RDMA reaches less.
+NET_ACHIEVED = 0.9
+
+INTRA_LINKS = {
+    "nvlink-a100": Link(230 * GB, NVLINK_LAT, "A100 NVLink3 + NVSwitch (DGX A100): 300 GB/s per direction "
+                                              "(datasheet), ~230 GB/s all-reduce bus bandwidth (nccl-tests)"),
+    "nvlink-h100": Link(450 * GB * NVLINK_ACHIEVED, NVLINK_LAT,
+                        "H100 NVLink4 + NVSwitch (DGX H100): 450 GB/s per direction (datasheet) x the A100's "
+                        "achieved share 0.77 (derived, not measured)"),
+    "nvlink-p100": Link(2 * 20 * GB * NVLINK_ACHIEVED, NVLINK_LAT,
+                        "P100 NVLink1 hybrid cube mesh (DGX-1, Big Basin): 20 GB/s per link and direction "
+                        "(datasheet: 4 links, 160 GB/s bidirectional), two rings x 0.77 achieved"),
+    "pcie3": Link(15.75 * GB * NVLINK_ACHIEVED, PCIE_LAT,
+                  "PCIe 3.0 x16: 15.75 GB/s per direction (PCI-SIG) x 0.77 achieved"),
+    "pcie4": Link(31.5 * GB * NVLINK_ACHIEVED, PCIE_LAT,
+                  "PCIe 4.0 x16: 31.5 GB/s per direction (PCI-SIG) x 0.77 achieved"),
+}
+INTER_LINKS = {  # one NIC per node at the line rate named (a DGX A100 has 8 x 200 Gb/s: pass --inter net-1600g)
+    f"net-{rate}g": Link(rate * GBIT * NET_ACHIEVED, NET_LAT,
+                         f"{rate} Gb/s Ethernet (RoCE) or InfiniBand per node, x {NET_ACHIEVED} achieved")
+    for rate in (25, 50, 100, 200, 400, 1600)
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    per_node: int  # devices per node
+    intra: Link
+    inter: Link
+
+
+def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
+    """Ring all-reduce of `nbytes` over `n` devices: 2(n-1) steps, each sending nbytes/n."""
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
+
+
+def hierarchical_allreduce_s(nbytes: float, n: int, topo: Topology) -> float:
+    """All-reduce over `n` devices, `topo.per_node` per node: a plain ring within one node; across nodes a
+    reduce-scatter within each node, a ring across the nodes, then an all-gather within each node."""
+    g = topo.per_node
+    if n <= g:
+        return ring_allreduce_s(nbytes, n, topo.intra)
+    if n % g:
+        raise ValueError(f"{n} devices do not fill nodes of {g}; use a multiple of --per_node")
+    nodes = n // g
+    in_node_half = (g - 1) / g * nbytes / topo.intra.bandwidth + (g - 1) * topo.intra.latency  # reduce-scatter
+    shard = nbytes / g  # each GPU's part after the reduce-scatter; the node's g rings share its link
+    across = 2 * (nodes - 1) / nodes * shard / (topo.inter.bandwidth / g) + 2 * (nodes - 1) * topo.inter.latency
+    return in_node_half + across + in_node_half  # all-gather costs what the reduce-scatter did
+
+
+def step_s(compute_s: float, allreduce_s: float, overlap: float) -> float:
+    """A step: compute, plus the part of the all-reduce not hidden behind `overlap` x compute (the backward)."""
+    return compute_s + max(allreduce_s - overlap * compute_s, 0.0)
+
+
+def predict(grad_bytes: float, one_device_step_s: float, batch: int, devices: list[int], topo: Topology,
+            scaling: str = "strong") -> list[dict]:
+    """One row per device count. `one_device_step_s` is one device's step on `batch` examples; `strong` keeps
+    the global batch (jdp's contract: each device gets batch/N), `weak` gives each device `batch`."""
+    rows = []
+    per_example = one_device_step_s / batch
+    for n in devices:
+        per_device = batch / n if scaling == "strong" else batch
+        compute = per_example * per_device
+        comm = hierarchical_allreduce_s(grad_bytes, n, topo)
+        latency = hierarchical_allreduce_s(0.0, n, topo)
+        per_byte = hierarchical_allreduce_s(1.0, n, topo) - latency
+        row = {"devices": n, "nodes": max(n // topo.per_node, 1), "per_device_batch": per_device,
+               "compute_s": compute, "allreduce_s": comm,
+               # below this per-device batch the all-reduce takes longer than the compute
+               "threshold_batch": comm / per_example,
+               # above this many gradient bytes (at this per-device batch) the all-reduce takes longer
+               "threshold_bytes": max(compute - latency, 0.0) / per_byte if n > 1 else float("inf")}
+        for name, overlap in (("", 0.0), ("_overlap", BACKWARD_SHARE)):
+            row["step_s" + name] = step_s(compute, comm, overlap)
+            row["efficiency" + name] = compute / row["step_s" + name]
+        rows.append(row)
+    return rows

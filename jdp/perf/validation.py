@@ -1,0 +1,103 @@
+"""The scaling model (`jdp.perf.scaling`) against published data-parallel scaling results, with nothing fitted:
+each case's own per-GPU throughput, per-GPU batch, parameter count and network are the inputs, and the
+predicted efficiency is compared with the one the source reports. `python -m jdp.bench --predict --validate`.
+
+Each case is weak scaling (every GPU keeps its batch), as in the sources; efficiency is throughput per GPU
+at `gpus` over throughput per GPU at `baseline_gpus`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from jdp.perf.scaling import BACKWARD_SHARE, INTER_LINKS, INTRA_LINKS, Topology, hierarchical_allreduce_s, step_s
+
+# Parameter counts: the Keras Applications table (keras.io/api/applications): ResNet50 25.6M, ResNet101 44.7M,
+# InceptionV3 23.9M, VGG16 138.4M. Gradients are all-reduced in float32 in every case (4 bytes each; PyTorch AMP
+# keeps float32 parameters, so their gradients are float32 too).
+RESNET50, RESNET101, INCEPTION_V3, VGG16 = 25.6e6, 44.7e6, 23.9e6, 138.4e6
+
+# One P100's throughput, tf_cnn_benchmarks, synthetic data, batch 64 per GPU (TensorFlow's published benchmarks,
+# "Details for NVIDIA DGX-1 (NVIDIA Tesla P100)", May 2017): InceptionV3 142, ResNet-50 219, ResNet-152 91.8,
+# VGG16 154 images/s. ResNet-101 is not in that table: its time per image is interpolated between ResNet-50's
+# and ResNet-152's by FLOPs (He et al. 2016, Table 1: 3.8, 7.6 and 11.3 GFLOPs), which gives 129 images/s.
+P100_TF = {"InceptionV3": 142.0, "VGG16": 154.0}
+_T50, _T152 = 1 / 219, 1 / 91.8
+P100_TF["ResNet-101"] = 1 / (_T50 + (7.6 - 3.8) / (11.3 - 3.8) * (_T152 - _T50))
+
+# Goyal et al. 2017 ("Accurate, Large Minibatch SGD", arXiv:1706.02677): ResNet-50, 32 images per GPU, Big Basin
+# servers of 8 P100 (NVLink) on 50 Gb/s Ethernet, ~90% scaling efficiency from 8 to 256 GPUs. Per-GPU throughput:
+# the baseline run, 90 epochs of ImageNet (1,281,167 images) at a minibatch of 256 on 8 GPUs in 29 hours (as
+# summarised by NVIDIA, developer.nvidia.com/facebook-trains-imagenet-1-hour): 138 images/s per GPU.
+GOYAL_IMAGES_PER_S = 90 * 1_281_167 / (29 * 3600) / 8
+
+# NVIDIA DeepLearningExamples, PyTorch ResNet50 v1.5 README, "Training performance: NVIDIA DGX A100 (8x A100
+# 80GB)": mixed precision 2,470 img/s on 1 GPU and 16,621 on 8; TF32 938 and 7,248; batch 256 per GPU for both
+# (configs.yml, DGXA100).
+HOROVOD_README_2017 = "Horovod README (2017): 32 servers x 4 Pascal GPUs, RoCE 25 Gbit/s"
+HOROVOD_DOCS = "Horovod docs/benchmarks: 128 servers x 4 Pascal GPUs, RoCE 25 Gbit/s"
+
+
+@dataclasses.dataclass(frozen=True)
+class Published:
+    name: str
+    source: str
+    params: float
+    batch: int  # per GPU
+    images_per_s: float  # one GPU's throughput at that batch: the input
+    gpus: int
+    baseline_gpus: int
+    per_node: int
+    intra: str  # a jdp.perf.scaling link profile
+    inter: str
+    efficiency: float  # what the source reports
+
+
+def _horovod(source: str, gpus: int, efficiencies: tuple[float, float, float]) -> list[Published]:
+    # Batch 64 per GPU: the docs' tf_cnn_benchmarks command. The servers' GPU interconnect is not stated: PCIe 3.
+    models = (("Inception V3", INCEPTION_V3, P100_TF["InceptionV3"]), ("ResNet-101", RESNET101, P100_TF["ResNet-101"]),
+              ("VGG-16", VGG16, P100_TF["VGG16"]))
+    return [Published(f"Horovod {name}", source, params, 64, rate, gpus, 1, 4, "pcie3", "net-25g", eff)
+            for (name, params, rate), eff in zip(models, efficiencies, strict=True)]
+
+
+CASES = [
+    Published("Goyal et al. 2017 ResNet-50", "arXiv:1706.02677, 8 -> 256 P100, 50 Gb/s Ethernet", RESNET50, 32,
+              GOYAL_IMAGES_PER_S, 256, 8, 8, "nvlink-p100", "net-50g", 0.90),
+    *_horovod(HOROVOD_README_2017, 128, (0.90, 0.90, 0.79)),
+    *_horovod(HOROVOD_DOCS, 512, (0.90, 0.90, 0.68)),
+    Published("NVIDIA ResNet-50 v1.5, mixed precision", "DeepLearningExamples, DGX A100", RESNET50, 256, 2470.0,
+              8, 1, 8, "nvlink-a100", "net-200g", 16621 / (8 * 2470)),
+    Published("NVIDIA ResNet-50 v1.5, TF32", "DeepLearningExamples, DGX A100", RESNET50, 256, 938.0,
+              8, 1, 8, "nvlink-a100", "net-200g", 7248 / (8 * 938)),
+]
+
+
+def predicted_efficiency(case: Published, overlap: float) -> float:
+    topo = Topology(case.per_node, INTRA_LINKS[case.intra], INTER_LINKS[case.inter])
+    compute = case.batch / case.images_per_s
+    nbytes = case.params * 4
+
+    def step(n: int) -> float:
+        return step_s(compute, hierarchical_allreduce_s(nbytes, n, topo), overlap)
+
+    return step(case.baseline_gpus) / step(case.gpus)
+
+
+def validate() -> list[dict]:
+    return [{"case": c, "no_overlap": predicted_efficiency(c, 0.0),
+             "overlap": predicted_efficiency(c, BACKWARD_SHARE)} for c in CASES]
+
+
+def to_markdown(rows: list[dict]) -> str:
+    lines = ["| case | source | GPUs (per node) | batch/GPU, img/s/GPU | gradient MB | links | published | "
+             f"predicted, no overlap (error) | predicted, overlap {BACKWARD_SHARE:.2f} (error) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        c = r["case"]
+        base = f" vs {c.baseline_gpus}" if c.baseline_gpus > 1 else ""
+        lines.append(f"| {c.name} | {c.source} | {c.gpus}{base} ({c.per_node}) | {c.batch}, {c.images_per_s:.0f} | "
+                     f"{c.params * 4 / 1e6:.0f} | {c.intra}, {c.inter} | {c.efficiency:.1%} | "
+                     f"{r['no_overlap']:.1%} ({(r['no_overlap'] - c.efficiency) * 100:+.1f}) | "
+                     f"{r['overlap']:.1%} ({(r['overlap'] - c.efficiency) * 100:+.1f}) |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,134 @@
+"""The sync-strategy interface: how each device's local gradient becomes the update's input (step 3), like DDP's
+communication hooks. The default, `Sync`, is data parallelism's mean all-reduce; a strategy overrides only what
+it changes. Every method runs inside the compiled step, on one device's slice (`axis_name` "data"), or once on
+the global batch under jit (`axis_name` None: the arrays are global and XLA inserts the collectives).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+Tree = Any
+
+
+class Local(NamedTuple):
+    """One device's step-2 result (`jdp.gradients`)."""
+
+    grads: Tree  # d(weighted sum of the loss)/rows, float32, loss scale removed
+    sums: dict[str, jax.Array]  # weighted sums of every loss output
+    weight: jax.Array  # the weight total
+    model_state: Tree  # after the forward (BatchNorm statistics)
+    counts: Tree  # the RNG counters after it
+    rows: int  # static rows of one micro-batch, by which `grads` is divided
+    small_sq: jax.Array | None  # for the noise scale: the small batches' mean |gradient of the weighted mean|^2
+
+
+class Reduced(NamedTuple):
+    """What the update needs after the sync."""
+
+    grads: Tree  # the update's input: the gradient of the weighted mean (a strategy may hold a slice of it)
+    sums: dict[str, jax.Array]  # the global weighted sums
+    weight: jax.Array  # the global weight total
+    model_state: Tree  # floating leaves averaged across replicas
+    small_sq: jax.Array | None
+
+
+def all_reduce_mean(tree: Tree, axis_name: str | None) -> Tree:
+    """The data-parallel all-reduce: average over the `data` axis (a no-op under jit, where the arrays are
+    already global and XLA inserts the collective itself). One call is one collective."""
+    return tree if axis_name is None else jax.lax.pmean(tree, axis_name)
+
+
+def sum_of_squares(tree: Tree, axis_name: str | None = None, sliced: Any = None) -> jax.Array:
+    """The squared L2 norm of all leaves (float32); with `axis_name`, the leaves `sliced(leaf)` picks are slices
+    held by each device, and their squares are summed across devices."""
+    def squares(leaves: list[jax.Array]) -> jax.Array:
+        return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves), jnp.float32(0))
+
+    leaves = jax.tree.leaves(tree)
+    if axis_name is None or sliced is None:
+        return squares(leaves)
+    return (jax.lax.psum(squares([x for x in leaves if sliced(x)]), axis_name)
+            + squares([x for x in leaves if not sliced(x)]))
+
+
+def floating(tree: Tree) -> Tree:
+    """The floating leaves of `tree` (others None): what may be averaged across replicas."""
+    return jax.tree.map(lambda x: x if jnp.issubdtype(x.dtype, jnp.floating) else None, tree)
+
+
+def merge_floating(averaged: Tree, tree: Tree) -> Tree:
+    return jax.tree.map(lambda a, x: x if a is None else a, averaged, tree, is_leaf=lambda x: x is None)
+
+
+def cast(tree: Tree, dtype: Any) -> Tree:
+    return jax.tree.map(lambda x: x.astype(dtype), tree)
+
+
+class Sync:
+    """The mean all-reduce of data parallelism: one collective carries the gradient (in `dtype`: float32, or
+    bfloat16 as DDP's `bf16_compress_hook`), the weighted sums, the weight total and the floating model state.
+    Model state is averaged too: a no-op for synced BatchNorm, and it keeps per-device ("ghost") BatchNorm
+    statistics identical across replicas. Its state: none; every leaf of the train state is replicated."""
+
+    per_device_update = False  # True: each device updates from its own gradient (the guard then decides alike)
+
+    def __init__(self, dtype: Any = jnp.float32) -> None:
+        self.dtype = dtype
+
+    # The layout of the train state inside the step, and the conversions from and to the logical one (what
+    # checkpoints, callbacks and export see: whole arrays, the same on every device).
+    def state_specs(self, abstract_state: Any) -> Any:
+        return jax.tree.map(lambda _: P(), abstract_state)
+
+    def to_step_layout(self, state: Any, num_devices: int) -> Any:
+        return state
+
+    def to_logical(self, state: Any, abstract_state: Any) -> Any:
+        return state
+
+    def params_view(self, params: Tree, axis_name: str | None) -> Tree:
+        """The parameters the forward sees (a sharding strategy gathers them here)."""
+        return params
+
+    def reduce(self, local: Local, axis_name: str | None, collective: bool = True) -> Reduced:
+        """Local gradient -> the update's input. `collective` False compiles the step without its collective
+        (`jdp.bench`'s with/without), keeping the layout of the update."""
+        axis = axis_name if collective else None
+        payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight,
+                   "grads": cast(local.grads, self.dtype)}
+        if local.small_sq is not None:
+            payload["small_sq"] = local.small_sq
+        averaged = all_reduce_mean(payload, axis)  # one collective for all of it: each costs a rendezvous
+        weight = averaged["weight"]
+        return Reduced(self._of_mean(cast(averaged["grads"], jnp.float32), local.rows, weight), averaged["sums"],
+                       weight, merge_floating(averaged["model_state"], local.model_state), averaged.get("small_sq"))
+
+    @staticmethod
+    def _of_mean(grads: Tree, rows: int, weight: jax.Array) -> Tree:
+        """d(weighted sum)/rows (averaged over devices) -> d(weighted mean), by the weight total."""
+        return jax.tree.map(lambda g: g * (rows / jnp.where(weight > 0, weight, 1.0)), grads)
+
+    def update(self, tx: optax.GradientTransformation, grads: Tree, state: Any, axis_name: str | None
+               ) -> tuple[Tree, Any]:
+        """Step 4: the same optax update on every replica keeps the parameters in sync."""
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        return optax.apply_updates(state.params, updates), opt_state
+
+    def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
+        """After the guard has chosen the state every replica keeps (`previous`: the state the step began with;
+        local SGD averages here)."""
+        return state
+
+    def grad_norm(self, grads: Tree, axis_name: str | None) -> jax.Array:
+        """The norm the update sees, before clipping."""
+        return jnp.sqrt(sum_of_squares(grads))
+
+    def bytes_per_step(self, abstract_params: Tree, num_devices: int) -> float:
+        """The gradient bytes each device hands its collectives per step (beside the few sums)."""
+        return sum(x.size for x in jax.tree.leaves(abstract_params)) * jnp.dtype(self.dtype).itemsize

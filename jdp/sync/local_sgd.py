@@ -1,0 +1,46 @@
+"""Local SGD (DDP's post-local-SGD): each device updates from its own gradient, and every `every` steps the
+parameters and the optimizer state's floating leaves are averaged, so the replicas agree at sync points."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jdp.sync.base import Local, Reduced, Sync, Tree, all_reduce_mean, floating, merge_floating, sum_of_squares
+
+
+class LocalSGD(Sync):
+    per_device_update = True
+
+    def __init__(self, every: int) -> None:
+        super().__init__(jnp.float32)
+        self.every = every
+
+    def reduce(self, local: Local, axis_name: str | None, collective: bool = True) -> Reduced:
+        """The gradient stays local, scaled by the local weight; the sums are still all-reduced for the metrics."""
+        payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight}
+        averaged = all_reduce_mean(payload, axis_name if collective else None)
+        return Reduced(self._of_mean(local.grads, local.rows, local.weight), averaged["sums"], averaged["weight"],
+                       merge_floating(averaged["model_state"], local.model_state), None)
+
+    def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
+        """At a sync point (counted from the step before, whatever the guard kept), after the guard, so that a
+        sync step whose update was dropped or held still syncs. Step counts in the optimizer state are identical
+        everywhere; the floating leaves are averaged."""
+        def average(tree: Tree) -> Tree:
+            return jax.tree.map(lambda x: all_reduce_mean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.floating)
+                                else x, tree)
+
+        at_sync = (previous.step + 1) % self.every == 0
+        params, opt_state = jax.lax.cond(at_sync, average, lambda t: t, (state.params, state.opt_state))
+        return state._replace(params=params, opt_state=opt_state)
+
+    def grad_norm(self, grads: Tree, axis_name: str | None) -> jax.Array:
+        """The mean of the local norms."""
+        return all_reduce_mean(jnp.sqrt(sum_of_squares(grads)), axis_name)
+
+    def bytes_per_step(self, abstract_params: Tree, num_devices: int) -> float:
+        """The parameters (and as much optimizer state again, at most) once every `every` steps."""
+        return sum(x.size for x in jax.tree.leaves(abstract_params)) * 4 / self.every

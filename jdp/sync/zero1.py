@@ -1,0 +1,126 @@
+"""ZeRO-1, the sharded optimizer ("cross-replica weight-update sharding", Xu et al. 2020).
+
+Every leaf with at least one axis is flattened and zero-padded to a multiple of N devices; device i owns the
+i-th 1/N slice of it. Scalar leaves stay whole: every device updates them, with their mean gradient. Gradients
+are reduce-scattered into those slices, each device updates its slice of the parameters and optimizer state,
+and the parameters are all-gathered. Checkpoints hold the gathered, unpadded ("logical") optimizer state, so
+they restore on any N.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import PartitionSpec as P
+
+from jdp.mesh import DATA_AXIS
+from jdp.sync.base import Local, Reduced, Sync, Tree, all_reduce_mean, cast, floating, merge_floating, sum_of_squares
+
+
+def is_sharded(leaf: Any) -> bool:
+    """Which leaves are split: arrays with at least one axis (scalars such as step counts stay whole)."""
+    return len(leaf.shape) > 0
+
+
+def _flat_padded(x: jax.Array, n: int) -> jax.Array:
+    flat = x.reshape(-1)
+    return jnp.pad(flat, (0, (-flat.size) % n))
+
+
+def _unpadded(flat: jax.Array, like: Any) -> jax.Array:
+    return flat[: math.prod(like.shape)].reshape(like.shape)
+
+
+def reduce_scatter_mean(grads: Tree, axis_name: str) -> Tree:
+    """Each device receives the cross-device mean of its own slice of every gradient (of a scalar: all of it)."""
+    n = jax.lax.psum(1, axis_name)
+
+    def scatter(g: jax.Array) -> jax.Array:
+        if not is_sharded(g):
+            return jax.lax.pmean(g, axis_name)
+        return jax.lax.psum_scatter(_flat_padded(g, n), axis_name, tiled=True) / n
+
+    return jax.tree.map(scatter, grads)
+
+
+def local_slice(tree: Tree, axis_name: str) -> Tree:
+    """This device's slice of each (replicated) leaf; scalars whole, like their optimizer state."""
+    n, i = jax.lax.psum(1, axis_name), jax.lax.axis_index(axis_name)
+
+    def cut(x: jax.Array) -> jax.Array:
+        if not is_sharded(x):
+            return x
+        flat = _flat_padded(x, n)
+        size = flat.size // n
+        return jax.lax.dynamic_slice(flat, (i * size,), (size,))
+
+    return jax.tree.map(cut, tree)
+
+
+def all_gather_like(slices: Tree, like: Tree, axis_name: str) -> Tree:
+    """Reassemble full leaves shaped like `like` from every device's slice (a scalar every device updated whole)."""
+    def gather(s: jax.Array, x: jax.Array) -> jax.Array:
+        return _unpadded(jax.lax.all_gather(s, axis_name, tiled=True), x) if is_sharded(x) else s
+
+    return jax.tree.map(gather, slices, like)
+
+
+def shard_layout(tree: Tree, n: int) -> Tree:
+    """Logical leaves -> flat, padded leaves (to be placed split along `data`); scalars unchanged."""
+    return jax.tree.map(lambda x: _flat_padded(x, n) if is_sharded(x) else x, tree)
+
+
+def logical_layout(tree: Tree, like: Tree) -> Tree:
+    """Flat, padded leaves -> leaves shaped like `like` (the inverse of `shard_layout`)."""
+    return jax.tree.map(lambda x, y: _unpadded(x, y) if is_sharded(y) else x, tree, like)
+
+
+def global_norm(tree: Tree, axis_name: str | None = None) -> jax.Array:
+    """The L2 norm of all leaves; with `axis_name`, of the whole leaves whose slices the devices hold."""
+    return jnp.sqrt(sum_of_squares(tree, axis_name, sliced=is_sharded))
+
+
+class ShardedOptimizer(Sync):
+    """The gradient is reduce-scattered (in `dtype`) beside the one all-reduce of the sums; each device updates
+    its slice of the parameters and of the optimizer state (sharded on `data` in the step), then all-gathers the
+    parameters."""
+
+    per_device_update = True
+
+    def state_specs(self, abstract_state: Any) -> Any:
+        specs = super().state_specs(abstract_state)
+        return specs._replace(opt_state=jax.tree.map(lambda x: P(DATA_AXIS) if is_sharded(x) else P(),
+                                                     abstract_state.opt_state))
+
+    def to_step_layout(self, state: Any, num_devices: int) -> Any:
+        return state._replace(opt_state=shard_layout(state.opt_state, num_devices))
+
+    def to_logical(self, state: Any, abstract_state: Any) -> Any:
+        return state._replace(opt_state=logical_layout(state.opt_state, abstract_state.opt_state))
+
+    def reduce(self, local: Local, axis_name: str | None, collective: bool = True) -> Reduced:
+        # The layout of the update is kept even when the bench compiles the collectives out.
+        grads = cast(reduce_scatter_mean(cast(local.grads, self.dtype), axis_name), jnp.float32)
+        payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight}
+        averaged = all_reduce_mean(payload, axis_name if collective else None)
+        weight = averaged["weight"]
+        return Reduced(self._of_mean(grads, local.rows, weight), averaged["sums"], weight,
+                       merge_floating(averaged["model_state"], local.model_state), None)
+
+    def update(self, tx: optax.GradientTransformation, grads: Tree, state: Any, axis_name: str | None
+               ) -> tuple[Tree, Any]:
+        params_slice = local_slice(state.params, axis_name)
+        updates, opt_state = tx.update(grads, state.opt_state, params_slice)
+        return all_gather_like(optax.apply_updates(params_slice, updates), state.params, axis_name), opt_state
+
+    def grad_norm(self, grads: Tree, axis_name: str | None) -> jax.Array:
+        return global_norm(grads, axis_name)
+
+    def bytes_per_step(self, abstract_params: Tree, num_devices: int) -> float:
+        """The reduce-scatter of the gradient, then the all-gather of the float32 parameters."""
+        size = sum(x.size for x in jax.tree.leaves(abstract_params))
+        return size * (jnp.dtype(self.dtype).itemsize + 4)

@@ -1,0 +1,449 @@
+"""The run record `jdp.fit` writes (WORKDIR/run.json, key "fit") and what reads it back: the resume guard, which
+refuses a resumed run whose numerics or data order changed, and the tools that reopen a run from Python
+(`jdp.restore`, `jdp.evaluate`, `jdp.export`) and from the command line (`python -m jdp.export`,
+`python -m jdp.train --eval_only`, `python -m jdp.sample`)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jdp
+from jdp import record as record_lib
+from jdp import reopen
+from tests import user_models
+from tests.helpers import max_abs_diff, records
+
+REPO = Path(__file__).parent.parent
+MODEL = functools.partial(user_models.make_call_time_cnn, seed=0, rate=0.2)
+TRAIN = functools.partial(user_models.tiny_images, n=128)
+EVAL = functools.partial(user_models.tiny_images, n=40, seed=1)
+LOSS = user_models.call_time_loss
+RTOL = 1e-6
+
+
+def sgd(lr: float = 0.1, **kwargs) -> optax.GradientTransformation:
+    """SGD at a constant schedule: its state holds a step count, as that of any schedule does, so a change to
+    another schedule (or lr) keeps the checkpoint's layout and only the run record tells them apart."""
+    return optax.sgd(optax.constant_schedule(lr), **kwargs)
+
+
+def fit(workdir: Path, steps: int, **changes):
+    """A tiny run: every piece importable (factories by import path), SGD at 0.1, 2 devices, checkpoints every
+    2 steps; `changes` replace any argument of `jdp.fit`."""
+    kwargs = {"model": MODEL, "loss_fn": LOSS, "train_data": TRAIN, "optimizer": sgd(),
+              "global_batch_size": 32, "eval_data": EVAL, "num_devices": 2, "log_every": 1, "checkpoint_every": 2,
+              **changes}
+    model, loss_fn, train_data = kwargs.pop("model"), kwargs.pop("loss_fn"), kwargs.pop("train_data")
+    return jdp.fit(model, loss_fn, train_data, steps=steps, workdir=workdir, **kwargs)
+
+
+def abstract_params(params):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), params)
+
+
+def saved_record(workdir: Path) -> dict:
+    return json.loads((workdir / record_lib.RECORD_FILE).read_text())
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A run of 4 steps of 4, finished: checkpoints 2 and 4, an eval line at step 4. (workdir, FitResult)."""
+    workdir = tmp_path_factory.mktemp("finished") / "run"
+    return workdir, fit(workdir, 4)
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """A run of 8 steps stopped by an exception after step 4 (`jdp.faults`): checkpoint 4, record of steps=8."""
+    workdir = tmp_path_factory.mktemp("stopped") / "run"
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("JDP_KILL_AT", "raise:4")
+        with pytest.raises(RuntimeError, match="JDP_KILL_AT=raise:4"):
+            fit(workdir, 8)
+    return workdir
+
+
+class LocalCNN(user_models.CallTimeDropoutCNN):
+    """Stands in for a class the record cannot name: `local_run` passes an instance (never importable back)."""
+
+
+@pytest.fixture(scope="module")
+def local_run(tmp_path_factory):
+    """A finished run whose model was given as an instance of a class defined in a function (as in a script's
+    __main__): its record names no factory. (workdir, FitResult, the class)."""
+
+    class Scripted(LocalCNN):  # qualname test_run_record.local_run.<locals>.Scripted: not importable
+        pass
+
+    workdir = tmp_path_factory.mktemp("local") / "run"
+    return workdir, fit(workdir, 4, model=Scripted(rate=0.2, rngs=nnx.Rngs(0))), Scripted
+
+
+def copy_of(workdir: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(workdir, tmp_path / "run"))
+
+
+# 1. The record ---------------------------------------------------------------------------------------------
+
+
+def test_the_record_names_everything_that_produced_the_run(finished):
+    """A missing or wrong entry here means tools cannot rebuild the run (factory, loss, data) and the resume guard
+    compares nothing (or the wrong thing)."""
+    workdir, result = finished
+    saved = saved_record(workdir)
+    assert saved["versions"]["jax"] == jax.__version__ and saved["versions"]["jdp"]
+    assert saved["platform"] == "cpu" and len(saved["devices"]) == 2  # the run's 2 devices, not the 8 there are
+    assert isinstance(saved["command"], list) and saved["process_count"] == 1
+    record = saved["fit"]
+    assert record["format"] == record_lib.FORMAT and record["steps"] == 4 and record["global_batch_size"] == 32
+    options = record["options"]
+    assert {k: options[k] for k in ("seed", "num_devices", "precision", "checkpoint_every", "backend")} == {
+        "seed": 0, "num_devices": 2, "precision": "fp32", "checkpoint_every": 2, "backend": "shard_map"}
+    assert options["workdir"] == str(workdir) and "eval_data" not in options
+
+    model = record["model"]
+    assert model["factory"] == {"path": "tests.user_models:make_call_time_cnn", "kwargs": {"seed": 0, "rate": 0.2}}
+    assert model["class"].startswith("tests.user_models:make_call_time_cnn")
+    sizes = [np.size(x) for x in jax.tree.leaves(result.params)]
+    assert model["parameters"] == sum(sizes) == 228
+    assert sorted(model["shapes"].values()) == sorted(list(np.shape(x)) for x in jax.tree.leaves(result.params))
+    assert model["shapes"]["['conv']['kernel']"] == [3, 3, 1, 8]
+
+    assert record["loss_fn"] == "tests.user_models:call_time_loss"
+    assert record["imports"] == {"loss_fn": {"path": "tests.user_models:call_time_loss", "kwargs": {}},
+                                 "eval_fn": None, "eval_derived": None}
+    train = record["data"]["train"]
+    assert {k: train[k] for k in ("keys", "shapes", "dtypes", "length", "factory")} == {
+        "keys": ["x", "y"], "shapes": {"x": [8, 8, 1], "y": []}, "dtypes": {"x": "float32", "y": "int32"},
+        "length": 128, "factory": {"path": "tests.user_models:tiny_images", "kwargs": {"n": 128}}}
+    assert isinstance(train["sample_hash"], str) and len(train["sample_hash"]) == 24
+    assert record["data"]["eval"] == {"length": 40, "factory": {"path": "tests.user_models:tiny_images",
+                                                                "kwargs": {"n": 40, "seed": 1}}}
+    # The fingerprint is that of the optimizer fit was given, on the model's parameter tree.
+    assert record["optimizer"] == record_lib.describe_optimizer(sgd(), abstract_params(result.params))
+
+
+def test_a_model_instance_is_recorded_by_class_without_a_factory(local_run):
+    """An instance cannot be rebuilt from its record: a factory recorded for it would make `jdp.restore` build
+    some other model."""
+    workdir, _, scripted = local_run
+    model = saved_record(workdir)["fit"]["model"]
+    assert model["factory"] is None
+    assert model["class"] == f"{__name__}:{scripted.__qualname__}" and "<locals>" in model["class"]
+
+
+def test_import_path_refuses_what_cannot_be_imported_back():
+    """A lambda, a local function or a partial with positional or non-JSON arguments recorded as importable would
+    make the tools fail later, far from the cause."""
+
+    def local():
+        return MODEL()
+
+    assert record_lib.import_path(MODEL) == {"path": "tests.user_models:make_call_time_cnn",
+                                             "kwargs": {"seed": 0, "rate": 0.2}}
+    assert record_lib.import_path(user_models.CallTimeDropoutCNN)["path"] == "tests.user_models:CallTimeDropoutCNN"
+    for unimportable in (lambda: MODEL(), local, functools.partial(user_models.make_call_time_cnn, 0),
+                         functools.partial(user_models.make_call_time_cnn, seed=np.int64(0))):
+        assert record_lib.import_path(unimportable) is None
+    rebuilt = record_lib.load(record_lib.import_path(MODEL))()
+    assert isinstance(rebuilt, user_models.CallTimeDropoutCNN) and rebuilt.dropout.rate == 0.2
+
+
+@pytest.fixture(scope="module")
+def cnn_params():
+    model = nnx.eval_shape(MODEL)
+    return abstract_params(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+
+
+def test_the_same_optimizer_built_twice_has_the_same_fingerprint(cnn_params):
+    """Otherwise every resume would be refused."""
+    for make in (lambda: optax.sgd(0.1), lambda: optax.adamw(1e-3, weight_decay=1e-4),
+                 lambda: optax.sgd(optax.cosine_decay_schedule(0.1, 100))):
+        assert record_lib.describe_optimizer(make(), cnn_params) == record_lib.describe_optimizer(make(), cnn_params)
+
+
+@pytest.mark.parametrize("changed, parts", [
+    (optax.sgd(0.2), {"optimizer", "schedule"}),  # the learning rate
+    (optax.adam(0.1), {"optimizer", "schedule"}),  # the kind
+    (optax.sgd(optax.cosine_decay_schedule(0.1, 100)), {"schedule"}),  # a schedule with the same first value
+    (optax.sgd(optax.exponential_decay(0.1, 10, 0.5)), {"schedule"}),
+    (optax.sgd(0.1, momentum=0.9), {"optimizer", "schedule"}),  # the second update carries the trace
+], ids=["lr", "kind", "cosine", "exponential", "momentum"])
+def test_a_changed_optimizer_changes_its_fingerprint(cnn_params, changed, parts):
+    """A part that does not change lets a resume silently switch the optimizer; a schedule that changed the first
+    part would be refused when a run is extended (`steps` changed, the schedule part not compared)."""
+    base = record_lib.describe_optimizer(optax.sgd(0.1), cnn_params)
+    new = record_lib.describe_optimizer(changed, cnn_params)
+    assert {part for part in base if not record_lib.same_fingerprint(base[part], new[part])} == parts
+
+
+def test_weight_decay_changes_the_fingerprint(cnn_params):
+    """With adamw the weight decay is most of the update of a small gradient: a resume at another decay must be
+    refused."""
+    low = record_lib.describe_optimizer(optax.adamw(1e-3, weight_decay=1e-4), cnn_params)
+    high = record_lib.describe_optimizer(optax.adamw(1e-3, weight_decay=1e-2), cnn_params)
+    assert not record_lib.same_fingerprint(low["optimizer"], high["optimizer"])
+
+
+def test_a_float64_perturbation_of_the_lr_keeps_the_fingerprint(cnn_params):
+    """An lr differing by 1e-9 relative (a config value re-derived in float64, say) must not refuse a resume."""
+    base = record_lib.describe_optimizer(optax.sgd(0.1), cnn_params)
+    near = record_lib.describe_optimizer(optax.sgd(0.1 * (1 + 1e-9)), cnn_params)
+    assert all(record_lib.same_fingerprint(base[part], near[part]) for part in base)
+
+
+def test_updates_one_float32_ulp_apart_keep_the_fingerprint(cnn_params):
+    """The record's promise: a run resumes on another machine or XLA version, whose updates may differ in the last
+    bit."""
+    base = record_lib.describe_optimizer(optax.sgd(0.1), cnn_params)
+    for factor in (1 + 2.0**-23, 1 - 2.0**-24):
+        near = record_lib.describe_optimizer(optax.chain(optax.sgd(0.1), optax.scale(factor)), cnn_params)
+        assert all(record_lib.same_fingerprint(base[part], near[part]) for part in base)
+
+
+# 2. The resume guard ---------------------------------------------------------------------------------------
+
+OPTIMIZER, SCHEDULE = "optimizer (its first update)", "schedule (the optimizer's later updates)"
+DATA = "train data (keys, shapes, dtypes, length or sampled rows)"
+CHANGES = {  # one change each: (fit's arguments, the keys a refusal lists when steps is unchanged / extended)
+    "lr": ({"optimizer": sgd(0.2)}, {OPTIMIZER, SCHEDULE}, {OPTIMIZER}),
+    "optimizer kind": ({"optimizer": optax.adam(0.1)}, {OPTIMIZER, SCHEDULE}, {OPTIMIZER}),
+    "momentum": ({"optimizer": sgd(momentum=0.9)}, {OPTIMIZER, SCHEDULE}, {OPTIMIZER}),
+    # Extending a run may change a schedule built from `steps`: then only its first update is compared.
+    "schedule": ({"optimizer": optax.sgd(optax.cosine_decay_schedule(0.1, 8))}, {SCHEDULE}, set()),
+    "global batch size": ({"global_batch_size": 64}, {"global_batch_size"}, {"global_batch_size"}),
+    "seed": ({"seed": 1}, {"seed"}, {"seed"}),
+    "precision": ({"precision": "bf16"}, {"precision"}, {"precision"}),
+    "data content": ({"train_data": functools.partial(user_models.tiny_images, n=128, seed=1)}, {DATA}, {DATA}),
+    "model": ({"model": functools.partial(user_models.make_call_time_cnn, seed=0, rate=0.3)}, {"model"}, {"model"}),
+}
+
+
+
+def listed(message: str) -> set[str]:
+    """The keys a refusal lists: `key: old -> new` or a fingerprint's name, joined by '; '."""
+    inside = message.split("data order (", 1)[1].rsplit("); use a new workdir", 1)[0]
+    return {item.split(": ", 1)[0] for item in inside.split("; ")}
+
+
+@pytest.mark.parametrize("prepared", ["stopped at 4 of 8", "finished at 4 of 4, extended to 8"])
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_a_resume_that_changes_the_numerics_or_data_order_is_refused_in_one_line(
+        change, prepared, finished, stopped, tmp_path, capsys):
+    """A resume with another lr, optimizer, schedule, batch, seed, precision, data or model would silently train
+    a run that is neither the old one nor the new one; refused before anything is written, naming what differs."""
+    workdir = copy_of(stopped if prepared.startswith("stopped") else finished[0], tmp_path)
+    arguments, same_steps, extended = CHANGES[change]
+    expected = same_steps if prepared.startswith("stopped") else extended
+    before = (workdir / "run.json").read_text(), sorted(os.listdir(workdir / "checkpoints"))
+    if not expected:  # accepted: the warning says the schedule was not compared
+        assert fit(workdir, 8, **arguments).step == 8
+        assert "steps changed from 4 to 8" in capsys.readouterr().out
+        return
+    with pytest.raises(jdp.FitError) as refused:
+        fit(workdir, 8, **arguments)
+    message = str(refused.value)
+    assert "\n" not in message and str(workdir) in message and "allow_config_change=True" in message
+    assert listed(message) == expected, message
+    assert ((workdir / "run.json").read_text(), sorted(os.listdir(workdir / "checkpoints"))) == before
+    assert max(r["step"] for r in records(workdir, "train")) == 4  # nothing trained
+
+
+def test_a_resume_at_another_momentum_is_refused(tmp_path):
+    """Momentum 0.9 -> 0.5 keeps the optimizer state's layout: only the record can tell the runs apart."""
+    fit(tmp_path / "run", 2, optimizer=sgd(momentum=0.9))
+    with pytest.raises(jdp.FitError, match="optimizer"):
+        fit(tmp_path / "run", 4, optimizer=sgd(momentum=0.5))
+
+
+def test_a_float_lr_changed_to_a_schedule_is_refused_naming_the_schedule(tmp_path):
+    """optax.sgd(0.1) -> optax.sgd(cosine_decay_schedule(0.1, ...)), steps unchanged: the same first update, then
+    another schedule; the refusal must be the FitError naming the schedule."""
+    fit(tmp_path / "run", 2, optimizer=optax.sgd(0.1))
+    with pytest.raises(jdp.FitError, match=re.escape(SCHEDULE)):
+        fit(tmp_path / "run", 2, optimizer=optax.sgd(optax.cosine_decay_schedule(0.1, 2)))
+
+
+@pytest.mark.parametrize("prepared", ["stopped at 4 of 8", "finished at 4 of 4, extended to 8"])
+def test_the_same_settings_resume(prepared, finished, stopped, tmp_path, capsys):
+    """The guard must not refuse the run it guards: same settings (fresh optimizer and factory objects) resume and
+    reach step 8 with one train line per step."""
+    workdir = copy_of(stopped if prepared.startswith("stopped") else finished[0], tmp_path)
+    result = fit(workdir, 8)
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "other settings" not in out
+    assert result.step == 8 and [r["step"] for r in records(workdir, "train")] == list(range(1, 9))
+    assert saved_record(workdir)["fit"]["steps"] == 8
+
+
+def test_allow_config_change_resumes_with_another_lr_and_records_it(finished, tmp_path, capsys):
+    """The way out of a refusal: the run goes on, says what changed, and its record holds the new settings (so
+    the next resume compares against them)."""
+    workdir = copy_of(finished[0], tmp_path)
+    result = fit(workdir, 8, optimizer=sgd(0.2), allow_config_change=True)
+    out = capsys.readouterr().out
+    assert result.step == 8 and "resumed from" in out
+    assert f"warning: resuming {workdir} with other settings (allow_config_change): {OPTIMIZER}" in out
+    assert saved_record(workdir)["fit"]["optimizer"] == record_lib.describe_optimizer(
+        sgd(0.2), abstract_params(result.params))
+    assert fit(workdir, 10, optimizer=sgd(0.2)).step == 10  # the new settings are the run's now
+
+
+def test_a_finished_run_rerun_with_other_settings_is_refused_too(finished, tmp_path):
+    """A rerun at the same steps trains nothing, but a changed setting would otherwise be mistaken for the run's:
+    refused, and the record left as it was."""
+    workdir = copy_of(finished[0], tmp_path)
+    before = (workdir / "run.json").read_text()
+    with pytest.raises(jdp.FitError, match="seed: 0 -> 3"):
+        fit(workdir, 4, seed=3)
+    assert (workdir / "run.json").read_text() == before
+
+
+# 3. Reopened from Python ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", [{"num_devices": 2}, {"global_batch_size": 16}], ids=["as fit", "8 devices, padded"])
+def test_restore_and_evaluate_reproduce_the_runs_last_eval(finished, how):
+    """`jdp.restore` must rebuild the run's model from its record with the last checkpoint's parameters and
+    BatchNorm statistics, and `jdp.evaluate` must weigh every row once (padding masked) on any device count."""
+    workdir, result = finished
+    model = jdp.restore(workdir)
+    assert isinstance(model, user_models.CallTimeDropoutCNN) and model.dropout.rate == 0.2
+    metrics = jdp.evaluate(model, LOSS, EVAL, **how)
+    last = records(workdir, "eval")[-1]
+    assert last["step"] == 4 and set(metrics) == set(result.eval_metrics) == {"loss", "accuracy"}
+    for key, value in metrics.items():
+        np.testing.assert_allclose(value, result.eval_metrics[key], rtol=RTOL)
+        np.testing.assert_allclose(value, last[key], rtol=RTOL)
+
+
+def test_restore_fills_a_given_instance_and_takes_a_step(finished):
+    """A given module is filled in place (its parameters those of the checkpoint); `step` picks an older one."""
+    workdir, result = finished
+    instance = user_models.make_call_time_cnn(seed=7, rate=0.2)  # other initial values
+    assert jdp.restore(workdir, instance) is instance
+    params = nnx.to_pure_dict(nnx.state(instance, nnx.Param))
+    assert max_abs_diff(jax.tree.map(np.asarray, params), result.params) == 0
+    older = nnx.to_pure_dict(nnx.state(jdp.restore(workdir, step=2), nnx.Param))
+    assert max_abs_diff(jax.tree.map(np.asarray, older), result.params) > 0
+    with pytest.raises(jdp.FitError, match="no checkpoint of step 3") as missing:
+        jdp.restore(workdir, step=3)
+    assert "\n" not in str(missing.value)
+
+
+def test_restore_of_a_run_whose_model_cannot_be_imported_asks_for_it(local_run):
+    """A model the record cannot name fails in one line saying to pass it, and works when it is passed."""
+    workdir, result, scripted = local_run
+    with pytest.raises(jdp.FitError, match=r"pass it: jdp.restore\(workdir, model\)") as refused:
+        jdp.restore(workdir)
+    assert "\n" not in str(refused.value) and "Scripted" in str(refused.value)
+    model = jdp.restore(workdir, scripted(rate=0.2, rngs=nnx.Rngs(3)))
+    params = jax.tree.map(np.asarray, nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    assert max_abs_diff(params, result.params) == 0
+    metrics = jdp.evaluate(model, LOSS, EVAL(), num_devices=2)
+    np.testing.assert_allclose(metrics["loss"], result.eval_metrics["loss"], rtol=RTOL)
+
+
+def test_restore_refuses_a_model_of_other_shapes_in_one_line(finished):
+    """Loading a checkpoint into a model of other shapes must say so, not fail deep in Flax."""
+    with pytest.raises(jdp.FitError, match="do not match the checkpoint") as refused:
+        jdp.restore(finished[0], user_models.CallTimeDropoutCNN(features=4, rngs=nnx.Rngs(0)))
+    assert "\n" not in str(refused.value)
+
+
+def test_export_writes_the_parameters_and_state_of_the_last_checkpoint(finished, tmp_path):
+    """`jdp.export` (the module, callable) writes what `init_from` reads: params/... and model_state/... of the
+    last checkpoint, and its step."""
+    workdir, result = finished
+    step, count = jdp.export(workdir, tmp_path / "params.npz")
+    with np.load(tmp_path / "params.npz") as exported:
+        arrays = dict(exported)
+    assert step == 4 and int(arrays.pop("step")) == 4 and count == len(arrays)
+    assert {"params/conv/kernel", "params/bn/scale", "params/head/bias", "model_state/bn/mean",
+            "model_state/bn/var"} <= set(arrays)
+    assert all(k.startswith(("params/", "model_state/")) for k in arrays)
+    np.testing.assert_array_equal(arrays["params/conv/kernel"], result.params["conv"]["kernel"])
+    np.testing.assert_array_equal(arrays["model_state/bn/mean"], result.model_state["bn"]["mean"])
+
+
+def test_evaluate_run_names_the_piece_given_as_an_object(finished, tmp_path):
+    """Data given as arrays has no import path: `--eval_only` must name the eval data as what is missing (the model
+    and loss are importable), and the data's description must not depend on how it was given."""
+    fit(tmp_path / "run", 2, train_data=TRAIN(), eval_data=EVAL())
+    data = saved_record(tmp_path / "run")["fit"]["data"]
+    assert data["train"]["factory"] is None and data["eval"]["factory"] is None
+    assert data["train"]["sample_hash"] == saved_record(finished[0])["fit"]["data"]["train"]["sample_hash"]
+    with pytest.raises(jdp.FitError, match="whose eval data cannot be imported") as refused:
+        reopen.evaluate_run(tmp_path / "run")
+    assert "\n" not in str(refused.value)
+
+
+# 4. On the command line -----------------------------------------------------------------------------------
+
+
+def jdp_command(module: str, *args) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` on 2 CPU devices, from the repo root (so `tests.user_models` imports)."""
+    return subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=REPO, capture_output=True, text=True,
+                          timeout=180, env={**os.environ, "JAX_NUM_CPU_DEVICES": "2"})
+
+
+def one_line(out: subprocess.CompletedProcess, *expected: str) -> str:
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    for text in expected:
+        assert text in lines[0]
+    return lines[0]
+
+
+def test_the_export_command_writes_what_jdp_export_writes(finished, tmp_path):
+    """`python -m jdp.export` on a fit workdir (model importable from its record) must write the same file."""
+    workdir, _ = finished
+    out = jdp_command("jdp.export", "--workdir", workdir, "--out", tmp_path / "cli.npz")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "of step 4" in out.stdout
+    jdp.export(workdir, tmp_path / "python.npz")
+    with np.load(tmp_path / "cli.npz") as cli, np.load(tmp_path / "python.npz") as python:
+        assert sorted(cli) == sorted(python)
+        for key in cli:
+            np.testing.assert_array_equal(cli[key], python[key])
+
+
+def test_eval_only_on_a_fit_workdir_appends_the_runs_eval(finished, tmp_path):
+    """`python -m jdp.train --eval_only` rebuilds model, loss and eval data from the record and evaluates as fit
+    did: the appended line equals the run's last."""
+    workdir = copy_of(finished[0], tmp_path)
+    out = jdp_command("jdp.train", "--workdir", workdir, "--eval_only")
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, again = records(workdir, "eval")
+    assert again["step"] == first["step"] == 4
+    for key in ("loss", "accuracy"):
+        np.testing.assert_allclose(again[key], first[key], rtol=RTOL)
+    assert not (workdir / "config.json").exists()  # still a fit workdir, not mistaken for a jdp.train one
+
+
+def test_the_commands_on_a_run_whose_model_cannot_be_imported_say_what_is_missing(local_run, tmp_path):
+    """Without an importable model both commands must exit 2 with one line naming the model, not a traceback;
+    `python -m jdp.sample` (language-model runs of jdp.train) says a fit run is not one."""
+    workdir, _, _ = local_run
+    line = one_line(jdp_command("jdp.export", "--workdir", workdir, "--out", tmp_path / "p.npz"),
+                    "jdp.export:", "cannot be rebuilt", "jdp.restore(workdir, model)")
+    assert not (tmp_path / "p.npz").exists(), line
+    before = len(records(workdir, "eval"))
+    one_line(jdp_command("jdp.train", "--workdir", workdir, "--eval_only"), "model cannot be imported",
+             "jdp.evaluate(jdp.restore(workdir, model), loss_fn, data)")
+    assert len(records(workdir, "eval")) == before
+    one_line(jdp_command("jdp.sample", "--workdir", workdir), "is a jdp.fit run", "jdp.restore(workdir, model)")
