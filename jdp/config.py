@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import ast
-import dataclasses
 import difflib
 import importlib.util
 import json
-import math
 import re
 import sys
 import traceback
@@ -18,8 +16,7 @@ import ml_collections
 from jdp import configs
 from jdp.errors import UsageError, one_line
 from jdp.files import write_atomic
-from jdp.parallel import BACKENDS
-from jdp.step import ALLREDUCE_DTYPES, COMPUTE_DTYPES, NONFINITE_POLICIES
+from jdp.options import AT_LEAST_1, CONFIG_KEYS, CONFIG_NAMES, NON_NEGATIVE, POSITIVE, Range, check
 
 DEFAULT_CONFIG = Path(configs.__file__).parent / "mnist1d_cnn.py"
 
@@ -38,36 +35,9 @@ class ConfigError(UsageError):
     """A bad config or command line: the message is one line naming the field and the fix."""
 
 
-@dataclasses.dataclass(frozen=True)
-class Range:
-    """The valid values of a numeric field: [low, high], either end open; NaN is never in it."""
-
-    low: float
-    high: float = math.inf
-    low_open: bool = False
-    high_open: bool = True
-
-    def __contains__(self, value: float) -> bool:
-        above = value > self.low if self.low_open else value >= self.low
-        below = value < self.high if self.high_open else value <= self.high
-        return bool(above and below)
-
-    def condition(self) -> str:
-        """`> 0`, `>= 1`, `in [0, 1)`: what a value must satisfy."""
-        low, high = _number(self.low), _number(self.high)
-        if self.high == math.inf:
-            return f"{'>' if self.low_open else '>='} {low}"
-        return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
-
-
-def _number(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-
-POSITIVE, NON_NEGATIVE, AT_LEAST_1 = Range(0, low_open=True), Range(0), Range(1)
-# The valid range of every numeric field of configs/base.py (a test holds this table to the file).
+# The valid range of every numeric field of configs/base.py (a test holds this table to the file): the training
+# options' from their one definition (jdp.options), the rest (the task's settings) here.
 RANGES: dict[str, Range] = {
-    "seed": Range(0, 2**32 - 1, high_open=False),  # folded into uint32 RNG keys
     "data.num_classes": NON_NEGATIVE,  # 0 = from the data
     "data.num_examples": AT_LEAST_1,
     "data.num_eval_examples": AT_LEAST_1,
@@ -76,12 +46,7 @@ RANGES: dict[str, Range] = {
     "data.block_size": AT_LEAST_1,
     "data.eval_windows": NON_NEGATIVE,  # 0 = every validation window
     "train.global_batch_size": POSITIVE,
-    "train.eval_batch_size": NON_NEGATIVE,  # 0 = train.global_batch_size; at most what the eval split needs
     "train.steps": POSITIVE,
-    "train.log_every": POSITIVE,
-    "train.eval_every": POSITIVE,
-    "train.grad_accum_steps": POSITIVE,
-    "train.max_skipped_fraction": Range(0, 1, high_open=False),
     "optim.lr": POSITIVE,
     "optim.momentum": Range(0, 1),
     "optim.weight_decay": NON_NEGATIVE,
@@ -93,18 +58,11 @@ RANGES: dict[str, Range] = {
     "sample.temperature": POSITIVE,
     "sample.top_k": NON_NEGATIVE,  # 0 = every token
     "parallel.cpu_devices": NON_NEGATIVE,
-    "parallel.num_devices": NON_NEGATIVE,
-    "parallel.sync_every": AT_LEAST_1,
     "parallel.allreduce_combine_threshold_bytes": NON_NEGATIVE,
-    "parallel.check_replicas_every": NON_NEGATIVE,
-    "checkpoint.every_steps": NON_NEGATIVE,
-    "checkpoint.keep": AT_LEAST_1,
-    "loss_scale.initial": POSITIVE,
-    "loss_scale.growth_interval": AT_LEAST_1,
     "distributed.init_timeout_s": POSITIVE,
     "distributed.heartbeat_timeout_s": POSITIVE,
+    **{key: option.valid for key, option in CONFIG_KEYS.items() if isinstance(option.valid, Range)},
 }
-_PHRASES = {POSITIVE: "must be positive", NON_NEGATIVE: "must not be negative", AT_LEAST_1: "must be at least 1"}
 
 
 def check_ranges(cfg: ml_collections.ConfigDict) -> None:
@@ -112,8 +70,7 @@ def check_ranges(cfg: ml_collections.ConfigDict) -> None:
     for key, valid in RANGES.items():
         value = cfg[key]
         if value not in valid:
-            raise ConfigError(f"{key}={value} {_PHRASES.get(valid, 'must be ' + valid.condition())}; set "
-                              f"--config.{key} to a value {valid.condition()}")
+            raise ConfigError(f"{key}={value} {valid.phrase()}; set --config.{key} to a value {valid.condition()}")
     shape = cfg.data.shape
     if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
         raise ConfigError(f"data.shape={tuple(shape)} must be a tuple of positive sizes; set e.g. "
@@ -311,22 +268,14 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
 
     check_ranges(cfg)
     choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
-    choice("parallel.backend", cfg.parallel.backend, tuple(BACKENDS))
-    choice("train.on_nonfinite", cfg.train.on_nonfinite, NONFINITE_POLICIES)
-    choice("precision", cfg.precision, tuple(COMPUTE_DTYPES))
-    choice("parallel.allreduce_dtype", cfg.parallel.allreduce_dtype, ALLREDUCE_DTYPES)
-    per_device_step = cfg.parallel.backend in ("shard_map", "pmap")
-    _require(per_device_step or cfg.parallel.allreduce_dtype == "fp32",
-             "parallel.allreduce_dtype=bf16 needs an explicit collective; use --config.parallel.backend=shard_map")
-    _validate_local_sgd(cfg, per_device_step)
+    check({option.name: cfg[key] for key, option in CONFIG_KEYS.items()}, CONFIG_NAMES, ConfigError)
+    h = cfg.parallel.sync_every
+    _require(cfg.train.steps % h == 0, f"train.steps={cfg.train.steps} is not a multiple of parallel.sync_every={h}: "
+                                       "with local SGD the replicas agree only at sync points; use a multiple")
     profile_steps(cfg.profile.steps)
     if cfg.parallel.shard_optimizer:
-        _require(cfg.parallel.backend == "shard_map", "parallel.shard_optimizer=True needs "
-                                                      "--config.parallel.backend=shard_map")
         _require(cfg.optim.name not in ("lamb", "lars"), f"optim.name={cfg.optim.name} needs whole-leaf norms "
                  "(trust ratios); parallel.shard_optimizer=True supports sgd, momentum, nesterov and adamw")
-        _require(cfg.parallel.sync_every == 1, "parallel.shard_optimizer=True and parallel.sync_every > 1 "
-                                               "(local SGD) cannot be combined")
     _require(cfg.optim.min_lr <= cfg.optim.lr, f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; "
              "the schedule decays to min_lr: lower it")
     _require(cfg.optim.warmup_steps < cfg.train.steps,
@@ -353,21 +302,6 @@ def profile_steps(spec: str) -> tuple[int, int] | None:
     if not 1 <= first <= last:
         raise ConfigError(f"profile.steps={spec!r} is not a step range; give A:B with 1 <= A <= B, e.g. 10:20")
     return first, last
-
-
-def _validate_local_sgd(cfg: ml_collections.ConfigDict, per_device_step: bool) -> None:
-    """Between syncs the replicas differ on purpose: checks, checkpoints and eval happen at sync points."""
-    h = cfg.parallel.sync_every
-    if h == 1:
-        return
-    _require(per_device_step, "parallel.sync_every > 1 (local SGD) needs a per-device step; use "
-                              "--config.parallel.backend=shard_map or pmap")
-    _require(cfg.parallel.allreduce_dtype == "fp32", "parallel.allreduce_dtype=bf16 compresses gradients, and local "
-             "SGD (parallel.sync_every > 1) averages parameters instead; use --config.parallel.allreduce_dtype=fp32")
-    for key in ("train.steps", "train.eval_every", "checkpoint.every_steps", "parallel.check_replicas_every"):
-        value = cfg[key]
-        _require(value % h == 0, f"{key}={value} is not a multiple of parallel.sync_every={h}: with local SGD "
-                                 "the replicas agree only at sync points; use a multiple")
 
 
 def save_config(cfg: ml_collections.ConfigDict, path: Path) -> None:

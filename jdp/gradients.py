@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jdp.loss import run_loss, weighted_sums
 from jdp.mesh import DATA_AXIS
 from jdp.modeldef import LossFn, ModelDef
-from jdp.precision import cast_floating
+from jdp.precision import COMPUTE_DTYPES, cast_floating
 from jdp.sync.base import Local, Tree, sum_of_squares
 
 
@@ -41,7 +41,7 @@ def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef,
     shard_map, and synced BatchNorm reduces over the lanes' axis.
     """
     o = options
-    dtype = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}[o.precision]
+    dtype = COMPUTE_DTYPES[o.precision]
     scale = state.loss_scale[0] if o.precision == "fp16" else 1.0
     k = o.grad_accum_steps
     rows = jax.tree.leaves(batch)[0].shape[0] // k  # of each micro-batch

@@ -61,7 +61,7 @@ def _pmap(mesh: Mesh, state_specs: Tree, step_for: Callable, eval_for: Callable)
             jax.pmap(eval_for(DATA_AXIS), axis_name=DATA_AXIS, devices=devices))
 
 
-BACKENDS: dict[str, Callable] = {"shard_map": _shard_map, "pmap": _pmap, "jit": _jit}
+BACKENDS: dict[str, Callable] = {"shard_map": _shard_map, "pmap": _pmap, "jit": _jit}  # jdp.options.BACKENDS
 
 
 class DataParallel:

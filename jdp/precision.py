@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}  # of each `precision`
 _MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
 # `name = bf16[8,8]{1,0} convolution(...)` / `dot(...)` in `Lowered.as_text(dialect="hlo")`
 _HLO_MATMUL = re.compile(r"=\s*(\w+)\[[^\]]*\](?:\{[^}]*\})?\s+(?:convolution|dot)\(")

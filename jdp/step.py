@@ -24,8 +24,7 @@ from jdp.sync import Sync
 from jdp.sync.base import sum_of_squares
 from jdp.update import all_finite, guard, updates_applied
 
-__all__ = ["ALLREDUCE_DTYPES", "COMPUTE_DTYPES", "NONFINITE_POLICIES", "StepOptions", "TrainState", "eval_step",
-           "micro_batches", "run_loss", "train_step", "weighted_sums"]
+__all__ = ["StepOptions", "TrainState", "eval_step", "micro_batches", "run_loss", "train_step", "weighted_sums"]
 
 Tree = Any
 
@@ -65,11 +64,6 @@ class StepOptions:
     # The batch the loss sees, made on the device from the batch that was sent: as it is, or e.g. uint8
     # pixels -> cropped, normalised floats (a source's `device_input`).
     device_input: Callable[[dict[str, jax.Array]], dict[str, jax.Array]] = lambda batch: batch
-
-
-COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}  # the precisions
-ALLREDUCE_DTYPES = ("fp32", "bf16")
-NONFINITE_POLICIES = ("halt", "skip")
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDef, loss_fn: LossFn,

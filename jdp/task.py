@@ -23,6 +23,7 @@ from jdp.errors import UsageError, one_line
 from jdp.mesh import DATA_AXIS, make_mesh
 from jdp.modeldef import LossFn
 from jdp.optim import OPTIMIZERS, build_optimizer
+from jdp.options import CONFIG_KEYS
 from jdp.registry import Registry
 
 # task.loss -> loss function (model, batch) -> per-example outputs (see jdp.fit)
@@ -124,19 +125,9 @@ def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None
     tx, schedule = build_optimizer(cfg.optim, batch_size, cfg.train.steps, nnx.to_pure_dict(params),
                                    sharded_axis=DATA_AXIS if cfg.parallel.shard_optimizer else None)
     options = trainer.FitOptions(
-        eval_every=cfg.train.eval_every, eval_batch_size=cfg.train.eval_batch_size, seed=cfg.seed,
-        backend=cfg.parallel.backend, num_devices=cfg.parallel.num_devices, precision=cfg.precision,
-        grad_accum_steps=cfg.train.grad_accum_steps, checkpoint_every=cfg.checkpoint.every_steps,
-        keep_checkpoints=cfg.checkpoint.keep, log_every=cfg.train.log_every, bn_sync=cfg.model.bn_sync,
-        on_nonfinite=cfg.train.on_nonfinite, max_skipped_fraction=cfg.train.max_skipped_fraction,
-        check_replicas_every=cfg.parallel.check_replicas_every,
-        shard_optimizer=cfg.parallel.shard_optimizer, sync_every=cfg.parallel.sync_every,
-        allreduce_dtype=cfg.parallel.allreduce_dtype, log_grad_norm=cfg.train.log_grad_norm,
-        log_noise_scale=cfg.train.log_noise_scale,
-        loss_scale=cfg.loss_scale.initial, loss_scale_growth_interval=cfg.loss_scale.growth_interval,
+        **{option.name: cfg[key] for key, option in CONFIG_KEYS.items()},  # the config's view of fit's options
         schedule=schedule, profile_steps=config_lib.profile_steps(cfg.profile.steps),
         eval_derived=DERIVED_EVAL_METRICS.get(cfg.task.loss),
-        allow_config_change=cfg.checkpoint.allow_config_change,
         description=f"{cfg.model.name} on {cfg.data.name} ({source.num_eval} eval examples)"
                     + (f"; {model.describe()}" if hasattr(model, "describe") else ""))
     return Task(make_model, LOSSES.get(cfg.task.loss), source, tx, options, cfg.train.steps, batch_size)

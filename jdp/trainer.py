@@ -11,8 +11,7 @@ import dataclasses
 import difflib
 import math
 import warnings
-from collections.abc import Callable, Sequence
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import jax
@@ -30,16 +29,10 @@ from jdp.data.batching import Batcher
 from jdp.errors import FitError, UsageError, one_line
 from jdp.mesh import DATA_AXIS, make_mesh, replicated
 from jdp.modeldef import LossFn, ModelDef
-from jdp.parallel import BACKENDS, DataParallel
-from jdp.precision import cast_floating, jaxpr_matmul_dtypes
-from jdp.step import (
-    ALLREDUCE_DTYPES,
-    COMPUTE_DTYPES,
-    NONFINITE_POLICIES,
-    StepOptions,
-    TrainState,
-    run_loss,
-)
+from jdp.options import FitOptions
+from jdp.parallel import DataParallel
+from jdp.precision import COMPUTE_DTYPES, cast_floating, jaxpr_matmul_dtypes
+from jdp.step import StepOptions, TrainState, run_loss
 from jdp.sync import zero1
 
 
@@ -73,83 +66,6 @@ class Callback(Protocol):
     def on_step(self, step: int, metrics: dict[str, float], state: TrainState) -> None: ...
 
     def on_end(self, result: FitResult) -> None: ...
-
-
-@dataclasses.dataclass(frozen=True)
-class FitOptions:
-    """`fit`'s keyword arguments beyond the required ones, with their defaults."""
-
-    eval_data: Any = None  # like train_data; None = no eval (unless train_data is a Source with an eval split)
-    eval_fn: LossFn | None = None  # eval loss function; None = loss_fn
-    eval_derived: Callable[[dict[str, float]], dict[str, float]] | None = None  # more eval metrics from the means
-    eval_every: int = 0  # steps between evals; 0 = at the end only
-    eval_batch_size: int = 0  # 0 = global_batch_size
-    workdir: str | Path | None = None  # checkpoints and metrics here, resumed from; None = nothing written
-    seed: int = 0  # orders the data; folded into the model's RNG streams
-    backend: str = "shard_map"  # shard_map | pmap | jit
-    num_devices: int = 0  # the first N devices; 0 = all
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (float32 master parameters)
-    keep_fp32: tuple[str, ...] = ()  # floating batch keys never cast under bf16/fp16 (e.g. regression targets)
-    grad_accum_steps: int = 1  # micro-batches per step, one all-reduce
-    checkpoint_every: int = 0  # steps between checkpoints (0 = at the end and on preemption only)
-    keep_checkpoints: int = 3
-    log_every: int = 50  # steps between train lines
-    callbacks: Sequence[Callback] = ()
-    bn_sync: bool = True  # every nnx.BatchNorm averages its statistics across devices
-    on_nonfinite: str = "halt"  # halt: save the state from before it and raise | skip the update
-    max_skipped_fraction: float = 0.1  # skip: raise once more of the last 100 steps were skipped
-    check_replicas_every: int = 500  # compare the replicas' bits every N steps (0 = at the end only)
-    shard_optimizer: bool = False  # ZeRO-1 (shard_map; element-wise optimizers only)
-    sync_every: int = 1  # local SGD: average parameters every H steps
-    allreduce_dtype: str = "fp32"  # fp32 | bf16 gradient all-reduce
-    log_grad_norm: bool = False
-    log_noise_scale: bool = False  # the gradient noise scale (jdp.noise_scale) in the train lines and summary
-    loss_scale: float = 2.0**15  # fp16: initial dynamic loss scale
-    loss_scale_growth_interval: int = 2000
-    schedule: optax.Schedule | None = None  # the optimizer's learning-rate schedule, logged as `lr`
-    profile_steps: tuple[int, int] | None = None  # a JAX profiler trace of these steps into WORKDIR/profile
-    description: str = ""  # named in the start-up line
-    allow_config_change: bool = False  # resume a workdir whose record has other numerics or data (jdp.record)
-
-    def __post_init__(self) -> None:
-        choices = {"backend": BACKENDS, "precision": tuple(COMPUTE_DTYPES), "on_nonfinite": NONFINITE_POLICIES,
-                   "allreduce_dtype": ALLREDUCE_DTYPES}
-        for key, allowed in choices.items():
-            if getattr(self, key) not in allowed:
-                raise FitError(f"{key}={getattr(self, key)!r} is unknown; choose one of {', '.join(allowed)}")
-        for key in ("grad_accum_steps", "log_every", "keep_checkpoints", "sync_every"):
-            if getattr(self, key) < 1:
-                raise FitError(f"{key}={getattr(self, key)} must be at least 1")
-        for key in ("eval_every", "eval_batch_size", "num_devices", "checkpoint_every", "check_replicas_every", "seed"):
-            if getattr(self, key) < 0:
-                raise FitError(f"{key}={getattr(self, key)} must not be negative")
-        if not 0 <= self.max_skipped_fraction <= 1:
-            raise FitError(f"max_skipped_fraction={self.max_skipped_fraction} must be in [0, 1]")
-        if self.seed > 2**32 - 1:
-            raise FitError(f"seed={self.seed} must be below 2**32 (it is folded into uint32 RNG keys)")
-        for callback in self.callbacks:
-            if not getattr(callback, "every", 0) >= 1:
-                raise FitError(f"callback {callback!r} needs an `every` of at least 1 (steps between calls)")
-        per_device = self.backend in ("shard_map", "pmap")
-        if self.allreduce_dtype != "fp32" and not per_device:
-            raise FitError("allreduce_dtype=bf16 needs an explicit collective; use backend='shard_map'")
-        if self.shard_optimizer and (self.backend != "shard_map" or self.sync_every > 1):
-            raise FitError("shard_optimizer=True needs backend='shard_map' and no local SGD (sync_every=1)")
-        if self.log_noise_scale and (self.backend == "jit" or self.sync_every > 1 or self.shard_optimizer):
-            raise FitError("log_noise_scale (train.log_noise_scale) compares each device's gradient with the "
-                           "all-reduced one, which jit (no per-device gradients), local SGD (no all-reduced "
-                           "gradient) and shard_optimizer (no whole gradient on a device) do not have; use "
-                           "backend='shard_map' or 'pmap' with sync_every=1 and shard_optimizer=False")
-        if self.sync_every > 1:
-            if self.allreduce_dtype != "fp32":  # it would average float32 master parameters in bfloat16
-                raise FitError("allreduce_dtype=bf16 compresses gradients, and local SGD (sync_every > 1) averages "
-                               "parameters instead; use allreduce_dtype='fp32' with sync_every > 1")
-            if not per_device:
-                raise FitError("sync_every > 1 (local SGD) needs a per-device step; use backend='shard_map' or 'pmap'")
-            for key in ("eval_every", "checkpoint_every", "check_replicas_every"):
-                if getattr(self, key) % self.sync_every:
-                    raise FitError(f"{key}={getattr(self, key)} is not a multiple of sync_every={self.sync_every}: "
-                                   "with local SGD the replicas agree only at sync points")
 
 
 @dataclasses.dataclass
@@ -251,9 +167,9 @@ class Engine:
 
 def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
             optimizer: optax.GradientTransformation, global_batch_size: int,
-            options: FitOptions = FitOptions(), all_reduce: bool = True) -> Engine:
+            options: FitOptions | None = None, all_reduce: bool = True) -> Engine:
     """The compiled steps, the data and the state factory of a run; raises FitError on bad input."""
-    o = options
+    o = options or FitOptions()
     try:
         mesh = make_mesh(o.num_devices)
     except UsageError as e:

@@ -193,7 +193,7 @@ FIT_CASES = {
                                       "eval_batch_size=64 is larger than the eval data needs (10 examples on 2 "
                                       "device(s)); use at most 10"),
     "skipped fraction": (dict(max_skipped_fraction=1.5), "max_skipped_fraction=1.5 must be in [0, 1]"),
-    "seed": (dict(seed=2**32), "must be below 2**32"),
+    "seed": (dict(seed=2**32), "seed=4294967296 must be in [0, 4294967295]"),
 }
 
 

@@ -1,0 +1,202 @@
+"""Every training option, once: its `jdp.fit` keyword, its config key (where the CLI has one), its default(s), its
+valid values and its help. `jdp.FitOptions`, the matching sections of `configs/base.py`, `--config.X` and the
+checks of both (`check`) come from this table; nothing else defines or validates these options.
+
+Where `fit` and the config name an option differently (`checkpoint_every`, `checkpoint.every_steps`) both names
+are here; where their defaults differ (a config evaluates every 500 steps, `fit` at the end) both defaults are.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from jdp.errors import FitError
+
+BACKENDS = ("shard_map", "pmap", "jit")
+PRECISIONS = ("fp32", "bf16", "fp16")
+NONFINITE_POLICIES = ("halt", "skip")
+ALLREDUCE_DTYPES = ("fp32", "bf16")
+
+
+@dataclasses.dataclass(frozen=True)
+class Range:
+    """The valid values of a numeric field: [low, high], either end open; NaN is never in it."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    high_open: bool = True
+
+    def __contains__(self, value: float) -> bool:
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return bool(above and below)
+
+    def condition(self) -> str:
+        """`> 0`, `>= 1`, `in [0, 1)`: what a value must satisfy."""
+        low, high = _number(self.low), _number(self.high)
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {low}"
+        return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
+
+    def phrase(self) -> str:
+        return _PHRASES.get(self, f"must be {self.condition()}")
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+
+POSITIVE, NON_NEGATIVE, AT_LEAST_1 = Range(0, low_open=True), Range(0), Range(1)
+_PHRASES = {POSITIVE: "must be positive", NON_NEGATIVE: "must not be negative", AT_LEAST_1: "must be at least 1"}
+_SAME = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class Option:
+    name: str  # the `fit` keyword
+    key: str | None  # the config key; None: `fit` only (Python objects)
+    type: Any
+    default: Any
+    help: str
+    valid: Range | tuple[str, ...] | None = None
+    config_default: Any = _SAME  # configs/base.py's default, where it differs from fit's
+
+    @property
+    def config_value(self) -> Any:
+        return self.default if self.config_default is _SAME else self.config_default
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("eval_data", None, Any, None, "like train_data; None = no eval (unless train_data is a Source with one)"),
+    Option("eval_fn", None, Callable | None, None, "eval loss function; None = loss_fn"),
+    Option("eval_derived", None, Callable | None, None, "more eval metrics from the eval means (e.g. perplexity)"),
+    Option("eval_every", "train.eval_every", int, 0, "steps between evals; 0 = at the end only", NON_NEGATIVE, 500),
+    Option("eval_batch_size", "train.eval_batch_size", int, 0, "0 = global_batch_size", NON_NEGATIVE),
+    Option("workdir", None, str | Path | None, None, "checkpoints and metrics here, resumed from; None = nothing "
+           "written"),
+    Option("seed", "seed", int, 0, "orders the data; folded into the model's RNG streams (uint32 keys)",
+           Range(0, 2**32 - 1, high_open=False)),
+    Option("backend", "parallel.backend", str, "shard_map", "how the one step runs on the devices", BACKENDS),
+    Option("num_devices", "parallel.num_devices", int, 0, "the first N devices; 0 = all", NON_NEGATIVE),
+    Option("precision", "precision", str, "fp32", "float32 master parameters; fp16 adds dynamic loss scaling",
+           PRECISIONS),
+    Option("keep_fp32", None, tuple, (), "floating batch keys never cast under bf16/fp16 (e.g. regression targets)"),
+    Option("grad_accum_steps", "train.grad_accum_steps", int, 1, "micro-batches per step, all-reduced once (like "
+           "DDP's no_sync)", AT_LEAST_1),
+    Option("checkpoint_every", "checkpoint.every_steps", int, 0, "steps between checkpoints; 0 = at the end and on "
+           "preemption only", NON_NEGATIVE, 1000),
+    Option("keep_checkpoints", "checkpoint.keep", int, 3, "checkpoints kept", AT_LEAST_1),
+    Option("log_every", "train.log_every", int, 50, "steps between train lines", AT_LEAST_1),
+    Option("callbacks", None, Sequence, (), "objects with `every`, `on_step` and `on_end` (jdp.Callback)"),
+    Option("bn_sync", "model.bn_sync", bool, True, "every nnx.BatchNorm averages its statistics across devices"),
+    Option("on_nonfinite", "train.on_nonfinite", str, "halt", "halt: save the state from before the bad step and "
+           "stop (exit 3) | skip the update", NONFINITE_POLICIES),
+    Option("max_skipped_fraction", "train.max_skipped_fraction", float, 0.1, "skip: halt once more of the last 100 "
+           "steps were skipped", Range(0, 1, high_open=False)),
+    Option("check_replicas_every", "parallel.check_replicas_every", int, 500, "compare the replicas' bits every N "
+           "steps (0 = at the end only)", NON_NEGATIVE),
+    Option("shard_optimizer", "parallel.shard_optimizer", bool, False, "ZeRO-1: each device keeps and updates 1/N "
+           "of the optimizer state (shard_map; element-wise optimizers only)"),
+    Option("sync_every", "parallel.sync_every", int, 1, "local SGD: > 1 averages parameters every H steps instead "
+           "of gradients every step", AT_LEAST_1),
+    Option("allreduce_dtype", "parallel.allreduce_dtype", str, "fp32", "what the gradient all-reduce sends",
+           ALLREDUCE_DTYPES),
+    Option("log_grad_norm", "train.log_grad_norm", bool, False, "add grad_norm to the train lines (a pass over the "
+           "gradients)"),
+    Option("log_noise_scale", "train.log_noise_scale", bool, False, "add grad_noise_scale (the critical-batch "
+           "estimate) to the train lines"),
+    Option("loss_scale", "loss_scale.initial", float, 2.0**15, "fp16: the initial dynamic loss scale", POSITIVE),
+    Option("loss_scale_growth_interval", "loss_scale.growth_interval", int, 2000, "fp16: finite steps before the "
+           "scale doubles", AT_LEAST_1),
+    Option("schedule", None, Callable | None, None, "the optimizer's learning-rate schedule, logged as `lr`"),
+    Option("profile_steps", None, tuple | None, None, "(A, B): a JAX profiler trace of steps A..B into "
+           "WORKDIR/profile (config: profile.steps = \"A:B\")"),
+    Option("description", None, str, "", "named in the start-up line"),
+    Option("allow_config_change", "checkpoint.allow_config_change", bool, False, "resume a workdir whose run had "
+           "other numerics or data (jdp.record)"),
+)
+BY_NAME = {option.name: option for option in OPTIONS}
+CONFIG_KEYS = {option.key: option for option in OPTIONS if option.key}
+
+
+class View:
+    """How a check names an option and its fix: by `fit` keyword (`sync_every`, "use backend='shard_map'")."""
+
+    def __call__(self, name: str) -> str:
+        return name
+
+    def use(self, name: str, value: Any) -> str:
+        return f"{name}={value!r}"
+
+
+class ConfigView(View):
+    """The same checks read as config keys (`parallel.sync_every`, "use --config.parallel.backend=shard_map")."""
+
+    def __call__(self, name: str) -> str:
+        return BY_NAME[name].key
+
+    def use(self, name: str, value: Any) -> str:
+        return f"--config.{BY_NAME[name].key}={value}"
+
+
+FIT_NAMES, CONFIG_NAMES = View(), ConfigView()
+
+
+def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception] = FitError) -> None:
+    """The valid values of every option in `values` (by `fit` keyword) and the rules between them; raises
+    `error` with one line naming the options as `view` names them."""
+    def require(condition: bool, message: str) -> None:
+        if not condition:
+            raise error(message)
+
+    n, use = view, view.use
+    for name, value in values.items():
+        valid = BY_NAME[name].valid
+        if isinstance(valid, tuple):
+            require(value in valid, f"{n(name)}={value!r} is unknown; choose one of {', '.join(valid)}")
+        elif isinstance(valid, Range):
+            fix = f"; set --config.{n(name)} to a value {valid.condition()}" if isinstance(view, ConfigView) else ""
+            require(value in valid, f"{n(name)}={value} {valid.phrase()}{fix}")
+    o = dict({name: option.default for name, option in BY_NAME.items()}, **values)
+    per_device = o["backend"] in ("shard_map", "pmap")
+    require(per_device or o["allreduce_dtype"] == "fp32",
+            f"{n('allreduce_dtype')}=bf16 needs an explicit collective; use {use('backend', 'shard_map')}")
+    if o["shard_optimizer"]:
+        require(o["backend"] == "shard_map", f"{n('shard_optimizer')}=True needs {use('backend', 'shard_map')}")
+        require(o["sync_every"] == 1, f"{n('shard_optimizer')}=True and {n('sync_every')} > 1 (local SGD) cannot "
+                                      "be combined")
+    if o["log_noise_scale"]:
+        require(o["backend"] != "jit" and o["sync_every"] == 1 and not o["shard_optimizer"],
+                f"{n('log_noise_scale')} compares each device's gradient with the all-reduced one, which jit (no "
+                "per-device gradients), local SGD (no all-reduced gradient) and shard_optimizer (no whole gradient "
+                f"on a device) do not have; use {use('backend', 'shard_map')} or pmap with {n('sync_every')}=1 "
+                f"and {n('shard_optimizer')}=False")
+    h = o["sync_every"]
+    if h > 1:  # between syncs the replicas differ on purpose: checks, checkpoints and eval happen at sync points
+        require(per_device, f"{n('sync_every')} > 1 (local SGD) needs a per-device step; use "
+                            f"{use('backend', 'shard_map')} or pmap")
+        require(o["allreduce_dtype"] == "fp32", f"{n('allreduce_dtype')}=bf16 compresses gradients, and local SGD "
+                f"({n('sync_every')} > 1) averages parameters instead; use {use('allreduce_dtype', 'fp32')}")
+        for name in ("eval_every", "checkpoint_every", "check_replicas_every"):
+            require(o[name] % h == 0, f"{n(name)}={o[name]} is not a multiple of {n('sync_every')}={h}: with local "
+                                      "SGD the replicas agree only at sync points; use a multiple")
+
+
+def _post_init(self: Any) -> None:
+    check({field.name: getattr(self, field.name) for field in dataclasses.fields(self)})
+    for callback in self.callbacks:
+        if not getattr(callback, "every", 0) >= 1:
+            raise FitError(f"callback {callback!r} needs an `every` of at least 1 (steps between calls)")
+
+
+FitOptions = dataclasses.make_dataclass(
+    "FitOptions", [(o.name, o.type, dataclasses.field(default=o.default, metadata={"help": o.help, "key": o.key}))
+                   for o in OPTIONS],
+    frozen=True, namespace={"__post_init__": _post_init, "__module__": __name__,
+                            "__doc__": "`fit`'s keyword arguments beyond the required ones, with their defaults "
+                                       "(`jdp.options.OPTIONS` holds each one's config key, range and help)."})
