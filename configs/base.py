@@ -1,16 +1,18 @@
-"""Every jdp default lives here; variants import this module and override a few fields."""
+"""Every jdp default lives here, or for the training options (seed, precision, and the train, parallel,
+checkpoint and loss_scale settings `jdp.fit` also takes) in their one definition, `jdp.options`; variants import
+this module and override a few fields."""
 
 import ml_collections
+
+from jdp.options import CONFIG_KEYS
 
 
 def get_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
-    c.seed = 0
 
     c.model = ml_collections.ConfigDict()
     c.model.name = "cnn1d"  # a built-in model (jdp.models.MODELS) or an import path package.module:Name
     c.model.kwargs = ml_collections.ConfigDict()  # the model's own settings, e.g. hidden_sizes for mlp
-    c.model.bn_sync = True  # average every BatchNorm's statistics across devices
 
     c.task = ml_collections.ConfigDict()
     c.task.loss = "classification"  # a built-in loss (jdp.task.LOSSES) or an import path package.module:fn
@@ -34,15 +36,7 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.train = ml_collections.ConfigDict()
     c.train.global_batch_size = 128
-    c.train.eval_batch_size = 0  # 0 = train.global_batch_size
     c.train.steps = 3000
-    c.train.log_every = 50
-    c.train.eval_every = 500
-    c.train.log_grad_norm = False  # add grad_norm to the train lines (costs a pass over the gradients)
-    c.train.log_noise_scale = False  # add grad_noise_scale (the critical-batch estimate) to the train lines
-    c.train.grad_accum_steps = 1  # micro-batches per step, all-reduced once (like DDP's no_sync)
-    c.train.on_nonfinite = "halt"  # halt: save the state from before the bad step and exit 3 | skip the update
-    c.train.max_skipped_fraction = 0.1  # skip: halt (exit 3) once more of the last 100 steps were skipped
 
     c.optim = ml_collections.ConfigDict()
     c.optim.name = "adamw"  # sgd | momentum | nesterov | adamw | lamb | lars
@@ -57,20 +51,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.optim.scale_lr_by_batch = False  # lr = optim.lr * global_batch / 256
 
     c.parallel = ml_collections.ConfigDict()
-    c.parallel.backend = "shard_map"  # shard_map | pmap | jit
     c.parallel.cpu_devices = 0  # >0: simulate this many CPU devices; 0 leaves JAX alone
-    c.parallel.num_devices = 0  # 0 = all devices, else the first N
-    c.parallel.allreduce_dtype = "fp32"  # fp32 | bf16: compress the gradient all-reduce
-    c.parallel.shard_optimizer = False  # ZeRO-1: each device keeps and updates 1/N of the optimizer state
-    c.parallel.sync_every = 1  # local SGD: >1 averages parameters every H steps instead of gradients every step
     c.parallel.allreduce_combine_threshold_bytes = 0  # XLA's all-reduce bucket size on GPU; 0 = XLA default
     c.parallel.latency_hiding_scheduler = True  # GPU: overlap the all-reduce with the backward pass
-    c.parallel.check_replicas_every = 500  # compare the replicas' parameters every N steps (0 = at the end only)
 
     c.checkpoint = ml_collections.ConfigDict()
-    c.checkpoint.every_steps = 1000  # also saved at the end and on preemption; 0 = only then
-    c.checkpoint.keep = 3
-    c.checkpoint.allow_config_change = False  # resume even if settings that change data order or numerics changed
 
     c.sample = ml_collections.ConfigDict()  # language models: a sample printed at the end of python -m jdp.train
     c.sample.tokens = 0  # 0 = no sample
@@ -78,10 +63,7 @@ def get_config() -> ml_collections.ConfigDict:
     c.sample.temperature = 0.8
     c.sample.top_k = 200
 
-    c.precision = "fp32"  # fp32 | bf16 (float32 masters) | fp16 (plus dynamic loss scaling)
     c.loss_scale = ml_collections.ConfigDict()
-    c.loss_scale.initial = 2.0**15  # fp16 only
-    c.loss_scale.growth_interval = 2000  # finite steps before the scale doubles
 
     c.code_dir = ""  # importable for import-path names; "" = the folder of the config file (set when it is loaded)
 
@@ -96,4 +78,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.distributed.init_timeout_s = 120.0  # all processes must join within this, else exit 5
     c.distributed.heartbeat_timeout_s = 60.0  # a peer silent this long stops the survivors
     c.distributed.bind_address = ""  # HOST:PORT process 0's coordinator listens on; "" = JAX's default (all)
+
+    for key, option in CONFIG_KEYS.items():  # the training options, with their help and range in jdp.options
+        *sections, name = key.split(".")
+        section = c
+        for part in sections:
+            section = section[part]
+        section[name] = option.config_value
     return c
