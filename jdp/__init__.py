@@ -12,16 +12,19 @@ __version__ = "0.1.0"
 _EXPORTS = {"Batcher": "jdp.data.batching", "TrainState": "jdp.step",
             **{name: "jdp.errors" for name in ("DiskError", "FitError", "NonFiniteLossError", "Preempted",
                                                "ReplicaMismatchError", "UsageError")},
-            **{name: "jdp.trainer" for name in ("Callback", "FitOptions", "FitResult", "Source", "fit")},
+            "Callback": "jdp.callbacks", "FitOptions": "jdp.options",
+            **{name: "jdp.trainer" for name in ("FitResult", "Source", "fit")},
             **{name: "jdp.reopen" for name in ("evaluate", "restore")}}
 
 if TYPE_CHECKING:
+    from jdp.callbacks import Callback
     from jdp.data.batching import Batcher
     from jdp.errors import DiskError, FitError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
+    from jdp.options import FitOptions
     from jdp.reopen import evaluate, restore
     from jdp.reopen import export as export
     from jdp.step import TrainState
-    from jdp.trainer import Callback, FitOptions, FitResult, Source, fit
+    from jdp.trainer import FitResult, Source, fit
 
 __all__ = ["Batcher", "Callback", "DiskError", "FitError", "FitOptions", "FitResult", "NonFiniteLossError",
            "Preempted", "ReplicaMismatchError", "Source", "TrainState", "UsageError", "evaluate", "export", "fit",

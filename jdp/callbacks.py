@@ -1,9 +1,11 @@
-"""The training loop's periodic actions: train lines, the non-finite guard, replica checks, checkpoints, eval,
-profiling, the agreed stop after a signal, and the user's callbacks, each with its period.
+"""The one hook protocol, `jdp.Callback`, and jdp's own callbacks: train lines, the non-finite guard, replica
+checks, checkpoints, eval, profiling, the agreed stop after a signal and the fault-injection hook, each with its
+period, registered by `builtin` beside the user's.
 
-After dispatching step s the loop asks each action whether it is `due(s)`. If any is, the loop waits for
-step s, hands every action its metrics (`on_metrics`, otherwise one step late so the host never stalls the
-devices), then calls the due ones' `on_step(s, metrics, state)` with the state after step s.
+After dispatching step s the loop asks each callback whether it is `due(s)`. If any is, the loop waits for step
+s, hands every callback its metrics (`on_metrics`, otherwise one step late so the host never stalls the devices),
+then calls the due ones' `on_step(s, metrics, state)` with the logical state after step s. jdp's own callbacks
+that need the devices' copies (eval, the replica check) read `run.state`, the compiled step's layout.
 """
 
 from __future__ import annotations
@@ -48,23 +50,33 @@ class Run:
     tokens_per_example: int = 0  # a language model's tokens per example (0: not counted in tokens)
 
 
-class Action:
-    """A periodic action; see the module docstring. Every hook is optional."""
+class Callback:
+    """Called by `fit` on every process; every hook is optional. `every`: the period of `on_step` (0 = never),
+    unless `due` says otherwise (a condition: a signal, a sync point)."""
 
-    def before(self, step: int) -> None:
+    every: int = 0
+
+    def before_step(self, step: int) -> None:
         """Right before step `step` is dispatched."""
 
     def due(self, step: int) -> bool:
-        return False
+        return bool(self.every) and step % self.every == 0
 
     def on_metrics(self, step: int, metrics: dict[str, float]) -> None:
-        """Every step's metrics (global-batch means and jdp's counters), in order."""
+        """Every step's metrics (global-batch means and jdp's counters), in order, one step late."""
 
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
-        """When due: `state` is the state after `step`, in the compiled step's layout."""
+        """When due: the metrics of `step` and the train state after it (logical layout: replicated, whole
+        optimizer state)."""
+
+    def on_line(self, line: dict[str, Any]) -> None:
+        """Each line written to metrics.jsonl (train, eval, summary), as written; process 0 only."""
+
+    def on_end(self, result: Any) -> None:
+        """Once, with the `jdp.FitResult`."""
 
 
-class Every(Action):
+class Every(Callback):
     """Due every `every` steps (0 = never) and at the last step."""
 
     def __init__(self, every: int, last: int) -> None:
@@ -74,7 +86,21 @@ class Every(Action):
         return step == self.last or bool(self.every and step % self.every == 0)
 
 
-class TrainLog(Action):
+class _Given(Callback):
+    """A user's object with `every`, `on_step` and `on_end` (and any other hook it has) as a Callback."""
+
+    def __init__(self, given: Any) -> None:
+        self.given, self.every = given, given.every
+        for hook in ("before_step", "due", "on_metrics", "on_step", "on_line", "on_end"):
+            if hasattr(given, hook):
+                setattr(self, hook, getattr(given, hook))
+
+
+def as_callback(given: Any) -> Callback:
+    return given if isinstance(given, Callback) else _Given(given)
+
+
+class TrainLog(Callback):
     """Per-step losses, the throughput clock (started after the first step: it includes compilation), the
     gradient noise scale's moving averages when the step reports its inputs, and a train line every `every`
     steps: means over the steps since the previous line."""
@@ -121,7 +147,7 @@ class TrainLog(Action):
             self.window, self.window_steps = {}, 0
 
 
-class NonFiniteGuard(Action):
+class NonFiniteGuard(Callback):
     """`halt`: stop at the first non-finite step (the compiled step froze the state before its update; the loop
     saves it when the replicas agree on it, which under local SGD is at sync points only). `skip`: warn and go
     on, but stop once more than `max_skipped_fraction` of the last `WINDOW` steps were skipped, so a run cannot
@@ -185,9 +211,10 @@ class ReplicaCheck(Every):
         self.run = run
 
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
+        copies = self.run.state  # each device's own copy
         with self.run.clock.paused():  # the first check also compiles the checksum program
-            leaf = self.run.parallel.first_differing_leaf({"params": state.params, "model_state": state.model_state,
-                                                           "rng_state": state.rng_state})
+            leaf = self.run.parallel.first_differing_leaf({"params": copies.params, "model_state": copies.model_state,
+                                                           "rng_state": copies.rng_state})
         if leaf is not None:
             raise ReplicaMismatchError(f"replicas differ at step {step}: first differing parameter {leaf}")
 
@@ -201,11 +228,12 @@ class Checkpoints(Every):
         self.stalls: list[float] = []
 
     def save(self, step: int, state: Any) -> None:
+        """`state`: the logical train state after `step`."""
         with self.run.clock.paused():
             t = time.perf_counter()
             # Informative: a source reads any step directly.
             position = {"step": step, "epoch": step // self.run.source.steps_per_epoch}
-            self.checkpointer.save(step, self.run.parallel.to_logical(state), position)
+            self.checkpointer.save(step, state, position)
             self.stalls.append(time.perf_counter() - t)
 
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
@@ -225,19 +253,19 @@ class Evaluation(Every):
 
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
         with self.run.clock.paused():
-            result = self.run.parallel.evaluate(state, self.run.source.eval_batches())
+            result = self.run.parallel.evaluate(self.run.state, self.run.source.eval_batches())
             if result:
                 self.metrics = result
                 self.run.writer.eval(step, result)
 
 
-class Profile(Action):
+class Profile(Callback):
     """A JAX profiler trace of steps first..last into WORKDIR/profile."""
 
     def __init__(self, run: Run, first: int, last: int) -> None:
         self.run, self.first, self.last = run, first, last
 
-    def before(self, step: int) -> None:
+    def before_step(self, step: int) -> None:
         if step == self.first:
             jax.profiler.start_trace(self.run.workdir / "profile")
 
@@ -250,7 +278,7 @@ class Profile(Action):
                              "(open with TensorBoard's profile plugin or Perfetto)")
 
 
-class StopOnSignal(Action):
+class StopOnSignal(Callback):
     """SIGTERM or SIGINT to any process: every process stops at the same step, checkpoints there and raises
     Preempted. Under local SGD the replicas agree only at sync points: the stop waits for the next one."""
 
@@ -274,20 +302,7 @@ class StopOnSignal(Action):
                         f"{self.checkpoints.checkpointer.directory / str(step)}; rerun the same command to resume")
 
 
-class UserCallback(Action):
-    """A `jdp.Callback`: `on_step(step, metrics, state)` every `every` steps, with the logical state."""
-
-    def __init__(self, run: Run, callback: Any) -> None:
-        self.run, self.callback = run, callback
-
-    def due(self, step: int) -> bool:
-        return step % self.callback.every == 0
-
-    def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
-        self.callback.on_step(step, metrics, self.run.parallel.to_logical(state))
-
-
-class KillAfterStep(Action):
+class KillAfterStep(Callback):
     """`JDP_KILL_AT=step:STEP` or `raise:STEP` (`jdp.faults`): SIGKILL or an exception after step STEP, once
     checkpoints are written (before that step's eval)."""
 
@@ -301,3 +316,17 @@ class KillAfterStep(Action):
         faults.kill_if_requested("step", step, before=self.checkpoints.checkpointer.wait if self.checkpoints else
                                  lambda: None)
         faults.raise_if_requested(step)
+
+
+def builtin(run: Run, options: Any, checkpoints: Checkpoints | None, preemption: PreemptionRequest,
+            log: TrainLog, evaluation: Evaluation) -> list[Callback]:
+    """jdp's own callbacks with their periods from `options` (`jdp.FitOptions`), in the order they run."""
+    kill_at = faults.requested_step()
+    return [log, NonFiniteGuard(run, options.on_nonfinite, options.max_skipped_fraction, options.sync_every,
+                                options.precision),
+            StopOnSignal(run, preemption, checkpoints, options.sync_every),
+            ReplicaCheck(run, options.check_replicas_every),
+            *([checkpoints] if checkpoints else []),
+            *([KillAfterStep(kill_at, checkpoints)] if kill_at is not None else []),
+            evaluation,
+            *([Profile(run, *options.profile_steps)] if options.profile_steps and run.workdir is not None else [])]

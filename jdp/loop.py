@@ -1,5 +1,5 @@
 """The training loop of one `jdp.fit` call: restore or initialise, then for every step the four steps of data
-parallelism and the periodic actions of `jdp.callbacks`, then the summary."""
+parallelism and the callbacks (`jdp.callbacks`: jdp's own and the user's), then the summary."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from typing import Any
 
 import jax
 
-from jdp import callbacks as actions_lib
+from jdp import callbacks as callbacks_lib
 from jdp import distributed as distributed_lib
-from jdp import faults, noise_scale, runinfo, storage, workdir_lock
+from jdp import noise_scale, runinfo, storage, workdir_lock
 from jdp import record as record_lib
 from jdp.checkpoint import Checkpointer
 from jdp.errors import FitError, NonFiniteLossError, Preempted, ReplicaMismatchError
@@ -33,6 +33,7 @@ class Outcome:
     eval_metrics: dict[str, float]
     examples_per_sec: float
     final: Any  # the logical state, numpy
+    callbacks: list  # the user's, as `jdp.Callback`s: their `on_end` comes once the result is made
 
 
 def train(engine: Any, options: Any, steps: int, global_batch_size: int,
@@ -80,30 +81,23 @@ def _train(engine: Any, options: Any, steps: int, global_batch_size: int, workdi
     on_start(start)
     # A run with nothing left to do only reports, and writes no more than a final eval or summary line it lacks.
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=is_main)
-    run = actions_lib.Run(parallel, source, writer, ThroughputClock(), workdir, steps, start, global_batch_size,
+    run = callbacks_lib.Run(parallel, source, writer, ThroughputClock(), workdir, steps, start, global_batch_size,
                           parallel.to_devices(logical), getattr(source, "tokens_per_example", 0))
     _header(run, engine, options)
-    log = actions_lib.TrainLog(run, options.log_every, options.precision)
-    evaluation = actions_lib.Evaluation(run, options.eval_every)
-    checkpoints = actions_lib.Checkpoints(run, checkpointer) if checkpointer is not None else None
+    callbacks = [callbacks_lib.as_callback(c) for c in options.callbacks]
+    if is_main:
+        writer.listeners = [c.on_line for c in callbacks]
+    log = callbacks_lib.TrainLog(run, options.log_every, options.precision)
+    evaluation = callbacks_lib.Evaluation(run, options.eval_every)
+    checkpoints = callbacks_lib.Checkpoints(run, checkpointer) if checkpointer is not None else None
     eval_missing, summary_missing = _missing_results(run, options.eval_every)
     try:
         if start < steps:
             if eval_missing:  # the run was stopped between saving the checkpoint at `start` and its eval line
                 evaluation.on_step(start, {}, run.state)
             with PreemptionRequest() as preemption:
-                kill_at = faults.requested_step()
-                actions = [log, actions_lib.NonFiniteGuard(run, options.on_nonfinite, options.max_skipped_fraction,
-                                                           options.sync_every, options.precision),
-                           actions_lib.StopOnSignal(run, preemption, checkpoints, options.sync_every),
-                           actions_lib.ReplicaCheck(run, options.check_replicas_every),
-                           *([checkpoints] if checkpoints else []),
-                           *([actions_lib.KillAfterStep(kill_at, checkpoints)] if kill_at is not None else []),
-                           evaluation,
-                           *([actions_lib.Profile(run, *options.profile_steps)]
-                             if options.profile_steps and workdir is not None else []),
-                           *[actions_lib.UserCallback(run, c) for c in options.callbacks]]
-                _steps(run, actions)
+                _steps(run, [*callbacks_lib.builtin(run, options, checkpoints, preemption, log, evaluation),
+                             *callbacks])
             _summary(run, log, evaluation, checkpoints, time.perf_counter() - t_start)
         else:
             writer.echo(f"nothing to do: {workdir} is at step {start}, steps is {steps}")
@@ -115,9 +109,10 @@ def _train(engine: Any, options: Any, steps: int, global_batch_size: int, workdi
     except NonFiniteLossError:
         # The compiled step froze the state before the bad update: keep it for inspection and resume, if the
         # replicas agree on it (under local SGD they do at sync points only).
-        halted = int(parallel.to_logical(run.state).step.addressable_data(0))
+        logical = parallel.to_logical(run.state)
+        halted = int(logical.step.addressable_data(0))
         if checkpoints is not None and halted % options.sync_every == 0:
-            checkpoints.save(halted, run.state)
+            checkpoints.save(halted, logical)
         raise
     except BaseException as e:
         if jax.process_count() > 1 and not isinstance(e, STOPPED_TOGETHER):
@@ -136,7 +131,7 @@ def _train(engine: Any, options: Any, steps: int, global_batch_size: int, workdi
         finally:
             writer.close()
     final = parallel.to_host(parallel.to_logical(run.state))
-    return Outcome(int(final.step), log.losses, evaluation.metrics, run.clock.rate(), final)
+    return Outcome(int(final.step), log.losses, evaluation.metrics, run.clock.rate(), final, callbacks)
 
 
 def _check_resume(fit_record: dict, workdir: Path, allow_change: bool, echo: Callable[[str], None]) -> int:
@@ -155,7 +150,7 @@ def _check_resume(fit_record: dict, workdir: Path, allow_change: bool, echo: Cal
     return old_steps
 
 
-def _missing_results(run: actions_lib.Run, eval_every: int) -> tuple[bool, bool]:
+def _missing_results(run: callbacks_lib.Run, eval_every: int) -> tuple[bool, bool]:
     """(the eval due at the resume step has no line, the finished run has no summary line), as process 0 reads
     metrics.jsonl; every process gets its answer, since an eval runs on all of them."""
     if run.workdir is None or run.start == 0:
@@ -167,19 +162,19 @@ def _missing_results(run: actions_lib.Run, eval_every: int) -> tuple[bool, bool]
     return tuple(json.loads(answer))
 
 
-def _steps(run: actions_lib.Run, actions: list[actions_lib.Action]) -> None:
+def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> None:
     parallel, source = run.parallel, run.source
     pending = None  # (step, metrics) not yet fetched: the host reads each step's metrics one step late
 
     def deliver(step: int, metrics: dict) -> dict[str, float]:
         values = parallel.fetch(metrics)
-        for action in actions:
-            action.on_metrics(step, values)
+        for callback in callbacks:
+            callback.on_metrics(step, values)
         return values
 
     for step in range(run.start + 1, run.steps + 1):
-        for action in actions:
-            action.before(step)
+        for callback in callbacks:
+            callback.before_step(step)
         # 1. split. Dispatch is asynchronous: this batch is read and put on the devices while the
         # previous step still runs, so the next batch is already there when it ends.
         batch = parallel.shard_batch(source.train_batch(step - 1))
@@ -188,12 +183,13 @@ def _steps(run: actions_lib.Run, actions: list[actions_lib.Action]) -> None:
         if pending is not None:
             deliver(*pending)
         pending = (step, metrics)
-        due = [action for action in actions if action.due(step)]
+        due = [callback for callback in callbacks if callback.due(step)]
         if due:
             values = deliver(*pending)
             pending = None
-            for action in due:
-                action.on_step(step, values, run.state)
+            logical = parallel.to_logical(run.state)
+            for callback in due:
+                callback.on_step(step, values, logical)
 
 
 def _restore_or_init(engine: Any, checkpointer: Checkpointer | None, echo) -> tuple[int, Any]:
@@ -207,7 +203,7 @@ def _restore_or_init(engine: Any, checkpointer: Checkpointer | None, echo) -> tu
     return 0, engine.init_state()
 
 
-def _header(run: actions_lib.Run, engine: Any, options: Any) -> None:
+def _header(run: callbacks_lib.Run, engine: Any, options: Any) -> None:
     mesh, n = run.parallel.mesh, run.parallel.mesh.size
     params = sum(x.size for x in jax.tree.leaves(engine.abstract_state.params))
     what = f"{options.description}: " if options.description else ""
@@ -218,8 +214,8 @@ def _header(run: actions_lib.Run, engine: Any, options: Any) -> None:
         f"epochs; backend {options.backend}")
 
 
-def _summary(run: actions_lib.Run, log: actions_lib.TrainLog, evaluation: actions_lib.Evaluation,
-             checkpoints: actions_lib.Checkpoints | None, total_time_s: float) -> None:
+def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: callbacks_lib.Evaluation,
+             checkpoints: callbacks_lib.Checkpoints | None, total_time_s: float) -> None:
     stall = checkpoints.mean_stall() if checkpoints else 0.0
     rate = run.clock.rate()
     noise = {"grad_noise_scale": log.noise_scale.value} if log.noise_scale else {}

@@ -69,6 +69,7 @@ class MetricsWriter:
         """`resume`: drop the lines past `start_step` that an interrupted run wrote, then append.
         Without a `workdir` only progress is shown."""
         self.enabled = enabled
+        self.listeners: list = []  # functions of each line written (process 0)
         self.eval_steps: set[int] = set()  # steps with an eval line in the file (process 0)
         self.summary_written = False  # the file ends with a summary line (process 0)
         if not enabled:
@@ -93,6 +94,8 @@ class MetricsWriter:
         record = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
         if self._file is not None:
             self._file.write(json.dumps(record, allow_nan=False) + "\n")
+        for listener in self.listeners:  # callbacks' `on_line`: the line as written (trackers log these)
+            listener(dict(record))
         if self._tb is None and self._summary_writer is not None:  # opened on the first line: a rerun with
             self._tb = self._summary_writer(str(self._workdir / "tensorboard"))  # nothing to do leaves no event file
         if self._tb:

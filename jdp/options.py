@@ -189,9 +189,10 @@ def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception]
 
 def _post_init(self: Any) -> None:
     check({field.name: getattr(self, field.name) for field in dataclasses.fields(self)})
-    for callback in self.callbacks:
-        if not getattr(callback, "every", 0) >= 1:
-            raise FitError(f"callback {callback!r} needs an `every` of at least 1 (steps between calls)")
+    for callback in self.callbacks:  # a jdp.Callback may be due on a condition of its own instead
+        if not (getattr(callback, "every", 0) >= 1 or "due" in type(callback).__dict__):
+            raise FitError(f"callback {callback!r} needs an `every` of at least 1 (steps between calls), or a `due` "
+                           "method")
 
 
 FitOptions = dataclasses.make_dataclass(

@@ -56,18 +56,6 @@ class Source(Protocol):
         """Release threads and files."""
 
 
-class Callback(Protocol):
-    """Called by `fit` on every process: `on_step` every `every` steps, with that step's metrics (global-batch
-    means) and the train state after it (logical layout: replicated, whole optimizer state); `on_end` once,
-    with the result. Between calls the host reads metrics one step late, so the devices never wait for it."""
-
-    every: int
-
-    def on_step(self, step: int, metrics: dict[str, float], state: TrainState) -> None: ...
-
-    def on_end(self, result: FitResult) -> None: ...
-
-
 @dataclasses.dataclass
 class FitResult:
     losses: list[float]  # per-step train loss (weighted mean over the global batch), from the start step on
@@ -339,6 +327,6 @@ def _run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_da
         engine.model.load_into(model, final.params, final.model_state, final.rng_state)
     result = FitResult(outcome.losses, outcome.eval_metrics, final.params, final.model_state, outcome.step,
                        outcome.examples_per_sec)
-    for callback in o.callbacks:
+    for callback in outcome.callbacks:
         callback.on_end(result)
     return result

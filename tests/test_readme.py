@@ -1,6 +1,8 @@
-"""Every command block of the README is run by a test as printed, or marked as needing a GPU or a cluster."""
+"""Every command block of the README and of docs/ is run by a test as printed, or marked as needing a GPU or a
+cluster; every relative link of theirs leads to a file (and heading) that exists; the README stays a front door."""
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -8,13 +10,20 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import NOT_RUN, readme_command, readme_command_blocks
+from tests.helpers import NOT_RUN
 from tests.test_end_to_end import check_finished_run
 
 REPO = Path(__file__).resolve().parents[1]
 
-# The test that runs each of the README's commands (by the start of the command as printed). The install and
-# test commands are what .ci/run does.
+# The pages whose commands the tests run: the README and every page of docs/ but the record of measurements, whose
+# commands are the measurements' own (minutes to hours on named machines; benchmarks/README.md lists them).
+# docs/compare_example/ holds reports, not pages.
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+MEASUREMENTS = {REPO / "docs" / "benchmarks.md"}
+README_MAX_LINES = 250  # the README is the front door; the reference is in docs/
+
+# The test that runs each command of the README and docs/ (by the start of the command as printed). The install
+# and test commands are what .ci/run does.
 RUN_BY = {
     "python -m jdp.train": "test_readme::test_the_quick_start_then_the_device_example",
     "python -m jdp.train --cpu_devices 8": "test_readme::test_the_quick_start_then_the_device_example",
@@ -26,6 +35,36 @@ RUN_BY = {
                     "test_lm::test_the_readme_language_model_commands_run"),
     "python -m jdp.compare parity --config configs/shakespeare_char_cpu.py": "test_compare::test_parity_gpt",
 }
+
+
+def command_blocks(page: Path) -> list[tuple[str, list[str]]]:
+    """Each ```bash block of `page`: (its mark, or "" if the tests run it; its commands, `a && b` split)."""
+    lines = page.read_text().splitlines()
+    blocks = []
+    for i, line in enumerate(lines):
+        if line.strip() != "```bash":
+            continue
+        end = next(j for j in range(i + 1, len(lines)) if lines[j].strip() == "```")
+        mark = lines[i - 1] if i and lines[i - 1].startswith(NOT_RUN) else ""
+        commands = [c.strip() for text in lines[i + 1:end] for c in text.split("#")[0].split("&&") if c.strip()]
+        blocks.append((mark, commands))
+    return blocks
+
+
+def doc_command_blocks() -> list[tuple[str, str, list[str]]]:
+    """(page, mark, commands) of every ```bash block of the README and docs/, the record of measurements aside."""
+    return [(str(page.relative_to(REPO)), mark, commands) for page in PAGES if page not in MEASUREMENTS
+            for mark, commands in command_blocks(page)]
+
+
+def doc_command(prefix: str) -> list[str]:
+    """The one command of the run blocks of the README and docs/ that is `prefix`, or else starts with it, as
+    printed, split into arguments."""
+    run = [c for _, mark, commands in doc_command_blocks() if not mark for c in commands]
+    found = [c for c in run if c == prefix] or [c for c in run if c.startswith(prefix)]
+    assert len(found) == 1, f"the run blocks of the README and docs/ hold {len(found)} commands starting with " \
+                            f"{prefix!r}: {found}"
+    return shlex.split(found[0])
 
 
 def _ci_commands() -> list[list[str]]:
@@ -44,20 +83,74 @@ def _run_by_ci(command: str) -> bool:
 
 
 def test_every_command_block_is_run_or_marked():
-    blocks = readme_command_blocks()
+    blocks = doc_command_blocks()
     assert len(blocks) >= 5
-    for mark, commands in blocks:
+    assert {page for page, _, _ in blocks} >= {"README.md", "docs/performance.md", "docs/datasets.md"}
+    for page, mark, commands in blocks:
         if mark:
-            assert mark.startswith(NOT_RUN + "needs a GPU") or mark.startswith(NOT_RUN + "needs a cluster"), mark
+            assert mark.startswith(NOT_RUN + "needs a GPU") or mark.startswith(NOT_RUN + "needs a cluster"), \
+                f"{page}: {mark}"
             continue
         for command in commands:
             if command.startswith(("pip ", "pytest")):
-                assert _run_by_ci(command), f"{command!r} is not what .ci/run runs"
+                assert _run_by_ci(command), f"{page}: {command!r} is not what .ci/run runs"
                 continue
             prefix = max((p for p in RUN_BY if command == p or command.startswith(p + " ")), key=len, default=None)
-            assert prefix is not None, f"no test runs the README's {command!r}; add one to RUN_BY, or mark its block"
+            assert prefix is not None, f"no test runs {page}'s {command!r}; add one to RUN_BY, or mark its block"
             module, name = RUN_BY[prefix].split("::")
             assert f"\ndef {name}(" in (REPO / "tests" / f"{module}.py").read_text(), RUN_BY[prefix]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation but `-` and `_` dropped, spaces to `-`."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _outside_code(page: Path) -> list[str]:
+    """The lines of `page` outside fenced code blocks."""
+    lines, fenced = [], False
+    for line in page.read_text().splitlines():
+        if line.strip().startswith("```"):
+            fenced = not fenced
+        elif not fenced:
+            lines.append(line)
+    return lines
+
+
+def _anchors(page: Path) -> set[str]:
+    anchors: set[str] = set()
+    for line in _outside_code(page):
+        if re.match(r"#{1,6} ", line):
+            slug = _slug(line.lstrip("#"))
+            n = sum(a == slug or re.fullmatch(re.escape(slug) + r"-\d+", a) is not None for a in anchors)
+            anchors.add(f"{slug}-{n}" if n else slug)
+    return anchors
+
+
+def test_every_relative_link_leads_somewhere():
+    """Links between the README and docs/ (and into the repository) name files, and headings, that exist."""
+    checked = 0
+    for page in PAGES:
+        for line in _outside_code(page):
+            for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", line)):
+                if re.match(r"[a-z]+:", target):
+                    continue
+                path, _, anchor = target.partition("#")
+                file = (page.parent / path).resolve() if path else page
+                assert file.exists(), f"{page.relative_to(REPO)}: the link {target!r} leads to no file"
+                if anchor and file.suffix == ".md":
+                    assert anchor in _anchors(file), f"{page.relative_to(REPO)}: {target!r} names no heading"
+                checked += 1
+    assert checked >= 20
+
+
+def test_the_readme_is_a_front_door():
+    """At most README_MAX_LINES lines, and every page of docs/ linked from it."""
+    readme = (REPO / "README.md").read_text()
+    assert len(readme.splitlines()) <= README_MAX_LINES, \
+        f"the README has {len(readme.splitlines())} lines, over {README_MAX_LINES}: move reference text to docs/"
+    for page in PAGES[1:]:
+        assert f"](docs/{page.name})" in readme, f"the README's Documentation does not link docs/{page.name}"
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
@@ -77,11 +170,11 @@ def test_the_quick_start_then_the_device_example(tmp_path):
     """The quick start trains the default config to the MNIST-1D paper's accuracy in runs/mnist1d_cnn; the
     README's device example, run next in the same directory, trains in a workdir of its own on 4 devices and
     leaves the finished quick-start run untouched."""
-    _run(readme_command("python -m jdp.train"), tmp_path)
+    _run(doc_command("python -m jdp.train"), tmp_path)
     check_finished_run(tmp_path / "runs" / "mnist1d_cnn", "mnist1d_cnn")
     before = _files(tmp_path / "runs" / "mnist1d_cnn")
 
-    example = readme_command("python -m jdp.train --cpu_devices 8")
+    example = doc_command("python -m jdp.train --cpu_devices 8")
     _run(example, tmp_path)
     assert _files(tmp_path / "runs" / "mnist1d_cnn") == before
     workdir = tmp_path / example[example.index("--workdir") + 1]
@@ -93,7 +186,7 @@ def test_the_quick_start_then_the_device_example(tmp_path):
 def test_the_running_example(tmp_path):
     """The "Running" template with NAME a shipped config, from a directory holding the configs folder."""
     (tmp_path / "configs").symlink_to(REPO / "configs")
-    template = readme_command("python -m jdp.train --config configs/NAME.py")
+    template = doc_command("python -m jdp.train --config configs/NAME.py")
     command = [arg.replace("NAME", "digits_mlp") for arg in template]
     _run(command, tmp_path)
     summary = json.loads((tmp_path / "runs" / "digits_mlp" / "metrics.jsonl").read_text().splitlines()[-1])
