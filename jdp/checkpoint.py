@@ -41,7 +41,9 @@ class CheckpointError(RuntimeError):
 
 
 class _DataHandler(ocp.handlers.JsonCheckpointHandler):
-    """orbax's JSON item, whose value may be a function: it is called on the save thread (the digests)."""
+    """orbax's JSON item, whose value may be a function: it is called on the save thread (the digests). orbax has
+    no public hook for a value computed there, and hashing before `save` would stall the training thread for the
+    whole state's bytes, so this overrides its `_save_fn`."""
 
     async def _save_fn(self, x: Any, directory: Any) -> None:
         await super()._save_fn(x() if callable(x) else x, directory)

@@ -33,6 +33,7 @@ import jax
 
 from jdp import kvstore
 from jdp.config import ConfigError, differences
+from jdp.errors import one_line
 
 # jax aborts about 4 s after its own initialization_timeout; give it this much more than jdp's,
 # so that jdp's watchdog speaks first.
@@ -220,7 +221,7 @@ def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, b
             heartbeat_timeout_seconds=math.ceil(heartbeat_timeout_s),
             shutdown_timeout_seconds=math.ceil(heartbeat_timeout_s), coordinator_bind_address=bind_address or None)
     except Exception as e:  # noqa: BLE001 - e.g. the coordinator's port is taken
-        raise DistributedFailure(f"could not start ({job.describe()}): {first_line(e)}") from None
+        raise DistributedFailure(f"could not start ({job.describe()}): {one_line(e, typed=False)}") from None
     finally:
         watchdog.cancel()
     if jax.process_count() != job.num_processes:
@@ -250,7 +251,7 @@ def check_same_run(settings: dict, timeout_s: float) -> None:
             theirs = client.blocking_key_value_get(f"jdp/run/{other}", int(timeout_s * 1000))
         except Exception as e:  # noqa: BLE001 - the peer went away between joining and here
             raise DistributedFailure(f"process {other} did not report its settings within {timeout_s:g} s: "
-                                     f"{first_line(e)}") from None
+                                     f"{one_line(e, typed=False)}") from None
         first, this, index = (json.loads(mine), json.loads(theirs), other) if me == 0 else (
             json.loads(theirs), json.loads(mine), me)
         differing = [f"{k}: {a!r} on process 0, {b!r} on process {index}" for k, a, b in differences(first, this)]
@@ -275,7 +276,8 @@ def broadcast(name: str, value: str, timeout_s: float) -> str:
     try:
         return client.blocking_key_value_get(key, int(timeout_s * 1000))
     except Exception as e:  # noqa: BLE001 - process 0 went away
-        raise DistributedFailure(f"process 0 did not report {name} within {timeout_s:g} s: {first_line(e)}") from None
+        raise DistributedFailure(f"process 0 did not report {name} within {timeout_s:g} s: "
+                                 f"{one_line(e, typed=False)}") from None
 
 
 def barrier(name: str, timeout_s: float) -> None:
@@ -287,7 +289,7 @@ def barrier(name: str, timeout_s: float) -> None:
         client.wait_at_barrier(f"jdp/barrier/{name}/{next(_sequence)}", int(timeout_s * 1000))
     except Exception as e:  # noqa: BLE001 - a peer went away
         raise DistributedFailure(f"not every process reached {name} within {timeout_s:g} s: "
-                                 f"{first_line(e)}") from None
+                                 f"{one_line(e, typed=False)}") from None
 
 
 def run_settings(cfg_dict: dict, workdir: Path) -> dict:
@@ -340,8 +342,3 @@ def is_peer_failure(error: BaseException) -> bool:
     """True for an error of a multi-process run that says a peer or the coordinator has gone."""
     text = str(error).lower()
     return jax.process_count() > 1 and any(marker in text for marker in _PEER_FAILURE_MARKERS)
-
-
-def first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return (lines[0] if lines else type(error).__name__)[:300]

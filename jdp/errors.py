@@ -1,9 +1,12 @@
 """The errors jdp reports as one line, and the exit code each maps to in `python -m jdp.train`."""
 
 
-def one_line(error: BaseException) -> str:
-    """`Type: first line of the message` (at most 400 characters): another error, quoted in one of jdp's lines."""
+def one_line(error: BaseException, *, typed: bool = True) -> str:
+    """`Type: first line of the message` (at most 400 characters; without `typed`, the first line alone, or the
+    type when the message is empty): another error, quoted in one of jdp's lines."""
     lines = str(error).strip().splitlines()
+    if not typed:
+        return (lines[0] if lines else type(error).__name__)[:400]
     return f"{type(error).__name__}: {lines[0] if lines else ''}"[:400]
 
 

@@ -18,6 +18,7 @@ from jdp import distributed as distributed_lib
 from jdp import noise_scale, runinfo, storage, workdir_lock
 from jdp import record as record_lib
 from jdp.checkpoint import Checkpointer
+from jdp.data.batching import optional
 from jdp.errors import FitError, NonFiniteLossError, Preempted, ReplicaMismatchError
 from jdp.metrics import MetricsWriter, ThroughputClock
 from jdp.preemption import PreemptionRequest
@@ -82,7 +83,7 @@ def _train(engine: Any, options: Any, steps: int, global_batch_size: int, workdi
     # A run with nothing left to do only reports, and writes no more than a final eval or summary line it lacks.
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=is_main)
     run = callbacks_lib.Run(parallel, source, writer, ThroughputClock(), workdir, steps, start, global_batch_size,
-                          parallel.to_devices(logical), getattr(source, "tokens_per_example", 0))
+                          parallel.to_devices(logical), optional(source, "tokens_per_example"))
     _header(run, engine, options)
     callbacks = [callbacks_lib.as_callback(c) for c in options.callbacks]
     if is_main:

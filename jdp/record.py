@@ -25,6 +25,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jdp.data.batching import optional
 from jdp.files import write_atomic
 from jdp.mesh import DATA_AXIS
 
@@ -235,6 +236,6 @@ def fit_record(*, model: Any, loss_fn: Callable, optimizer: optax.GradientTransf
                         "eval_derived": import_path(options.eval_derived) if options.eval_derived else None},
             "optimizer": describe_optimizer(optimizer, abstract_params),
             "data": {"train": describe_data(source, train_factory),
-                     "eval": {"length": int(getattr(source, "num_eval", 0)),
+                     "eval": {"length": int(optional(source, "num_eval")),
                               "factory": None if eval_factory is None else import_path(eval_factory)}}}
 

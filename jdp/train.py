@@ -24,7 +24,7 @@ from jdp import config as config_lib
 from jdp import distributed as distributed_lib
 from jdp import reopen, storage, trainer, workdir_lock
 from jdp.checkpoint import CheckpointError
-from jdp.errors import DiskError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
+from jdp.errors import DiskError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError, one_line
 from jdp.mesh import simulate_cpu_devices
 from jdp.metrics import MetricsWriter
 from jdp.modeldef import replace_state
@@ -189,7 +189,7 @@ def _main(argv: list[str] | None) -> int:
         if not distributed_lib.is_peer_failure(e):
             return _unexpected()
         print(f"jdp: distributed: process {jax.process_index()} of {jax.process_count()} stopped: another process "
-              f"or the coordinator failed ({distributed_lib.first_line(e)})", file=sys.stderr)
+              f"or the coordinator failed ({one_line(e, typed=False)})", file=sys.stderr)
         return EXIT_DISTRIBUTED
     except Exception as e:  # noqa: BLE001 - a full disk or an I/O error outside the training loop, or a bug
         failure = storage.disk_failure(e)

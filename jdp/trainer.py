@@ -12,7 +12,7 @@ import difflib
 import math
 import warnings
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +25,7 @@ from jdp import loop, preemption, storage
 from jdp import optim as optim_lib
 from jdp import record as record_lib
 from jdp import sync as sync_lib
-from jdp.data.batching import Batcher
+from jdp.data.batching import Batcher, Source, optional
 from jdp.errors import FitError, UsageError, one_line
 from jdp.mesh import DATA_AXIS, make_mesh, replicated
 from jdp.modeldef import LossFn, ModelDef
@@ -34,26 +34,6 @@ from jdp.parallel import DataParallel
 from jdp.precision import COMPUTE_DTYPES, cast_floating, jaxpr_matmul_dtypes
 from jdp.step import StepOptions, TrainState, run_loss
 from jdp.sync import zero1
-
-
-class Source(Protocol):
-    """What `fit` reads data through; jdp's own sources (tfds, MNIST-1D, digits, synthetic) and `Batcher`
-    (dicts of arrays, random-access datasets) are Sources. A Source is made for one layout of the run
-    (seed, global and eval batch size, this process's index and the process count) and hands this process
-    its own rows of every global batch."""
-
-    num_train: int  # train examples
-    steps_per_epoch: int
-
-    def train_batch(self, step: int) -> dict[str, np.ndarray]:
-        """This process's rows of the global train batch at `step` (0-based), a function of (seed, step)."""
-
-    def eval_batches(self) -> Any:
-        """The eval split once: this process's rows of each eval batch, with a float `mask` (0 = padding).
-        Every process yields the same number of batches."""
-
-    def close(self) -> None:
-        """Release threads and files."""
 
 
 @dataclasses.dataclass
@@ -172,7 +152,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     if o.eval_batch_size % n:
         raise FitError(f"eval_batch_size={o.eval_batch_size} is not divisible by the {n} devices")
     source = _source(train_data, o.eval_data, o, global_batch_size)
-    largest = eval_batch_limit(getattr(source, "num_eval", 0), n)
+    largest = eval_batch_limit(optional(source, "num_eval"), n)
     if o.eval_batch_size > largest:
         raise FitError(f"eval_batch_size={o.eval_batch_size} is larger than the eval data needs ({source.num_eval} "
                        f"examples on {n} device(s)); use at most {largest}, or 0 (= global_batch_size)")
@@ -195,7 +175,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
         return TrainState(zero_, params, model_state, rng_state, optimizer.init(params), zero_, loss_scale, zero_)
 
     abstract = jax.eval_shape(init_state, *initial)
-    device_input = getattr(source, "device_input", StepOptions.device_input)  # optional in a Source
+    device_input = optional(source, "device_input")
     _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, device_input, n, global_batch_size, o)
     if o.shard_optimizer:
         _check_sliceable(optimizer, abstract.params, n)

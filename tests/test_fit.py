@@ -375,3 +375,43 @@ def test_the_readme_scanned_model_runs_as_printed(tmp_path):
     scan) trains through fit: its eval loss is well below the targets' variance (~3.4)."""
     (loss,) = map(float, _run_program(_readme_program(1), tmp_path))
     assert loss < 1.0
+
+
+class _Recorder(jdp.Callback):
+    """Every hook of the one protocol, due on a condition (odd steps) rather than a period."""
+
+    def __init__(self):
+        self.before, self.metrics, self.due_steps, self.lines, self.ended = [], [], [], [], None
+
+    def before_step(self, step):
+        self.before.append(step)
+
+    def due(self, step):
+        return step % 2 == 1
+
+    def on_metrics(self, step, metrics):
+        self.metrics.append(step)
+
+    def on_step(self, step, metrics, state):
+        self.due_steps.append((step, int(state.step)))
+
+    def on_line(self, line):
+        self.lines.append(line)
+
+    def on_end(self, result):
+        self.ended = result.step
+
+
+def test_a_callback_gets_every_hook_and_the_lines_as_written(tmp_path):
+    """jdp's own actions and a user's jdp.Callback share one protocol: before each step, every step's metrics in
+    order, on_step when its own condition is due (with the state after that step), each metrics.jsonl line as
+    written (a tracker logs these: the same numbers as the file), and the result at the end."""
+    recorder = _Recorder()
+    _fit(Regressor, mse, regression_data(), num_devices=2, steps=5, log_every=2, eval_data=regression_data(64, 1),
+         eval_every=5, workdir=tmp_path, callbacks=[recorder])
+    assert recorder.before == recorder.metrics == [1, 2, 3, 4, 5]
+    assert recorder.due_steps == [(1, 1), (3, 3), (5, 5)]
+    written = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert recorder.lines == written and [r["split"] for r in written] == ["train", "train", "train", "eval",
+                                                                           "summary"]
+    assert recorder.ended == 5

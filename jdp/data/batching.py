@@ -8,11 +8,47 @@ read directly, which makes resuming a matter of knowing the step.
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from jdp.errors import UsageError
+
+
+class Source(Protocol):
+    """What `fit` reads data through; jdp's own sources (tfds, MNIST-1D, digits, synthetic) and `Batcher`
+    (dicts of arrays, random-access datasets) are Sources. A Source is made for one layout of the run
+    (seed, global and eval batch size, this process's index and the process count) and hands this process
+    its own rows of every global batch."""
+
+    num_train: int  # train examples
+    steps_per_epoch: int
+
+    def train_batch(self, step: int) -> dict[str, np.ndarray]:
+        """This process's rows of the global train batch at `step` (0-based), a function of (seed, step)."""
+
+    def eval_batches(self) -> Any:
+        """The eval split once: this process's rows of each eval batch, with a float `mask` (0 = padding).
+        Every process yields the same number of batches."""
+
+    def close(self) -> None:
+        """Release threads and files."""
+
+
+def _identity(batch: dict[str, Any]) -> dict[str, Any]:
+    return batch
+
+
+# What a Source may also have, and what jdp assumes without it: the eval examples (for the eval batch's bound),
+# a language model's tokens per example (for tokens/s), and the batch the loss sees, made on the device from
+# the batch that was sent (e.g. uint8 pixels -> cropped, normalised floats).
+SOURCE_OPTIONAL = {"num_eval": 0, "tokens_per_example": 0, "device_input": _identity}
+
+
+def optional(source: Source, name: str) -> Any:
+    """An optional attribute of a Source (`SOURCE_OPTIONAL`), or its default."""
+    return getattr(source, name, SOURCE_OPTIONAL[name])
+
 
 
 def _local_block(global_size: int, process_index: int, process_count: int, what: str) -> slice:
