@@ -18,13 +18,29 @@ from jdp import distributed as distributed_lib
 from jdp import noise_scale, runinfo, storage, workdir_lock
 from jdp import record as record_lib
 from jdp.checkpoint import Checkpointer
-from jdp.data.batching import optional
+from jdp.data.batching import Source, optional
 from jdp.errors import FitError, NonFiniteLossError, Preempted, ReplicaMismatchError
 from jdp.metrics import MetricsWriter, ThroughputClock
+from jdp.modeldef import ModelDef
+from jdp.options import FitOptions
+from jdp.parallel import DataParallel
 from jdp.preemption import PreemptionRequest
+from jdp.step import TrainState
 
 RESULTS_TIMEOUT_S = 120.0  # process 0 reads metrics.jsonl while the others wait for its answer
 STOPPED_TOGETHER = (NonFiniteLossError, Preempted, ReplicaMismatchError)  # every process raises these at one step
+
+
+@dataclasses.dataclass
+class Engine:
+    """Everything a run compiles, checked before anything compiles: shared by `fit` and by tools that
+    drive the step themselves (`jdp.bench`, the tests)."""
+
+    parallel: DataParallel
+    source: Source
+    model: ModelDef
+    init_state: Callable[[], TrainState]  # a fresh logical state, created on the devices
+    abstract_state: TrainState  # shapes, dtypes and replicated shardings of the logical state
 
 
 @dataclasses.dataclass
@@ -37,9 +53,9 @@ class Outcome:
     callbacks: list  # the user's, as `jdp.Callback`s: their `on_end` comes once the result is made
 
 
-def train(engine: Any, options: Any, steps: int, global_batch_size: int,
+def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int,
           on_start: Callable[[int], None] | None = None, fit_record: dict | None = None) -> Outcome:
-    """Runs `engine` (a `jdp.trainer.Engine`) to `steps` with `options` (`jdp.FitOptions`), holding the workdir's
+    """Runs `engine` to `steps` with `options`, holding the workdir's
     lock (`jdp.workdir_lock`) throughout. A resumed run is checked against the workdir's record first
     (`jdp.record`), and `fit_record` is written as its record. `on_start(step)` is called with the step the run
     starts (or resumed) from, before the loop writes anything else to the workdir; a run already at `steps` writes
@@ -62,7 +78,7 @@ def train(engine: Any, options: Any, steps: int, global_batch_size: int,
             raise storage.disk_error(failure, workdir, last) from None
 
 
-def _train(engine: Any, options: Any, steps: int, global_batch_size: int, workdir: Path | None,
+def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int, workdir: Path | None,
            checkpointer: Checkpointer | None, on_start: Callable[[int], None], fit_record: dict | None) -> Outcome:
     t_start = time.perf_counter()
     parallel, source = engine.parallel, engine.source
@@ -193,7 +209,7 @@ def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> N
                 callback.on_step(step, values, logical)
 
 
-def _restore_or_init(engine: Any, checkpointer: Checkpointer | None, echo) -> tuple[int, Any]:
+def _restore_or_init(engine: Engine, checkpointer: Checkpointer | None, echo) -> tuple[int, Any]:
     """The latest usable checkpoint of the workdir, else a fresh state; logical layout."""
     if checkpointer is not None:
         restored = checkpointer.restore_latest(engine.abstract_state, echo)
@@ -204,7 +220,7 @@ def _restore_or_init(engine: Any, checkpointer: Checkpointer | None, echo) -> tu
     return 0, engine.init_state()
 
 
-def _header(run: callbacks_lib.Run, engine: Any, options: Any) -> None:
+def _header(run: callbacks_lib.Run, engine: Engine, options: FitOptions) -> None:
     mesh, n = run.parallel.mesh, run.parallel.mesh.size
     params = sum(x.size for x in jax.tree.leaves(engine.abstract_state.params))
     what = f"{options.description}: " if options.description else ""

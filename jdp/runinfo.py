@@ -1,9 +1,8 @@
-"""Run metadata written beside the metrics: versions, devices, flags, git SHA and command line."""
+"""Run metadata for the run record (run.json, `jdp.record`): versions, devices, flags, git SHA and command line."""
 
 from __future__ import annotations
 
 import importlib.metadata
-import json
 import os
 import platform
 import subprocess
@@ -12,8 +11,6 @@ from pathlib import Path
 
 import jax
 from jax.sharding import Mesh
-
-from jdp.files import write_atomic
 
 
 def _version(package: str) -> str | None:
@@ -47,7 +44,3 @@ def run_metadata(mesh: Mesh) -> dict:
         "git_sha": _git_sha(),
         "command": sys.argv,
     }
-
-
-def write_run_metadata(workdir: Path, mesh: Mesh) -> None:
-    write_atomic(workdir / "run.json", json.dumps(run_metadata(mesh), indent=2) + "\n")

@@ -27,6 +27,7 @@ from jdp import record as record_lib
 from jdp import sync as sync_lib
 from jdp.data.batching import Batcher, Source, optional
 from jdp.errors import FitError, UsageError, one_line
+from jdp.loop import Engine
 from jdp.mesh import DATA_AXIS, make_mesh, replicated
 from jdp.modeldef import LossFn, ModelDef
 from jdp.options import FitOptions
@@ -119,18 +120,6 @@ def _check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: 
                        "updates slices differently from whole parameters (global-norm clipping, LAMB, LARS, "
                        "shape-dependent masks); use an element-wise one (sgd, momentum, adam, adamw) or "
                        "shard_optimizer=False")
-
-
-@dataclasses.dataclass
-class Engine:
-    """Everything a run compiles, checked before anything compiles: shared by `fit` and by tools that
-    drive the step themselves (`jdp.bench`, the tests)."""
-
-    parallel: DataParallel
-    source: Source
-    model: ModelDef
-    init_state: Callable[[], TrainState]  # a fresh logical state, created on the devices
-    abstract_state: TrainState  # shapes, dtypes and replicated shardings of the logical state
 
 
 def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
