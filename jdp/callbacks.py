@@ -55,6 +55,7 @@ class Callback:
     unless `due` says otherwise (a condition: a signal, a sync point)."""
 
     every: int = 0
+    reads_devices = False  # jdp's own: reads `run.state` (the compiled step's layout), so gets no logical state
 
     def before_step(self, step: int) -> None:
         """Right before step `step` is dispatched."""
@@ -87,10 +88,10 @@ class Every(Callback):
 
 
 class _Given(Callback):
-    """A user's object with `every`, `on_step` and `on_end` (and any other hook it has) as a Callback."""
+    """A user's object with `every` or `due`, `on_step` and `on_end` (and any other hook it has) as a Callback."""
 
     def __init__(self, given: Any) -> None:
-        self.given, self.every = given, given.every
+        self.given, self.every = given, getattr(given, "every", 0)
         for hook in ("before_step", "due", "on_metrics", "on_step", "on_line", "on_end"):
             if hasattr(given, hook):
                 setattr(self, hook, getattr(given, hook))
@@ -106,7 +107,7 @@ class TrainLog(Callback):
     steps: means over the steps since the previous line."""
 
     def __init__(self, run: Run, every: int, precision: str) -> None:
-        self.run, self.every, self.precision = run, every, precision
+        self.run, self.log_every, self.precision = run, every, precision
         self.noise_scale: NoiseScale | None = None
         self.losses: list[float] = []
         self.window: dict[str, float] = {}
@@ -132,7 +133,7 @@ class TrainLog(Callback):
                 if key not in _AS_REPORTED:
                     self.window[key] = self.window.get(key, 0.0) + value
             self.window_steps += 1
-        if (step % self.every == 0 or step == run.steps) and self.window_steps:
+        if (step % self.log_every == 0 or step == run.steps) and self.window_steps:
             line = {k: v / self.window_steps for k, v in self.window.items()}
             line.update({k: metrics[k] for k in ("lr",) if k in metrics})
             if self.noise_scale is not None:
@@ -206,6 +207,8 @@ class NonFiniteGuard(Callback):
 class ReplicaCheck(Every):
     """Each device checksums its copy of the parameters, model state and RNG state; a mismatch stops the run."""
 
+    reads_devices = True  # `run.state`, not the logical state
+
     def __init__(self, run: Run, every: int) -> None:
         super().__init__(every, run.steps)
         self.run = run
@@ -245,6 +248,8 @@ class Checkpoints(Every):
 
 class Evaluation(Every):
     """The whole eval split, weighted means written as an eval line; the clock stops meanwhile."""
+
+    reads_devices = True
 
     def __init__(self, run: Run, every: int) -> None:
         super().__init__(every, run.steps)

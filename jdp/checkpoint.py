@@ -130,8 +130,9 @@ class Checkpointer:
         return None
 
     def restore_arrays(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
-        """The latest (or `step`'s) checkpoint as the dict of numpy arrays it holds, without the optimizer whose
-        state it also holds; the model's parts (params, model_state, rng_state) checked against their digests."""
+        """The latest (or `step`'s) checkpoint as the dict of numpy arrays it holds (the optimizer state too,
+        without the optimizer that made it); the model's parts (params, model_state, rng_state) are checked
+        against their digests."""
         steps = self.steps()
         if not steps or (step is not None and step not in steps):
             raise CheckpointError(f"no checkpoint {'' if step is None else f'of step {step} '}in {self.directory}"

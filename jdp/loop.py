@@ -85,10 +85,15 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
     is_main = jax.process_index() == 0
     echo = print if is_main else lambda *_: None
     resuming = checkpointer is not None and bool(checkpointer.steps())
-    # Before the restore, which would refuse an optimizer of another state tree without naming the change.
-    old_steps = _check_resume(fit_record, workdir, options.allow_config_change, echo) if fit_record and resuming \
-        else steps
-    start, logical = _restore_or_init(engine, checkpointer, echo)
+    try:
+        # Before the restore, which would refuse an optimizer of another state tree without naming the change.
+        old_steps = _check_resume(fit_record, workdir, options.allow_config_change, echo) if fit_record and resuming \
+            else steps
+        start, logical = _restore_or_init(engine, checkpointer, echo)
+    except BaseException:
+        if checkpointer is not None and jax.process_count() == 1:  # a refused rerun in a notebook leaks nothing
+            checkpointer.close()
+        raise
     if fit_record is not None and start < steps:  # a finished run's rerun records nothing
         if start and old_steps != steps:
             echo(f"warning: steps changed from {old_steps} to {steps}: the run goes on from step {start}; a "
@@ -204,7 +209,8 @@ def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> N
         if due:
             values = deliver(*pending)
             pending = None
-            logical = parallel.to_logical(run.state)
+            # Gathered (ZeRO-1's optimizer state, pmap's stacked copies) only for those that read it.
+            logical = None if all(c.reads_devices for c in due) else parallel.to_logical(run.state)
             for callback in due:
                 callback.on_step(step, values, logical)
 

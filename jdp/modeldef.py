@@ -30,28 +30,35 @@ Tree = Any
 LossFn = Callable[..., dict[str, jax.Array]]  # (model, batch) or (model, batch, rngs) -> per-example outputs
 # split order: params, keys, counts, sown values (dropped), the rest
 _GROUPS = (nnx.Param, nnx.RngKey, nnx.RngCount, nnx.Intermediate, ...)
+_MODE_ATTRIBUTES = ("deterministic", "use_running_average")  # what `Module.train()` / `.eval()` set
 
 
-def takes_rngs(loss_fn: Callable) -> bool:
-    """Whether `loss_fn` takes an `nnx.Rngs`: a third positional parameter, or a keyword named `rngs`."""
+def _rngs_parameter(loss_fn: Callable) -> str | None:
+    """How `loss_fn` takes an `nnx.Rngs`: "keyword" (a parameter named `rngs`), "positional" (a third positional
+    parameter), or None (the two-argument form)."""
     try:
         parameters = list(inspect.signature(loss_fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or C callable: the two-argument form
-        return False
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return (len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
-            or any(p.name == "rngs" and p.kind == p.KEYWORD_ONLY for p in parameters))
+        return None
+    if any(p.name == "rngs" and p.kind != p.VAR_POSITIONAL for p in parameters):
+        return "keyword"
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    return "positional" if len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in positional) else None
+
+
+def takes_rngs(loss_fn: Callable) -> bool:
+    """Whether `loss_fn` takes an `nnx.Rngs`: a parameter named `rngs`, or a third positional parameter."""
+    return _rngs_parameter(loss_fn) is not None
 
 
 def call_loss(loss_fn: LossFn, module: nnx.Module, batch: dict[str, jax.Array], key: jax.Array) -> dict:
     """`loss_fn(module, batch)`, or with `rngs` (an `nnx.Rngs` of `key`, made here: inside the differentiated
     function, as NNX requires) when it takes them."""
-    if not takes_rngs(loss_fn):
+    how = _rngs_parameter(loss_fn)
+    if how is None:
         return loss_fn(module, batch)
     rngs = nnx.Rngs(default=key)
-    positional = [p for p in inspect.signature(loss_fn).parameters.values()
-                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
-    return loss_fn(module, batch, rngs) if len(positional) >= 3 else loss_fn(module, batch, rngs=rngs)
+    return loss_fn(module, batch, rngs=rngs) if how == "keyword" else loss_fn(module, batch, rngs)
 
 
 def fold_in(key: jax.Array, value: jax.Array | int) -> jax.Array:
@@ -101,14 +108,17 @@ class ModelDef:
         sown by an earlier call are removed from it."""
         nnx.pop(model, nnx.Intermediate)
         before = set_batchnorm_axis(model, bn_axis)
+        modes = {(module, name): getattr(module, name) for _, module in nnx.iter_modules(model)
+                 for name in _MODE_ATTRIBUTES if hasattr(module, name)}
         try:
             model.train()
             train_graph = nnx.graphdef(model)
             model.eval()
             eval_graph = nnx.graphdef(model)
-            model.train()
         finally:
             restore_batchnorm_axis(before)
+            for (module, name), value in modes.items():  # the caller's model keeps its mode
+                setattr(module, name, value)
         keys = jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.RngKey)))
         return cls(train_graph, eval_graph, tuple(_key_impl(k) for k in keys), seed)
 

@@ -92,7 +92,7 @@ OPTIONS: tuple[Option, ...] = (
            "preemption only", NON_NEGATIVE, 1000),
     Option("keep_checkpoints", "checkpoint.keep", int, 3, "checkpoints kept", AT_LEAST_1),
     Option("log_every", "train.log_every", int, 50, "steps between train lines", AT_LEAST_1),
-    Option("callbacks", None, Sequence, (), "objects with `every`, `on_step` and `on_end` (jdp.Callback)"),
+    Option("callbacks", None, Sequence, (), "jdp.Callback objects, or any with `every`, `on_step` and `on_end`"),
     Option("bn_sync", "model.bn_sync", bool, True, "every nnx.BatchNorm averages its statistics across devices"),
     Option("on_nonfinite", "train.on_nonfinite", str, "halt", "halt: save the state from before the bad step and "
            "stop (exit 3) | skip the update", NONFINITE_POLICIES),
@@ -190,7 +190,7 @@ def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception]
 def _post_init(self: Any) -> None:
     check({field.name: getattr(self, field.name) for field in dataclasses.fields(self)})
     for callback in self.callbacks:  # a jdp.Callback may be due on a condition of its own instead
-        if not (getattr(callback, "every", 0) >= 1 or "due" in type(callback).__dict__):
+        if not (getattr(callback, "every", 0) >= 1 or callable(getattr(callback, "due", None))):
             raise FitError(f"callback {callback!r} needs an `every` of at least 1 (steps between calls), or a `due` "
                            "method")
 

@@ -26,14 +26,15 @@ import optax
 from flax import nnx
 
 from jdp.data.batching import optional
+from jdp.errors import FitError, one_line
 from jdp.files import write_atomic
 from jdp.mesh import DATA_AXIS
 
 RECORD_FILE = "run.json"
 FORMAT = 1  # of the `fit` section; a run.json without one (written before it) is not guarded
 # The options that change the numerics or the data order (beside the model, loss, optimizer, data and batch).
-GUARDED_OPTIONS = ("seed", "precision", "loss_scale", "keep_fp32", "bn_sync", "grad_accum_steps", "allreduce_dtype",
-                   "sync_every")
+GUARDED_OPTIONS = ("seed", "precision", "loss_scale", "loss_scale_growth_interval", "keep_fp32", "bn_sync",
+                   "grad_accum_steps", "allreduce_dtype", "sync_every")
 # Optimizer-state step counts at which the optimizer is probed: the first update shows its kind, learning rate and
 # weight decay (unless a warmup starts from 0); the later ones its schedule, which a schedule built from `steps`
 # changes when `steps` does, so that part is not compared when `steps` changed.
@@ -181,12 +182,18 @@ def options_record(options: Any) -> dict[str, Any]:
 
 
 def read(workdir: Path) -> dict[str, Any] | None:
-    """The `fit` section of WORKDIR/run.json, or None (no record, or one written before records had it)."""
+    """The `fit` section of WORKDIR/run.json, or None (no record, one written before records had it, or of
+    another format); FitError for a file that cannot be read."""
+    path = workdir / RECORD_FILE
     try:
-        saved = json.loads((workdir / RECORD_FILE).read_text())
+        saved = json.loads(path.read_text())
     except FileNotFoundError:
         return None
-    return saved.get("fit") if isinstance(saved, dict) else None
+    except (OSError, ValueError) as e:
+        raise FitError(f"{path} cannot be read ({one_line(e)}); restore it, or move it away to resume unchecked") \
+            from None
+    record = saved.get("fit") if isinstance(saved, dict) else None
+    return record if isinstance(record, dict) and record.get("format") == FORMAT else None
 
 
 def write(workdir: Path, fit_record: dict[str, Any], metadata: dict[str, Any]) -> None:

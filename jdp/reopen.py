@@ -32,8 +32,8 @@ def model_factory(workdir: Path) -> Callable[[], nnx.Module]:
     """The importable factory a run's record names (FitError, saying what to pass instead, when it names none)."""
     fit_record = record_lib.read(workdir)
     if fit_record is None:
-        raise FitError(f"{workdir / record_lib.RECORD_FILE} holds no jdp.fit record; pass the workdir of a jdp.fit "
-                       "or python -m jdp.train run")
+        raise FitError(f"{workdir / record_lib.RECORD_FILE} holds no jdp.fit record (a run of an earlier jdp, or no "
+                       "run); pass the model: jdp.restore(workdir, model)")
     factory = fit_record["model"]["factory"]
     if factory is None:
         raise FitError(f"{workdir}'s model ({fit_record['model']['class']}) cannot be rebuilt: fit was given an "
@@ -97,7 +97,10 @@ def evaluate(model: nnx.Module, loss_fn: LossFn, data: Any, *, global_batch_size
     rows = len(next(iter(data.values()))) if isinstance(data, dict) else len(data)
     if rows < n:
         raise FitError(f"evaluate needs at least one row per device: {rows} row(s), {n} device(s)")
-    batch = global_batch_size or min(trainer.eval_batch_limit(rows, n), 1024 * n)
+    # A batch past the data only pads: the data in one batch at most, and by default up to 1024 rows per device.
+    batch = min(global_batch_size or 1024 * n, trainer.eval_batch_limit(rows, n))
+    if batch % n:
+        raise FitError(f"evaluate's global_batch_size={global_batch_size} is not divisible by the {n} devices")
     engine = trainer.prepare(model, loss_fn, data, optimizer=optax.set_to_zero(), global_batch_size=n,
                              options=trainer.FitOptions(eval_data=data, eval_batch_size=batch, num_devices=n,
                                                         backend=backend, eval_derived=derived))
@@ -118,11 +121,12 @@ def export(workdir: str | Path, path: str | Path, model: nnx.Module | Callable[[
 
 
 def write_params_file(path: Path, params: Any, model_state: Any, step: int) -> None:
-    """`params/...` and `model_state/...` arrays and the `step`, written atomically."""
+    """`params/...` and `model_state/...` arrays and the `step`, written atomically (".npz" added, as np.savez
+    adds it)."""
     arrays = {**flatten(params, "params"), **flatten(model_state, "model_state"), "step": np.int64(step)}
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    write_atomic(path, buffer.getvalue())
+    write_atomic(path if path.suffix == ".npz" else path.with_name(path.name + ".npz"), buffer.getvalue())  # savez's
 
 
 def evaluate_run(workdir: Path) -> tuple[int, dict[str, float]]:

@@ -95,13 +95,14 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     new_state, guard_metrics = guard(state, updated, jnp.isfinite(metrics["loss"]) | empty, grads_finite, empty, o)
     new_state = sync.after_update(new_state, state, axis if o.all_reduce else None)
 
-    metrics["weight"] = reduced.weight * (jax.lax.psum(1, axis) if axis else 1)  # the global total, on every backend
+    collective = axis if o.all_reduce else None
+    metrics["weight"] = reduced.weight * (jax.lax.psum(1, collective) if collective else 1)  # the global total
     if local.small_sq is not None:  # the global gradient's norm needs no collective: every device holds it whole
         metrics.update(noise_small_sq=reduced.small_sq, noise_big_sq=sum_of_squares(reduced.grads),
                        noise_small_batch=reduced.weight / (o.grad_accum_steps if o.noise_small_batches
                                                            == "micro_batches" else 1))
     if o.log_grad_norm:  # the norm the update sees, before clipping
-        metrics["grad_norm"] = sync.grad_norm(reduced.grads, axis)
+        metrics["grad_norm"] = sync.grad_norm(reduced.grads, axis, collective=o.all_reduce)
     metrics.update(guard_metrics)
     if schedule is not None:
         metrics["lr"] = schedule(updates_applied(state))

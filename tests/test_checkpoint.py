@@ -47,6 +47,7 @@ def uninterrupted(reference):
 
 
 @pytest.mark.parametrize("kill_at", ["step:7", "save:8"])
+@pytest.mark.slow
 def test_a_killed_run_resumes_bitwise(kill_at, uninterrupted, tmp_path):
     """SIGKILL right after step 7, or in the middle of writing checkpoint 8: the rerun (with only
     --workdir, so WORKDIR/config.json is used) resumes from the last complete checkpoint."""
@@ -58,6 +59,7 @@ def test_a_killed_run_resumes_bitwise(kill_at, uninterrupted, tmp_path):
     assert train_losses(tmp_path) == uninterrupted  # bitwise, and no duplicate steps
 
 
+@pytest.mark.slow
 def test_a_real_kill_at_an_arbitrary_moment(tmp_path):
     args = [*RUN, "--config.train.steps=400", "--config.checkpoint.every_steps=50", "--config.train.eval_every=400"]
     reference = tmp_path / "reference"
@@ -78,6 +80,7 @@ def test_a_real_kill_at_an_arbitrary_moment(tmp_path):
     assert train_losses(tmp_path / "run") == train_losses(reference)
 
 
+@pytest.mark.slow
 def test_a_crash_campaign_of_three_kills():
     """benchmarks/crash_campaign.py, small: one run killed three times at seeded moments (seed 1: twice during a save,
     once from outside), then rerun and compared bitwise with an uninterrupted run."""
@@ -88,6 +91,7 @@ def test_a_crash_campaign_of_three_kills():
     assert out.stdout.splitlines()[-1] == "survived 3 / tried 3"
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_and_exits_75(tmp_path):
     args = [*RUN, "--config.train.steps=100000", "--config.checkpoint.every_steps=0"]
     proc = subprocess.Popen([sys.executable, "-m", "jdp.train", "--workdir", str(tmp_path), *args],
@@ -126,6 +130,7 @@ def _change_a_stored_value(checkpoint):
     kernel[3, 5].write(kernel[3, 5].read().result() + 1).result()
 
 
+@pytest.mark.slow
 def test_a_damaged_checkpoint_is_moved_aside_and_saved_anew(reference, tmp_path):
     assert train(tmp_path, *RUN).returncode == 0
     damaged = tmp_path / "checkpoints" / "12"
@@ -151,6 +156,7 @@ def test_a_damaged_checkpoint_is_moved_aside_and_saved_anew(reference, tmp_path)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["12", "4", "8"]  # none usable: none moved
 
 
+@pytest.mark.slow
 def test_a_kill_before_an_eval_loses_no_result(reference, tmp_path):
     """Killed after checkpoint 12 was written, before its (final) eval: the rerun writes that eval and the summary,
     and nothing else; a further rerun writes nothing; a run resumed at such a step redoes its eval."""
@@ -177,6 +183,7 @@ def test_a_kill_before_an_eval_loses_no_result(reference, tmp_path):
     assert [(h["latest_checkpoint_step"], h["config"]["train"]["steps"]) for h in history] == [(0, 12), (12, 16)]
 
 
+@pytest.mark.slow
 def test_sigterm_during_start_up_or_restore_exits_75(tmp_path):
     """Safe to requeue: nothing was trained since the last checkpoint."""
     out = train(tmp_path, *RUN, env={"JDP_KILL_AT": "restore:0"})  # SIGTERM while restoring
@@ -192,6 +199,7 @@ def test_sigterm_during_start_up_or_restore_exits_75(tmp_path):
     assert proc.returncode == 75 and "Traceback" not in err, err
 
 
+@pytest.mark.slow
 def test_a_changed_model_is_refused_with_the_differing_keys(tmp_path):
     assert train(tmp_path, *RUN).returncode == 0
     out = train(tmp_path, *RUN, "--config.model.kwargs.hidden_sizes=(64,)", "--config.optim.lr=0.5")
@@ -208,6 +216,7 @@ def test_a_changed_model_is_refused_with_the_differing_keys(tmp_path):
     assert not (tmp_path / "rejected").exists()
 
 
+@pytest.mark.slow
 def test_elastic_restore_from_8_devices_to_4_and_1(tmp_path):
     cfg = small_config("resnet", steps=4, num_devices=8)
     reference = run(small_config("resnet", steps=8, num_devices=8), tmp_path / "reference")
@@ -289,6 +298,7 @@ def test_nonfinite_skip_drops_the_update_and_counts_it(monkeypatch, tmp_path):
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(result.params))
 
 
+@pytest.mark.slow
 def test_export_eval_only_and_init_from_work_whatever_device_count_the_run_used(tmp_path):
     """A run on 4 devices, exported and evaluated in processes that have 1 device, started from on 2."""
     first = run(small_config("mlp", steps=2, num_devices=4), tmp_path / "a")
@@ -308,6 +318,7 @@ def test_export_eval_only_and_init_from_work_whatever_device_count_the_run_used(
     assert run(second, tmp_path / "b").eval_loss == pytest.approx(first.eval_loss, rel=1e-5)
 
 
+@pytest.mark.slow
 def test_export_round_trips_into_a_new_run(tmp_path, capsys):
     first = run(small_config("resnet", steps=3), tmp_path / "a")
     assert export.main(["--workdir", str(tmp_path / "a"), "--out", str(tmp_path / "p.npz")]) == 0

@@ -26,6 +26,8 @@ from jdp.modeldef import ModelDef
 from jdp.train import build
 from tests.helpers import logits_and_state, readme_command, small_config
 
+pytestmark = pytest.mark.slow  # PyTorch comparisons and CLI trainings: outside the fast tier
+
 REPO = Path(__file__).resolve().parents[1]
 
 # Small twins of every family; the second ResNet has the ImageNet stem on an even size (SAME max-pool).

@@ -87,6 +87,7 @@ def test_bad_input_exits_2_with_one_line(case, capsys, tmp_path):
     assert not (tmp_path / "config.json").exists()  # refused before the run started
 
 
+@pytest.mark.slow
 def test_bad_config_in_a_subprocess_has_no_traceback(tmp_path):
     out = subprocess.run([sys.executable, "-m", "jdp.train", "--config.optim.lrr=1"], cwd=tmp_path,
                          capture_output=True, text=True, timeout=120)
@@ -95,6 +96,7 @@ def test_bad_config_in_a_subprocess_has_no_traceback(tmp_path):
                                                "did you mean --config.optim.lr?"]
 
 
+@pytest.mark.slow
 def test_runs_from_any_directory_with_and_without_config(tmp_path):
     """Config files import their base, and the default config is found, outside the repo root."""
     env = {**os.environ, "JAX_NUM_CPU_DEVICES": "2"}

@@ -22,6 +22,8 @@ import pytest
 from jdp import distributed, launch
 from tests.helpers import MODELS, overrides, train_losses
 
+pytestmark = pytest.mark.slow  # multi-process runs in subprocesses: outside the fast tier
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = [sys.executable, "-m", "jdp.train"]
 TIMEOUT_S = 5  # init and heartbeat timeouts of the failure tests

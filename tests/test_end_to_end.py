@@ -7,6 +7,8 @@ import pytest
 
 from jdp.metrics import read_metrics
 
+pytestmark = pytest.mark.slow  # full CLI trainings: outside the fast tier
+
 # The MNIST-1D paper (Greydanus, 2020) reports 94% test accuracy for its CNN and 68% for its MLP.
 PAPER_ACCURACY = {"mnist1d_cnn": 0.94, "mnist1d_mlp": 0.68}
 POINTS_BELOW_PAPER = {"mnist1d_cnn": 0.03, "mnist1d_mlp": 0.0}

@@ -36,7 +36,7 @@ def references(tmp_path_factory):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("model", ["mlp", "cnn1d", "resnet"])
+@pytest.mark.parametrize("model", ["mlp", "cnn1d", pytest.param("resnet", marks=pytest.mark.slow)])
 def test_n_devices_equal_one_device(model, backend, references, tmp_path):
     reference = references(model)
     for num_devices in (8,) if model == "resnet" else (8, 2):  # the ResNet's 2-device runs cost CI a minute
@@ -83,6 +83,7 @@ def test_a_summed_instead_of_averaged_gradient_is_caught(backend, references, mo
         assert_same_run(result, reference)
 
 
+@pytest.mark.slow
 def test_per_device_batchnorm_agrees_across_backends(references, tmp_path):
     """bn_sync=False normalises each device's rows alone (like DDP without SyncBatchNorm): the jit
     backend must group the global batch by device to match shard_map and pmap."""

@@ -358,6 +358,7 @@ def _run_program(program: str, cwd: Path) -> list[str]:
     return out.stdout.strip().splitlines()[-1].split()
 
 
+@pytest.mark.slow
 def test_the_readme_program_runs_as_printed(tmp_path):
     """The README's "Your own model" program, run as printed in a fresh process and directory: its eval loss
     (targets' variance 16; a plain optax loop reaches ~0.15) must be below 1, and the run restored into a new
@@ -370,6 +371,7 @@ def test_the_readme_program_runs_as_printed(tmp_path):
     assert record["loss_fn"] == "__main__:loss_fn" and record["steps"] == 300
 
 
+@pytest.mark.slow
 def test_the_readme_scanned_model_runs_as_printed(tmp_path):
     """The README's scan-over-layers model (vmapped layers, RNG keys with a layer axis, BatchNorm inside the
     scan) trains through fit: its eval loss is well below the targets' variance (~3.4)."""

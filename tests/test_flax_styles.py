@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import jdp
@@ -181,6 +182,7 @@ def test_call_time_dropout_training_resumes_bitwise(tmp_path):
 # axis) and a value sown with `sow`.
 
 
+@pytest.mark.slow
 def test_scanned_mlp_under_jit_does_not_depend_on_the_device_count():
     """ScannedMLP (dropout on) under jit: 4 devices give 1 device's losses. Its RNG keys have a leading layer
     axis: a fold that treated them as one key would fail to trace. The 1-device run is given an instance that
@@ -200,6 +202,7 @@ def test_scanned_mlp_under_jit_does_not_depend_on_the_device_count():
     assert max_abs_diff(nnx.to_pure_dict(nnx.state(sown, nnx.Param)), one.params) == 0
 
 
+@pytest.mark.slow
 def test_scanned_mlp_resumes_bitwise_and_its_layer_keys_survive_the_checkpoint(tmp_path):
     """6 steps straight equal 3 + a resume to 6 (shard_map, 2 devices). The sown `features` are in neither the
     result's model_state nor the checkpoint. The RNG keys keep their leading layer axis through the checkpoint
@@ -255,6 +258,7 @@ def test_a_bridged_linen_cnn_trains_through_fit():
     assert np.abs(stats["mean"]).max() > 1e-3 and np.abs(stats["var"] - 1).max() > 1e-3
 
 
+@pytest.mark.slow
 def test_a_bridged_linen_cnn_on_n_devices_equals_one_device_without_dropout():
     """With dropout off, 4 devices give 1 device's losses: under jit (Linen BatchNorm axis_name None: jit sees the
     global batch) and under shard_map (axis_name="data", synced over the devices). A per-device BatchNorm, or a

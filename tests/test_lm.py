@@ -155,6 +155,7 @@ def test_a_future_token_cannot_change_an_earlier_logit():
         assert np.abs(changed[0, j] - base[0, j]).max() > 1e-4  # it does see its own token
 
 
+@pytest.mark.slow
 def test_the_explicit_attention_path_equals_the_fused_one_at_dropout_0():
     model = _gpt(dropout=0.1)
     model.eval()  # dropout off: the explicit path is then exactly softmax attention
@@ -243,6 +244,7 @@ def test_top_k_1_is_the_argmax_of_a_full_forward_pass():
 # ------------------------------------------------------------------------------ training: 8 devices == 1
 
 
+@pytest.mark.slow
 def test_gpt_on_n_devices_equals_one_device_and_learns(tmp_path):
     """Dropout 0, plain SGD: the GPT on 8 devices takes the one-device steps; its token-mean loss falls,
     and the run reports tokens/s and perplexity."""
@@ -270,6 +272,7 @@ def _readme_commands() -> list[str]:
     return [line for b in blocks for line in b.strip().splitlines() if line.startswith("python -m")]
 
 
+@pytest.mark.slow
 def test_the_readme_language_model_commands_run(tmp_path):
     """The README's CPU demo, shortened (60 steps at lr 1e-2, a 1-layer model of width 32, 128 eval windows: one
     eval batch) to keep the test fast: it trains offline, its loss falls well below that of a uniform guess

@@ -110,6 +110,7 @@ def test_advice_follows_the_steps_examples_trade_off():
     assert "near the critical batch" in noise_scale.advice(1000, 1000)
 
 
+@pytest.mark.slow
 def test_the_critical_batch_sweep_runs_two_points(tmp_path):
     """The smoke version of benchmarks/critical_batch.py: two batch sizes reach the target, the Pareto fit and the
     noise scale at the target come out finite and positive, and the plot is written."""

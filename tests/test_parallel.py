@@ -61,6 +61,7 @@ def test_the_replica_guard_finds_a_corrupted_copy(backend):
 
 
 @pytest.mark.parametrize("num_devices", [1, 3, 8])
+@pytest.mark.slow
 def test_eval_sees_every_example_exactly_once(num_devices):
     """37 eval examples in padded batches of 24: the masked sums must equal an unpadded pass."""
     cfg = small_config("resnet", num_devices=num_devices)
@@ -84,6 +85,7 @@ def test_eval_sees_every_example_exactly_once(num_devices):
     np.testing.assert_allclose(metrics["accuracy"], float(np.mean(np.argmax(logits, -1) == y)), rtol=1e-6)
 
 
+@pytest.mark.slow
 def test_more_than_100_steps_without_blocking(tmp_path):
     """With 2 devices an unbounded queue of steps aborts XLA:CPU (SIGABRT) after ~32 steps; the
     trainer's one-step-late fetch is the only thing that bounds it here (no logging, no eval)."""

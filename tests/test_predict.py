@@ -85,6 +85,7 @@ def test_bad_predict_input_is_one_line_and_exit_2(capsys):
     assert err == "jdp.bench --predict: 12 devices do not fill nodes of 8; use a multiple of --per_node"
 
 
+@pytest.mark.slow
 def test_readme_prediction_commands_run_as_printed():
     """The README's commands as a user runs them, on a shipped config: --step_ms, so nothing is measured or
     trained, and --input_shape, so the ImageNet data is not needed."""

@@ -97,6 +97,7 @@ def params(workdir):
         return {k: f[k] for k in f.files}
 
 
+@pytest.mark.slow
 def test_a_sigterm_in_the_steps_exits_75_in_one_line_and_the_rerun_resumes_bitwise(script, tmp_path):
     code, out, err = script(tmp_path / "run", env={"SIGTERM_AT_STEP": "5"})
     assert code == 75, err
@@ -113,6 +114,7 @@ def test_a_sigterm_in_the_steps_exits_75_in_one_line_and_the_rerun_resumes_bitwi
     assert all(np.array_equal(resumed[k], uninterrupted[k]) for k in resumed)
 
 
+@pytest.mark.slow
 def test_a_sigterm_during_the_restore_exits_75_in_one_line(script, tmp_path):
     """Outside the steps nothing is lost: the script exits at once, as the CLI does."""
     code, _, err = script(tmp_path / "run", env={"JDP_KILL_AT": "restore:0"})

@@ -166,6 +166,7 @@ def _files(workdir: Path) -> dict[str, tuple[bytes, int]]:
 
 
 @pytest.mark.timeout(500)
+@pytest.mark.slow
 def test_the_quick_start_then_the_device_example(tmp_path):
     """The quick start trains the default config to the MNIST-1D paper's accuracy in runs/mnist1d_cnn; the
     README's device example, run next in the same directory, trains in a workdir of its own on 4 devices and
@@ -183,6 +184,7 @@ def test_the_quick_start_then_the_device_example(tmp_path):
     assert summary["split"] == "summary" and summary["eval_accuracy"] > 0.5
 
 
+@pytest.mark.slow
 def test_the_running_example(tmp_path):
     """The "Running" template with NAME a shipped config, from a directory holding the configs folder."""
     (tmp_path / "configs").symlink_to(REPO / "configs")

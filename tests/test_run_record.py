@@ -409,6 +409,7 @@ def one_line(out: subprocess.CompletedProcess, *expected: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_the_export_command_writes_what_jdp_export_writes(finished, tmp_path):
     """`python -m jdp.export` on a fit workdir (model importable from its record) must write the same file."""
     workdir, _ = finished
@@ -422,6 +423,7 @@ def test_the_export_command_writes_what_jdp_export_writes(finished, tmp_path):
             np.testing.assert_array_equal(cli[key], python[key])
 
 
+@pytest.mark.slow
 def test_eval_only_on_a_fit_workdir_appends_the_runs_eval(finished, tmp_path):
     """`python -m jdp.train --eval_only` rebuilds model, loss and eval data from the record and evaluates as fit
     did: the appended line equals the run's last."""
@@ -435,6 +437,7 @@ def test_eval_only_on_a_fit_workdir_appends_the_runs_eval(finished, tmp_path):
     assert not (workdir / "config.json").exists()  # still a fit workdir, not mistaken for a jdp.train one
 
 
+@pytest.mark.slow
 def test_the_commands_on_a_run_whose_model_cannot_be_imported_say_what_is_missing(local_run, tmp_path):
     """Without an importable model both commands must exit 2 with one line naming the model, not a traceback;
     `python -m jdp.sample` (language-model runs of jdp.train) says a fit run is not one."""

@@ -111,6 +111,7 @@ def test_profile_writes_a_trace(tmp_path):
     assert list((tmp_path / "profile").rglob("*.xplane.pb"))
 
 
+@pytest.mark.slow
 def test_bench_reports_time_memory_and_scaling(tmp_path, capsys, monkeypatch):
     """Each variant is compiled once however many repeats (1 device with its collective, 2 devices with and
     without, the single-device jit baseline: 4 programs, not 4 per repeat), the program's bf16 products and

@@ -549,6 +549,7 @@ def test_trains_end_to_end_on_the_fixture(one_device_run) -> None:
 
 
 @pytest.mark.parametrize("backend", ["shard_map", "pmap", "jit"])
+@pytest.mark.slow
 def test_augmented_training_on_8_devices_equals_1_device(backend: str, one_device_run, tmp_path) -> None:
     """Crops, flips and normalisation run on each device's rows: breaks if 'crop' and 'flip' were not split
     with the pixels, or if a device augmented with another device's numbers."""

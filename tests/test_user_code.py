@@ -73,6 +73,7 @@ def jdp_command(module, *args, cwd):
                           timeout=180, env={**os.environ, "JAX_NUM_CPU_DEVICES": "2"})
 
 
+@pytest.mark.slow
 def test_a_user_model_and_loss_by_import_path_train_evaluate_export_and_resume(project, tmp_path):
     workdir = tmp_path / "run"
     out = jdp_command("jdp.train", "--config", project / "my_config.py", "--workdir", workdir, cwd=tmp_path)
@@ -98,6 +99,7 @@ def test_a_user_model_and_loss_by_import_path_train_evaluate_export_and_resume(p
     assert "initialised from" in out.stdout
 
 
+@pytest.mark.slow
 def test_an_unknown_import_path_is_one_line(project, tmp_path):
     out = jdp_command("jdp.train", "--config", project / "my_config.py", "--config.model.name=nets:Narrow",
                       cwd=tmp_path)

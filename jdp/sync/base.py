@@ -125,10 +125,11 @@ class Sync:
         local SGD averages here)."""
         return state
 
-    def grad_norm(self, grads: Tree, axis_name: str | None) -> jax.Array:
+    def grad_norm(self, grads: Tree, axis_name: str | None, collective: bool = True) -> jax.Array:
         """The norm the update sees, before clipping."""
         return jnp.sqrt(sum_of_squares(grads))
 
-    def bytes_per_step(self, abstract_params: Tree, num_devices: int) -> float:
-        """The gradient bytes each device hands its collectives per step (beside the few sums)."""
-        return sum(x.size for x in jax.tree.leaves(abstract_params)) * jnp.dtype(self.dtype).itemsize
+    def bytes_per_step(self, abstract_state: Any, num_devices: int) -> float:
+        """The bytes each device hands its collectives per step, beside the few sums (`abstract_state`: the
+        logical train state's shapes; tests/test_sync_bytes.py holds this to the lowered step)."""
+        return sum(x.size for x in jax.tree.leaves(abstract_state.params)) * jnp.dtype(self.dtype).itemsize

@@ -37,10 +37,12 @@ class LocalSGD(Sync):
         params, opt_state = jax.lax.cond(at_sync, average, lambda t: t, (state.params, state.opt_state))
         return state._replace(params=params, opt_state=opt_state)
 
-    def grad_norm(self, grads: Tree, axis_name: str | None) -> jax.Array:
+    def grad_norm(self, grads: Tree, axis_name: str | None, collective: bool = True) -> jax.Array:
         """The mean of the local norms."""
-        return all_reduce_mean(jnp.sqrt(sum_of_squares(grads)), axis_name)
+        return all_reduce_mean(jnp.sqrt(sum_of_squares(grads)), axis_name if collective else None)
 
-    def bytes_per_step(self, abstract_params: Tree, num_devices: int) -> float:
-        """The parameters (and as much optimizer state again, at most) once every `every` steps."""
-        return sum(x.size for x in jax.tree.leaves(abstract_params)) * 4 / self.every
+    def bytes_per_step(self, abstract_state: Any, num_devices: int) -> float:
+        """The parameters and the optimizer state's floating leaves, once every `every` steps."""
+        leaves = jax.tree.leaves((abstract_state.params, abstract_state.opt_state))
+        return sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves
+                   if jnp.issubdtype(x.dtype, jnp.floating)) / self.every

@@ -117,10 +117,13 @@ class ShardedOptimizer(Sync):
         updates, opt_state = tx.update(grads, state.opt_state, params_slice)
         return all_gather_like(optax.apply_updates(params_slice, updates), state.params, axis_name), opt_state
 
-    def grad_norm(self, grads: Tree, axis_name: str | None) -> jax.Array:
-        return global_norm(grads, axis_name)
+    def grad_norm(self, grads: Tree, axis_name: str | None, collective: bool = True) -> jax.Array:
+        return global_norm(grads, axis_name)  # of the slices' squares: with the layout, kept without collectives
 
-    def bytes_per_step(self, abstract_params: Tree, num_devices: int) -> float:
-        """The reduce-scatter of the gradient, then the all-gather of the float32 parameters."""
-        size = sum(x.size for x in jax.tree.leaves(abstract_params))
-        return size * (jnp.dtype(self.dtype).itemsize + 4)
+    def bytes_per_step(self, abstract_state: Any, num_devices: int) -> float:
+        """The reduce-scatter of each padded gradient, then this device's slice of the float32 parameters into the
+        all-gather; a scalar leaf's whole gradient is all-reduced."""
+        n, itemsize = num_devices, jnp.dtype(self.dtype).itemsize
+        padded = [-(-x.size // n) * n if is_sharded(x) else 0 for x in jax.tree.leaves(abstract_state.params)]
+        scalars = sum(not is_sharded(x) for x in jax.tree.leaves(abstract_state.params))
+        return sum(padded) * (itemsize + 4 / n) + scalars * itemsize
