@@ -136,12 +136,11 @@ def describe_optimizer(tx: optax.GradientTransformation, abstract_params: Any) -
         return [float(sum(np.abs(u).sum() for u in leaves)),
                 float(sum((u * d).sum() for u, d in zip(leaves, jax.tree.leaves(directions), strict=True)))]
 
-    def updates(count: int) -> list:
+    def updates(count: jax.Array) -> list:
         def one_device(params: Any, probes: Any) -> list:
             def counted(state: Any) -> Any:
                 counts = optax.tree_utils.tree_get_all_with_path(state, "count")
-                return optax.tree_utils.tree_set(state, count=jnp.asarray(count, counts[0][1].dtype)) if counts \
-                    else state
+                return optax.tree_utils.tree_set(state, count=count.astype(counts[0][1].dtype)) if counts else state
 
             first, state = tx.update(probes[0], counted(tx.init(params)), params)
             return [first, *(tx.update(grads, counted(state), params)[0] for grads in probes)]
@@ -149,8 +148,13 @@ def describe_optimizer(tx: optax.GradientTransformation, abstract_params: Any) -
         stacked = jax.tree.map(lambda x: x[None], (params, probes))
         return jax.vmap(one_device, axis_name=DATA_AXIS)(*stacked)
 
-    return {part: [value for count in counts for u in updates(count) for value in summary(u)]
-            for part, counts in PROBE_COUNTS.items()}
+    # Every count at once, in one compiled program: eager, an optimizer's few hundred small ops cost seconds.
+    counts = [count for part in PROBE_COUNTS.values() for count in part]
+    probed = jax.jit(jax.vmap(updates))(jnp.asarray(counts, jnp.int32))
+    by_count = [jax.tree.map(lambda x, i=i: x[i], probed) for i in range(len(counts))]
+    summaries = iter([value for per_count in by_count for u in per_count for value in summary(u)])
+    return {part: [next(summaries) for _ in range(len(part_counts) * 3 * 2)]
+            for part, part_counts in PROBE_COUNTS.items()}
 
 
 def same_fingerprint(a: list[float], b: list[float], rtol: float = 1e-4) -> bool:

@@ -342,14 +342,10 @@ def test_a_checkpoint_without_rng_state_is_refused(monkeypatch, tmp_path):
 
 
 def _readme_program(index: int) -> str:
-    """The `index`-th documented program: the Python blocks of the README's "Your own model" section (0: its
-    program), then those of docs/api.md's "Layers in a scan" section (1: the scanned model)."""
-    root = Path(__file__).parent.parent
-    programs = []
-    for page, heading in (("README.md", "## Your own model"), ("docs/api.md", "## Layers in a scan")):
-        section = (root / page).read_text().split(heading, 1)[1].split("\n## ", 1)[0]
-        programs += [block.split("```", 1)[0] for block in section.split("```python\n")[1:]]
-    return programs[index]
+    """The `index`-th Python block of the README's "Your own model" section (0: its program, 1: the scanned model)."""
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    section = readme.split("## Your own model", 1)[1].split("\n## ", 1)[0]
+    return section.split("```python\n")[1 + index].split("```", 1)[0]
 
 
 def _run_program(program: str, cwd: Path) -> list[str]:
