@@ -75,6 +75,49 @@ def _int_keys(tree: Any) -> Any:
     return {int(k) if isinstance(k, str) and k.isdigit() else k: _int_keys(v) for k, v in tree.items()}
 
 
+def read_arrays(directory: Path, step: int | None = None) -> tuple[int, dict[str, Any]]:
+    """The latest (or `step`'s) checkpoint in `directory` as the dict of numpy arrays it holds (the optimizer state
+    too, without the optimizer that made it), whatever devices saved it, read without opening the directory for
+    writing; the model's parts (params, model_state, rng_state) are checked against their digests."""
+    directory = directory.absolute()
+    # orbax's pytree handler takes a restore type per leaf: numpy, not the saving devices' shardings.
+    reader = ocp.CheckpointManager(directory, item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                                                             "data": _DataHandler()},
+                                   options=ocp.CheckpointManagerOptions(create=False))
+    try:
+        steps = sorted(reader.all_steps())
+        if not steps or (step is not None and step not in steps):
+            raise CheckpointError(f"no checkpoint {'' if step is None else f'of step {step} '}in {directory}"
+                                  + (f" (it holds steps {', '.join(map(str, steps))})" if steps else ""))
+        step = steps[-1] if step is None else step
+        try:
+            tree = reader.item_metadata(step)["state"].tree
+            as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+            restored = reader.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(restore_args=as_numpy), data=_DataRestore()))
+        except Exception as e:  # noqa: BLE001 - unreadable: say which and why
+            raise CheckpointError(f"checkpoint {directory / str(step)} is unusable: {one_line(e)}") from None
+    finally:
+        reader.close()
+    _check_format(directory, step, restored["data"])
+    arrays = _int_keys(jax.tree.map(np.asarray, dict(restored["state"])))
+    digests = restored["data"].get("digests")
+    if digests is not None:
+        model_part = {k: arrays[k] for k in ("params", "model_state", "rng_state")}
+        problem = digest.mismatch({_as_dict_path(path): v for path, v in digests.items()}, model_part)
+        if problem:
+            raise CheckpointError(f"checkpoint {directory / str(step)} is unusable: {problem}")
+    return step, arrays
+
+
+def _check_format(directory: Path, step: int, data: dict) -> None:
+    if data.get("format", 1) != FORMAT:
+        raise CheckpointError(
+            f"checkpoint {directory / str(step)} has format {data.get('format', 1)}, this jdp reads "
+            f"format {FORMAT} (the model's RNG state was added); resume it with the jdp that wrote it, "
+            "or start afresh in a new workdir")
+
+
 class Checkpointer:
     def __init__(self, directory: Path, *, keep: int, every_steps: int) -> None:
         self.directory = directory.absolute()
@@ -129,38 +172,6 @@ class Checkpointer:
                                   "or move the directory away to start afresh")
         return None
 
-    def restore_arrays(self, step: int | None = None) -> tuple[int, dict[str, Any]]:
-        """The latest (or `step`'s) checkpoint as the dict of numpy arrays it holds (the optimizer state too,
-        without the optimizer that made it); the model's parts (params, model_state, rng_state) are checked
-        against their digests."""
-        steps = self.steps()
-        if not steps or (step is not None and step not in steps):
-            raise CheckpointError(f"no checkpoint {'' if step is None else f'of step {step} '}in {self.directory}"
-                                  + (f" (it holds steps {', '.join(map(str, steps))})" if steps else ""))
-        step = steps[-1] if step is None else step
-        # Restored as numpy, whatever devices saved it: orbax's pytree handler, which takes a restore type per leaf.
-        reader = ocp.CheckpointManager(self.directory, item_handlers={"state": ocp.PyTreeCheckpointHandler(),
-                                                                      "data": _DataHandler()},
-                                       options=ocp.CheckpointManagerOptions(create=False))
-        try:
-            tree = reader.item_metadata(step)["state"].tree
-            as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-            restored = reader.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(restore_args=as_numpy), data=_DataRestore()))
-        except Exception as e:  # noqa: BLE001 - unreadable: say which and why
-            raise CheckpointError(f"checkpoint {self.directory / str(step)} is unusable: {one_line(e)}") from None
-        finally:
-            reader.close()
-        self._check_format(step, restored["data"])
-        arrays = _int_keys(jax.tree.map(np.asarray, dict(restored["state"])))
-        digests = restored["data"].get("digests")
-        if digests is not None:
-            model_part = {k: arrays[k] for k in ("params", "model_state", "rng_state")}
-            problem = digest.mismatch({_as_dict_path(path): v for path, v in digests.items()}, model_part)
-            if problem:
-                raise CheckpointError(f"checkpoint {self.directory / str(step)} is unusable: {problem}")
-        return step, arrays
-
     def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict | None, str | None]:
         """(state, data item, None), or what is wrong with checkpoint `step`: (None, data item or None if it is
         unreadable, the problem). Raises CheckpointError for a checkpoint that is intact but does not fit."""
@@ -168,7 +179,7 @@ class Checkpointer:
             data = self._manager.restore(step, args=ocp.args.Composite(data=_DataRestore()))["data"]
         except Exception as e:  # noqa: BLE001 - unreadable: damage
             return None, None, one_line(e)
-        self._check_format(step, data)
+        _check_format(self.directory, step, data)
         digests = data.get("digests")  # absent from checkpoints written before digests: restored unchecked
         if digests is not None:
             self._check_layout(step, digests, abstract_state)
@@ -179,13 +190,6 @@ class Checkpointer:
             return None, data, one_line(e)
         problem = digest.mismatch(digests, jax.tree.map(np.asarray, state)) if digests is not None else None
         return (None if problem else state), data, problem
-
-    def _check_format(self, step: int, data: dict) -> None:
-        if data.get("format", 1) != FORMAT:
-            raise CheckpointError(
-                f"checkpoint {self.directory / str(step)} has format {data.get('format', 1)}, this jdp reads "
-                f"format {FORMAT} (the model's RNG state was added); resume it with the jdp that wrote it, "
-                "or start afresh in a new workdir")
 
     def _check_layout(self, step: int, digests: dict, abstract_state: Any) -> None:
         """Leaves, dtypes and shapes that differ from the model's are a config change (exit 2), not damage."""

@@ -117,13 +117,13 @@ def describe_data(source: Any, factory: Any = None) -> dict[str, Any]:
 
 
 def describe_optimizer(tx: optax.GradientTransformation, abstract_params: Any) -> dict[str, list[float]]:
-    """A fingerprint of what `tx` does: two updates in a row at one step count (so that momentum shows, and a
-    schedule built from `steps` does not) from a fixed probe of
-    parameters (the model's tree, each leaf at most 3 wide) and of gradients (random, then zero, which shows
-    weight decay alone), with the optimizer's step counts set to each of `PROBE_COUNTS` (a schedule shows
-    without running it). Each update is kept as two numbers, its L1 norm and a fixed random projection, which
-    `changes` compares to a relative tolerance: a value one float32 ulp away is the same optimizer. Run on a
-    `data` axis of one, for optimizers that reduce over the devices (a sharded optimizer's global norm)."""
+    """A fingerprint of what `tx` does: two updates in a row, both at one step count (so that momentum shows,
+    and the count is the one probed), from a fixed probe of parameters (the model's tree, each leaf at most 3
+    wide) and of gradients (random, then zero, which shows weight decay alone), with the optimizer's step counts
+    set to each of `PROBE_COUNTS` (a schedule shows without running it). Each update is kept as two numbers, its
+    L1 norm and a fixed random projection, which `changes` compares to a relative tolerance: a value one float32
+    ulp away is the same optimizer. Run on a `data` axis of one, for optimizers that reduce over the devices (a
+    sharded optimizer's global norm)."""
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda x: rng.standard_normal([min(d, 3) for d in x.shape]).astype(np.float32),
                           abstract_params)
@@ -151,9 +151,9 @@ def describe_optimizer(tx: optax.GradientTransformation, abstract_params: Any) -
     # Every count at once, in one compiled program: eager, an optimizer's few hundred small ops cost seconds.
     counts = [count for part in PROBE_COUNTS.values() for count in part]
     probed = jax.jit(jax.vmap(updates))(jnp.asarray(counts, jnp.int32))
-    by_count = [jax.tree.map(lambda x, i=i: x[i], probed) for i in range(len(counts))]
-    summaries = iter([value for per_count in by_count for u in per_count for value in summary(u)])
-    return {part: [next(summaries) for _ in range(len(part_counts) * 3 * 2)]
+    summaries = {count: [value for u in jax.tree.map(lambda x, i=i: x[i], probed) for value in summary(u)]
+                 for i, count in enumerate(counts)}
+    return {part: [value for count in part_counts for value in summaries[count]]
             for part, part_counts in PROBE_COUNTS.items()}
 
 

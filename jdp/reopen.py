@@ -20,7 +20,7 @@ from flax import nnx
 
 from jdp import record as record_lib
 from jdp import trainer
-from jdp.checkpoint import Checkpointer, CheckpointError
+from jdp.checkpoint import CheckpointError, read_arrays
 from jdp.errors import FitError, UsageError, one_line
 from jdp.files import write_atomic
 from jdp.mesh import make_mesh
@@ -65,13 +65,10 @@ def _restored(workdir: Path, model: nnx.Module | Callable[[], nnx.Module] | None
         model = model()
     if not (workdir / "checkpoints").is_dir():
         raise FitError(f"{workdir / 'checkpoints'} not found; pass the workdir of a run that saved a checkpoint")
-    checkpointer = Checkpointer(workdir / "checkpoints", keep=1, every_steps=0)
     try:
-        step, arrays = checkpointer.restore_arrays(step)
+        step, arrays = read_arrays(workdir / "checkpoints", step)
     except CheckpointError as e:
         raise FitError(str(e)) from None
-    finally:
-        checkpointer.close()
     params, model_state = state_groups(model)
     for name, have, saved in (("parameters", params, arrays["params"]), ("state", model_state, arrays["model_state"])):
         shapes = jax.tree.map(np.shape, have), jax.tree.map(np.shape, saved)
@@ -126,7 +123,7 @@ def write_params_file(path: Path, params: Any, model_state: Any, step: int) -> N
     arrays = {**flatten(params, "params"), **flatten(model_state, "model_state"), "step": np.int64(step)}
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    write_atomic(path if path.suffix == ".npz" else path.with_name(path.name + ".npz"), buffer.getvalue())  # savez's
+    write_atomic(path if path.suffix == ".npz" else path.with_name(path.name + ".npz"), buffer.getvalue())
 
 
 def evaluate_run(workdir: Path) -> tuple[int, dict[str, float]]:

@@ -78,6 +78,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     is not a failure; a non-finite one is dropped or halts the run (`jdp.update.guard`).
     """
     o, axis = options, options.axis_name
+    collective = axis if o.all_reduce else None  # None: jdp.bench's step compiled without its collectives
     # 2. compute: forward and backward on the local slice, in `grad_accum_steps` micro-batches.
     local = local_gradients(state, batch, model=model, loss_fn=loss_fn, options=o,
                             params_view=lambda params: sync.params_view(params, axis))
@@ -88,14 +89,13 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     empty = reduced.weight <= 0
     metrics = {k: v / reduced.weight for k, v in reduced.sums.items()}
     grads_finite = all_finite(reduced.grads)
-    if sync.per_device_update and axis is not None and o.all_reduce:  # per-device gradients: decide alike
-        grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), axis).astype(bool)
+    if sync.per_device_update and collective:  # per-device gradients: decide alike
+        grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), collective).astype(bool)
     updated = state._replace(step=state.step + 1, params=params, model_state=reduced.model_state,
                              rng_state={**state.rng_state, "counts": local.counts}, opt_state=opt_state)
     new_state, guard_metrics = guard(state, updated, jnp.isfinite(metrics["loss"]) | empty, grads_finite, empty, o)
-    new_state = sync.after_update(new_state, state, axis if o.all_reduce else None)
+    new_state = sync.after_update(new_state, state, collective)
 
-    collective = axis if o.all_reduce else None
     metrics["weight"] = reduced.weight * (jax.lax.psum(1, collective) if collective else 1)  # the global total
     if local.small_sq is not None:  # the global gradient's norm needs no collective: every device holds it whole
         metrics.update(noise_small_sq=reduced.small_sq, noise_big_sq=sum_of_squares(reduced.grads),

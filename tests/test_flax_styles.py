@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 import jdp
-from jdp.checkpoint import Checkpointer
+from jdp.checkpoint import read_arrays
 from jdp.modeldef import ModelDef
 from jdp.trainer import FitOptions, prepare
 from tests.helpers import max_abs_diff
@@ -39,11 +39,7 @@ def _fit(model, loss, **options):
 
 def _checkpoint(workdir, step=None):
     """The arrays of the run's checkpoint (latest, or of `step`), read back from disk."""
-    checkpointer = Checkpointer(workdir / "checkpoints", keep=1, every_steps=0)
-    try:
-        return checkpointer.restore_arrays(step)
-    finally:
-        checkpointer.close()
+    return read_arrays(workdir / "checkpoints", step)
 
 
 def _keys(tree):
