@@ -19,10 +19,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from jdp import config as config_lib
 from jdp import digest
 from jdp.checkpoint import FORMAT, Checkpointer
-from jdp.task import build
+from jdp.cli import config as config_lib
+from jdp.cli.build import build
 
 
 def timed_save(save, wait) -> tuple[float, float]:

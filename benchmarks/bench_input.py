@@ -8,7 +8,7 @@ synthetic_cnn2d config's conv32-conv64-pool-dense128, and a light conv8-conv16-p
 short enough to show the pipeline) on the committed tfds fixture tests/fixtures/tfds/tiny_cifar (PNG-encoded
 32x32x3, cycled: a new epoch permutation every 200 examples), with and without the decoded-image cache
 (without it every image is decoded every time, as in a first epoch), with a background thread that
-puts the next batch on the devices (measured, not used by jdp/train.py), and, against the same step
+puts the next batch on the devices (measured, not used by jdp.cli.train), and, against the same step
 without its on-device crop, flip and normalisation, fed float32 inputs prepared on the host (what the
 on-device preprocessing costs the step). Pillow's figures: run with opencv-python-headless uninstalled.
 
@@ -36,9 +36,9 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jdp.cli.train import build  # noqa: E402
 from jdp.configs import base, mnist1d_cnn  # noqa: E402
 from jdp.data import TfdsSource, tfds_source  # noqa: E402
-from jdp.train import build  # noqa: E402
 
 FIXTURE_DIR = ROOT / "tests" / "fixtures" / "tfds"
 ON_DEVICE = "batches on device"
@@ -106,7 +106,7 @@ def _loop(parallel, state, batches, steps: int, start: int):
 
 
 def _loop_prefetched(parallel, state, source, steps: int, start: int):
-    """The loop with a device-prefetch thread (measured, not used by jdp/train.py): it reads step i+1's
+    """The loop with a device-prefetch thread (measured, not used by jdp.cli.train): it reads step i+1's
     batch and puts it on the devices while step i runs."""
     pending = None
     with ThreadPoolExecutor(1) as pool:

@@ -30,8 +30,8 @@ def main() -> int:
     args = parser.parse_args()
     simulate_cpu_devices(args.devices)
 
-    from jdp import bench
-    from jdp import config as config_lib
+    from jdp.cli import config as config_lib
+    from jdp.perf import measure
 
     variants = {}
     for spec in args.variant:
@@ -39,7 +39,7 @@ def main() -> int:
         items = re.split(r",(?=[\w.]+=)", overrides) if overrides else []  # commas inside (a, b) values stay
         pairs = config_lib.parse_overrides([f"--config.{item}" for item in items])
         variants[name] = config_lib.apply_overrides(config_lib.load_config_file(args.config), pairs)
-    built = {name: bench.Variant(cfg, args.devices) for name, cfg in variants.items()}  # each compiled once
+    built = {name: measure.Variant(cfg, args.devices) for name, cfg in variants.items()}  # each compiled once
     results = {name: [] for name in variants}
     for _ in range(args.repeats):
         for name, variant in built.items():

@@ -64,8 +64,8 @@ class Watcher:
 def train_to_target(batch: int, lr: float, args: argparse.Namespace) -> dict:
     import optax
 
-    from jdp import task as task_lib
     from jdp import trainer
+    from jdp.cli import build as build_lib
     from jdp.configs import base
 
     cfg = base.get_config()
@@ -74,7 +74,7 @@ def train_to_target(batch: int, lr: float, args: argparse.Namespace) -> dict:
     cfg.model.kwargs.hidden_sizes = (128, 128)
     cfg.train.update(global_batch_size=batch, steps=args.max_steps, log_every=10**9, eval_every=10**9)
     cfg.parallel.num_devices = DEVICES
-    task = task_lib.build_task(cfg)
+    task = build_lib.build_task(cfg)
     watcher = Watcher(batch, args.window, args.target)
     options = dataclasses.replace(task.options, log_noise_scale=True, callbacks=(watcher,), eval_every=0,
                                   description="")

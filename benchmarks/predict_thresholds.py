@@ -15,8 +15,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jdp import config as config_lib  # noqa: E402
-from jdp.predict import INTER_LINKS, INTRA_LINKS, Topology, gradient_bytes, hierarchical_allreduce_s  # noqa: E402
+from jdp.cli import config as config_lib  # noqa: E402
+from jdp.perf.predict import gradient_bytes  # noqa: E402
+from jdp.perf.scaling import INTER_LINKS, INTRA_LINKS, Topology, hierarchical_allreduce_s  # noqa: E402
 
 SHAPES = {"tfds:cifar10": ((32, 32, 3), 10), "tfds:imagenet2012": (None, 1000)}  # None: data.image_size square
 LINKS = [(8, "nvlink-a100", "net-100g"), (8, "pcie4", "net-100g"), (64, "nvlink-a100", "net-25g"),

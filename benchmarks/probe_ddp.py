@@ -26,7 +26,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-from jdp import config as config_lib  # noqa: E402
+from jdp.cli import config as config_lib  # noqa: E402
 from jdp.compare import torch_models  # noqa: E402
 from jdp.data import build_source  # noqa: E402
 

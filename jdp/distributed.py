@@ -32,8 +32,7 @@ from pathlib import Path
 import jax
 
 from jdp import kvstore
-from jdp.config import ConfigError, differences
-from jdp.errors import one_line
+from jdp.errors import UsageError, one_line
 
 # jax aborts about 4 s after its own initialization_timeout; give it this much more than jdp's,
 # so that jdp's watchdog speaks first.
@@ -44,7 +43,7 @@ _PEER_FAILURE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset"
                          "coordination service", "heartbeat", "barrier", "deadline_exceeded")
 
 
-class DistributedUsageError(ConfigError):
+class DistributedUsageError(UsageError):
     """Missing or inconsistent start-up settings: a usage error (exit 2), found before anything waits."""
 
 
@@ -259,6 +258,21 @@ def check_same_run(settings: dict, timeout_s: float) -> None:
             raise DistributedUsageError(f"process {index} was started with other settings than process 0 "
                                         f"({'; '.join(differing[:5])}); start every process with the same "
                                         "config, overrides and --workdir")
+
+
+def differences(a: dict, b: dict) -> list[tuple[str, object, object]]:
+    """(dotted key, value in a, value in b) for each leaf of two nested dicts that differs (None if absent)."""
+    flat_a, flat_b = flatten(a), flatten(b)
+    return [(k, flat_a.get(k), flat_b.get(k)) for k in sorted(set(flat_a) | set(flat_b))
+            if flat_a.get(k) != flat_b.get(k)]
+
+
+def flatten(tree: dict, prefix: str = "") -> dict:
+    """A nested dict as {dotted key: leaf}."""
+    flat = {}
+    for k, v in tree.items():
+        flat.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return flat
 
 
 _sequence = itertools.count()  # every process makes the same calls in the same order: the same key names

@@ -1,47 +1,10 @@
-"""`python -m jdp.export --workdir W --out params.npz`: a run's parameters and BatchNorm statistics (of a
-`python -m jdp.train` run, or of a `jdp.fit` run whose model is importable: `jdp.export` in Python) in a
-framework-neutral .npz (`jdp.params_file`), which `--config.init_from=params.npz` starts a run from.
+"""`python -m jdp.export --workdir W --out params.npz` (the command is `jdp.cli.export`), and the function
+`jdp.export(workdir, path)` (`jdp.reopen.export`)."""
 
-Key names: `params/<module path>/<name>` and `model_state/<module path>/<name>`, path parts joined
-by "/", e.g. `params/layers/0/kernel` (Dense kernels are (in, out); conv kernels are HWIO or WIO),
-`model_state/bn/mean`. A `step` entry records the training step the file was taken at.
-"""
-
-from __future__ import annotations
-
-import argparse
 import sys
 import types
-from pathlib import Path
 
-from jdp import config as config_lib
 from jdp import reopen
-from jdp.checkpoint import CheckpointError
-from jdp.errors import FitError
-from jdp.reopen import write_params_file
-from jdp.resume import restore_for_inference
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m jdp.export", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--workdir", required=True, type=Path)
-    parser.add_argument("--out", required=True, type=Path)
-    args = parser.parse_args(argv)
-
-    try:
-        if (args.workdir / "config.json").exists():  # a python -m jdp.train run: rebuilt from its config
-            step, built, state = restore_for_inference(args.workdir)
-            built.source.close()
-            host = built.parallel.to_host(state)  # RNG streams are left out: they are not weights
-            write_params_file(args.out, host.params, host.model_state, step)
-        else:  # a jdp.fit run whose record names an importable model
-            step, _ = reopen.export(args.workdir, args.out)
-    except (config_lib.ConfigError, CheckpointError, FitError) as e:
-        print(f"jdp.export: {e}", file=sys.stderr)
-        return 2
-    print(f"wrote {args.out}: the parameters and model state of step {step} of {args.workdir}")
-    return 0
 
 
 class _CallableModule(types.ModuleType):
@@ -55,4 +18,6 @@ class _CallableModule(types.ModuleType):
 sys.modules[__name__].__class__ = _CallableModule
 
 if __name__ == "__main__":
+    from jdp.cli.export import main
+
     sys.exit(main())

@@ -53,13 +53,13 @@ class Outcome:
     callbacks: list  # the user's, as `jdp.Callback`s: their `on_end` comes once the result is made
 
 
-def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int,
-          on_start: Callable[[int], None] | None = None, fit_record: dict | None = None) -> Outcome:
-    """Runs `engine` to `steps` with `options`, holding the workdir's
-    lock (`jdp.workdir_lock`) throughout. A resumed run is checked against the workdir's record first
-    (`jdp.record`), and `fit_record` is written as its record. `on_start(step)` is called with the step the run
-    starts (or resumed) from, before the loop writes anything else to the workdir; a run already at `steps` writes
-    no more than a final eval or summary line it lacks. A full disk or an I/O error raises `DiskError`."""
+def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int, fit_record: dict | None = None,
+          on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None) -> Outcome:
+    """Runs `engine` to `steps` with `options`, holding the workdir's lock (`jdp.workdir_lock`) throughout. A
+    resumed run calls `on_resume()`, then is checked against the workdir's record (`jdp.record`); `fit_record` is
+    written as its record. `on_start(step)` is called with the step the run starts (or resumed) from, before the
+    loop writes anything else to the workdir; a run already at `steps` writes no more than a final eval or summary
+    line it lacks. A full disk or an I/O error raises `DiskError`."""
     workdir = Path(options.workdir) if options.workdir is not None else None
     with workdir_lock.held(workdir) if workdir is not None else contextlib.nullcontext():
         checkpointer = None
@@ -68,8 +68,8 @@ def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: in
                 workdir.mkdir(parents=True, exist_ok=True)
             checkpointer = (Checkpointer(workdir / "checkpoints", keep=options.keep_checkpoints,
                                          every_steps=options.checkpoint_every) if workdir is not None else None)
-            return _train(engine, options, steps, global_batch_size, workdir, checkpointer,
-                          on_start or (lambda start: None), fit_record)
+            return _train(engine, options, steps, global_batch_size, workdir, checkpointer, fit_record,
+                          on_resume or (lambda: None), on_start or (lambda start: None))
         except Exception as e:
             failure = storage.disk_failure(e)
             if failure is None or workdir is None:
@@ -79,13 +79,16 @@ def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: in
 
 
 def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int, workdir: Path | None,
-           checkpointer: Checkpointer | None, on_start: Callable[[int], None], fit_record: dict | None) -> Outcome:
+           checkpointer: Checkpointer | None, fit_record: dict | None, on_resume: Callable[[], None],
+           on_start: Callable[[int], None]) -> Outcome:
     t_start = time.perf_counter()
     parallel, source = engine.parallel, engine.source
     is_main = jax.process_index() == 0
     echo = print if is_main else lambda *_: None
     resuming = checkpointer is not None and bool(checkpointer.steps())
     try:
+        if resuming:
+            on_resume()
         # Before the restore, which would refuse an optimizer of another state tree without naming the change.
         old_steps = _check_resume(fit_record, workdir, options.allow_config_change, echo) if fit_record and resuming \
             else steps

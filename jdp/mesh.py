@@ -33,16 +33,20 @@ def simulate_cpu_devices(count: int) -> None:
         os.environ["XLA_FLAGS"] = f"{current} {ONE_THREAD_PER_DEVICE}".strip()
 
 
-def make_mesh(num_devices: int = 0) -> Mesh:
-    """A mesh over the first `num_devices` devices (0 = all), ordered so that each process's
-    devices are contiguous: process p then holds a contiguous block of every global batch."""
+def mesh_devices(num_devices: int = 0) -> list[jax.Device]:
+    """The first `num_devices` devices (0 = all), ordered so that each process's devices are contiguous:
+    process p then holds a contiguous block of every global batch."""
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if num_devices > len(devices):
         raise UsageError(f"{num_devices} devices asked for (num_devices / parallel.num_devices) but only "
                          f"{len(devices)} exist; lower it, or simulate more on a CPU (--cpu_devices N, or "
                          "jax.config.update('jax_num_cpu_devices', N) before JAX starts)")
-    chosen = devices[:num_devices] if num_devices else devices
-    return Mesh(np.array(chosen), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+    return devices[:num_devices] if num_devices else devices
+
+
+def make_mesh(num_devices: int = 0) -> Mesh:
+    """The 1-D `data` mesh over `mesh_devices(num_devices)`."""
+    return Mesh(np.array(mesh_devices(num_devices)), (DATA_AXIS,), axis_types=(AxisType.Auto,))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -23,7 +23,7 @@ from jdp import trainer
 from jdp.checkpoint import CheckpointError, read_arrays
 from jdp.errors import FitError, UsageError, one_line
 from jdp.files import write_atomic
-from jdp.mesh import make_mesh
+from jdp.mesh import mesh_devices
 from jdp.modeldef import LossFn, ModelDef, state_groups
 from jdp.params_file import flatten
 
@@ -88,7 +88,7 @@ def evaluate(model: nnx.Module, loss_fn: LossFn, data: Any, *, global_batch_size
     data in one batch, up to 1024 rows per device). `derived`: more metrics from the means (e.g. perplexity)."""
     data = data() if trainer.is_factory(data) else data
     try:
-        n = make_mesh(num_devices).size
+        n = len(mesh_devices(num_devices))
     except UsageError as e:
         raise FitError(str(e)) from None
     rows = len(next(iter(data.values()))) if isinstance(data, dict) else len(data)

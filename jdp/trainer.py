@@ -22,7 +22,6 @@ from flax import nnx
 
 from jdp import distributed as distributed_lib
 from jdp import loop, preemption, storage
-from jdp import optim as optim_lib
 from jdp import record as record_lib
 from jdp import sync as sync_lib
 from jdp.data.batching import Batcher, Source, optional
@@ -96,30 +95,6 @@ def _source(train_data: Any, eval_data: Any, options: FitOptions, global_batch_s
         raise FitError(str(e)) from None
 
 
-def _check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: int) -> None:
-    """ZeRO-1 runs the optimizer on flat slices of each leaf: refuse a transform whose update on slices
-    differs from its update on whole leaves (global norms, trust ratios, shape-dependent masks)."""
-    if isinstance(tx, optim_lib.Sliceable):
-        return
-    rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda x: rng.standard_normal([min(d, 3) for d in x.shape]).astype(np.float32),
-                          abstract_params)
-    grads = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params)
-    whole, _ = tx.update(grads, tx.init(params), params)
-    slices = []
-    for i in range(n):
-        local = jax.tree.map(lambda x, i=i: np.array_split(zero1.shard_layout(x, n), n)[i] if x.ndim else x, params)
-        local_grads = jax.tree.map(lambda x, i=i: np.array_split(zero1.shard_layout(x, n), n)[i] if x.ndim else x,
-                                   grads)
-        slices.append(tx.update(local_grads, tx.init(local), local)[0])
-    gathered = jax.tree.map(lambda w, *s: np.concatenate([np.ravel(p) for p in s])[: w.size].reshape(w.shape)
-                            if w.ndim else s[0], whole, *slices)
-    if not all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(jax.tree.leaves(whole),
-                                                                       jax.tree.leaves(gathered), strict=True)):
-        raise FitError("shard_optimizer=True runs the optimizer on slices of each parameter, and this optimizer "
-                       "updates slices differently from whole parameters (global-norm clipping, LAMB, LARS, "
-                       "shape-dependent masks); use an element-wise one (sgd, momentum, adam, adamw) or "
-                       "shard_optimizer=False")
 
 
 def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
@@ -167,7 +142,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     device_input = optional(source, "device_input")
     _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, device_input, n, global_batch_size, o)
     if o.shard_optimizer:
-        _check_sliceable(optimizer, abstract.params, n)
+        zero1.check_sliceable(optimizer, abstract.params, n)
     step_options = StepOptions(
         bn_groups=1 if o.bn_sync else n, on_nonfinite=o.on_nonfinite, precision=o.precision, keep_fp32=o.keep_fp32,
         grad_accum_steps=o.grad_accum_steps, all_reduce=all_reduce, log_grad_norm=o.log_grad_norm,
@@ -261,17 +236,18 @@ def fit(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
 
 def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
         optimizer: optax.GradientTransformation, steps: int, global_batch_size: int, options: FitOptions,
-        on_start: Callable[[int], None] | None = None) -> FitResult:
-    """`fit` with its options already gathered (what `python -m jdp.train` calls). `on_start(step)`: called
-    with the step the run starts or resumes from, before anything is written to the workdir."""
+        on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None) -> FitResult:
+    """`fit` with its options already gathered (what `python -m jdp.train` calls). `on_resume()`: called when the
+    workdir holds checkpoints, under its lock and before fit's own resume check; `on_start(step)`: with the step the
+    run starts or resumes from, before anything is written to the workdir."""
     with preemption.during_fit():  # a signal in a script ends it with exit 75, as in the CLI
         return _run(model, loss_fn, train_data, optimizer=optimizer, steps=steps, global_batch_size=global_batch_size,
-                    options=options, on_start=on_start)
+                    options=options, on_resume=on_resume, on_start=on_start)
 
 
 def _run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
          optimizer: optax.GradientTransformation, steps: int, global_batch_size: int, options: FitOptions,
-         on_start: Callable[[int], None] | None) -> FitResult:
+         on_resume: Callable[[], None] | None, on_start: Callable[[int], None] | None) -> FitResult:
     o = options
     _check_joined()
     if steps <= 0 or steps % o.sync_every:
@@ -288,7 +264,7 @@ def _run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_da
             model=model, loss_fn=loss_fn, optimizer=optimizer, source=engine.source,
             abstract_params=engine.abstract_state.params, steps=steps, global_batch_size=global_batch_size,
             options=o, data_factories=tuple(d if is_factory(d) else None for d in (train_data, o.eval_data)))
-        outcome = loop.train(engine, o, steps, global_batch_size, on_start, fit_record)
+        outcome = loop.train(engine, o, steps, global_batch_size, fit_record, on_resume, on_start)
     finally:
         engine.source.close()
     final = outcome.final

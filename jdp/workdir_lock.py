@@ -3,8 +3,7 @@
 Process 0 of a run takes the lock and tells the others the outcome, so every process of a second run stops
 (WorkdirLocked, exit 2) naming the lock and its holder. The kernel drops the lock when its process dies, so a
 lock file left by a dead run never blocks a rerun. Where the filesystem refuses locks (ENOLCK, some network
-filesystems), jdp warns and goes on unprotected. Held re-entrantly: `python -m jdp.train` takes it before
-writing config.json, and the `jdp.fit` inside takes it again.
+filesystems), jdp warns and goes on unprotected.
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from jdp.errors import UsageError
 
 LOCK_NAME = "jdp.lock"
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
-_held: set[Path] = set()  # workdirs this process holds: a nested `held` of one of them takes nothing more
 
 
 class WorkdirLocked(UsageError):
@@ -37,9 +35,6 @@ class WorkdirLocked(UsageError):
 def held(workdir: str | Path, timeout_s: float = 120.0) -> Iterator[None]:
     """The workdir's lock for the duration of the block, on every process of the run."""
     workdir = Path(workdir).absolute()
-    if workdir in _held:
-        yield
-        return
     fd, problem = None, ""
     if jax.process_index() == 0:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -47,11 +42,9 @@ def held(workdir: str | Path, timeout_s: float = 120.0) -> Iterator[None]:
     problem = distributed_lib.broadcast("workdir lock", problem, timeout_s)
     if problem:
         raise WorkdirLocked(problem)
-    _held.add(workdir)
     try:
         yield
     finally:
-        _held.discard(workdir)
         if fd is not None:
             os.close(fd)  # releases the lock; the file stays (unlinking it would race with a new run opening it)
 

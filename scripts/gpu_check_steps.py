@@ -50,7 +50,7 @@ def versions(out: Path) -> None:
 
 def xla_flags(out: Path) -> None:
     """jdp's XLA flags parse on this jax, and an unknown flag aborts the process (so a typo cannot pass unseen)."""
-    from jdp import xla_flags as flags_lib
+    from jdp.cli import xla_flags as flags_lib
     from jdp.configs import base
 
     cfg = base.get_config()

@@ -17,12 +17,12 @@ import pytest
 from flax import nnx
 
 import jdp
-from jdp import config as config_lib
-from jdp import storage
+from jdp import distributed, storage
+from jdp.cli import config as config_lib
+from jdp.cli.train import main
 from jdp.configs import base
 from jdp.data.batching import Batcher
 from jdp.metrics import MetricsWriter
-from jdp.train import main
 
 TINY = ["--config", "digits_mlp", "--config.model.kwargs.hidden_sizes=(16,)", "--config.train.log_every=1",
         "--config.parallel.num_devices=2", "--config.train.global_batch_size=32"]
@@ -146,7 +146,7 @@ def test_a_garbage_config_json_in_the_workdir_is_one_line(tmp_path, capsys):
 # -- 2. one table of the valid range of every numeric field ---------------------------------------------------
 
 def _numeric_fields(cfg) -> dict:
-    return {k: v for k, v in config_lib._flatten(cfg.to_dict()).items()
+    return {k: v for k, v in distributed.flatten(cfg.to_dict()).items()
             if isinstance(v, (int, float)) and not isinstance(v, bool)}
 
 

@@ -13,11 +13,12 @@ import jax
 import numpy as np
 import pytest
 
-from jdp import export, params_file
+from jdp import params_file
+from jdp.cli import export
+from jdp.cli.optim import learning_rate
+from jdp.cli.train import main, run
 from jdp.data.batching import Batcher
-from jdp.optim import learning_rate
 from jdp.parallel import DataParallel
-from jdp.train import main, run
 from tests.helpers import records, small_config, train_losses
 
 # A short MLP run with a checkpoint every 4 steps, as a user would type it.

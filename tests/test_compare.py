@@ -20,10 +20,10 @@ else:
 import optax
 
 from jdp import models
+from jdp.cli.train import build
 from jdp.compare import parity as parity_lib
 from jdp.compare import torch_models, weights
 from jdp.modeldef import ModelDef
-from jdp.train import build
 from tests.helpers import logits_and_state, readme_command, small_config
 
 pytestmark = pytest.mark.slow  # PyTorch comparisons and CLI trainings: outside the fast tier
@@ -218,7 +218,7 @@ def test_optimizers_follow_optax(optim):
 
     import optax
 
-    from jdp import optim as optim_lib
+    from jdp.cli import optim as optim_lib
     from jdp.compare import ddp
 
     cfg = small_config("mlp", optim={"lr": 0.05, **optim}, train={"steps": 6})

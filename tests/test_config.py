@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from jdp import config as config_lib
-from jdp.task import check_names
-from jdp.train import main, parse_command_line
+from jdp.cli import config as config_lib
+from jdp.cli.build import check_names
+from jdp.cli.train import main, parse_command_line
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted(p for p in (REPO / "configs").glob("*.py") if p.stem not in ("__init__", "base"))

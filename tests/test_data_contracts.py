@@ -11,10 +11,10 @@ import pytest
 from flax import nnx
 
 import jdp
-from jdp import config as config_lib
+from jdp.cli import config as config_lib
+from jdp.cli.build import build_task
+from jdp.cli.train import run
 from jdp.data import DataError
-from jdp.task import build_task
-from jdp.train import run
 from tests.test_fit import Regressor, Rows, mse, regression_data
 
 

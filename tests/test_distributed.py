@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from jdp import distributed, launch
+from jdp import distributed
+from jdp.cli import launch
 from tests.helpers import MODELS, overrides, train_losses
 
 pytestmark = pytest.mark.slow  # multi-process runs in subprocesses: outside the fast tier
@@ -252,7 +253,7 @@ def test_an_exception_in_one_process_ends_the_launch(tmp_path):
 def test_the_launcher_reports_the_process_that_failed_not_the_ones_it_stopped():
     """Two children found failed in one poll: the cause is reported, not a peer that aborted (134) or exited 5
     because of it; otherwise the lowest rank. CI once saw rank 0's abort reported instead of rank 1's exit 1."""
-    from jdp.train import EXIT_DISTRIBUTED
+    from jdp.cli.train import EXIT_DISTRIBUTED
 
     assert EXIT_DISTRIBUTED in launch.PEER_FAILED
     assert launch.first_failure([-signal.SIGABRT, 1], (None, 0)) == (1, 1)

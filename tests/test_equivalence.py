@@ -4,8 +4,8 @@ import jax
 import numpy as np
 import pytest
 
+from jdp.cli.train import ReplicaMismatchError, run
 from jdp.sync import base as sync_base
-from jdp.train import ReplicaMismatchError, run
 from tests.helpers import max_abs_diff, small_config
 
 BACKENDS = ("shard_map", "pmap", "jit")

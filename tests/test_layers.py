@@ -3,9 +3,10 @@
 (a) no cycle among module-level imports;
 (b) no function-local import that closes a cycle: with every function-local import added, the graph is still
     acyclic (a function-local import must not hide a cycle);
-(c) no library module imports the CLI (`jdp.train`): only the commands in MAY_IMPORT_CLI do;
-(d) jdp.compare (the torch extra) imports jdp's public API (`from jdp import NAME`), the config layer and its
-    own modules, and beyond them only the library modules in COMPARE_USES, each with the reason.
+(c) no library module imports the CLI (`jdp.cli`): only what stands above the library (ABOVE_THE_LIBRARY) and the
+    module shims of the commands (COMMAND_SHIMS) do;
+(d) jdp.compare (the torch extra) imports jdp's public API (`from jdp import NAME`), the CLI and config files and
+    its own modules, and beyond them only the library modules in COMPARE_USES, each with the reason.
 
 An import of `jdp.x.y` is an edge to module `jdp.x.y`; `from jdp.x import y` is an edge to `jdp.x.y` when y is a
 submodule, else to `jdp.x`; `from jdp import NAME` of a lazy export (`jdp._EXPORTS`) is an edge to the module
@@ -27,22 +28,22 @@ import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent / "jdp"
-CLI = "jdp.train"
+CLI = "jdp.cli"  # the commands' package: config files -> jdp.fit, and the other `python -m jdp.X` commands
 
-# The commands (`python -m jdp.X`) that may import the CLI: jdp.train itself, and jdp.compare's jdp_side, the
-# subprocess that runs `jdp.train.run` (the config-driven run that jdp.compare compares with DDP). The other
-# commands must not: jdp.export is also the library's `jdp.export()`, jdp.sample's `sample_text` is imported
-# by the CLI, and jdp.bench (jdp.perf.bench), jdp.plot, jdp.launch, jdp.compare need nothing of it.
-MAY_IMPORT_CLI = frozenset({"jdp.train", "jdp.compare.jdp_side"})
+# What stands above the library and may import the CLI: the CLI itself, the config files, the benchmark (it reads
+# configs), the PyTorch comparison (its jdp side is `jdp.cli.train.run`), and the module shims that keep each
+# `python -m jdp.X` command's name (they import their command only when run as __main__).
+ABOVE_THE_LIBRARY = ("jdp.cli", "jdp.configs", "jdp.perf", "jdp.compare")
+COMMAND_SHIMS = frozenset({"jdp.train", "jdp.sample", "jdp.export", "jdp.plot", "jdp.launch", "jdp.bench"})
 
-CONFIG_LAYER = ("jdp.config", "jdp.task", "jdp.configs")  # and jdp.configs.*
+
+def _in(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
 
 # What jdp.compare takes from the library besides the public API and the config layer, and why.
 COMPARE_USES = {
-    "jdp.train": "jdp_side runs `jdp.train.run(cfg, workdir)`, the config-driven run under comparison, and "
-                 "its enable_compilation_cache (both belong in the library, e.g. jdp.task.run)",
     "jdp.metrics": "read_metrics: each run's metrics.jsonl, the per-step losses and gradient norms compared",
-    "jdp.optim": "learning_rate: jdp's schedule, step by step, for the DDP twin, which has no optax",
     "jdp.params_file": "flatten: the initial weights in jdp.export's key names, for the DDP twin",
     "jdp.mesh": "simulate_cpu_devices: the jdp side's device count in its own process",
     "jdp.parallel": "BACKENDS: the backends `speed` times",
@@ -235,14 +236,13 @@ def hidden_cycles() -> dict[str, str]:
 
 
 def cli_imports() -> dict[str, str]:
-    """(c): "cli IMPORTER" (a library module importing jdp.train) -> the import."""
+    """(c): "cli IMPORTER" (a library module importing jdp.cli) -> the import."""
     return {f"cli {e.importer}": str(e) for e in _first_per_pair(import_graph()[1])
-            if e.imported == CLI and e.importer not in MAY_IMPORT_CLI}
+            if _in(e.imported, (CLI,)) and not _in(e.importer, ABOVE_THE_LIBRARY) and e.importer not in COMMAND_SHIMS}
 
 
 def _compare_may_import(e: Edge) -> bool:
-    return (e.public or e.imported.startswith("jdp.compare.") or e.imported in CONFIG_LAYER
-            or e.imported.startswith("jdp.configs."))
+    return e.public or _in(e.imported, ("jdp.compare", CLI, "jdp.configs"))
 
 
 def compare_imports() -> dict[str, str]:
@@ -269,12 +269,12 @@ def test_no_function_local_import_hides_a_cycle():
 
 
 def test_no_library_module_imports_the_cli():
-    _check(cli_imports(), f"library modules importing the CLI {CLI} (only {sorted(MAY_IMPORT_CLI)} may)")
+    _check(cli_imports(), f"library modules importing the CLI {CLI} (only {ABOVE_THE_LIBRARY} and the shims may)")
 
 
 def test_compare_imports_the_public_api_the_config_layer_and_itself():
-    _check(compare_imports(), "jdp.compare imports library modules outside jdp's public API and the config layer "
-                              f"{CONFIG_LAYER} (give the reason in COMPARE_USES, or use the public API)",
+    _check(compare_imports(), "jdp.compare imports library modules outside jdp's public API and the CLI "
+                              "(give the reason in COMPARE_USES, or use the public API)",
            allowed={f"compare {m}" for m in COMPARE_USES})
 
 
@@ -290,12 +290,13 @@ def test_the_graph_sees_the_imports():
     """The checks are only as good as the graph: a few edges of each kind it must see, and must not."""
     nodes, edges = import_graph()
     pairs = {(e.importer, e.imported, e.local) for e in edges}
-    assert {"jdp", "jdp.train", "jdp.data.batching", "jdp.configs.base", "jdp.compare.__main__",
+    assert {"jdp", "jdp.train", "jdp.cli.train", "jdp.data.batching", "jdp.configs.base", "jdp.compare.__main__",
             "jdp.perf.bench"} <= nodes
-    assert ("jdp.train", "jdp.config", False) in pairs  # from jdp import config as config_lib
-    assert ("jdp.train", "jdp.task", False) in pairs  # from jdp.task import build, build_task
+    assert ("jdp.cli.train", "jdp.cli.config", False) in pairs  # from jdp.cli import config as config_lib
+    assert ("jdp.cli.train", "jdp.cli.build", False) in pairs  # from jdp.cli.build import build, build_task
+    assert ("jdp.train", "jdp.cli.train", False) in pairs  # the shim's import under `if __name__ == "__main__"`
     assert ("jdp", "jdp.distributed", True) in pairs  # initialize's function-local import
-    assert ("jdp.config", "jdp.configs.base", True) in pairs  # through the jdp/configs link
+    assert ("jdp.cli.config", "jdp.configs.base", True) in pairs  # through the jdp/configs link
     assert ("jdp.perf.bench", "jdp.perf.predict", False) in pairs  # from jdp.perf import predict
     assert not any(e.importer == "jdp" and e.imported == "jdp.data.batching" for e in edges)  # TYPE_CHECKING
 
@@ -303,8 +304,8 @@ def test_the_graph_sees_the_imports():
 def test_the_checks_find_what_they_look_for():
     """The issue's cycle, bench <-> predict, with both imports function-local, as the checks see it."""
     edges = [Edge("jdp.bench", "jdp.predict", 260, True), Edge("jdp.predict", "jdp.bench", 174, True),
-             Edge("jdp.predict", "jdp.config", 23, False)]
+             Edge("jdp.predict", "jdp.cli.config", 23, False)]
     assert not _strongly_connected({"jdp.bench", "jdp.predict"}, [e for e in edges if not e.local])
-    assert _strongly_connected({"jdp.bench", "jdp.predict", "jdp.config"}, edges) == [{"jdp.bench", "jdp.predict"}]
+    assert _strongly_connected({"jdp.bench", "jdp.predict", "jdp.cli.config"}, edges) == [{"jdp.bench", "jdp.predict"}]
     assert _shortest_path(edges, "jdp.predict", "jdp.bench") == [edges[1]]
     assert str(edges[0]) == "jdp.bench -> jdp.predict (jdp/bench.py:260, function-local)"

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jdp import bench
+from jdp.cli.sample import Sampler
+from jdp.cli.train import build, run
 from jdp.data import DataError, build_source
 from jdp.data.text import Vocabulary, shakespeare_from_markdown
 from jdp.models.gpt import GPT, gelu
-from jdp.sample import Sampler
-from jdp.train import build, run
+from jdp.perf import bench, measure
 from tests.helpers import TINY_TEXT, records, small_config
 
 TEXT = TINY_TEXT.read_text()
@@ -208,7 +208,7 @@ def test_flops_per_token_and_what_xla_counts():
     b = build(cfg)
     block = 2 * 16 + 16 * 48 + 48 + 16 * 16 + 16 + 2 * 16 + 16 * 64 + 64 + 64 * 16 + 16  # ln1, qkv, proj, ln2, mlp
     n = b.source.num_classes * 16 + 2 * block + 2 * 16
-    variant = bench.Variant(cfg, 1)
+    variant = measure.Variant(cfg, 1)
     figures = bench._token_figures(cfg, variant.tokens_per_example, variant.abstract_params,
                                    {"examples_per_sec": 1.0, "devices": 1, **variant.stats()})
     assert figures["model_params_n"] == n and figures["model_flops_per_token"] == 6 * n + 12 * 2 * 8 * 16

@@ -11,7 +11,7 @@ from flax import nnx
 
 import jdp
 from jdp import noise_scale
-from jdp.train import build, run
+from jdp.cli.train import build, run
 from tests.helpers import records, small_config
 
 DIM, NOISE = 8, 1.0

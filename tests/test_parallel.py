@@ -11,7 +11,7 @@ import optax
 import pytest
 
 from jdp import mesh as mesh_lib
-from jdp.train import build
+from jdp.cli.train import build
 from tests.helpers import logits_and_state, small_config
 
 
@@ -100,8 +100,8 @@ def test_more_than_100_steps_without_blocking(tmp_path):
 def test_the_next_batch_is_on_the_devices_before_the_host_waits_for_a_step(tmp_path, monkeypatch):
     """Double buffering: the trainer puts step s+1's batch on the devices before it waits for step s, so the
     devices never wait for the input. Breaks if the loop fetched a step's metrics before reading on."""
+    from jdp.cli.train import run
     from jdp.parallel import DataParallel
-    from jdp.train import run
 
     events = []
     shard_batch, fetch = DataParallel.shard_batch, DataParallel.fetch

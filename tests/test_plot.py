@@ -1,6 +1,6 @@
 import json
 
-from jdp.plot import main
+from jdp.cli.plot import main
 
 
 def _write_run(path, losses):
@@ -25,7 +25,7 @@ def test_plot_of_a_missing_run_is_one_clear_error(tmp_path, capsys):
 
 def test_plot_shows_the_outputs_of_a_users_loss(tmp_path):
     """A loss without accuracy: the panels are the loss and the loss function's own outputs."""
-    from jdp.plot import plot_runs
+    from jdp.cli.plot import plot_runs
 
     run = tmp_path / "regression"
     run.mkdir()

@@ -14,7 +14,7 @@ from flax import nnx
 
 import jdp
 from jdp import models, precision
-from jdp.task import build
+from jdp.cli.build import build
 from jdp.trainer import prepare
 from tests.helpers import MODELS, small_config
 

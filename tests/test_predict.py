@@ -10,16 +10,17 @@ from pathlib import Path
 import pytest
 from flax import nnx
 
-from jdp import bench, models, predict, predict_validation
-from jdp.config import load_config_file
-from jdp.predict import Link, Topology
+from jdp import models
+from jdp.cli.config import load_config_file
+from jdp.perf import bench, measure, predict, scaling, validation
+from jdp.perf.scaling import Link, Topology
 
 
 def test_ring_allreduce_matches_hand_computation():
     link = Link(bandwidth=1e9, latency=1e-5, about="test")
     # 4 devices, 8 MB: 2*3/4 * 8e6 B / 1e9 B/s = 12 ms of transfer, plus 2*3 steps of 10 us.
-    assert predict.ring_allreduce_s(8e6, 4, link) == pytest.approx(0.012 + 6e-5, rel=1e-12)
-    assert predict.ring_allreduce_s(8e6, 1, link) == 0.0  # one device sends nothing
+    assert scaling.ring_allreduce_s(8e6, 4, link) == pytest.approx(0.012 + 6e-5, rel=1e-12)
+    assert scaling.ring_allreduce_s(8e6, 1, link) == 0.0  # one device sends nothing
 
 
 def test_hierarchical_allreduce_matches_hand_computation():
@@ -29,17 +30,17 @@ def test_hierarchical_allreduce_matches_hand_computation():
     # 2*3/4 * 1e8 / 2.5e9 = 60 ms + 2*3 * 10 us. All-gather in the node: as the reduce-scatter.
     in_node = 0.003 + 3 * 2e-6
     across = 0.06 + 6 * 1e-5
-    assert predict.hierarchical_allreduce_s(4e8, 16, topo) == pytest.approx(2 * in_node + across, rel=1e-12)
+    assert scaling.hierarchical_allreduce_s(4e8, 16, topo) == pytest.approx(2 * in_node + across, rel=1e-12)
     # Within one node it is the plain ring on the node's link.
-    assert predict.hierarchical_allreduce_s(4e8, 4, topo) == predict.ring_allreduce_s(4e8, 4, topo.intra)
+    assert scaling.hierarchical_allreduce_s(4e8, 4, topo) == scaling.ring_allreduce_s(4e8, 4, topo.intra)
     with pytest.raises(ValueError, match="do not fill nodes of 4"):
-        predict.hierarchical_allreduce_s(4e8, 6, topo)
+        scaling.hierarchical_allreduce_s(4e8, 6, topo)
 
 
 def test_step_time_efficiency_and_thresholds():
     topo = Topology(per_node=8, intra=Link(1e9, 0.0, "in"), inter=Link(1e9, 1e-6, "out"))
     nbytes, one_step, batch = 7e6, 0.016, 64
-    rows = predict.predict(nbytes, one_step, batch, [1, 8, 16], topo, scaling="strong")
+    rows = scaling.predict(nbytes, one_step, batch, [1, 8, 16], topo, scaling="strong")
     one, eight, sixteen = rows
     assert one["allreduce_s"] == 0.0 and one["efficiency"] == 1.0
     # 8 devices: compute 16 ms / 8 = 2 ms; all-reduce 2*7/8 * 7e6 / 1e9 = 12.25 ms, none of it hidden at overlap 0.
@@ -51,9 +52,9 @@ def test_step_time_efficiency_and_thresholds():
     assert eight["step_s_overlap"] == pytest.approx(0.002 + 0.01225 - 2 / 3 * 0.002)
     # At the threshold per-device batch the compute equals the all-reduce; at the threshold bytes likewise.
     assert eight["threshold_batch"] * one_step / batch == pytest.approx(eight["allreduce_s"])
-    crossing = predict.hierarchical_allreduce_s(sixteen["threshold_bytes"], 16, topo)
+    crossing = scaling.hierarchical_allreduce_s(sixteen["threshold_bytes"], 16, topo)
     assert crossing == pytest.approx(sixteen["compute_s"])
-    weak = predict.predict(nbytes, one_step, batch, [8], topo, scaling="weak")[0]
+    weak = scaling.predict(nbytes, one_step, batch, [8], topo, scaling="weak")[0]
     assert weak["per_device_batch"] == batch and weak["compute_s"] == one_step
 
 
@@ -71,12 +72,12 @@ def test_gradient_bytes_follow_the_model_and_the_allreduce_dtype():
 
 
 def test_validation_table_covers_every_published_case():
-    rows = predict_validation.validate()
-    assert len(rows) == len(predict_validation.CASES) >= 3
+    rows = validation.validate()
+    assert len(rows) == len(validation.CASES) >= 3
     for r in rows:  # hiding part of the all-reduce can only help; nothing beats linear scaling
         assert 0 < r["no_overlap"] <= r["overlap"] <= 1
-    table = predict_validation.to_markdown(rows)
-    assert all(c.name in table for c in predict_validation.CASES)
+    table = validation.to_markdown(rows)
+    assert all(c.name in table for c in validation.CASES)
 
 
 def test_bad_predict_input_is_one_line_and_exit_2(capsys):
@@ -105,7 +106,7 @@ def test_readme_prediction_commands_run_as_printed():
     rows = [line.split("|") for line in predicted.splitlines() if line.startswith("| ") and line[2].isdigit()]
     assert [int(r[1]) for r in rows] == [1, 8, 64, 512]
     assert [r[7].strip() for r in rows[1:3]] == ["98.4%", "27.8%"]  # the figures the README quotes
-    assert all(c.name in validated for c in predict_validation.CASES)
+    assert all(c.name in validated for c in validation.CASES)
 
 
 def test_without_step_ms_the_step_is_measured_on_one_device():
@@ -113,4 +114,4 @@ def test_without_step_ms_the_step_is_measured_on_one_device():
     cfg = load_config_file("configs/synthetic_mlp.py")
     cfg.model.kwargs.hidden_sizes = (16,)
     cfg.train.global_batch_size = 16
-    assert 0 < predict.measure_step_s(cfg, steps=2, repeats=2) < 5
+    assert 0 < measure.one_device_step_s(cfg, steps=2, repeats=2) < 5

@@ -12,10 +12,10 @@ import pytest
 from flax import nnx
 
 import jdp
-from jdp.config import ConfigError
+from jdp.cli.config import ConfigError
+from jdp.cli.train import build, run
 from jdp.data.batching import Batcher
 from jdp.errors import NonFiniteLossError
-from jdp.train import build, run
 from jdp.trainer import prepare
 from tests.helpers import max_abs_diff, records, small_config
 from tests.test_equivalence import assert_same_run

@@ -8,9 +8,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jdp import bench
-from jdp.config import ConfigError
-from jdp.train import build, run
+from jdp.cli.config import ConfigError
+from jdp.cli.train import build, run
+from jdp.perf import bench, measure
 from tests.helpers import max_abs_diff, records, small_config
 
 
@@ -45,7 +45,7 @@ def test_sharded_optimizer_memory_and_restore_on_other_device_counts(tmp_path):
     sections = {"optim": {"name": "adamw", "lr": 0.01}, "parallel": {"shard_optimizer": True}}
     b = build(small_config("mlp", num_devices=8, **sections))
     state = b.parallel.to_devices(b.init_state())
-    per_device = bench._bytes_on_first_device(state.opt_state)
+    per_device = measure._bytes_on_first_device(state.opt_state)
     whole = sum(x.nbytes for x in jax.tree.leaves(b.parallel.to_host(b.parallel.to_logical(state).opt_state)))
     assert per_device <= 1.1 * whole / 8
 
@@ -148,8 +148,8 @@ def test_local_sgd_preemption_stops_at_a_sync_point(tmp_path, monkeypatch):
     import os
     import signal
 
+    from jdp.cli.train import Preempted
     from jdp.parallel import DataParallel
-    from jdp.train import Preempted
 
     original, calls = DataParallel.train_step, []
 

@@ -492,7 +492,7 @@ def test_the_compiled_steps_see_the_prepared_input() -> None:
     import jax.numpy as jnp
     import optax
 
-    from jdp.train import build
+    from jdp.cli.train import build
     from tests.helpers import logits_and_state
 
     cfg = small_config("tiny_cifar", backend="jit", num_devices=1)
@@ -528,7 +528,7 @@ def test_a_format_without_random_access_is_refused_with_the_fix(make, tmp_path) 
 
 
 def test_the_trainer_turns_it_into_a_one_line_config_error(tmp_path, capsys) -> None:
-    from jdp.train import main
+    from jdp.cli.train import main
 
     code = main(["--config.data.name=tfds:cifar10", f"--config.data.data_dir={tmp_path}",
                  f"--workdir={tmp_path / 'run'}", "--config.compile_cache_dir="])
@@ -538,7 +538,7 @@ def test_the_trainer_turns_it_into_a_one_line_config_error(tmp_path, capsys) -> 
 
 @pytest.fixture(scope="module")
 def one_device_run(tmp_path_factory):
-    from jdp.train import run
+    from jdp.cli.train import run
 
     return run(small_config("tiny_cifar", backend="jit", num_devices=1, steps=3), tmp_path_factory.mktemp("one"))
 
@@ -553,7 +553,7 @@ def test_trains_end_to_end_on_the_fixture(one_device_run) -> None:
 def test_augmented_training_on_8_devices_equals_1_device(backend: str, one_device_run, tmp_path) -> None:
     """Crops, flips and normalisation run on each device's rows: breaks if 'crop' and 'flip' were not split
     with the pixels, or if a device augmented with another device's numbers."""
-    from jdp.train import run
+    from jdp.cli.train import run
 
     result = run(small_config("tiny_cifar", backend=backend, num_devices=8, steps=3), tmp_path)
     np.testing.assert_allclose(result.losses, one_device_run.losses, rtol=1e-4)
@@ -563,7 +563,7 @@ def test_augmented_training_on_8_devices_equals_1_device(backend: str, one_devic
 def test_a_label_past_num_classes_exits_2_in_one_line(tmp_path, capsys) -> None:
     """Found where the labels are first read (before anything compiles), naming the label, the class count and the
     split."""
-    from jdp.train import main
+    from jdp.cli.train import main
     from tests.helpers import TINY_CIFAR
 
     code = main(["--config", "synthetic_cnn2d", "--config.data.name=tfds:tiny_cifar",

@@ -9,7 +9,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from jdp import config as config_lib
+from jdp.cli import config as config_lib
 from tests.helpers import records
 
 NETS = '''

@@ -13,12 +13,12 @@ import jax
 import numpy as np
 import pytest
 
-from jdp import config as config_lib
 from jdp import digest, workdir_lock
 from jdp import metrics as metrics_lib
+from jdp.cli import config as config_lib
+from jdp.cli.resume import check_workdir_config
 from jdp.configs import base
 from jdp.metrics import MetricsWriter, read_metrics
-from jdp.resume import check_workdir_config
 
 
 def test_a_locked_workdir_is_refused_naming_the_holder(tmp_path):
@@ -35,8 +35,8 @@ def test_a_locked_workdir_is_refused_naming_the_holder(tmp_path):
                                       "another --workdir")
     finally:
         os.close(fd)
-    # Released (its holder ended): the lock is taken, re-entrantly, and names this process.
-    with workdir_lock.held(tmp_path), workdir_lock.held(tmp_path):
+    # Released (its holder ended): the lock is taken, and names this process.
+    with workdir_lock.held(tmp_path):
         assert lock.read_text().strip().endswith(f":{os.getpid()}")
         with pytest.raises(BlockingIOError):  # really held: nobody else gets it
             other = os.open(lock, os.O_RDWR)

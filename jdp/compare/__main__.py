@@ -58,7 +58,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from jdp import config as config_lib
+    from jdp.cli import config as config_lib
     from jdp.compare.procs import SideFailed
 
     argv = sys.argv[1:] if argv is None else argv

@@ -45,7 +45,7 @@ OPTIMIZERS = ("sgd", "momentum", "nesterov", "adamw")
 
 
 def make_optimizer(optim_cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """jdp.optim.build_optimizer's transform as a torch optimizer (the learning rate is set per step).
+    """jdp.cli.optim.build_optimizer's transform as a torch optimizer (the learning rate is set per step).
 
     sgd/momentum/nesterov: optax chain(add_decayed_weights(wd, mask), sgd(lr, momentum, nesterov)) is
     torch SGD with dampening 0 and coupled weight decay, exactly. adamw: optax adamw(b1=momentum, b2=optim.b2,
@@ -106,7 +106,7 @@ def _evaluate(model: torch.nn.Module, cfg, device: torch.device) -> tuple[float,
 
 
 def train(rank: int, spec: dict) -> dict:
-    from jdp import config as config_lib
+    from jdp.cli import config as config_lib
     from jdp.data import build_source
 
     cfg = config_lib.load_saved_config(Path(spec["config"]))

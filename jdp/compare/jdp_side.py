@@ -21,7 +21,7 @@ from pathlib import Path
 
 
 def _config(path: str):
-    from jdp import config as config_lib
+    from jdp.cli import config as config_lib
 
     return config_lib.load_saved_config(Path(path))
 
@@ -32,9 +32,9 @@ def write_init(cfg, out: Path) -> None:
 
     import numpy as np
 
-    from jdp.optim import learning_rate
+    from jdp.cli.build import build
+    from jdp.cli.optim import learning_rate
     from jdp.params_file import flatten
-    from jdp.task import build
 
     one = copy.deepcopy(cfg)
     one.parallel.num_devices, one.init_from = 1, ""
@@ -48,10 +48,10 @@ def write_init(cfg, out: Path) -> None:
 def parity(cfg, out: Path, devices: int) -> None:
     import jax
 
+    from jdp.cli.train import enable_compilation_cache, run
     from jdp.mesh import simulate_cpu_devices
     from jdp.metrics import read_metrics
     from jdp.params_file import flatten
-    from jdp.train import enable_compilation_cache, run
 
     if devices:
         simulate_cpu_devices(devices)

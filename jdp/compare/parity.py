@@ -145,7 +145,7 @@ def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance
     """Runs both sides into `workdir` and writes parity.md, parity.json, parity_steps.csv and parity_loss.png.
 
     `tolerance`: default_tolerance(cfg) when None."""
-    from jdp import config as config_lib
+    from jdp.cli import config as config_lib
 
     cfg = prepare_config(cfg, workers=workers, steps=steps)
     if device == "cuda":
@@ -177,7 +177,7 @@ def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance
 
 def report_workdir(workdir: Path, tolerance: Tolerance | None = None) -> Parity:
     """Compares the results a parity run left in `workdir` and writes its report (`--report_only`)."""
-    from jdp import config as config_lib
+    from jdp.cli import config as config_lib
     from jdp.compare import report
 
     workdir = Path(workdir)

@@ -49,7 +49,7 @@ def _median(values: list[float]) -> float:
 
 
 def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: bool) -> dict:
-    from jdp import config as config_lib
+    from jdp.cli import config as config_lib
 
     cfg = copy.deepcopy(cfg)
     cfg.parallel.backend = backend
@@ -68,7 +68,7 @@ def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: 
 
 def _run_ddp(cfg, run_dir: Path, init: Path, lrs: list[float], workers: int, timeout_s: float,
              device: str, torch_compile: bool = False, threads: int = 1) -> dict:
-    from jdp import config as config_lib
+    from jdp.cli import config as config_lib
 
     config_lib.save_config(cfg, run_dir / "config.json")
     spec = {"config": str(run_dir / "config.json"), "workers": workers, "steps": cfg.train.steps,
@@ -95,7 +95,7 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
     precision=bf16 the twin runs under bf16 autocast; `torch_compile` compiles it (nanoGPT's recipe).
     On a CPU each DDP rank runs `torch_threads` threads and jdp simulates `jdp_devices` devices (default:
     `workers`) in its one process."""
-    from jdp import config as config_lib
+    from jdp.cli import config as config_lib
     from jdp.compare import report
 
     cfg = prepare_config(cfg, workers=workers, steps=steps, compile_cache=compile_cache, device=device)

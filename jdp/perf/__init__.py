@@ -7,6 +7,6 @@
 - `predict`: `python -m jdp.bench --predict`, a config's predicted scaling (uses `scaling`, `validation`,
   `measure`).
 
-Each imports only the modules named before it, and jdp's library and config layers; none imports the CLI.
-`jdp.bench`, `jdp.predict` and `jdp.predict_validation` are the old names, kept as shims.
+Each imports only the modules named before it, jdp's library and the CLI's config layer (`jdp.cli`).
+`python -m jdp.bench` keeps the command's name through the shim jdp/bench.py.
 """

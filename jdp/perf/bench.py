@@ -33,8 +33,8 @@ from pathlib import Path
 
 import jax
 
-from jdp import config as config_lib
 from jdp import precision
+from jdp.cli import config as config_lib
 from jdp.mesh import simulate_cpu_devices
 from jdp.models import settings
 from jdp.models.gpt import flops_per_token, non_embedding_params

@@ -10,7 +10,7 @@ import time
 import jax
 
 from jdp import precision
-from jdp.task import build
+from jdp.cli.build import build
 
 
 def _bytes_on_first_device(tree) -> int:

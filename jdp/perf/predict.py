@@ -16,8 +16,8 @@ from pathlib import Path
 import jax
 from flax import nnx
 
-from jdp import config as config_lib
-from jdp import task
+from jdp.cli import build as build_lib
+from jdp.cli import config as config_lib
 from jdp.perf import measure, validation
 from jdp.perf.scaling import (
     ALLREDUCE_BYTES,
@@ -53,14 +53,14 @@ def gradient_bytes(cfg, input_shape: tuple[int, ...] | None = None, num_classes:
     own task building; without `input_shape` and `num_classes` they come from the config's data."""
     if input_shape is None or not num_classes:
         try:
-            make_model = task.build_task(cfg).make_model
+            make_model = build_lib.build_task(cfg).make_model
         except config_lib.ConfigError as e:
             raise config_lib.ConfigError(f"{e} (or predict without the data: pass --step_ms, --input_shape and "
                                          "--num_classes)") from None
     else:
-        task.check_names(cfg)
-        make_model = task.model_maker(cfg, input_shape, num_classes)
-    params = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(task.abstract_model(make_model), nnx.Param)))
+        build_lib.check_names(cfg)
+        make_model = build_lib.model_maker(cfg, input_shape, num_classes)
+    params = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(build_lib.abstract_model(make_model), nnx.Param)))
     return params, params * ALLREDUCE_BYTES[cfg.parallel.allreduce_dtype]
 
 

@@ -14,9 +14,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jdp.errors import FitError
 from jdp.mesh import DATA_AXIS
 from jdp.sync.base import Local, Reduced, Sync, Tree, all_reduce_mean, cast, floating, merge_floating, sum_of_squares
 
@@ -127,3 +129,46 @@ class ShardedOptimizer(Sync):
         padded = [-(-x.size // n) * n if is_sharded(x) else 0 for x in jax.tree.leaves(abstract_state.params)]
         scalars = sum(not is_sharded(x) for x in jax.tree.leaves(abstract_state.params))
         return sum(padded) * (itemsize + 4 / n) + scalars * itemsize
+
+class Sliceable(optax.GradientTransformation):
+    """A transform that jdp built to be right on ZeRO-1 slices (element-wise, its clipping summing norms
+    across devices): `jdp.fit` skips its slicing probe."""
+
+def clip_by_global_norm(max_norm: float, axis_name: str | None = None) -> optax.GradientTransformation:
+    """optax's global-norm clipping; with `axis_name`, each device holds a slice of every gradient
+    (a sharded optimizer) and the squared norms of the slices are summed across devices."""
+    if axis_name is None:
+        return optax.clip_by_global_norm(max_norm)
+
+    def update(updates, state, params=None):
+        norm = global_norm(updates, axis_name)
+        factor = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
+        return jax.tree.map(lambda u: u * factor, updates), state
+
+    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: int) -> None:
+    """ZeRO-1 runs the optimizer on flat slices of each leaf: refuse a transform whose update on slices
+    differs from its update on whole leaves (global norms, trust ratios, shape-dependent masks)."""
+    if isinstance(tx, Sliceable):
+        return
+    rng = np.random.default_rng(0)
+    params = jax.tree.map(lambda x: rng.standard_normal([min(d, 3) for d in x.shape]).astype(np.float32),
+                          abstract_params)
+    grads = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params)
+    whole, _ = tx.update(grads, tx.init(params), params)
+    slices = []
+    for i in range(n):
+        local = jax.tree.map(lambda x, i=i: np.array_split(shard_layout(x, n), n)[i] if x.ndim else x, params)
+        local_grads = jax.tree.map(lambda x, i=i: np.array_split(shard_layout(x, n), n)[i] if x.ndim else x,
+                                   grads)
+        slices.append(tx.update(local_grads, tx.init(local), local)[0])
+    gathered = jax.tree.map(lambda w, *s: np.concatenate([np.ravel(p) for p in s])[: w.size].reshape(w.shape)
+                            if w.ndim else s[0], whole, *slices)
+    if not all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(jax.tree.leaves(whole),
+                                                                       jax.tree.leaves(gathered), strict=True)):
+        raise FitError("shard_optimizer=True runs the optimizer on slices of each parameter, and this optimizer "
+                       "updates slices differently from whole parameters (global-norm clipping, LAMB, LARS, "
+                       "shape-dependent masks); use an element-wise one (sgd, momentum, adam, adamw) or "
+                       "shard_optimizer=False")

@@ -14,6 +14,7 @@ from pathlib import Path
 import ml_collections
 
 from jdp import configs
+from jdp.distributed import differences, flatten
 from jdp.errors import UsageError, one_line
 from jdp.files import write_atomic
 from jdp.options import AT_LEAST_1, CONFIG_KEYS, CONFIG_NAMES, NON_NEGATIVE, POSITIVE, Range, check
@@ -129,7 +130,7 @@ def check_fields(cfg: ml_collections.ConfigDict, where: str) -> None:
     float fields become floats, lists for tuples tuples."""
     from jdp.configs import base
 
-    known, given = _flatten(base.get_config().to_dict()), _flatten(cfg.to_dict())
+    known, given = flatten(base.get_config().to_dict()), flatten(cfg.to_dict())
     for key, value in given.items():
         if key.startswith(OPEN_SECTIONS):
             continue
@@ -235,7 +236,7 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
 
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -> ml_collections.ConfigDict:
     """Apply `--config.a.b=v` overrides; unknown keys are refused with the closest known key."""
-    known = list(_flatten(cfg.to_dict()))
+    known = list(flatten(cfg.to_dict()))
     for key, raw in overrides.items():
         key = _model_setting(key)
         is_open = key.startswith(OPEN_SECTIONS) and key.count(".") == 2
@@ -319,7 +320,7 @@ def load_saved_config(path: Path) -> ml_collections.ConfigDict:
         raise ConfigError(f"{path} is not a readable jdp config ({one_line(e)}); {fix}") from None
     if not isinstance(saved, dict):
         raise ConfigError(f"{path} holds a {type(saved).__name__}, not a jdp config; {fix}")
-    flat = _flatten(saved)
+    flat = flatten(saved)
     try:
         cfg = apply_overrides(base.get_config(),
                               {k: repr(tuple(v)) if isinstance(v, list) else str(v) for k, v in flat.items()})
@@ -335,15 +336,3 @@ def state_changes(old: ml_collections.ConfigDict, new: ml_collections.ConfigDict
             if any(k == key or (key.endswith(".") and k.startswith(key)) for key in STATE_DEFINING)]
 
 
-def differences(a: dict, b: dict) -> list[tuple[str, object, object]]:
-    """(dotted key, value in a, value in b) for each leaf of two nested dicts that differs (None if absent)."""
-    flat_a, flat_b = _flatten(a), _flatten(b)
-    return [(k, flat_a.get(k), flat_b.get(k)) for k in sorted(set(flat_a) | set(flat_b))
-            if flat_a.get(k) != flat_b.get(k)]
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for k, v in tree.items():
-        flat.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-    return flat

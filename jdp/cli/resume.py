@@ -12,12 +12,13 @@ import jax
 import ml_collections
 from flax import nnx
 
-from jdp import config as config_lib
 from jdp.checkpoint import Checkpointer, CheckpointError
+from jdp.cli import config as config_lib
+from jdp.cli.build import build
+from jdp.distributed import differences
 from jdp.modeldef import replace_state, state_groups
 from jdp.params_file import load_into
 from jdp.step import TrainState
-from jdp.task import build
 from jdp.trainer import Engine
 
 
@@ -71,7 +72,7 @@ def report_finished_run(cfg: ml_collections.ConfigDict, workdir: Path, step: int
     if not saved.exists():
         return
     changed = [f"{key}: {old!r} -> {new!r}" for key, old, new in
-               config_lib.differences(config_lib.load_saved_config(saved).to_dict(), cfg.to_dict())
+               differences(config_lib.load_saved_config(saved).to_dict(), cfg.to_dict())
                if key != "train.steps"]
     if changed:
         echo(f"warning: {workdir} holds a run finished at step {step} with other settings ({'; '.join(changed)}); "

@@ -5,17 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import ml_collections
 import optax
 
 from jdp.registry import Registry
-from jdp.sync import zero1
-
-
-class Sliceable(optax.GradientTransformation):
-    """A transform that jdp built to be right on ZeRO-1 slices (element-wise, its clipping summing norms
-    across devices): `jdp.fit` skips its slicing probe."""
+from jdp.sync.zero1 import Sliceable, clip_by_global_norm
 
 
 def learning_rate(cfg: ml_collections.ConfigDict, global_batch_size: int, total_steps: int) -> optax.Schedule:
@@ -39,19 +33,6 @@ def decay_mask(params: optax.Params) -> optax.Params:
     them): biases and normalisation scales/offsets are vectors."""
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
-
-def clip_by_global_norm(max_norm: float, axis_name: str | None = None) -> optax.GradientTransformation:
-    """optax's global-norm clipping; with `axis_name`, each device holds a slice of every gradient
-    (a sharded optimizer) and the squared norms of the slices are summed across devices."""
-    if axis_name is None:
-        return optax.clip_by_global_norm(max_norm)
-
-    def update(updates, state, params=None):
-        norm = zero1.global_norm(updates, axis_name)
-        factor = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
-        return jax.tree.map(lambda u: u * factor, updates), state
-
-    return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
 # optim.name -> (schedule, optim section, weight-decay mask) -> optax transform

@@ -1,0 +1,110 @@
+"""Config -> the task `jdp.fit` trains: the model, the loss (`jdp.task`), the data and the optimizer named by a
+config, and the fit options of its `train`, `parallel`, `checkpoint` and `precision` settings. Checked before
+anything compiles."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+import ml_collections
+import optax
+from flax import nnx
+
+from jdp import data as data_lib
+from jdp import models, trainer
+from jdp.cli import config as config_lib
+from jdp.cli.optim import OPTIMIZERS, build_optimizer
+from jdp.errors import UsageError, one_line
+from jdp.mesh import DATA_AXIS, mesh_devices
+from jdp.modeldef import LossFn
+from jdp.options import CONFIG_KEYS
+from jdp.task import DERIVED_EVAL_METRICS, LOSSES
+
+
+@dataclasses.dataclass
+class Task:
+    make_model: Callable[[], nnx.Module]
+    loss_fn: LossFn
+    source: trainer.Source
+    optimizer: optax.GradientTransformation
+    options: trainer.FitOptions
+    steps: int
+    global_batch_size: int
+
+
+def check_names(cfg: ml_collections.ConfigDict) -> None:
+    """Every name the config gives is registered, or an import path that imports (ConfigError otherwise)."""
+    registries = {"model.name": models.MODELS, "optim.name": OPTIMIZERS, "task.loss": LOSSES}
+    if not (cfg.data.name.startswith(data_lib.TFDS_PREFIX) or data_lib.is_text(cfg.data.name)):
+        registries["data.name"] = data_lib.DATASETS
+    for key, registry in registries.items():
+        try:
+            registry.get(cfg[key])
+        except UsageError as e:
+            raise config_lib.ConfigError(str(e)) from None
+
+
+def model_maker(cfg: ml_collections.ConfigDict, input_shape: tuple[int, ...],
+                num_classes: int) -> Callable[[], nnx.Module]:
+    """A function building the model `cfg` names, for inputs of `input_shape` and `num_classes` outputs."""
+    # By keyword, so that the run's record names it as importable code (jdp.restore rebuilds it). No dtype: the
+    # layers follow the step's cast (bf16 in training, float32 in eval).
+    return functools.partial(models.build_model, name=cfg.model.name, kwargs=cfg.model.kwargs.to_dict(),
+                             input_shape=tuple(input_shape), num_classes=num_classes, seed=cfg.seed)
+
+
+def abstract_model(make_model: Callable[[], nnx.Module]) -> nnx.Module:
+    """The model with shapes and dtypes for arrays, nothing allocated (ConfigError for a bad model setting)."""
+    try:
+        return nnx.eval_shape(make_model)
+    except ValueError as e:  # the model's own checks of its settings and input shape
+        raise config_lib.ConfigError(str(e)) from None
+    except Exception as e:  # noqa: BLE001 - a model (maybe the user's) that cannot be built: one line
+        raise config_lib.ConfigError(f"the model cannot be built: {one_line(e)}; fix model.kwargs") from None
+
+
+def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None) -> Task:
+    """The task `cfg` names, checked before anything compiles (ConfigError otherwise). A text source keeps
+    its vocabulary in `workdir`."""
+    num_devices = len(mesh_devices(cfg.parallel.num_devices))  # the mesh itself is fit's
+    config_lib.validate(cfg, num_devices=num_devices)
+    check_names(cfg)
+    batch_size = cfg.train.global_batch_size
+    try:
+        source = data_lib.build_source(cfg.data, seed=cfg.seed, global_batch_size=batch_size,
+                                       eval_batch_size=cfg.train.eval_batch_size or batch_size,
+                                       process_index=jax.process_index(), process_count=jax.process_count(),
+                                       workdir=None if workdir is None else Path(workdir))
+    except ValueError as e:  # the sources' own checks of the data section
+        raise config_lib.ConfigError(str(e)) from None
+    largest = trainer.eval_batch_limit(source.num_eval, num_devices)
+    if cfg.train.eval_batch_size > largest:
+        source.close()
+        raise config_lib.ConfigError(
+            f"train.eval_batch_size={cfg.train.eval_batch_size} is larger than the eval split needs "
+            f"({source.num_eval} examples on {num_devices} device(s)); set --config.train.eval_batch_size to at most "
+            f"{largest}, or 0 (= train.global_batch_size)")
+    make_model = model_maker(cfg, source.input_shape, cfg.data.num_classes or source.num_classes)
+    model = abstract_model(make_model)
+    params = nnx.state(model, nnx.Param)
+    tx, schedule = build_optimizer(cfg.optim, batch_size, cfg.train.steps, nnx.to_pure_dict(params),
+                                   sharded_axis=DATA_AXIS if cfg.parallel.shard_optimizer else None)
+    options = trainer.FitOptions(
+        **{option.name: cfg[key] for key, option in CONFIG_KEYS.items()},  # the config's view of fit's options
+        schedule=schedule, profile_steps=config_lib.profile_steps(cfg.profile.steps),
+        eval_derived=DERIVED_EVAL_METRICS.get(cfg.task.loss),
+        description=f"{cfg.model.name} on {cfg.data.name} ({source.num_eval} eval examples)"
+                    + (f"; {model.describe()}" if hasattr(model, "describe") else ""))
+    return Task(make_model, LOSSES.get(cfg.task.loss), source, tx, options, cfg.train.steps, batch_size)
+
+
+def build(cfg: ml_collections.ConfigDict, *, all_reduce: bool = True, workdir: str | Path | None = None
+          ) -> trainer.Engine:
+    """The compiled steps, data and state factory of `cfg`'s run, for tools that drive the step themselves."""
+    task = build_task(cfg, workdir)
+    return trainer.prepare(task.make_model, task.loss_fn, task.source, optimizer=task.optimizer,
+                           global_batch_size=task.global_batch_size, options=task.options, all_reduce=all_reduce)

@@ -1,0 +1,191 @@
+"""`python -m jdp.launch --nprocs N [--cpu_devices D] -- python -m jdp.train ARGS`: N local processes,
+like `torchrun --standalone`.
+
+Each child gets torchrun's variables (MASTER_ADDR=127.0.0.1, MASTER_PORT=a free port, RANK, WORLD_SIZE,
+LOCAL_RANK, LOCAL_WORLD_SIZE), JAX_COORDINATOR_BIND_ADDRESS=127.0.0.1:PORT (process 0's coordinator listens on
+loopback only, not on every interface) and, with --cpu_devices, that many simulated CPU devices
+(JAX_NUM_CPU_DEVICES, JAX_PLATFORMS=cpu). Every line a child prints comes out prefixed with its rank,
+`[0] ...`. SIGINT and SIGTERM are passed on to every child (a jdp.train child checkpoints and exits 75); after a
+second one, children still running --grace_s later get SIGKILL.
+When a child fails, the others get SIGTERM, then SIGKILL after --grace_s, and the launcher exits with the
+failed child's code (128+N for a death by signal N); otherwise with the first non-zero code, or 0. Of children
+found failed together, the one that failed by itself is reported, not one that stopped because of it (5, 134).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import IO
+
+from jdp.preemption import EXIT_PREEMPTED
+
+# Variables of other conventions that would take precedence over the launcher's in jdp.distributed.
+_CLEARED = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS",
+            "JAX_COORDINATOR_BIND_ADDRESS")
+_PR_SET_PDEATHSIG = 1
+# Exit codes that report another process's failure: jdp.train's 5 (EXIT_DISTRIBUTED: a peer or the coordinator
+# is gone) and SIGABRT (JAX's heartbeat, or gloo when a peer's connection breaks mid-collective).
+PEER_FAILED = (5, 128 + signal.SIGABRT)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def child_env(base: dict[str, str], *, rank: int, nprocs: int, port: int, cpu_devices: int) -> dict[str, str]:
+    env = {k: v for k, v in base.items() if k not in _CLEARED}
+    env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nprocs),
+               LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs), PYTHONUNBUFFERED="1",
+               JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")
+    if cpu_devices:
+        env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
+        env.setdefault("JAX_PLATFORMS", "cpu")
+    return env
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGKILL when the launcher dies, even by SIGKILL (Linux)."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def exit_code(returncode: int) -> int:
+    """Popen's returncode as a shell would report it: -N (killed by signal N) -> 128+N."""
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def first_failure(returncodes: list[int | None], expected: tuple[int | None, ...]) -> tuple[int, int] | None:
+    """(rank, returncode) of the failure to report among children polled together, or None: a process that
+    failed by itself rather than one that stopped because another failed (PEER_FAILED), else the lowest rank."""
+    failed = [(rank, code) for rank, code in enumerate(returncodes) if code not in expected]
+    return min(failed, key=lambda failure: exit_code(failure[1]) in PEER_FAILED, default=None)
+
+
+class Launcher:
+    def __init__(self, command: list[str], nprocs: int, *, cpu_devices: int = 0, port: int = 0,
+                 grace_s: float = 5.0, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> None:
+        self.command, self.nprocs, self.grace_s = command, nprocs, grace_s
+        self.cpu_devices, self.port = cpu_devices, port or free_port()
+        self.out, self.err = out, err
+        self.children: list[subprocess.Popen] = []
+        self._write_lock = threading.Lock()
+        self._signals: list[int] = []
+        self._pumps: list[threading.Thread] = []
+        self._kill_at: float | None = None
+
+    def say(self, line: str) -> None:
+        with self._write_lock:
+            print(f"[launch] {line}", file=self.err, flush=True)
+
+    def _pump(self, rank: int, stream: IO[bytes], sink: IO[str]) -> None:
+        for raw in iter(stream.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            with self._write_lock:
+                print(f"[{rank}] {line}", file=sink, flush=True)
+        stream.close()
+
+    def start(self) -> None:
+        for rank in range(self.nprocs):
+            env = child_env(dict(os.environ), rank=rank, nprocs=self.nprocs, port=self.port,
+                            cpu_devices=self.cpu_devices)
+            # A session of its own: a terminal's Ctrl-C reaches the child once, through the launcher.
+            self.children.append(subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
+                                                  stderr=subprocess.PIPE, start_new_session=True,
+                                                  preexec_fn=_die_with_parent))
+        for rank, child in enumerate(self.children):
+            for stream, sink in ((child.stdout, self.out), (child.stderr, self.err)):
+                self._pumps.append(threading.Thread(target=self._pump, args=(rank, stream, sink), daemon=True))
+                self._pumps[-1].start()
+        pids = ", ".join(f"rank {rank} pid {child.pid}" for rank, child in enumerate(self.children))
+        self.say(f"{self.nprocs} processes, coordinator 127.0.0.1:{self.port} (loopback only): {pids}")
+
+    def _signal_all(self, signum: int) -> None:
+        for child in self.children:
+            if child.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(child.pid, signum)  # the child's whole group: also what a wrapper script started
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        self._signals.append(signum)
+        self._signal_all(signum)
+        if len(self._signals) == 2:  # a child blocked in a collective cannot act on a signal: force it
+            self.say(f"second signal: children still running after {self.grace_s:g} s get SIGKILL")
+            self._kill_at = time.monotonic() + self.grace_s
+
+    def stop_all(self) -> None:
+        """SIGTERM to every child still running, SIGKILL to those left after the grace period."""
+        self._signal_all(signal.SIGTERM)
+        deadline = time.monotonic() + self.grace_s
+        while time.monotonic() < deadline and any(c.poll() is None for c in self.children):
+            time.sleep(0.05)
+        self._signal_all(signal.SIGKILL)
+        for child in self.children:
+            child.wait()
+
+    def wait(self) -> int:
+        """Until every child has exited; stops the rest as soon as one fails. Returns the exit code."""
+        try:
+            while True:
+                codes = [child.poll() for child in self.children]
+                # After a forwarded SIGINT/SIGTERM, exit code 75 (checkpointed) is the expected way out.
+                expected = (None, 0, EXIT_PREEMPTED) if self._signals else (None, 0)
+                failed = first_failure(codes, expected)
+                if failed is not None:
+                    rank, code = failed
+                    self.say(f"rank {rank} exited with code {exit_code(code)}; stopping the others")
+                    self.stop_all()
+                    self.say("exit codes: " + ", ".join(f"rank {r} {exit_code(c.returncode)}"
+                                                        for r, c in enumerate(self.children)))
+                    return exit_code(code)
+                if all(code is not None for code in codes):
+                    return next((exit_code(code) for code in codes if code), 0)
+                if self._kill_at is not None and time.monotonic() > self._kill_at:
+                    self._signal_all(signal.SIGKILL)
+                time.sleep(0.05)
+        finally:
+            if any(child.poll() is None for child in self.children):  # e.g. KeyboardInterrupt in the launcher
+                self.stop_all()
+            deadline = time.monotonic() + 2.0  # let the output threads pass on what the children wrote last
+            for pump in self._pumps:
+                pump.join(timeout=max(0.0, deadline - time.monotonic()))
+
+    def run(self) -> int:
+        previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            self.start()
+            return self.wait()
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jdp.launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nprocs", type=int, required=True, help="number of local processes")
+    parser.add_argument("--cpu_devices", type=int, default=0, help="simulated CPU devices per process (0 = leave "
+                                                                   "JAX alone)")
+    parser.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
+    parser.add_argument("--grace_s", type=float, default=5.0,
+                        help="after a failure, seconds between SIGTERM and SIGKILL for the others")
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each process runs")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        parser.error("no command; e.g. python -m jdp.launch --nprocs 2 -- python -m jdp.train")
+    if args.nprocs < 1 or args.cpu_devices < 0:
+        parser.error("--nprocs must be at least 1 and --cpu_devices not negative")
+    return Launcher(command, args.nprocs, cpu_devices=args.cpu_devices, port=args.port, grace_s=args.grace_s).run()
+

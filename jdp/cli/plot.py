@@ -1,0 +1,59 @@
+"""`python -m jdp.plot RUN_DIR [RUN_DIR ...] --out curves.png`: overlay the loss and the other metrics
+curves of several runs (their metrics.jsonl) in one PNG."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display needed
+import matplotlib.pyplot as plt  # noqa: E402
+
+from jdp.metrics import read_metrics  # noqa: E402
+
+
+def plot_runs(run_dirs: list[Path], out: Path) -> None:
+    """One panel for the loss and one for each other output of the runs' loss functions (e.g. accuracy)."""
+    runs = [(run_dir, read_metrics(run_dir)) for run_dir in run_dirs]
+    outputs = sorted({k for _, records in runs for r in records if r.get("split") == "eval" for k in r} - _NOT_OUTPUTS)
+    keys = ["loss", *outputs]
+    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
+    axes = axes[0]
+    for i, (run_dir, records) in enumerate(runs):
+        for split, style in (("train", "-"), ("eval", "o--")):
+            rows = [r for r in records if r.get("split") == split]
+            for ax, key in zip(axes, keys, strict=True):
+                points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]  # null: not a number
+                if points:
+                    ax.plot(*zip(*points, strict=True), style, color=f"C{i}", markersize=3,
+                            label=f"{run_dir.name} {split}")
+    for ax, key in zip(axes, keys, strict=True):
+        ax.set_xlabel("step")
+        ax.set_ylabel(key)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[0].set_yscale("log")
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+_NOT_OUTPUTS = {"step", "split", "wall_time", "loss"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m jdp.plot", description=__doc__)
+    parser.add_argument("run_dirs", nargs="+", type=Path)
+    parser.add_argument("--out", type=Path, default=Path("curves.png"))
+    args = parser.parse_args(argv)
+    try:
+        plot_runs(args.run_dirs, args.out)
+    except FileNotFoundError as e:
+        print(f"jdp.plot: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out}")
+    return 0
+

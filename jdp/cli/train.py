@@ -1,0 +1,206 @@
+"""`python -m jdp.train`: the command line, and `run(config)`, which builds the config's task and trains it
+with `jdp.fit`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import traceback
+from pathlib import Path
+
+import jax
+import ml_collections
+from flax import nnx
+
+from jdp import distributed as distributed_lib
+from jdp import preemption, reopen, storage, trainer
+from jdp.checkpoint import CheckpointError
+from jdp.cli import config as config_lib
+from jdp.cli.build import build, build_task  # noqa: F401 - build is part of jdp.train's API
+from jdp.cli.resume import (
+    check_workdir_config,
+    committed_steps,
+    initialised_from,
+    record_config,
+    report_finished_run,
+    restore_for_inference,
+)
+from jdp.cli.sample import sample_text
+from jdp.cli.xla_flags import apply_communication_flags
+from jdp.errors import DiskError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError, one_line
+from jdp.mesh import simulate_cpu_devices
+from jdp.metrics import MetricsWriter
+from jdp.modeldef import replace_state
+from jdp.trainer import FitResult
+
+EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_NONFINITE, EXIT_REPLICAS_DIFFER, EXIT_DISTRIBUTED, EXIT_DISK = (
+    0, 1, 2, 3, 4, 5, 6)
+EXIT_PREEMPTED = preemption.EXIT_PREEMPTED
+
+
+def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
+    """Trains `cfg` into `workdir` with `jdp.fit`, resuming from its latest checkpoint if there is one.
+
+    Raises ConfigError before compiling anything if the config is bad. A run with nothing left to train writes
+    nothing to its workdir but a final eval or summary line it lacks."""
+    workdir = Path(workdir)
+    storage.check_writable(workdir)
+    task = build_task(cfg, workdir)
+    timeout_s = cfg.distributed.init_timeout_s
+    echo = print if jax.process_index() == 0 else lambda *_: None
+    model = task.make_model
+    if cfg.init_from and not committed_steps(workdir):  # read before fit makes the workdir: a bad file
+        model = initialised_from(cfg.init_from, task.make_model())  # leaves nothing behind
+
+    def on_resume() -> None:  # under the workdir's lock, before the restore
+        check_workdir_config(cfg, workdir, echo)
+        distributed_lib.barrier("config checked", timeout_s)  # every process has read config.json: rewrite it
+
+    def on_start(start: int) -> None:
+        if start >= cfg.train.steps:  # a rerun of a finished run records nothing
+            report_finished_run(cfg, workdir, start, echo)
+        elif jax.process_index() == 0:
+            record_config(cfg, workdir)  # beside run.json, the record jdp.fit writes
+            if jax.devices()[0].platform == "gpu":
+                print(f"jdp: XLA_FLAGS in force: {os.environ.get('XLA_FLAGS', '')}")
+
+    result = trainer.run(model, task.loss_fn, task.source, optimizer=task.optimizer, steps=task.steps,
+                         global_batch_size=task.global_batch_size,
+                         options=dataclasses.replace(task.options, workdir=workdir), on_resume=on_resume,
+                         on_start=on_start)
+    vocab = getattr(task.source, "vocabulary", None)
+    if cfg.sample.tokens and vocab is not None and jax.process_index() == 0:
+        _print_sample(cfg, task.make_model(), result, vocab)
+    return result
+
+
+def _print_sample(cfg: ml_collections.ConfigDict, model: nnx.Module, result: FitResult, vocab) -> None:
+    """A language model's run ends with a sample of `sample.tokens` from the trained model."""
+    replace_state(model, result.params, result.model_state)
+    model.eval()
+    text = sample_text(model, vocab, cfg.sample.prompt, cfg.sample.tokens, temperature=cfg.sample.temperature,
+                       top_k=cfg.sample.top_k, seed=cfg.seed)
+    print(f"sample ({cfg.sample.tokens} tokens after {cfg.sample.prompt!r}, temperature {cfg.sample.temperature}, "
+          f"top_k {cfg.sample.top_k}):\n{text}")
+
+
+def evaluate_checkpoint(workdir: Path) -> dict[str, float]:
+    """`--eval_only`: evaluate the latest checkpoint of `workdir` (a jdp.train run, or a jdp.fit run whose model,
+    loss and eval data are importable) and append the eval line."""
+    if (workdir / "config.json").exists():
+        step, engine, state = restore_for_inference(workdir)
+        metrics = engine.parallel.evaluate(engine.parallel.to_devices(state), engine.source.eval_batches())
+        engine.source.close()
+    else:
+        step, metrics = reopen.evaluate_run(workdir)
+    writer = MetricsWriter(workdir, total_steps=step, resume=False, enabled=jax.process_index() == 0)
+    writer.eval(step, metrics)
+    writer.close()
+    return metrics
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, like every other usage error
+        raise config_lib.ConfigError(f"{message}; see python -m jdp.train --help")
+
+
+@dataclasses.dataclass
+class CommandLine:
+    cfg: ml_collections.ConfigDict
+    workdir: Path
+    eval_only: bool
+
+
+def parse_command_line(argv: list[str]) -> CommandLine:
+    parser = _ArgumentParser(prog="python -m jdp.train", allow_abbrev=False,
+                             description="Data-parallel training. Override any config field with "
+                                         "--config.SECTION.KEY=VALUE, e.g. --config.train.steps=500.")
+    parser.add_argument("--config", help=f"config file (default: WORKDIR/config.json if it exists, else "
+                                         f"{config_lib.DEFAULT_CONFIG})")
+    parser.add_argument("--workdir", help="output directory; rerun on it to resume (default: runs/CONFIG_NAME)")
+    parser.add_argument("--cpu_devices", type=int, help="simulate N CPU devices (sets parallel.cpu_devices)")
+    parser.add_argument("--eval_only", action="store_true", help="evaluate the workdir's latest checkpoint")
+    distributed_lib.add_arguments(parser)  # read by main() through distributed_lib.flags_from_argv
+    args, rest = parser.parse_known_args(argv)
+    overrides = config_lib.parse_overrides(rest)
+    config_path = Path(args.config) if args.config else config_lib.DEFAULT_CONFIG
+    workdir = Path(args.workdir or Path("runs") / config_path.stem)
+    if args.config is None and (workdir / "config.json").exists():  # continue the run in that workdir
+        cfg = config_lib.load_saved_config(workdir / "config.json")
+    else:
+        cfg = config_lib.load_config_file(config_path)
+    cfg = config_lib.apply_overrides(cfg, overrides)
+    if args.cpu_devices is not None:
+        cfg.parallel.cpu_devices = args.cpu_devices
+    config_lib.check_ranges(cfg)  # before any value is used: a negative device count, a NaN timeout
+    return CommandLine(cfg, workdir, args.eval_only)
+
+
+def enable_compilation_cache(cache_dir: str) -> None:
+    """Persistent XLA cache, unless disabled or already set through JAX's own JAX_COMPILATION_CACHE_DIR."""
+    if cache_dir and not jax.config.jax_compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
+
+
+def main(argv: list[str] | None = None) -> int:
+    with preemption.ExitOnSignal():  # already in force when run as python -m jdp.train
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
+    failures = [(distributed_lib.DistributedUsageError, EXIT_USAGE, "distributed"),
+                (config_lib.ConfigError, EXIT_USAGE, "config error"), (UsageError, EXIT_USAGE, "error"),
+                (CheckpointError, EXIT_USAGE, "checkpoint"),
+                (NonFiniteLossError, EXIT_NONFINITE, "halted"), (ReplicaMismatchError, EXIT_REPLICAS_DIFFER, "halted"),
+                (distributed_lib.DistributedFailure, EXIT_DISTRIBUTED, "distributed"), (DiskError, EXIT_DISK, "disk"),
+                (Preempted, EXIT_PREEMPTED, "preempted")]
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        command = parse_command_line(argv)
+        cfg = command.cfg
+        job = distributed_lib.resolve(**distributed_lib.flags_from_argv(argv))  # checked before anything waits
+        distributed_lib.check_timeouts(cfg.distributed.init_timeout_s, cfg.distributed.heartbeat_timeout_s)
+        apply_communication_flags(cfg.parallel)  # before JAX initialises its backends
+        simulate_cpu_devices(cfg.parallel.cpu_devices)  # before initialize, which fixes the device count
+        if job is not None:
+            distributed_lib.initialize(job, init_timeout_s=cfg.distributed.init_timeout_s,
+                                       heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s,
+                                       bind_address=cfg.distributed.bind_address)
+            distributed_lib.check_same_run(distributed_lib.run_settings(cfg.to_dict(), command.workdir),
+                                           timeout_s=cfg.distributed.init_timeout_s)
+        enable_compilation_cache(cfg.compile_cache_dir)
+        if command.eval_only:
+            evaluate_checkpoint(command.workdir)
+        else:
+            run(cfg, command.workdir)
+    except tuple(error for error, _, _ in failures) as e:
+        code, label = next((code, label) for error, code, label in failures if isinstance(e, error))
+        print(f"jdp: {label}: {e}", file=sys.stderr)
+        return code
+    except jax.errors.JaxRuntimeError as e:  # a collective or barrier whose peer is gone
+        if not distributed_lib.is_peer_failure(e):
+            return _unexpected()
+        print(f"jdp: distributed: process {jax.process_index()} of {jax.process_count()} stopped: another process "
+              f"or the coordinator failed ({one_line(e, typed=False)})", file=sys.stderr)
+        return EXIT_DISTRIBUTED
+    except Exception as e:  # noqa: BLE001 - a full disk or an I/O error outside the training loop, or a bug
+        failure = storage.disk_failure(e)
+        if failure is None:
+            return _unexpected()
+        print(f"jdp: disk: {storage.describe(failure, Path.cwd())}; free space and rerun", file=sys.stderr)
+        return EXIT_DISK
+    return EXIT_OK
+
+
+def _unexpected() -> int:
+    """One traceback and exit code 1. In a multi-process run at once: a normal exit would wait in JAX's shutdown
+    barrier for processes that are themselves waiting for this one in a collective."""
+    traceback.print_exc()
+    if jax.distributed.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(EXIT_UNEXPECTED)
+    return EXIT_UNEXPECTED
+
