@@ -69,6 +69,12 @@ def get_config() -> ml_collections.ConfigDict:
 
     c.init_from = ""  # start from a parameter file written by `python -m jdp.export`
 
+    c.metrics = ml_collections.ConfigDict()  # trackers beside metrics.jsonl and TensorBoard (docs/trackers.md)
+    c.metrics.loggers = ""  # comma-separated names of jdp.loggers.LOGGERS: "wandb", "mlflow", "wandb,mlflow"
+    c.metrics.wandb_project = ""  # "" = WANDB_PROJECT, else W&B's default
+    c.metrics.mlflow_tracking_uri = ""  # "" = MLFLOW_TRACKING_URI, else file:./mlruns (a store in the working dir)
+    c.metrics.mlflow_experiment = ""  # "" = MLFLOW_EXPERIMENT_NAME, else MLflow's Default
+
     c.profile = ml_collections.ConfigDict()
     c.profile.steps = ""  # "A:B": a JAX profiler trace of steps A..B into WORKDIR/profile
 

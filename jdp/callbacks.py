@@ -57,6 +57,11 @@ class Callback:
     every: int = 0
     reads_devices = False  # jdp's own: reads `run.state` (the compiled step's layout), so gets no logical state
 
+    def on_start(self, start: int, workdir: Path | None, record: dict[str, Any] | None) -> None:
+        """Once, before the first step: the step the run starts (or resumed) from, its workdir, and the run record
+        this segment wrote to WORKDIR/run.json (on process 0; None elsewhere, without a workdir, and for a
+        finished run's rerun)."""
+
     def before_step(self, step: int) -> None:
         """Right before step `step` is dispatched."""
 
@@ -92,7 +97,7 @@ class _Given(Callback):
 
     def __init__(self, given: Any) -> None:
         self.given, self.every = given, getattr(given, "every", 0)
-        for hook in ("before_step", "due", "on_metrics", "on_step", "on_line", "on_end"):
+        for hook in ("on_start", "before_step", "due", "on_metrics", "on_step", "on_line", "on_end"):
             if hasattr(given, hook):
                 setattr(self, hook, getattr(given, hook))
 
@@ -142,6 +147,7 @@ class TrainLog(Callback):
             if run.tokens_per_example and line["examples_per_sec"] is not None:
                 line["tokens_per_sec"] = line["examples_per_sec"] * run.tokens_per_example
             line["skipped_steps"] = int(metrics["skipped_steps"])
+            line["comm_bytes_per_step"] = run.parallel.comm_bytes_per_step
             if self.precision == "fp16":  # loss-scale overflows skip an update but are not failures
                 line.update(loss_scale=metrics["loss_scale"], overflow_steps=int(metrics["overflow_steps"]))
             run.writer.train(step, line)
@@ -205,7 +211,8 @@ class NonFiniteGuard(Callback):
 
 
 class ReplicaCheck(Every):
-    """Each device checksums its copy of the parameters, model state and RNG state; a mismatch stops the run."""
+    """Each device checksums its copy of the parameters, model state, RNG state and the sync strategy's replicated
+    state; a mismatch stops the run."""
 
     reads_devices = True  # `run.state`, not the logical state
 
@@ -217,7 +224,8 @@ class ReplicaCheck(Every):
         copies = self.run.state  # each device's own copy
         with self.run.clock.paused():  # the first check also compiles the checksum program
             leaf = self.run.parallel.first_differing_leaf({"params": copies.params, "model_state": copies.model_state,
-                                                           "rng_state": copies.rng_state})
+                                                           "rng_state": copies.rng_state,
+                                                           "sync": self.run.parallel.replicated(copies).sync})
         if leaf is not None:
             raise ReplicaMismatchError(f"replicas differ at step {step}: first differing parameter {leaf}")
 

@@ -11,16 +11,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import sys
+import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from jax.sharding import NamedSharding, PartitionSpec
 
-from jdp import digest
+from jdp import digest, storage
 from jdp import distributed as distributed_lib
-from jdp.errors import one_line
+from jdp.errors import DiskError, one_line
 from jdp.faults import kill_if_requested, signal_if_requested
 from jdp.storage import QuietDiskFailures
 
@@ -30,9 +34,31 @@ logging.getLogger("absl").setLevel(logging.WARNING)
 logging.getLogger("absl").addFilter(QuietDiskFailures())
 
 
+class _QuietLateCallbacks:
+    """sys.unraisablehook without the `RuntimeError: Event loop is closed` of tensorstore reads or writes that end
+    after orbax stopped awaiting them (it stops at the first leaf that fails, and closes its event loop): their
+    results were given up, and the failure that stopped orbax is reported once, by jdp."""
+
+    def __init__(self, previous: Callable[[Any], None]) -> None:
+        self.previous = previous
+
+    def __call__(self, unraisable: Any) -> None:
+        late = (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+                and any(f.name == "call_soon_threadsafe" for f in traceback.extract_tb(unraisable.exc_traceback)))
+        if not late:
+            self.previous(unraisable)
+
+
+if not isinstance(sys.unraisablehook, _QuietLateCallbacks):
+    sys.unraisablehook = _QuietLateCallbacks(sys.unraisablehook)
+
+
 # What a checkpoint holds: 2 = TrainState with the model's RNG state (format 1, before it, had none).
-# The leaf digests came later, within format 2: a checkpoint without them restores unchecked.
+# The leaf digests came later, within format 2: a checkpoint without them restores unchecked. So did the data
+# item's checksum: every jdp since writes one, so a data item without it is from before, and holds only
+# _UNSEALED_KEYS and format 2 unless damaged.
 FORMAT = 2
+_UNSEALED_KEYS = {"step", "epoch", "format", "digests"}
 REJECTED = "rejected"  # WORKDIR/rejected: checkpoints that failed their integrity check
 
 
@@ -90,24 +116,73 @@ def read_arrays(directory: Path, step: int | None = None) -> tuple[int, dict[str
             raise CheckpointError(f"no checkpoint {'' if step is None else f'of step {step} '}in {directory}"
                                   + (f" (it holds steps {', '.join(map(str, steps))})" if steps else ""))
         step = steps[-1] if step is None else step
-        try:
-            tree = reader.item_metadata(step)["state"].tree
+        tree, problem = _read(lambda: reader.item_metadata(step)["state"].tree, directory / str(step))
+        if problem is None:
             as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-            restored = reader.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(restore_args=as_numpy), data=_DataRestore()))
-        except Exception as e:  # noqa: BLE001 - unreadable: say which and why
-            raise CheckpointError(f"checkpoint {directory / str(step)} is unusable: {one_line(e)}") from None
+            restored, problem = _read(lambda: reader.restore(step, args=ocp.args.Composite(
+                state=ocp.args.PyTreeRestore(restore_args=as_numpy), data=_DataRestore())), directory / str(step))
     finally:
         reader.close()
-    _check_format(directory, step, restored["data"])
-    arrays = _int_keys(jax.tree.map(np.asarray, dict(restored["state"])))
-    digests = restored["data"].get("digests")
-    if digests is not None:
-        model_part = {k: arrays[k] for k in ("params", "model_state", "rng_state")}
-        problem = digest.mismatch({_as_dict_path(path): v for path, v in digests.items()}, model_part)
-        if problem:
-            raise CheckpointError(f"checkpoint {directory / str(step)} is unusable: {problem}")
+    problem = problem or _data_problem(directory, step, restored["data"])
+    if problem is None:
+        arrays = _int_keys(jax.tree.map(np.asarray, dict(restored["state"])))
+        problem = _arrays_problem(restored["data"].get("digests"), digest.stored_layout(tree), arrays)
+        problem = problem or _step_problem(step, int(arrays["step"]))
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {directory / str(step)} is unusable: {problem}")
     return step, arrays
+
+
+def _arrays_problem(digests: dict | None, stored: dict[str, list], arrays: dict[str, Any]) -> str | None:
+    """What shows the arrays read by `read_arrays` damaged (their model parts checked against their digests)."""
+    if digests is None:
+        return None
+    if problem := digest.layout_disagreement(digests, stored):
+        return f"{problem} (damaged bytes)"
+    model_part = {k: arrays[k] for k in ("params", "model_state", "rng_state")}
+    return digest.mismatch({_as_dict_path(path): v for path, v in digests.items()}, model_part)
+
+
+def _data_problem(directory: Path, step: int, data: Any) -> str | None:
+    """What shows checkpoint `step`'s data item (data position, format, digests) damaged, or None. Raises
+    CheckpointError for an intact one of another format."""
+    if not isinstance(data, dict):
+        return "its data item is not a JSON object (damaged bytes)"
+    if digest.seal_broken(data):
+        return "its data item does not match its checksum (damaged bytes)"
+    if "checksum" not in data:
+        unknown = sorted(set(data) - _UNSEALED_KEYS)
+        if unknown:
+            return f"its data item holds the key {unknown[0]!r}, which no jdp wrote (damaged bytes)"
+        if "format" in data and data["format"] != FORMAT:
+            return f"its data item says format {data['format']!r} without a checksum: no jdp wrote that (damaged bytes)"
+    _check_format(directory, step, data)
+    return _step_problem(step, data.get("step", step))
+
+
+def _step_problem(step: int, held: Any) -> str | None:
+    """The line for a checkpoint that holds another step than its directory's name says (the data position or the
+    state's step leaf), or None."""
+    if held == step:
+        return None
+    return (f"it holds step {held}, not step {step} as its directory's name says: a checkpoint copied or renamed "
+            "from another step")
+
+
+def _state_step(state: Any) -> int:
+    step = state.step
+    return int(np.asarray(step.addressable_data(0) if hasattr(step, "addressable_data") else step))
+
+
+def _read(read: Callable[[], Any], where: Path) -> tuple[Any, str | None]:
+    """(read(), None), or (None, the line) for a failure to read that is damage. One that is not about the bytes
+    read (a permission, a stale handle) is retried, then raised as DiskError: the checkpoint is left in place."""
+    try:
+        return storage.read_retrying(read, where), None
+    except DiskError:
+        raise
+    except Exception as e:  # noqa: BLE001 - any other failure to read means the checkpoint is damaged
+        return None, one_line(e)
 
 
 def _check_format(directory: Path, step: int, data: dict) -> None:
@@ -116,6 +191,23 @@ def _check_format(directory: Path, step: int, data: dict) -> None:
             f"checkpoint {directory / str(step)} has format {data.get('format', 1)}, this jdp reads "
             f"format {FORMAT} (the model's RNG state was added); resume it with the jdp that wrote it, "
             "or start afresh in a new workdir")
+
+
+def _as_saved(abstract_state: Any, per_device: Any, digests: dict) -> tuple[Any, set[str]]:
+    """`abstract_state` with each per-device leaf that was saved on another device count at its saved shape
+    (replicated, which any count can hold), and the paths of those leaves."""
+    resized = set()
+
+    def saved(path: Any, leaf: Any, is_per_device: bool) -> Any:
+        name = jax.tree_util.keystr(path)
+        shape = digests.get(name, [None, list(leaf.shape)])[1]
+        if not is_per_device or list(leaf.shape) == shape:
+            return leaf
+        resized.add(name)
+        return jax.ShapeDtypeStruct(tuple(shape), leaf.dtype,
+                                    sharding=NamedSharding(leaf.sharding.mesh, PartitionSpec()))
+
+    return jax.tree_util.tree_map_with_path(saved, abstract_state, per_device), resized
 
 
 class Checkpointer:
@@ -140,7 +232,7 @@ class Checkpointer:
         host = jax.tree.map(np.asarray, state) if jax.process_index() == 0 else None
 
         def with_digests() -> dict:
-            return {**data, "digests": digest.of_tree(host)} if host is not None else data
+            return digest.sealed({**data, "digests": digest.of_tree(host)} if host is not None else data)
 
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                          data=_DataSave(with_digests)), force=True)
@@ -149,47 +241,82 @@ class Checkpointer:
     def wait(self) -> None:
         self._manager.wait_until_finished()
 
-    def restore_latest(self, abstract_state: Any, warn, *, reject_damaged: bool = True, timeout_s: float = 120.0
+    def restore_latest(self, abstract_state: Any, warn: Callable[[str], None] | None = None, *,
+                       reject_damaged: bool = True, timeout_s: float = 120.0, per_device: Any = None
                        ) -> tuple[int, Any, dict[str, int]] | None:
         """The newest checkpoint that restores into `abstract_state` (shapes, dtypes, shardings) and matches its
-        digests, falling back past damaged ones; None when there is no checkpoint at all. With `reject_damaged`,
-        damaged checkpoints newer than the one restored are moved to WORKDIR/rejected (every process of the run
-        must call this together)."""
+        digests, its checksum and its directory's step, falling back past damaged ones; None when there is no
+        checkpoint at all. With `reject_damaged`, damaged checkpoints newer than the one restored are moved to
+        WORKDIR/rejected (every process of the run must call this together). `warn` takes each warning line
+        (default: `jdp: warning: ...` on stderr, from process 0). `per_device` (a tree of bools like the state):
+        leaves saved with one row per device; saved on another device count, they come back as None (the caller
+        starts them afresh). A checkpoint that cannot be read for a reason other than its content raises
+        DiskError, and nothing is moved."""
+        warn = warn or _warn
         signal_if_requested("restore")
         problems, damaged = [], []
         for step in reversed(self.steps()):
-            state, data, problem = self._restore(step, abstract_state)
+            state, data, problem = self._restore(step, abstract_state, per_device)
             if problem is None:
                 self._reject(damaged, warn, timeout_s)
-                return step, state, {k: v for k, v in data.items() if k not in ("format", "digests")}
+                return step, state, {k: v for k, v in data.items() if k not in ("format", "digests", "checksum")}
             problem = f"checkpoint {self.directory / str(step)} is unusable: {problem}"
             problems.append(problem)
-            warn(f"warning: {problem}; trying the previous one")
-            if reject_damaged and (data is None or data.get("digests") is not None):  # known to be damage
+            warn(f"{problem}; trying the previous one")
+            if reject_damaged:  # a checkpoint that no longer fits the model raised CheckpointError: this is damage
                 damaged.append(step)
         if problems:
             raise CheckpointError(f"no usable checkpoint in {self.directory}: {problems[0]}; restore the files, "
                                   "or move the directory away to start afresh")
         return None
 
-    def _restore(self, step: int, abstract_state: Any) -> tuple[Any, dict | None, str | None]:
+    def _restore(self, step: int, abstract_state: Any, per_device: Any) -> tuple[Any, dict | None, str | None]:
         """(state, data item, None), or what is wrong with checkpoint `step`: (None, data item or None if it is
         unreadable, the problem). Raises CheckpointError for a checkpoint that is intact but does not fit."""
-        try:
-            data = self._manager.restore(step, args=ocp.args.Composite(data=_DataRestore()))["data"]
-        except Exception as e:  # noqa: BLE001 - unreadable: damage
-            return None, None, one_line(e)
-        _check_format(self.directory, step, data)
-        digests = data.get("digests")  # absent from checkpoints written before digests: restored unchecked
-        if digests is not None:
-            self._check_layout(step, digests, abstract_state)
-        try:
-            state = self._manager.restore(step, args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(abstract_state)))["state"]
-        except Exception as e:  # noqa: BLE001 - any failure means this checkpoint is unusable
-            return None, data, one_line(e)
+        where = self.directory / str(step)
+        data, problem = _read(lambda: self._manager.restore(step, args=ocp.args.Composite(
+            data=_DataRestore()))["data"], where)
+        if problem is None:
+            problem = _data_problem(self.directory, step, data)
+        if problem is None:
+            metadata, problem = _read(lambda: ocp.StandardCheckpointHandler().metadata(where / "state"), where)
+        if problem is not None:
+            return None, data, problem
+        state, problem = self._restore_arrays(step, data.get("digests"), digest.stored_layout(metadata),
+                                              abstract_state, per_device)
+        return state, data, problem
+
+    def _restore_arrays(self, step: int, digests: dict | None, stored: dict[str, list], abstract_state: Any,
+                        per_device: Any) -> tuple[Any, str | None]:
+        """(state, None), or (None, what is wrong with checkpoint `step`'s arrays); `digests` None for a
+        checkpoint from before them, `stored` its arrays' layout as orbax's metadata gives it."""
+        if digests is not None and (problem := digest.layout_disagreement(digests, stored)):
+            return None, f"{problem} (damaged bytes)"
+        # Where no digests say what was saved, orbax's metadata does: a config change is told from damage.
+        layout = digests if digests is not None else digest.as_digest_layout(stored, abstract_state)
+        resized = set()
+        if per_device is not None:
+            abstract_state, resized = _as_saved(abstract_state, per_device, layout)
+        self._check_layout(step, layout, abstract_state)
+        state, problem = _read(lambda: self._restore_state(step, abstract_state), self.directory / str(step))
+        if problem is not None:
+            return None, problem
         problem = digest.mismatch(digests, jax.tree.map(np.asarray, state)) if digests is not None else None
-        return (None if problem else state), data, problem
+        problem = problem or _step_problem(step, _state_step(state))
+        if resized and not problem:
+            state = jax.tree_util.tree_map_with_path(lambda path, x: None if jax.tree_util.keystr(path) in resized
+                                                     else x, state)
+        return (None if problem else state), problem
+
+    def _restore_state(self, step: int, abstract_state: Any) -> Any:
+        on_disk = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state").keys()
+        # A checkpoint from before a field of the state that holds nothing here (TrainState.sync under most sync
+        # strategies) restores without it, the empty field as it is.
+        missing = {k: v for k, v in abstract_state._asdict().items() if k not in on_disk and v == {}}
+        target = {k: v for k, v in abstract_state._asdict().items() if k not in missing}
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target)))["state"]
+        return type(abstract_state)(**restored, **missing)
 
     def _check_layout(self, step: int, digests: dict, abstract_state: Any) -> None:
         """Leaves, dtypes and shapes that differ from the model's are a config change (exit 2), not damage."""
@@ -206,17 +333,30 @@ class Checkpointer:
             return
         distributed_lib.barrier("damaged checkpoints read", timeout_s)
         if jax.process_index() == 0:
-            rejected = self.directory.parent / REJECTED
-            rejected.mkdir(exist_ok=True)
             for step in steps:
-                target = rejected / str(step)
-                n = 1
-                while target.exists():
-                    target, n = rejected / f"{step}.{n}", n + 1
-                (self.directory / str(step)).rename(target)
-                warn(f"warning: moved the damaged checkpoint {self.directory / str(step)} to {target}")
+                target = _move_aside(self.directory / str(step), self.directory.parent / REJECTED)
+                warn(f"moved the damaged checkpoint {self.directory / str(step)} to {target}")
         distributed_lib.barrier("damaged checkpoints moved", timeout_s)
         self._manager.reload()
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _warn(line: str) -> None:
+    if jax.process_index() == 0:
+        print(f"jdp: warning: {line}", file=sys.stderr, flush=True)
+
+
+def _move_aside(checkpoint: Path, rejected: Path) -> Path:
+    """Renames `checkpoint` into `rejected` (as STEP, or STEP.N where that is taken); returns its new path."""
+    target, n = rejected / checkpoint.name, 1
+    while target.exists():
+        target, n = rejected / f"{checkpoint.name}.{n}", n + 1
+    try:
+        rejected.mkdir(exist_ok=True)
+        checkpoint.rename(target)
+    except OSError as e:
+        raise DiskError(f"cannot move the damaged checkpoint {checkpoint} to {target} ({one_line(e)}); move it "
+                        "away and rerun") from None
+    return target

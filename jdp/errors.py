@@ -28,7 +28,8 @@ class ReplicaMismatchError(RuntimeError):
 
 
 class DiskError(RuntimeError):
-    """Out of disk or an I/O error writing the workdir; the last checkpoint is intact (exit 6)."""
+    """Out of disk or an I/O error writing the workdir, the last checkpoint intact; or a checkpoint that cannot be
+    read for a reason other than its content (a permission, a stale handle), left in place (exit 6)."""
 
 
 class Preempted(RuntimeError):

@@ -97,12 +97,15 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
         if checkpointer is not None and jax.process_count() == 1:  # a refused rerun in a notebook leaks nothing
             checkpointer.close()
         raise
+    record = None  # as written to run.json, for the callbacks' `on_start`
     if fit_record is not None and start < steps:  # a finished run's rerun records nothing
         if start and old_steps != steps:
             echo(f"warning: steps changed from {old_steps} to {steps}: the run goes on from step {start}; a "
                  "learning-rate schedule built from steps changes from here on (it is not compared)")
         if is_main:
-            record_lib.write(workdir, fit_record, runinfo.run_metadata(parallel.mesh))
+            metadata = runinfo.run_metadata(parallel.mesh)
+            record_lib.write(workdir, fit_record, metadata)
+            record = json.loads(json.dumps({**metadata, "fit": fit_record}, default=str))
     on_start(start)
     # A run with nothing left to do only reports, and writes no more than a final eval or summary line it lacks.
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=is_main)
@@ -112,6 +115,8 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
     callbacks = [callbacks_lib.as_callback(c) for c in options.callbacks]
     if is_main:
         writer.listeners = [c.on_line for c in callbacks]
+    for callback in callbacks:
+        callback.on_start(start, workdir, record)
     log = callbacks_lib.TrainLog(run, options.log_every, options.precision)
     evaluation = callbacks_lib.Evaluation(run, options.eval_every)
     checkpoints = callbacks_lib.Checkpoints(run, checkpointer) if checkpointer is not None else None
@@ -221,12 +226,22 @@ def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> N
 def _restore_or_init(engine: Engine, checkpointer: Checkpointer | None, echo) -> tuple[int, Any]:
     """The latest usable checkpoint of the workdir, else a fresh state; logical layout."""
     if checkpointer is not None:
-        restored = checkpointer.restore_latest(engine.abstract_state, echo)
+        restored = checkpointer.restore_latest(engine.abstract_state, per_device=engine.parallel.per_device)
         if restored is not None:
             step, state, position = restored
             echo(f"resumed from {checkpointer.directory / str(step)} (data position {position})")
+            if any(x is None for x in jax.tree.leaves(state, is_leaf=lambda x: x is None)):
+                echo(f"warning: the per-device state ({', '.join(_none_paths(state))}) was saved on another device "
+                     "count: it starts afresh")
+                state = jax.tree.map(lambda x, fresh: fresh if x is None else x, state, engine.init_state(),
+                                     is_leaf=lambda x: x is None)
             return step, state._replace(halted=state.halted * 0)  # a halted run may go on (e.g. at a lower lr)
     return 0, engine.init_state()
+
+
+def _none_paths(tree: Any) -> list[str]:
+    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
+    return [jax.tree_util.keystr(path) for path, x in leaves if x is None]
 
 
 def _header(run: callbacks_lib.Run, engine: Engine, options: FitOptions) -> None:
@@ -248,6 +263,7 @@ def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: ca
     tokens = {"tokens_per_sec": rate * run.tokens_per_example} if run.tokens_per_example else {}
     run.writer.summary(**{f"eval_{k}": v for k, v in evaluation.metrics.items()}, examples_per_sec=rate, **tokens,
                        compile_time_s=log.compile_time, total_time_s=total_time_s, checkpoint_stall_s=stall,
+                       comm_bytes_per_step=run.parallel.comm_bytes_per_step,
                        first_step_end_unix=log.first_step_end, **noise)
     evaluated = "  ".join(f"eval {k} {v:.4f}" for k, v in evaluation.metrics.items())
     where = f"; metrics in {run.workdir / 'metrics.jsonl'}" if run.workdir else ""

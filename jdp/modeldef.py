@@ -46,11 +46,6 @@ def _rngs_parameter(loss_fn: Callable) -> str | None:
     return "positional" if len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in positional) else None
 
 
-def takes_rngs(loss_fn: Callable) -> bool:
-    """Whether `loss_fn` takes an `nnx.Rngs`: a parameter named `rngs`, or a third positional parameter."""
-    return _rngs_parameter(loss_fn) is not None
-
-
 def call_loss(loss_fn: LossFn, module: nnx.Module, batch: dict[str, jax.Array], key: jax.Array) -> dict:
     """`loss_fn(module, batch)`, or with `rngs` (an `nnx.Rngs` of `key`, made here: inside the differentiated
     function, as NNX requires) when it takes them."""

@@ -20,6 +20,8 @@ BACKENDS = ("shard_map", "pmap", "jit")
 PRECISIONS = ("fp32", "bf16", "fp16")
 NONFINITE_POLICIES = ("halt", "skip")
 ALLREDUCE_DTYPES = ("fp32", "bf16")
+SYNCS = ("allreduce", "powersgd")
+OUTER_OPTIMIZERS = ("none", "sgd", "nesterov")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +108,19 @@ OPTIONS: tuple[Option, ...] = (
            "of gradients every step", AT_LEAST_1),
     Option("allreduce_dtype", "parallel.allreduce_dtype", str, "fp32", "what the gradient all-reduce sends",
            ALLREDUCE_DTYPES),
+    Option("sync", "parallel.sync", str, "allreduce", "the gradient sync: allreduce (the mean all-reduce, or ZeRO-1 / "
+           "local SGD / DiLoCo as shard_optimizer, sync_every and outer_optimizer say) or powersgd (low-rank, "
+           "Vogels et al. 2019)", SYNCS),
+    Option("powersgd_rank", "parallel.powersgd_rank", int, 4, "PowerSGD: the rank of each compressed gradient "
+           "matrix", AT_LEAST_1),
+    Option("powersgd_start_step", "parallel.powersgd_start_step", int, 10, "PowerSGD: steps before it, the "
+           "gradient is all-reduced whole", NON_NEGATIVE),
+    Option("outer_optimizer", "parallel.outer_optimizer", str, "none", "with sync_every = H > 1: none averages the "
+           "parameters (local SGD); sgd or nesterov apply the averaged change as an outer gradient (DiLoCo, "
+           "Douillard et al. 2023)", OUTER_OPTIMIZERS),
+    Option("outer_lr", "parallel.outer_lr", float, 0.7, "DiLoCo: the outer learning rate", POSITIVE),
+    Option("outer_momentum", "parallel.outer_momentum", float, 0.9, "DiLoCo: the outer momentum",
+           Range(0, 1)),
     Option("log_grad_norm", "train.log_grad_norm", bool, False, "add grad_norm to the train lines (a pass over the "
            "gradients)"),
     Option("log_noise_scale", "train.log_noise_scale", bool, False, "add grad_noise_scale (the critical-batch "
@@ -176,7 +191,15 @@ def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception]
                 "per-device gradients), local SGD (no all-reduced gradient) and shard_optimizer (no whole gradient "
                 f"on a device) do not have; use {use('backend', 'shard_map')} or pmap with {n('sync_every')}=1 "
                 f"and {n('shard_optimizer')}=False")
+    if o["sync"] == "powersgd":
+        require(per_device and o["sync_every"] == 1 and not o["shard_optimizer"] and not o["log_noise_scale"]
+                and o["allreduce_dtype"] == "fp32",
+                f"{n('sync')}=powersgd compresses each device's gradient before its all-reduce: it needs a per-device "
+                f"step ({use('backend', 'shard_map')} or pmap), {n('sync_every')}=1, {n('shard_optimizer')}=False, "
+                f"{n('log_noise_scale')}=False and {n('allreduce_dtype')}=fp32")
     h = o["sync_every"]
+    require(o["outer_optimizer"] == "none" or h > 1, f"{n('outer_optimizer')}={o['outer_optimizer']} (DiLoCo) "
+            f"applies the change of each round of {n('sync_every')} steps; set {n('sync_every')} > 1")
     if h > 1:  # between syncs the replicas differ on purpose: checks, checkpoints and eval happen at sync points
         require(per_device, f"{n('sync_every')} > 1 (local SGD) needs a per-device step; use "
                             f"{use('backend', 'shard_map')} or pmap")

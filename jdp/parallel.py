@@ -27,34 +27,47 @@ from jdp import step as step_lib
 from jdp.mesh import DATA_AXIS, data_sharded, global_batch, replicated
 from jdp.modeldef import LossFn, ModelDef
 from jdp.sync import Sync
+from jdp.sync.base import PER_DEVICE
 
 Tree = step_lib.Tree
 
 
-# backend -> (train, eval), compiled from (mesh, state specs, step_for, eval_for); `step_for(axis_name)` and
+# backend -> (train, eval), compiled from (mesh, state specs, which leaves are per device, step_for, eval_for);
+# `step_for(axis_name)` and
 # `eval_for(axis_name)` give the one step with the all-reduce over `axis_name` (None: the arrays are global).
 
-def _jit(mesh: Mesh, state_specs: Tree, step_for: Callable, eval_for: Callable) -> tuple[Callable, Callable]:
+def _jit(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
+         ) -> tuple[Callable, Callable]:
     """One call on the global batch; XLA partitions it and inserts the all-reduce."""
     repl, split = replicated(mesh), data_sharded(mesh)
     return (jax.jit(step_for(None), in_shardings=(repl, split), out_shardings=(repl, repl), donate_argnums=0),
             jax.jit(eval_for(None), in_shardings=(repl, split), out_shardings=repl))
 
 
-def _shard_map(mesh: Mesh, state_specs: Tree, step_for: Callable, eval_for: Callable) -> tuple[Callable, Callable]:
-    """One call per device on its rows, the step's explicit `lax.pmean` the all-reduce.
+def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
+               ) -> tuple[Callable, Callable]:
+    """One call per device on its rows, the step's explicit `lax.pmean` the all-reduce. A per-device leaf (split on
+    `data`) reaches the step without its device axis of one, as under pmap.
 
     check_vma=False: with it on, the gradient of a replicated parameter is already summed over devices,
     and the classic pmean of the step would leave it N times too large."""
+    def each_device(fn: Callable) -> Callable:
+        def step(state: Tree, batch: Tree) -> tuple[Tree, Tree]:
+            state = jax.tree.map(lambda x, p: x[0] if p else x, state, per_device)
+            new_state, metrics = fn(state, batch)
+            return jax.tree.map(lambda x, p: x[None] if p else x, new_state, per_device), metrics
+        return step
+
     def on_each_device(fn: Callable, out_specs: object) -> Callable:
         return jax.shard_map(fn, mesh=mesh, in_specs=(state_specs, P(DATA_AXIS)), out_specs=out_specs,
                              check_vma=False)
 
-    return (jax.jit(on_each_device(step_for(DATA_AXIS), (state_specs, P())), donate_argnums=0),
+    return (jax.jit(on_each_device(each_device(step_for(DATA_AXIS)), (state_specs, P())), donate_argnums=0),
             jax.jit(on_each_device(eval_for(DATA_AXIS), P())))
 
 
-def _pmap(mesh: Mesh, state_specs: Tree, step_for: Callable, eval_for: Callable) -> tuple[Callable, Callable]:
+def _pmap(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
+          ) -> tuple[Callable, Callable]:
     """The classic pmap over the mesh's devices, the state stacked along a leading device axis."""
     devices = list(mesh.devices.flat)
     return (jax.pmap(step_for(DATA_AXIS), axis_name=DATA_AXIS, devices=devices, donate_argnums=0),
@@ -77,12 +90,21 @@ class DataParallel:
         eval metrics computed from the eval means (e.g. perplexity = exp(loss)). `sync`: the gradient sync strategy
         (`jdp.sync`; the mean all-reduce by default), which also lays out the state inside the step."""
         self.backend, self.mesh = backend, mesh
+        self.sync = sync = sync or Sync()
         self._eval_derived = eval_derived
         options = options or step_lib.StepOptions()
-        sync = sync or Sync()
+        # The bytes each device hands the collectives per step (the steady state; 1/H of a periodic sync).
+        self.comm_bytes_per_step = sync.bytes_per_step(abstract_state, mesh.size) if mesh.size > 1 else 0.0
         self._state_specs = sync.state_specs(abstract_state)
+        layouts = sync.layouts(abstract_state)
+        self.per_device = jax.tree.map(lambda layout: layout == PER_DEVICE, layouts)
+        if backend == "jit" and any(jax.tree.leaves(self.per_device)):
+            raise ValueError("per-device state needs a per-device step (shard_map or pmap), not jit")
+        # Where each leaf of the logical state lives: whole on every device, or a per-device leaf split on `data`.
+        self.logical_shardings = jax.tree.map(lambda p: data_sharded(mesh) if p else replicated(mesh),
+                                              self.per_device)
         self._relayout = any(spec != P() for spec in jax.tree.leaves(self._state_specs))  # else the layout is logical
-        repl, split = replicated(mesh), data_sharded(mesh)
+        split = data_sharded(mesh)
         self._batch_sharding = split
 
         def step_for(axis_name: str | None) -> Callable:
@@ -96,15 +118,16 @@ class DataParallel:
             return partial(step_lib.eval_step, model=model, loss_fn=eval_fn, axis_name=axis_name,
                            device_input=options.device_input)
 
-        self._train, self._eval = BACKENDS[backend](mesh, self._state_specs, step_for, eval_for)
+        self._train, self._eval = BACKENDS[backend](mesh, self._state_specs, self.per_device, step_for, eval_for)
         n = mesh.size
-        self._stack = jax.jit(lambda t: jax.tree.map(lambda x: jnp.broadcast_to(x, (n, *x.shape)), t),
-                              out_shardings=split)
-        self._unstack = jax.jit(lambda t: jax.tree.map(lambda x: x[0], t), out_shardings=repl)
+        self._stack = jax.jit(lambda t: jax.tree.map(lambda x, p: x if p else jnp.broadcast_to(x, (n, *x.shape)), t,
+                                                     self.per_device), out_shardings=split)
+        self._unstack = jax.jit(lambda t: jax.tree.map(lambda x, p: x if p else x[0], t, self.per_device),
+                                out_shardings=self.logical_shardings)
         self._to_step_layout = jax.jit(lambda t: sync.to_step_layout(t, n),
                                        out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec),
                                                                   self._state_specs))
-        self._to_logical = jax.jit(lambda t: sync.to_logical(t, abstract_state), out_shardings=repl)
+        self._to_logical = jax.jit(lambda t: sync.to_logical(t, abstract_state), out_shardings=self.logical_shardings)
         # Each device checksums the bits of its own copy; pmax != pmin flags a leaf that differs.
         state_spec = P(DATA_AXIS) if backend == "pmap" else P()
         self._differing_leaves = jax.jit(jax.shard_map(
@@ -112,8 +135,8 @@ class DataParallel:
         self._local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
 
     def init_state(self, init_fn: Callable[..., step_lib.TrainState], *args: Tree) -> step_lib.TrainState:
-        """Creates the logical state directly on the devices, already replicated."""
-        return jax.jit(init_fn, out_shardings=replicated(self.mesh))(*args)
+        """Creates the logical state directly on the devices, laid out as it lives there."""
+        return jax.jit(init_fn, out_shardings=self.logical_shardings)(*args)
 
     def to_devices(self, state: Tree) -> Tree:
         """Logical state -> the layout the compiled step takes (a stacked copy for pmap, a split
@@ -177,13 +200,19 @@ class DataParallel:
         return self._train.lower(state, batch)
 
     def to_host(self, state: Tree) -> Tree:
-        """A logical (replicated) tree as numpy: this process's first copy."""
-        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), state)
+        """A logical tree as numpy: this process's first copy of each replicated leaf; of a per-device leaf, the
+        rows of this process's devices."""
+        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)) if x.sharding.is_fully_replicated else
+                            np.concatenate([np.asarray(s.data) for s in x.addressable_shards]), state)
 
     def fetch(self, outputs: dict[str, jax.Array]) -> dict[str, float]:
         """A step's scalar outputs (metrics or eval sums) as floats, in one transfer; blocks until the step is done."""
         values = jax.device_get([v.addressable_data(0) for v in outputs.values()])
         return {k: float(np.reshape(v, -1)[0]) for k, v in zip(outputs, values, strict=True)}
+
+    def replicated(self, state: step_lib.TrainState) -> step_lib.TrainState:
+        """`state` without its per-device leaves (None), which have no replicas to compare."""
+        return jax.tree.map(lambda x, p: None if p else x, state, self.per_device)
 
     def first_differing_leaf(self, tree: Tree) -> str | None:
         """The path of the first leaf whose copies differ across devices (compared with a collective

@@ -29,12 +29,14 @@ from jdp.data.batching import optional
 from jdp.errors import FitError, one_line
 from jdp.files import write_atomic
 from jdp.mesh import DATA_AXIS
+from jdp.options import BY_NAME
 
 RECORD_FILE = "run.json"
 FORMAT = 1  # of the `fit` section; a run.json without one (written before it) is not guarded
 # The options that change the numerics or the data order (beside the model, loss, optimizer, data and batch).
 GUARDED_OPTIONS = ("seed", "precision", "loss_scale", "loss_scale_growth_interval", "keep_fp32", "bn_sync",
-                   "grad_accum_steps", "allreduce_dtype", "sync_every")
+                   "grad_accum_steps", "allreduce_dtype", "sync_every", "sync", "powersgd_rank", "powersgd_start_step",
+                   "outer_optimizer", "outer_lr", "outer_momentum")
 # Optimizer-state step counts at which the optimizer is probed: the first update shows its kind, learning rate and
 # weight decay (unless a warmup starts from 0); the later ones its schedule, which a schedule built from `steps`
 # changes when `steps` does, so that part is not compared when `steps` changed.
@@ -213,7 +215,8 @@ def _guarded(fit_record: dict[str, Any]) -> dict[str, Any]:
             "train data (keys, shapes, dtypes, length or sampled rows)": {k: data[k] for k in (
                 "keys", "shapes", "dtypes", "length", "sample_hash")},
             "global_batch_size": fit_record["global_batch_size"],
-            **{key: fit_record["options"][key] for key in GUARDED_OPTIONS}}
+            # An option newer than the record's jdp had its default there.
+            **{key: fit_record["options"].get(key, BY_NAME[key].default) for key in GUARDED_OPTIONS}}
 
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:

@@ -38,6 +38,7 @@ class TrainState(NamedTuple):
     skipped: jax.Array  # int32 scalar: steps whose update was dropped as non-finite
     loss_scale: jax.Array  # float32 [scale, finite steps since it last changed, overflowed steps]; fp16 only
     halted: jax.Array  # int32 scalar, 1 once on_nonfinite=halt froze this process's state (reset on restore)
+    sync: Tree = {}  # the sync strategy's own state (jdp.sync: PowerSGD's Q and error feedback); {} for most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,7 +84,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     local = local_gradients(state, batch, model=model, loss_fn=loss_fn, options=o,
                             params_view=lambda params: sync.params_view(params, axis))
     # 3. all-reduce: the sync strategy turns the local gradient into the update's input.
-    reduced = sync.reduce(local, axis, collective=o.all_reduce)
+    reduced = sync.reduce(local, state, axis, collective=o.all_reduce)
     # 4. update: the same optax update on every replica keeps the parameters in sync.
     params, opt_state = sync.update(tx, reduced.grads, state, axis)
     empty = reduced.weight <= 0
@@ -92,7 +93,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     if sync.per_device_update and collective:  # per-device gradients: decide alike
         grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), collective).astype(bool)
     updated = state._replace(step=state.step + 1, params=params, model_state=reduced.model_state,
-                             rng_state={**state.rng_state, "counts": local.counts}, opt_state=opt_state)
+                             rng_state={**state.rng_state, "counts": local.counts}, opt_state=opt_state,
+                             sync=state.sync if reduced.sync_state is None else reduced.sync_state)
     new_state, guard_metrics = guard(state, updated, jnp.isfinite(metrics["loss"]) | empty, grads_finite, empty, o)
     new_state = sync.after_update(new_state, state, collective)
 

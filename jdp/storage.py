@@ -1,5 +1,6 @@
-"""The workdir's filesystem: checked writable before a run starts, and a full disk or an I/O error while
-writing reported as one line naming the path and the free space (`DiskError`, exit 6)."""
+"""The workdir's filesystem: checked writable before a run starts, a full disk or an I/O error while writing
+reported as one line naming the path and the free space, and a read that fails for a reason other than the bytes
+read (a permission, a stale handle) retried, then reported as one line naming the file (`DiskError`, exit 6)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,14 @@ import logging
 import os
 import re
 import shutil
+import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from jdp.errors import DiskError, UsageError
+
+T = TypeVar("T")
 
 # errno values that mean the storage, not the program, failed.
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
@@ -18,6 +24,20 @@ DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
 # `... Failed writing: "PATH": Failed to write 733997 bytes to file 12: No space left on device [os_error_code='28']`
 _OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'")
 _WRITTEN_PATH = re.compile(r'(?:Failed writing|local file): "([^"]+)"')
+
+# errno values of a read that say nothing about the bytes read: access (a permission, perhaps a network
+# filesystem's brief EACCES while credentials refresh), the storage or the network to it (NFS's ESTALE, Lustre's EIO
+# while a server fails over, timeouts), or this machine's resources. A checkpoint that fails to read with one of
+# them is not damaged, so it is never moved aside; each may pass, so the read is retried (`read_retrying`).
+READ_ERRNOS = {errno.EACCES, errno.EPERM, errno.ESTALE, errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY,
+               errno.ETIMEDOUT, errno.ENOTCONN, errno.EHOSTDOWN, errno.ECONNRESET, errno.ECONNREFUSED,
+               errno.ENETDOWN, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EMFILE, errno.ENFILE, errno.ENOMEM}
+# tensorstore's status codes for those errors, where its text names no errno (a remote kvstore).
+_READ_STATUSES = {"PERMISSION_DENIED": errno.EACCES, "UNAVAILABLE": errno.EAGAIN, "DEADLINE_EXCEEDED": errno.ETIMEDOUT}
+_STATUS = re.compile(r"^([A-Z_]+): ")
+_FAILED_PATH = re.compile(r'"([^"]+)": [^"\[]*\[os_error_code=')  # `Failed to open: "PATH": Permission denied [...`
+# A brief failure passes within seconds: 4 tries over 3.5 s; a lasting one costs no more before exit 6.
+READ_RETRY_DELAYS_S = (0.5, 1.0, 2.0)
 
 
 def check_writable(workdir: str | Path, flag: str = "--workdir") -> None:
@@ -38,7 +58,7 @@ def check_writable(workdir: str | Path, flag: str = "--workdir") -> None:
 def disk_failure(error: BaseException) -> tuple[int, str | None] | None:
     """(errno, path) if `error`, or an error it was raised from, is a storage failure (see DISK_ERRNOS)."""
     seen = set()
-    while error is not None and id(error) not in seen:
+    while error is not None and id(error) not in seen and not isinstance(error, DiskError):  # that one is reported
         seen.add(id(error))
         if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
             return error.errno, error.filename
@@ -48,6 +68,51 @@ def disk_failure(error: BaseException) -> tuple[int, str | None] | None:
             return int(code[1]), path[1] if path else None
         error = error.__cause__ or error.__context__
     return None
+
+
+def read_failure(error: BaseException) -> tuple[int, str | None] | None:
+    """(errno, path) if `error`, or an error it was raised from, is a read failure that is not about the bytes read
+    (see READ_ERRNOS): an OSError, or tensorstore's text for one."""
+    seen = set()
+    while error is not None and id(error) not in seen and not isinstance(error, DiskError):
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in READ_ERRNOS:
+            return error.errno, error.filename
+        text = str(error)
+        code, status = _OS_ERROR_CODE.search(text), _STATUS.match(text)
+        found = int(code[1]) if code else _READ_STATUSES.get(status[1]) if status else None
+        if found in READ_ERRNOS:
+            path = _FAILED_PATH.search(text)
+            return found, path[1] if path else None
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def read_retrying(read: Callable[[], T], what: Path) -> T:
+    """`read()`, retried after each failure that `read_failure` names (READ_RETRY_DELAYS_S); a last one is a
+    DiskError naming `what`, the file and the error. Any other failure is raised as it is."""
+    for delay in READ_RETRY_DELAYS_S:
+        try:
+            return read()
+        except Exception as e:
+            if read_failure(e) is None:
+                raise
+        time.sleep(delay)
+    try:
+        return read()
+    except Exception as e:
+        failure = read_failure(e)
+        if failure is None:
+            raise
+        raise _read_error(failure, what) from None
+
+
+def _read_error(failure: tuple[int, str | None], what: Path) -> DiskError:
+    code, path = failure
+    return DiskError(f"cannot read {what}: {os.strerror(code).lower()} ({errno.errorcode.get(code, code)})"
+                     f"{f' on {path}' if path else ''}, {len(READ_RETRY_DELAYS_S) + 1} tries over "
+                     f"{sum(READ_RETRY_DELAYS_S):g} s; it is left in place, since this error is not about its "
+                     "content: make it readable and rerun")
 
 
 def describe(failure: tuple[int, str | None], fallback: Path) -> str:

@@ -27,7 +27,7 @@ from jdp import sync as sync_lib
 from jdp.data.batching import Batcher, Source, optional
 from jdp.errors import FitError, UsageError, one_line
 from jdp.loop import Engine
-from jdp.mesh import DATA_AXIS, make_mesh, replicated
+from jdp.mesh import DATA_AXIS, make_mesh
 from jdp.modeldef import LossFn, ModelDef
 from jdp.options import FitOptions
 from jdp.parallel import DataParallel
@@ -124,10 +124,12 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     # whole, jit with it runs one lane per device on that axis (jdp.step's `accum_lanes`).
     bn_axis = DATA_AXIS if o.bn_sync and (o.backend != "jit" or o.grad_accum_steps > 1) else None
     make = model if callable(model) and not isinstance(model, nnx.Module) else None
+    module = nnx.eval_shape(make) if make else model
     try:
-        model_def = ModelDef.of(nnx.eval_shape(make) if make else model, bn_axis, o.seed)
+        model_def = ModelDef.of(module, bn_axis, o.seed)
     except ValueError as e:
         raise FitError(str(e)) from None
+    sync = sync_lib.strategy(o, module)
     # A module's state goes in as host copies (an argument, not constants baked into the program); the
     # devices' replicated buffers then never alias the caller's.
     initial = () if make else (jax.tree.map(np.asarray, ModelDef.split(model, o.seed)),)
@@ -136,7 +138,8 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
         params, model_state, rng_state = ModelDef.split(make(), o.seed) if make else given[0]
         zero_ = jnp.zeros((), jnp.int32)
         loss_scale = jnp.array([o.loss_scale if o.precision == "fp16" else 1.0, 0, 0], jnp.float32)
-        return TrainState(zero_, params, model_state, rng_state, optimizer.init(params), zero_, loss_scale, zero_)
+        return TrainState(zero_, params, model_state, rng_state, sync.init_opt_state(optimizer.init(params), n),
+                          zero_, loss_scale, zero_, sync.init_state(params, n))
 
     abstract = jax.eval_shape(init_state, *initial)
     device_input = optional(source, "device_input")
@@ -149,12 +152,10 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
         noise_small_batches=("micro_batches" if n == 1 else "devices") if o.log_noise_scale else "",
         loss_scale_growth_interval=o.loss_scale_growth_interval,
         device_input=device_input)
-    sync = sync_lib.strategy(allreduce_dtype=o.allreduce_dtype, shard_optimizer=o.shard_optimizer,
-                             sync_every=o.sync_every)
     parallel = DataParallel(o.backend, mesh, model_def, loss_fn, o.eval_fn or loss_fn, optimizer, o.schedule,
                             abstract, step_options, eval_derived=o.eval_derived, sync=sync)
-    sharding = replicated(mesh)
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract)
+    abstract = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract,
+                            parallel.logical_shardings)
     return Engine(parallel, source, model_def, lambda: parallel.init_state(init_state, *initial), abstract)
 
 

@@ -43,9 +43,7 @@ def _lowered(n: int, optimizer: optax.GradientTransformation, **options) -> tupl
     state = engine.parallel.to_devices(engine.init_state())
     text = engine.parallel.lower_train(state, engine.parallel.shard_batch(engine.source.train_batch(0))).as_text(
         dialect="hlo")
-    strategy = sync_lib.strategy(allreduce_dtype=options.get("allreduce_dtype", "fp32"),
-                                 shard_optimizer=options.get("shard_optimizer", False),
-                                 sync_every=options.get("sync_every", 1))
+    strategy = engine.parallel.sync
     params = engine.abstract_state.params
     assert all(leaf.ndim > 0 for leaf in jax.tree.leaves(params))  # so the scalar collectives are the sums
     return text, engine.abstract_state, strategy

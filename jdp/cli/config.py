@@ -13,7 +13,7 @@ from pathlib import Path
 
 import ml_collections
 
-from jdp import configs
+from jdp import configs, loggers
 from jdp.distributed import differences, flatten
 from jdp.errors import UsageError, one_line
 from jdp.files import write_atomic
@@ -27,7 +27,9 @@ MODEL_FIELDS = ("name", "kwargs", "bn_sync")  # configs/base.py's model section;
 # Settings that change what a run computes (its data order or its numerics): changing them when resuming a
 # workdir is refused by default. Paths, caches, lengths and periods are not among them.
 STATE_DEFINING = ("model.", "optim.", "task.", "loss_scale.", "seed", "precision", "train.global_batch_size",
-                  "train.grad_accum_steps", "parallel.allreduce_dtype", "parallel.sync_every", "data.name",
+                  "train.grad_accum_steps", "parallel.allreduce_dtype", "parallel.sync_every", "parallel.sync",
+                  "parallel.powersgd_rank", "parallel.powersgd_start_step", "parallel.outer_optimizer",
+                  "parallel.outer_lr", "parallel.outer_momentum", "data.name",
                   "data.shape", "data.num_classes", "data.num_examples", "data.normalize", "data.augment",
                   "data.image_size", "data.train_split", "data.block_size", "data.tokenizer")
 
@@ -274,6 +276,10 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
     _require(cfg.train.steps % h == 0, f"train.steps={cfg.train.steps} is not a multiple of parallel.sync_every={h}: "
                                        "with local SGD the replicas agree only at sync points; use a multiple")
     profile_steps(cfg.profile.steps)
+    try:
+        loggers.names(cfg.metrics.loggers)
+    except UsageError as e:
+        raise ConfigError(str(e)) from None
     if cfg.parallel.shard_optimizer:
         _require(cfg.optim.name not in ("lamb", "lars"), f"optim.name={cfg.optim.name} needs whole-leaf norms "
                  "(trust ratios); parallel.shard_optimizer=True supports sgd, momentum, nesterov and adamw")

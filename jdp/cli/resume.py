@@ -100,7 +100,7 @@ def restore_for_inference(workdir: Path) -> tuple[int, Engine, TrainState]:
     engine = build(cfg, workdir=workdir)
     checkpointer = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0)
     try:
-        restored = checkpointer.restore_latest(engine.abstract_state, print, reject_damaged=False)
+        restored = checkpointer.restore_latest(engine.abstract_state, reject_damaged=False)
     finally:
         checkpointer.close()
     if restored is None:

@@ -78,7 +78,8 @@ class Variant:
 
     def row(self, step_s: float) -> dict:
         return {"devices": self.num_devices, "first_step_s": self.first_step_s, "step_s": step_s,
-                "input_s": self.input_s, "examples_per_sec": self.batch_size / step_s, **self.memory}
+                "input_s": self.input_s, "examples_per_sec": self.batch_size / step_s,
+                "comm_bytes_per_step": self.parallel.comm_bytes_per_step, **self.memory}
 
 
 def one_device_step_s(cfg, steps: int, repeats: int) -> float:

@@ -13,7 +13,15 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import PartitionSpec as P
 
+from jdp.mesh import DATA_AXIS
+
 Tree = Any
+
+# How a leaf of the logical train state lives on the devices (`Sync.layouts`). Replicated: one whole copy on every
+# device, the same bits. Per device: a leading device axis, each device holding its own row (PowerSGD's error
+# feedback, DiLoCo's inner optimizer state); it has no replicas to compare, and restores only on the same device
+# count. Checkpoints, the replica check and export follow the declaration.
+REPLICATED, PER_DEVICE = "replicated", "per_device"
 
 
 class Local(NamedTuple):
@@ -36,6 +44,7 @@ class Reduced(NamedTuple):
     weight: jax.Array  # the global weight total
     model_state: Tree  # floating leaves averaged across replicas
     small_sq: jax.Array | None
+    sync_state: Tree = None  # the strategy's own state after the step (None: unchanged)
 
 
 def all_reduce_mean(tree: Tree, axis_name: str | None) -> Tree:
@@ -81,10 +90,23 @@ class Sync:
     def __init__(self, dtype: Any = jnp.float32) -> None:
         self.dtype = dtype
 
+    def init_state(self, params: Tree, num_devices: int) -> Tree:
+        """The strategy's own state (`TrainState.sync`) in the logical layout, from the initial parameters."""
+        return {}
+
+    def init_opt_state(self, opt_state: Any, num_devices: int) -> Any:
+        """The optimizer's initial state as the strategy keeps it (DiLoCo: a copy per device)."""
+        return opt_state
+
+    def layouts(self, abstract_state: Any) -> Any:
+        """REPLICATED or PER_DEVICE for each leaf of the logical train state."""
+        return jax.tree.map(lambda _: REPLICATED, abstract_state)
+
     # The layout of the train state inside the step, and the conversions from and to the logical one (what
-    # checkpoints, callbacks and export see: whole arrays, the same on every device).
+    # checkpoints, callbacks and export see: whole arrays; a per-device leaf split on its device axis).
     def state_specs(self, abstract_state: Any) -> Any:
-        return jax.tree.map(lambda _: P(), abstract_state)
+        return jax.tree.map(lambda layout: P(DATA_AXIS) if layout == PER_DEVICE else P(),
+                            self.layouts(abstract_state))
 
     def to_step_layout(self, state: Any, num_devices: int) -> Any:
         return state
@@ -96,9 +118,10 @@ class Sync:
         """The parameters the forward sees (a sharding strategy gathers them here)."""
         return params
 
-    def reduce(self, local: Local, axis_name: str | None, collective: bool = True) -> Reduced:
-        """Local gradient -> the update's input. `collective` False compiles the step without its collective
-        (`jdp.bench`'s with/without), keeping the layout of the update."""
+    def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
+        """Local gradient -> the update's input (`state`: the train state the step began with; a strategy with
+        state of its own reads `state.sync` and returns its successor). `collective` False compiles the step
+        without its collective (`jdp.bench`'s with/without), keeping the layout of the update."""
         axis = axis_name if collective else None
         payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight,
                    "grads": cast(local.grads, self.dtype)}

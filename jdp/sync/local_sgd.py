@@ -18,7 +18,7 @@ class LocalSGD(Sync):
         super().__init__(jnp.float32)
         self.every = every
 
-    def reduce(self, local: Local, axis_name: str | None, collective: bool = True) -> Reduced:
+    def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         """The gradient stays local, scaled by the local weight; the sums are still all-reduced for the metrics."""
         payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight}
         averaged = all_reduce_mean(payload, axis_name if collective else None)

@@ -104,7 +104,7 @@ class ShardedOptimizer(Sync):
     def to_logical(self, state: Any, abstract_state: Any) -> Any:
         return state._replace(opt_state=logical_layout(state.opt_state, abstract_state.opt_state))
 
-    def reduce(self, local: Local, axis_name: str | None, collective: bool = True) -> Reduced:
+    def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         # The layout of the update is kept even when the bench compiles the collectives out.
         grads = cast(reduce_scatter_mean(cast(local.grads, self.dtype), axis_name), jnp.float32)
         payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight}

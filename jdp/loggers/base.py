@@ -1,0 +1,277 @@
+"""What every tracker logger shares: process 0 only, the lines of metrics.jsonl as written, the tracked run's id and
+the steps already logged kept in WORKDIR/trackers/NAME.json, and a worker thread behind a bounded queue, so that a
+tracker that fails or never answers costs a warning, never the training or more than `close_timeout_s` at the end.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import importlib
+import importlib.util
+import json
+import math
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jdp.callbacks import Callback
+from jdp.errors import UsageError, one_line
+from jdp.files import write_atomic
+
+CLOSE_TIMEOUT_S = 30.0  # the most a run's end (or its exit after an error or a signal) waits for a tracker
+QUEUE_LINES = 10_000  # lines held for a tracker that lags; past that, lines are dropped (with the one warning)
+STATE_DIR = "trackers"
+SPLITS = ("train", "eval", "summary")
+_END = object()
+
+
+def installed(package: str) -> bool:
+    """Whether `package` can be imported, without importing it (a tracker's import costs seconds)."""
+    if package in sys.modules:
+        return sys.modules[package] is not None
+    return importlib.util.find_spec(package) is not None
+
+
+def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    """Nested dicts as `a.b.c` keys; a dict with a key that is not a plain name (parameter paths, such as the model's
+    shapes) and any list stay one value each, as JSON."""
+    flat: dict[str, Any] = {}
+    for key, value in record.items():
+        name = f"{prefix}{key}"
+        plain = isinstance(value, dict) and value and all(
+            isinstance(k, str) and k.replace("_", "").replace("-", "").isalnum() for k in value)
+        if plain:
+            flat.update(flatten(value, name + "."))
+        elif isinstance(value, (dict, list, tuple)):
+            flat[name] = json.dumps(value, default=str)
+        else:
+            flat[name] = value
+    return flat
+
+
+def numbers(line: dict[str, Any], prefix: str = "") -> dict[str, float]:
+    """A metrics.jsonl line's numeric fields as tracker metrics: its own time (`wall_time`, reset by each resume) and
+    the nulls of non-finite values left out; each tracker stamps its own time."""
+    return {f"{prefix}{k}": float(v) for k, v in line.items()
+            if k not in ("step", "split", "wall_time") and isinstance(v, (int, float)) and not isinstance(v, bool)
+            and math.isfinite(v)}
+
+
+class Tracker(Callback):
+    """A logger of metrics.jsonl's lines to an experiment tracker, as a `jdp.Callback` for `fit(callbacks=...)`.
+
+    Subclasses open or resume the tracked run (`_open`), log one line (`_log`) and close it (`_close`); all three
+    run on the worker thread, never on the training thread. `close_timeout_s` bounds the wait at the run's end.
+    """
+
+    name = ""  # jdp.loggers.LOGGERS's name; the state file's and the extra's name
+    package = ""  # what the tracker's client imports as
+
+    def __init__(self, *, close_timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        if not installed(self.package):
+            raise UsageError(f"jdp.loggers.{type(self).__name__} needs the {self.package} package, which is not "
+                             f"installed: pip install \"jdp[{self.name}]\"")
+        if not close_timeout_s >= 0:
+            raise UsageError(f"close_timeout_s={close_timeout_s} must not be negative")
+        self.close_timeout_s = close_timeout_s
+        self.active = False
+        self.workdir: Path | None = None
+        self.start = 0
+        self.record: dict[str, Any] | None = None
+        self.state: dict[str, Any] = {}  # the run id and the last step of each split sent (the worker's)
+        self._queue: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._warned = self._abandoned = self._opened = self._failed = False
+        self._last_step = self._jsonl_size = 0
+
+    # The training thread's side: decide, enqueue, return.
+
+    def on_start(self, start: int, workdir: Path | None, record: dict[str, Any] | None) -> None:
+        self.close()  # a logger passed to a second fit: the first one's run ends first
+        self.active = jax.process_index() == 0
+        if not self.active:
+            return
+        self.workdir, self.start, self.record = workdir, start, record
+        self.state = self._read_state()
+        self._last_step = start
+        jsonl = workdir / "metrics.jsonl" if workdir is not None else None
+        self._jsonl_size = jsonl.stat().st_size if jsonl is not None and jsonl.is_file() else 0
+        self._queue, self._warned, self._abandoned = queue.Queue(), False, False
+        self._prepare()
+        # Started now, so that the client's import (seconds) overlaps the compilation; the tracked run opens with
+        # the first line to log, so a rerun with nothing to log opens none.
+        self._thread = threading.Thread(target=self._work, name=f"jdp-{self.name}-logger", daemon=True)
+        self._thread.start()
+        atexit.register(self._at_exit)
+
+    def on_line(self, line: dict[str, Any]) -> None:
+        if not self.active:
+            return
+        split = line.get("split")
+        if split not in SPLITS:
+            return
+        step = line["step"] if split != "summary" else self._last_step  # a summary ends the steps before it
+        self._last_step = max(self._last_step, step)
+        if self._queue.qsize() >= QUEUE_LINES:
+            self._warn(f"{QUEUE_LINES} lines are waiting for the tracker; dropping the line of step {step}")
+            return
+        self._queue.put((split, step, line))
+
+    def on_end(self, result: Any) -> None:
+        self.close(ok=True)
+
+    def close(self, ok: bool = False) -> None:
+        """Ends the tracked run (finished when `ok`, else stopped early) within `close_timeout_s`; past that the
+        worker is left behind, with one line saying so. Called by `on_end`, and at exit when the run raised."""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        atexit.unregister(self._at_exit)
+        self._queue.put((_END, ok, None))
+        thread.join(self.close_timeout_s)
+        if thread.is_alive():
+            self._abandoned = True  # silent from now on: the tracker may answer long after
+            _print(f"jdp: warning: the {self.name} tracker did not finish within {self.close_timeout_s:g} s of the "
+                   f"run's end (close_timeout_s); going on without it, {max(0, self._queue.qsize() - 1)} line(s) "
+                   "not sent")
+
+    def _at_exit(self) -> None:
+        self.close(ok=False)
+
+    # The worker thread's side.
+
+    def _work(self) -> None:
+        with contextlib.suppress(Exception):  # an import that fails fails again in `_open`, which warns
+            importlib.import_module(self.package)
+        self._opened = self._failed = False
+        logged: dict[str, int] | None = None
+        while True:
+            split, step, line = self._queue.get()
+            if split is _END:  # `step` holds whether the run ended well
+                if self._opened:
+                    self._guard(self._close, step)
+                return
+            if logged is None:
+                logged = self._logged()
+                for earlier in self._missing(logged):
+                    self._send(*earlier)
+            # Logged by an earlier segment, which a kill may have left past its last checkpoint: the steps it
+            # replays go in once. A run with nothing new to log (a finished run's rerun) opens no tracked run.
+            if step > logged.get(split, -1):
+                self._send(split, step, line)
+
+    def _send(self, split: str, step: int, line: dict[str, Any]) -> None:
+        if self._failed:
+            return
+        if not self._opened:
+            run_id = self._guard(self._open, self.state.get("run_id"))
+            if run_id is None:
+                self._failed = True  # no run to log to: the lines are dropped, after the one warning
+                return
+            self._opened = True
+            if run_id != self.state.get("run_id"):  # a new tracked run: nothing of it logged yet
+                self.state = {"run_id": run_id}
+            self.state.update(self._run_state())
+            self._save_state()
+        # Recorded before it is sent: a kill in between loses this point rather than logging it twice.
+        self.state[split] = step
+        self._save_state()
+        self._guard(self._log, split, step, line)
+
+    def _missing(self, logged: dict[str, int]) -> list[tuple[str, int, dict[str, Any]]]:
+        """The train and eval lines of metrics.jsonl up to the start step that the tracked run lacks (a tracker
+        that buffers loses its last ones to a SIGKILL), as the file held them at the start."""
+        if self.workdir is None or not self._jsonl_size:
+            return []
+        with open(self.workdir / "metrics.jsonl", "rb") as f:
+            text = f.read(self._jsonl_size).decode(errors="replace")
+        missing = []
+        for row in text.splitlines():
+            try:
+                line = json.loads(row)
+            except ValueError:
+                continue
+            split, step = line.get("split"), line.get("step")
+            if split in ("train", "eval") and isinstance(step, int) and logged.get(split, -1) < step <= self.start:
+                missing.append((split, step, line))
+        return missing
+
+    def _guard(self, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 - a tracker's failure must not stop the training
+            self._warn(f"{one_line(e)}; training goes on, the tracker may miss lines")
+            return None
+
+    def _warn(self, message: str) -> None:
+        if not self._warned and not self._abandoned:
+            self._warned = True
+            _print(f"jdp: warning: {self.name} logger: {message} (this warning is shown once)")
+
+    def _read_state(self) -> dict[str, Any]:
+        path = self._state_path()
+        if path is None or not path.is_file():
+            return {}
+        try:
+            state = json.loads(path.read_text())
+        except (OSError, ValueError) as e:
+            _print(f"jdp: warning: {path} cannot be read ({one_line(e)}); the {self.name} logger opens a new run")
+            return {}
+        return state if isinstance(state, dict) else {}
+
+    def _save_state(self) -> None:
+        path = self._state_path()
+        if path is not None and not self._abandoned:
+            path.parent.mkdir(exist_ok=True)
+            write_atomic(path, json.dumps(self.state, indent=1) + "\n")
+
+    def _state_path(self) -> Path | None:
+        return None if self.workdir is None else self.workdir / STATE_DIR / f"{self.name}.json"
+
+    def params(self) -> dict[str, Any]:
+        """What the tracked run records as its settings: the run record (run.json's contents: every option, the
+        model, data, optimizer fingerprint, versions, devices, command line) and the CLI's config, if any."""
+        params = dict(self.record or {})
+        config = self.workdir / "config.json" if self.workdir is not None else None
+        if config is not None and config.is_file():
+            with contextlib.suppress(OSError, ValueError):
+                params["config"] = json.loads(config.read_text())
+        return params
+
+    # What each tracker does.
+
+    def _logged(self) -> dict[str, int]:
+        """The last step of each split the tracked run already holds. Here the steps handed to the tracker, as
+        recorded before each was sent; a tracker whose client buffers reads what reached its store instead."""
+        return {split: self.state[split] for split in SPLITS if isinstance(self.state.get(split), int)}
+
+    def _run_state(self) -> dict[str, Any]:
+        """What the state file keeps beside the run id, once the run is open."""
+        return {}
+
+    def _prepare(self) -> None:
+        """On the training thread at the start, before anything is logged (cheap: no import, no network)."""
+
+    def _open(self, run_id: str | None) -> str:
+        """Opens the tracked run `run_id` (None: a new one) and records its settings; returns its id."""
+        raise NotImplementedError
+
+    def _log(self, split: str, step: int, line: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def _close(self, ok: bool) -> None:
+        raise NotImplementedError
+
+
+def _print(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)

@@ -1,0 +1,102 @@
+"""`jdp.loggers.MLflow`: metrics.jsonl's lines into an MLflow run (`pip install "jdp[mlflow]"`, the mlflow-skinny
+client: a local `file:` store or a tracking server; `sqlite:` stores need the full `mlflow` package)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+
+from jdp.loggers.base import CLOSE_TIMEOUT_S, Tracker, flatten, now_ms, numbers
+
+MAX_KEY, MAX_VALUE = 250, 6000  # MLflow's limits on a param's key and value
+
+
+class MLflow(Tracker):
+    """Logs each train line under its metrics.jsonl keys at its step, each eval line as `eval_<key>` at its step,
+    and the summary line as metrics `summary/<key>` at the run's last step; the run record (and the CLI's config),
+    flattened to `a.b.c` keys, are the run's params.
+
+    `tracking_uri`: None = `MLFLOW_TRACKING_URI`, else `file:./mlruns` (a local store in the working directory;
+    MLflow's own default, sqlite, needs the full `mlflow` package). `experiment`: None = `MLFLOW_EXPERIMENT_NAME`,
+    else MLflow's `Default`. A rerun on the workdir continues the same MLflow run. Params cannot change once
+    logged: a resumed segment whose record differs logs each changed value as `resume_<step>.<key>`, with <step>
+    the step it resumed from.
+    """
+
+    name = package = "mlflow"
+
+    def __init__(self, tracking_uri: str | None = None, experiment: str | None = None, *,
+                 close_timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        super().__init__(close_timeout_s=close_timeout_s)
+        self.tracking_uri, self.experiment = tracking_uri, experiment
+        self.client: Any = None
+        self.uri = self.run_id = ""
+
+    @classmethod
+    def from_config(cls, metrics: ml_collections.ConfigDict) -> MLflow:
+        return cls(tracking_uri=metrics.mlflow_tracking_uri or None, experiment=metrics.mlflow_experiment or None)
+
+    def _prepare(self) -> None:
+        uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (Path.cwd() / "mlruns").as_uri()
+        if "://" not in uri and not uri.startswith("file:"):
+            uri = Path(uri).absolute().as_uri()  # a plain path is a file store
+        if uri.startswith("file:"):  # MLflow >= 3.13 refuses file stores unless told they are wanted
+            os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+        self.uri = uri
+
+    def _open(self, run_id: str | None) -> str:
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        self.client = MlflowClient(self.uri)
+        params = {key[:MAX_KEY]: str(value)[:MAX_VALUE] for key, value in flatten(self.params()).items()}
+        if run_id is not None:
+            try:
+                logged = self.client.get_run(run_id).data.params
+            except MlflowException:
+                logged = None  # not in this store (deleted, or another tracking URI): a new run
+            if logged is not None:
+                self.run_id = run_id
+                self.client.update_run(run_id, status="RUNNING")
+                self._log_params({key if key not in logged else f"resume_{self.start}.{key}"[:MAX_KEY]: value
+                                  for key, value in params.items() if logged.get(key) != value})
+                return run_id
+        name = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+        experiment_id = "0" if not name else self._experiment_id(name)
+        tags = {"jdp.workdir": str(self.workdir)} if self.workdir is not None else {}
+        run = self.client.create_run(experiment_id, run_name=self.workdir.name if self.workdir else None, tags=tags)
+        self.run_id = run.info.run_id
+        self._log_params(params)
+        return self.run_id
+
+    def _experiment_id(self, name: str) -> str:
+        from mlflow.exceptions import MlflowException
+
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(name)
+        except MlflowException:  # created meanwhile by another run
+            return self.client.get_experiment_by_name(name).experiment_id
+
+    def _log_params(self, params: dict[str, str]) -> None:
+        from mlflow.entities import Param
+
+        if params:
+            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
+
+    def _log(self, split: str, step: int, line: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        prefix = {"train": "", "eval": "eval_", "summary": "summary/"}[split]
+        stamp = now_ms()
+        metrics = [Metric(key, value, stamp, step) for key, value in numbers(line, prefix).items()]
+        if metrics:
+            self.client.log_batch(self.run_id, metrics=metrics)
+
+    def _close(self, ok: bool) -> None:
+        self.client.set_terminated(self.run_id, "FINISHED" if ok else "KILLED")

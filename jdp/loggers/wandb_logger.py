@@ -1,0 +1,78 @@
+"""`jdp.loggers.WandB`: metrics.jsonl's lines into a Weights & Biases run (`pip install "jdp[wandb]"`)."""
+
+from __future__ import annotations
+
+import os
+import secrets
+from pathlib import Path
+from typing import Any
+
+import ml_collections
+
+from jdp.errors import one_line
+from jdp.loggers import wandb_records
+from jdp.loggers.base import CLOSE_TIMEOUT_S, Tracker, numbers
+
+
+class WandB(Tracker):
+    """Logs each train line under its metrics.jsonl keys at its step, each eval line as `eval_<key>` at its step,
+    and the summary line as the run's summary; the run record (and the CLI's config) is the run's config.
+
+    `project`: None = `WANDB_PROJECT`, else W&B's default. `init_kwargs` go to `wandb.init` (`mode="offline"`,
+    `entity`, `name`, `tags`, `dir`, ...). The run's files go to `dir`, else `WANDB_DIR`, else the workdir; its
+    name defaults to the workdir's. A rerun on the workdir continues the same run id: online, W&B appends to the
+    run; offline, W&B writes a second run directory with that id, and `wandb sync` of both uploads one run.
+    """
+
+    name = package = "wandb"
+
+    def __init__(self, project: str | None = None, *, close_timeout_s: float = CLOSE_TIMEOUT_S,
+                 **init_kwargs: Any) -> None:
+        super().__init__(close_timeout_s=close_timeout_s)
+        for key in ("id", "resume", "project", "config", "reinit"):
+            if key in init_kwargs:
+                raise TypeError(f"jdp.loggers.WandB sets wandb.init's {key!r} itself; leave it out")
+        self.project, self.init_kwargs = project, init_kwargs
+        self.run: Any = None
+
+    @classmethod
+    def from_config(cls, metrics: ml_collections.ConfigDict) -> WandB:
+        return cls(project=metrics.wandb_project or None)
+
+    def _open(self, run_id: str | None) -> str:
+        import wandb
+
+        kwargs = dict(self.init_kwargs)
+        if self.workdir is not None:
+            if "dir" not in kwargs and not os.environ.get("WANDB_DIR"):
+                kwargs["dir"] = str(self.workdir)
+            kwargs.setdefault("name", self.workdir.name)
+        # Its own run beside any the user has open; W&B ids are lower-case letters and digits.
+        self.run = wandb.init(project=self.project, id=run_id or secrets.token_hex(4), resume="allow",
+                              config=self.params(), reinit="create_new", **kwargs)
+        return self.run.id
+
+    def _logged(self) -> dict[str, int]:
+        # What the run's files hold: W&B's client buffers, so after a SIGKILL the steps handed to it are more
+        # than it wrote. The summary is set again whole each time, never twice in a curve.
+        files = self.state.get("files") or []
+        try:
+            steps = wandb_records.logged_steps([Path(f) for f in files])
+        except Exception as e:  # noqa: BLE001 - another format: the steps as handed to W&B
+            self._warn(f"the run's files cannot be read ({one_line(e)}); going on from the steps handed to W&B")
+            return super()._logged()
+        return {split: step for split, step in steps.items() if step >= 0} if files else super()._logged()
+
+    def _run_state(self) -> dict[str, Any]:
+        files = [f for f in self.state.get("files", []) if f != str(self.run.settings.sync_file)]
+        return {"files": [*files, str(self.run.settings.sync_file)]}
+
+    def _log(self, split: str, step: int, line: dict[str, Any]) -> None:
+        if split == "summary":
+            self.run.log({}, commit=True)  # the last step's row first: its values would overwrite the summary's
+            self.run.summary.update(numbers(line))
+        else:
+            self.run.log(numbers(line, "eval_" if split == "eval" else ""), step=step)
+
+    def _close(self, ok: bool) -> None:
+        self.run.finish(exit_code=0 if ok else 1)

@@ -1,0 +1,70 @@
+"""W&B's run files (`run-ID.wandb`, what `wandb sync` uploads), read with wandb's own record definitions: the steps
+a run's earlier segments really wrote. W&B's client buffers what it is given (up to a 32 KiB block of the file, and
+longer online), so after a SIGKILL its files, not what was handed to it, say where a resumed segment goes on."""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+HEADER = struct.pack("<4sHB", b":W&B", 0xBEE1, 0)  # the file's: identity, magic, format version
+BLOCK = 32768
+FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def read_records(path: Path) -> Iterator[Any]:
+    """The records of a W&B run file, in order: a 7-byte header, then 32 KiB blocks of chunks, each with a 7-byte
+    header (CRC, length, type: full, or the first, middle or last part of a record) of `wandb_internal_pb2.Record`s.
+    A record cut short by a kill ends the file."""
+    from google.protobuf.message import DecodeError
+    from wandb.proto import wandb_internal_pb2
+
+    data = Path(path).read_bytes()
+    if data[:len(HEADER)] != HEADER:
+        raise ValueError(f"{path} is not a W&B run file (or of another format version)")
+    pos, parts = len(HEADER), b""
+    while pos + 7 <= len(data):
+        left = BLOCK - pos % BLOCK
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        if kind == 0:  # a block's padding
+            pos += left
+            continue
+        if pos + 7 + length > len(data):
+            return
+        parts += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (FULL, LAST):
+            record = wandb_internal_pb2.Record()
+            try:
+                record.ParseFromString(parts)
+            except DecodeError:
+                return
+            parts = b""
+            yield record
+
+
+def items(updates: Any) -> dict[str, Any]:
+    """A history row's, a config's or a summary's items as {key: value}."""
+    return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in updates}
+
+
+def logged_steps(paths: list[Path]) -> dict[str, int]:
+    """The last step with train metrics and the last with eval metrics (`eval_<key>`) over the history rows of
+    `paths`, the files that exist."""
+    last = {"train": -1, "eval": -1}
+    for path in paths:
+        if not Path(path).is_file():
+            continue
+        for record in read_records(path):
+            if record.WhichOneof("record_type") != "history":
+                continue
+            keys = [k for k in items(record.history.item) if not k.startswith("_")]
+            step = record.history.step.num
+            if any(k.startswith("eval_") for k in keys):
+                last["eval"] = max(last["eval"], step)
+            if any(not k.startswith("eval_") for k in keys):
+                last["train"] = max(last["train"], step)
+    return last

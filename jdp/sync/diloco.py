@@ -1,0 +1,61 @@
+"""DiLoCo (Douillard et al., 2023): each device runs `every` inner steps of the optimizer on its own data, then the
+change of the round, averaged over the devices, is applied by an outer optimizer:
+
+    outer gradient = anchor - mean(parameters after the round);  anchor = outer_step(anchor, outer gradient);
+    parameters = anchor (on every device)
+
+The inner optimizer's state stays with each device (per-device leaves: it restores on the same device count, and
+starts afresh on another); the anchor and the outer optimizer's state are replicated. Checkpoints, evals and
+replica checks come at round ends, as under local SGD, so a resume there is bitwise. With outer SGD at learning
+rate 1 and a stateless inner optimizer it is local SGD.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jdp.sync.base import PER_DEVICE, Tree, all_reduce_mean
+from jdp.sync.local_sgd import LocalSGD
+
+
+def outer_optimizer(name: str, lr: float, momentum: float) -> optax.GradientTransformation:
+    """`sgd`: anchor - lr * g; `nesterov`: the paper's outer Nesterov momentum (optax's)."""
+    return optax.sgd(lr, momentum=momentum, nesterov=True) if name == "nesterov" else optax.sgd(lr)
+
+
+class DiLoCo(LocalSGD):
+    """Its state: `{"anchor": the parameters at the round's start, "outer": the outer optimizer's state}`."""
+
+    def __init__(self, every: int, outer: optax.GradientTransformation) -> None:
+        super().__init__(every)
+        self.outer = outer
+
+    def init_state(self, params: Tree, num_devices: int) -> Tree:
+        return {"anchor": params, "outer": self.outer.init(params)}
+
+    def init_opt_state(self, opt_state: Any, num_devices: int) -> Any:
+        return jax.tree.map(lambda x: jnp.broadcast_to(x, (num_devices, *x.shape)), opt_state)
+
+    def layouts(self, abstract_state: Any) -> Any:
+        layouts = super().layouts(abstract_state)
+        return layouts._replace(opt_state=jax.tree.map(lambda _: PER_DEVICE, abstract_state.opt_state))
+
+    def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
+        """At a round's end (counted from the step before, whatever the guard kept): the outer step."""
+        def outer_step(state: Any) -> Any:
+            anchor = state.sync["anchor"]
+            gradient = jax.tree.map(lambda a, p: a - p, anchor, all_reduce_mean(state.params, axis_name))
+            updates, outer = self.outer.update(gradient, state.sync["outer"], anchor)
+            anchor = optax.apply_updates(anchor, updates)
+            return state._replace(params=anchor, sync={"anchor": anchor, "outer": outer})
+
+        return jax.lax.cond((previous.step + 1) % self.every == 0, outer_step, lambda s: s, state)
+
+    def bytes_per_step(self, abstract_state: Any, num_devices: int) -> float:
+        """The parameters, once a round."""
+        leaves = jax.tree.leaves(abstract_state.params)
+        return sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves) / self.every

@@ -1,0 +1,145 @@
+"""PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019), as PyTorch's DDP hook `powerSGD_hook` runs it: each
+device's gradient matrix plus its error feedback, M (n x m), is approximated by P Q^T of rank r with one power
+iteration warm-started from the last step's Q:
+
+    M = grad + error;  P = mean(M Q);  P = orthonormal(P);  Q = mean(M^T P);  input = P Q^T;  error = M - P Q^T
+
+(`mean` over the devices). Two all-reduces carry r (n + m) floats per matrix instead of n m. The rest goes whole in
+the first one, beside the weighted sums: vectors (biases, norms), and matrices for which r (n + m) >= n m, as torch
+decides. Before `start_step` every gradient goes whole and the error stays 0. A dropped (non-finite) step keeps
+the error and Q from before it, as the guard keeps the whole state.
+
+Which leaves are matrices: a layer's parameter has the rank its Flax module gives it (Linear and Embed 2, Conv
+its kernel size + 2, biases and norms 1; any other parameter its own ndim). Extra leading axes are a stack of
+layers (`nnx.vmap` / `nnx.scan`), compressed layer by layer. A matrix is viewed as (all axes but the last, the
+last): a conv kernel HWIO as (H W I, O).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jdp.sync.base import PER_DEVICE, Local, Reduced, Sync, Tree, all_reduce_mean, floating, merge_floating
+
+EPSILON = 1e-8  # Gram-Schmidt's guard against a zero column (a rank-deficient P), as torch's hook uses
+
+
+class Matrix(NamedTuple):
+    """How one parameter is compressed: `layers` stacked (n x m) matrices at rank `rank`."""
+
+    layers: int
+    n: int
+    m: int
+    rank: int
+
+
+def layer_ranks(model: nnx.Module) -> dict[tuple, int]:
+    """The rank each parameter of a layer of known type has on its own (path in the parameter tree -> rank)."""
+    ranks = {}
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Conv):
+            ranks[(*path, "kernel")] = len(node.kernel_size) + 2
+        elif isinstance(node, nnx.Linear | nnx.Embed):
+            ranks[(*path, "kernel")] = ranks[(*path, "embedding")] = 2
+        else:
+            continue
+        ranks[(*path, "bias")] = 1
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.LayerNorm | nnx.BatchNorm | nnx.RMSNorm | nnx.GroupNorm):
+            ranks[(*path, "scale")] = ranks[(*path, "bias")] = 1
+    return ranks
+
+
+def matrices(model: nnx.Module, params: Tree, rank: int) -> dict[str, Matrix]:
+    """The parameters PowerSGD compresses ("a.b.kernel" -> its Matrix); the others go whole."""
+    ranks = layer_ranks(model)
+    found = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        own = ranks.get(keys, leaf.ndim)
+        if own < 2:
+            continue
+        stack = leaf.shape[:leaf.ndim - own]
+        n, m = math.prod(leaf.shape[len(stack):-1]), leaf.shape[-1]
+        r = min(rank, n, m)
+        if r * (n + m) < n * m:
+            found[".".join(str(k) for k in keys)] = Matrix(math.prod(stack), n, m, r)
+    return found
+
+
+def orthonormal(p: jax.Array) -> jax.Array:
+    """Gram-Schmidt over the columns of each (n x r) matrix of `p` (layers, n, r)."""
+    columns = []
+    for i in range(p.shape[-1]):
+        col = p[..., i]
+        for done in columns:
+            col = col - jnp.sum(done * col, axis=-1, keepdims=True) * done
+        columns.append(col / (jnp.linalg.norm(col, axis=-1, keepdims=True) + EPSILON))
+    return jnp.stack(columns, axis=-1)
+
+
+def _flat(tree: Tree) -> dict[str, jax.Array]:
+    return {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+class PowerSGD(Sync):
+    """Its state: `{"q": {name: (layers, m, r)}, "error": {name: (devices, layers, n, m)}}`; Q is replicated,
+    the error feedback per device (it restores on the same device count only)."""
+
+    def __init__(self, model: nnx.Module, params: Tree, rank: int, start_step: int, seed: int) -> None:
+        super().__init__(jnp.float32)
+        self.matrices = matrices(model, params, rank)
+        self.start_step, self.seed = start_step, seed
+
+    def init_state(self, params: Tree, num_devices: int) -> Tree:
+        keys = jax.random.split(jax.random.key(self.seed), max(1, len(self.matrices)))
+        return {"q": {name: jax.random.normal(key, (a.layers, a.m, a.rank), jnp.float32)
+                      for key, (name, a) in zip(keys, self.matrices.items(), strict=False)},
+                "error": {name: jnp.zeros((num_devices, a.layers, a.n, a.m), jnp.float32)
+                          for name, a in self.matrices.items()}}
+
+    def layouts(self, abstract_state: Any) -> Any:
+        layouts = super().layouts(abstract_state)
+        return layouts._replace(sync={**layouts.sync, "error": jax.tree.map(lambda _: PER_DEVICE,
+                                                                             abstract_state.sync["error"])})
+
+    def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
+        def whole(local: Local, state: Any) -> Reduced:
+            return super(PowerSGD, self).reduce(local, state, axis_name, collective)._replace(sync_state=state.sync)
+
+        def compressed(local: Local, state: Any) -> Reduced:
+            return self._compressed(local, state, axis_name if collective else None)
+
+        if not self.start_step:
+            return compressed(local, state)
+        return jax.lax.cond(state.step < self.start_step, whole, compressed, local, state)
+
+    def _compressed(self, local: Local, state: Any, axis: str | None) -> Reduced:
+        grads = _flat(local.grads)
+        q, error = state.sync["q"], state.sync["error"]
+        m_of = {name: grads[name].reshape(a.layers, a.n, a.m) + error[name] for name, a in self.matrices.items()}
+        payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight,
+                   "whole": {k: g for k, g in grads.items() if k not in self.matrices},
+                   "p": {name: jnp.einsum("lnm,lmr->lnr", m, q[name]) for name, m in m_of.items()}}
+        averaged = all_reduce_mean(payload, axis)
+        p = {name: orthonormal(x) for name, x in averaged["p"].items()}
+        new_q = all_reduce_mean({name: jnp.einsum("lnm,lnr->lmr", m, p[name]) for name, m in m_of.items()}, axis)
+        approx = {name: jnp.einsum("lnr,lmr->lnm", p[name], new_q[name]) for name in m_of}
+        flat_mean = {**averaged["whole"], **{name: approx[name].reshape(grads[name].shape) for name in approx}}
+        mean = jax.tree.unflatten(jax.tree.structure(local.grads), [flat_mean[k] for k in grads])
+        weight = averaged["weight"]
+        sync_state = {"q": new_q, "error": {name: m_of[name] - approx[name] for name in m_of}}
+        return Reduced(self._of_mean(mean, local.rows, weight), averaged["sums"], weight,
+                       merge_floating(averaged["model_state"], local.model_state), None, sync_state)
+
+    def bytes_per_step(self, abstract_state: Any, num_devices: int) -> float:
+        """After the start step: r (n + m) floats per compressed matrix (P, then Q), the other leaves whole."""
+        compressed = sum(a.layers * a.rank * (a.n + a.m) for a in self.matrices.values())
+        whole = sum(x.size for name, x in _flat(abstract_state.params).items() if name not in self.matrices)
+        return (compressed + whole) * 4

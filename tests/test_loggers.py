@@ -1,0 +1,422 @@
+"""The tracker loggers (`jdp.loggers`): MLflow on a local store and W&B offline, read back through their own
+clients and record format; a resume (in-process and after a real SIGKILL) continues the same tracked run with each
+step once; a silent tracker stalls nothing; 2 processes open one run; a failing tracker costs one warning; a missing
+package or an unknown name is one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jdp
+from jdp import loggers
+from jdp.cli import config as config_lib
+from jdp.cli import launch
+from jdp.cli.train import main
+from jdp.errors import UsageError
+from jdp.loggers import MLflow, WandB
+from jdp.loggers.wandb_records import items, read_records
+from tests.helpers import records, small_config
+
+if os.environ.get("CI"):  # in CI a missing `wandb` or `mlflow` extra fails these tests, never skips them
+    import mlflow  # noqa: F401
+    import wandb  # noqa: F401
+    needs_trackers = pytest.mark.usefixtures()
+else:
+    installed = loggers.base.installed("wandb") and loggers.base.installed("mlflow")
+    needs_trackers = pytest.mark.skipif(not installed, reason='pip install -e ".[wandb,mlflow]"')
+
+ROOT = Path(__file__).resolve().parents[1]
+# The CLI runs: a small MLP, a checkpoint every 4 steps, a train line every step, an eval every 6.
+CLI_ARGS = ["--config", "configs/mnist1d_mlp.py", "--config.model.kwargs.hidden_sizes=(32,)",
+            "--config.train.steps=12", "--config.train.log_every=1", "--config.train.eval_every=6",
+            "--config.checkpoint.every_steps=4", "--config.compile_cache_dir=", "--config.metrics.loggers=wandb,mlflow",
+            "--config.metrics.mlflow_experiment=tests"]
+
+
+@pytest.fixture(autouse=True)
+def offline(tmp_path, monkeypatch):
+    """W&B offline, silent and writing only under the test's directory (its settings, cache and staging too); the
+    caller's tracker settings out of the way."""
+    for name in ("WANDB_DIR", "WANDB_PROJECT", "WANDB_BASE_URL", "WANDB_API_KEY", "MLFLOW_TRACKING_URI",
+                 "MLFLOW_EXPERIMENT_NAME", "JDP_KILL_AT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
+    for name in ("CONFIG", "CACHE", "DATA"):
+        monkeypatch.setenv(f"WANDB_{name}_DIR", str(tmp_path / f"wandb-{name.lower()}"))
+
+
+# --- W&B's offline run files, read through wandb's own record definitions ---------------------------------------
+
+def wandb_run(run_dir: Path) -> dict:
+    """One offline run directory: its run id, config, history rows (user keys only) and summary."""
+    (path,) = run_dir.glob("run-*.wandb")
+    run = {"id": None, "dir_id": run_dir.name.rsplit("-", 1)[1], "config": {}, "history": [], "summary": {}}
+    for record in read_records(path):
+        kind = record.WhichOneof("record_type")
+        if kind == "run":
+            run["id"] = record.run.run_id
+            run["config"].update(items(record.run.config.update))
+        elif kind == "config":
+            run["config"].update(items(record.config.update))
+        elif kind == "history":
+            run["history"].append(items(record.history.item))
+        elif kind == "summary":
+            run["summary"].update(items(record.summary.update))
+    return run
+
+
+def wandb_runs(workdir: Path) -> list[dict]:
+    return [wandb_run(d) for d in sorted((workdir / "wandb").glob("offline-run-*"))]
+
+
+def wandb_points(runs: list[dict], key: str) -> list[tuple[int, float]]:
+    """(step, value) of `key` over the history of every run directory, in order."""
+    return [(row["_step"], row[key]) for run in runs for row in run["history"] if key in row]
+
+
+# --- MLflow --------------------------------------------------------------------------------------------------------
+
+def mlflow_client(store: Path):
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(store.as_uri())
+
+
+def mlflow_runs(store: Path, experiment: str) -> list:
+    client = mlflow_client(store)
+    found = client.get_experiment_by_name(experiment)
+    return client.search_runs([found.experiment_id]) if found else []
+
+
+def mlflow_points(store: Path, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in mlflow_client(store).get_metric_history(run_id, key))
+
+
+def jsonl_points(workdir: Path, split: str, key: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in records(workdir, split)]
+
+
+# --- A small fit -----------------------------------------------------------------------------------------------------
+
+class Net(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(6, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))[:, 0]
+
+
+def squared_error(model, batch):
+    return {"loss": (model(batch["x"]) - batch["y"]) ** 2}
+
+
+def make_net() -> Net:
+    return Net(nnx.Rngs(0))
+
+
+DATA = {"x": (x := np.random.default_rng(0).standard_normal((256, 6)).astype(np.float32)), "y": x.sum(1)}
+
+
+def fit(workdir: Path, callbacks: list, steps: int = 12, **options) -> jdp.FitResult:
+    return jdp.fit(make_net, squared_error, DATA, optimizer=optax.sgd(0.05), steps=steps, global_batch_size=32,
+                   workdir=workdir, eval_data=DATA, log_every=1, eval_every=6, checkpoint_every=4,
+                   callbacks=callbacks, **options)
+
+
+# --- Tests -------------------------------------------------------------------------------------------------------
+
+@needs_trackers
+def test_mlflow_holds_the_record_and_the_lines_of_metrics_jsonl(tmp_path):
+    store, workdir = tmp_path / "mlruns", tmp_path / "run"
+    fit(workdir, [MLflow(tracking_uri=store.as_uri(), experiment="tests")])
+    (run,) = mlflow_runs(store, "tests")
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    assert json.loads((workdir / "trackers" / "mlflow.json").read_text())["run_id"] == run.info.run_id
+    params, record = run.data.params, json.loads((workdir / "run.json").read_text())
+    assert params["fit.options.log_every"] == "1" and params["fit.steps"] == "12"
+    assert params["versions.jax"] == record["versions"]["jax"] and json.loads(params["devices"]) == record["devices"]
+    assert params["fit.model.class"] == record["fit"]["model"]["class"]
+    # The train lines at their steps, equal in value; eval lines as eval_<key>; the summary at the last step.
+    assert mlflow_points(store, run.info.run_id, "loss") == jsonl_points(workdir, "train", "loss")
+    assert [s for s, _ in jsonl_points(workdir, "train", "loss")] == list(range(1, 13))
+    assert mlflow_points(store, run.info.run_id, "eval_loss") == jsonl_points(workdir, "eval", "loss")
+    summary = records(workdir, "summary")[-1]
+    assert mlflow_points(store, run.info.run_id, "summary/examples_per_sec") == [(12, summary["examples_per_sec"])]
+    assert mlflow_points(store, run.info.run_id, "summary/eval_loss") == [(12, summary["eval_loss"])]
+
+
+@needs_trackers
+def test_wandb_offline_run_holds_the_config_and_the_lines_of_metrics_jsonl(tmp_path):
+    workdir = tmp_path / "run"
+    fit(workdir, [WandB(project="tests", mode="offline")])
+    (run,) = wandb_runs(workdir)  # the run's files live in the workdir (no dir given, no WANDB_DIR)
+    assert run["id"] == json.loads((workdir / "trackers" / "wandb.json").read_text())["run_id"]
+    record = json.loads((workdir / "run.json").read_text())
+    assert run["config"]["fit"]["options"]["log_every"] == 1 and run["config"]["fit"]["steps"] == 12
+    assert run["config"]["versions"] == record["versions"] and run["config"]["devices"] == record["devices"]
+    assert wandb_points([run], "loss") == jsonl_points(workdir, "train", "loss")
+    assert wandb_points([run], "eval_loss") == jsonl_points(workdir, "eval", "loss")
+    summary = records(workdir, "summary")[-1]
+    assert run["summary"]["examples_per_sec"] == summary["examples_per_sec"]
+    assert run["summary"]["eval_loss"] == summary["eval_loss"]
+
+
+@needs_trackers
+def test_a_resumed_fit_continues_the_same_runs_with_each_step_once(tmp_path, monkeypatch):
+    """Stopped by an exception after step 7 (checkpoint 4): the rerun replays steps 5-7 and eval 6, which the
+    trackers already have; each goes in once. The changed record goes to MLflow under a new name."""
+    store, workdir = tmp_path / "mlruns", tmp_path / "run"
+    first = [MLflow(tracking_uri=store.as_uri(), experiment="tests"), WandB(project="tests", mode="offline")]
+    monkeypatch.setenv("JDP_KILL_AT", "raise:7")
+    with pytest.raises(RuntimeError, match="raise:7"):
+        fit(workdir, first)
+    for logger in first:  # what the process's exit does
+        logger.close()
+    monkeypatch.delenv("JDP_KILL_AT")
+    (run,) = mlflow_runs(store, "tests")
+    assert run.info.status == "KILLED"
+    assert [s for s, _ in mlflow_points(store, run.info.run_id, "loss")] == list(range(1, 8))  # past checkpoint 4
+
+    fit(workdir, [MLflow(tracking_uri=store.as_uri(), experiment="tests"), WandB(project="tests", mode="offline")],
+        description="resumed")
+    (run,) = mlflow_runs(store, "tests")
+    assert run.info.status == "FINISHED"
+    for key, split in (("loss", "train"), ("eval_loss", "eval")):
+        expected = jsonl_points(workdir, split, key.removeprefix("eval_"))
+        assert mlflow_points(store, run.info.run_id, key) == expected
+    assert run.data.params["fit.options.description"] == ""
+    assert run.data.params["resume_4.fit.options.description"] == "resumed"
+    runs = wandb_runs(workdir)
+    assert len(runs) == 2 and runs[0]["id"] == runs[1]["id"]  # offline: a second directory, the same run id
+    assert wandb_points(runs, "loss") == jsonl_points(workdir, "train", "loss")
+    assert wandb_points(runs, "eval_loss") == jsonl_points(workdir, "eval", "loss")
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_NUM_CPU_DEVICES", "XLA_FLAGS")}
+    return {**env, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2", **extra}
+
+
+# Slow enough steps (~0.1 s on 2 cores) that the trackers, which open a few seconds after the start, log past a
+# checkpoint while the run still trains.
+SLOW_ARGS = ["--config.model.kwargs.hidden_sizes=(1024,1024)", "--config.train.global_batch_size=512",
+             "--config.train.steps=60", "--config.train.eval_every=20", "--config.checkpoint.every_steps=20"]
+
+
+def _logged(workdir: Path, name: str) -> int:
+    try:
+        return json.loads((workdir / "trackers" / f"{name}.json").read_text()).get("train", 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def _checkpoints(workdir: Path) -> list[int]:
+    return sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit()
+                  and (p / "commit_success.txt").exists())
+
+
+@pytest.mark.slow
+@needs_trackers
+def test_a_killed_run_resumes_into_the_same_tracked_runs(tmp_path):
+    """`metrics.loggers=wandb,mlflow` from the command line, SIGKILLed once both trackers logged past its last
+    checkpoint, then the same command: one MLflow run and one W&B run id hold each step once, as metrics.jsonl."""
+    store, workdir = tmp_path / "mlruns", tmp_path / "run"
+    cmd = [sys.executable, "-m", "jdp.train", *CLI_ARGS, *SLOW_ARGS,
+           f"--config.metrics.mlflow_tracking_uri={store.as_uri()}", "--workdir", str(workdir)]
+    with open(tmp_path / "killed.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(tmp_path), stdout=log, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 150
+        while proc.poll() is None and time.monotonic() < deadline:
+            done = _checkpoints(workdir)
+            if done and min(_logged(workdir, "mlflow"), _logged(workdir, "wandb")) >= done[-1] + 3:
+                proc.kill()
+                break
+            time.sleep(0.02)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    assert proc.returncode == -9, (tmp_path / "killed.log").read_text()[-3000:]
+    resume_from = _checkpoints(workdir)[-1]
+    (run,) = mlflow_runs(store, "tests")
+    assert max(s for s, _ in mlflow_points(store, run.info.run_id, "loss")) > resume_from  # the premise
+
+    out = subprocess.run(cmd, cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=150)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"checkpoints/{resume_from}" in out.stdout
+    (run,) = mlflow_runs(store, "tests")
+    assert run.info.status == "FINISHED"
+    assert mlflow_points(store, run.info.run_id, "loss") == jsonl_points(workdir, "train", "loss")
+    assert mlflow_points(store, run.info.run_id, "eval_loss") == jsonl_points(workdir, "eval", "loss")
+    assert json.loads(run.data.params["config.train.steps"]) == 60  # the CLI's config beside the record
+    # W&B buffers (its run file is written every 15 s): what the SIGKILL cost it, the rerun logs from metrics.jsonl.
+    runs = wandb_runs(workdir)
+    run_id = json.loads((workdir / "trackers" / "wandb.json").read_text())["run_id"]
+    assert [r["dir_id"] for r in runs] == [run_id, run_id] and runs[1]["id"] == run_id
+    assert wandb_points(runs, "loss") == jsonl_points(workdir, "train", "loss")
+    assert wandb_points(runs, "eval_loss") == jsonl_points(workdir, "eval", "loss")
+    assert runs[1]["config"]["config"]["metrics"]["loggers"] == "wandb,mlflow"
+
+
+@pytest.mark.slow
+@needs_trackers
+def test_only_process_0_opens_a_tracked_run(tmp_path):
+    store, workdir = tmp_path / "mlruns", tmp_path / "run"
+    out = subprocess.run([sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--cpu_devices", "2", "--",
+                          sys.executable, "-m", "jdp.train", *CLI_ARGS, "--config.train.eval_every=12",
+                          f"--config.metrics.mlflow_tracking_uri={store.as_uri()}", "--workdir", str(workdir)],
+                         cwd=ROOT, env=_env(tmp_path), capture_output=True, text=True, timeout=200)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (run,) = mlflow_runs(store, "tests")
+    assert mlflow_points(store, run.info.run_id, "loss") == jsonl_points(workdir, "train", "loss")
+    (wandb_dir,) = (workdir / "wandb").glob("offline-run-*")
+    assert wandb_points([wandb_run(wandb_dir)], "loss") == jsonl_points(workdir, "train", "loss")
+
+
+class SilentServer:
+    """A loopback server that accepts connections and never answers."""
+
+    def __init__(self) -> None:
+        self.socket = socket.create_server(("127.0.0.1", launch.free_port()))
+        self.port = self.socket.getsockname()[1]
+        self.connections: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                self.connections.append(self.socket.accept()[0])
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self.socket.close()
+        for connection in self.connections:
+            connection.close()
+
+
+SILENT_SCRIPT = """
+import json, sys, time
+sys.path.insert(0, {tests!r})
+from test_loggers import fit
+from jdp.loggers import MLflow, WandB
+from jdp.loggers.wandb_records import items, read_records
+fit({workdir!r} + "/plain", [], steps={steps})  # compiles; the timed runs below reuse the cache
+t = time.perf_counter()
+fit({workdir!r} + "/plain2", [], steps={steps})
+plain = time.perf_counter() - t
+t = time.perf_counter()
+fit({workdir!r} + "/tracked", [MLflow(tracking_uri="http://127.0.0.1:{port}", close_timeout_s={bound}),
+                                WandB(project="tests", mode="online", close_timeout_s={bound})], steps={steps})
+print(json.dumps({{"plain": plain, "tracked": time.perf_counter() - t}}), flush=True)
+"""
+
+
+@pytest.mark.slow
+@needs_trackers
+def test_a_tracker_that_never_answers_stalls_nothing(tmp_path):
+    """MLflow's tracking server and W&B's both accept and stay silent: the fit takes no longer than without them
+    plus `close_timeout_s` (2 s here), and the process exits at once after it."""
+    server, bound, steps = SilentServer(), 2.0, 40
+    env = _env(tmp_path, WANDB_MODE="online", WANDB_BASE_URL=f"http://127.0.0.1:{server.port}",
+               WANDB_API_KEY="x" * 40, JAX_NUM_CPU_DEVICES="8")
+    env.update({k: str(tmp_path / k) for k in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")})
+    script = SILENT_SCRIPT.format(tests=str(ROOT / "tests"), workdir=str(tmp_path), steps=steps, port=server.port,
+                                  bound=bound)
+    try:
+        t = time.perf_counter()
+        out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=180)
+        after = time.perf_counter() - t
+    finally:
+        server.close()
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert server.connections, "the tracker never connected"
+    times = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"plain fit {times['plain']:.1f} s, with silent trackers {times['tracked']:.1f} s, process {after:.1f} s")
+    assert times["tracked"] < times["plain"] + bound + 4  # both trackers' waits overlap only partly: 2 x bound
+    warnings = [line for line in out.stderr.splitlines() if line.startswith("jdp: warning:")]
+    assert any("did not finish within 2 s" in line for line in warnings), out.stderr[-3000:]
+    assert len(records(tmp_path / "tracked", "train")) == steps
+
+
+@needs_trackers
+def test_a_tracker_that_raises_costs_one_warning(tmp_path, monkeypatch, capfd):
+    from mlflow.tracking import MlflowClient
+
+    log_batch = MlflowClient.log_batch
+
+    def failing(self, run_id, metrics=(), **kwargs):
+        if any(m.step in (3, 4) for m in metrics):
+            raise ConnectionError("the tracking server went away")
+        return log_batch(self, run_id, metrics=metrics, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", failing)
+    store, workdir = tmp_path / "mlruns", tmp_path / "run"
+    result = fit(workdir, [MLflow(tracking_uri=store.as_uri(), experiment="tests")])
+    assert result.step == 12
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "mlflow logger: ConnectionError: the tracking server went away" in warnings[0]
+    (run,) = mlflow_runs(store, "tests")
+    expected = [(s, v) for s, v in jsonl_points(workdir, "train", "loss") if s not in (3, 4)]
+    assert mlflow_points(store, run.info.run_id, "loss") == expected  # training and logging went on
+
+
+def test_a_missing_package_or_an_unknown_name_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(UsageError, match=re.escape('needs the wandb package, which is not installed: pip install '
+                                                   '"jdp[wandb]"')):
+        WandB(project="tests")
+    cfg = small_config("mlp")
+    cfg.metrics.loggers = "mlflow, wandb"
+    with pytest.raises(config_lib.ConfigError, match=re.escape('the wandb logger needs the wandb package, which is '
+                                                               'not installed: pip install "jdp[wandb]"')):
+        config_lib.validate(cfg)
+    for spec, message in (("tensorboard", "names an unknown logger 'tensorboard'; choose from wandb, mlflow"),
+                          ("mlflow,mlflow", "names mlflow twice")):
+        code = main(["--config", "configs/mnist1d_mlp.py", f"--config.metrics.loggers={spec}",
+                     "--workdir", str(tmp_path / "run")])
+        err = capsys.readouterr().err
+        assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+
+
+@pytest.mark.slow
+@needs_trackers
+def test_the_docs_tracker_command_runs(tmp_path):
+    """docs/trackers.md's command as printed, from a directory holding the configs folder: W&B offline in the
+    workdir, MLflow in ./mlruns."""
+    from tests.test_readme import doc_command
+
+    (tmp_path / "configs").symlink_to(ROOT / "configs")
+    command = doc_command("WANDB_MODE=offline python -m jdp.train")
+    assignments = dict(arg.split("=", 1) for arg in command[:command.index("python")])
+    args = command[command.index("python") + 1:]
+    env = {**_env(tmp_path), **assignments, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    workdir = tmp_path / command[command.index("--workdir") + 1]
+    (run,) = mlflow_runs(tmp_path / "mlruns", "Default")
+    assert mlflow_points(tmp_path / "mlruns", run.info.run_id, "loss") == jsonl_points(workdir, "train", "loss")
+    (wandb_dir,) = (workdir / "wandb").glob("offline-run-*")
+    assert wandb_points([wandb_run(wandb_dir)], "loss") == jsonl_points(workdir, "train", "loss")
+    print(shlex.join(command))
