@@ -8,9 +8,15 @@ again), and the run survived when the last rerun finishes and its per-step losse
 leaf digests of its last checkpoint) equal the uninterrupted run's, with no step missing or repeated and one
 summary line.
 
+Then the finished uninterrupted run's last checkpoint is tampered with, one way per case, as files are on disk:
+copied from the previous checkpoint's files, renamed to a later step, and one flipped bit in its metadata
+(`data/metadata`: a shape, a dtype, the format). Each copy is rerun, and survives when the rerun exits 0, names the
+checkpoint, moves it to WORKDIR/rejected and trains the lost steps again to the same outcome as above.
+
     python benchmarks/crash_campaign.py --kills 45 --seed 0
 
-Prints one line per run and `survived N / tried M` (kills); exits 1 unless every kill was survived.
+Prints one line per run and per tampered checkpoint, then `survived N / tried M` (kills) and `tampered: survived N
+/ tried M`; exits 1 unless every kill and every tampered checkpoint was survived.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -47,6 +54,67 @@ def outcome(workdir: Path) -> dict:
             "eval": [{k: v for k, v in r.items() if k not in drop} for r in lines if r["split"] == "eval"],
             "summaries": sum(r["split"] == "summary" for r in lines), "final_step": final,
             "digests": data["digests"]}
+
+
+def _flip_metadata(checkpoint: Path, pattern: str, flip) -> None:
+    """Rewrites the first match of `pattern` in the checkpoint's data/metadata through `flip`, byte for byte
+    otherwise, as a flipped bit on disk leaves it."""
+    path = checkpoint / "data" / "metadata"
+    text = path.read_text()
+    match = re.search(pattern, text)
+    assert match, f"{pattern} not in {path}"
+    path.write_text(text[:match.start()] + flip(match[0]) + text[match.end():])
+
+
+def _copied(checkpoints: Path, last: int, previous: int) -> str:
+    shutil.rmtree(checkpoints / str(last))
+    shutil.copytree(checkpoints / str(previous), checkpoints / str(last))
+    return str(last)
+
+
+def _renamed(checkpoints: Path, last: int, previous: int) -> str:  # a later step than the run reaches: 12 -> 99
+    (checkpoints / str(last)).rename(checkpoints / str(last * 8 + 3))
+    return str(last * 8 + 3)
+
+
+def _shape(checkpoints: Path, last: int, previous: int) -> str:  # [40, 32] -> [41, 32]: the low bit of a size
+    _flip_metadata(checkpoints / str(last), r'"float32", \[\d+', lambda m: re.sub(
+        r"\d+$", lambda n: str(int(n[0]) ^ 1), m))
+    return str(last)
+
+
+def _dtype(checkpoints: Path, last: int, previous: int) -> str:
+    _flip_metadata(checkpoints / str(last), r'"float32"', lambda m: '"float16"')
+    return str(last)
+
+
+def _format(checkpoints: Path, last: int, previous: int) -> str:  # 2 -> 3: one bit
+    _flip_metadata(checkpoints / str(last), r'"format": \d+', lambda m: m[:-1] + str(int(m[-1]) ^ 1))
+    return str(last)
+
+
+# Each tampers with the last checkpoint of a finished run and returns the name it is found under.
+TAMPERS = {"copied": _copied, "renamed": _renamed, "shape": _shape, "dtype": _dtype, "format": _format}
+
+
+def tampered(root: Path, steps: int, env: dict[str, str], expected: dict, names: list[str]) -> int:
+    """Reruns a copy of the finished reference run per tamper in `names`; returns how many survived."""
+    every = max(1, steps // 6)
+    last = steps // every * every
+    survived = 0
+    for name in names:
+        workdir = root / f"tampered-{name}"
+        shutil.rmtree(workdir, ignore_errors=True)
+        shutil.copytree(root / "reference", workdir)
+        found = TAMPERS[name](workdir / "checkpoints", last, last - every)
+        code = run(workdir, steps, env)
+        ok = code == 0 and (workdir / "rejected" / found).is_dir() and outcome(workdir) == expected
+        survived += ok
+        print(f"tampered checkpoint {found} ({name}): {'survived' if ok else f'FAILED (exit code {code})'}",
+              flush=True)
+        if ok:
+            shutil.rmtree(workdir)
+    return survived
 
 
 def run(workdir: Path, steps: int, env: dict[str, str], kill_after_s: float | None = None) -> int:
@@ -78,7 +146,12 @@ def main(argv: list[str] | None = None) -> int:
                         help="kill each run this many times (every rerun but the last) before comparing it")
     parser.add_argument("--devices", type=int, default=2, help="simulated CPU devices")
     parser.add_argument("--workdir", type=Path, help="keep the runs here (default: a temporary directory)")
+    parser.add_argument("--tampers", default=",".join(TAMPERS),
+                        help=f"tampered-checkpoint cases to run, comma-separated, or none ({', '.join(TAMPERS)})")
     args = parser.parse_args(argv)
+    tampers = [] if args.tampers == "none" else args.tampers.split(",")
+    if unknown := [t for t in tampers if t not in TAMPERS]:
+        parser.error(f"--tampers: unknown case {unknown[0]!r}; choose from {', '.join(TAMPERS)}, or none")
     rng = random.Random(args.seed)
     root = args.workdir or Path(tempfile.mkdtemp(prefix="jdp-crash-"))
     env = {k: v for k, v in os.environ.items() if k != "JDP_KILL_AT"}
@@ -121,9 +194,13 @@ def main(argv: list[str] | None = None) -> int:
         if ok and args.workdir is None:
             shutil.rmtree(workdir)
     print(f"survived {survived} / tried {tried}")
-    if args.workdir is None and survived == tried:
+    intact = tampered(root, args.steps, env, expected, tampers)
+    if tampers:
+        print(f"tampered: survived {intact} / tried {len(tampers)}")
+    ok = survived == tried and intact == len(tampers)
+    if args.workdir is None and ok:
         shutil.rmtree(root)
-    return 0 if survived == tried else 1
+    return 0 if ok else 1
 
 
 if __name__ == "__main__":

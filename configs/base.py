@@ -83,7 +83,9 @@ def get_config() -> ml_collections.ConfigDict:
     c.distributed = ml_collections.ConfigDict()  # multi-process runs; see jdp/distributed.py
     c.distributed.init_timeout_s = 120.0  # all processes must join within this, else exit 5
     c.distributed.heartbeat_timeout_s = 60.0  # a peer silent this long stops the survivors
-    c.distributed.bind_address = ""  # HOST:PORT process 0's coordinator listens on; "" = JAX's default (all)
+    # HOST:PORT process 0's coordinator listens on; "" = JAX_COORDINATOR_BIND_ADDRESS, else only the coordinator
+    # address's host (MASTER_ADDR); every interface only when asked for: "0.0.0.0:PORT" or "[::]:PORT"
+    c.distributed.bind_address = ""
 
     for key, option in CONFIG_KEYS.items():  # the training options, with their help and range in jdp.options
         *sections, name = key.split(".")

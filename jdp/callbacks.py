@@ -140,6 +140,8 @@ class TrainLog(Callback):
             self.window_steps += 1
         if (step % self.log_every == 0 or step == run.steps) and self.window_steps:
             line = {k: v / self.window_steps for k, v in self.window.items()}
+            # Fewer than log_every: the first line after a resume, the last one, or steps left out above.
+            line["window_steps"] = self.window_steps
             line.update({k: metrics[k] for k in ("lr",) if k in metrics})
             if self.noise_scale is not None:
                 line["grad_noise_scale"] = self.noise_scale.value
@@ -236,7 +238,8 @@ class Checkpoints(Every):
     def __init__(self, run: Run, checkpointer: Checkpointer) -> None:
         super().__init__(checkpointer.every_steps, run.steps)
         self.run, self.checkpointer = run, checkpointer
-        self.stalls: list[float] = []
+        self.stalls: list[float] = []  # the blocking time of each save made during training
+        self.final_call_s: float | None = None  # the final save's: nothing trains behind it, so not a stall
 
     def save(self, step: int, state: Any) -> None:
         """`state`: the logical train state after `step`."""
@@ -245,13 +248,28 @@ class Checkpoints(Every):
             # Informative: a source reads any step directly.
             position = {"step": step, "epoch": step // self.run.source.steps_per_epoch}
             self.checkpointer.save(step, state, position)
-            self.stalls.append(time.perf_counter() - t)
+            elapsed = time.perf_counter() - t
+        if step == self.run.steps:
+            self.final_call_s = elapsed
+        else:
+            self.stalls.append(elapsed)
 
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
         self.save(step, state)
 
     def mean_stall(self) -> float:
+        """The mean blocking time of the saves made during training (0 without any)."""
         return sum(self.stalls) / len(self.stalls) if self.stalls else 0.0
+
+    def finish_final(self) -> float:
+        """Waits for the final save's commit; returns that save's time (its blocking call and the wait for its
+        commit that the final eval did not hide; 0 without a final save)."""
+        if self.final_call_s is None:
+            return 0.0
+        with self.run.clock.paused():
+            t = time.perf_counter()
+            self.checkpointer.wait()
+            return self.final_call_s + time.perf_counter() - t
 
 
 class Evaluation(Every):

@@ -149,7 +149,7 @@ def _data_problem(directory: Path, step: int, data: Any) -> str | None:
     if not isinstance(data, dict):
         return "its data item is not a JSON object (damaged bytes)"
     if digest.seal_broken(data):
-        return "its data item does not match its checksum (damaged bytes)"
+        return "its data item (data/metadata) does not match its checksum (damaged bytes)"
     if "checksum" not in data:
         unknown = sorted(set(data) - _UNSEALED_KEYS)
         if unknown:

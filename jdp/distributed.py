@@ -9,20 +9,27 @@ Each of the three settings is taken from the first place that sets it:
 | process count  | `--num_processes` | JAX_NUM_PROCESSES       | WORLD_SIZE                | SLURM_NTASKS      |
 | process id     | `--process_id`    | JAX_PROCESS_ID          | RANK                      | SLURM_PROCID      |
 
-When a SLURM setting is used, `jax.distributed.initialize` detects the SLURM job itself (coordinator on
-the first node of the step, one device per task by SLURM_LOCALID). Otherwise cluster auto-detection is
-off and torchrun's LOCAL_RANK selects this process's GPU (one process per GPU, as with DDP), unless
-JAX_LOCAL_DEVICE_IDS is set. Nothing set, or a process count of 1, is a single-process run:
+When a SLURM setting is used, `jax.distributed.initialize` detects the SLURM job itself (one device per task by
+SLURM_LOCALID); the coordinator is the first node of the step, at JAX's port for the job (JAX_COORDINATOR_PORT,
+else one derived from SLURM_JOB_ID), worked out here by JAX's rule so that jdp knows where it listens. Otherwise
+cluster auto-detection is off and torchrun's LOCAL_RANK selects this process's GPU (one process per GPU, as with
+DDP), unless JAX_LOCAL_DEVICE_IDS is set. Nothing set, or a process count of 1, is a single-process run:
 `initialize` is not called.
+
+Process 0's coordinator (JAX's coordination service, an unauthenticated gRPC server) listens only on the address
+the processes were told to connect to, unless told otherwise (`listen_address`).
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import itertools
 import json
 import math
 import os
+import re
+import socket
 import sys
 import threading
 from collections.abc import Mapping
@@ -62,7 +69,7 @@ class Job:
     auto_detect: bool  # let JAX's SLURM detection fill in what jdp left unset
 
     def describe(self) -> str:
-        where = self.coordinator or _slurm_coordinator() or "the address JAX derives from SLURM"
+        where = self.coordinator or slurm_coordinator(os.environ) or "the address JAX derives from SLURM"
         return (f"coordinator {where}, expected {self.num_processes} processes, this is process {self.process_id}; "
                 f"settings from {self.origin}")
 
@@ -180,11 +187,98 @@ def resolve(env: Mapping[str, str] | None = None, *, coordinator: str | None = N
     return Job(_address(*coord) if coord else None, count, rank, local_ids, origin, auto)
 
 
-def _slurm_coordinator() -> str | None:
-    """The address JAX derives in a SLURM job, for messages only (None if it cannot be worked out)."""
-    if not all(k in os.environ for k in _SLURM_VARIABLES):
+def slurm_coordinator(env: Mapping[str, str]) -> str | None:
+    """HOST:PORT of the coordinator of a SLURM job step by JAX's rule (jax._src.clusters.SlurmCluster): the first
+    host of SLURM_STEP_NODELIST (`node[001-004],gpu7` -> node001), port JAX_COORDINATOR_PORT or SLURM_JOB_ID's in
+    61440-65535. None outside SLURM or when the variables do not read."""
+    if not all(env.get(k) for k in _SLURM_VARIABLES):
         return None
-    return f"the first host of SLURM_STEP_NODELIST={os.environ['SLURM_STEP_NODELIST']}"
+    match = re.match(r"([^,\[]+)(?:\[([^,\-\]]+))?", env["SLURM_STEP_NODELIST"].strip())
+    first = match[1] + (match[2] or "") if match else None
+    port = env.get("JAX_COORDINATOR_PORT") or (
+        str(int(env["SLURM_JOB_ID"]) % 2**12 + 65535 - 2**12 + 1) if env["SLURM_JOB_ID"].strip().isdigit() else None)
+    return f"{first}:{port}" if first and port else None
+
+
+# Bind addresses that mean every interface: only ever used when asked for.
+_EVERY_INTERFACE = ("0.0.0.0", "::", "[::]")
+
+
+@dataclass(frozen=True)
+class Listen:
+    """Where process 0's coordinator listens, and why (for the start-up line)."""
+    address: str  # HOST:PORT as gRPC takes it ([v6]:PORT)
+    reason: str
+
+
+def listen_address(job: Job, bind_address: str = "", env: Mapping[str, str] | None = None) -> Listen:
+    """Where process 0's coordinator listens: `bind_address` (distributed.bind_address) if set, else
+    JAX_COORDINATOR_BIND_ADDRESS, else the host the processes connect to, at the coordinator's port:
+
+    - an IP address (MASTER_ADDR=127.0.0.1, 10.0.0.1) as it is;
+    - a hostname resolved here, on process 0's host, to its first non-loopback address (in getaddrinfo's order,
+      the order in which the other processes try them);
+    - a hostname that resolves to loopback addresses only (`localhost`; Debian's /etc/hosts maps a machine's own
+      name to 127.0.1.1): that loopback address, which only processes on this host reach. When the variables say
+      the job spans hosts (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE, SLURM_STEP_NUM_NODES > 1) that is refused
+      at once (DistributedUsageError), naming the fix, rather than left to time out.
+
+    Every interface (`0.0.0.0:PORT`, `[::]:PORT`) is used only when one of the two settings asks for it."""
+    env = os.environ if env is None else env
+    for name, value in (("distributed.bind_address", bind_address), ("JAX_COORDINATOR_BIND_ADDRESS",
+                                                                     env.get("JAX_COORDINATOR_BIND_ADDRESS", ""))):
+        if value.strip():
+            address = _address(name, value)
+            every = address.rpartition(":")[0] in _EVERY_INTERFACE
+            return Listen(address, f"every interface, as {name} asks" if every else f"from {name}")
+    coordinator = job.coordinator or slurm_coordinator(env)
+    if coordinator is None:
+        raise DistributedUsageError("the coordinator's address cannot be worked out from SLURM_STEP_NODELIST and "
+                                    "SLURM_JOB_ID; pass --coordinator HOST:PORT")
+    host, _, port = coordinator.rpartition(":")
+    name = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    source = job.origin.split(",")[0] if job.coordinator else "SLURM_STEP_NODELIST"
+    try:
+        ip, resolved = ipaddress.ip_address(name), False
+    except ValueError:
+        ip, resolved = _resolve(name, source), True
+    listen = f"[{ip}]:{port}" if ip.version == 6 else f"{ip}:{port}"
+    if not resolved:
+        return Listen(listen, f"the host of the coordinator address, from {source}")
+    if not ip.is_loopback:
+        return Listen(listen, f"{name}, as this host resolves it")
+    hosts = _hosts(env)
+    if hosts is not None and hosts > 1:
+        raise DistributedUsageError(
+            f"the coordinator's host {name} resolves to {ip} on process 0's host, a loopback address, but the job "
+            f"spans {hosts} hosts, which cannot reach it; set the coordinator address (MASTER_ADDR, --coordinator) "
+            f"to an IP address the other hosts reach, or --config.distributed.bind_address=IP:{port}")
+    return Listen(listen, f"{name}, as this host resolves it: a loopback address, so only processes on this host "
+                          f"can join; if others must, set distributed.bind_address=IP:{port} to an address they reach")
+
+
+def _resolve(name: str, source: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """The address a coordinator named `name` listens on: the first non-loopback one it resolves to, else the first."""
+    try:
+        found = [ipaddress.ip_address(info[4][0].split("%")[0])
+                 for info in socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)]
+    except (OSError, ValueError) as e:
+        raise DistributedUsageError(f"the coordinator's host {name} (from {source}) does not resolve "
+                                    f"on process 0's host ({one_line(e, typed=False)}); give a name or an IP address "
+                                    "every host resolves") from None
+    return next((ip for ip in found if not ip.is_loopback), found[0])
+
+
+def _hosts(env: Mapping[str, str]) -> int | None:
+    """How many hosts the job spans, where its variables say (torchrun's, SLURM's); None when they do not."""
+    def number(key: str) -> int | None:
+        value = env.get(key, "").strip()
+        return int(value) if value.isdigit() and int(value) > 0 else None
+
+    world, local = number("WORLD_SIZE"), number("LOCAL_WORLD_SIZE")
+    if world and local:
+        return -(-world // local)
+    return number("SLURM_STEP_NUM_NODES") or number("SLURM_NNODES")
 
 
 def check_timeouts(init_timeout_s: float, heartbeat_timeout_s: float) -> None:
@@ -201,26 +295,37 @@ def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, b
     exit code 5 (JAX itself would abort later with a misleading message). A peer that stops sending
     heartbeats for `heartbeat_timeout_s` makes JAX stop the survivors, and a process that exits waits at
     most as long for the others (JAX's shutdown barrier; 300 s by default). Process 0's coordinator
-    listens on `bind_address` (HOST:PORT; "" = JAX_COORDINATOR_BIND_ADDRESS, else every interface)."""
+    listens on `bind_address` (HOST:PORT) if given, else on JAX_COORDINATOR_BIND_ADDRESS, else only on the
+    coordinator address's host (see `listen_address`), and says where in one line before it waits."""
     check_timeouts(init_timeout_s, heartbeat_timeout_s)
     if bind_address:
         _address("distributed.bind_address", bind_address)
+    # The SLURM address by JAX's rule, given to JAX too: the address bound and the one connected to are one.
+    coordinator = job.coordinator or slurm_coordinator(os.environ)
+    listen = listen_address(job, bind_address) if job.process_id == 0 else None
+    bound = f"; process 0's coordinator listens on {listen.address}" if listen else ""
+    if listen is not None:
+        print(f"jdp: distributed: process 0's coordinator listens on {listen.address} ({listen.reason})", flush=True)
     message = (f"jdp: distributed: not all {job.num_processes} processes joined within {init_timeout_s:g} s "
-               f"({job.describe()}); start every process with the same coordinator and process count, check that "
-               "the coordinator is reachable from every host, or raise distributed.init_timeout_s")
+               f"({job.describe()}{bound}); start every process with the same coordinator and process count, check "
+               "that the coordinator is reachable from every host, or raise distributed.init_timeout_s")
     watchdog = threading.Timer(init_timeout_s, _give_up, args=(message,))
     watchdog.daemon = True
     watchdog.start()
     try:
         jax.distributed.initialize(
-            coordinator_address=job.coordinator, num_processes=job.num_processes, process_id=job.process_id,
+            coordinator_address=coordinator, num_processes=job.num_processes, process_id=job.process_id,
             local_device_ids=list(job.local_device_ids) if job.local_device_ids else None,
             cluster_detection_method=None if job.auto_detect else "deactivate",
             initialization_timeout=math.ceil(init_timeout_s) + JAX_TIMEOUT_MARGIN_S,
             heartbeat_timeout_seconds=math.ceil(heartbeat_timeout_s),
-            shutdown_timeout_seconds=math.ceil(heartbeat_timeout_s), coordinator_bind_address=bind_address or None)
-    except Exception as e:  # noqa: BLE001 - e.g. the coordinator's port is taken
-        raise DistributedFailure(f"could not start ({job.describe()}): {one_line(e, typed=False)}") from None
+            shutdown_timeout_seconds=math.ceil(heartbeat_timeout_s),
+            coordinator_bind_address=listen.address if listen else None)
+    except Exception as e:  # noqa: BLE001 - e.g. the coordinator's port is taken, or its address is not this host's
+        fix = ("; if that address is not one of this host's, or its port is taken, set "
+               "distributed.bind_address=HOST:PORT" if listen else "")
+        raise DistributedFailure(f"could not start ({job.describe()}{bound}): {one_line(e, typed=False)}"
+                                 f"{fix}") from None
     finally:
         watchdog.cancel()
     if jax.process_count() != job.num_processes:

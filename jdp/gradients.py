@@ -41,16 +41,16 @@ def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef,
     shard_map, and synced BatchNorm reduces over the lanes' axis.
     """
     o = options
-    dtype = COMPUTE_DTYPES[o.precision]
-    scale = state.loss_scale[0] if o.precision == "fp16" else 1.0
-    k = o.grad_accum_steps
+    dtype = COMPUTE_DTYPES[o.fit.precision]
+    scale = state.loss_scale[0] if o.fit.precision == "fp16" else 1.0
+    k = o.fit.grad_accum_steps
     rows = jax.tree.leaves(batch)[0].shape[0] // k  # of each micro-batch
     folds = (state.step,) if o.axis_name is None else (state.step, jax.lax.axis_index(o.axis_name))
 
     def loss(params: Tree, model_state: Tree, counts: Tree, micro: dict[str, jax.Array], index: jax.Array | int,
              folds: tuple[jax.Array, ...], groups: int):
         micro = o.device_input(micro)
-        micro = {key: v if key in o.keep_fp32 else cast_floating(v, dtype) for key, v in micro.items()}
+        micro = {key: v if key in o.fit.keep_fp32 else cast_floating(v, dtype) for key, v in micro.items()}
         outputs, new_model_state, counts = run_loss(
             model, loss_fn, cast_floating(params_view(params), dtype), model_state,
             {**state.rng_state, "counts": counts}, micro, train=True, folds=folds, groups=groups, micro=index)
@@ -105,7 +105,7 @@ def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef,
         small_sq = jnp.mean(micro_sqs)
     elif o.noise_small_batches:
         small_sq = mean_grad_sq(grads, weight)
-    if o.precision == "fp16":
+    if o.fit.precision == "fp16":
         grads = jax.tree.map(lambda g: g / scale, grads)
     return Local(grads, sums, weight, model_state, counts, rows, small_sq)
 

@@ -85,27 +85,7 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
     parallel, source = engine.parallel, engine.source
     is_main = jax.process_index() == 0
     echo = print if is_main else lambda *_: None
-    resuming = checkpointer is not None and bool(checkpointer.steps())
-    try:
-        if resuming:
-            on_resume()
-        # Before the restore, which would refuse an optimizer of another state tree without naming the change.
-        old_steps = _check_resume(fit_record, workdir, options.allow_config_change, echo) if fit_record and resuming \
-            else steps
-        start, logical = _restore_or_init(engine, checkpointer, echo)
-    except BaseException:
-        if checkpointer is not None and jax.process_count() == 1:  # a refused rerun in a notebook leaks nothing
-            checkpointer.close()
-        raise
-    record = None  # as written to run.json, for the callbacks' `on_start`
-    if fit_record is not None and start < steps:  # a finished run's rerun records nothing
-        if start and old_steps != steps:
-            echo(f"warning: steps changed from {old_steps} to {steps}: the run goes on from step {start}; a "
-                 "learning-rate schedule built from steps changes from here on (it is not compared)")
-        if is_main:
-            metadata = runinfo.run_metadata(parallel.mesh)
-            record_lib.write(workdir, fit_record, metadata)
-            record = json.loads(json.dumps({**metadata, "fit": fit_record}, default=str))
+    start, logical, record = _begin(engine, options, steps, workdir, checkpointer, fit_record, on_resume, echo)
     on_start(start)
     # A run with nothing left to do only reports, and writes no more than a final eval or summary line it lacks.
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=is_main)
@@ -162,6 +142,35 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
             writer.close()
     final = parallel.to_host(parallel.to_logical(run.state))
     return Outcome(int(final.step), log.losses, evaluation.metrics, run.clock.rate(), final, callbacks)
+
+
+def _begin(engine: Engine, options: FitOptions, steps: int, workdir: Path | None, checkpointer: Checkpointer | None,
+           fit_record: dict | None, on_resume: Callable[[], None], echo: Callable[[str], None]
+           ) -> tuple[int, Any, dict | None]:
+    """(the start step, the logical state to start from, the record as written to run.json or None): a resumed
+    run checked and restored, a new one initialised, and the record written where there is something to train."""
+    resuming = checkpointer is not None and bool(checkpointer.steps())
+    try:
+        if resuming:
+            on_resume()
+        # Before the restore, which would refuse an optimizer of another state tree without naming the change.
+        old_steps = _check_resume(fit_record, workdir, options.allow_config_change, echo) if fit_record and resuming \
+            else steps
+        start, logical = _restore_or_init(engine, checkpointer, echo)
+    except BaseException:
+        if checkpointer is not None and jax.process_count() == 1:  # a refused rerun in a notebook leaks nothing
+            checkpointer.close()
+        raise
+    record = None  # as written to run.json, for the callbacks' `on_start`
+    if fit_record is not None and start < steps:  # a finished run's rerun records nothing
+        if start and old_steps != steps:
+            echo(f"warning: steps changed from {old_steps} to {steps}: the run goes on from step {start}; a "
+                 "learning-rate schedule built from steps changes from here on (it is not compared)")
+        if jax.process_index() == 0:
+            metadata = runinfo.run_metadata(engine.parallel.mesh)
+            record_lib.write(workdir, fit_record, metadata)
+            record = json.loads(json.dumps({**metadata, "fit": fit_record}, default=str))
+    return start, logical, record
 
 
 def _check_resume(fit_record: dict, workdir: Path, allow_change: bool, echo: Callable[[str], None]) -> int:
@@ -258,11 +267,14 @@ def _header(run: callbacks_lib.Run, engine: Engine, options: FitOptions) -> None
 def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: callbacks_lib.Evaluation,
              checkpoints: callbacks_lib.Checkpoints | None, total_time_s: float) -> None:
     stall = checkpoints.mean_stall() if checkpoints else 0.0
+    # Waited for here, so that a summary line means the final checkpoint is committed.
+    final_save = checkpoints.finish_final() if checkpoints else 0.0
     rate = run.clock.rate()
     noise = {"grad_noise_scale": log.noise_scale.value} if log.noise_scale else {}
     tokens = {"tokens_per_sec": rate * run.tokens_per_example} if run.tokens_per_example else {}
     run.writer.summary(**{f"eval_{k}": v for k, v in evaluation.metrics.items()}, examples_per_sec=rate, **tokens,
                        compile_time_s=log.compile_time, total_time_s=total_time_s, checkpoint_stall_s=stall,
+                       final_checkpoint_s=final_save,
                        comm_bytes_per_step=run.parallel.comm_bytes_per_step,
                        first_step_end_unix=log.first_step_end, **noise)
     evaluated = "  ".join(f"eval {k} {v:.4f}" for k, v in evaluation.metrics.items())
@@ -271,4 +283,5 @@ def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: ca
         run.writer.echo(f"batch size: {noise_scale.advice(log.noise_scale.global_batch, log.noise_scale.value)}")
     per_sec = f"{rate:,.0f} examples/s" + (f" ({tokens['tokens_per_sec']:,.0f} tokens/s)" if tokens else "")
     run.writer.echo(f"done: {evaluated + ', ' if evaluated else ''}{per_sec}, first step (compile) "
-                    f"{log.compile_time:.1f}s, checkpoint stall {stall * 1e3:.0f} ms/save{where}")
+                    f"{log.compile_time:.1f}s, checkpoint stall {stall * 1e3:.0f} ms/save, final save "
+                    f"{final_save:.2f}s{where}")

@@ -9,6 +9,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jdp.environment import MAX_CPU_DEVICES
 from jdp.errors import UsageError
 
 DATA_AXIS = "data"
@@ -26,6 +27,8 @@ def simulate_cpu_devices(count: int) -> None:
     A setting of the flag already in XLA_FLAGS wins."""
     if count <= 0:
         return
+    if count > MAX_CPU_DEVICES:  # XLA would set them all up in C++, for minutes and gigabytes, deaf to signals
+        raise UsageError(f"{count} simulated CPU devices asked for; jdp simulates at most {MAX_CPU_DEVICES}")
     jax.config.update("jax_num_cpu_devices", count)
     current = os.environ.get("XLA_FLAGS", "")
     flag = ONE_THREAD_PER_DEVICE.split("=")[0]

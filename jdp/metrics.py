@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import struct
 import sys
 import time
 from collections.abc import Iterator
@@ -75,6 +76,7 @@ class MetricsWriter:
         if not enabled:
             return
         self._start = time.time()
+        self._step = start_step  # of the latest train or eval line: a summary's TensorBoard step
         self._workdir, self._file, self._tb = workdir, None, None
         # Imported now, at start-up (~0.35 s), not inside the throughput clock at the first train line.
         self._summary_writer = _tensorboard_class() if workdir is not None else None
@@ -85,11 +87,16 @@ class MetricsWriter:
                 self.eval_steps = {r["step"] for r in records if r.get("split") == "eval"}
                 self.summary_written = bool(records) and records[-1].get("split") == "summary"
             self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
+            if resume:
+                _purge_events(workdir / "tensorboard", start_step)
         self._bar = (tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
                      if sys.stderr.isatty() else None)
 
     def _write(self, record: dict) -> None:
         record["wall_time"] = round(time.time() - self._start, 3)
+        # A summary has no step of its own: at the step it closes, so that a run extended by raising its steps
+        # keeps one summary event per segment at distinct steps (and a resume purges it with the steps past).
+        self._step = record.get("step", self._step)
         # Strict JSON: a value that is not a finite number (a NaN loss, a rate not yet measured) is null.
         record = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
         if self._file is not None:
@@ -97,11 +104,14 @@ class MetricsWriter:
         for listener in self.listeners:  # callbacks' `on_line`: the line as written (trackers log these)
             listener(dict(record))
         if self._tb is None and self._summary_writer is not None:  # opened on the first line: a rerun with
-            self._tb = self._summary_writer(str(self._workdir / "tensorboard"))  # nothing to do leaves no event file
+            # nothing to do leaves no event file. tensorboardX names the file by the second it opens it, and
+            # truncates a file of that name: a segment resumed within the same second would blank the last one's.
+            self._tb = self._summary_writer(str(self._workdir / "tensorboard"),
+                                            filename_suffix=f".{time.time_ns() % 10**9:09d}")
         if self._tb:
             for key, value in record.items():
                 if key not in ("step", "split", "wall_time") and isinstance(value, (int, float)):
-                    self._tb.add_scalar(f"{record['split']}/{key}", value, record.get("step", 0))
+                    self._tb.add_scalar(f"{record['split']}/{key}", value, self._step)
 
     def train(self, step: int, metrics: dict[str, float]) -> None:
         """A train line: `metrics` holds `loss`, the loss function's other outputs and jdp's own fields."""
@@ -198,6 +208,63 @@ def _truncate_after(path: Path, step: int) -> list[dict]:
 
 def _warn(line: str) -> None:
     print(f"jdp: warning: {line}", file=sys.stderr, flush=True)
+
+
+def _purge_events(directory: Path, step: int) -> None:
+    """Drops from the TensorBoard event files the events past `step` that an interrupted run wrote, as
+    `_truncate_after` does for metrics.jsonl: the resumed run writes those steps again, and every reader of the
+    files would show each twice (tensorboardX's `purge_step` marker only hides them from TensorBoard's own
+    loader). A record cut short at the end of a file (a kill during a write) goes too. Each file that changes is
+    rewritten atomically."""
+    if not directory.is_dir():
+        return
+    for path in sorted(directory.glob("events.out.tfevents.*")):
+        data = path.read_bytes()
+        kept, offset = [], 0
+        # TFRecord framing: length (uint64, little-endian), its CRC (4 bytes), the Event, the Event's CRC.
+        while offset + 12 <= len(data):
+            (length,) = struct.unpack_from("<Q", data, offset)
+            end = offset + 12 + length + 4
+            if end > len(data):
+                break
+            if _event_step(data[offset + 12:offset + 12 + length]) <= step:
+                kept.append(data[offset:end])
+            offset = end
+        purged = b"".join(kept)
+        if purged != data:
+            write_atomic(path, purged)
+
+
+def _event_step(event: bytes) -> int:
+    """The `step` of a serialized tensorflow `Event` (field 2, an int64 varint; 0 when absent, as protobuf reads
+    it), read from the wire format so that no protobuf module is needed."""
+    def varint(i: int) -> tuple[int, int]:
+        value = shift = 0
+        while i < len(event):
+            byte = event[i]
+            value, shift, i = value | (byte & 0x7F) << shift, shift + 7, i + 1
+            if not byte & 0x80:
+                break
+        return value, i
+
+    i = 0
+    while i < len(event):
+        key, i = varint(i)
+        field, wire = key >> 3, key & 7
+        if wire == 0:
+            value, i = varint(i)
+            if field == 2:
+                return value - (1 << 64) if value >= 1 << 63 else value
+        elif wire == 1:
+            i += 8
+        elif wire == 2:
+            size, i = varint(i)
+            i += size
+        elif wire == 5:
+            i += 4
+        else:  # not an Event: kept
+            return 0
+    return 0
 
 
 def _tensorboard_class() -> type | None:

@@ -109,7 +109,7 @@ class DataParallel:
 
         def step_for(axis_name: str | None) -> Callable:
             groups = options.bn_groups if axis_name is None else 1  # per-device rows need no grouping
-            lanes = mesh.size if axis_name is None and options.grad_accum_steps > 1 else 0
+            lanes = mesh.size if axis_name is None and options.fit.grad_accum_steps > 1 else 0
             opts = dataclasses.replace(options, axis_name=axis_name, bn_groups=groups, accum_lanes=lanes)
             return partial(step_lib.train_step, model=model, loss_fn=loss_fn, tx=tx, sync=sync, schedule=schedule,
                            options=opts)

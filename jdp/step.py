@@ -20,6 +20,7 @@ import optax
 from jdp.gradients import local_gradients, micro_batches
 from jdp.loss import run_loss, weighted_sums
 from jdp.modeldef import LossFn, ModelDef
+from jdp.options import FitOptions
 from jdp.sync import Sync
 from jdp.sync.base import sum_of_squares
 from jdp.update import all_finite, guard, updates_applied
@@ -43,25 +44,21 @@ class TrainState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
-    """How the one step runs; every field has the plain data-parallel default."""
+    """How the one step runs: `fit`'s options (`fit`: precision, accumulation, the guard...), and what jdp derives
+    from them, the backend and the mesh. Every field has the plain data-parallel default."""
 
+    fit: FitOptions = FitOptions()
     axis_name: str | None = None  # "data" under shard_map/pmap, None under jit
     bn_groups: int = 1  # jit with per-device BatchNorm: normalise the global batch in this many groups of rows
     # jit with grad_accum_steps > 1: the device count. The micro-batch loop then runs one lane per device
     # (vmapped over a `data` axis laid on the devices), so each device sums its own gradients and XLA
     # all-reduces once, instead of once per micro-batch. 0: no lanes (the other backends, or k = 1).
     accum_lanes: int = 0
-    on_nonfinite: str = "halt"  # halt | skip
-    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 adds dynamic loss scaling)
-    keep_fp32: tuple[str, ...] = ()  # batch keys never cast to the compute dtype (e.g. regression targets)
-    grad_accum_steps: int = 1  # micro-batches per step, all-reduced once
     all_reduce: bool = True  # False compiles the step without its collective (jdp.bench's with/without)
-    log_grad_norm: bool = False  # report the averaged gradient's norm (one more pass over the gradients)
     # For `jdp.noise_scale`: report the squared norms of the small-batch gradients and of the global one
     # (riding in the one collective). The small batches are "devices" (each device's slice) or
     # "micro_batches" (each gradient-accumulation micro-batch: one device); "" reports nothing.
     noise_small_batches: str = ""
-    loss_scale_growth_interval: int = 2000  # fp16: finite steps before the loss scale doubles
     # The batch the loss sees, made on the device from the batch that was sent: as it is, or e.g. uint8
     # pixels -> cropped, normalised floats (a source's `device_input`).
     device_input: Callable[[dict[str, jax.Array]], dict[str, jax.Array]] = lambda batch: batch
@@ -101,9 +98,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     metrics["weight"] = reduced.weight * (jax.lax.psum(1, collective) if collective else 1)  # the global total
     if local.small_sq is not None:  # the global gradient's norm needs no collective: every device holds it whole
         metrics.update(noise_small_sq=reduced.small_sq, noise_big_sq=sum_of_squares(reduced.grads),
-                       noise_small_batch=reduced.weight / (o.grad_accum_steps if o.noise_small_batches
+                       noise_small_batch=reduced.weight / (o.fit.grad_accum_steps if o.noise_small_batches
                                                            == "micro_batches" else 1))
-    if o.log_grad_norm:  # the norm the update sees, before clipping
+    if o.fit.log_grad_norm:  # the norm the update sees, before clipping
         metrics["grad_norm"] = sync.grad_norm(reduced.grads, axis, collective=o.all_reduce)
     metrics.update(guard_metrics)
     if schedule is not None:

@@ -35,7 +35,8 @@ READ_ERRNOS = {errno.EACCES, errno.EPERM, errno.ESTALE, errno.EIO, errno.EAGAIN,
 # tensorstore's status codes for those errors, where its text names no errno (a remote kvstore).
 _READ_STATUSES = {"PERMISSION_DENIED": errno.EACCES, "UNAVAILABLE": errno.EAGAIN, "DEADLINE_EXCEEDED": errno.ETIMEDOUT}
 _STATUS = re.compile(r"^([A-Z_]+): ")
-_FAILED_PATH = re.compile(r'"([^"]+)": [^"\[]*\[os_error_code=')  # `Failed to open: "PATH": Permission denied [...`
+# `Failed to open: "PATH": Permission denied [os_error_code='13'] [tensorstore_spec=...`, or without the errno
+_FAILED_PATH = re.compile(r'"([^"]+)": [^"\[]*\[(?:os_error_code|tensorstore_spec)=')
 # A brief failure passes within seconds: 4 tries over 3.5 s; a lasting one costs no more before exit 6.
 READ_RETRY_DELAYS_S = (0.5, 1.0, 2.0)
 
@@ -47,12 +48,27 @@ def check_writable(workdir: str | Path, flag: str = "--workdir") -> None:
         raise UsageError(f"workdir {workdir} is a file, not a directory; pass another {flag}")
     existing = workdir
     while not existing.exists():
+        # exists() is False for a link that leads nowhere; mkdir would then fail with FileExistsError.
+        if existing.is_symlink():
+            raise UsageError(f"workdir {workdir} {_broken_link(existing, workdir)}; pass another {flag} or fix "
+                             "the link")
         existing = existing.parent
     if not existing.is_dir():
         raise UsageError(f"workdir {workdir} lies under {existing}, which is a file; pass another {flag}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"workdir {workdir} cannot be written ({existing} is read-only to this user); pass "
                          f"another {flag} or make it writable")
+
+
+def _broken_link(link: Path, workdir: Path) -> str:
+    """Why the symbolic link `link` (the workdir or a folder above it) cannot be a directory."""
+    where = "is" if link == workdir else f"lies under {link}, which is"
+    try:
+        os.stat(link)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return f"{where} a symbolic link loop (it leads back to itself)"
+    return f"{where} a symbolic link to {os.readlink(link)}, which does not exist"
 
 
 def disk_failure(error: BaseException) -> tuple[int, str | None] | None:
@@ -122,10 +138,20 @@ def describe(failure: tuple[int, str | None], fallback: Path) -> str:
     return f"{os.strerror(code).lower()} writing {where} ({_free(where)} free there)"
 
 
+def remedy(code: int) -> str:
+    """What to do about a storage failure of errno `code` (see DISK_ERRNOS) before rerunning: only a full disk
+    is fixed by freeing space."""
+    return {errno.EROFS: "make the filesystem writable (it is mounted read-only)",
+            errno.EIO: "check the storage (an I/O error: see dmesg)",
+            errno.EFBIG: "raise the file size limit (ulimit -f) or use a filesystem that allows larger files",
+            errno.EDQUOT: "free space within your quota"}.get(code, "free space")
+
+
 def disk_error(failure: tuple[int, str | None], workdir: Path, last_checkpoint: int | None) -> DiskError:
     """The one-line error for `failure` (from `disk_failure`) while a run wrote `workdir`."""
-    kept = (f"the last checkpoint, step {last_checkpoint}, is intact: free space and rerun to resume"
-            if last_checkpoint is not None else "no checkpoint was written yet: free space and rerun")
+    fix = remedy(failure[0])
+    kept = (f"the last checkpoint, step {last_checkpoint}, is intact: {fix} and rerun to resume"
+            if last_checkpoint is not None else f"no checkpoint was written yet: {fix} and rerun")
     return DiskError(f"{describe(failure, workdir)}; {kept}")
 
 

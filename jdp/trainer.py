@@ -102,6 +102,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
             options: FitOptions | None = None, all_reduce: bool = True) -> Engine:
     """The compiled steps, the data and the state factory of a run; raises FitError on bad input."""
     o = options or FitOptions()
+    _check_model_and_optimizer(model, optimizer)
     try:
         mesh = make_mesh(o.num_devices)
     except UsageError as e:
@@ -124,7 +125,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     # whole, jit with it runs one lane per device on that axis (jdp.step's `accum_lanes`).
     bn_axis = DATA_AXIS if o.bn_sync and (o.backend != "jit" or o.grad_accum_steps > 1) else None
     make = model if callable(model) and not isinstance(model, nnx.Module) else None
-    module = nnx.eval_shape(make) if make else model
+    module = _abstract_model(make) if make else model
     try:
         model_def = ModelDef.of(module, bn_axis, o.seed)
     except ValueError as e:
@@ -147,16 +148,57 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     if o.shard_optimizer:
         zero1.check_sliceable(optimizer, abstract.params, n)
     step_options = StepOptions(
-        bn_groups=1 if o.bn_sync else n, on_nonfinite=o.on_nonfinite, precision=o.precision, keep_fp32=o.keep_fp32,
-        grad_accum_steps=o.grad_accum_steps, all_reduce=all_reduce, log_grad_norm=o.log_grad_norm,
-        noise_small_batches=("micro_batches" if n == 1 else "devices") if o.log_noise_scale else "",
-        loss_scale_growth_interval=o.loss_scale_growth_interval,
-        device_input=device_input)
+        o, bn_groups=1 if o.bn_sync else n, all_reduce=all_reduce, device_input=device_input,
+        noise_small_batches=("micro_batches" if n == 1 else "devices") if o.log_noise_scale else "")
     parallel = DataParallel(o.backend, mesh, model_def, loss_fn, o.eval_fn or loss_fn, optimizer, o.schedule,
                             abstract, step_options, eval_derived=o.eval_derived, sync=sync)
     abstract = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract,
                             parallel.logical_shardings)
     return Engine(parallel, source, model_def, lambda: parallel.init_state(init_state, *initial), abstract)
+
+
+def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
+    """What is not a model or an optimizer at all, named before it fails deep inside JAX or optax."""
+    if not isinstance(model, nnx.Module) and not callable(model):
+        raise FitError(f"model is of type {type(model).__name__}; give an nnx.Module, or a function of no "
+                       "arguments that returns one (e.g. lambda: MyNet(nnx.Rngs(0)))")
+    if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
+        return  # an optax.GradientTransformation, or anything with its two functions
+    if isinstance(optimizer, str):
+        named = callable(getattr(optax, optimizer, None))
+        hint = f"build it, e.g. optax.{optimizer}(1e-3)" if named else "build one, e.g. optax.adamw(1e-3)"
+    elif callable(optimizer):  # optax.adam itself, uncalled
+        hint = f"call {getattr(optimizer, '__name__', 'it')} with its settings, e.g. optax.adamw(1e-3)"
+    else:
+        hint = "build one, e.g. optax.adamw(1e-3)"
+    raise FitError(f"optimizer={_short_repr(optimizer)} is of type {type(optimizer).__name__}, not an "
+                   f"optax.GradientTransformation; {hint}")
+
+
+def _short_repr(value: Any) -> str:
+    """A value as a line may quote it: a literal as written, a function or class by name, else its type."""
+    plain = value is None or isinstance(value, (str, int, float))
+    text = repr(value) if plain else getattr(value, "__name__", type(value).__name__)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _abstract_model(make: Callable[[], Any]) -> nnx.Module:
+    """`make()` with shapes for arrays: the model a function given as `model` builds (FitError if it cannot)."""
+    name = getattr(make, "__name__", None) or getattr(getattr(make, "func", None), "__name__", type(make).__name__)
+
+    def checked() -> nnx.Module:  # what it returned, seen before eval_shape turns it into shapes
+        module = make()
+        if not isinstance(module, nnx.Module):
+            raise FitError(f"model: {name}() returned an object of type {type(module).__name__}, not an nnx.Module")
+        return module
+
+    try:
+        return nnx.eval_shape(checked)
+    except FitError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the user's function failed: say so, in one line
+        raise FitError(f"model: calling {name}() failed ({one_line(e)}); give an nnx.Module, or a function of no "
+                       "arguments that returns one") from e
 
 
 def eval_batch_limit(num_eval: int, num_devices: int) -> float:

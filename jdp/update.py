@@ -31,18 +31,18 @@ def guard(state: Any, updated: Any, loss_finite: jax.Array, grads_finite: jax.Ar
     scaling, not a failure). The flags are replica-identical."""
     metrics = {}
     loss_scale = state.loss_scale
-    if o.precision == "fp16":  # the guard sees the loss; gradient overflow only lowers the loss scale
+    if o.fit.precision == "fp16":  # the guard sees the loss; gradient overflow only lowers the loss scale
         scale, good, overflows = loss_scale[0], loss_scale[1], loss_scale[2]
         overflow = loss_finite & ~grads_finite
         good = jnp.where(grads_finite, good + 1, 0)
-        grow = good >= o.loss_scale_growth_interval
+        grow = good >= o.fit.loss_scale_growth_interval
         loss_scale = jnp.stack([jnp.where(overflow, scale / 2, jnp.where(grow, scale * 2, scale)),
                                 jnp.where(grow, 0, good).astype(scale.dtype), overflows + overflow])
         finite = loss_finite
         metrics.update(loss_scale=scale, overflow_steps=loss_scale[2], overflow=overflow.astype(jnp.float32))
     else:
         overflow, finite = jnp.bool_(False), loss_finite & grads_finite
-    halt = o.on_nonfinite == "halt"
+    halt = o.fit.on_nonfinite == "halt"
     apply = finite & (state.halted == 0) if halt else finite
     updated = updated._replace(loss_scale=loss_scale)
     # skip: the step is dropped and counted. halt: the state from before the bad step freezes, uncounted, as the

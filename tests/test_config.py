@@ -7,9 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from flax import nnx
 
 from jdp.cli import config as config_lib
-from jdp.cli.build import check_names
+from jdp.cli.build import abstract_model, check_names, model_maker
+from jdp.cli.resume import check_workdir_config, record_config
 from jdp.cli.train import main, parse_command_line
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,6 +53,47 @@ def test_model_x_is_short_for_model_kwargs_x(tmp_path):
         parse_command_line(["--config", str(both)])
     with pytest.raises(config_lib.ConfigError, match=r"did you mean --config.model.bn_sync\?"):
         parse_command_line(["--config.model.bn_synk=false"])
+
+
+def test_switching_the_model_drops_the_files_model_kwargs(capsys):
+    """The file's model.kwargs were its own model's settings: `--config.model.name` set to another model drops
+    them with a one-line warning (digits_mlp's hidden_sizes would make cnn1d fail to build), keeps those given
+    on the command line, and a model.name equal to the file's keeps them all."""
+    command = parse_command_line(["--config", "digits_mlp", "--config.model.name=cnn1d"])
+    assert command.cfg.model.kwargs.to_dict() == {}
+    assert isinstance(abstract_model(model_maker(command.cfg, (40,), 10)), nnx.Module)
+    assert capsys.readouterr().err == ("jdp: warning: --config.model.name=cnn1d replaces the config file's mlp, so "
+                                       "the file's model.kwargs for it (hidden_sizes) are dropped; give the new "
+                                       "model's as --config.model.kwargs.KEY=VALUE\n")
+    command = parse_command_line(["--config", "cifar10_resnet18", "--config.model.name=cnn2d",
+                                  "--config.model.channels=(8,)", "--config.model.kwargs.dense_sizes=(16,)"])
+    assert command.cfg.model.kwargs.to_dict() == {"channels": (8,), "dense_sizes": (16,)}
+    assert "model.kwargs for it (stem) are dropped" in capsys.readouterr().err
+    command = parse_command_line(["--config", "digits_mlp", "--config.model.name=mlp"])
+    assert command.cfg.model.kwargs.to_dict() == {"hidden_sizes": (128,)}
+    assert capsys.readouterr().err == ""
+
+
+def test_steps_below_the_files_warmup_shorten_it_with_a_warning(capsys, tmp_path):
+    """A shipped recipe shortened for a smoke test runs: its warmup (from the file) becomes a tenth of the steps,
+    with a one-line warning, and config.json records it, so that the resume guard compares it. A warmup given on
+    the command line is the user's, and is refused."""
+    command = parse_command_line(["--config", "shakespeare_char_cpu", "--config.train.steps=100"])
+    config_lib.validate(command.cfg)
+    assert command.cfg.optim.warmup_steps == 10
+    assert capsys.readouterr().err == (
+        "jdp: warning: optim.warmup_steps=100 from the config file is not shorter than train.steps=100: using 10, "
+        "a tenth of the steps (recorded in config.json; set --config.optim.warmup_steps to choose)\n")
+    record_config(command.cfg, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["optim"]["warmup_steps"] == 10
+    longer = parse_command_line(["--config", "shakespeare_char_cpu", "--config.train.steps=2000"])
+    with pytest.raises(config_lib.ConfigError, match=r"optim.warmup_steps: 10 -> 100"):
+        check_workdir_config(longer.cfg, tmp_path, print)
+    assert main(["--config", "shakespeare_char_cpu", "--config.train.steps=100", "--config.optim.warmup_steps=100",
+                 "--workdir", str(tmp_path / "given")]) == 2
+    assert capsys.readouterr().err == ("jdp: config error: optim.warmup_steps=100 is not shorter than "
+                                       "train.steps=100; lower --config.optim.warmup_steps or raise "
+                                       "--config.train.steps\n")
 
 
 def test_overrides_parse_as_the_fields_type():

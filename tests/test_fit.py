@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -22,7 +23,7 @@ from jdp import checkpoint
 from jdp.data.batching import RowOrder
 from jdp.sync import base as sync_base
 from jdp.trainer import FitOptions, prepare
-from tests.helpers import max_abs_diff
+from tests.helpers import max_abs_diff, records
 
 BACKENDS = ("shard_map", "pmap", "jit")
 RTOL = 1e-4
@@ -290,6 +291,30 @@ class Rows:
         return {k: v[i] for k, v in self.arrays.items()}
 
 
+def test_each_train_line_says_how_many_steps_it_averages(tmp_path):
+    """window_steps: log_every, but fewer in the first line after a resume (from step 2 with log_every=3: step 3
+    alone) and in a last line that comes early (step 7)."""
+    _fit(Regressor, mse, regression_data(), num_devices=1, steps=2, log_every=3, workdir=tmp_path)
+    _fit(Regressor, mse, regression_data(), num_devices=1, steps=7, log_every=3, workdir=tmp_path)
+    assert [(r["step"], r["window_steps"]) for r in records(tmp_path, "train")] == [(2, 2), (3, 1), (6, 3), (7, 1)]
+
+
+def test_the_checkpoint_stall_leaves_out_the_final_save(monkeypatch, tmp_path):
+    """checkpoint_stall_s is what the saves made during training held the training up; the final save, with
+    nothing left to train behind it, is final_checkpoint_s (its call, here made 0.5 s slower, and its commit)."""
+    save = checkpoint.Checkpointer.save
+
+    def slow_final_save(self, step, state, position):
+        save(self, step, state, position)
+        if step == 4:
+            time.sleep(0.5)
+
+    monkeypatch.setattr(checkpoint.Checkpointer, "save", slow_final_save)
+    _fit(Regressor, mse, regression_data(), num_devices=1, steps=4, checkpoint_every=2, workdir=tmp_path)
+    (summary,) = records(tmp_path, "summary")
+    assert summary["checkpoint_stall_s"] < 0.25 and summary["final_checkpoint_s"] >= 0.5
+
+
 def test_a_random_access_dataset_trains_like_the_same_arrays():
     arrays = _fit(Regressor, mse, regression_data(), num_devices=2)
     rows = _fit(Regressor, mse, Rows(regression_data()), num_devices=2)
@@ -316,6 +341,25 @@ def test_bad_input_is_refused_in_one_line_before_compiling(case, message):
     loss, data = case.pop("loss", mse), case.pop("data", regression_data())
     with pytest.raises(jdp.FitError, match=message) as error:
         _fit(Regressor, loss, data, **case)
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize("given, message", [
+    ({"model": lambda x: x}, r"model: calling <lambda>\(\) failed \(TypeError: "),
+    ({"model": 3}, "model is of type int; give an nnx.Module, or a function"),
+    ({"model": lambda: 3}, r"model: <lambda>\(\) returned an object of type int, not an nnx.Module"),
+    ({"optimizer": "adam"}, r"optimizer='adam' is of type str, not an optax.GradientTransformation; build it, e.g. "
+                            r"optax.adam\(1e-3\)"),
+    ({"optimizer": optax.adam}, "optimizer=adam is of type function, not an optax.GradientTransformation; call adam"),
+    ({"optimizer": None}, "optimizer=None is of type NoneType"),
+])
+def test_what_is_no_model_or_optimizer_is_refused_in_one_line(given, message):
+    """Not a model or not an optimizer at all: a FitError naming it, not a TypeError or AttributeError from inside
+    JAX or optax."""
+    arguments = {"model": Regressor(nnx.Rngs(0)), "optimizer": optax.sgd(0.1), **given}
+    with pytest.raises(jdp.FitError, match=message) as error:
+        jdp.fit(arguments["model"], mse, regression_data(), optimizer=arguments["optimizer"], steps=2,
+                global_batch_size=32)
     assert "\n" not in str(error.value)
 
 

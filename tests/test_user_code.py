@@ -104,6 +104,8 @@ def test_an_unknown_import_path_is_one_line(project, tmp_path):
     out = jdp_command("jdp.train", "--config", project / "my_config.py", "--config.model.name=nets:Narrow",
                       cwd=tmp_path)
     assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        "jdp: warning: --config.model.name=nets:Narrow replaces the config file's nets:Wide, so the file's "
+        "model.kwargs for it (hidden) are dropped; give the new model's as --config.model.kwargs.KEY=VALUE",
         "jdp: config error: model.name='nets:Narrow': nets has no 'Narrow'"]
 
 

@@ -7,7 +7,11 @@ import errno
 import fcntl
 import json
 import os
+import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -113,7 +117,7 @@ def test_tensorboard_is_imported_at_start_up_and_opened_at_the_first_line(tmp_pa
     events = []
 
     class Writer:
-        def __init__(self, logdir):
+        def __init__(self, logdir, **options):
             events.append("opened")
 
         def add_scalar(self, *args):
@@ -128,6 +132,53 @@ def test_tensorboard_is_imported_at_start_up_and_opened_at_the_first_line(tmp_pa
     writer.train(1, {"loss": 1.0, "examples_per_sec": None})
     writer.close()
     assert events == ["imported", "opened", "scalar"]
+
+
+# A run writing 100 train lines, killed (-9) once its buffered events reached the disk up to about step 60: the file
+# ends in a record cut short, as a kill leaves it.
+KILLED_WRITER = """
+import os, signal, sys, time
+from pathlib import Path
+from jdp.metrics import MetricsWriter
+writer = MetricsWriter(Path(sys.argv[1]), total_steps=100)
+for step in range(1, 101):
+    writer.train(step, {"loss": 1.0, "accuracy": 0.5, "lr": 0.1, "examples_per_sec": 10.0, "skipped_steps": 0})
+deadline = time.monotonic() + 30
+while sum(p.stat().st_size for p in Path(sys.argv[1], "tensorboard").iterdir()) < 16384 and time.monotonic() < deadline:
+    time.sleep(0.01)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _scalars(workdir: Path) -> dict[str, list[tuple[int, float]]]:
+    """(step, value) of each scalar tag, as TensorBoard's own reader loads WORKDIR/tensorboard."""
+    if os.environ.get("CI"):  # in CI a missing `tensorboard` (the test extra) fails this test, never skips it
+        from tensorboard.backend.event_processing import event_accumulator
+    else:
+        event_accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    events = event_accumulator.EventAccumulator(str(workdir / "tensorboard"))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def test_tensorboard_holds_each_step_once_after_a_kill_and_resume(tmp_path):
+    """The killed run's events past its last checkpoint (step 40) are purged from the event files on resume, as
+    its lines are from metrics.jsonl: each step shows once, with the resumed run's value."""
+    out = subprocess.run([sys.executable, "-c", KILLED_WRITER, str(tmp_path)], capture_output=True, text=True,
+                         timeout=60, cwd=Path(__file__).resolve().parents[1])
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    assert max(step for step, _ in _scalars(tmp_path)["train/loss"]) > 40  # the replayed steps reached the disk
+    writer = MetricsWriter(tmp_path, total_steps=100, start_step=40)
+    for step in range(41, 101):
+        writer.train(step, {"loss": 2.0, "accuracy": 0.5, "lr": 0.1, "examples_per_sec": 10.0, "skipped_steps": 0})
+    writer.summary(examples_per_sec=10.0)
+    writer.close()
+    scalars = _scalars(tmp_path)
+    for tag in ("train/loss", "train/accuracy", "train/lr", "train/skipped_steps"):
+        assert [step for step, _ in scalars[tag]] == list(range(1, 101)), tag
+    assert scalars["train/loss"] == [(step, 1.0 if step <= 40 else 2.0) for step in range(1, 101)]
+    assert scalars["summary/examples_per_sec"] == [(100, 10.0)]  # at the step it closes
+    assert [r["step"] for r in read_metrics(tmp_path) if r["split"] == "train"] == list(range(1, 101))
 
 
 def test_resume_refuses_settings_that_change_the_data_order_or_the_numerics(tmp_path):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sysconfig
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 
@@ -61,10 +63,31 @@ def abstract_model(make_model: Callable[[], nnx.Module]) -> nnx.Module:
     """The model with shapes and dtypes for arrays, nothing allocated (ConfigError for a bad model setting)."""
     try:
         return nnx.eval_shape(make_model)
-    except ValueError as e:  # the model's own checks of its settings and input shape
-        raise config_lib.ConfigError(str(e)) from None
     except Exception as e:  # noqa: BLE001 - a model (maybe the user's) that cannot be built: one line
-        raise config_lib.ConfigError(f"the model cannot be built: {one_line(e)}; fix model.kwargs") from None
+        last = traceback.extract_tb(e.__traceback__)[-1].filename
+        if isinstance(e, ValueError) and last.startswith(_JDP_MODELS):  # jdp's checks name the setting and the fix
+            raise config_lib.ConfigError(one_line(e, typed=False)) from None
+        raise config_lib.ConfigError(_build_failure(e)) from None
+
+
+_JDP_MODELS = str(Path(models.__file__).parent)
+# Frames of no interest in where the constructor failed: installed libraries' (JAX, Flax, opt_einsum...), the
+# standard library's, and the calls that lead to the model.
+_LIBRARIES = tuple(sorted({sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib")}))
+_CALL_PATH = (__file__, models.__file__)
+
+
+def _build_failure(error: Exception) -> str:
+    """One line for an error raised inside the model's constructor: where, and what to fix. The constructor runs
+    under `nnx.eval_shape`, where arrays have shapes but no values: a tracer error there is about that."""
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if not f.filename.startswith(_LIBRARIES) and f.filename not in _CALL_PATH]
+    where = f" at {Path(frames[-1].filename).name} line {frames[-1].lineno}" if frames else ""
+    traced = isinstance(error, jax.errors.JAXTypeError | jax.errors.NonConcreteBooleanIndexError)
+    hint = ("; jdp builds the model with nnx.eval_shape, where arrays have no values: compute no Python value from "
+            "an array in the constructor" if traced else "")
+    return f"the model cannot be built: {one_line(error)} (raised{where} in its constructor){hint}; fix the model's " \
+           "code or its settings (model.kwargs)"
 
 
 def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None) -> Task:

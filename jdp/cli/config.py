@@ -9,12 +9,14 @@ import json
 import re
 import sys
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import ml_collections
 
 from jdp import configs, loggers
 from jdp.distributed import differences, flatten
+from jdp.environment import MAX_CPU_DEVICES
 from jdp.errors import UsageError, one_line
 from jdp.files import write_atomic
 from jdp.options import AT_LEAST_1, CONFIG_KEYS, CONFIG_NAMES, NON_NEGATIVE, POSITIVE, Range, check
@@ -49,7 +51,7 @@ RANGES: dict[str, Range] = {
     "data.block_size": AT_LEAST_1,
     "data.eval_windows": NON_NEGATIVE,  # 0 = every validation window
     "train.global_batch_size": POSITIVE,
-    "train.steps": POSITIVE,
+    "train.steps": Range(1, 2**31 - 1, high_open=False),  # the step counter is an int32
     "optim.lr": POSITIVE,
     "optim.momentum": Range(0, 1),
     "optim.weight_decay": NON_NEGATIVE,
@@ -60,7 +62,7 @@ RANGES: dict[str, Range] = {
     "sample.tokens": NON_NEGATIVE,  # 0 = no sample
     "sample.temperature": POSITIVE,
     "sample.top_k": NON_NEGATIVE,  # 0 = every token
-    "parallel.cpu_devices": NON_NEGATIVE,
+    "parallel.cpu_devices": Range(0, MAX_CPU_DEVICES, high_open=False),  # see jdp.environment
     "parallel.allreduce_combine_threshold_bytes": NON_NEGATIVE,
     "distributed.init_timeout_s": POSITIVE,
     "distributed.heartbeat_timeout_s": POSITIVE,
@@ -251,6 +253,42 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
     return cfg
 
 
+def apply_command_line(cfg: ml_collections.ConfigDict, overrides: dict[str, str],
+                       warn: Callable[[str], None] | None = None) -> ml_collections.ConfigDict:
+    """`apply_overrides` for the command line's overrides of a config file (or of a workdir's config.json), with
+    two rules for the file's settings that the command line makes wrong, each applied with a one-line warning
+    (`warn`; default: `jdp: warning: ...` on stderr):
+
+    - `model.name` switched to another model: the file's `model.kwargs` were the old model's settings, so they
+      are dropped; those given on the command line are kept.
+    - `train.steps` shortened to no more than the file's `optim.warmup_steps` (a smoke test of a long recipe):
+      the warmup becomes a tenth of the steps, and the config (so config.json, which the resume guard compares)
+      holds that value. A warmup given on the command line is the user's: `validate` refuses it instead."""
+    warn = warn or _warn
+    given = {_model_setting(key) for key in overrides}
+    file_model = cfg.model.name
+    apply_overrides(cfg, overrides)
+    if "model.name" in given and cfg.model.name != file_model:
+        dropped = sorted(name for name in cfg.model.kwargs if f"model.kwargs.{name}" not in given)
+        for name in dropped:
+            del cfg.model.kwargs[name]
+        if dropped:
+            warn(f"--config.model.name={cfg.model.name} replaces the config file's {file_model}, so the file's "
+                 f"model.kwargs for it ({', '.join(dropped)}) are dropped; give the new model's as "
+                 "--config.model.kwargs.KEY=VALUE")
+    steps, warmup = cfg.train.steps, cfg.optim.warmup_steps
+    if "optim.warmup_steps" not in given and 0 < steps <= warmup:
+        cfg.optim.warmup_steps = steps // 10
+        warn(f"optim.warmup_steps={warmup} from the config file is not shorter than train.steps={steps}: using "
+             f"{cfg.optim.warmup_steps}, a tenth of the steps (recorded in config.json; set "
+             "--config.optim.warmup_steps to choose)")
+    return cfg
+
+
+def _warn(line: str) -> None:
+    print(f"jdp: warning: {line}", file=sys.stderr, flush=True)
+
+
 def _literal(raw: str) -> object:
     """A new key's value: a Python literal (number, tuple, bool, ...) if it is one, else the string."""
     try:
@@ -315,11 +353,11 @@ def save_config(cfg: ml_collections.ConfigDict, path: Path) -> None:
     write_atomic(path, json.dumps(cfg.to_dict(), indent=2, sort_keys=True, default=list) + "\n")
 
 
-def load_saved_config(path: Path) -> ml_collections.ConfigDict:
-    """A workdir's config.json back as a ConfigDict with the field types of configs/base.py."""
+def load_saved_config(path: Path, fix: str = "move it away, or pass --config") -> ml_collections.ConfigDict:
+    """A workdir's config.json back as a ConfigDict with the field types of configs/base.py; `fix` ends the line
+    of a file that does not read (the default fits `--workdir W` alone, which continues with the file)."""
     from jdp.configs import base
 
-    fix = "move it away, or pass --config"
     try:
         saved = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

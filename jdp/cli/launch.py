@@ -26,6 +26,7 @@ import threading
 import time
 from typing import IO
 
+from jdp.environment import MAX_CPU_DEVICES
 from jdp.preemption import EXIT_PREEMPTED
 
 # Variables of other conventions that would take precedence over the launcher's in jdp.distributed.
@@ -35,6 +36,7 @@ _PR_SET_PDEATHSIG = 1
 # Exit codes that report another process's failure: jdp.train's 5 (EXIT_DISTRIBUTED: a peer or the coordinator
 # is gone) and SIGABRT (JAX's heartbeat, or gloo when a peer's connection breaks mid-collective).
 PEER_FAILED = (5, 128 + signal.SIGABRT)
+EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 126, 127  # the command after --, as a shell reports it
 
 
 def free_port() -> int:
@@ -73,6 +75,16 @@ def first_failure(returncodes: list[int | None], expected: tuple[int | None, ...
     return min(failed, key=lambda failure: exit_code(failure[1]) in PEER_FAILED, default=None)
 
 
+class CannotStart(RuntimeError):
+    """The command cannot be run: exit 127 when it is not found, 126 when it cannot be executed (a shell's codes)."""
+
+    def __init__(self, program: str, error: OSError) -> None:
+        self.code = EXIT_NOT_FOUND if isinstance(error, FileNotFoundError) else EXIT_CANNOT_EXECUTE
+        fix = ("give its path, or a program on PATH" if self.code == EXIT_NOT_FOUND else
+               "make it executable, or run it through its interpreter (-- python script.py)")
+        super().__init__(f"cannot run {program}: {error.strerror or error} (errno {error.errno}); {fix}")
+
+
 class Launcher:
     def __init__(self, command: list[str], nprocs: int, *, cpu_devices: int = 0, port: int = 0,
                  grace_s: float = 5.0, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> None:
@@ -97,13 +109,18 @@ class Launcher:
         stream.close()
 
     def start(self) -> None:
+        """Starts every child; CannotStart (after stopping those already started) if the command cannot run."""
         for rank in range(self.nprocs):
             env = child_env(dict(os.environ), rank=rank, nprocs=self.nprocs, port=self.port,
                             cpu_devices=self.cpu_devices)
-            # A session of its own: a terminal's Ctrl-C reaches the child once, through the launcher.
-            self.children.append(subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
-                                                  stderr=subprocess.PIPE, start_new_session=True,
-                                                  preexec_fn=_die_with_parent))
+            try:
+                # A session of its own: a terminal's Ctrl-C reaches the child once, through the launcher.
+                self.children.append(subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
+                                                      stderr=subprocess.PIPE, start_new_session=True,
+                                                      preexec_fn=_die_with_parent))
+            except OSError as e:  # the program is missing or not executable: the same for every rank
+                self.stop_all()
+                raise CannotStart(self.command[0], e) from None
         for rank, child in enumerate(self.children):
             for stream, sink in ((child.stdout, self.out), (child.stderr, self.err)):
                 self._pumps.append(threading.Thread(target=self._pump, args=(rank, stream, sink), daemon=True))
@@ -164,7 +181,11 @@ class Launcher:
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
-            self.start()
+            try:
+                self.start()
+            except CannotStart as e:
+                self.say(str(e))
+                return e.code
             return self.wait()
         finally:
             for s, handler in previous.items():
@@ -185,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command; e.g. python -m jdp.launch --nprocs 2 -- python -m jdp.train")
-    if args.nprocs < 1 or args.cpu_devices < 0:
-        parser.error("--nprocs must be at least 1 and --cpu_devices not negative")
+    if args.nprocs < 1 or not 0 <= args.cpu_devices <= MAX_CPU_DEVICES:
+        parser.error(f"--nprocs must be at least 1 and --cpu_devices in 0..{MAX_CPU_DEVICES}")
     return Launcher(command, args.nprocs, cpu_devices=args.cpu_devices, port=args.port, grace_s=args.grace_s).run()
 

@@ -34,6 +34,12 @@ def initialised_from(path: str, model: nnx.Module) -> nnx.Module:
     return model
 
 
+# A run given --config that meets a config.json it cannot read: passing --config again does not help.
+SAVED_CONFIG_FIX = ("it records the settings of the run this workdir holds, which a resume is checked against: "
+                    "restore it (config_history.jsonl holds each run segment's config), or move it away to resume "
+                    "unchecked")
+
+
 def committed_steps(workdir: Path) -> list[int]:
     """The steps of WORKDIR/checkpoints that orbax committed (renamed from their temporary names), ascending."""
     return sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
@@ -45,7 +51,7 @@ def check_workdir_config(cfg: ml_collections.ConfigDict, workdir: Path, echo) ->
     saved = workdir / "config.json"
     if not saved.exists():
         return
-    old = config_lib.load_saved_config(saved)
+    old = config_lib.load_saved_config(saved, fix=SAVED_CONFIG_FIX)
     changes = config_lib.state_changes(old, cfg)
     if changes and not cfg.checkpoint.allow_config_change:
         raise config_lib.ConfigError(
@@ -72,7 +78,7 @@ def report_finished_run(cfg: ml_collections.ConfigDict, workdir: Path, step: int
     if not saved.exists():
         return
     changed = [f"{key}: {old!r} -> {new!r}" for key, old, new in
-               differences(config_lib.load_saved_config(saved).to_dict(), cfg.to_dict())
+               differences(config_lib.load_saved_config(saved, fix=SAVED_CONFIG_FIX).to_dict(), cfg.to_dict())
                if key != "train.steps"]
     if changed:
         echo(f"warning: {workdir} holds a run finished at step {step} with other settings ({'; '.join(changed)}); "
@@ -95,7 +101,9 @@ def restore_for_inference(workdir: Path) -> tuple[int, Engine, TrainState]:
     saved = workdir / "config.json"
     if not saved.exists():
         raise config_lib.ConfigError(f"{saved} not found; pass the --workdir of a jdp.train run")
-    cfg = config_lib.load_saved_config(saved)
+    # --eval_only and jdp.export rebuild the run from this file alone (--config plays no part).
+    cfg = config_lib.load_saved_config(saved, fix="restore it (config_history.jsonl holds each run segment's "
+                                                   "config): the run is rebuilt from it")
     cfg.parallel.num_devices = inference_devices(cfg)  # the state is replicated: any count restores it
     engine = build(cfg, workdir=workdir)
     checkpointer = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import sys
 import traceback
@@ -29,6 +30,7 @@ from jdp.cli.resume import (
 )
 from jdp.cli.sample import sample_text
 from jdp.cli.xla_flags import apply_communication_flags
+from jdp.environment import MAX_CPU_DEVICES, check_environment
 from jdp.errors import DiskError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError, one_line
 from jdp.mesh import simulate_cpu_devices
 from jdp.metrics import MetricsWriter
@@ -125,6 +127,13 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     parser.add_argument("--eval_only", action="store_true", help="evaluate the workdir's latest checkpoint")
     distributed_lib.add_arguments(parser)  # read by main() through distributed_lib.flags_from_argv
     args, rest = parser.parse_known_args(argv)
+    for flag, value in (("--config", args.config), ("--workdir", args.workdir)):
+        if value is not None and not value.strip():  # an unset shell variable: not a request for the default
+            raise config_lib.ConfigError(f"{flag} is empty; give a path (or leave {flag} out for its default, see "
+                                         "python -m jdp.train --help)")
+    if args.cpu_devices is not None and not 0 <= args.cpu_devices <= MAX_CPU_DEVICES:
+        raise config_lib.ConfigError(f"--cpu_devices {args.cpu_devices} is outside 0..{MAX_CPU_DEVICES}, the CPU "
+                                     f"devices jdp simulates; pass at most {MAX_CPU_DEVICES}")
     overrides = config_lib.parse_overrides(rest)
     config_path = Path(args.config) if args.config else config_lib.DEFAULT_CONFIG
     workdir = Path(args.workdir or Path("runs") / config_path.stem)
@@ -132,7 +141,7 @@ def parse_command_line(argv: list[str]) -> CommandLine:
         cfg = config_lib.load_saved_config(workdir / "config.json")
     else:
         cfg = config_lib.load_config_file(config_path)
-    cfg = config_lib.apply_overrides(cfg, overrides)
+    cfg = config_lib.apply_command_line(cfg, overrides)  # the file's settings the overrides make wrong
     if args.cpu_devices is not None:
         cfg.parallel.cpu_devices = args.cpu_devices
     config_lib.check_ranges(cfg)  # before any value is used: a negative device count, a NaN timeout
@@ -158,7 +167,9 @@ def _main(argv: list[str] | None) -> int:
                 (distributed_lib.DistributedFailure, EXIT_DISTRIBUTED, "distributed"), (DiskError, EXIT_DISK, "disk"),
                 (Preempted, EXIT_PREEMPTED, "preempted")]
     argv = sys.argv[1:] if argv is None else argv
+    command = None
     try:
+        check_environment()  # python -m jdp.train checked it before importing JAX; before any backend starts here
         command = parse_command_line(argv)
         cfg = command.cfg
         job = distributed_lib.resolve(**distributed_lib.flags_from_argv(argv))  # checked before anything waits
@@ -190,7 +201,13 @@ def _main(argv: list[str] | None) -> int:
         failure = storage.disk_failure(e)
         if failure is None:
             return _unexpected()
-        print(f"jdp: disk: {storage.describe(failure, Path.cwd())}; free space and rerun", file=sys.stderr)
+        # Without a path in the error (os.write on a descriptor, say), the workdir is where this run writes.
+        where = command.workdir if command is not None else Path.cwd()
+        fix = f"{storage.remedy(failure[0])} and rerun"
+        if command is not None and command.eval_only and failure[0] == errno.EROFS:
+            fix = ("--eval_only appends its eval line to the workdir's metrics.jsonl: make the filesystem writable, "
+                   "or rerun on a copy of the workdir")
+        print(f"jdp: disk: {storage.describe(failure, where)}; {fix}", file=sys.stderr)
         return EXIT_DISK
     return EXIT_OK
 

@@ -138,8 +138,8 @@ class Tracker(Callback):
         if thread.is_alive():
             self._abandoned = True  # silent from now on: the tracker may answer long after
             _print(f"jdp: warning: the {self.name} tracker did not finish within {self.close_timeout_s:g} s of the "
-                   f"run's end (close_timeout_s); going on without it, {max(0, self._queue.qsize() - 1)} line(s) "
-                   "not sent")
+                   f"run's end (close_timeout_s); going on without it, with {max(0, self._queue.qsize() - 1)} more "
+                   "line(s) waiting")
 
     def _at_exit(self) -> None:
         self.close(ok=False)

@@ -108,10 +108,25 @@ def build_model(name: str, kwargs: dict[str, Any], input_shape: tuple[int, ...],
     parameters = _parameters(factory)
     given = {key: value for key, value in (("input_shape", tuple(input_shape)), ("num_classes", num_classes))
              if key in parameters and key not in kwargs}
+    call = {**kwargs, **given, "rngs": nnx.Rngs(seed)}
+    mismatch = _mismatch(factory, call)
+    if mismatch is not None:
+        raise ValueError(f"model.name={name!r} with model.kwargs {sorted(kwargs)}: {mismatch}")
+    return factory(**call)
+
+
+def _mismatch(factory: Callable[..., nnx.Module], call: dict[str, Any]) -> str | None:
+    """Why `factory(**call)` does not fit its signature, or None. Checked before the call, since a TypeError raised
+    inside the constructor (a JAX shape error, say) is the model's own failure, not a wrong setting."""
     try:
-        return factory(**kwargs, **given, rngs=nnx.Rngs(seed))
+        signature = inspect.signature(factory.__init__ if isinstance(factory, type) else factory)
+    except (TypeError, ValueError):  # no signature to read (a C extension): the call reports a mismatch itself
+        return None
+    try:
+        signature.bind(*((None,) if isinstance(factory, type) else ()), **call)  # None stands for self
     except TypeError as e:
-        raise ValueError(f"model.name={name!r} with model.kwargs {sorted(kwargs)}: {e}") from None
+        return str(e)
+    return None
 
 
 def settings(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:

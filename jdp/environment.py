@@ -1,0 +1,97 @@
+"""The variables JAX and XLA read when they start, checked before JAX is imported (this module imports no JAX).
+
+A bad value there otherwise ends the process in a traceback or an abort instead of one line: JAX parses its JAX_*
+variables when it is imported (JAX_NUM_CPU_DEVICES=abc is a 25-line ValueError), and XLA parses XLA_FLAGS in C++
+when its first backend starts, aborting on an unknown flag. No Python code can catch that abort, so XLA_FLAGS is
+tried in a child process (`check_xla_flags`): about 0.6 s, and only when XLA_FLAGS holds flags jdp did not write.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Mapping
+
+from jdp.errors import UsageError
+
+# The most simulated CPU devices jdp asks XLA:CPU for (--cpu_devices, parallel.cpu_devices, JAX_NUM_CPU_DEVICES,
+# jdp.launch --cpu_devices). XLA sets up every device when it starts, about 100 KB and some threads each, inside C++
+# where no signal stops it: 1024 take 3 s and 280 MB, 100000 grew past 10 GB and could not be interrupted.
+MAX_CPU_DEVICES = 1024
+
+# The flags jdp itself adds to XLA_FLAGS (jdp.cli.xla_flags, jdp.mesh), always with values XLA reads: a run in a
+# process where jdp already set them (a second in-process run, a test) needs no probe for them.
+_JDP_FLAGS = re.compile(r"--(xla_gpu_enable_latency_hiding_scheduler=(true|false)|"
+                        r"xla_gpu_all_reduce_combine_threshold_bytes=\d+|xla_cpu_multi_thread_eigen=false)")
+# Building compile options makes XLA parse XLA_FLAGS (and abort on a bad one) without starting any backend, so no
+# device, GPU included, is touched.
+_PROBE = "import jaxlib._jax as xla; xla.CompileOptions()"
+PROBE_TIMEOUT_S = 60.0
+_UNKNOWN = re.compile(r"Unknown flags? in XLA_FLAGS: (.+)")
+_BAD_VALUE = re.compile(r"Couldn't interpret value (.*) for flag (\S+?)\.")
+_NOT_A_FLAG = re.compile(r'Could not open file "(.*)" to read flags')
+_FATAL = re.compile(r"^[FE]\d{4} [\d:.]+ +\d+ \S+\] (.+)$", re.MULTILINE)  # an XLA log line's message
+_accepted: set[str] = set()  # XLA_FLAGS values a probe of this process found readable
+
+
+class BadEnvironment(UsageError):
+    """A variable that JAX or XLA reads at start-up holds a value they refuse (exit 2): one line naming it."""
+
+
+def check_environment(env: Mapping[str, str] | None = None) -> None:
+    """JAX_NUM_CPU_DEVICES and XLA_FLAGS of `env` (default os.environ); BadEnvironment names the first bad one.
+    Must run before JAX is imported to catch JAX_NUM_CPU_DEVICES=abc, and before JAX starts a backend for the rest."""
+    env = os.environ if env is None else env
+    check_cpu_device_count(env.get("JAX_NUM_CPU_DEVICES"))
+    check_xla_flags(env.get("XLA_FLAGS", ""), env)
+
+
+def check_cpu_device_count(raw: str | None) -> None:
+    """JAX_NUM_CPU_DEVICES: unset, JAX's -1 (= unset), or 1 to MAX_CPU_DEVICES."""
+    if raw is None:
+        return
+    try:
+        count = int(raw.strip())
+    except ValueError:
+        count = None
+    if count is None or not (count == -1 or 1 <= count <= MAX_CPU_DEVICES):
+        what = (f"is more than the {MAX_CPU_DEVICES} CPU devices jdp simulates" if count and count > MAX_CPU_DEVICES
+                else "is not a device count")
+        raise BadEnvironment(f"JAX_NUM_CPU_DEVICES={raw!r} {what}; set it to an integer from 1 to "
+                             f"{MAX_CPU_DEVICES}, or unset it")
+
+
+def check_xla_flags(value: str, env: Mapping[str, str] | None = None) -> None:
+    """XLA_FLAGS as XLA reads it, tried in a child process unless it holds only flags jdp writes (see _JDP_FLAGS).
+    A probe that fails for any other reason (no jaxlib of this layout, a timeout) lets the run go on: XLA itself
+    then reports what it finds."""
+    if not value.strip() or value in _accepted or all(_JDP_FLAGS.fullmatch(flag) for flag in value.split()):
+        return
+    env = dict(os.environ if env is None else env, XLA_FLAGS=value)
+    try:
+        probe = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+                               timeout=PROBE_TIMEOUT_S, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    if probe.returncode == 0:
+        _accepted.add(value)
+        return
+    problem = _problem(probe.stderr)
+    if problem is not None:
+        raise BadEnvironment(f"XLA_FLAGS={value!r}: {problem}")
+
+
+def _problem(stderr: str) -> str | None:
+    """What XLA's log says is wrong with XLA_FLAGS and the fix, or None if the probe failed for another reason."""
+    if match := _UNKNOWN.search(stderr):
+        flags = match[1].strip()
+        return f"XLA does not know {flags} and would abort; remove {'them' if ' ' in flags else 'it'} from XLA_FLAGS"
+    if match := _BAD_VALUE.search(stderr):
+        return f"XLA cannot read {match[1]!r} as the value of --{match[2]}; fix or remove it in XLA_FLAGS"
+    if match := _NOT_A_FLAG.search(stderr):
+        return (f"{match[1]!r} does not start with --, so XLA takes it for a file of flags, which it cannot open; "
+                "give flags as --name=value")
+    fatal = [line for line in _FATAL.findall(stderr) if "XLA_FLAGS" in line or "flag" in line.lower()]
+    return f"XLA refuses it ({fatal[0].strip()}); fix or remove it" if fatal else None
