@@ -3,13 +3,17 @@
 Saves are asynchronous (the devices wait only for the device-to-host copy) and atomic (orbax writes to a
 temporary directory and renames it when complete), so a kill at any moment leaves the previous checkpoints
 usable. The digests (`jdp.digest`) are computed on orbax's save thread, before the rename, and checked on
-restore. Restore falls back past damaged checkpoints with a warning and moves them to WORKDIR/rejected, so that
-the step is saved anew; a checkpoint whose shapes no longer fit the model is a config change, not damage.
+restore, as are the data item's checksum, the digests' layout against orbax's metadata of the arrays, and the
+step held against the directory's name. Restore falls back past damaged checkpoints with a warning and moves
+them to WORKDIR/rejected, so that the step is saved anew; an intact checkpoint whose shapes no longer fit the
+model is a config change, not damage; one that cannot be read for a reason other than its content (a
+permission, a stale handle) is retried, then a DiskError, and nothing is moved.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import sys
 import traceback
@@ -34,23 +38,28 @@ logging.getLogger("absl").setLevel(logging.WARNING)
 logging.getLogger("absl").addFilter(QuietDiskFailures())
 
 
-class _QuietLateCallbacks:
-    """sys.unraisablehook without the `RuntimeError: Event loop is closed` of tensorstore reads or writes that end
-    after orbax stopped awaiting them (it stops at the first leaf that fails, and closes its event loop): their
-    results were given up, and the failure that stopped orbax is reported once, by jdp."""
+class _QuietAbandonedReads:
+    """sys.unraisablehook without what orbax's reads and writes leave behind when it stops awaiting them at the first
+    leaf that fails and closes its event loop: tensorstore callbacks that end later and find the loop closed
+    (`RuntimeError: Event loop is closed`), and coroutines closed mid-read that raise instead of exiting (orbax turns
+    any BaseException, GeneratorExit too, into an Exception). Their results were given up, and the failure that
+    stopped orbax is reported once, by jdp; anything else goes on to the previous hook."""
 
     def __init__(self, previous: Callable[[Any], None]) -> None:
         self.previous = previous
 
     def __call__(self, unraisable: Any) -> None:
-        late = (unraisable.exc_type is RuntimeError and str(unraisable.exc_value) == "Event loop is closed"
+        error = unraisable.exc_value
+        late = (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
                 and any(f.name == "call_soon_threadsafe" for f in traceback.extract_tb(unraisable.exc_traceback)))
-        if not late:
+        closed = inspect.iscoroutine(unraisable.object) and isinstance(error.__cause__ or error.__context__,
+                                                                        GeneratorExit)
+        if not (late or closed):
             self.previous(unraisable)
 
 
-if not isinstance(sys.unraisablehook, _QuietLateCallbacks):
-    sys.unraisablehook = _QuietLateCallbacks(sys.unraisablehook)
+if not isinstance(sys.unraisablehook, _QuietAbandonedReads):
+    sys.unraisablehook = _QuietAbandonedReads(sys.unraisablehook)
 
 
 # What a checkpoint holds: 2 = TrainState with the model's RNG state (format 1, before it, had none).
@@ -154,6 +163,8 @@ def _data_problem(directory: Path, step: int, data: Any) -> str | None:
         unknown = sorted(set(data) - _UNSEALED_KEYS)
         if unknown:
             return f"its data item holds the key {unknown[0]!r}, which no jdp wrote (damaged bytes)"
+        if not isinstance(data.get("digests", {}), dict):
+            return "its data item's digests are not a JSON object (damaged bytes)"
         if "format" in data and data["format"] != FORMAT:
             return f"its data item says format {data['format']!r} without a checksum: no jdp wrote that (damaged bytes)"
     _check_format(directory, step, data)
@@ -282,14 +293,14 @@ class Checkpointer:
             metadata, problem = _read(lambda: ocp.StandardCheckpointHandler().metadata(where / "state"), where)
         if problem is not None:
             return None, data, problem
-        state, problem = self._restore_arrays(step, data.get("digests"), digest.stored_layout(metadata),
-                                              abstract_state, per_device)
+        state, problem = self._restore_arrays(step, data.get("digests"), metadata, abstract_state, per_device)
         return state, data, problem
 
-    def _restore_arrays(self, step: int, digests: dict | None, stored: dict[str, list], abstract_state: Any,
+    def _restore_arrays(self, step: int, digests: dict | None, metadata: Any, abstract_state: Any,
                         per_device: Any) -> tuple[Any, str | None]:
         """(state, None), or (None, what is wrong with checkpoint `step`'s arrays); `digests` None for a
-        checkpoint from before them, `stored` its arrays' layout as orbax's metadata gives it."""
+        checkpoint from before them, `metadata` orbax's of its saved tree."""
+        stored = digest.stored_layout(metadata)
         if digests is not None and (problem := digest.layout_disagreement(digests, stored)):
             return None, f"{problem} (damaged bytes)"
         # Where no digests say what was saved, orbax's metadata does: a config change is told from damage.
@@ -298,7 +309,8 @@ class Checkpointer:
         if per_device is not None:
             abstract_state, resized = _as_saved(abstract_state, per_device, layout)
         self._check_layout(step, layout, abstract_state)
-        state, problem = _read(lambda: self._restore_state(step, abstract_state), self.directory / str(step))
+        state, problem = _read(lambda: self._restore_state(step, abstract_state, metadata.keys()),
+                               self.directory / str(step))
         if problem is not None:
             return None, problem
         problem = digest.mismatch(digests, jax.tree.map(np.asarray, state)) if digests is not None else None
@@ -308,8 +320,8 @@ class Checkpointer:
                                                      else x, state)
         return (None if problem else state), problem
 
-    def _restore_state(self, step: int, abstract_state: Any) -> Any:
-        on_disk = ocp.StandardCheckpointHandler().metadata(self.directory / str(step) / "state").keys()
+    def _restore_state(self, step: int, abstract_state: Any, on_disk: Any) -> Any:
+        """Checkpoint `step`'s state; `on_disk` the fields its saved tree has."""
         # A checkpoint from before a field of the state that holds nothing here (TrainState.sync under most sync
         # strategies) restores without it, the empty field as it is.
         missing = {k: v for k, v in abstract_state._asdict().items() if k not in on_disk and v == {}}

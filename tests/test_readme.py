@@ -34,6 +34,8 @@ RUN_BY = {
     **dict.fromkeys(("python -m jdp.train --config configs/shakespeare_char_cpu.py", "python -m jdp.sample"),
                     "test_lm::test_the_readme_language_model_commands_run"),
     "python -m jdp.compare parity --config configs/shakespeare_char_cpu.py": "test_compare::test_parity_gpt",
+    "python -m jdp.compare parity --config configs/mnist1d_mlp.py --workers 2 --steps 30 "
+    "--config.parallel.sync=powersgd": "test_compare::test_parity_powersgd_against_ddps_hook",
     "WANDB_MODE=offline python -m jdp.train": "test_loggers::test_the_docs_tracker_command_runs",
 }
 

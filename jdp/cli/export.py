@@ -17,7 +17,7 @@ from jdp import reopen
 from jdp.checkpoint import CheckpointError
 from jdp.cli import config as config_lib
 from jdp.cli.resume import restore_for_inference
-from jdp.errors import FitError
+from jdp.errors import DiskError, FitError
 from jdp.reopen import write_params_file
 
 
@@ -39,5 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     except (config_lib.ConfigError, CheckpointError, FitError) as e:
         print(f"jdp.export: {e}", file=sys.stderr)
         return 2
+    except DiskError as e:  # a checkpoint that cannot be read for a reason other than its content
+        print(f"jdp.export: {e}", file=sys.stderr)
+        return 6
     print(f"wrote {args.out}: the parameters and model state of step {step} of {args.workdir}")
     return 0

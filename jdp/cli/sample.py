@@ -23,9 +23,9 @@ from flax import nnx
 from jdp.checkpoint import CheckpointError
 from jdp.cli.config import ConfigError
 from jdp.data.text import VOCAB_FILE, Vocabulary
-from jdp.errors import UsageError
+from jdp.errors import DiskError, UsageError
 
-EXIT_OK, EXIT_USAGE = 0, 2
+EXIT_OK, EXIT_USAGE, EXIT_DISK = 0, 2, 6
 
 
 def _pick(logits_V: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array) -> jax.Array:
@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, CheckpointError) as e:
         print(f"jdp: error: {e}", file=sys.stderr)
         return EXIT_USAGE
+    except DiskError as e:  # a checkpoint that cannot be read for a reason other than its content
+        print(f"jdp: disk: {e}", file=sys.stderr)
+        return EXIT_DISK
     print(text)
     return EXIT_OK
 

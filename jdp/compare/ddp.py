@@ -105,6 +105,26 @@ def _evaluate(model: torch.nn.Module, cfg, device: torch.device) -> tuple[float,
     return loss_sum / count, correct / count
 
 
+def _powersgd(ddp: DDP, cfg) -> float:
+    """DDP's own PowerSGD hook at jdp's rank and start step (torch wants the start at >= 2 with error feedback),
+    deciding as jdp does which matrices to compress (min_compression_rate 1: r (n + m) < n m), with jdp's
+    Gram-Schmidt epsilon; returns the float32 bytes the hook sends per step after the start, by its own rule:
+    a tensor of 2 or more dimensions is the matrix (shape[0], the rest)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    rank, start = cfg.parallel.powersgd_rank, max(2, cfg.parallel.powersgd_start_step)
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                        start_powerSGD_iter=start, min_compression_rate=1,
+                                        orthogonalization_epsilon=1e-8, random_seed=cfg.seed)
+    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    floats = 0
+    for p in ddp.module.parameters():
+        n, m = p.shape[0], p.numel() // max(p.shape[0], 1)
+        r = min(rank, n, m)
+        floats += r * (n + m) if p.ndim > 1 and r * (n + m) < n * m else p.numel()
+    return floats * 4.0
+
+
 def train(rank: int, spec: dict) -> dict:
     from jdp.cli import config as config_lib
     from jdp.data import build_source
@@ -126,6 +146,7 @@ def train(rank: int, spec: dict) -> dict:
     with warnings.catch_warnings():  # torch 2.13 deprecates it, but advises it for rank-local buffers
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
         ddp = DDP(compiled, device_ids=[rank] if device.type == "cuda" else None, broadcast_buffers=False)
+    comm_bytes = _powersgd(ddp, cfg) if cfg.parallel.get("sync", "allreduce") == "powersgd" else None
     optimizer = make_optimizer(cfg.optim, model)
     params = [p for p in model.parameters()]
     bn_stats = [] if (cfg.model.bn_sync and world > 1) else torch_models.bn_buffers(model)
@@ -170,7 +191,7 @@ def train(rank: int, spec: dict) -> dict:
               "backend": dist.get_backend(),
               "time_to_first_step_s": t_first - spec["launch_time"],
               "examples_per_sec": batch_size * (steps - 1) / (t_end - t_first) if steps > 1 else float("nan"),
-              "torch": torch.__version__, "threads": torch.get_num_threads()}
+              "torch": torch.__version__, "threads": torch.get_num_threads(), "comm_bytes_per_step": comm_bytes}
     if parity and rank == 0:
         result["eval_loss"], result["eval_accuracy"] = _evaluate(model, cfg, device)
         np.savez(Path(spec["out"]) / "ddp_final.npz", **weights.torch_to_flat(model.state_dict(), model))

@@ -74,6 +74,7 @@ def parity(cfg, out: Path, devices: int) -> None:
         "losses": losses, "grad_norms": [r["grad_norm"] for r in train], "lrs": [r["lr"] for r in train],
         "eval_loss": result.eval_loss,
         "eval_accuracy": result.eval_accuracy, "examples_per_sec": summary["examples_per_sec"],
+        "comm_bytes_per_step": summary.get("comm_bytes_per_step"),
         "devices": len(jax.devices()), "backend": cfg.parallel.backend}))
 
 

@@ -29,6 +29,7 @@ QUEUE_LINES = 10_000  # lines held for a tracker that lags; past that, lines are
 STATE_DIR = "trackers"
 SPLITS = ("train", "eval", "summary")
 _END = object()
+_IMPORTS = threading.Lock()
 
 
 def installed(package: str) -> bool:
@@ -147,7 +148,9 @@ class Tracker(Callback):
     # The worker thread's side.
 
     def _work(self) -> None:
-        with contextlib.suppress(Exception):  # an import that fails fails again in `_open`, which warns
+        # One client's import at a time: wandb and mlflow share packages, and two threads importing them at once
+        # can see each other's half-initialised modules.
+        with _IMPORTS, contextlib.suppress(Exception):  # an import that fails fails again in `_open`, which warns
             importlib.import_module(self.package)
         self._opened = self._failed = False
         logged: dict[str, int] | None = None
