@@ -36,6 +36,9 @@ from jdp.storage import QuietDiskFailures
 # saves, and a full disk (jdp.storage), itself.
 logging.getLogger("absl").setLevel(logging.WARNING)
 logging.getLogger("absl").addFilter(QuietDiskFailures())
+# The same failure again from asyncio, once per write task still running when orbax gave up on the save ("Task
+# exception was never retrieved", a traceback each, when the task is collected).
+logging.getLogger("asyncio").addFilter(QuietDiskFailures())
 
 
 class _QuietAbandonedReads:

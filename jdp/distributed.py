@@ -188,7 +188,7 @@ def resolve(env: Mapping[str, str] | None = None, *, coordinator: str | None = N
 
 
 def slurm_coordinator(env: Mapping[str, str]) -> str | None:
-    """HOST:PORT of the coordinator of a SLURM job step by JAX's rule (jax._src.clusters.SlurmCluster): the first
+    """HOST:PORT of the coordinator of a SLURM job step by JAX's rule (its SlurmCluster, jax 0.10): the first
     host of SLURM_STEP_NODELIST (`node[001-004],gpu7` -> node001), port JAX_COORDINATOR_PORT or SLURM_JOB_ID's in
     61440-65535. None outside SLURM or when the variables do not read."""
     if not all(env.get(k) for k in _SLURM_VARIABLES):

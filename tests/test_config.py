@@ -110,7 +110,7 @@ BAD = {
     "unknown model": (["--config.model.name=vgg"], "model.name='vgg' is unknown"),
     "unknown dataset": (["--config.data.name=cifar"], "data.name='cifar' is unknown"),
     "unknown optimizer": (["--config.optim.name=adam"], "optim.name='adam' is unknown"),
-    "zero steps": (["--config.train.steps=0"], "train.steps=0 must be positive"),
+    "zero steps": (["--config.train.steps=0"], "train.steps=0 must be in [1, 2147483647]"),  # an int32 counter
     "negative lr": (["--config.optim.lr=-0.1"], "optim.lr=-0.1 must be positive"),
     "missing file": (["--config", "no/such/config.py"], "config file no/such/config.py not found"),
     "mistyped key": (["--config.optim.lrr=1"],

@@ -35,7 +35,8 @@ ARGS = ["--config", "configs/mnist1d_mlp.py", "--config.model.kwargs.hidden_size
 # Anything from the outer environment that would make a child think it is part of some other job.
 _JOB_VARIABLES = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
                   "JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS",
-                  "JAX_NUM_CPU_DEVICES", "XLA_FLAGS", "JDP_KILL_AT")
+                  "JAX_COORDINATOR_BIND_ADDRESS", "JAX_COORDINATOR_PORT", "JAX_NUM_CPU_DEVICES", "XLA_FLAGS",
+                  "JDP_KILL_AT")
 
 
 def clean_env(**extra: str) -> dict[str, str]:
@@ -220,6 +221,89 @@ def listening_addresses(port: int) -> list[str]:
 def _loopback(address: str) -> bool:
     ip = ipaddress.ip_address(address)
     return (getattr(ip, "ipv4_mapped", None) or ip).is_loopback
+
+
+BIND_SCRIPT = """
+import sys
+from jdp import distributed
+distributed.initialize(distributed.resolve(), init_timeout_s=20, heartbeat_timeout_s=10)
+print("joined", flush=True)
+sys.stdin.read()  # until the test has read the listening sockets
+"""
+
+
+def test_the_coordinator_listens_only_where_the_processes_connect(tmp_path):
+    """torchrun's variables with MASTER_ADDR=127.0.0.1 and no jdp.launch (which sets JAX_COORDINATOR_BIND_ADDRESS): the
+    coordinator listens on loopback only, not on every interface (JAX's default, [::]), and process 0 says where."""
+    port, logs = launch.free_port(), [tmp_path / f"rank{rank}.log" for rank in range(2)]
+    procs = []
+    for rank, log in enumerate(logs):
+        with open(log, "w") as out:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", BIND_SCRIPT], cwd=ROOT, stdin=subprocess.PIPE, stdout=out,
+                stderr=subprocess.STDOUT, start_new_session=True,
+                env=clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")))
+    try:
+        deadline = time.monotonic() + 60
+        while not all("joined" in log.read_text() for log in logs):
+            assert all(p.poll() is None for p in procs) and time.monotonic() < deadline, logs[0].read_text()[-2000:]
+            time.sleep(0.1)
+        listening = listening_addresses(port)
+        for p in procs:
+            p.stdin.close()
+        assert finish(procs, timeout=30) == [0, 0]
+    finally:
+        finish(procs, timeout=0.1)
+    assert listening and all(_loopback(address) for address in listening), listening
+    assert (f"jdp: distributed: process 0's coordinator listens on 127.0.0.1:{port} (the host of the coordinator "
+            "address, from MASTER_ADDR/MASTER_PORT)") in logs[0].read_text()
+
+
+def _addresses(table: dict[str, list[str]]):
+    """A getaddrinfo that knows the names of `table`, each with its addresses in order."""
+    def getaddrinfo(name, port, *args, **kwargs):
+        if name not in table:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM, 6, "", (address, 0))
+                for address in table[name]]
+    return getaddrinfo
+
+
+def test_where_the_coordinator_listens(monkeypatch):
+    """The rule: the address the processes were told to connect to; a hostname as process 0's host resolves it,
+    its first address that is not loopback; a loopback one only if there is no other (refused when the variables say
+    the job spans hosts); every interface only when asked for."""
+    names = {"node001": ["127.0.1.1", "10.0.0.7"], "debian": ["127.0.1.1"], "localhost": ["127.0.0.1", "::1"]}
+    monkeypatch.setattr(socket, "getaddrinfo", _addresses(names))
+
+    def listen(coordinator, bind="", **env):
+        job = distributed.resolve({"MASTER_ADDR": coordinator.rpartition(":")[0], "MASTER_PORT": "29500",
+                                   "RANK": "0", "WORLD_SIZE": "2"}) if coordinator else distributed.resolve(env)
+        return distributed.listen_address(job, bind, env)
+
+    assert listen("127.0.0.1:29500").address == "127.0.0.1:29500"
+    assert listen("10.1.2.3:29500").address == "10.1.2.3:29500"
+    assert listen("[::1]:29500").address == "[::1]:29500"
+    assert listen("node001:29500") == distributed.Listen("10.0.0.7:29500", "node001, as this host resolves it")
+    assert listen("localhost:29500").address == "127.0.0.1:29500"
+    alone = listen("debian:29500")
+    assert alone.address == "127.0.1.1:29500" and "only processes on this host can join" in alone.reason
+    with pytest.raises(distributed.DistributedUsageError, match="resolves to 127.0.1.1 on process 0's host, a loopback "
+                       "address, but the job spans 2 hosts"):
+        listen("debian:29500", WORLD_SIZE="16", LOCAL_WORLD_SIZE="8")
+    with pytest.raises(distributed.DistributedUsageError, match="the coordinator's host nowhere .from MASTER_ADDR/"
+                       "MASTER_PORT. does not resolve on process 0's host"):
+        listen("nowhere:29500")
+    assert listen("127.0.0.1:29500", "0.0.0.0:29500") == distributed.Listen(
+        "0.0.0.0:29500", "every interface, as distributed.bind_address asks")
+    assert listen("127.0.0.1:29500", JAX_COORDINATOR_BIND_ADDRESS="10.0.0.5:29500") == distributed.Listen(
+        "10.0.0.5:29500", "from JAX_COORDINATOR_BIND_ADDRESS")
+    slurm = {"SLURM_JOB_ID": "4242", "SLURM_STEP_NODELIST": "node[001-004],gpu7", "SLURM_NTASKS": "8",
+             "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
+    assert distributed.slurm_coordinator(slurm) == "node001:61586"  # JAX's port: 4242 % 4096 + 61440
+    assert listen("", **slurm) == distributed.Listen("10.0.0.7:61586", "node001, as this host resolves it")
+    with pytest.raises(distributed.DistributedUsageError, match="spans 4 hosts"):
+        listen("", **{**slurm, "SLURM_STEP_NODELIST": "debian", "SLURM_STEP_NUM_NODES": "4"})
 
 
 def test_an_exception_in_one_process_ends_the_launch(tmp_path):

@@ -102,8 +102,9 @@ ARGUMENTS = {
     "--cpu_devices far too many": (["--cpu_devices", "100000"],
                                    f"--cpu_devices 100000 is outside 0..{MAX_CPU_DEVICES}, the CPU devices jdp "
                                    f"simulates; pass at most {MAX_CPU_DEVICES}"),
-    "--config empty": (["--config", ""], "--config is empty; give a path"),
-    "--workdir empty": (["--workdir", " "], "--workdir is empty; give a path"),
+    "--config empty": (["--config", ""], "--config is empty; give a config file or a shipped config's name "
+                                         "(digits_mlp), or leave --config out to continue WORKDIR/config.json"),
+    "--workdir empty": (["--workdir", " "], "--workdir is empty; give a directory, or leave --workdir out"),
     "train.steps past int32": (["--config.train.steps=100000000000000000000"],
                                "train.steps=100000000000000000000 must be in [1, 2147483647]"),
 }

@@ -10,6 +10,7 @@ second one, children still running --grace_s later get SIGKILL.
 When a child fails, the others get SIGTERM, then SIGKILL after --grace_s, and the launcher exits with the
 failed child's code (128+N for a death by signal N); otherwise with the first non-zero code, or 0. Of children
 found failed together, the one that failed by itself is reported, not one that stopped because of it (5, 134).
+A command that cannot run is one line and a shell's code: 127 when it is not found, 126 when it cannot be executed.
 """
 
 from __future__ import annotations

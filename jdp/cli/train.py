@@ -127,10 +127,11 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     parser.add_argument("--eval_only", action="store_true", help="evaluate the workdir's latest checkpoint")
     distributed_lib.add_arguments(parser)  # read by main() through distributed_lib.flags_from_argv
     args, rest = parser.parse_known_args(argv)
-    for flag, value in (("--config", args.config), ("--workdir", args.workdir)):
+    for flag, value, fix in (("--config", args.config, "a config file or a shipped config's name (digits_mlp), "
+                              "or leave --config out to continue WORKDIR/config.json"),
+                             ("--workdir", args.workdir, "a directory, or leave --workdir out for runs/CONFIG_NAME")):
         if value is not None and not value.strip():  # an unset shell variable: not a request for the default
-            raise config_lib.ConfigError(f"{flag} is empty; give a path (or leave {flag} out for its default, see "
-                                         "python -m jdp.train --help)")
+            raise config_lib.ConfigError(f"{flag} is empty; give {fix}")
     if args.cpu_devices is not None and not 0 <= args.cpu_devices <= MAX_CPU_DEVICES:
         raise config_lib.ConfigError(f"--cpu_devices {args.cpu_devices} is outside 0..{MAX_CPU_DEVICES}, the CPU "
                                      f"devices jdp simulates; pass at most {MAX_CPU_DEVICES}")

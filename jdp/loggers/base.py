@@ -161,7 +161,8 @@ class Tracker(Callback):
                     self._guard(self._close, step)
                 return
             if logged is None:
-                logged = self._logged()
+                logged = self._guard(self._logged)
+                logged = Tracker._logged(self) if logged is None else logged
                 for earlier in self._missing(logged):
                     self._send(*earlier)
             # Logged by an earlier segment, which a kill may have left past its last checkpoint: the steps it
@@ -250,8 +251,8 @@ class Tracker(Callback):
     # What each tracker does.
 
     def _logged(self) -> dict[str, int]:
-        """The last step of each split the tracked run already holds. Here the steps handed to the tracker, as
-        recorded before each was sent; a tracker whose client buffers reads what reached its store instead."""
+        """The last step of each split the tracked run already holds, as the tracker answers (this default, and
+        the fallback when a tracker cannot answer: the last steps handed to it, recorded before each was sent)."""
         return {split: self.state[split] for split in SPLITS if isinstance(self.state.get(split), int)}
 
     def _run_state(self) -> dict[str, Any]:

@@ -9,7 +9,6 @@ from typing import Any
 
 import ml_collections
 
-from jdp.errors import one_line
 from jdp.loggers import wandb_records
 from jdp.loggers.base import CLOSE_TIMEOUT_S, Tracker, numbers
 
@@ -56,12 +55,9 @@ class WandB(Tracker):
         # What the run's files hold: W&B's client buffers, so after a SIGKILL the steps handed to it are more
         # than it wrote. The summary is set again whole each time, never twice in a curve.
         files = self.state.get("files") or []
-        try:
-            steps = wandb_records.logged_steps([Path(f) for f in files])
-        except Exception as e:  # noqa: BLE001 - another format: the steps as handed to W&B
-            self._warn(f"the run's files cannot be read ({one_line(e)}); going on from the steps handed to W&B")
+        if not files:
             return super()._logged()
-        return {split: step for split, step in steps.items() if step >= 0} if files else super()._logged()
+        return wandb_records.logged_steps([Path(f) for f in files])
 
     def _run_state(self) -> dict[str, Any]:
         files = [f for f in self.state.get("files", []) if f != str(self.run.settings.sync_file)]
