@@ -293,8 +293,8 @@ def _run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_da
          on_resume: Callable[[], None] | None, on_start: Callable[[int], None] | None) -> FitResult:
     o = options
     _check_joined()
-    if steps <= 0 or steps % o.sync_every:
-        raise FitError(f"steps={steps} must be a positive multiple of sync_every={o.sync_every}")
+    if not 0 < steps < 2**31 or steps % o.sync_every:  # the state counts steps in int32
+        raise FitError(f"steps={steps} must be a positive multiple of sync_every={o.sync_every}, below 2**31")
     if o.workdir is not None:
         try:
             storage.check_writable(o.workdir, "workdir")

@@ -363,6 +363,13 @@ def test_what_is_no_model_or_optimizer_is_refused_in_one_line(given, message):
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.parametrize("steps", [0, 2**31])
+def test_steps_outside_the_int32_step_counter_are_refused(steps):
+    with pytest.raises(jdp.FitError, match=f"steps={steps} must be a positive multiple of sync_every=1, below 2"):
+        jdp.fit(Regressor(nnx.Rngs(0)), mse, regression_data(), optimizer=optax.sgd(0.1), steps=steps,
+                global_batch_size=32)
+
+
 def test_an_element_wise_optimizer_is_accepted_with_a_sharded_optimizer():
     plain = _fit(Regressor, mse, regression_data(), num_devices=8, optimizer=optax.adam(0.01))
     sharded = _fit(Regressor, mse, regression_data(), num_devices=8, optimizer=optax.adam(0.01), shard_optimizer=True)

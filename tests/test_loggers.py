@@ -59,6 +59,8 @@ def offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_ERROR_REPORTING", "false")
     for name in ("CONFIG", "CACHE", "DATA"):
         monkeypatch.setenv(f"WANDB_{name}_DIR", str(tmp_path / f"wandb-{name.lower()}"))
+    yield
+    os.environ.pop("WANDB_SERVICE", None)  # set by W&B for this process's service: not for later tests' children
 
 
 # --- W&B's offline run files, read through wandb's own record definitions ---------------------------------------
@@ -357,7 +359,7 @@ def test_a_tracker_that_never_answers_stalls_nothing(tmp_path):
     stall (their clients wait 90-120 s for an answer), `fit` returns within `close_timeout_s` (2 s here) per
     logger of its last line, and the process exits once W&B's own exit hook gives up on its server (after its
     `init_timeout`, 90 s by default, 10 s here)."""
-    server, bound, steps, init_timeout = SilentServer(), 2.0, 40, 10
+    server, bound, steps, init_timeout = SilentServer(), 2.0, 20, 10
     env = _env(tmp_path, WANDB_MODE="online", WANDB_BASE_URL=f"http://127.0.0.1:{server.port}",
                WANDB_API_KEY="x" * 40)
     env.update({k: str(tmp_path / k) for k in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR")})

@@ -9,6 +9,7 @@ from typing import Any
 
 import ml_collections
 
+from jdp.errors import UsageError
 from jdp.loggers import wandb_records
 from jdp.loggers.base import CLOSE_TIMEOUT_S, Tracker, numbers
 
@@ -30,7 +31,7 @@ class WandB(Tracker):
         super().__init__(close_timeout_s=close_timeout_s)
         for key in ("id", "resume", "project", "config", "reinit"):
             if key in init_kwargs:
-                raise TypeError(f"jdp.loggers.WandB sets wandb.init's {key!r} itself; leave it out")
+                raise UsageError(f"jdp.loggers.WandB sets wandb.init's {key!r} itself; leave it out")
         self.project, self.init_kwargs = project, init_kwargs
         self.run: Any = None
 
