@@ -228,8 +228,9 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 
 # Slow enough steps (~0.1 s on 2 cores) that the trackers, which open a few seconds after the start, log past a
 # checkpoint while the run still trains.
+# Long enough that the trackers (whose imports take seconds in their threads) log past a checkpoint before the end.
 SLOW_ARGS = ["--config.model.kwargs.hidden_sizes=(1024,1024)", "--config.train.global_batch_size=512",
-             "--config.train.steps=60", "--config.train.eval_every=20", "--config.checkpoint.every_steps=20"]
+             "--config.train.steps=120", "--config.train.eval_every=20", "--config.checkpoint.every_steps=20"]
 
 
 def _logged(workdir: Path, name: str) -> int:
@@ -277,7 +278,7 @@ def test_a_killed_run_resumes_into_the_same_tracked_runs(tmp_path):
     assert run.info.status == "FINISHED"
     assert mlflow_points(store, run.info.run_id, "loss") == jsonl_points(workdir, "train", "loss")
     assert mlflow_points(store, run.info.run_id, "eval_loss") == jsonl_points(workdir, "eval", "loss")
-    assert json.loads(run.data.params["config.train.steps"]) == 60  # the CLI's config beside the record
+    assert json.loads(run.data.params["config.train.steps"]) == 120  # the CLI's config beside the record
     # W&B buffers (its run file is written every 15 s): what the SIGKILL cost it, the rerun logs from metrics.jsonl.
     runs = wandb_runs(workdir)
     run_id = json.loads((workdir / "trackers" / "wandb.json").read_text())["run_id"]
@@ -376,8 +377,8 @@ def test_a_tracker_that_never_answers_stalls_nothing(tmp_path):
     times = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"longest gap between train lines {times['gap']:.2f} s, fit returned {times['end']:.2f} s after its last "
           f"line, the process exited {exited - times['exit_from']:.1f} s after that")
-    assert times["gap"] < 5
-    assert times["end"] < 2 * bound + 2
+    assert times["gap"] < 10  # far below the clients' own 90-120 s waits; room for a loaded 2-core machine
+    assert times["end"] < 2 * bound + 5
     assert exited - times["exit_from"] < init_timeout + 10
     ends = [line for line in out.stderr.splitlines() if f"did not finish within {bound:g} s" in line]
     assert len(ends) == 2, out.stderr[-3000:]

@@ -19,6 +19,7 @@ from jdp.distributed import differences, flatten
 from jdp.environment import MAX_CPU_DEVICES
 from jdp.errors import UsageError, one_line
 from jdp.files import write_atomic
+from jdp.loggers.base import installed
 from jdp.options import AT_LEAST_1, CONFIG_KEYS, CONFIG_NAMES, NON_NEGATIVE, POSITIVE, Range, check
 
 DEFAULT_CONFIG = Path(configs.__file__).parent / "mnist1d_cnn.py"
@@ -314,10 +315,7 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
     _require(cfg.train.steps % h == 0, f"train.steps={cfg.train.steps} is not a multiple of parallel.sync_every={h}: "
                                        "with local SGD the replicas agree only at sync points; use a multiple")
     profile_steps(cfg.profile.steps)
-    try:
-        loggers.names(cfg.metrics.loggers)
-    except UsageError as e:
-        raise ConfigError(str(e)) from None
+    logger_names(cfg.metrics.loggers)
     if cfg.parallel.shard_optimizer:
         _require(cfg.optim.name not in ("lamb", "lars"), f"optim.name={cfg.optim.name} needs whole-leaf norms "
                  "(trust ratios); parallel.shard_optimizer=True supports sgd, momentum, nesterov and adamw")
@@ -380,3 +378,22 @@ def state_changes(old: ml_collections.ConfigDict, new: ml_collections.ConfigDict
             if any(k == key or (key.endswith(".") and k.startswith(key)) for key in STATE_DEFINING)]
 
 
+def logger_names(spec: str) -> list[str]:
+    """`metrics.loggers` ("wandb,mlflow") -> its names, each known (`jdp.loggers.LOGGERS`) and installed."""
+    given = [name.strip() for name in spec.split(",") if name.strip()]
+    for name in given:
+        _require(name in loggers.LOGGERS, f"metrics.loggers={spec!r} names an unknown logger {name!r}; choose from "
+                                          f"{', '.join(loggers.LOGGERS)}, comma-separated (e.g. \"wandb,mlflow\")")
+        _require(given.count(name) == 1, f"metrics.loggers={spec!r} names {name} twice; name each logger once")
+        package = loggers.LOGGERS[name].package
+        _require(installed(package), f"metrics.loggers={spec!r}: the {name} logger needs the {package} package, "
+                                     f"which is not installed: pip install \"jdp[{name}]\"")
+    return given
+
+
+def make_loggers(metrics: ml_collections.ConfigDict) -> list[loggers.Tracker]:
+    """The loggers `metrics.loggers` names, each given its `metrics.NAME_ARG` keys as keyword arguments (empty
+    values left out): `metrics.mlflow_tracking_uri` is `MLflow(tracking_uri=...)`."""
+    return [loggers.LOGGERS[name](**{key[len(name) + 1:]: value for key, value in metrics.items()
+                                     if key.startswith(f"{name}_") and value})
+            for name in logger_names(metrics.loggers)]

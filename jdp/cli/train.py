@@ -16,7 +16,7 @@ import ml_collections
 from flax import nnx
 
 from jdp import distributed as distributed_lib
-from jdp import loggers, preemption, reopen, storage, trainer
+from jdp import preemption, reopen, storage, trainer
 from jdp.checkpoint import CheckpointError
 from jdp.cli import config as config_lib
 from jdp.cli.build import build, build_task  # noqa: F401 - build is part of jdp.train's API
@@ -71,7 +71,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
     result = trainer.run(model, task.loss_fn, task.source, optimizer=task.optimizer, steps=task.steps,
                          global_batch_size=task.global_batch_size,
                          options=dataclasses.replace(task.options, workdir=workdir, callbacks=(
-                             *task.options.callbacks, *loggers.from_config(cfg.metrics))), on_resume=on_resume,
+                             *task.options.callbacks, *config_lib.make_loggers(cfg.metrics))), on_resume=on_resume,
                          on_start=on_start)
     vocab = getattr(task.source, "vocabulary", None)
     if cfg.sample.tokens and vocab is not None and jax.process_index() == 0:

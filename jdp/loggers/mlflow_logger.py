@@ -7,8 +7,6 @@ import os
 from pathlib import Path
 from typing import Any
 
-import ml_collections
-
 from jdp.loggers.base import CLOSE_TIMEOUT_S, Tracker, flatten, now_ms, numbers
 
 MAX_KEY, MAX_VALUE = 250, 6000  # MLflow's limits on a param's key and value
@@ -35,9 +33,6 @@ class MLflow(Tracker):
         self.client: Any = None
         self.uri = self.run_id = ""
 
-    @classmethod
-    def from_config(cls, metrics: ml_collections.ConfigDict) -> MLflow:
-        return cls(tracking_uri=metrics.mlflow_tracking_uri or None, experiment=metrics.mlflow_experiment or None)
 
     def _prepare(self) -> None:
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (Path.cwd() / "mlruns").as_uri()

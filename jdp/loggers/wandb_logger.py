@@ -7,8 +7,6 @@ import secrets
 from pathlib import Path
 from typing import Any
 
-import ml_collections
-
 from jdp.errors import UsageError
 from jdp.loggers import wandb_records
 from jdp.loggers.base import CLOSE_TIMEOUT_S, Tracker, numbers
@@ -35,9 +33,6 @@ class WandB(Tracker):
         self.project, self.init_kwargs = project, init_kwargs
         self.run: Any = None
 
-    @classmethod
-    def from_config(cls, metrics: ml_collections.ConfigDict) -> WandB:
-        return cls(project=metrics.wandb_project or None)
 
     def _open(self, run_id: str | None) -> str:
         import wandb
