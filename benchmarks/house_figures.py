@@ -1,0 +1,29 @@
+"""The redesign's figures of a checkout: lines in jdp/ and in its core (split, step, gradient, sync strategies,
+update, loss, model state, backends), the length of `train_step` and of the longest function, the README's length.
+
+    python benchmarks/house_figures.py [CHECKOUT]      (default: this one)
+"""
+
+import ast
+import sys
+from pathlib import Path
+
+CORE = {"mesh.py", "step.py", "gradients.py", "update.py", "loss.py", "modeldef.py", "parallel.py", "zero.py"}
+
+
+def main(root: Path) -> None:
+    files = [p for p in (root / "jdp").rglob("*.py") if "configs" not in p.relative_to(root).parts]
+    lines = {p: len(p.read_text().splitlines()) for p in files}
+    core = sum(n for p, n in lines.items()
+               if p.parent == root / "jdp" and p.name in CORE or p.parent == root / "jdp" / "sync")
+    functions = [(node.end_lineno - node.lineno + 1, f"{p.relative_to(root)}:{node.name}", node.name)
+                 for p in files for node in ast.walk(ast.parse(p.read_text()))
+                 if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)]
+    train_step = next(n for n, where, name in functions if name == "train_step" and "step.py" in where)
+    longest = max(functions)
+    print(f"jdp/: {sum(lines.values())} lines; core: {core}; train_step: {train_step} lines; longest function: "
+          f"{longest[1]}, {longest[0]} lines; README: {len((root / 'README.md').read_text().splitlines())} lines")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else Path(__file__).resolve().parents[1]))
