@@ -218,6 +218,10 @@ def _purge_events(directory: Path, step: int) -> None:
     rewritten atomically."""
     if not directory.is_dir():
         return
+    try:
+        from tensorboardX.proto.event_pb2 import Event  # the files' writer's own protobuf
+    except ImportError:  # no tensorboardX: jdp wrote no event files
+        return
     for path in sorted(directory.glob("events.out.tfevents.*")):
         data = path.read_bytes()
         kept, offset = [], 0
@@ -227,44 +231,12 @@ def _purge_events(directory: Path, step: int) -> None:
             end = offset + 12 + length + 4
             if end > len(data):
                 break
-            if _event_step(data[offset + 12:offset + 12 + length]) <= step:
+            if Event.FromString(data[offset + 12:offset + 12 + length]).step <= step:
                 kept.append(data[offset:end])
             offset = end
         purged = b"".join(kept)
         if purged != data:
             write_atomic(path, purged)
-
-
-def _event_step(event: bytes) -> int:
-    """The `step` of a serialized tensorflow `Event` (field 2, an int64 varint; 0 when absent, as protobuf reads
-    it), read from the wire format so that no protobuf module is needed."""
-    def varint(i: int) -> tuple[int, int]:
-        value = shift = 0
-        while i < len(event):
-            byte = event[i]
-            value, shift, i = value | (byte & 0x7F) << shift, shift + 7, i + 1
-            if not byte & 0x80:
-                break
-        return value, i
-
-    i = 0
-    while i < len(event):
-        key, i = varint(i)
-        field, wire = key >> 3, key & 7
-        if wire == 0:
-            value, i = varint(i)
-            if field == 2:
-                return value - (1 << 64) if value >= 1 << 63 else value
-        elif wire == 1:
-            i += 8
-        elif wire == 2:
-            size, i = varint(i)
-            i += size
-        elif wire == 5:
-            i += 4
-        else:  # not an Event: kept
-            return 0
-    return 0
 
 
 def _tensorboard_class() -> type | None:

@@ -30,6 +30,7 @@ from jdp.errors import UsageError
 from jdp.loggers import MLflow, WandB
 from jdp.loggers.wandb_records import items, read_records
 from tests.helpers import records, small_config
+from tests.test_golden import MLP  # 6 -> 16 -> 1
 
 if os.environ.get("CI"):  # in CI a missing `wandb` or `mlflow` extra fails these tests, never skips them
     import mlflow  # noqa: F401
@@ -118,21 +119,12 @@ def jsonl_points(workdir: Path, split: str, key: str) -> list[tuple[int, float]]
 
 # --- A small fit -----------------------------------------------------------------------------------------------------
 
-class Net(nnx.Module):
-    def __init__(self, rngs: nnx.Rngs):
-        self.hidden = nnx.Linear(6, 16, rngs=rngs)
-        self.out = nnx.Linear(16, 1, rngs=rngs)
-
-    def __call__(self, x):
-        return self.out(nnx.relu(self.hidden(x)))[:, 0]
-
-
 def squared_error(model, batch):
     return {"loss": (model(batch["x"]) - batch["y"]) ** 2}
 
 
-def make_net() -> Net:
-    return Net(nnx.Rngs(0))
+def make_net() -> MLP:
+    return MLP(nnx.Rngs(0))
 
 
 DATA = {"x": (x := np.random.default_rng(0).standard_normal((256, 6)).astype(np.float32)), "y": x.sum(1)}
