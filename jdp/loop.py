@@ -219,6 +219,12 @@ def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> N
         batch = parallel.shard_batch(source.train_batch(step - 1))
         # 2-4. compute, all-reduce, update.
         run.state, metrics = parallel.train_step(run.state, batch)
+        if parallel.comm_bytes_per_step is None:  # the first step compiled the program: what does it send?
+            parallel.read_collectives(run.state, batch)
+            if parallel.bf16_widened:
+                run.writer.echo("warning: allreduce_dtype=bf16 saves nothing here: the compiled program all-reduces "
+                                "in float32 on these devices (XLA:CPU widens bfloat16); fp32 sends as many bytes, "
+                                "without the casts")
         if pending is not None:
             deliver(*pending)
         pending = (step, metrics)

@@ -23,6 +23,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jdp import hlo
 from jdp import step as step_lib
 from jdp.mesh import DATA_AXIS, data_sharded, global_batch, replicated
 from jdp.modeldef import LossFn, ModelDef
@@ -93,8 +94,8 @@ class DataParallel:
         self.sync = sync = sync or Sync()
         self._eval_derived = eval_derived
         options = options or step_lib.StepOptions()
-        # The bytes each device hands the collectives per step (the steady state; 1/H of a periodic sync).
-        self.comm_bytes_per_step = sync.bytes_per_step(abstract_state, mesh.size) if mesh.size > 1 else 0.0
+        self.comm_bytes_per_step: float | None = None  # read from the compiled step by `read_collectives`
+        self.bf16_widened = False
         self._state_specs = sync.state_specs(abstract_state)
         layouts = sync.layouts(abstract_state)
         self.per_device = jax.tree.map(lambda layout: layout == PER_DEVICE, layouts)
@@ -198,6 +199,16 @@ class DataParallel:
     def lower_train(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> jax.stages.Lowered:
         """The train step's program as jdp asks for it (`.as_text()`), before XLA's own passes (`.compile()`)."""
         return self._train.lower(state, batch)
+
+    def read_collectives(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> float:
+        """Sets `comm_bytes_per_step`: the bytes each device hands the collectives of the compiled train step per
+        step, in the steady state (`jdp.hlo`). After the first step, the compilation is the one that step made."""
+        text = self.lower_train(state, batch).compile().as_text()
+        self.comm_bytes_per_step = hlo.collective_bytes(text, self.mesh.size, self.sync.every)
+        # XLA:CPU all-reduces a bfloat16 payload in float32: the compression then saves nothing.
+        self.bf16_widened = self.sync.dtype == jnp.bfloat16 and self.mesh.size > 1 and not hlo.sends_dtype(
+            text, "bf16")
+        return self.comm_bytes_per_step
 
     def to_host(self, state: Tree) -> Tree:
         """A logical tree as numpy: this process's first copy of each replicated leaf; of a per-device leaf, the

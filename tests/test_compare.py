@@ -192,7 +192,7 @@ def test_parity_cnn1d(tmp_path):
 def test_parity_powersgd_against_ddps_hook(tmp_path):
     """docs/compare.md's PowerSGD command as printed, on a smaller MLP, synthetic data, 8 steps and rank 2 from step
     3 (DDP: powerSGD_hook at the same rank, start step and compression rule): the steps before the start are the
-    plain all-reduce and agree to round-off, and both sides send the same bytes. Breaks if the hook is not
+    plain all-reduce and agree to round-off, and both sides send the same gradient bytes. Breaks if the hook is not
     registered (DDP then sends the whole gradient) or if the two rules pick other matrices."""
     printed = doc_command("python -m jdp.compare parity --config configs/mnist1d_mlp.py --workers 2 --steps 30 "
                           "--config.parallel.sync=powersgd")
@@ -204,7 +204,8 @@ def test_parity_powersgd_against_ddps_hook(tmp_path):
     assert done.returncode == 0, done.stdout + done.stderr
     result = json.loads((tmp_path / "parity.json").read_text())
     assert max(max(r["loss_rel"], r["grad_rel"]) for r in result["steps"][:3]) < 1e-5
-    assert result["meta"]["comm_bytes_jdp"] == result["meta"]["comm_bytes_ddp"] > 0
+    jdp_bytes, ddp_bytes = result["meta"]["comm_bytes_jdp"], result["meta"]["comm_bytes_ddp"]
+    assert 0 < jdp_bytes - ddp_bytes <= 8 * 4 and ddp_bytes > 0  # jdp's compiled step also sends its loss sums
     assert "Sync: PowerSGD, both sides" in (tmp_path / "parity.md").read_text()
 
 

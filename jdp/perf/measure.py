@@ -45,6 +45,7 @@ class Variant:
         self._step = self._lowered.compile()
         self.state, metrics = self._step(self.state, self.batches[0])
         self.parallel.fetch(metrics)
+        self.parallel.read_collectives(self.state, self.batches[0])
         self.first_step_s = time.perf_counter() - t0  # compilation (or a persistent-cache hit) and one step
 
     def time(self, steps: int) -> float:

@@ -86,6 +86,7 @@ class Sync:
     statistics identical across replicas. Its state: none; every leaf of the train state is replicated."""
 
     per_device_update = False  # True: each device updates from its own gradient (the guard then decides alike)
+    every = 1  # steps between two runs of a periodic sync's collectives (local SGD, DiLoCo)
 
     def __init__(self, dtype: Any = jnp.float32) -> None:
         self.dtype = dtype
@@ -151,8 +152,3 @@ class Sync:
     def grad_norm(self, grads: Tree, axis_name: str | None, collective: bool = True) -> jax.Array:
         """The norm the update sees, before clipping."""
         return jnp.sqrt(sum_of_squares(grads))
-
-    def bytes_per_step(self, abstract_state: Any, num_devices: int) -> float:
-        """The bytes each device hands its collectives per step, beside the few sums (`abstract_state`: the
-        logical train state's shapes; tests/test_sync_bytes.py holds this to the lowered step)."""
-        return sum(x.size for x in jax.tree.leaves(abstract_state.params)) * jnp.dtype(self.dtype).itemsize

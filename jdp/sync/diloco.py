@@ -54,8 +54,3 @@ class DiLoCo(LocalSGD):
             return state._replace(params=anchor, sync={"anchor": anchor, "outer": outer})
 
         return jax.lax.cond((previous.step + 1) % self.every == 0, outer_step, lambda s: s, state)
-
-    def bytes_per_step(self, abstract_state: Any, num_devices: int) -> float:
-        """The parameters, once a round."""
-        leaves = jax.tree.leaves(abstract_state.params)
-        return sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves) / self.every

@@ -40,9 +40,3 @@ class LocalSGD(Sync):
     def grad_norm(self, grads: Tree, axis_name: str | None, collective: bool = True) -> jax.Array:
         """The mean of the local norms."""
         return all_reduce_mean(jnp.sqrt(sum_of_squares(grads)), axis_name if collective else None)
-
-    def bytes_per_step(self, abstract_state: Any, num_devices: int) -> float:
-        """The parameters and the optimizer state's floating leaves, once every `every` steps."""
-        leaves = jax.tree.leaves((abstract_state.params, abstract_state.opt_state))
-        return sum(x.size * jnp.dtype(x.dtype).itemsize for x in leaves
-                   if jnp.issubdtype(x.dtype, jnp.floating)) / self.every

@@ -118,7 +118,8 @@ class PowerSGD(Sync):
 
         if not self.start_step:
             return compressed(local, state)
-        return jax.lax.cond(state.step < self.start_step, whole, compressed, local, state)
+        # The steady state in the true branch, where `jdp.hlo` counts a conditional's bytes.
+        return jax.lax.cond(state.step >= self.start_step, compressed, whole, local, state)
 
     def _compressed(self, local: Local, state: Any, axis: str | None) -> Reduced:
         grads = _flat(local.grads)
@@ -137,9 +138,3 @@ class PowerSGD(Sync):
         sync_state = {"q": new_q, "error": {name: m_of[name] - approx[name] for name in m_of}}
         return Reduced(self._of_mean(mean, local.rows, weight), averaged["sums"], weight,
                        merge_floating(averaged["model_state"], local.model_state), None, sync_state)
-
-    def bytes_per_step(self, abstract_state: Any, num_devices: int) -> float:
-        """After the start step: r (n + m) floats per compressed matrix (P, then Q), the other leaves whole."""
-        compressed = sum(a.layers * a.rank * (a.n + a.m) for a in self.matrices.values())
-        whole = sum(x.size for name, x in _flat(abstract_state.params).items() if name not in self.matrices)
-        return (compressed + whole) * 4

@@ -122,13 +122,6 @@ class ShardedOptimizer(Sync):
     def grad_norm(self, grads: Tree, axis_name: str | None, collective: bool = True) -> jax.Array:
         return global_norm(grads, axis_name)  # of the slices' squares: with the layout, kept without collectives
 
-    def bytes_per_step(self, abstract_state: Any, num_devices: int) -> float:
-        """The reduce-scatter of each padded gradient, then this device's slice of the float32 parameters into the
-        all-gather; a scalar leaf's whole gradient is all-reduced."""
-        n, itemsize = num_devices, jnp.dtype(self.dtype).itemsize
-        padded = [-(-x.size // n) * n if is_sharded(x) else 0 for x in jax.tree.leaves(abstract_state.params)]
-        scalars = sum(not is_sharded(x) for x in jax.tree.leaves(abstract_state.params))
-        return sum(padded) * (itemsize + 4 / n) + scalars * itemsize
 
 class Sliceable(optax.GradientTransformation):
     """A transform that jdp built to be right on ZeRO-1 slices (element-wise, its clipping summing norms
