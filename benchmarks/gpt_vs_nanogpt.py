@@ -3,12 +3,13 @@ and in nanoGPT's own train.py (../shared/bench/nanogpt, unchanged), on the same 
 tokens/s after warm-up, medians over repeats, and their ratio (docs/benchmarks.md, "jdp against nanoGPT").
 
     python benchmarks/gpt_vs_nanogpt.py [--steps 300] [--repeats 3] [--nanogpt ../shared/bench/nanogpt]
-        [--jdp_flag=--config.precision=bf16 ...]
+        [--jdp "NAME=FLAGS" ...]   (default: "1 device=--cpu_devices 1" and "2 devices=--cpu_devices 2")
 
-jdp: `python -m jdp.train` on one device, no eval, checkpoint or sample; its summary's tokens_per_sec (the steady
-state: the first steps and the compilation left out). nanoGPT: its README's CPU recipe (--device=cpu
---compile=False, dropout 0), evaluating only at iteration 0; 12 x 64 tokens over the median of its `iter N` times,
-the first 20 iterations left out. Both use every core of the machine (torch's default thread count, XLA's pool).
+jdp: `python -m jdp.train` with each variant's flags, no eval, checkpoint or sample; its summary's tokens_per_sec
+(the steady state: the first steps and the compilation left out). The variants run the same global batch.
+nanoGPT: its README's CPU recipe (--device=cpu --compile=False, dropout 0), evaluating only at iteration 0;
+12 x 64 tokens over the median of its `iter N` times, the first 20 iterations left out. Both use every core of
+the machine (torch's default thread count, XLA's pool).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ ITER = re.compile(r"^iter (\d+): loss [\d.]+, time ([\d.]+)ms")
 
 
 def nanogpt_dir(source: Path, text: Path, into: Path) -> Path:
+    into.mkdir()
     for name in ("train.py", "model.py", "configurator.py"):
         shutil.copy(source / name, into / name)
     (into / "config").mkdir()
@@ -65,21 +67,27 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nanogpt", type=Path, default=ROOT.parent / "shared/bench/nanogpt")
-    parser.add_argument("--jdp_flag", action="append", default=[], help="a flag for python -m jdp.train")
+    parser.add_argument("--jdp", action="append", help="NAME=FLAGS: a jdp variant, FLAGS for python -m jdp.train")
     args = parser.parse_args()
+    variants = dict(v.split("=", 1) for v in args.jdp or ["1 device=--cpu_devices 1", "2 devices=--cpu_devices 2"])
     from jdp.data.text import shakespeare_path  # the text jdp's recipe trains on, given to nanoGPT too
 
     with tempfile.TemporaryDirectory() as tmp:
         where = nanogpt_dir(args.nanogpt, shakespeare_path(), Path(tmp) / "nanogpt")
-        rates: dict[str, list[float]] = {"jdp": [], "nanoGPT": []}
+        rates: dict[str, list[float]] = {name: [] for name in [*variants, "nanoGPT"]}
         for repeat in range(args.repeats):
-            rates["jdp"].append(run_jdp(Path(tmp) / "jdp", args.steps, args.jdp_flag))
+            for name, flags in variants.items():
+                rates[name].append(run_jdp(Path(tmp) / "jdp", args.steps, flags.split()))
             rates["nanoGPT"].append(run_nanogpt(where, args.steps))
-            print(f"repeat {repeat + 1}: jdp {rates['jdp'][-1]:,.0f} tokens/s, nanoGPT {rates['nanoGPT'][-1]:,.0f}",
+            print(f"repeat {repeat + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()) + " tokens/s",
                   flush=True)
-    jdp, nano = statistics.median(rates["jdp"]), statistics.median(rates["nanoGPT"])
-    print(f"median of {args.repeats}: jdp {jdp:,.0f} tokens/s, nanoGPT {nano:,.0f} tokens/s, jdp / nanoGPT "
-          f"{jdp / nano:.2f} (load average {os.getloadavg()[0]:.1f}; jdp flags: {' '.join(args.jdp_flag) or 'none'})")
+    nano = statistics.median(rates["nanoGPT"])
+    print(f"medians of {args.repeats} (load average {os.getloadavg()[0]:.1f} at the end):")
+    print("| run | tokens/s | / nanoGPT |\n|---|---:|---:|")
+    for name, values in rates.items():
+        flags = f" (`{variants[name]}`)" if name in variants else ""
+        print(f"| {'jdp, ' + name if flags else name}{flags} | {statistics.median(values):,.0f} | "
+              f"{statistics.median(values) / nano:.2f} |")
 
 
 if __name__ == "__main__":

@@ -60,9 +60,3 @@ def data_sharded(mesh: Mesh) -> NamedSharding:
     """Leading axis split across devices: step 1 of data parallelism."""
     return NamedSharding(mesh, P(DATA_AXIS))
 
-
-def global_batch(local_rows: dict[str, np.ndarray], sharding: NamedSharding) -> dict[str, jax.Array]:
-    """This process's rows of a global batch -> global arrays split along `data`."""
-    if jax.process_count() == 1:  # the rows are the whole batch; device_put splits it at about half the cost
-        return jax.device_put(local_rows, sharding)
-    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in local_rows.items()}

@@ -25,7 +25,7 @@ from jax.sharding import PartitionSpec as P
 
 from jdp import hlo
 from jdp import step as step_lib
-from jdp.mesh import DATA_AXIS, data_sharded, global_batch, replicated
+from jdp.mesh import DATA_AXIS, data_sharded, replicated
 from jdp.modeldef import LossFn, ModelDef
 from jdp.sync import Sync
 from jdp.sync.base import PER_DEVICE
@@ -63,8 +63,10 @@ def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callab
         return jax.shard_map(fn, mesh=mesh, in_specs=(state_specs, P(DATA_AXIS)), out_specs=out_specs,
                              check_vma=False)
 
-    return (jax.jit(on_each_device(each_device(step_for(DATA_AXIS)), (state_specs, P())), donate_argnums=0),
-            jax.jit(on_each_device(eval_for(DATA_AXIS), P())))
+    batch_in = (None, data_sharded(mesh))  # host rows are split as the step is called (`shard_batch`)
+    return (jax.jit(on_each_device(each_device(step_for(DATA_AXIS)), (state_specs, P())), in_shardings=batch_in,
+                    donate_argnums=0),
+            jax.jit(on_each_device(eval_for(DATA_AXIS), P()), in_shardings=batch_in))
 
 
 def _pmap(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
@@ -112,8 +114,8 @@ class DataParallel:
             groups = options.bn_groups if axis_name is None else 1  # per-device rows need no grouping
             lanes = mesh.size if axis_name is None and options.fit.grad_accum_steps > 1 else 0
             opts = dataclasses.replace(options, axis_name=axis_name, bn_groups=groups, accum_lanes=lanes)
-            return partial(step_lib.train_step, model=model, loss_fn=loss_fn, tx=tx, sync=sync, schedule=schedule,
-                           options=opts)
+            return self._packed(partial(step_lib.train_step, model=model, loss_fn=loss_fn, tx=tx, sync=sync,
+                                        schedule=schedule, options=opts))
 
         def eval_for(axis_name: str | None) -> Callable:
             return partial(step_lib.eval_step, model=model, loss_fn=eval_fn, axis_name=axis_name,
@@ -134,6 +136,16 @@ class DataParallel:
         self._differing_leaves = jax.jit(jax.shard_map(
             _differing_leaves, mesh=mesh, in_specs=(state_spec,), out_specs=P(), check_vma=False))
         self._local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
+
+    def _packed(self, step: Callable) -> Callable:
+        """The step with its scalar metrics as one float32 vector: the host fetches a step's metrics in one
+        transfer, not one per metric (~75 us a step less of host work, which on a busy CPU is the step's time too).
+        Their names are fixed by the step and read while it is traced; counts stay exact below 2**24."""
+        def packed(state: Tree, batch: Tree) -> tuple[Tree, jax.Array]:
+            new_state, metrics = step(state, batch)
+            self._metric_names = tuple(metrics)
+            return new_state, jnp.stack([jnp.reshape(v, ()).astype(jnp.float32) for v in metrics.values()])
+        return packed
 
     def init_state(self, init_fn: Callable[..., step_lib.TrainState], *args: Tree) -> step_lib.TrainState:
         """Creates the logical state directly on the devices, laid out as it lives there."""
@@ -161,14 +173,20 @@ class DataParallel:
             return self._unstack(self._global(state))
         return self._to_logical(state) if self._relayout else state
 
-    def shard_batch(self, local_rows: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Step 1, split: this process's rows of the global batch -> a global array on `data`."""
+    def shard_batch(self, local_rows: dict[str, np.ndarray]) -> dict[str, jax.Array | np.ndarray]:
+        """Step 1, split: this process's rows of the global batch -> what the compiled steps take. In one process,
+        the host rows themselves: the steps' input shardings split them across the devices as they are called,
+        which costs a fraction of `jax.device_put` (docs/benchmarks.md, "Fixed per-step costs"). In several, a
+        global array on `data`."""
         if self.backend == "pmap":
             local_rows = {k: v.reshape(self._local_devices, -1, *v.shape[1:]) for k, v in local_rows.items()}
-        return global_batch(local_rows, self._batch_sharding)
+        if jax.process_count() == 1:
+            return local_rows
+        return {k: jax.make_array_from_process_local_data(self._batch_sharding, v) for k, v in local_rows.items()}
 
     def train_step(self, state: step_lib.TrainState, batch: dict[str, jax.Array]
-                   ) -> tuple[step_lib.TrainState, dict[str, jax.Array]]:
+                   ) -> tuple[step_lib.TrainState, jax.Array]:
+        """Steps 2-4 on the devices: the new state, and the step's metrics packed for `fetch`."""
         return self._train(state, batch)
 
     def eval_step(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -203,7 +221,7 @@ class DataParallel:
     def read_collectives(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> float:
         """Sets `comm_bytes_per_step`: the bytes each device hands the collectives of the compiled train step per
         step, in the steady state (`jdp.hlo`). After the first step, the compilation is the one that step made."""
-        text = self.lower_train(state, batch).compile().as_text()
+        text = self._train.lower(state, batch).compile().as_text()
         self.comm_bytes_per_step = hlo.collective_bytes(text, self.mesh.size, self.sync.every)
         # XLA:CPU all-reduces a bfloat16 payload in float32: the compression then saves nothing.
         self.bf16_widened = self.sync.dtype == jnp.bfloat16 and self.mesh.size > 1 and not hlo.sends_dtype(
@@ -216,10 +234,13 @@ class DataParallel:
         return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)) if x.sharding.is_fully_replicated else
                             np.concatenate([np.asarray(s.data) for s in x.addressable_shards]), state)
 
-    def fetch(self, outputs: dict[str, jax.Array]) -> dict[str, float]:
-        """A step's scalar outputs (metrics or eval sums) as floats, in one transfer; blocks until the step is done."""
-        values = jax.device_get([v.addressable_data(0) for v in outputs.values()])
-        return {k: float(np.reshape(v, -1)[0]) for k, v in zip(outputs, values, strict=True)}
+    def fetch(self, outputs: jax.Array | dict[str, jax.Array]) -> dict[str, float]:
+        """A train step's packed metrics, or an eval step's sums, as floats; blocks until the step is done."""
+        if isinstance(outputs, dict):
+            values = jax.device_get([v.addressable_data(0) for v in outputs.values()])
+            return {k: float(np.reshape(v, -1)[0]) for k, v in zip(outputs, values, strict=True)}
+        row = np.reshape(np.asarray(outputs.addressable_data(0)), (-1, len(self._metric_names)))[0]
+        return dict(zip(self._metric_names, row.tolist(), strict=True))
 
     def replicated(self, state: step_lib.TrainState) -> step_lib.TrainState:
         """`state` without its per-device leaves (None), which have no replicas to compare."""

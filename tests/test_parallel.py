@@ -98,14 +98,16 @@ def test_more_than_100_steps_without_blocking(tmp_path):
 
 
 def test_the_next_batch_is_on_the_devices_before_the_host_waits_for_a_step(tmp_path, monkeypatch):
-    """Double buffering: the trainer puts step s+1's batch on the devices before it waits for step s, so the
-    devices never wait for the input. Breaks if the loop fetched a step's metrics before reading on."""
+    """Double buffering: the trainer puts step s+1's batch on the devices (the call of the compiled step s+1
+    transfers it) before it waits for step s, so the devices never wait for the input. Breaks if the loop fetched
+    a step's metrics before reading on."""
     from jdp.cli.train import run
     from jdp.parallel import DataParallel
 
     events = []
-    shard_batch, fetch = DataParallel.shard_batch, DataParallel.fetch
-    monkeypatch.setattr(DataParallel, "shard_batch", lambda self, rows: events.append("put") or shard_batch(self, rows))
+    train_step, fetch = DataParallel.train_step, DataParallel.fetch
+    monkeypatch.setattr(DataParallel, "train_step",
+                        lambda self, state, batch: events.append("put") or train_step(self, state, batch))
     monkeypatch.setattr(DataParallel, "fetch", lambda self, tree: events.append("wait") or fetch(self, tree))
     steps = 6
     run(small_config("mlp", num_devices=2, steps=steps), tmp_path)
@@ -129,3 +131,19 @@ def test_simulated_devices_that_fill_the_cores_run_one_thread_each(monkeypatch):
         mesh_lib.simulate_cpu_devices(count)
         assert os.environ["XLA_FLAGS"] == expected, (count, flags)
     assert asked == [("jax_num_cpu_devices", n) for n in (1, 2, 8, 2)]
+
+
+def test_a_step_hands_the_host_one_metrics_vector_and_takes_host_rows():
+    """The host's per-step work is one transfer each way: the batch goes from numpy straight into the compiled
+    step, whose input sharding splits it on `data`, and the metrics come back as one float32 vector (`fetch`
+    names them). Breaks if either goes back to one transfer per array."""
+    b = build(small_config("mlp", num_devices=2, steps=2))
+    state, rows = b.parallel.to_devices(b.init_state()), b.source.train_batch(0)
+    batch = b.parallel.shard_batch(rows)
+    assert all(isinstance(v, np.ndarray) for v in batch.values())
+    compiled = b.parallel.lower_train(state, batch).compile()
+    assert all(s.spec == jax.sharding.PartitionSpec("data") for s in jax.tree.leaves(compiled.input_shardings[0][1]))
+    _, metrics = b.parallel.train_step(state, batch)
+    fetched = b.parallel.fetch(metrics)
+    assert isinstance(metrics, jax.Array) and metrics.shape == (len(fetched),) and metrics.dtype == jnp.float32
+    assert {"loss", "accuracy", "skipped_steps"} <= set(fetched) and fetched["skipped_steps"] == 0
