@@ -4,6 +4,7 @@ tokens/s after warm-up, medians over repeats, and their ratio (docs/benchmarks.m
 
     python benchmarks/gpt_vs_nanogpt.py [--steps 300] [--repeats 3] [--nanogpt ../shared/bench/nanogpt]
         [--jdp "NAME=FLAGS" ...]   (default: "1 device=--cpu_devices 1" and "2 devices=--cpu_devices 2")
+        [--checkout "NAME=PATH" ...]   (variant NAME runs the jdp of another checkout, e.g. a `git worktree`)
 
 jdp: `python -m jdp.train` with each variant's flags, no eval, checkpoint or sample; its summary's tokens_per_sec
 (the steady state: the first steps and the compilation left out). The variants run the same global batch.
@@ -52,12 +53,12 @@ def run_nanogpt(where: Path, steps: int) -> float:
     return TOKENS_PER_STEP / statistics.median(times)
 
 
-def run_jdp(workdir: Path, steps: int, flags: list[str]) -> float:
+def run_jdp(workdir: Path, steps: int, flags: list[str], checkout: Path = ROOT) -> float:
     shutil.rmtree(workdir, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "jdp.train", "--config", str(ROOT / "configs/shakespeare_char_cpu.py"),
+    subprocess.run([sys.executable, "-m", "jdp.train", "--config", str(checkout / "configs/shakespeare_char_cpu.py"),
                     "--workdir", str(workdir), f"--config.train.steps={steps}", "--config.train.eval_every=0",
                     "--config.checkpoint.every_steps=0", "--config.sample.tokens=0", "--config.train.log_every=50",
-                    *flags], capture_output=True, text=True, timeout=1800, check=True, cwd=ROOT)
+                    *flags], capture_output=True, text=True, timeout=1800, check=True, cwd=checkout)
     lines = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
     return next(line for line in reversed(lines) if line.get("split") == "summary")["tokens_per_sec"]
 
@@ -68,8 +69,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--nanogpt", type=Path, default=ROOT.parent / "shared/bench/nanogpt")
     parser.add_argument("--jdp", action="append", help="NAME=FLAGS: a jdp variant, FLAGS for python -m jdp.train")
+    parser.add_argument("--checkout", action="append", default=[], help="NAME=PATH: variant NAME's jdp checkout")
     args = parser.parse_args()
     variants = dict(v.split("=", 1) for v in args.jdp or ["1 device=--cpu_devices 1", "2 devices=--cpu_devices 2"])
+    checkouts = {name: Path(path).resolve() for name, path in (c.split("=", 1) for c in args.checkout)}
     from jdp.data.text import shakespeare_path  # the text jdp's recipe trains on, given to nanoGPT too
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -77,7 +80,7 @@ def main() -> None:
         rates: dict[str, list[float]] = {name: [] for name in [*variants, "nanoGPT"]}
         for repeat in range(args.repeats):
             for name, flags in variants.items():
-                rates[name].append(run_jdp(Path(tmp) / "jdp", args.steps, flags.split()))
+                rates[name].append(run_jdp(Path(tmp) / "jdp", args.steps, flags.split(), checkouts.get(name, ROOT)))
             rates["nanoGPT"].append(run_nanogpt(where, args.steps))
             print(f"repeat {repeat + 1}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items()) + " tokens/s",
                   flush=True)

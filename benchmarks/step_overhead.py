@@ -4,9 +4,11 @@
     python benchmarks/step_overhead.py --devices 1     (and --devices 2: simulated CPU devices)
 
 - bare loop: a hand-written step of the same model and optimizer (`jax.jit`; on N devices `jax.shard_map` with a
-  `lax.pmean` of the gradient), over batches already on the devices, nothing fetched;
+  `lax.pmean` of the gradient), over batches already on the devices, nothing fetched: the host waits for step s-1
+  before dispatching s+1, which bounds the queue of steps (unbounded, XLA:CPU's collectives on 2 simulated devices
+  deadlock after some 30 steps);
 - jdp's step: jdp's compiled train step (`DataParallel.train_step`) in the same bare loop;
-- + late fetch: and each step's metrics fetched one step late, as the trainer does;
+- + late fetch: and each step's metrics fetched to the host one step late, as the trainer does;
 - jdp.fit: the whole trainer (batches read on the host and put on the devices, the callbacks, the progress bar),
   its steady-state examples/s (`FitResult.examples_per_sec`).
 
@@ -86,8 +88,12 @@ def main() -> None:
 
     def run_bare(steps: int) -> None:
         p, o = bare_state
+        pending = None
         for i in range(steps):
-            p, o, _ = bare(p, o, bare_batches[i % len(bare_batches)])
+            p, o, loss = bare(p, o, bare_batches[i % len(bare_batches)])
+            if pending is not None:
+                pending.block_until_ready()
+            pending = loss
         jax.block_until_ready(p)
         bare_state[:] = [p, o]
 
@@ -102,8 +108,8 @@ def main() -> None:
         state, pending = jdp_state[0], None
         for i in range(steps):
             state, metrics = parallel.train_step(state, jdp_batches[i % len(jdp_batches)])
-            if fetch and pending is not None:
-                parallel.fetch(pending)
+            if pending is not None:
+                parallel.fetch(pending) if fetch else jax.block_until_ready(pending)
             pending = metrics
         jax.block_until_ready(state)
         jdp_state[0] = state

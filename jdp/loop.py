@@ -15,7 +15,7 @@ import jax
 
 from jdp import callbacks as callbacks_lib
 from jdp import distributed as distributed_lib
-from jdp import noise_scale, runinfo, storage, workdir_lock
+from jdp import noise_scale, precision, runinfo, storage, workdir_lock
 from jdp import record as record_lib
 from jdp.checkpoint import Checkpointer
 from jdp.data.batching import Source, optional
@@ -268,6 +268,8 @@ def _header(run: callbacks_lib.Run, engine: Engine, options: FitOptions) -> None
         f"{run.batch_size} ({jax.process_count()} process(es)); {what}{params:,} parameters, "
         f"{run.source.num_train} train examples, {run.steps} steps = {run.steps / run.source.steps_per_epoch:.1f} "
         f"epochs; backend {options.backend}")
+    if slower := precision.slower_than_fp32(options.precision, mesh.devices.flat[0].platform):
+        run.writer.echo(f"warning: {slower}")
 
 
 def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: callbacks_lib.Evaluation,

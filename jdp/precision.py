@@ -20,6 +20,16 @@ _MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
 _HLO_MATMUL = re.compile(r"=\s*(\w+)\[[^\]]*\](?:\{[^}]*\})?\s+(?:convolution|dot)\(")
 
 
+def slower_than_fp32(precision: str, platform: str) -> str | None:
+    """Why `precision` makes the step no faster than float32 on `platform`'s devices, or None. Measured on XLA:CPU
+    (docs/benchmarks.md, "Precision on CPU devices"); on GPUs and TPUs bf16 and fp16 run on the matrix units."""
+    if platform != "cpu" or precision == "fp32":
+        return None
+    return (f"precision={precision} runs no faster than fp32 on CPU devices: XLA:CPU's {precision} matmuls are "
+            "slower than its float32 ones (the CPU GPT recipe: 60 against 44 ms of matmul time a step, the whole "
+            "step no faster; docs/benchmarks.md), so it saves memory here, not time; precision=fp32 is the CPU's")
+
+
 def cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
     """Every floating leaf of `tree` cast to `dtype`; integer leaves (token ids, labels) as they are."""
     return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)

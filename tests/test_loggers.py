@@ -221,8 +221,11 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 # Slow enough steps (~0.1 s on 2 cores) that the trackers, which open a few seconds after the start, log past a
 # checkpoint while the run still trains.
 # Long enough that the trackers (whose imports take seconds in their threads) log past a checkpoint before the end.
+# A train line every 5 steps: on a loaded machine, trackers logging every step fell further behind the run than a
+# checkpoint interval, and the run ended before they were past its last checkpoint (the kill's premise).
 SLOW_ARGS = ["--config.model.kwargs.hidden_sizes=(1024,1024)", "--config.train.global_batch_size=512",
-             "--config.train.steps=120", "--config.train.eval_every=20", "--config.checkpoint.every_steps=20"]
+             "--config.train.steps=120", "--config.train.eval_every=20", "--config.checkpoint.every_steps=20",
+             "--config.train.log_every=5"]
 
 
 def _logged(workdir: Path, name: str) -> int:

@@ -90,3 +90,15 @@ def test_bf16_warns_about_a_model_that_stays_float32():
     stuck = _prepare(jnp.float32, "bf16")
     assert len(stuck) == 1 and "2 dots/convolutions" in str(stuck[0].message)
     assert _prepare(None, "bf16") == [] and _prepare(jnp.float32, "fp32") == []
+
+
+def test_a_precision_slower_than_fp32_on_these_devices_is_said_once(capsys):
+    """On CPU devices bf16 and fp16 make the step no faster (docs/benchmarks.md): fit says so once, with the
+    reason, and says nothing under fp32 or on another platform."""
+    x = np.random.default_rng(0).normal(size=(32, 6)).astype(np.float32)
+    for name in ("fp32", "bf16", "fp16"):
+        jdp.fit(lambda: nnx.Linear(6, 1, rngs=nnx.Rngs(0)), lambda m, b: {"loss": (m(b["x"])[:, 0] - b["y"]) ** 2},
+                {"x": x, "y": x.sum(1)}, optimizer=optax.sgd(0.1), steps=2, global_batch_size=16, precision=name)
+        said = capsys.readouterr().out.count(f"warning: precision={name} runs no faster than fp32 on CPU devices")
+        assert said == (name != "fp32"), name
+    assert precision.slower_than_fp32("bf16", "gpu") is None and precision.slower_than_fp32("fp16", "tpu") is None
