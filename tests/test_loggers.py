@@ -221,11 +221,12 @@ def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
 # Slow enough steps (~0.1 s on 2 cores) that the trackers, which open a few seconds after the start, log past a
 # checkpoint while the run still trains.
 # Long enough that the trackers (whose imports take seconds in their threads) log past a checkpoint before the end.
-# A train line every 5 steps: on a loaded machine, trackers logging every step fell further behind the run than a
-# checkpoint interval, and the run ended before they were past its last checkpoint (the kill's premise).
+# A train line every LOG_EVERY steps: on a loaded machine, trackers logging every step fell further behind the run
+# than a checkpoint interval, and the run ended before they were past its last checkpoint (the kill's premise).
+LOG_EVERY = 5
 SLOW_ARGS = ["--config.model.kwargs.hidden_sizes=(1024,1024)", "--config.train.global_batch_size=512",
              "--config.train.steps=120", "--config.train.eval_every=20", "--config.checkpoint.every_steps=20",
-             "--config.train.log_every=5"]
+             f"--config.train.log_every={LOG_EVERY}"]
 
 
 def _logged(workdir: Path, name: str) -> int:
@@ -254,7 +255,8 @@ def test_a_killed_run_resumes_into_the_same_tracked_runs(tmp_path):
         deadline = time.monotonic() + 150
         while proc.poll() is None and time.monotonic() < deadline:
             done = _checkpoints(workdir)
-            if done and min(_logged(workdir, "mlflow"), _logged(workdir, "wandb")) >= done[-1] + 3:
+            # A tracker records a step before it sends it: two lines past the checkpoint, the first one is sent.
+            if done and min(_logged(workdir, "mlflow"), _logged(workdir, "wandb")) >= done[-1] + 2 * LOG_EVERY:
                 proc.kill()
                 break
             time.sleep(0.02)
