@@ -114,7 +114,6 @@ def gpt() -> None:
     with tiny_shakespeare's 65 symbols: fwd+bwd with jax.nn.gelu (erfc form) and with jdp's gelu (PyTorch's
     erf form), interleaved, then the top operations of a profile of each."""
     import collections
-    import glob
     import importlib
     import re
     import tempfile
@@ -123,6 +122,7 @@ def gpt() -> None:
     import numpy as np
     import optax
     from flax import nnx
+    from profile_gpt import xla_thread_time  # benchmarks/, the script's folder
 
     gpt_module = importlib.import_module("jdp.models.gpt")  # jdp.models.gpt the attribute is the builder
     tokens = np.random.default_rng(0).integers(0, 65, (12, 65)).astype(np.int32)
@@ -152,14 +152,7 @@ def gpt() -> None:
             with jax.profiler.trace(trace):
                 for _ in range(10):
                     jax.block_until_ready(step(params, x, y))
-            profile = jax.profiler.ProfileData.from_file(glob.glob(f"{trace}/**/*.xplane.pb", recursive=True)[0])
-        total = collections.Counter()
-        for plane in profile.planes:
-            for line in plane.lines:
-                if line.name.startswith(("tf_XLAEigen", "tf_XLAPjRt")):
-                    for event in line.events:
-                        if "ThunkExecutor" not in event.name:
-                            total[event.name] += event.duration_ns / 10
+            total = xla_thread_time(trace, 10)
         hlo = step.lower(params, x, y).compile().as_text()
         print(f"  XLA thread time per step {sum(total.values()) / 1e6:.1f} ms; top operations:")
         for op, ns in total.most_common(6):

@@ -65,6 +65,21 @@ def _frames(hlo: str) -> dict[int, tuple[str, str]]:
             re.findall(r"^(\d+) \{file_location_id=(\d+) parent_frame_id=\d+\}", table("StackFrames"), re.M)}
 
 
+def xla_thread_time(trace: str, steps: int) -> collections.Counter[str]:
+    """The thread time (ns per step) of each XLA operation in a `jax.profiler.trace` directory of `steps` steps."""
+    import jax
+
+    profile = jax.profiler.ProfileData.from_file(glob.glob(f"{trace}/**/*.xplane.pb", recursive=True)[0])
+    total: collections.Counter[str] = collections.Counter()
+    for plane in profile.planes:
+        for line in plane.lines:
+            if line.name.startswith(("tf_XLAEigen", "tf_XLAPjRt")):
+                for event in line.events:
+                    if "ThunkExecutor" not in event.name:
+                        total[event.name] += event.duration_ns / steps
+    return total
+
+
 def jdp_profile(overrides: list[str], steps: int) -> tuple[float, dict[str, float]]:
     """jdp's compiled step on one device: its wall time per step (ms) and the thread time (ms) per class."""
     import jax
@@ -80,25 +95,21 @@ def jdp_profile(overrides: list[str], steps: int) -> tuple[float, dict[str, floa
             for i in range(steps):
                 variant.state, metrics = variant._step(variant.state, variant.batches[i % len(variant.batches)])
             jax.block_until_ready(metrics)
-        profile = jax.profiler.ProfileData.from_file(glob.glob(f"{trace}/**/*.xplane.pb", recursive=True)[0])
+        times = xla_thread_time(trace, steps)
     hlo = variant._step.as_text()
     frames = _frames(hlo)
     ops = {m[1]: m for m in re.finditer(
         r"^\s*(?:ROOT )?%([\w.\-]+) = \S+ (\S+?)\(.*?metadata=\{op_name=\"([^\"]*)\"(?: stack_frame_id=(\d+))?", hlo,
         re.M)}
-    classes: collections.Counter[str] = collections.Counter()
-    for plane in profile.planes:
-        for line in plane.lines:
-            if not line.name.startswith(("tf_XLAEigen", "tf_XLAPjRt")):
-                continue
-            for event in line.events:
-                if (op := ops.get(event.name)) is None:
-                    continue
-                expression, function = frames.get(int(op[4] or 0), ("", ""))
-                is_dot = op[2] in ("dot", "convolution") or (op[2] == "fusion" and "dot_general" in op[3])
-                part = "backward" if "transpose(" in op[3] else "forward"
-                kind = _jdp_class(expression, function, is_dot)
-                classes[(kind, part) if kind != CLASSES[6] else (kind, "")] += event.duration_ns / 1e6 / steps
+    classes: collections.Counter = collections.Counter()
+    for name, ns in times.items():
+        if (op := ops.get(name)) is None:
+            continue
+        expression, function = frames.get(int(op[4] or 0), ("", ""))
+        is_dot = op[2] in ("dot", "convolution") or (op[2] == "fusion" and "dot_general" in op[3])
+        part = "backward" if "transpose(" in op[3] else "forward"
+        kind = _jdp_class(expression, function, is_dot)
+        classes[(kind, part) if kind != CLASSES[6] else (kind, "")] += ns / 1e6
     return wall, dict(classes)
 
 

@@ -30,9 +30,8 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CALLED = re.compile(r"\b(?:to_apply|calls)=%?([\w.\-]+)")
 
 
-def _result_bytes(shapes: str) -> int:
-    return sum(_ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-               for dtype, dims in _SHAPE.findall(shapes))
+def _bytes(shapes: list[tuple[str, str]]) -> int:
+    return sum(_ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d) for dtype, dims in shapes)
 
 
 def sends_dtype(hlo_text: str, dtype: str) -> bool:
@@ -54,12 +53,12 @@ def collective_bytes(hlo_text: str, num_devices: int, period: int = 1) -> float:
             continue
         if match := _COLLECTIVE.search(line):
             shapes, op, start = match.groups()
+            found = _SHAPE.findall(shapes)
             if op == "all-gather" and start:  # an asynchronous all-gather's result is (operands, results)
-                found = _SHAPE.findall(shapes)
-                shapes = " ".join(f"{d}[{dims}]" for d, dims in found[:len(found) // 2])
-                op = "all-reduce"  # now its operands: counted as they are
-            sent[computation] += _result_bytes(shapes) * {"all-gather": 1 / num_devices,
-                                                          "reduce-scatter": num_devices}.get(op, 1)
+                sent[computation] += _bytes(found[:len(found) // 2])
+            else:
+                sent[computation] += _bytes(found) * {"all-gather": 1 / num_devices,
+                                                      "reduce-scatter": num_devices}.get(op, 1)
         if " conditional(" in line:
             listed = _BRANCHES.search(line)
             named = dict((kind, name) for kind, name in _TRUE_FALSE.findall(line))

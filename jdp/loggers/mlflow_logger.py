@@ -33,7 +33,6 @@ class MLflow(Tracker):
         self.client: Any = None
         self.uri = self.run_id = ""
 
-
     def _prepare(self) -> None:
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (Path.cwd() / "mlruns").as_uri()
         if "://" not in uri and not uri.startswith("file:"):

@@ -33,7 +33,6 @@ class WandB(Tracker):
         self.project, self.init_kwargs = project, init_kwargs
         self.run: Any = None
 
-
     def _open(self, run_id: str | None) -> str:
         import wandb
 
