@@ -223,11 +223,10 @@ class ReplicaCheck(Every):
         self.run = run
 
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
-        copies = self.run.state  # each device's own copy
+        copies = self.run.parallel.replicated(self.run.state)  # each device's own copy of the replicated leaves
         with self.run.clock.paused():  # the first check also compiles the checksum program
             leaf = self.run.parallel.first_differing_leaf({"params": copies.params, "model_state": copies.model_state,
-                                                           "rng_state": copies.rng_state,
-                                                           "sync": self.run.parallel.replicated(copies).sync})
+                                                           "rng_state": copies.rng_state, "sync": copies.sync})
         if leaf is not None:
             raise ReplicaMismatchError(f"replicas differ at step {step}: first differing parameter {leaf}")
 

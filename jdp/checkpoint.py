@@ -241,12 +241,12 @@ class Checkpointer:
         if step in self._manager.all_steps():
             return
         data = {**data_position, "format": FORMAT}
-        # Process 0 writes the JSON item: it fetches the state to the host here (on CPU a view, which JAX keeps alive:
-        # it does not donate a buffer that has a view) and hashes it on the save thread.
-        host = jax.tree.map(np.asarray, state) if jax.process_index() == 0 else None
+        # Process 0 writes the JSON item; its digests are completed on the save thread.
+        digests = digest.pending(state, host=jax.process_index() == 0)
 
         def with_digests() -> dict:
-            return digest.sealed({**data, "digests": digest.of_tree(host)} if host is not None else data)
+            leaves = digests()
+            return digest.sealed({**data, "digests": leaves} if leaves is not None else data)
 
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                          data=_DataSave(with_digests)), force=True)
@@ -316,7 +316,7 @@ class Checkpointer:
                                self.directory / str(step))
         if problem is not None:
             return None, problem
-        problem = digest.mismatch(digests, jax.tree.map(np.asarray, state)) if digests is not None else None
+        problem = digest.mismatch(digests, state) if digests is not None else None
         problem = problem or _step_problem(step, _state_step(state))
         if resized and not problem:
             state = jax.tree_util.tree_map_with_path(lambda path, x: None if jax.tree_util.keystr(path) in resized

@@ -1,17 +1,26 @@
 """A digest of every leaf of a train state (path, dtype, shape and a BLAKE2b hash of its bytes), stored with each
 checkpoint and compared with the restored arrays, so that bytes damaged on disk are found instead of trained on; and
 a checksum of the JSON item that holds them, so that damage to the digests, the format or the data position is
-found too."""
+found too.
+
+A leaf split across devices (a sharded or per-device one) is not fetched whole to be hashed: its digest is two sums
+of its 32-bit words, plain and weighted by position, mod 2**32 ("words:" + hex), computed on the devices where its
+parts live. Integer sums do not depend on the order of addition, so the digest is the same on any device count."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
+
+WORDS = "words:"
 
 
 def _leaves(tree: Any) -> list[tuple[str, Any]]:
@@ -26,6 +35,51 @@ def of_leaf(x: np.ndarray) -> list:
 def of_tree(tree: Any) -> dict[str, list]:
     """{leaf path: [dtype, shape, hash]} of a tree of host arrays."""
     return {path: of_leaf(np.asarray(leaf)) for path, leaf in _leaves(tree)}
+
+
+def _is_split(x: Any) -> bool:
+    return isinstance(x, jax.Array) and not x.sharding.is_fully_replicated
+
+
+@jax.jit
+def _word_sums(leaves: list[jax.Array]) -> jax.Array:
+    """(leaves, 2) uint32: each leaf's sum of words and sum of words times (position + 1), wrapping."""
+    def sums(x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x  # bitcast takes no booleans
+        words = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}")).astype(jnp.uint32)
+        words = words.reshape(-1)
+        return jnp.stack([words.sum(), (words * (jnp.arange(words.size, dtype=jnp.uint32) + 1)).sum()])
+    return jnp.stack([sums(x) for x in leaves]).reshape(-1, 2)
+
+
+def _of_words(x: Any, sums: np.ndarray) -> list:
+    return [np.dtype(x.dtype).name, list(x.shape), WORDS + "".join(f"{int(v):08x}" for v in sums)]
+
+
+def pending(tree: Any, host: bool = True) -> Callable[[], dict[str, list] | None]:
+    """Starts the digests of a train state on the devices, and returns what completes them (to be called on a save
+    thread): the split leaves' word sums are set off on their devices now (every process calls this together: it
+    is one collective program), the replicated leaves are viewed on the host and hashed later. `host` False (not
+    the process that writes them): only the collective part; the result is None."""
+    leaves = _leaves(tree)
+    split = [(path, x) for path, x in leaves if _is_split(x)]
+    sums = _word_sums([x for _, x in split]) if split else None
+    if not host:
+        return lambda: None
+    # On CPU the host arrays are views, which JAX keeps alive: it does not donate a buffer that has a view.
+    whole = {path: np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+             for path, x in leaves if not _is_split(x)}
+
+    def complete() -> dict[str, list]:
+        words = dict(zip([p for p, _ in split], np.asarray(sums) if split else [], strict=True))
+        return {path: _of_words(x, words[path]) if path in words else of_leaf(whole[path]) for path, x in leaves}
+    return complete
+
+
+def _on_host(x: Any) -> np.ndarray:
+    if not isinstance(x, jax.Array) or x.sharding.is_fully_replicated:
+        return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
+    return np.asarray(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
 
 
 def layout_difference(digests: dict[str, list], abstract: Any) -> str | None:
@@ -43,9 +97,15 @@ def layout_difference(digests: dict[str, list], abstract: Any) -> str | None:
 
 
 def mismatch(digests: dict[str, list], tree: Any) -> str | None:
-    """A line naming the first leaf of `tree` (host arrays) whose digest differs from `digests`, or None."""
-    for path, leaf in _leaves(tree):
-        if of_leaf(np.asarray(leaf)) != digests.get(path):
+    """A line naming the first leaf of `tree` (host or device arrays) whose digest differs from `digests`, or None.
+    Word sums are computed where the arrays are (every process calls this together)."""
+    leaves = _leaves(tree)
+    counted = [(path, x) for path, x in leaves if str(digests.get(path, [None] * 3)[2]).startswith(WORDS)]
+    sums = np.asarray(_word_sums([x for _, x in counted])) if counted else []
+    words = dict(zip([p for p, _ in counted], sums, strict=True))
+    for path, leaf in leaves:
+        got = _of_words(leaf, words[path]) if path in words else of_leaf(_on_host(leaf))
+        if got != digests.get(path):
             return f"the digest of {path} does not match the one saved with it (damaged bytes)"
     return None
 

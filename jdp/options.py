@@ -104,6 +104,9 @@ OPTIONS: tuple[Option, ...] = (
            "steps (0 = at the end only)", NON_NEGATIVE),
     Option("shard_optimizer", "parallel.shard_optimizer", bool, False, "ZeRO-1: each device keeps and updates 1/N "
            "of the optimizer state (shard_map; element-wise optimizers only)"),
+    Option("shard_params", "parallel.shard_params", bool, False, "ZeRO-3 (FSDP): parameters, gradients and "
+           "optimizer state live as 1/N slices, the parameters gathered for each step (shard_map or jit; "
+           "element-wise optimizers only)"),
     Option("sync_every", "parallel.sync_every", int, 1, "local SGD: > 1 averages parameters every H steps instead "
            "of gradients every step", AT_LEAST_1),
     Option("allreduce_dtype", "parallel.allreduce_dtype", str, "fp32", "what the gradient all-reduce sends",
@@ -185,6 +188,16 @@ def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception]
         require(o["backend"] == "shard_map", f"{n('shard_optimizer')}=True needs {use('backend', 'shard_map')}")
         require(o["sync_every"] == 1, f"{n('shard_optimizer')}=True and {n('sync_every')} > 1 (local SGD) cannot "
                                       "be combined")
+    if o["shard_params"]:
+        require(o["backend"] != "pmap", f"{n('shard_params')}=True needs {use('backend', 'shard_map')} or jit: pmap "
+                                        "keeps a whole copy of the state on every device")
+        require(o["sync_every"] == 1 and o["sync"] == "allreduce",
+                f"{n('shard_params')}=True reduce-scatters each step's gradient, so it cannot be combined with "
+                f"{n('sync_every')} > 1 (local SGD, DiLoCo) or {n('sync')}=powersgd; set {n('shard_params')}=False")
+        require(o["allreduce_dtype"] == "fp32", f"{n('shard_params')}=True reduce-scatters the gradient in the "
+                f"parameters' dtype (the gather's transpose); use {use('allreduce_dtype', 'fp32')}")
+        require(not o["log_noise_scale"], f"{n('log_noise_scale')} needs each device's whole gradient, which "
+                f"{n('shard_params')}=True never holds; set {n('log_noise_scale')}=False")
     if o["log_noise_scale"]:
         require(o["backend"] != "jit" and o["sync_every"] == 1 and not o["shard_optimizer"],
                 f"{n('log_noise_scale')} compares each device's gradient with the all-reduced one, which jit (no "

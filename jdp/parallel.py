@@ -20,15 +20,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp import hlo
 from jdp import step as step_lib
-from jdp.mesh import DATA_AXIS, data_sharded, replicated
+from jdp.mesh import DATA_AXIS, data_sharded, replicated, split_whole
 from jdp.modeldef import LossFn, ModelDef
 from jdp.sync import Sync
-from jdp.sync.base import PER_DEVICE
+from jdp.sync.base import PER_DEVICE, REPLICATED, SHARDED
 
 Tree = step_lib.Tree
 
@@ -39,10 +40,11 @@ Tree = step_lib.Tree
 
 def _jit(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
          ) -> tuple[Callable, Callable]:
-    """One call on the global batch; XLA partitions it and inserts the all-reduce."""
+    """One call on the global batch; XLA partitions it and inserts the all-reduce (and a sharded state's gathers)."""
     repl, split = replicated(mesh), data_sharded(mesh)
-    return (jax.jit(step_for(None), in_shardings=(repl, split), out_shardings=(repl, repl), donate_argnums=0),
-            jax.jit(eval_for(None), in_shardings=(repl, split), out_shardings=repl))
+    state = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs)
+    return (jax.jit(step_for(None), in_shardings=(state, split), out_shardings=(state, repl), donate_argnums=0),
+            jax.jit(eval_for(None), in_shardings=(state, split), out_shardings=repl))
 
 
 def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
@@ -99,13 +101,17 @@ class DataParallel:
         self.comm_bytes_per_step: float | None = None  # read from the compiled step by `read_collectives`
         self.bf16_widened = False
         self._state_specs = sync.state_specs(abstract_state)
-        layouts = sync.layouts(abstract_state)
+        self._layouts = layouts = sync.layouts(abstract_state)
         self.per_device = jax.tree.map(lambda layout: layout == PER_DEVICE, layouts)
         if backend == "jit" and any(jax.tree.leaves(self.per_device)):
             raise ValueError("per-device state needs a per-device step (shard_map or pmap), not jit")
-        # Where each leaf of the logical state lives: whole on every device, or a per-device leaf split on `data`.
-        self.logical_shardings = jax.tree.map(lambda p: data_sharded(mesh) if p else replicated(mesh),
-                                              self.per_device)
+        if backend == "pmap" and SHARDED in jax.tree.leaves(layouts):
+            raise ValueError("a sharded state needs shard_map or jit, not pmap")
+        # Where each leaf of the logical state lives: whole on every device, a per-device leaf split on `data`, a
+        # sharded one split whole (`jdp.mesh.split_whole`).
+        self.logical_shardings = jax.tree.map(
+            lambda layout, x: {REPLICATED: replicated(mesh), PER_DEVICE: data_sharded(mesh)}.get(
+                layout) or split_whole(mesh, x.shape), layouts, abstract_state)
         self._relayout = any(spec != P() for spec in jax.tree.leaves(self._state_specs))  # else the layout is logical
         split = data_sharded(mesh)
         self._batch_sharding = split
@@ -119,7 +125,8 @@ class DataParallel:
 
         def eval_for(axis_name: str | None) -> Callable:
             return partial(step_lib.eval_step, model=model, loss_fn=eval_fn, axis_name=axis_name,
-                           device_input=options.device_input)
+                           device_input=options.device_input,
+                           params_view=lambda params: sync.params_view(params, axis_name))
 
         self._train, self._eval = BACKENDS[backend](mesh, self._state_specs, self.per_device, step_for, eval_for)
         n = mesh.size
@@ -228,11 +235,18 @@ class DataParallel:
             text, "bf16")
         return self.comm_bytes_per_step
 
-    def to_host(self, state: Tree) -> Tree:
-        """A logical tree as numpy: this process's first copy of each replicated leaf; of a per-device leaf, the
-        rows of this process's devices."""
-        return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)) if x.sharding.is_fully_replicated else
-                            np.concatenate([np.asarray(s.data) for s in x.addressable_shards]), state)
+    def to_host(self, tree: Tree) -> Tree:
+        """A logical tree as numpy: this process's first copy of each replicated leaf; of a train state's per-device
+        leaf, the rows of this process's devices; any other split leaf whole, assembled on the host from its parts
+        (in several processes, from every process: all call this together)."""
+        def host(x: jax.Array, layout: str) -> np.ndarray:
+            if x.sharding.is_fully_replicated:
+                return np.asarray(x.addressable_data(0))
+            if layout == PER_DEVICE:
+                return np.concatenate([np.asarray(s.data) for s in x.addressable_shards])
+            return np.asarray(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
+        whole = isinstance(tree, step_lib.TrainState)
+        return jax.tree.map(host, tree, self._layouts if whole else jax.tree.map(lambda _: SHARDED, tree))
 
     def fetch(self, outputs: jax.Array | dict[str, jax.Array]) -> dict[str, float]:
         """A train step's packed metrics, or an eval step's sums, as floats; blocks until the step is done."""
@@ -243,12 +257,14 @@ class DataParallel:
         return dict(zip(self._metric_names, row.tolist(), strict=True))
 
     def replicated(self, state: step_lib.TrainState) -> step_lib.TrainState:
-        """`state` without its per-device leaves (None), which have no replicas to compare."""
-        return jax.tree.map(lambda x, p: None if p else x, state, self.per_device)
+        """`state` without its per-device and sharded leaves (None), which have no replicas to compare."""
+        return jax.tree.map(lambda x, layout: x if layout == REPLICATED else None, state, self._layouts)
 
     def first_differing_leaf(self, tree: Tree) -> str | None:
         """The path of the first leaf whose copies differ across devices (compared with a collective
         on bit checksums, cheap enough to run every few hundred steps), or None."""
+        if not jax.tree.leaves(tree):
+            return None
         differs = np.asarray(self._differing_leaves(self._global(tree)).addressable_data(0))
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(tree)]
         return next((path for path, d in zip(paths, differs, strict=True) if d), None)

@@ -109,12 +109,13 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
 
 
 def eval_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDef, loss_fn: LossFn,
-              axis_name: str | None, device_input: Callable[[dict[str, jax.Array]], dict[str, jax.Array]]
-              ) -> dict[str, jax.Array]:
+              axis_name: str | None, device_input: Callable[[dict[str, jax.Array]], dict[str, jax.Array]],
+              params_view: Callable[[Tree], Tree] = lambda params: params) -> dict[str, jax.Array]:
     """Weighted sums of `loss_fn`'s outputs and the weight total over the global batch, the model in eval
-    mode; padding rows (`mask` 0) weigh nothing."""
+    mode; padding rows (`mask` 0) weigh nothing. `params_view`: the parameters the forward sees, from the sync
+    strategy (gathered, when sharded)."""
     rows = {k: v for k, v in batch.items() if k != "mask"}
-    outputs, _, _ = run_loss(model, loss_fn, state.params, state.model_state, state.rng_state,
+    outputs, _, _ = run_loss(model, loss_fn, params_view(state.params), state.model_state, state.rng_state,
                              device_input(rows), train=False)
     sums, weight = weighted_sums(outputs, batch["mask"])
     sums["weight"] = weight

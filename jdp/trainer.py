@@ -145,8 +145,9 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     abstract = jax.eval_shape(init_state, *initial)
     device_input = optional(source, "device_input")
     _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, device_input, n, global_batch_size, o)
-    if o.shard_optimizer:
-        zero1.check_sliceable(optimizer, abstract.params, n)
+    if o.shard_optimizer or o.shard_params:  # under jit each leaf is flat and padded, not sliced
+        zero1.check_sliceable(optimizer, abstract.params, 1 if o.shard_params and o.backend == "jit" else n,
+                              "shard_params" if o.shard_params else "shard_optimizer")
     step_options = StepOptions(
         o, bn_groups=1 if o.bn_sync else n, all_reduce=all_reduce, device_input=device_input,
         noise_small_batches=("micro_batches" if n == 1 else "devices") if o.log_noise_scale else "")

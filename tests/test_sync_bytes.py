@@ -93,6 +93,29 @@ def test_zero1_reduce_scatter_and_all_gather(n):
     assert sent == padded * 4 + padded * 4 / n + _scalar_bytes(text)
 
 
+@pytest.mark.parametrize("n", [2, 8])
+def test_zero3_gathers_parameters_and_reduce_scatters_gradients(n):
+    """Under shard_map: this device's slice of each parameter into the forward's all-gather, and the gradient
+    reduce-scattered by the gather's transpose; no all-reduce but the scalar sums'. Breaks if the parameters are
+    kept whole (an all-reduce of gradient size), or if the strategy adds a reduce-scatter of its own."""
+    sent, text, _, state = _compiled(n, optax.adamw(1e-3), shard_params=True)
+    padded = sum(-(-leaf.size // n) * n for leaf in jax.tree.leaves(state.params))
+    assert _kinds(text) == {"reduce-scatter", "all-gather", "all-reduce"}
+    assert sent == padded * 4 / n + padded * 4 + _scalar_bytes(text)
+
+
+def test_zero3_under_jit_leaves_the_collectives_to_xla():
+    """Under jit the sliced parameters carry their sharding and XLA's partitioner places the collectives: it
+    all-gathers the parameters, and on XLA:CPU reduces the gradients with all-reduces over groups of devices and
+    slices, not reduce-scatters (docs/communication.md). What it sends is read, not predicted: more than
+    shard_map's explicit program, less than gathering and all-reducing every parameter whole."""
+    sent, text, _, state = _compiled(8, optax.sgd(0.1), shard_params=True, backend="jit")
+    explicit, *_ = _compiled(8, optax.sgd(0.1), shard_params=True)
+    padded = sum(-(-leaf.size // 8) * 8 for leaf in jax.tree.leaves(state.params))
+    assert "all-gather" in _kinds(text)
+    assert explicit < sent < padded * 4 + padded * 4 + _scalar_bytes(text)
+
+
 @pytest.mark.parametrize("momentum", [None, 0.9])
 def test_local_sgd_per_step_average_over_a_period(momentum):
     every, n = 2, 2

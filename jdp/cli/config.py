@@ -316,9 +316,10 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
                                        "with local SGD the replicas agree only at sync points; use a multiple")
     profile_steps(cfg.profile.steps)
     logger_names(cfg.metrics.loggers)
-    if cfg.parallel.shard_optimizer:
-        _require(cfg.optim.name not in ("lamb", "lars"), f"optim.name={cfg.optim.name} needs whole-leaf norms "
-                 "(trust ratios); parallel.shard_optimizer=True supports sgd, momentum, nesterov and adamw")
+    for key in ("shard_optimizer", "shard_params"):
+        _require(not cfg.parallel[key] or cfg.optim.name not in ("lamb", "lars"), f"optim.name={cfg.optim.name} "
+                 f"needs whole-leaf norms (trust ratios); parallel.{key}=True supports sgd, momentum, nesterov and "
+                 "adamw")
     _require(cfg.optim.min_lr <= cfg.optim.lr, f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; "
              "the schedule decays to min_lr: lower it")
     _require(cfg.optim.warmup_steps < cfg.train.steps,

@@ -6,6 +6,7 @@ the global batch under jit (`axis_name` None: the arrays are global and XLA inse
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import jax
@@ -20,8 +21,31 @@ Tree = Any
 # How a leaf of the logical train state lives on the devices (`Sync.layouts`). Replicated: one whole copy on every
 # device, the same bits. Per device: a leading device axis, each device holding its own row (PowerSGD's error
 # feedback, DiLoCo's inner optimizer state); it has no replicas to compare, and restores only on the same device
-# count. Checkpoints, the replica check and export follow the declaration.
-REPLICATED, PER_DEVICE = "replicated", "per_device"
+# count. Sharded: one whole array split across the devices (ZeRO's optimizer state and parameters); inside the step
+# it is flattened and zero-padded to a multiple of N, device i holding the i-th 1/N of it (`flat_padded`), so any
+# size splits; outside, it keeps its shape (split on an axis that divides, `jdp.mesh.split_whole`) and restores on
+# any device count. Checkpoints, the replica check and export follow the declaration.
+REPLICATED, PER_DEVICE, SHARDED = "replicated", "per_device", "sharded"
+
+
+def is_sharded(leaf: Any) -> bool:
+    """Which leaves a sharding strategy splits: arrays with at least one axis (scalars such as step counts stay
+    whole)."""
+    return len(leaf.shape) > 0
+
+
+def flat_padded(x: jax.Array, n: int) -> jax.Array:
+    flat = x.reshape(-1)
+    return jnp.pad(flat, (0, (-flat.size) % n))
+
+
+def unpadded(flat: jax.Array, like: Any) -> jax.Array:
+    return flat[: math.prod(like.shape)].reshape(like.shape)
+
+
+def sharded_where(tree: Tree) -> Tree:
+    """SHARDED for each leaf with an axis, REPLICATED for scalars."""
+    return jax.tree.map(lambda x: SHARDED if is_sharded(x) else REPLICATED, tree)
 
 
 class Local(NamedTuple):
@@ -100,20 +124,22 @@ class Sync:
         return opt_state
 
     def layouts(self, abstract_state: Any) -> Any:
-        """REPLICATED or PER_DEVICE for each leaf of the logical train state."""
+        """REPLICATED, PER_DEVICE or SHARDED for each leaf of the logical train state."""
         return jax.tree.map(lambda _: REPLICATED, abstract_state)
 
     # The layout of the train state inside the step, and the conversions from and to the logical one (what
     # checkpoints, callbacks and export see: whole arrays; a per-device leaf split on its device axis).
     def state_specs(self, abstract_state: Any) -> Any:
-        return jax.tree.map(lambda layout: P(DATA_AXIS) if layout == PER_DEVICE else P(),
+        return jax.tree.map(lambda layout: P() if layout == REPLICATED else P(DATA_AXIS),
                             self.layouts(abstract_state))
 
     def to_step_layout(self, state: Any, num_devices: int) -> Any:
-        return state
+        return jax.tree.map(lambda x, layout: flat_padded(x, num_devices) if layout == SHARDED else x,
+                            state, self.layouts(state))
 
     def to_logical(self, state: Any, abstract_state: Any) -> Any:
-        return state
+        return jax.tree.map(lambda x, like, layout: unpadded(x, like) if layout == SHARDED else x,
+                            state, abstract_state, self.layouts(abstract_state))
 
     def params_view(self, params: Tree, axis_name: str | None) -> Tree:
         """The parameters the forward sees (a sharding strategy gathers them here)."""

@@ -9,32 +9,29 @@ they restore on any N.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import PartitionSpec as P
 
 from jdp.errors import FitError
-from jdp.mesh import DATA_AXIS
-from jdp.sync.base import Local, Reduced, Sync, Tree, all_reduce_mean, cast, floating, merge_floating, sum_of_squares
-
-
-def is_sharded(leaf: Any) -> bool:
-    """Which leaves are split: arrays with at least one axis (scalars such as step counts stay whole)."""
-    return len(leaf.shape) > 0
-
-
-def _flat_padded(x: jax.Array, n: int) -> jax.Array:
-    flat = x.reshape(-1)
-    return jnp.pad(flat, (0, (-flat.size) % n))
-
-
-def _unpadded(flat: jax.Array, like: Any) -> jax.Array:
-    return flat[: math.prod(like.shape)].reshape(like.shape)
+from jdp.sync.base import (
+    Local,
+    Reduced,
+    Sync,
+    Tree,
+    all_reduce_mean,
+    cast,
+    flat_padded,
+    floating,
+    is_sharded,
+    merge_floating,
+    sharded_where,
+    sum_of_squares,
+    unpadded,
+)
 
 
 def reduce_scatter_mean(grads: Tree, axis_name: str) -> Tree:
@@ -44,7 +41,7 @@ def reduce_scatter_mean(grads: Tree, axis_name: str) -> Tree:
     def scatter(g: jax.Array) -> jax.Array:
         if not is_sharded(g):
             return jax.lax.pmean(g, axis_name)
-        return jax.lax.psum_scatter(_flat_padded(g, n), axis_name, tiled=True) / n
+        return jax.lax.psum_scatter(flat_padded(g, n), axis_name, tiled=True) / n
 
     return jax.tree.map(scatter, grads)
 
@@ -56,7 +53,7 @@ def local_slice(tree: Tree, axis_name: str) -> Tree:
     def cut(x: jax.Array) -> jax.Array:
         if not is_sharded(x):
             return x
-        flat = _flat_padded(x, n)
+        flat = flat_padded(x, n)
         size = flat.size // n
         return jax.lax.dynamic_slice(flat, (i * size,), (size,))
 
@@ -66,19 +63,14 @@ def local_slice(tree: Tree, axis_name: str) -> Tree:
 def all_gather_like(slices: Tree, like: Tree, axis_name: str) -> Tree:
     """Reassemble full leaves shaped like `like` from every device's slice (a scalar every device updated whole)."""
     def gather(s: jax.Array, x: jax.Array) -> jax.Array:
-        return _unpadded(jax.lax.all_gather(s, axis_name, tiled=True), x) if is_sharded(x) else s
+        return unpadded(jax.lax.all_gather(s, axis_name, tiled=True), x) if is_sharded(x) else s
 
     return jax.tree.map(gather, slices, like)
 
 
 def shard_layout(tree: Tree, n: int) -> Tree:
     """Logical leaves -> flat, padded leaves (to be placed split along `data`); scalars unchanged."""
-    return jax.tree.map(lambda x: _flat_padded(x, n) if is_sharded(x) else x, tree)
-
-
-def logical_layout(tree: Tree, like: Tree) -> Tree:
-    """Flat, padded leaves -> leaves shaped like `like` (the inverse of `shard_layout`)."""
-    return jax.tree.map(lambda x, y: _unpadded(x, y) if is_sharded(y) else x, tree, like)
+    return jax.tree.map(lambda x: flat_padded(x, n) if is_sharded(x) else x, tree)
 
 
 def global_norm(tree: Tree, axis_name: str | None = None) -> jax.Array:
@@ -93,16 +85,8 @@ class ShardedOptimizer(Sync):
 
     per_device_update = True
 
-    def state_specs(self, abstract_state: Any) -> Any:
-        specs = super().state_specs(abstract_state)
-        return specs._replace(opt_state=jax.tree.map(lambda x: P(DATA_AXIS) if is_sharded(x) else P(),
-                                                     abstract_state.opt_state))
-
-    def to_step_layout(self, state: Any, num_devices: int) -> Any:
-        return state._replace(opt_state=shard_layout(state.opt_state, num_devices))
-
-    def to_logical(self, state: Any, abstract_state: Any) -> Any:
-        return state._replace(opt_state=logical_layout(state.opt_state, abstract_state.opt_state))
+    def layouts(self, abstract_state: Any) -> Any:
+        return super().layouts(abstract_state)._replace(opt_state=sharded_where(abstract_state.opt_state))
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         # The layout of the update is kept even when the bench compiles the collectives out.
@@ -141,7 +125,8 @@ def clip_by_global_norm(max_norm: float, axis_name: str | None = None) -> optax.
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: int) -> None:
+def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: int, option: str = "shard_optimizer"
+                    ) -> None:
     """ZeRO-1 runs the optimizer on flat slices of each leaf: refuse a transform whose update on slices
     differs from its update on whole leaves (global norms, trust ratios, shape-dependent masks)."""
     if isinstance(tx, Sliceable):
@@ -161,7 +146,7 @@ def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: i
                             if w.ndim else s[0], whole, *slices)
     if not all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(jax.tree.leaves(whole),
                                                                        jax.tree.leaves(gathered), strict=True)):
-        raise FitError("shard_optimizer=True runs the optimizer on slices of each parameter, and this optimizer "
+        raise FitError(f"{option}=True runs the optimizer on slices of each parameter, and this optimizer "
                        "updates slices differently from whole parameters (global-norm clipping, LAMB, LARS, "
                        "shape-dependent masks); use an element-wise one (sgd, momentum, adam, adamw) or "
-                       "shard_optimizer=False")
+                       f"{option}=False")

@@ -1,0 +1,163 @@
+"""ZeRO-3 (`shard_params=True`, `jdp.sync.zero3`): N devices holding 1/N slices of the parameters, gradients and
+optimizer state train as one device does, step by step, under shard_map and jit; the state on the devices is 1/N
+of the replicated one; a checkpoint saved on 8 devices restores on 2 and on 1, its digests computed where the
+slices live; what it cannot be combined with is refused in one line."""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from jdp.errors import FitError
+from jdp.trainer import FitOptions, prepare
+from tests.helpers import max_abs_diff
+from tests.test_fit import CASES, _fit, mse, regression_data
+
+OPTIMIZERS = {"sgd": lambda: optax.sgd(0.1), "adamw": lambda: optax.adamw(0.02, weight_decay=0.1)}
+
+
+@functools.cache
+def reference(case: str, optimizer: str, accum: int = 1):
+    """Plain data parallelism on one device."""
+    model_cls, loss, data = CASES[case]
+    return _fit(model_cls, loss, data, backend="jit", num_devices=1, optimizer=OPTIMIZERS[optimizer](),
+                grad_accum_steps=accum)
+
+
+def _assert_same(result, expected) -> None:
+    np.testing.assert_allclose(result.losses, expected.losses, rtol=1e-5, atol=1e-6)
+    assert max_abs_diff(result.params, expected.params) < 1e-5
+    assert max_abs_diff(result.model_state, expected.model_state) < 1e-5
+    assert jax.tree.map(np.shape, result.params) == jax.tree.map(np.shape, expected.params)  # whole, unpadded
+
+
+@pytest.mark.parametrize("optimizer", list(OPTIMIZERS))
+@pytest.mark.parametrize("backend", ["shard_map", "jit"])
+def test_sharded_parameters_train_as_one_device(backend, optimizer):
+    """The regression model's leaves hold 96, 16, 16 and 1 elements: the 16s pad to 8 devices' multiple
+    nowhere, the 1 pads to 8. Breaks if the reduce-scattered gradient is not divided by N (SGD shows the scale),
+    if a device updates a slice other than the one it holds, or if the replicas' check compares the slices
+    (`check_replicas_every=1` would stop the run)."""
+    model_cls, loss, data = CASES["regression"]
+    result = _fit(model_cls, loss, data, backend=backend, num_devices=8, optimizer=OPTIMIZERS[optimizer](),
+                  shard_params=True, check_replicas_every=1)
+    _assert_same(result, reference("regression", optimizer))
+    assert result.losses[-1] < result.losses[0]
+
+
+@pytest.mark.parametrize("backend", ["shard_map", "jit"])
+def test_gradient_accumulation_and_batchnorm(backend):
+    """Two micro-batches a step, each gathering the parameters and reduce-scattering its gradient (shard_map), with
+    BatchNorm's statistics synced across devices as under plain data parallelism."""
+    model_cls, loss, data = CASES["batchnorm"]
+    result = _fit(model_cls, loss, data, backend=backend, num_devices=8, shard_params=True, grad_accum_steps=2,
+                  global_batch_size=64, optimizer=OPTIMIZERS["sgd"]())
+    expected = _fit(model_cls, loss, data, backend="jit", num_devices=1, grad_accum_steps=2, global_batch_size=64,
+                    optimizer=OPTIMIZERS["sgd"]())
+    _assert_same(result, expected)
+
+
+def test_composes_with_fp16_loss_scaling_and_the_non_finite_guard():
+    """fp16 with dynamic loss scaling skips the overflowing first steps on every device alike: a device that
+    skipped alone would leave its slices behind, and the run would not equal plain data parallelism's."""
+    model_cls, loss, data = CASES["regression"]
+    options = dict(precision="fp16", loss_scale=2.0**30, on_nonfinite="skip", num_devices=8)
+    result = _fit(model_cls, loss, data, shard_params=True, **options)
+    expected = _fit(model_cls, loss, data, **options)
+    np.testing.assert_allclose(result.losses, expected.losses, rtol=1e-3)
+    assert max_abs_diff(result.params, expected.params) < 1e-4
+
+
+def _state_on_devices(**options):
+    model_cls, loss, data = CASES["regression"]
+    engine = prepare(lambda: Wide(nnx.Rngs(0)), loss, data, optimizer=optax.adamw(1e-3), global_batch_size=32,
+                     options=FitOptions(num_devices=8, **options))
+    parallel = engine.parallel
+    state = parallel.to_devices(engine.init_state())
+    batch = parallel.shard_batch(engine.source.train_batch(0))
+    compiled = parallel.lower_train(state, batch).compile()
+    return engine, state, compiled
+
+
+class Wide(nnx.Module):
+    """Big enough that scalars and padding do not count: 6 -> 256 -> 255 -> 1 (255 and 1 do not divide by 8)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.a = nnx.Linear(6, 256, rngs=rngs)
+        self.b = nnx.Linear(256, 255, rngs=rngs)
+        self.out = nnx.Linear(255, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.b(nnx.relu(self.a(x)))))[:, 0]
+
+
+def test_each_device_holds_an_eighth_of_the_parameters_and_optimizer_state():
+    """Per-device bytes of parameters plus AdamW's state, in the compiled step's arguments (XLA's
+    `memory_analysis()`) and in the arrays' shards: at most 1.1/N of plain data parallelism's on 8 devices."""
+    def persistent(state) -> int:
+        return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves((state.params,
+                                                                                        state.opt_state)))
+
+    _, plain, plain_step = _state_on_devices()
+    _, sharded, sharded_step = _state_on_devices(shard_params=True)
+    zero1 = _state_on_devices(shard_optimizer=True)[1]
+    assert persistent(sharded) <= 1.1 / 8 * persistent(plain)
+    assert persistent(plain) > persistent(zero1) > persistent(sharded)
+    # The rest of the step's arguments (batch, step counters) is the same in both programs.
+    saved = plain_step.memory_analysis().argument_size_in_bytes - sharded_step.memory_analysis().argument_size_in_bytes
+    assert saved >= (1 - 1.1 / 8) * persistent(plain)
+
+
+def test_a_checkpoint_saved_on_8_devices_restores_on_2_and_on_1(tmp_path):
+    """Saved sharded, with digests computed on the devices (word sums: no leaf fetched whole to be hashed), and
+    restored resharded: training goes on to the numbers of the run that never stopped."""
+    model_cls, loss, data = CASES["regression"]
+    options = dict(optimizer=optax.adam(0.02), shard_params=True, log_every=1)
+    straight = _fit(model_cls, loss, data, steps=8, num_devices=8, **options)
+    _fit(model_cls, loss, data, steps=4, num_devices=8, workdir=tmp_path / "run", **options)
+    digests = json.loads(next((tmp_path / "run" / "checkpoints" / "4" / "data").rglob("*metadata*")).read_text())
+    hidden = digests["digests"][".params['hidden']['kernel']"]
+    assert hidden[2].startswith("words:") and hidden[1] == [6, 16]  # saved whole-shaped, hashed where it lives
+    for devices, sharded in ((2, True), (1, False)):
+        workdir = tmp_path / f"on{devices}"
+        shutil.copytree(tmp_path / "run", workdir)
+        resumed = _fit(model_cls, loss, data, steps=8, num_devices=devices, workdir=workdir,
+                       **{**options, "shard_params": sharded})
+        np.testing.assert_allclose(resumed.losses, straight.losses[4:], rtol=1e-5, atol=1e-6)
+        assert max_abs_diff(resumed.params, straight.params) < 1e-5
+
+
+def test_the_state_between_steps_is_sliced_and_the_logical_state_split_whole():
+    """Between steps each leaf is a flat slice per device; what callbacks and checkpoints get keeps the shape,
+    split on an axis that divides (the 256-wide kernel on its 256 axis) or whole where none does."""
+    engine, state, _ = _state_on_devices(shard_params=True)
+    kernel = state.params["b"]["kernel"]
+    assert kernel.shape == (256 * 255,) and kernel.addressable_shards[0].data.shape == (256 * 255 // 8,)
+    logical = engine.parallel.to_logical(state)
+    whole = logical.params["b"]["kernel"]
+    assert whole.shape == (256, 255) and whole.addressable_shards[0].data.shape == (32, 255)
+    assert logical.params["out"]["bias"].sharding.is_fully_replicated  # 1 element: no axis divides by 8
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(backend="pmap"), "shard_params=True needs backend='shard_map' or jit"),
+    (dict(sync_every=2), "cannot be combined with sync_every > 1"),
+    (dict(sync="powersgd"), "cannot be combined with sync_every > 1 (local SGD, DiLoCo) or sync=powersgd"),
+    (dict(allreduce_dtype="bf16"), "use allreduce_dtype='fp32'"),
+    (dict(log_noise_scale=True), "log_noise_scale needs each device's whole gradient"),
+    (dict(optimizer=optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))),
+     "shard_params=True runs the optimizer on slices of each parameter"),
+])
+def test_what_it_cannot_be_combined_with_is_refused_in_one_line(options, message):
+    with pytest.raises(FitError, match="^" + ".*" + message.replace("(", r"\(").replace(")", r"\)")) as caught:
+        _fit(CASES["regression"][0], mse, regression_data(), num_devices=8, shard_params=True, **options)
+    assert "\n" not in str(caught.value)
+
+
