@@ -165,6 +165,13 @@ class DataParallel:
             return self._stack(state)
         return self._to_step_layout(state) if self._relayout else state
 
+    def step_shapes(self, abstract_state: step_lib.TrainState) -> step_lib.TrainState:
+        """The shapes and shardings of the state the compiled step takes, from the logical state's (shard_map and
+        jit: to compile the step without putting anything on the devices)."""
+        shapes = jax.eval_shape(self.to_devices, abstract_state)
+        return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+            self.mesh, spec)), shapes, self._state_specs)
+
     def _global(self, tree: Tree) -> Tree:
         """pmap's outputs are process-local in a multi-process run (leading axis = this process's
         devices): view them as the global arrays, split on `data`, that the other jitted functions take."""

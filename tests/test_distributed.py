@@ -115,6 +115,21 @@ def test_two_processes_match_one(one_process, two_processes):
         np.testing.assert_allclose(restored[key], reference[key], rtol=1e-5, atol=1e-7, err_msg=key)
 
 
+def test_sharded_parameters_in_two_processes_match_one(one_process, tmp_path):
+    """ZeRO-3 over 2 processes x 2 devices trains as plain data parallelism in 1 x 4; each process writes its own
+    slices of the checkpoint, whose digests of split leaves are summed on the devices across processes, and it
+    exports whole arrays in one process."""
+    workdir = tmp_path / "run"
+    result = run([sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--cpu_devices", "2", "--",
+                  *TRAIN, *ARGS, "--config.parallel.shard_params=True", "--workdir", str(workdir)], timeout=150)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_same_run(one_process, workdir)
+    reference, restored = export(one_process), export(workdir)
+    assert sorted(reference) == sorted(restored)
+    for key in reference:
+        np.testing.assert_allclose(restored[key], reference[key], rtol=1e-5, atol=1e-7, err_msg=key)
+
+
 def test_tfds_two_processes_match_one(tmp_path):
     """The tfds source end to end: each process reads its rows of the PNG fixture, augments them on its
     devices, and 2 processes x 2 devices train exactly as 1 process x 4 devices."""

@@ -136,6 +136,25 @@ def test_bench_reports_time_memory_and_scaling(tmp_path, capsys, monkeypatch):
     assert "has 5 dots/convolutions: 5 bf16" in capsys.readouterr().out
 
 
+def test_bench_compile_only_puts_the_three_shardings_side_by_side(tmp_path, capsys, monkeypatch):
+    """Nothing is put on the devices or run (no train step is called); each sharding's per-device parameters plus
+    optimizer state shrink as the issue of ZeRO says: ZeRO-1 keeps whole parameters and 1/N of AdamW's state,
+    ZeRO-3 at most 1.1/N of plain's."""
+    from jdp.parallel import DataParallel
+
+    monkeypatch.setattr(DataParallel, "train_step", lambda *a: pytest.fail("--compile_only ran a step"))
+    assert bench.main(["--config", "configs/mnist1d_mlp.py", "--devices", "8", "--compile_only", "--out",
+                       str(tmp_path), "--config.model.kwargs.hidden_sizes=(256,255)"]) == 0
+    rows = {r["sharding"]: r for r in json.loads((tmp_path / "bench.json").read_text())["rows"]}
+    persistent = {name: r["params_bytes"] + r["opt_state_bytes"] for name, r in rows.items()}
+    assert rows["zero1"]["params_bytes"] == rows["plain"]["params_bytes"]
+    assert rows["zero1"]["opt_state_bytes"] <= 1.1 / 8 * rows["plain"]["opt_state_bytes"]
+    assert persistent["zero3"] <= 1.1 / 8 * persistent["plain"]
+    assert all(r["compile_s"] > 0 and r["argument_bytes"] > 0 for r in rows.values())
+    out = capsys.readouterr().out
+    assert "| 8 | zero3 |" in out and "temp MB/dev (XLA:CPU's compiler)" in out
+
+
 def test_bench_peak_follows_the_precision():
     h200 = [bench.peak_tflops_for("NVIDIA H200", p) for p in ("bf16", "fp32")]
     assert h200 == [989.5, 494.5]

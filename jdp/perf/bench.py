@@ -15,6 +15,11 @@ At the config's global batch it measures:
 - the dtypes the step's dots and convolutions produce (bf16 under precision=bf16);
 and the scaling efficiency throughput_N / (N x throughput_1). Writes bench.json and bench.md.
 
+`--compile_only` runs nothing: for each device count it compiles the step from shapes alone with the state
+replicated ("plain"), ZeRO-1's sharded optimizer state and ZeRO-3's sharded parameters, and reports each one's
+per-device bytes of parameters, gradients and optimizer state, XLA's `memory_analysis()` and the compile time,
+side by side: the figures of a model too big to run here.
+
 For a language model it adds tokens/sec; for the GPT the model FLOPs per token, 6N + 12 x layers x block x
 width (N: parameters without the position embedding, the tied embedding once; the attention term as in the
 PaLM paper's appendix), with MFU from it, and beside it what XLA's cost analysis counts per token.
@@ -39,7 +44,7 @@ from jdp.mesh import simulate_cpu_devices
 from jdp.models import settings
 from jdp.models.gpt import flops_per_token, non_embedding_params
 from jdp.perf import predict
-from jdp.perf.measure import Variant
+from jdp.perf.measure import SHARDINGS, Variant, compiled_memory
 
 COMM_DOMINATES = 0.5  # warn when the collective takes more than this share of the step
 
@@ -174,10 +179,32 @@ def to_markdown(cfg, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def memory_markdown(cfg, rows: list[dict]) -> str:
+    """The `--compile_only` table: per-device memory of each sharding of the state, side by side."""
+    def mb(x: float) -> str:
+        return f"{x / 2**20:,.1f}"
+
+    platform = jax.devices()[0].platform
+    compiler = f"XLA:{platform.upper()}'s" if platform == "cpu" else "XLA's"
+    lines = [f"config: model {cfg.model.name}, global batch {cfg.train.global_batch_size}, backend "
+             f"{cfg.parallel.backend}, precision {cfg.precision}, {platform} ({jax.devices()[0].device_kind}); "
+             f"{rows[0]['params_n']:,} parameters; compiled from shapes, not run", "",
+             "| devices | state | params MB/dev | grads MB/dev | opt state MB/dev | params + opt state MB/dev | "
+             f"/ plain | arguments MB/dev | temp MB/dev ({compiler} compiler) | compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    plain = {r["devices"]: r["params_bytes"] + r["opt_state_bytes"] for r in rows if r["sharding"] == "plain"}
+    for r in rows:
+        persistent = r["params_bytes"] + r["opt_state_bytes"]
+        lines.append(f"| {r['devices']} | {r['sharding']} | {mb(r['params_bytes'])} | {mb(r['grads_bytes'])} | "
+                     f"{mb(r['opt_state_bytes'])} | {mb(persistent)} | {persistent / plain[r['devices']]:.3f} | "
+                     f"{mb(r.get('argument_bytes', 0))} | {mb(r.get('temp_bytes', 0))} | {r['compile_s']:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
 def warnings_for(rows: list[dict]) -> list[str]:
     out = []
     for r in rows:
-        if r["allreduce_s"] and r["allreduce_s"] > COMM_DOMINATES * r["step_s"]:
+        if r.get("allreduce_s") and r["allreduce_s"] > COMM_DOMINATES * r["step_s"]:
             out.append(f"warning: on {r['devices']} devices the gradient all-reduce takes "
                        f"{r['allreduce_s'] / r['step_s']:.0%} of the step: communication dominates compute, so data "
                        "parallelism will not pay at this model and batch size (try a larger batch or fewer devices)")
@@ -207,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
                              "PEAK_TFLOPS for known GPUs, bf16 or TF32 peak as the precision runs)")
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
                         help="also time a plain single-device jit step (one more compilation)")
+    parser.add_argument("--compile_only", action="store_true",
+                        help="run nothing: per-device memory of the state replicated, ZeRO-1 and ZeRO-3, side by "
+                             "side, from the compiled steps (for models too big to run here)")
     args, rest = parser.parse_known_args(argv)
     try:
         cfg = config_lib.load_config_file(args.config)
@@ -219,15 +249,22 @@ def main(argv: list[str] | None = None) -> int:
         simulate_cpu_devices(cfg.parallel.cpu_devices or max(devices))
     except RuntimeError:  # called from Python after JAX started: the devices are already fixed
         pass
+    if args.compile_only and cfg.parallel.backend == "pmap":
+        print("jdp.bench: --compile_only compiles the shard_map or jit step; use --config.parallel.backend=shard_map",
+              file=sys.stderr)
+        return 2
     enable_compilation_cache(cfg.compile_cache_dir)
     try:
-        rows = run_bench(cfg, devices, args.steps, args.repeats, args.peak_tflops, args.baseline)
+        if args.compile_only:
+            rows = [compiled_memory(cfg, n, sharding) for n in devices for sharding in SHARDINGS]
+        else:
+            rows = run_bench(cfg, devices, args.steps, args.repeats, args.peak_tflops, args.baseline)
     except config_lib.ConfigError as e:
         print(f"jdp.bench: {e}", file=sys.stderr)
         return 2
     out = args.out or Path("runs") / f"bench-{args.config.stem}"
     out.mkdir(parents=True, exist_ok=True)
-    table = to_markdown(cfg, rows)
+    table = memory_markdown(cfg, rows) if args.compile_only else to_markdown(cfg, rows)
     (out / "bench.json").write_text(json.dumps({"config": cfg.to_dict(), "rows": rows}, indent=2, default=list))
     (out / "bench.md").write_text(table)
     print(table)

@@ -4,6 +4,7 @@ step time."""
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 
@@ -12,9 +13,47 @@ import jax
 from jdp import precision
 from jdp.cli.build import build
 
+# The state's sharding on the devices, as `python -m jdp.bench --compile_only` compares them: config overrides.
+SHARDINGS = {"plain": {}, "zero1": {"shard_optimizer": True}, "zero3": {"shard_params": True}}
 
-def _bytes_on_first_device(tree) -> int:
-    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+def per_device_bytes(tree) -> int:
+    """Bytes of one device's part of every leaf (arrays, or shapes with their sharding)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def state_memory(state) -> dict:
+    """Per-device bytes of the step's state: parameters, one gradient per parameter as held, optimizer state."""
+    return {"params_bytes": per_device_bytes(state.params), "grads_bytes": per_device_bytes(state.params),
+            "opt_state_bytes": per_device_bytes(state.opt_state)}
+
+
+def memory_analysis(compiled) -> dict:
+    """XLA's accounting of a compiled program's bytes per device (the CPU compiler's own on CPU devices)."""
+    memory = compiled.memory_analysis()
+    if memory is None:
+        return {}
+    return {field.replace("_size_in", ""): int(getattr(memory, field))
+            for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")}
+
+
+def compiled_memory(cfg, num_devices: int, sharding: str) -> dict:
+    """The config's train step on `num_devices` with the state sharded as `sharding` (a SHARDINGS name) compiled
+    from shapes alone, nothing put on the devices or run: its per-device memory and the compile time. For models
+    too big to run here."""
+    cfg = cfg.copy_and_resolve_references()
+    cfg.parallel.num_devices = num_devices
+    for key in ("shard_optimizer", "shard_params"):
+        cfg.parallel[key] = SHARDINGS[sharding].get(key, False)
+    b = build(cfg)
+    state = b.parallel.step_shapes(b.abstract_state)
+    batch = b.parallel.shard_batch(b.source.train_batch(0))
+    b.source.close()
+    t0 = time.perf_counter()
+    compiled = b.parallel.lower_train(state, batch).compile()
+    return {"sharding": sharding, "devices": num_devices, "compile_s": time.perf_counter() - t0,
+            "params_n": sum(x.size for x in jax.tree.leaves(b.abstract_state.params)),
+            **state_memory(state), **memory_analysis(compiled)}
 
 
 class Variant:
@@ -36,9 +75,7 @@ class Variant:
         self.input_s = (time.perf_counter() - t0) / len(rows)
         source.close()
         self.state = self.parallel.to_devices(b.init_state())
-        self.memory = {"params_bytes": _bytes_on_first_device(self.state.params),
-                       "grads_bytes": _bytes_on_first_device(self.state.params),  # one gradient per parameter
-                       "opt_state_bytes": _bytes_on_first_device(self.state.opt_state)}
+        self.memory = state_memory(self.state)
         t0 = time.perf_counter()
         # Compiled here, once: the step runs this executable, and XLA's accounting reads it.
         self._lowered = self.parallel.lower_train(self.state, self.batches[0])
@@ -66,11 +103,8 @@ class Variant:
     def stats(self) -> dict:
         """XLA's own accounting of the compiled step: memory (bytes per device) and FLOPs, and how many of its
         dots and convolutions produce each dtype (`matmul_dtypes`, in the program as lowered)."""
-        out = {"matmul_dtypes": dict(precision.hlo_matmul_dtypes(self._lowered.as_text(dialect="hlo")))}
-        memory = self._step.memory_analysis()
-        if memory is not None:
-            for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes"):
-                out[field.replace("_size_in", "")] = int(getattr(memory, field))
+        out = {"matmul_dtypes": dict(precision.hlo_matmul_dtypes(self._lowered.as_text(dialect="hlo"))),
+               **memory_analysis(self._step)}
         cost = self._step.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost  # one entry per device program on some versions
         if cost and "flops" in cost:

@@ -1,0 +1,16 @@
+"""GPT-2 medium's shapes (355M parameters: 24 layers, 16 heads, width 1024), otherwise configs/gpt2_small.py:
+block 1024, vocabulary 50,257, ZeRO-3 on. Its AdamW state alone (16 bytes a parameter) is 5.7 GB on every device
+under plain data parallelism, 0.7 GB on each of 8 with `parallel.shard_params`:
+`python -m jdp.bench --config configs/gpt2_medium.py --compile_only --devices 8` (docs/performance.md)."""
+
+from jdp.configs import gpt2_small
+
+
+def get_config():
+    c = gpt2_small.get_config()
+    c.model.num_layers = 24
+    c.model.num_heads = 16
+    c.model.embed_dim = 1024
+    c.optim.lr = 3e-4
+    c.optim.min_lr = 3e-5
+    return c
