@@ -7,7 +7,10 @@
   `lax.pmean` of the gradient), over batches already on the devices, nothing fetched: the host waits for step s-1
   before dispatching s+1, which bounds the queue of steps (unbounded, XLA:CPU's collectives on 2 simulated devices
   deadlock after some 30 steps);
-- jdp's step: jdp's compiled train step (`DataParallel.train_step`) in the same bare loop;
+- jdp's step: jdp's compiled train step (`DataParallel.train_step`) in the same bare loop, on host batches as the
+  trainer gives it (`DataParallel.shard_batch`: the step's input sharding puts them on the devices);
+- jdp's step, device batches: the same on batches put on the devices once (what a dataset kept on the devices
+  would save: the per-step transfer);
 - + late fetch: and each step's metrics fetched to the host one step late, as the trainer does;
 - jdp.fit: the whole trainer (batches read on the host and put on the devices, the callbacks, the progress bar),
   its steady-state examples/s (`FitResult.examples_per_sec`).
@@ -102,12 +105,13 @@ def main() -> None:
                      options=task.options)
     parallel = engine.parallel
     jdp_batches = [parallel.shard_batch(b) for b in host_batches]
+    device_batches = [{k: jax.device_put(v, split) for k, v in b.items()} for b in jdp_batches]
     jdp_state = [parallel.to_devices(engine.init_state())]
 
-    def run_jdp_step(steps: int, fetch: bool) -> None:
+    def run_jdp_step(steps: int, fetch: bool, batches: list = jdp_batches) -> None:
         state, pending = jdp_state[0], None
         for i in range(steps):
-            state, metrics = parallel.train_step(state, jdp_batches[i % len(jdp_batches)])
+            state, metrics = parallel.train_step(state, batches[i % len(batches)])
             if pending is not None:
                 parallel.fetch(pending) if fetch else jax.block_until_ready(pending)
             pending = metrics
@@ -125,6 +129,7 @@ def main() -> None:
 
     modes = {"bare loop": lambda: timed(run_bare, args.steps),
              "jdp's step": lambda: timed(run_jdp_step, args.steps, False),
+             "jdp's step, device batches": lambda: timed(run_jdp_step, args.steps, False, device_batches),
              "jdp's step + late fetch": lambda: timed(run_jdp_step, args.steps, True),
              "jdp.fit": lambda: run_fit(args.steps)}
     for mode in modes.values():  # compiled, warmed up

@@ -72,8 +72,9 @@ class Callback:
         """Every step's metrics (global-batch means and jdp's counters), in order, one step late."""
 
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
-        """When due: the metrics of `step` and the train state after it (logical layout: replicated, whole
-        optimizer state)."""
+        """When due: the metrics of `step` and the train state after it (logical layout: each leaf at its own
+        shape, ZeRO's sharded leaves split across the devices; `run.parallel.to_host` makes numpy of it, called
+        by every process together)."""
 
     def on_line(self, line: dict[str, Any]) -> None:
         """Each line written to metrics.jsonl (train, eval, summary), as written; process 0 only."""

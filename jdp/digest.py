@@ -41,15 +41,38 @@ def _is_split(x: Any) -> bool:
     return isinstance(x, jax.Array) and not x.sharding.is_fully_replicated
 
 
-@jax.jit
-def _word_sums(leaves: list[jax.Array]) -> jax.Array:
-    """(leaves, 2) uint32: each leaf's sum of words and sum of words times (position + 1), wrapping."""
-    def sums(x: jax.Array) -> jax.Array:
-        x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x  # bitcast takes no booleans
-        words = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}")).astype(jnp.uint32)
-        words = words.reshape(-1)
-        return jnp.stack([words.sum(), (words * (jnp.arange(words.size, dtype=jnp.uint32) + 1)).sum()])
-    return jnp.stack([sums(x) for x in leaves]).reshape(-1, 2)
+def _words(x: Any, xp: Any) -> Any:
+    """A leaf's bytes as uint32 words: one per element of 1, 2 or 4 bytes, two per 8-byte element (in memory
+    order); `xp` is numpy or jax.numpy."""
+    x = x.astype(xp.uint8) if x.dtype == xp.bool_ else x  # bitcast takes no booleans
+    size = x.dtype.itemsize
+    if xp is np:
+        return np.ascontiguousarray(x).view(f"uint{min(size, 4) * 8}").astype(np.uint32)
+    if size >= 4:  # an 8-byte element becomes a trailing axis of two words
+        return jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{size * 8}")).astype(jnp.uint32)
+
+
+def _sums_on_device(x: jax.Array) -> jax.Array:
+    """[sum of words, sum of words x (row-major position + 1)], wrapping, on the devices where `x`'s parts are:
+    positions come from iotas in `x`'s own shape, so nothing is reshaped across devices."""
+    words = _words(x, jnp)
+    position = jnp.zeros(words.shape, jnp.uint32)
+    stride = 1
+    for axis in reversed(range(words.ndim)):
+        position = position + jax.lax.broadcasted_iota(jnp.uint32, words.shape, axis) * jnp.uint32(stride % 2**32)
+        stride *= words.shape[axis]
+    return jnp.stack([words.sum(dtype=jnp.uint32), (words * (position + 1)).sum(dtype=jnp.uint32)])
+
+
+_word_sums = jax.jit(lambda leaves: jnp.stack([_sums_on_device(x) for x in leaves]).reshape(-1, 2))
+
+
+def _sums_on_host(x: np.ndarray) -> np.ndarray:
+    """`_sums_on_device` of a numpy array, on the host (uint32 arithmetic wraps as the device's does)."""
+    words = _words(np.asarray(x), np).reshape(-1)
+    position = np.arange(1, words.size + 1, dtype=np.uint64).astype(np.uint32)
+    return np.array([words.sum(dtype=np.uint32), (words * position).sum(dtype=np.uint32)], np.uint32)
 
 
 def _of_words(x: Any, sums: np.ndarray) -> list:
@@ -101,8 +124,10 @@ def mismatch(digests: dict[str, list], tree: Any) -> str | None:
     Word sums are computed where the arrays are (every process calls this together)."""
     leaves = _leaves(tree)
     counted = [(path, x) for path, x in leaves if str(digests.get(path, [None] * 3)[2]).startswith(WORDS)]
-    sums = np.asarray(_word_sums([x for _, x in counted])) if counted else []
-    words = dict(zip([p for p, _ in counted], sums, strict=True))
+    on_devices = [(path, x) for path, x in counted if isinstance(x, jax.Array)]
+    sums = np.asarray(_word_sums([x for _, x in on_devices])) if on_devices else []
+    words = dict(zip([p for p, _ in on_devices], sums, strict=True))
+    words |= {path: _sums_on_host(x) for path, x in counted if not isinstance(x, jax.Array)}
     for path, leaf in leaves:
         got = _of_words(leaf, words[path]) if path in words else of_leaf(_on_host(leaf))
         if got != digests.get(path):

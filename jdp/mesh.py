@@ -63,10 +63,11 @@ def data_sharded(mesh: Mesh) -> NamedSharding:
 
 
 def split_whole(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    """A whole array split across the devices on its longest axis that divides by their count (replicated when
-    none does: JAX splits only evenly). How a sharded leaf of the train state lives outside the step, where it keeps
-    its shape: a checkpoint then writes each device's part, and restores on any device count."""
-    axes = sorted((i for i, size in enumerate(shape) if size % mesh.size == 0), key=lambda i: -shape[i])
+    """A whole array split across the devices on an axis that divides by their count: the first, whose parts are
+    the flat slices the step holds (a local reshape), else the longest; replicated when none does (JAX splits only
+    evenly). How a sharded leaf of the train state lives outside the step, where it keeps its shape: a checkpoint
+    then writes each device's part, and restores on any device count."""
+    axes = sorted((i for i, size in enumerate(shape) if size % mesh.size == 0), key=lambda i: (i != 0, -shape[i]))
     if not axes or mesh.size == 1:
         return replicated(mesh)
     return NamedSharding(mesh, P(*[DATA_AXIS if i == axes[0] else None for i in range(len(shape))]))

@@ -4,9 +4,10 @@ shard_map and pmap call the step once per device with `axis_name="data"`, so the
 `lax.pmean` in the step is the all-reduce. jit calls it once on the global batch with
 `axis_name=None`, and XLA partitions it and inserts the all-reduce itself.
 
-Outside the step, the state is always "logical": one replicated copy per device, the same for
-every backend and device count (what checkpoints hold). pmap alone keeps a stacked copy
-internally, converted at its boundary.
+Outside the step, the state is always "logical": every leaf at its own shape, the same for every backend and
+device count (what checkpoints hold), laid out as the sync strategy declares each leaf (`jdp.sync.base`): one
+replicated copy per device, a row per device, or split across the devices (ZeRO's sharded state). pmap alone
+keeps a stacked copy internally, converted at its boundary.
 """
 
 from __future__ import annotations

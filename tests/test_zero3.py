@@ -10,12 +10,17 @@ import json
 import shutil
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 from flax import nnx
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
+from jdp import digest
 from jdp.errors import FitError
+from jdp.mesh import DATA_AXIS, make_mesh
 from jdp.trainer import FitOptions, prepare
 from tests.helpers import max_abs_diff
 from tests.test_fit import CASES, _fit, mse, regression_data
@@ -64,13 +69,20 @@ def test_gradient_accumulation_and_batchnorm(backend):
     _assert_same(result, expected)
 
 
-def test_composes_with_fp16_loss_scaling_and_the_non_finite_guard():
-    """fp16 with dynamic loss scaling skips the overflowing first steps on every device alike: a device that
-    skipped alone would leave its slices behind, and the run would not equal plain data parallelism's."""
+@pytest.mark.parametrize("options", [
+    # fp16's dynamic loss scaling skips the overflowing first steps on every device alike: a device that skipped
+    # alone would leave its slices behind.
+    dict(precision="fp16", loss_scale=2.0**30, on_nonfinite="skip"),
+    dict(precision="bf16"),  # the gathered float32 parameters cast for the forward, as plain's are
+    dict(dropout=0.3),  # each device's own dropout masks, from the same RNG streams as plain's
+], ids=["fp16_skip", "bf16", "dropout"])
+def test_composes_with_precision_the_non_finite_guard_and_rng_streams(options):
+    """Against plain data parallelism on the same 8 devices (dropout masks depend on the device count)."""
     model_cls, loss, data = CASES["regression"]
-    options = dict(precision="fp16", loss_scale=2.0**30, on_nonfinite="skip", num_devices=8)
-    result = _fit(model_cls, loss, data, shard_params=True, **options)
-    expected = _fit(model_cls, loss, data, **options)
+    if "dropout" in options:
+        model_cls = functools.partial(model_cls, dropout=options.pop("dropout"))
+    result = _fit(model_cls, loss, data, shard_params=True, num_devices=8, **options)
+    expected = _fit(model_cls, loss, data, num_devices=8, **options)
     np.testing.assert_allclose(result.losses, expected.losses, rtol=1e-3)
     assert max_abs_diff(result.params, expected.params) < 1e-4
 
@@ -161,3 +173,24 @@ def test_what_it_cannot_be_combined_with_is_refused_in_one_line(options, message
     assert "\n" not in str(caught.value)
 
 
+
+
+def test_word_sum_digests_do_not_depend_on_the_layout_and_find_damage():
+    """A split leaf's digest is computed where its parts are, and equals the same leaf's digest whole on the host
+    (a checkpoint restores on any device count); one changed element is found. Breaks if positions follow each
+    device's part instead of the leaf's row-major order."""
+    mesh = make_mesh(8)
+    rng = np.random.default_rng(0)
+    leaves = {"w": rng.standard_normal((5, 16)).astype(np.float32), "mask": rng.random(16) > 0.5,
+              "ids": rng.integers(-9, 9, (8, 3)).astype(np.int8), "h": rng.standard_normal((8, 2)).astype(jnp.bfloat16)}
+    split_on = {"w": (None, DATA_AXIS), "mask": (DATA_AXIS,), "ids": (DATA_AXIS, None), "h": (DATA_AXIS, None)}
+    placed = {k: jax.device_put(v, NamedSharding(mesh, P(*split_on[k]))) for k, v in leaves.items()}
+    saved = digest.pending(placed)()
+    assert all(value[2].startswith(digest.WORDS) for value in saved.values())
+    assert digest.mismatch(saved, leaves) is None  # whole, on the host
+    assert digest.mismatch(saved, placed) is None
+    assert digest.mismatch(saved, {k: jax.device_put(v, NamedSharding(mesh, P())) for k, v in leaves.items()}) is None
+    damaged = dict(leaves, w=leaves["w"].copy())
+    damaged["w"][3, 7] += 1.0
+    assert digest.mismatch(saved, damaged) == ("the digest of ['w'] does not match the one saved with it "
+                                               "(damaged bytes)")

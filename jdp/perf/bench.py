@@ -16,9 +16,9 @@ At the config's global batch it measures:
 and the scaling efficiency throughput_N / (N x throughput_1). Writes bench.json and bench.md.
 
 `--compile_only` runs nothing: for each device count it compiles the step from shapes alone with the state
-replicated ("plain"), ZeRO-1's sharded optimizer state and ZeRO-3's sharded parameters, and reports each one's
-per-device bytes of parameters, gradients and optimizer state, XLA's `memory_analysis()` and the compile time,
-side by side: the figures of a model too big to run here.
+replicated ("plain"), ZeRO-1's sharded optimizer state (shard_map only) and ZeRO-3's sharded parameters, and
+reports each one's per-device bytes of parameters, gradients and optimizer state, XLA's `memory_analysis()` and
+the compile time, side by side: the figures of a model too big to run here.
 
 For a language model it adds tokens/sec; for the GPT the model FLOPs per token, 6N + 12 x layers x block x
 width (N: parameters without the position embedding, the tied embedding once; the attention term as in the
@@ -256,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache(cfg.compile_cache_dir)
     try:
         if args.compile_only:
-            rows = [compiled_memory(cfg, n, sharding) for n in devices for sharding in SHARDINGS]
+            rows = [compiled_memory(cfg, n, sharding) for n in devices for sharding in SHARDINGS
+                    if not (sharding == "zero1" and cfg.parallel.backend == "jit")]  # ZeRO-1 is shard_map's
         else:
             rows = run_bench(cfg, devices, args.steps, args.repeats, args.peak_tflops, args.baseline)
     except config_lib.ConfigError as e:
