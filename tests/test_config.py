@@ -118,6 +118,10 @@ BAD = {
     "wrong type": (["--config.train.steps=ten"], "--config.train.steps=ten is not a valid int"),
     "long warmup": (["--config.optim.warmup_steps=99999"], "optim.warmup_steps=99999 is not shorter than train.steps"),
     "stray argument": (["--steps=5"], "unrecognised argument --steps=5"),
+    "ZeRO-3 under pmap": (["--config.parallel.shard_params=True", "--config.parallel.backend=pmap"],
+                          "parallel.shard_params=True needs --config.parallel.backend=shard_map or jit"),
+    "ZeRO-3 with LAMB": (["--config.parallel.shard_params=True", "--config.optim.name=lamb"],
+                         "optim.name=lamb needs whole-leaf norms (trust ratios); parallel.shard_params=True"),
 }
 
 
