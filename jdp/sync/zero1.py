@@ -3,8 +3,8 @@
 Every leaf with at least one axis is flattened and zero-padded to a multiple of N devices; device i owns the
 i-th 1/N slice of it. Scalar leaves stay whole: every device updates them, with their mean gradient. Gradients
 are reduce-scattered into those slices, each device updates its slice of the parameters and optimizer state,
-and the parameters are all-gathered. Checkpoints hold the gathered, unpadded ("logical") optimizer state, so
-they restore on any N.
+and the parameters are all-gathered. Outside the step the optimizer state keeps its shapes, split across the
+devices (`jdp.sync.base.SHARDED`): checkpoints hold it unpadded ("logical"), so they restore on any N.
 """
 
 from __future__ import annotations
@@ -66,11 +66,6 @@ def all_gather_like(slices: Tree, like: Tree, axis_name: str) -> Tree:
         return unpadded(jax.lax.all_gather(s, axis_name, tiled=True), x) if is_sharded(x) else s
 
     return jax.tree.map(gather, slices, like)
-
-
-def shard_layout(tree: Tree, n: int) -> Tree:
-    """Logical leaves -> flat, padded leaves (to be placed split along `data`); scalars unchanged."""
-    return jax.tree.map(lambda x: flat_padded(x, n) if is_sharded(x) else x, tree)
 
 
 def global_norm(tree: Tree, axis_name: str | None = None) -> jax.Array:
@@ -138,9 +133,8 @@ def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: i
     whole, _ = tx.update(grads, tx.init(params), params)
     slices = []
     for i in range(n):
-        local = jax.tree.map(lambda x, i=i: np.array_split(shard_layout(x, n), n)[i] if x.ndim else x, params)
-        local_grads = jax.tree.map(lambda x, i=i: np.array_split(shard_layout(x, n), n)[i] if x.ndim else x,
-                                   grads)
+        local, local_grads = (jax.tree.map(lambda x, i=i: np.array_split(flat_padded(x, n), n)[i] if x.ndim else x,
+                                           tree) for tree in (params, grads))
         slices.append(tx.update(local_grads, tx.init(local), local)[0])
     gathered = jax.tree.map(lambda w, *s: np.concatenate([np.ravel(p) for p in s])[: w.size].reshape(w.shape)
                             if w.ndim else s[0], whole, *slices)
