@@ -128,7 +128,7 @@ class Sync:
         return jax.tree.map(lambda _: REPLICATED, abstract_state)
 
     # The layout of the train state inside the step, and the conversions from and to the logical one (what
-    # checkpoints, callbacks and export see: whole arrays; a per-device leaf split on its device axis).
+    # checkpoints, callbacks and export see: each leaf at its own shape; a sharded leaf flat and padded inside).
     def state_specs(self, abstract_state: Any) -> Any:
         return jax.tree.map(lambda layout: P() if layout == REPLICATED else P(DATA_AXIS),
                             self.layouts(abstract_state))
