@@ -129,9 +129,9 @@ def test_each_device_holds_an_eighth_of_the_parameters_and_optimizer_state():
     assert saved >= (1 - 1.1 / 8) * persistent(plain)
 
 
-def test_a_checkpoint_saved_on_8_devices_restores_on_2_and_on_1(tmp_path):
+def test_a_checkpoint_saved_on_8_devices_resumes_bitwise_on_8_and_restores_on_2_and_1(tmp_path):
     """Saved sharded, with digests computed on the devices (word sums: no leaf fetched whole to be hashed), and
-    restored resharded: training goes on to the numbers of the run that never stopped."""
+    restored resharded: training goes on to the numbers of the run that never stopped (bitwise on 8 again)."""
     model_cls, loss, data = CASES["regression"]
     options = dict(optimizer=optax.adam(0.02), shard_params=True, log_every=1)
     straight = _fit(model_cls, loss, data, steps=8, num_devices=8, **options)
@@ -139,13 +139,17 @@ def test_a_checkpoint_saved_on_8_devices_restores_on_2_and_on_1(tmp_path):
     digests = json.loads(next((tmp_path / "run" / "checkpoints" / "4" / "data").rglob("*metadata*")).read_text())
     hidden = digests["digests"][".params['hidden']['kernel']"]
     assert hidden[2].startswith("words:") and hidden[1] == [6, 16]  # saved whole-shaped, hashed where it lives
-    for devices, sharded in ((2, True), (1, False)):
+    for devices, sharded in ((8, True), (2, True), (1, False)):
         workdir = tmp_path / f"on{devices}"
         shutil.copytree(tmp_path / "run", workdir)
         resumed = _fit(model_cls, loss, data, steps=8, num_devices=devices, workdir=workdir,
                        **{**options, "shard_params": sharded})
         np.testing.assert_allclose(resumed.losses, straight.losses[4:], rtol=1e-5, atol=1e-6)
         assert max_abs_diff(resumed.params, straight.params) < 1e-5
+        if devices == 8:  # on the devices that saved it, a resumed run is the uninterrupted one, bit for bit
+            assert resumed.losses == straight.losses[4:]
+            assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(resumed.params),
+                                                            jax.tree.leaves(straight.params), strict=True))
 
 
 def test_the_state_between_steps_is_sliced_and_the_logical_state_split_whole():
