@@ -10,7 +10,8 @@
 - jdp's step: jdp's compiled train step (`DataParallel.train_step`) in the same bare loop, on host batches as the
   trainer gives it (`DataParallel.shard_batch`: the step's input sharding puts them on the devices);
 - jdp's step, device batches: the same on batches put on the devices once (what a dataset kept on the devices
-  would save: the per-step transfer);
+  would save: the per-step transfer); `device_put` each step: each host batch put on the devices just before its
+  step, or one step ahead (while the previous step runs);
 - + late fetch: and each step's metrics fetched to the host one step late, as the trainer does;
 - jdp.fit: the whole trainer (batches read on the host and put on the devices, the callbacks, the progress bar),
   its steady-state examples/s (`FitResult.examples_per_sec`).
@@ -108,10 +109,15 @@ def main() -> None:
     device_batches = [{k: jax.device_put(v, split) for k, v in b.items()} for b in jdp_batches]
     jdp_state = [parallel.to_devices(engine.init_state())]
 
-    def run_jdp_step(steps: int, fetch: bool, batches: list = jdp_batches) -> None:
+    def run_jdp_step(steps: int, fetch: bool, batches: list = jdp_batches, put: str = "") -> None:
         state, pending = jdp_state[0], None
+        ahead = jax.device_put(batches[0], split) if put == "ahead" else None
         for i in range(steps):
-            state, metrics = parallel.train_step(state, batches[i % len(batches)])
+            batch = batches[i % len(batches)]
+            batch = ahead if put == "ahead" else jax.device_put(batch, split) if put else batch
+            state, metrics = parallel.train_step(state, batch)
+            if put == "ahead":
+                ahead = jax.device_put(batches[(i + 1) % len(batches)], split)
             if pending is not None:
                 parallel.fetch(pending) if fetch else jax.block_until_ready(pending)
             pending = metrics
@@ -130,6 +136,9 @@ def main() -> None:
     modes = {"bare loop": lambda: timed(run_bare, args.steps),
              "jdp's step": lambda: timed(run_jdp_step, args.steps, False),
              "jdp's step, device batches": lambda: timed(run_jdp_step, args.steps, False, device_batches),
+             "jdp's step, device_put each step": lambda: timed(run_jdp_step, args.steps, False, jdp_batches, "now"),
+             "jdp's step, device_put a step ahead": lambda: timed(run_jdp_step, args.steps, False, jdp_batches,
+                                                                   "ahead"),
              "jdp's step + late fetch": lambda: timed(run_jdp_step, args.steps, True),
              "jdp.fit": lambda: run_fit(args.steps)}
     for mode in modes.values():  # compiled, warmed up

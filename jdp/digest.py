@@ -18,7 +18,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
+
+from jdp.mesh import to_numpy
 
 WORDS = "words:"
 
@@ -90,19 +91,12 @@ def pending(tree: Any, host: bool = True) -> Callable[[], dict[str, list] | None
     if not host:
         return lambda: None
     # On CPU the host arrays are views, which JAX keeps alive: it does not donate a buffer that has a view.
-    whole = {path: np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
-             for path, x in leaves if not _is_split(x)}
+    whole = {path: to_numpy(x) for path, x in leaves if not _is_split(x)}
 
     def complete() -> dict[str, list]:
         words = dict(zip([p for p, _ in split], np.asarray(sums) if split else [], strict=True))
         return {path: _of_words(x, words[path]) if path in words else of_leaf(whole[path]) for path, x in leaves}
     return complete
-
-
-def _on_host(x: Any) -> np.ndarray:
-    if not isinstance(x, jax.Array) or x.sharding.is_fully_replicated:
-        return np.asarray(x.addressable_data(0) if isinstance(x, jax.Array) else x)
-    return np.asarray(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
 
 
 def layout_difference(digests: dict[str, list], abstract: Any) -> str | None:
@@ -129,7 +123,7 @@ def mismatch(digests: dict[str, list], tree: Any) -> str | None:
     words = dict(zip([p for p, _ in on_devices], sums, strict=True))
     words |= {path: _sums_on_host(x) for path, x in counted if not isinstance(x, jax.Array)}
     for path, leaf in leaves:
-        got = _of_words(leaf, words[path]) if path in words else of_leaf(_on_host(leaf))
+        got = _of_words(leaf, words[path]) if path in words else of_leaf(to_numpy(leaf))
         if got != digests.get(path):
             return f"the digest of {path} does not match the one saved with it (damaged bytes)"
     return None

@@ -6,6 +6,7 @@ import os
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -60,6 +61,15 @@ def data_sharded(mesh: Mesh) -> NamedSharding:
     """Leading axis split across devices: step 1 of data parallelism."""
     return NamedSharding(mesh, P(DATA_AXIS))
 
+
+def to_numpy(x: jax.Array | np.ndarray) -> np.ndarray:
+    """An array whole on the host: a replicated one from this process's first copy, a split one assembled from its
+    parts (in several processes, from every process's: all call this together)."""
+    if not isinstance(x, jax.Array):
+        return np.asarray(x)
+    if x.sharding.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    return np.asarray(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
 
 
 def split_whole(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:

@@ -21,13 +21,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp import hlo
 from jdp import step as step_lib
-from jdp.mesh import DATA_AXIS, data_sharded, replicated, split_whole
+from jdp.mesh import DATA_AXIS, data_sharded, replicated, split_whole, to_numpy
 from jdp.modeldef import LossFn, ModelDef
 from jdp.sync import Sync
 from jdp.sync.base import PER_DEVICE, REPLICATED, SHARDED
@@ -248,11 +247,9 @@ class DataParallel:
         leaf, the rows of this process's devices; any other split leaf whole, assembled on the host from its parts
         (in several processes, from every process: all call this together)."""
         def host(x: jax.Array, layout: str) -> np.ndarray:
-            if x.sharding.is_fully_replicated:
-                return np.asarray(x.addressable_data(0))
-            if layout == PER_DEVICE:
+            if layout == PER_DEVICE and not x.sharding.is_fully_replicated:
                 return np.concatenate([np.asarray(s.data) for s in x.addressable_shards])
-            return np.asarray(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)
+            return to_numpy(x)
         whole = isinstance(tree, step_lib.TrainState)
         return jax.tree.map(host, tree, self._layouts if whole else jax.tree.map(lambda _: SHARDED, tree))
 

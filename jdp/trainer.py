@@ -145,8 +145,9 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     abstract = jax.eval_shape(init_state, *initial)
     device_input = optional(source, "device_input")
     _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, device_input, n, global_batch_size, o)
-    if o.shard_optimizer or o.shard_params:  # under jit each leaf is flat and padded, not sliced
-        zero1.check_sliceable(optimizer, abstract.params, 1 if o.shard_params and o.backend == "jit" else n,
+    if o.shard_optimizer or o.shard_params:  # ZeRO-3 under jit: each leaf flat and padded, not sliced (n = 1)
+        sliced = sync_lib.optimizer_sees_slices(o.shard_optimizer, o.shard_params, o.backend)
+        zero1.check_sliceable(optimizer, abstract.params, n if sliced else 1,
                               "shard_params" if o.shard_params else "shard_optimizer")
     step_options = StepOptions(
         o, bn_groups=1 if o.bn_sync else n, all_reduce=all_reduce, device_input=device_input,

@@ -24,6 +24,7 @@ from jdp.errors import UsageError, one_line
 from jdp.mesh import DATA_AXIS, mesh_devices
 from jdp.modeldef import LossFn
 from jdp.options import CONFIG_KEYS
+from jdp.sync import optimizer_sees_slices
 from jdp.task import DERIVED_EVAL_METRICS, LOSSES
 
 
@@ -115,7 +116,9 @@ def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None
     model = abstract_model(make_model)
     params = nnx.state(model, nnx.Param)
     tx, schedule = build_optimizer(cfg.optim, batch_size, cfg.train.steps, nnx.to_pure_dict(params),
-                                   sharded_axis=DATA_AXIS if sliced_update(cfg.parallel) else None)
+                                   sharded_axis=DATA_AXIS if optimizer_sees_slices(
+                                       cfg.parallel.shard_optimizer, cfg.parallel.shard_params, cfg.parallel.backend)
+                                   else None)
     options = trainer.FitOptions(
         **{option.name: cfg[key] for key, option in CONFIG_KEYS.items()},  # the config's view of fit's options
         schedule=schedule, profile_steps=config_lib.profile_steps(cfg.profile.steps),
@@ -123,12 +126,6 @@ def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None
         description=f"{cfg.model.name} on {cfg.data.name} ({source.num_eval} eval examples)"
                     + (f"; {model.describe()}" if hasattr(model, "describe") else ""))
     return Task(make_model, LOSSES.get(cfg.task.loss), source, tx, options, cfg.train.steps, batch_size)
-
-
-def sliced_update(parallel: ml_collections.ConfigDict) -> bool:
-    """Whether each device's optimizer sees slices of the gradient (ZeRO-1, or ZeRO-3 under shard_map): its
-    global-norm clipping then sums the slices' squares across devices."""
-    return parallel.shard_optimizer or (parallel.shard_params and parallel.backend != "jit")
 
 
 def build(cfg: ml_collections.ConfigDict, *, all_reduce: bool = True, workdir: str | Path | None = None

@@ -49,5 +49,11 @@ def strategy_name(o: Any) -> str:
     return "zero1" if o.shard_optimizer else "allreduce"
 
 
+def optimizer_sees_slices(shard_optimizer: bool, shard_params: bool, backend: str) -> bool:
+    """Whether each device's optimizer updates flat slices of the leaves (ZeRO-1; ZeRO-3 under shard_map), so that
+    its global-norm clipping sums the slices' squares across devices. ZeRO-3 under jit updates global arrays."""
+    return shard_optimizer or (shard_params and backend != "jit")
+
+
 def strategy(o: Any, model: Any = None) -> Sync:
     return STRATEGIES[strategy_name(o)](o, model)

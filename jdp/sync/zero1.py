@@ -83,9 +83,13 @@ class ShardedOptimizer(Sync):
     def layouts(self, abstract_state: Any) -> Any:
         return super().layouts(abstract_state)._replace(opt_state=sharded_where(abstract_state.opt_state))
 
+    def sliced_mean(self, grads: Tree, axis_name: str | None) -> Tree:
+        """This device's slice of each leaf's cross-device mean gradient (of a scalar: all of it), float32."""
+        return cast(reduce_scatter_mean(cast(grads, self.dtype), axis_name), jnp.float32)
+
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         # The layout of the update is kept even when the bench compiles the collectives out.
-        grads = cast(reduce_scatter_mean(cast(local.grads, self.dtype), axis_name), jnp.float32)
+        grads = self.sliced_mean(local.grads, axis_name)
         payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight}
         averaged = all_reduce_mean(payload, axis_name if collective else None)
         weight = averaged["weight"]

@@ -22,18 +22,7 @@ from typing import Any
 import jax
 import optax
 
-from jdp.sync.base import (
-    Local,
-    Reduced,
-    Sync,
-    Tree,
-    all_reduce_mean,
-    floating,
-    is_sharded,
-    merge_floating,
-    sharded_where,
-    unpadded,
-)
+from jdp.sync.base import Sync, Tree, is_sharded, sharded_where, unpadded
 from jdp.sync.zero1 import ShardedOptimizer, all_gather_like
 
 
@@ -54,20 +43,13 @@ class FullySharded(ShardedOptimizer):
                                 self.abstract_params)
         return all_gather_like(params, self.abstract_params, axis_name)
 
-    def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
+    def sliced_mean(self, grads: Tree, axis_name: str | None) -> Tree:
         # A sliced leaf's gradient is already summed over the devices (the all-gather's transpose); a scalar
-        # parameter, used whole, has each device's own gradient, averaged with the sums.
-        axis = axis_name if collective else None
-        n = 1 if axis_name is None else jax.lax.psum(1, axis_name)
-        scalars = jax.tree.map(lambda g: None if is_sharded(g) else g, local.grads)
-        payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight,
-                   "scalar_grads": scalars}
-        averaged = all_reduce_mean(payload, axis)
-        grads = jax.tree.map(lambda s, g: g / n if s is None else s, averaged["scalar_grads"], local.grads,
-                             is_leaf=lambda x: x is None)
-        weight = averaged["weight"]
-        return Reduced(self._of_mean(grads, local.rows, weight), averaged["sums"], weight,
-                       merge_floating(averaged["model_state"], local.model_state), None)
+        # parameter, used whole, has each device's own gradient. Under jit the arrays are global already.
+        if axis_name is None:
+            return grads
+        n = jax.lax.psum(1, axis_name)
+        return jax.tree.map(lambda g: g / n if is_sharded(g) else jax.lax.pmean(g, axis_name), grads)
 
     def update(self, tx: optax.GradientTransformation, grads: Tree, state: Any, axis_name: str | None
                ) -> tuple[Tree, Any]:
