@@ -15,6 +15,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jdp.layers import LayerView, viewing
 from jdp.loss import run_loss, weighted_sums
 from jdp.mesh import DATA_AXIS
 from jdp.modeldef import LossFn, ModelDef
@@ -29,9 +30,10 @@ def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
 
 
 def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef, loss_fn: LossFn, options: Any,
-                    params_view: Callable[[Tree], Tree] = lambda params: params) -> Local:
+                    params_view: Callable[[Tree], Tree] = lambda params: params,
+                    layer_view: LayerView | None = None) -> Local:
     """The gradient of this device's slice (`options`: a `jdp.step.StepOptions`; `params_view`: the parameters
-    the forward sees, from the sync strategy).
+    the forward sees, and `layer_view`, what a scanned layer computes with, from the sync strategy).
 
     Dropout masks differ across steps, devices and micro-batches, and are reproducible from (seed, step, device
     count). With `options.accum_lanes` (jit with accumulation) the micro-batch loop runs one lane per device,
@@ -51,9 +53,10 @@ def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef,
              folds: tuple[jax.Array, ...], groups: int):
         micro = o.device_input(micro)
         micro = {key: v if key in o.fit.keep_fp32 else cast_floating(v, dtype) for key, v in micro.items()}
-        outputs, new_model_state, counts = run_loss(
-            model, loss_fn, cast_floating(params_view(params), dtype), model_state,
-            {**state.rng_state, "counts": counts}, micro, train=True, folds=folds, groups=groups, micro=index)
+        with viewing(layer_view):
+            outputs, new_model_state, counts = run_loss(
+                model, loss_fn, cast_floating(params_view(params), dtype), model_state,
+                {**state.rng_state, "counts": counts}, micro, train=True, folds=folds, groups=groups, micro=index)
         new_model_state = jax.tree.map(lambda new, old: new.astype(old.dtype), new_model_state, model_state)
         sums, weight = weighted_sums(outputs)
         return sums["loss"] / rows * scale, (sums, weight, new_model_state, counts)

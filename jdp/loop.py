@@ -15,7 +15,7 @@ import jax
 
 from jdp import callbacks as callbacks_lib
 from jdp import distributed as distributed_lib
-from jdp import noise_scale, precision, runinfo, storage, workdir_lock
+from jdp import memory, noise_scale, precision, runinfo, storage, workdir_lock
 from jdp import record as record_lib
 from jdp.checkpoint import Checkpointer
 from jdp.data.batching import Source, optional
@@ -217,14 +217,10 @@ def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> N
         # 1. split. Dispatch is asynchronous: this batch is read and put on the devices while the
         # previous step still runs, so the next batch is already there when it ends.
         batch = parallel.shard_batch(source.train_batch(step - 1))
+        if step == run.start + 1:
+            _compile(run, batch)
         # 2-4. compute, all-reduce, update.
         run.state, metrics = parallel.train_step(run.state, batch)
-        if parallel.comm_bytes_per_step is None:  # the first step compiled the program: what does it send?
-            parallel.read_collectives(run.state, batch)
-            if parallel.bf16_widened:
-                run.writer.echo("warning: allreduce_dtype=bf16 saves nothing here: the compiled program all-reduces "
-                                "in float32 on these devices (XLA:CPU widens bfloat16); fp32 sends as many bytes, "
-                                "without the casts")
         if pending is not None:
             deliver(*pending)
         pending = (step, metrics)
@@ -236,6 +232,18 @@ def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> N
             logical = None if all(c.reads_devices for c in due) else parallel.to_logical(run.state)
             for callback in due:
                 callback.on_step(step, values, logical)
+
+
+def _compile(run: callbacks_lib.Run, batch: dict) -> None:
+    """Compiles the train step once, before the first step (which the 'first step (compile)' time includes): every
+    step runs that executable, and what it sends and the memory it takes are read from it and said now."""
+    parallel = run.parallel
+    parallel.compile_train(run.state, batch)
+    run.writer.echo(memory.describe(parallel.memory))
+    if parallel.bf16_widened:
+        run.writer.echo("warning: allreduce_dtype=bf16 saves nothing here: the compiled program all-reduces "
+                        "in float32 on these devices (XLA:CPU widens bfloat16); fp32 sends as many bytes, "
+                        "without the casts")
 
 
 def _restore_or_init(engine: Engine, checkpointer: Checkpointer | None, echo) -> tuple[int, Any]:
@@ -284,7 +292,8 @@ def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: ca
                        compile_time_s=log.compile_time, total_time_s=total_time_s, checkpoint_stall_s=stall,
                        final_checkpoint_s=final_save,
                        comm_bytes_per_step=run.parallel.comm_bytes_per_step,
-                       first_step_end_unix=log.first_step_end, **noise)
+                       first_step_end_unix=log.first_step_end, **memory.summary_fields(run.parallel.memory or {}),
+                       **noise)
     evaluated = "  ".join(f"eval {k} {v:.4f}" for k, v in evaluation.metrics.items())
     where = f"; metrics in {run.workdir / 'metrics.jsonl'}" if run.workdir else ""
     if log.noise_scale:

@@ -25,6 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp import hlo
+from jdp import memory as memory_lib
 from jdp import step as step_lib
 from jdp.mesh import DATA_AXIS, data_sharded, replicated, split_whole, to_numpy
 from jdp.modeldef import LossFn, ModelDef
@@ -85,6 +86,10 @@ BACKENDS: dict[str, Callable] = {"shard_map": _shard_map, "pmap": _pmap, "jit": 
 class DataParallel:
     """The train and eval steps compiled for one backend, plus the layout of state and batches."""
 
+    # Read from the train step compiled by `compile_train`: its per-device bytes (`jdp.memory.step_memory`).
+    memory: dict[str, int] | None = None
+    _compiled_train: jax.stages.Compiled | None = None  # what `train_step` runs once `compile_train` made it
+
     def __init__(self, backend: str, mesh: Mesh, model: ModelDef, loss_fn: LossFn, eval_fn: LossFn,
                  tx: optax.GradientTransformation, schedule: optax.Schedule | None,
                  abstract_state: step_lib.TrainState, options: step_lib.StepOptions | None = None,
@@ -100,7 +105,7 @@ class DataParallel:
         options = options or step_lib.StepOptions()
         self.comm_bytes_per_step: float | None = None  # read from the compiled step by `read_collectives`
         self.bf16_widened = False
-        self._state_specs = sync.state_specs(abstract_state)
+        self._state_specs = sync.state_specs(abstract_state, mesh.size)
         self._layouts = layouts = sync.layouts(abstract_state)
         self.per_device = jax.tree.map(lambda layout: layout == PER_DEVICE, layouts)
         if backend == "jit" and any(jax.tree.leaves(self.per_device)):
@@ -119,14 +124,16 @@ class DataParallel:
         def step_for(axis_name: str | None) -> Callable:
             groups = options.bn_groups if axis_name is None else 1  # per-device rows need no grouping
             lanes = mesh.size if axis_name is None and options.fit.grad_accum_steps > 1 else 0
-            opts = dataclasses.replace(options, axis_name=axis_name, bn_groups=groups, accum_lanes=lanes)
+            opts = dataclasses.replace(options, axis_name=axis_name, bn_groups=groups, accum_lanes=lanes,
+                                       mesh=mesh if axis_name is None else None)
             return self._packed(partial(step_lib.train_step, model=model, loss_fn=loss_fn, tx=tx, sync=sync,
                                         schedule=schedule, options=opts))
 
         def eval_for(axis_name: str | None) -> Callable:
             return partial(step_lib.eval_step, model=model, loss_fn=eval_fn, axis_name=axis_name,
                            device_input=options.device_input,
-                           params_view=lambda params: sync.params_view(params, axis_name))
+                           params_view=lambda params: sync.params_view(params, axis_name),
+                           layer_view=sync.layer_view(axis_name, mesh if axis_name is None else None))
 
         self._train, self._eval = BACKENDS[backend](mesh, self._state_specs, self.per_device, step_for, eval_for)
         n = mesh.size
@@ -200,7 +207,10 @@ class DataParallel:
 
     def train_step(self, state: step_lib.TrainState, batch: dict[str, jax.Array]
                    ) -> tuple[step_lib.TrainState, jax.Array]:
-        """Steps 2-4 on the devices: the new state, and the step's metrics packed for `fetch`."""
+        """Steps 2-4 on the devices: the new state, and the step's metrics packed for `fetch`. Runs the executable
+        `compile_train` made, once it has (the jitted step, compiling on its first call, before)."""
+        if self._compiled_train is not None:
+            return self._compiled_train(state, batch)
         return self._train(state, batch)
 
     def eval_step(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
@@ -232,15 +242,30 @@ class DataParallel:
         """The train step's program as jdp asks for it (`.as_text()`), before XLA's own passes (`.compile()`)."""
         return self._train.lower(state, batch)
 
+    def compile_train(self, state: step_lib.TrainState, batch: dict[str, jax.Array],
+                      lowered: jax.stages.Lowered | None = None) -> jax.stages.Compiled:
+        """Compiles the train step for `state` (the compiled step's layout) and `batch` (as `shard_batch` gives
+        it), or for `lowered` (`lower_train` of those), once: `train_step` runs this executable from then on, and
+        `comm_bytes_per_step` (`read_collectives`) and `memory` (`jdp.memory.step_memory`) are read from it."""
+        compiled = (lowered if lowered is not None else self.lower_train(state, batch)).compile()
+        self._compiled_train = compiled
+        self._read_collectives(compiled.as_text())
+        self.memory = memory_lib.step_memory(state, compiled)
+        return compiled
+
     def read_collectives(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> float:
-        """Sets `comm_bytes_per_step`: the bytes each device hands the collectives of the compiled train step per
-        step, in the steady state (`jdp.hlo`). After the first step, the compilation is the one that step made."""
-        text = self._train.lower(state, batch).compile().as_text()
+        """`comm_bytes_per_step`: the bytes each device hands the collectives of the compiled train step per step,
+        in the steady state (`jdp.hlo`), as read from the executable `compile_train` made (made now if it has not
+        been: `train_step` runs it from then on)."""
+        if self._compiled_train is None:
+            self.compile_train(state, batch)
+        return self.comm_bytes_per_step
+
+    def _read_collectives(self, text: str) -> None:
         self.comm_bytes_per_step = hlo.collective_bytes(text, self.mesh.size, self.sync.every)
         # XLA:CPU all-reduces a bfloat16 payload in float32: the compression then saves nothing.
         self.bf16_widened = self.sync.dtype == jnp.bfloat16 and self.mesh.size > 1 and not hlo.sends_dtype(
             text, "bf16")
-        return self.comm_bytes_per_step
 
     def to_host(self, tree: Tree) -> Tree:
         """A logical tree as numpy: this process's first copy of each replicated leaf; of a train state's per-device

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import optax
 
 from jdp.gradients import local_gradients, micro_batches
+from jdp.layers import LayerView, viewing
 from jdp.loss import run_loss, weighted_sums
 from jdp.modeldef import LossFn, ModelDef
 from jdp.options import FitOptions
@@ -49,6 +50,7 @@ class StepOptions:
 
     fit: FitOptions = FitOptions()
     axis_name: str | None = None  # "data" under shard_map/pmap, None under jit
+    mesh: Any = None  # under jit, the devices (for the sharding constraints of a sync strategy's layer view)
     bn_groups: int = 1  # jit with per-device BatchNorm: normalise the global batch in this many groups of rows
     # jit with grad_accum_steps > 1: the device count. The micro-batch loop then runs one lane per device
     # (vmapped over a `data` axis laid on the devices), so each device sums its own gradients and XLA
@@ -79,7 +81,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     collective = axis if o.all_reduce else None  # None: jdp.bench's step compiled without its collectives
     # 2. compute: forward and backward on the local slice, in `grad_accum_steps` micro-batches.
     local = local_gradients(state, batch, model=model, loss_fn=loss_fn, options=o,
-                            params_view=lambda params: sync.params_view(params, axis))
+                            params_view=lambda params: sync.params_view(params, axis),
+                            layer_view=sync.layer_view(axis, o.mesh))
     # 3. all-reduce: the sync strategy turns the local gradient into the update's input.
     reduced = sync.reduce(local, state, axis, collective=o.all_reduce)
     # 4. update: the same optax update on every replica keeps the parameters in sync.
@@ -110,13 +113,15 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
 
 def eval_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDef, loss_fn: LossFn,
               axis_name: str | None, device_input: Callable[[dict[str, jax.Array]], dict[str, jax.Array]],
-              params_view: Callable[[Tree], Tree] = lambda params: params) -> dict[str, jax.Array]:
+              params_view: Callable[[Tree], Tree] = lambda params: params,
+              layer_view: LayerView | None = None) -> dict[str, jax.Array]:
     """Weighted sums of `loss_fn`'s outputs and the weight total over the global batch, the model in eval
-    mode; padding rows (`mask` 0) weigh nothing. `params_view`: the parameters the forward sees, from the sync
-    strategy (gathered, when sharded)."""
+    mode; padding rows (`mask` 0) weigh nothing. `params_view` and `layer_view`: the parameters the forward sees
+    and what a scanned layer computes with, from the sync strategy (gathered, when sharded)."""
     rows = {k: v for k, v in batch.items() if k != "mask"}
-    outputs, _, _ = run_loss(model, loss_fn, params_view(state.params), state.model_state, state.rng_state,
-                             device_input(rows), train=False)
+    with viewing(layer_view):
+        outputs, _, _ = run_loss(model, loss_fn, params_view(state.params), state.model_state, state.rng_state,
+                                 device_input(rows), train=False)
     sums, weight = weighted_sums(outputs, batch["mask"])
     sums["weight"] = weight
     return sums if axis_name is None else jax.lax.psum(sums, axis_name)

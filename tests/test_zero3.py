@@ -153,11 +153,14 @@ def test_a_checkpoint_saved_on_8_devices_resumes_bitwise_on_8_and_restores_on_2_
 
 
 def test_the_state_between_steps_is_sliced_and_the_logical_state_split_whole():
-    """Between steps each leaf is a flat slice per device; what callbacks and checkpoints get keeps the shape,
-    split on an axis that divides (the 256-wide kernel on its 256 axis) or whole where none does."""
+    """Between steps each leaf keeps its rank, split on its longest axis that divides by 8 (the 256-wide kernel on
+    its 256 axis), else zero-padded on its longest (the bias of 1 to 8); what callbacks and checkpoints get keeps
+    the shape, split on an axis that divides or whole where none does."""
     engine, state, _ = _state_on_devices(shard_params=True)
     kernel = state.params["b"]["kernel"]
-    assert kernel.shape == (256 * 255,) and kernel.addressable_shards[0].data.shape == (256 * 255 // 8,)
+    assert kernel.shape == (256, 255) and kernel.addressable_shards[0].data.shape == (32, 255)
+    bias = state.params["out"]["bias"]
+    assert bias.shape == (8,) and bias.addressable_shards[0].data.shape == (1,)
     logical = engine.parallel.to_logical(state)
     whole = logical.params["b"]["kernel"]
     assert whole.shape == (256, 255) and whole.addressable_shards[0].data.shape == (32, 255)

@@ -69,8 +69,9 @@ def cnn2d(*, input_shape: tuple[int, ...], num_classes: int, channels: Sequence[
 
 def _resnet(name: str) -> Callable[..., ResNet]:
     def build(*, input_shape: tuple[int, ...], num_classes: int, width: int = 64, stage_sizes: Sequence[int] = (),
-              stem: str = "auto", bn_momentum: float = 0.9, rngs: nnx.Rngs) -> ResNet:
-        """`stage_sizes` () = the standard stages of the depth; `stem` auto = cifar for images of <= 64 px."""
+              stem: str = "auto", bn_momentum: float = 0.9, remat: str = "none", rngs: nnx.Rngs) -> ResNet:
+        """`stage_sizes` () = the standard stages of the depth; `stem` auto = cifar for images of <= 64 px;
+        `remat` ("none", "full", "dots") checkpoints each residual block (`jdp.layers.remat`)."""
         h, _, c = _image_shape(input_shape)
         if isinstance(width, bool) or not isinstance(width, int) or width <= 0:
             raise ValueError(f"model.kwargs.width={width!r} must be a positive int; set e.g. "
@@ -81,7 +82,7 @@ def _resnet(name: str) -> Callable[..., ResNet]:
         block, standard_stages = ARCHS[name]
         stem = stem if stem != "auto" else ("cifar" if h <= 64 else "imagenet")
         return ResNet(tuple(stage_sizes) or standard_stages, block, width, stem, c, num_classes,
-                      bn_momentum=bn_momentum, rngs=rngs)
+                      bn_momentum=bn_momentum, remat=remat, rngs=rngs)
 
     return build
 
@@ -92,12 +93,14 @@ for _name in ARCHS:
 
 @MODELS.register("gpt")
 def gpt(*, input_shape: tuple[int, ...], num_classes: int, num_layers: int = 6, num_heads: int = 6,
-        embed_dim: int = 384, dropout: float = 0.0, bias: bool = True, dtype: Any = None, rngs: nnx.Rngs) -> GPT:
-    """A GPT over token windows of `input_shape` (block_size,) and a vocabulary of `num_classes` tokens."""
+        embed_dim: int = 384, dropout: float = 0.0, bias: bool = True, dtype: Any = None, remat: str = "none",
+        scan_layers: bool = False, rngs: nnx.Rngs) -> GPT:
+    """A GPT over token windows of `input_shape` (block_size,) and a vocabulary of `num_classes` tokens; `remat`
+    ("none", "full", "dots") checkpoints each block, `scan_layers` stacks and scans them (`jdp.layers`)."""
     if len(input_shape) != 1:
         raise ValueError(f"gpt needs token windows of shape (block_size,), got {input_shape}; use a text source")
     return GPT(num_classes, input_shape[0], num_layers=num_layers, num_heads=num_heads, embed_dim=embed_dim,
-               dropout=dropout, bias=bias, dtype=dtype, rngs=rngs)
+               dropout=dropout, bias=bias, dtype=dtype, remat=remat, scan_layers=scan_layers, rngs=rngs)
 
 
 def build_model(name: str, kwargs: dict[str, Any], input_shape: tuple[int, ...], num_classes: int, *,

@@ -8,6 +8,13 @@ attention dropout > 0 takes an explicit softmax path (tested equal to the fused 
 
 For sampling, `decode` runs one or more new tokens against a KV cache of the keys and values of the
 positions before them, so generating a token costs one position's work and never recompiles.
+
+To fit a bigger model: `remat` ("full" or "dots") recomputes each block's activations in the backward
+(`jdp.layers.remat`), and `scan_layers=True` makes the blocks once, stacked, and runs them with `nnx.scan`
+(`jdp.layers.Stack`): its parameters are those of the unrolled model stacked on a leading layer axis
+(`stack_blocks` / `unstack_blocks` convert), and it computes the same function. Its dropout masks differ from the
+unrolled model's: each stacked block draws from its own keys (the `dropout` stream split per layer), where the
+unrolled blocks share the model's one stream and draw in turn.
 """
 
 from __future__ import annotations
@@ -18,7 +25,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-Cache = list[tuple[jax.Array, jax.Array]]  # per block: keys and values, (B, block_size, heads, head_dim)
+from jdp.layers import Stack, check_remat, remat
+
+# Per block: keys and values, (B, block_size, heads, head_dim); scanned blocks: one pair, stacked (layers, B, ...).
+Cache = list[tuple[jax.Array, jax.Array]] | tuple[jax.Array, jax.Array]
 
 
 def attention_implementation(dtype: jnp.dtype) -> str:
@@ -109,28 +119,46 @@ class GPT(nnx.Module):
 
     def __init__(self, vocab_size: int, block_size: int, *, num_layers: int = 6, num_heads: int = 6,
                  embed_dim: int = 384, dropout: float = 0.0, bias: bool = True, dtype: jnp.dtype | None = None,
-                 rngs: nnx.Rngs):
-        """`dtype`: the compute dtype (None: that of the parameters); parameters are created in float32."""
-        self.block_size, self.dtype = block_size, dtype
+                 remat: str = "none", scan_layers: bool = False, rngs: nnx.Rngs):
+        """`dtype`: the compute dtype (None: that of the parameters); parameters are created in float32.
+        `remat`: "none", "full" or "dots" (activation checkpointing of each block); `scan_layers`: the blocks
+        stacked and scanned."""
+        self.block_size, self.dtype, self.remat = block_size, dtype, check_remat(remat)
         # GPT-2: normal(0.02), the projections into the residual stream scaled by 1/sqrt(2 x layers).
         residual_std = 0.02 / math.sqrt(2 * num_layers)
         normal = nnx.initializers.normal(0.02)
         self.wte = nnx.Embed(vocab_size, embed_dim, embedding_init=normal, dtype=dtype, rngs=rngs)
         self.wpe = nnx.Embed(block_size, embed_dim, embedding_init=normal, dtype=dtype, rngs=rngs)
         self.drop = nnx.Dropout(dropout, rngs=rngs)
-        self.blocks = nnx.List([Block(embed_dim, num_heads, dropout, bias, residual_std, dtype, rngs)
-                                for _ in range(num_layers)])
+        def block(rngs: nnx.Rngs) -> Block:
+            return Block(embed_dim, num_heads, dropout, bias, residual_std, dtype, rngs)
+
+        self.blocks = (Stack(block, num_layers, rngs=rngs, remat=remat) if scan_layers
+                       else nnx.List([block(rngs) for _ in range(num_layers)]))
         self.ln_f = nnx.LayerNorm(embed_dim, epsilon=1e-5, use_bias=bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
         return self._forward(tokens_BxT, None, 0)[0]
 
+    @property
+    def scanned(self) -> bool:
+        return isinstance(self.blocks, Stack)
+
+    @property
+    def num_layers(self) -> int:
+        return self.blocks.depth if self.scanned else len(self.blocks)
+
+    def _first_attention(self) -> CausalSelfAttention:  # its static settings are every block's
+        return self.blocks.layers.attn if self.scanned else self.blocks[0].attn
+
     def empty_cache(self, batch: int) -> Cache:
         """Zero keys and values for `block_size` positions of every block, in the compute dtype."""
-        attn = self.blocks[0].attn
+        attn = self._first_attention()
         d = self.wte.embedding[...].shape[1]
         shape = (batch, self.block_size, attn.num_heads, d // attn.num_heads)
         dtype = self.dtype or self.wte.embedding[...].dtype
+        if self.scanned:
+            return jnp.zeros((self.num_layers, *shape), dtype), jnp.zeros((self.num_layers, *shape), dtype)
         return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in self.blocks]
 
     def decode(self, tokens_BxT: jax.Array, cache: Cache, start: jax.Array | int) -> tuple[jax.Array, Cache]:
@@ -149,18 +177,42 @@ class GPT(nnx.Module):
         wte = self.wte.embedding[...]
         dtype = self.dtype or wte.dtype
         x = self.drop((wte[tokens_BxT] + self.wpe.embedding[...][positions][None]).astype(dtype))
-        new_cache = []
-        for i, block in enumerate(self.blocks):
-            x, kv = block(x, None if cache is None else cache[i], start)
-            new_cache.append(kv)
+        if self.scanned and cache is None:
+            x, new_cache = self.blocks(x, call=lambda block, x: (block(x)[0], None))
+        elif self.scanned:
+            x, new_cache = self.blocks(x, *cache, call=lambda block, x, k, v: block(x, (k, v), start))
+        else:
+            new_cache = []
+            for i, block in enumerate(self.blocks):
+                if cache is None:  # training or scoring: the keys and values are not kept
+                    x, kv = remat(lambda block, x: block(x), self.remat)(block, x)
+                else:
+                    x, kv = block(x, cache[i], start)
+                new_cache.append(kv)
         x = self.ln_f(x)
         return x @ wte.T.astype(x.dtype), new_cache  # the head is the token embedding, transposed
 
     def describe(self) -> str:
-        dropout = self.blocks[0].attn.attn_dropout.rate if len(self.blocks) else 0.0
+        dropout = self._first_attention().attn_dropout.rate if self.num_layers else 0.0
         path = attention_implementation(self.dtype or jnp.float32)
         explicit = "; explicit softmax while training (attention dropout)" if dropout > 0 else ""
-        return f"attention: jax.nn.dot_product_attention ({path}){explicit}"
+        layers = (f"; {self.num_layers} blocks scanned" if self.scanned else "") + (
+            f"; remat {self.remat}" if self.remat != "none" else "")
+        return f"attention: jax.nn.dot_product_attention ({path}){explicit}{layers}"
+
+
+def stack_blocks(params: dict) -> dict:
+    """An unrolled GPT's pure parameter dict -> the scanned GPT's (`blocks.layers`, leaves stacked on axis 0)."""
+    blocks = params["blocks"]
+    layers = jax.tree.map(lambda *xs: jnp.stack(xs), *(blocks[i] for i in sorted(blocks)))
+    return {**params, "blocks": {"layers": layers}}
+
+
+def unstack_blocks(params: dict) -> dict:
+    """A scanned GPT's pure parameter dict -> the unrolled GPT's (`blocks.0`, `blocks.1`, ...)."""
+    layers = params["blocks"]["layers"]
+    depth = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "blocks": {i: jax.tree.map(lambda x, i=i: x[i], layers) for i in range(depth)}}
 
 
 def non_embedding_params(params: dict) -> int:

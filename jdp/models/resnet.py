@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jdp.layers import check_remat, remat
+
 # name -> (block, stage sizes)
 ARCHS: dict[str, tuple[str, tuple[int, ...]]] = {
     "resnet18": ("basic", (2, 2, 2, 2)),
@@ -115,6 +117,8 @@ class ResNet(nnx.Module):
     `dtype` None (default) computes in the dtype of the input and parameters it is given, as jdp's step
     gives them: the run's precision in training, float32 in eval. A fixed `dtype` computes in it always.
 
+    `remat` ("none", "full", "dots"): activation checkpointing of each residual block (`jdp.layers.remat`).
+
     Stems: 'cifar' = conv3x3 + BN + ReLU; 'imagenet' = conv7x7/2 + BN + ReLU + maxpool 3x3/2 (SAME).
     """
 
@@ -129,6 +133,7 @@ class ResNet(nnx.Module):
         *,
         bn_momentum: float = 0.9,
         dtype: Any = None,
+        remat: str = "none",
         rngs: nnx.Rngs,
     ):
         if block not in BLOCKS:
@@ -136,6 +141,7 @@ class ResNet(nnx.Module):
         if stem not in STEMS:
             raise ValueError(f"unknown ResNet stem {stem!r}; choose from {STEMS}")
         layers = _Layers(bn_momentum, dtype, rngs)
+        self.remat = check_remat(remat)  # of each residual block: BatchNorm statistics still update once
         self.imagenet_stem = stem == "imagenet"
         k, stride = (7, 2) if self.imagenet_stem else (3, 1)
         self.stem_conv = layers.conv(in_channels, width, k, stride)
@@ -156,7 +162,7 @@ class ResNet(nnx.Module):
         if self.imagenet_stem:
             x = nnx.max_pool(x, (3, 3), (2, 2), padding="SAME")
         for block in self.blocks:
-            x = block(x)
+            x = remat(lambda block, x: block(x), self.remat)(block, x)
         return self.head(x.mean(axis=(1, 2))).astype(jnp.float32)
 
 

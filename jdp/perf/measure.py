@@ -4,7 +4,6 @@ step time."""
 
 from __future__ import annotations
 
-import math
 import statistics
 import time
 
@@ -12,29 +11,11 @@ import jax
 
 from jdp import precision
 from jdp.cli.build import build
+from jdp.memory import memory_analysis, state_memory
+from jdp.memory import per_device_bytes as per_device_bytes  # re-exported: where the bench's figures come from
 
 # The state's sharding on the devices, as `python -m jdp.bench --compile_only` compares them: config overrides.
 SHARDINGS = {"plain": {}, "zero1": {"shard_optimizer": True}, "zero3": {"shard_params": True}}
-
-
-def per_device_bytes(tree) -> int:
-    """Bytes of one device's part of every leaf (arrays, or shapes with their sharding)."""
-    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
-
-
-def state_memory(state) -> dict:
-    """Per-device bytes of the step's state: parameters, one gradient per parameter as held, optimizer state."""
-    return {"params_bytes": per_device_bytes(state.params), "grads_bytes": per_device_bytes(state.params),
-            "opt_state_bytes": per_device_bytes(state.opt_state)}
-
-
-def memory_analysis(compiled) -> dict:
-    """XLA's accounting of a compiled program's bytes per device (the CPU compiler's own on CPU devices)."""
-    memory = compiled.memory_analysis()
-    if memory is None:
-        return {}
-    return {field.replace("_size_in", ""): int(getattr(memory, field))
-            for field in ("argument_size_in_bytes", "output_size_in_bytes", "temp_size_in_bytes")}
 
 
 def compiled_memory(cfg, num_devices: int, sharding: str) -> dict:
@@ -77,12 +58,12 @@ class Variant:
         self.state = self.parallel.to_devices(b.init_state())
         self.memory = state_memory(self.state)
         t0 = time.perf_counter()
-        # Compiled here, once: the step runs this executable, and XLA's accounting reads it.
+        # Compiled here, once, as the trainer does: the step runs this executable, and the collectives' bytes and
+        # XLA's accounting are read from it.
         self._lowered = self.parallel.lower_train(self.state, self.batches[0])
-        self._step = self._lowered.compile()
+        self._step = self.parallel.compile_train(self.state, self.batches[0], self._lowered)
         self.state, metrics = self._step(self.state, self.batches[0])
         self.parallel.fetch(metrics)
-        self.parallel.read_collectives(self.state, self.batches[0])
         self.first_step_s = time.perf_counter() - t0  # compilation (or a persistent-cache hit) and one step
 
     def time(self, steps: int) -> float:

@@ -17,7 +17,7 @@ from jdp.sync.diloco import DiLoCo, outer_optimizer
 from jdp.sync.local_sgd import LocalSGD
 from jdp.sync.powersgd import PowerSGD
 from jdp.sync.zero1 import ShardedOptimizer
-from jdp.sync.zero3 import FullySharded
+from jdp.sync.zero3 import FullySharded, stacked_paths
 
 __all__ = ["STRATEGIES", "Local", "Reduced", "Sync", "strategy"]
 
@@ -32,7 +32,8 @@ STRATEGIES: dict[str, Callable[[Any, Any], Sync]] = {
     "powersgd": lambda o, model: PowerSGD(model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), o.powersgd_rank,
                                           o.powersgd_start_step, o.seed),
     "zero3": lambda o, model: FullySharded(jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
-                                                        nnx.to_pure_dict(nnx.state(model, nnx.Param)))),
+                                                        nnx.to_pure_dict(nnx.state(model, nnx.Param))),
+                                           stacked_paths(model)),
 }
 
 

@@ -6,14 +6,15 @@ the global batch under jit (`axis_name` None: the arrays are global and XLA inse
 
 from __future__ import annotations
 
-import math
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jdp.layers import LayerView
 from jdp.mesh import DATA_AXIS
 
 Tree = Any
@@ -22,9 +23,10 @@ Tree = Any
 # device, the same bits. Per device: a leading device axis, each device holding its own row (PowerSGD's error
 # feedback, DiLoCo's inner optimizer state); it has no replicas to compare, and restores only on the same device
 # count. Sharded: one whole array split across the devices (ZeRO's optimizer state and parameters); inside the step
-# it is flattened and zero-padded to a multiple of N, device i holding the i-th 1/N of it (`flat_padded`), so any
-# size splits; outside, it keeps its shape (split on an axis that divides, `jdp.mesh.split_whole`) and restores on
-# any device count. Checkpoints, the replica check and export follow the declaration.
+# it keeps its rank and is split on one axis (`shard_axis`), zero-padded to a multiple of N where that axis does
+# not divide, device i holding the i-th block of it; outside, it keeps its shape (split on an axis that divides,
+# `jdp.mesh.split_whole`) and restores on any device count. Checkpoints, the replica check and export follow the
+# declaration.
 REPLICATED, PER_DEVICE, SHARDED = "replicated", "per_device", "sharded"
 
 
@@ -34,18 +36,32 @@ def is_sharded(leaf: Any) -> bool:
     return len(leaf.shape) > 0
 
 
-def flat_padded(x: jax.Array, n: int) -> jax.Array:
-    flat = x.reshape(-1)
-    return jnp.pad(flat, (0, (-flat.size) % n))
+def shard_axis(shape: tuple[int, ...], n: int, first: int = 0) -> int:
+    """The axis a sharded leaf of `shape` splits on over `n` devices: the longest from `first` on that divides by
+    `n` (no padding), else the longest from `first` on (zero-padded to a multiple of `n`)."""
+    axes = range(first, len(shape))
+    return max([a for a in axes if shape[a] % n == 0] or axes, key=lambda a: (shape[a], -a))
 
 
-def unpadded(flat: jax.Array, like: Any) -> jax.Array:
-    return flat[: math.prod(like.shape)].reshape(like.shape)
+def padded(x: jax.Array, n: int, axis: int) -> jax.Array:
+    """`x` zero-padded on `axis` to a multiple of `n`."""
+    pad = (-x.shape[axis]) % n
+    return x if not pad else jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
+
+
+def unpadded(x: jax.Array, like: Any) -> jax.Array:
+    """`x` cut back to the shape of `like` (a padded sharded leaf -> its logical self)."""
+    return x if x.shape == like.shape else x[tuple(slice(0, size) for size in like.shape)]
 
 
 def sharded_where(tree: Tree) -> Tree:
     """SHARDED for each leaf with an axis, REPLICATED for scalars."""
     return jax.tree.map(lambda x: SHARDED if is_sharded(x) else REPLICATED, tree)
+
+
+def spec_on(axis: int | None, ndim: int) -> P:
+    """A PartitionSpec splitting `axis` (None: none) on `data`."""
+    return P() if axis is None else P(*[DATA_AXIS if a == axis else None for a in range(ndim)])
 
 
 class Local(NamedTuple):
@@ -128,14 +144,20 @@ class Sync:
         return jax.tree.map(lambda _: REPLICATED, abstract_state)
 
     # The layout of the train state inside the step, and the conversions from and to the logical one (what
-    # checkpoints, callbacks and export see: each leaf at its own shape; a sharded leaf flat and padded inside).
-    def state_specs(self, abstract_state: Any) -> Any:
-        return jax.tree.map(lambda layout: P() if layout == REPLICATED else P(DATA_AXIS),
-                            self.layouts(abstract_state))
+    # checkpoints, callbacks and export see: each leaf at its own shape; a sharded leaf padded on its axis inside).
+    def shard_axes(self, abstract_state: Any, num_devices: int) -> Any:
+        """The axis each sharded leaf splits on inside the step (`shard_axis`); None for the other leaves."""
+        return jax.tree.map(lambda layout, x: shard_axis(x.shape, num_devices) if layout == SHARDED else None,
+                            self.layouts(abstract_state), abstract_state)
+
+    def state_specs(self, abstract_state: Any, num_devices: int) -> Any:
+        # A tree of axes has None where a leaf has no axis: it goes after a tree whose leaves are all there.
+        return jax.tree.map(lambda layout, x, axis: P(DATA_AXIS) if layout == PER_DEVICE else spec_on(axis, x.ndim),
+                            self.layouts(abstract_state), abstract_state, self.shard_axes(abstract_state, num_devices))
 
     def to_step_layout(self, state: Any, num_devices: int) -> Any:
-        return jax.tree.map(lambda x, layout: flat_padded(x, num_devices) if layout == SHARDED else x,
-                            state, self.layouts(state))
+        return jax.tree.map(lambda x, axis: x if axis is None else padded(x, num_devices, axis),
+                            state, self.shard_axes(state, num_devices))
 
     def to_logical(self, state: Any, abstract_state: Any) -> Any:
         return jax.tree.map(lambda x, like, layout: unpadded(x, like) if layout == SHARDED else x,
@@ -144,6 +166,11 @@ class Sync:
     def params_view(self, params: Tree, axis_name: str | None) -> Tree:
         """The parameters the forward sees (a sharding strategy gathers them here)."""
         return params
+
+    def layer_view(self, axis_name: str | None, mesh: Mesh | None = None) -> LayerView | None:
+        """How a scanned model's layer computes, from its parameters as the forward holds them
+        (`jdp.layers.LayerView`; `mesh`: the devices, under jit; None: as held)."""
+        return None
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         """Local gradient -> the update's input (`state`: the train state the step began with; a strategy with

@@ -1,8 +1,8 @@
 """ZeRO-1, the sharded optimizer ("cross-replica weight-update sharding", Xu et al. 2020).
 
-Every leaf with at least one axis is flattened and zero-padded to a multiple of N devices; device i owns the
-i-th 1/N slice of it. Scalar leaves stay whole: every device updates them, with their mean gradient. Gradients
-are reduce-scattered into those slices, each device updates its slice of the parameters and optimizer state,
+Every leaf with at least one axis is split on one axis (`jdp.sync.base.shard_axis`: the longest that divides by
+N devices, else the longest, zero-padded to a multiple of N); device i owns the i-th block of it. Scalar leaves
+stay whole: every device updates them, with their mean gradient. Gradients are reduce-scattered into those slices, each device updates its slice of the parameters and optimizer state,
 and the parameters are all-gathered. Outside the step the optimizer state keeps its shapes, split across the
 devices (`jdp.sync.base.SHARDED`): checkpoints hold it unpadded ("logical"), so they restore on any N.
 """
@@ -24,10 +24,11 @@ from jdp.sync.base import (
     Tree,
     all_reduce_mean,
     cast,
-    flat_padded,
     floating,
     is_sharded,
     merge_floating,
+    padded,
+    shard_axis,
     sharded_where,
     sum_of_squares,
     unpadded,
@@ -41,7 +42,8 @@ def reduce_scatter_mean(grads: Tree, axis_name: str) -> Tree:
     def scatter(g: jax.Array) -> jax.Array:
         if not is_sharded(g):
             return jax.lax.pmean(g, axis_name)
-        return jax.lax.psum_scatter(flat_padded(g, n), axis_name, tiled=True) / n
+        axis = shard_axis(g.shape, n)
+        return jax.lax.psum_scatter(padded(g, n, axis), axis_name, scatter_dimension=axis, tiled=True) / n
 
     return jax.tree.map(scatter, grads)
 
@@ -53,19 +55,26 @@ def local_slice(tree: Tree, axis_name: str) -> Tree:
     def cut(x: jax.Array) -> jax.Array:
         if not is_sharded(x):
             return x
-        flat = flat_padded(x, n)
-        size = flat.size // n
-        return jax.lax.dynamic_slice(flat, (i * size,), (size,))
+        axis = shard_axis(x.shape, n)
+        whole = padded(x, n, axis)
+        size = whole.shape[axis] // n
+        return jax.lax.dynamic_slice_in_dim(whole, i * size, size, axis=axis)
 
     return jax.tree.map(cut, tree)
 
 
-def all_gather_like(slices: Tree, like: Tree, axis_name: str) -> Tree:
-    """Reassemble full leaves shaped like `like` from every device's slice (a scalar every device updated whole)."""
-    def gather(s: jax.Array, x: jax.Array) -> jax.Array:
-        return unpadded(jax.lax.all_gather(s, axis_name, tiled=True), x) if is_sharded(x) else s
+def all_gather_like(slices: Tree, like: Tree, axis_name: str, axes: Tree = None) -> Tree:
+    """Reassemble full leaves shaped like `like` from every device's slice (a scalar every device updated whole);
+    `axes`: the axis each leaf is split on (default: `shard_axis` of its shape)."""
+    n = jax.lax.psum(1, axis_name)
 
-    return jax.tree.map(gather, slices, like)
+    def gather(s: jax.Array, x: Any, axis: int | None) -> jax.Array:
+        if not is_sharded(x):
+            return s
+        axis = shard_axis(x.shape, n) if axis is None else axis
+        return unpadded(jax.lax.all_gather(s, axis_name, axis=axis, tiled=True), x)
+
+    return jax.tree.map(gather, slices, like, jax.tree.map(lambda _: None, like) if axes is None else axes)
 
 
 def global_norm(tree: Tree, axis_name: str | None = None) -> jax.Array:
@@ -136,11 +145,15 @@ def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: i
     grads = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params)
     whole, _ = tx.update(grads, tx.init(params), params)
     slices = []
+    def part(x: np.ndarray, i: int) -> np.ndarray:
+        axis = shard_axis(x.shape, n)
+        return np.split(np.asarray(padded(x, n, axis)), n, axis=axis)[i]
+
     for i in range(n):
-        local, local_grads = (jax.tree.map(lambda x, i=i: np.array_split(flat_padded(x, n), n)[i] if x.ndim else x,
-                                           tree) for tree in (params, grads))
+        local, local_grads = (jax.tree.map(lambda x, i=i: part(x, i) if x.ndim else x, tree)
+                              for tree in (params, grads))
         slices.append(tx.update(local_grads, tx.init(local), local)[0])
-    gathered = jax.tree.map(lambda w, *s: np.concatenate([np.ravel(p) for p in s])[: w.size].reshape(w.shape)
+    gathered = jax.tree.map(lambda w, *s: unpadded(np.concatenate(s, axis=shard_axis(w.shape, n)), w)
                             if w.ndim else s[0], whole, *slices)
     if not all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(jax.tree.leaves(whole),
                                                                        jax.tree.leaves(gathered), strict=True)):

@@ -2,17 +2,26 @@
 gradients and the optimizer state live as 1/N slices, and the whole parameters exist only while the step uses them.
 Each device still computes on its own rows: this is data parallelism whose state is split.
 
-Every leaf with an axis is flattened and zero-padded to a multiple of N (`jdp.sync.base.SHARDED`), so any size
-splits; device i holds the i-th slice. Under shard_map the forward gathers the whole parameters (`params_view`, an
-all-gather per leaf), and differentiating through the all-gather gives its transpose, the reduce-scatter: each
-device's gradient arrives summed over the devices and already sliced, so the strategy adds no collective of its own
-but the one all-reduce of the weighted sums. Under jit the slices carry their NamedSharding and XLA places the
-gathers and the reduce-scatter. Each device updates its own slices (element-wise optimizers, as under ZeRO-1), and
-nothing gathers the new parameters: the next forward does.
+Every leaf with an axis keeps its rank and is split on one axis (`jdp.sync.base.shard_axis`), zero-padded where
+that axis does not divide by N; device i holds the i-th block. Under shard_map the forward gathers the whole
+parameters (`params_view`, an all-gather per leaf), and differentiating through the all-gather gives its
+transpose, the reduce-scatter: each device's gradient arrives summed over the devices and already sliced, so the
+strategy adds no collective of its own but the one all-reduce of the weighted sums. Under jit the slices carry
+their NamedSharding and XLA places the gathers and the reduce-scatter. Each device updates its own slices
+(element-wise optimizers, as under ZeRO-1), and nothing gathers the new parameters: the next forward does.
+
+One layer at a time: the stacked parameters of a scanned model (`jdp.layers.Stack`) keep their layer axis whole
+and split on another, and under shard_map they reach the scan split: each layer's parameters are gathered inside
+the loop's body (`layer_view`), and gathered again in the backward rather than kept (the body is checkpointed), so
+about one layer's whole parameters live at a time, as FSDP's reshard-after-forward. The reduce-scatter of a
+layer's gradient happens in the backward's body. A model that is not scanned gathers everything before the
+forward.
 
 With gradient accumulation each micro-batch gathers the parameters and reduce-scatters its gradient (shard_map):
 the gradient being summed is 1/N of the model, at the price of k gathers and k reduce-scatters a step. (Holding the
 whole local gradient until one reduce-scatter, as jit's lanes do, sends once but holds a whole gradient per device.)
+A scanned model's layers are gathered twice per micro-batch (forward and backward), so the gathers send
+2k x (N - 1)/N of the stacked parameters' bytes a step, the reduce-scatters k x (N - 1)/N of them.
 """
 
 from __future__ import annotations
@@ -21,27 +30,83 @@ from typing import Any
 
 import jax
 import optax
+from flax import nnx
+from jax.sharding import Mesh
 
-from jdp.sync.base import Sync, Tree, is_sharded, sharded_where, unpadded
+from jdp.layers import LayerView, Stack
+from jdp.mesh import data_sharded
+from jdp.sync.base import Sync, Tree, is_sharded, shard_axis, sharded_where, unpadded
 from jdp.sync.zero1 import ShardedOptimizer, all_gather_like
+
+
+def _path(keys: tuple) -> tuple:
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in keys)
+
+
+def stacked_paths(model: nnx.Module) -> list[tuple]:
+    """The paths, in the pure parameter dict, of the `Stack`s' stacked layers in `model` (concrete or abstract)."""
+    return [(*path, "layers") for path, module in nnx.iter_modules(model) if isinstance(module, Stack)]
 
 
 class FullySharded(ShardedOptimizer):
     """ZeRO-1's sharded optimizer state, plus sharded parameters gathered for each forward. `abstract_params`: the
-    parameters' logical shapes (what the forward sees)."""
+    parameters' logical shapes (what the forward sees); `stacked`: the paths of a scanned model's stacked layers
+    (`stacked_paths`), whose parameters are gathered one layer at a time."""
 
-    def __init__(self, abstract_params: Tree) -> None:
+    def __init__(self, abstract_params: Tree, stacked: list[tuple] = ()) -> None:
         super().__init__()  # the reduce-scatter is the gather's transpose: it sends the parameters' dtype
         self.abstract_params = abstract_params
+        # A stacked leaf with an axis besides the layer axis is split on one of those and gathered per layer.
+        self.per_layer = jax.tree_util.tree_map_with_path(
+            lambda path, x: x.ndim >= 2 and any(_path(path)[:len(p)] == p for p in stacked), abstract_params)
 
     def layouts(self, abstract_state: Any) -> Any:
         return super().layouts(abstract_state)._replace(params=sharded_where(abstract_state.params))
+
+    def _param_axes(self, n: int) -> Tree:
+        return jax.tree.map(lambda x, layer: shard_axis(x.shape, n, 1 if layer else 0) if is_sharded(x) else None,
+                            self.abstract_params, self.per_layer)
+
+    def shard_axes(self, abstract_state: Any, num_devices: int) -> Any:
+        """As ZeRO-1, but a stacked leaf splits on a non-layer axis, and so does every optimizer leaf that mirrors
+        it (its path ends with the parameter's): the optimizer's slices line up with the parameters'."""
+        axes = super().shard_axes(abstract_state, num_devices)
+        params = {_path(path): (x.shape, axis) for (path, x), axis in zip(
+            jax.tree_util.tree_flatten_with_path(self.abstract_params)[0],
+            jax.tree.leaves(self._param_axes(num_devices), is_leaf=lambda a: a is None), strict=True)}
+
+        def mirrored(path: tuple, x: Any, axis: int | None) -> int | None:
+            path = _path(path)
+            matches = [params[path[i:]] for i in range(len(path)) if path[i:] in params]
+            return matches[0][1] if matches and matches[0][0] == x.shape else axis
+
+        opt_axes = jax.tree_util.tree_map_with_path(mirrored, abstract_state.opt_state, axes.opt_state)
+        return axes._replace(params=self._param_axes(num_devices), opt_state=opt_axes)
 
     def params_view(self, params: Tree, axis_name: str | None) -> Tree:
         if axis_name is None:  # global arrays: XLA gathers them where the forward needs them
             return jax.tree.map(lambda x, like: unpadded(x, like) if is_sharded(like) else x, params,
                                 self.abstract_params)
-        return all_gather_like(params, self.abstract_params, axis_name)
+        n = jax.lax.psum(1, axis_name)
+        whole = all_gather_like(params, self.abstract_params, axis_name, self._param_axes(n))
+        # A scanned model's stacked layers stay split: `layer_view` gathers them inside the scan.
+        return jax.tree.map(lambda w, s, layer: s if layer else w, whole, params, self.per_layer)
+
+    def layer_view(self, axis_name: str | None, mesh: Mesh | None = None) -> LayerView | None:
+        if axis_name is None:  # the batch stays split in the loop, so that XLA gathers the weights, not activations
+            return None if mesh is None else LayerView(carry=lambda x: jax.lax.with_sharding_constraint(
+                x, data_sharded(mesh)))
+
+        def gather(leaves: list[jax.Array], shapes: tuple[tuple[int, ...], ...]) -> list[jax.Array]:
+            def whole(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+                if x.shape == shape:
+                    return x
+                axis = next(a for a, (held, size) in enumerate(zip(x.shape, shape, strict=True)) if held != size)
+                return unpadded(jax.lax.all_gather(x, axis_name, axis=axis, tiled=True), jax.ShapeDtypeStruct(
+                    shape, x.dtype))
+            return [whole(x, shape) for x, shape in zip(leaves, shapes, strict=True)]
+
+        return LayerView(params=gather)
 
     def sliced_mean(self, grads: Tree, axis_name: str | None) -> Tree:
         # A sliced leaf's gradient is already summed over the devices (the all-gather's transpose); a scalar

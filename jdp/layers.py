@@ -1,0 +1,128 @@
+"""Layers that make a deep model fit: activation checkpointing (`remat`) and scanned layers (`Stack`).
+
+`remat(fn, policy)` wraps a layer's call in `nnx.remat`: "none" keeps every activation for the backward, "full"
+only the layer's input (the rest is recomputed), "dots" also the matmul outputs without batch dimensions
+(`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`). The recomputation draws the same dropout masks: the
+RNG keys and counters are inputs of the checkpointed call.
+
+`Stack(make_layer, depth, rngs=...)` makes `depth` layers once, stacked on a leading axis (`nnx.vmap`, each layer
+with its own RNG keys through `nnx.split_rngs`), and runs them with `nnx.scan`, as MaxText's and levanter's
+`scan_layers` do: the program holds one layer's code, so compile time stops growing with depth, and under remat
+the compiled temporaries hold one layer's activations at a time.
+
+A trainer that splits the parameters across devices (ZeRO-3, `jdp.sync.zero3`) sees a `Stack` and leaves its
+stacked parameters split into the scan: a `layer_view` set with `viewing` gathers each layer's parameters inside
+the loop's body, one layer at a time, and the body is checkpointed so that the backward gathers them again rather
+than keeping the forward's copies (as FSDP's reshard-after-forward). Outside such a trainer the view is the
+identity.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import jax
+from flax import nnx
+
+REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+class LayerView(NamedTuple):
+    """How a trainer has each layer of a `Stack` computed: `params` maps (a layer's Param values as held, their
+    logical shapes) to the values it computes with (gathered across devices); `carry` is applied to the carry
+    entering each layer (a sharding constraint). None: as they are."""
+
+    params: Callable[[list[jax.Array], tuple[tuple[int, ...], ...]], list[jax.Array]] | None = None
+    carry: Callable[[jax.Array], jax.Array] | None = None
+
+_layer_view: contextvars.ContextVar[LayerView | None] = contextvars.ContextVar("jdp_layer_view", default=None)
+
+
+def check_remat(remat: str) -> str:
+    if remat not in REMAT_POLICIES:
+        raise ValueError(f"remat={remat!r} is not one of {tuple(REMAT_POLICIES)}; set e.g. "
+                         "--config.model.kwargs.remat=full")
+    return remat
+
+
+def remat(fn: Callable, policy: str) -> Callable:
+    """`fn` under `nnx.remat` with the named policy ("none": `fn` itself)."""
+    if check_remat(policy) == "none":
+        return fn
+    return nnx.remat(fn, policy=REMAT_POLICIES[policy])
+
+
+def never_saving_gathers(policy: Callable[..., bool] | None) -> Callable[..., bool]:
+    """`policy` (None: save everything), except that the all-gathers and slices (a padding cut off) are never
+    saved for the backward: a gathered layer parameter is recomputed from its slice, never kept whole."""
+    def saveable(prim: Any, *avals: Any, **params: Any) -> bool:
+        if prim.name in ("all_gather", "slice"):
+            return False
+        return True if policy is None else policy(prim, *avals, **params)
+
+    return saveable
+
+
+@contextlib.contextmanager
+def viewing(view: LayerView | None) -> Iterator[None]:
+    """Every `Stack` traced inside computes each layer with `view` of its parameters (None: as held)."""
+    token = _layer_view.set(view)
+    try:
+        yield
+    finally:
+        _layer_view.reset(token)
+
+
+class Stack(nnx.Module):
+    """`depth` layers of `make_layer(rngs)`, stacked on axis 0 of every leaf, run in order by `nnx.scan`.
+
+    `stack(x, *xs, call=...)` runs `call(layer, x, *xs_i)` -> (x, out) for each layer i, where `xs` are per-layer
+    inputs stacked on axis 0 (a KV cache); it returns the last x and the layers' outs stacked on axis 0. `call`
+    defaults to `layer(x, *xs_i)`, which must then return (x, out). `remat`: "none", "full" or "dots".
+    """
+
+    def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], depth: int, *, rngs: nnx.Rngs,
+                 remat: str = "none"):
+        @nnx.split_rngs(splits=depth)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs: nnx.Rngs) -> nnx.Module:
+            return make_layer(rngs)
+
+        self.layers = create(rngs)
+        self.depth, self.remat = depth, check_remat(remat)
+        # Static: the logical shape of each of one layer's parameters, in leaf order (a view may get them split).
+        self.layer_shapes = tuple(tuple(x.shape[1:]) for x in jax.tree.leaves(nnx.state(self.layers, nnx.Param)))
+
+    def __call__(self, x: jax.Array, *xs: Any, call: Callable[..., tuple[jax.Array, Any]] | None = None
+                 ) -> tuple[jax.Array, Any]:
+        call = call or (lambda layer, x, *xs_i: layer(x, *xs_i))
+        view, shapes = _layer_view.get() or LayerView(), self.layer_shapes
+
+        def body(layer: nnx.Module, x: jax.Array, *xs_i: Any) -> tuple[jax.Array, Any]:
+            if view.carry is not None:
+                x = view.carry(x)
+            if view.params is None:
+                return call(layer, x, *xs_i)
+            graph, params, rest = nnx.split(layer, nnx.Param, ...)
+            leaves, treedef = jax.tree.flatten(params)
+            whole = nnx.merge(graph, jax.tree.unflatten(treedef, view.params(leaves, shapes)), rest)
+            out = call(whole, x, *xs_i)
+            nnx.update(layer, nnx.state(whole, nnx.Not(nnx.Param)))  # RNG counts, statistics
+            return out
+
+        if view.params is not None:  # the gathered parameters are recomputed in the backward, whatever `remat` says
+            body = nnx.remat(body, policy=never_saving_gathers(REMAT_POLICIES[self.remat]))
+        else:
+            body = remat(body, self.remat)
+
+        @nnx.scan(in_axes=(0, nnx.Carry, *(0,) * len(xs)), out_axes=(nnx.Carry, 0))
+        def scan(layer: nnx.Module, x: jax.Array, *xs_i: Any) -> tuple[jax.Array, Any]:
+            return body(layer, x, *xs_i)
+
+        return scan(self.layers, x, *xs)

@@ -1,0 +1,65 @@
+"""Per-device memory of a train step, as the trainer reports it before the first step and `jdp.bench` measures
+it: the bytes of the state the step holds (from the arrays' shardings) and XLA's accounting of the compiled step.
+
+The compiled step's peak is argument + output + temporary - aliased bytes (outputs written into donated
+arguments count once), per device, from `memory_analysis()`; XLA's own `peak_memory_in_bytes` read below the
+temporaries on XLA:CPU, so it is not used."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+MB = 2**20
+# `CompiledMemoryStats` fields -> jdp's names (bytes per device).
+_COMPILED = {"argument_size_in_bytes": "argument_bytes", "output_size_in_bytes": "output_bytes",
+             "temp_size_in_bytes": "temp_bytes", "alias_size_in_bytes": "alias_bytes"}
+
+
+def per_device_bytes(tree) -> int:
+    """Bytes of one device's part of every leaf (arrays, or shapes with their sharding)."""
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def state_memory(state) -> dict[str, int]:
+    """Per-device bytes of the step's state: parameters, one gradient per parameter as held, optimizer state."""
+    return {"params_bytes": per_device_bytes(state.params), "grads_bytes": per_device_bytes(state.params),
+            "opt_state_bytes": per_device_bytes(state.opt_state)}
+
+
+def memory_analysis(compiled) -> dict[str, int]:
+    """XLA's accounting of a compiled program's bytes per device (the CPU compiler's own on CPU devices):
+    argument, output, temporary and aliased bytes and the `peak_bytes` they make; {} where XLA gives none."""
+    memory = compiled.memory_analysis()
+    if memory is None:
+        return {}
+    out = {name: int(getattr(memory, field)) for field, name in _COMPILED.items()}
+    out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
+    return out
+
+
+def step_memory(state, compiled) -> dict[str, int]:
+    """The state's bytes and the compiled step's (`state_memory`, `memory_analysis`), per device."""
+    return {**state_memory(state), **memory_analysis(compiled)}
+
+
+def summary_fields(memory: dict[str, int]) -> dict[str, int]:
+    """`step_memory`'s figures as metrics.jsonl's summary line names them: `params_bytes_per_device`, ..."""
+    return {f"{name}_per_device": value for name, value in memory.items()}
+
+
+def mb(n: int) -> str:
+    """`n` bytes in MB: two decimals, four below 1 MB (a small model's 0.0103)."""
+    return f"{n / MB:,.2f}" if n >= MB else f"{n / MB:.4f}"
+
+
+def describe(memory: dict[str, int]) -> str:
+    """The start-up line of `step_memory`'s figures, in MB (2**20 bytes)."""
+    state = (f"memory per device: params {mb(memory['params_bytes'])} MB, grads {mb(memory['grads_bytes'])} MB, "
+             f"optimizer state {mb(memory['opt_state_bytes'])} MB")
+    if "peak_bytes" not in memory:
+        return f"{state}; compiled step peak unknown (XLA gives no memory analysis for these devices)"
+    return (f"{state}; compiled step peak {mb(memory['peak_bytes'])} MB (arguments {mb(memory['argument_bytes'])} "
+            f"+ outputs {mb(memory['output_bytes'])} + temporaries {mb(memory['temp_bytes'])} - aliased "
+            f"{mb(memory['alias_bytes'])}; XLA's figures for these devices)")
