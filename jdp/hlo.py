@@ -34,6 +34,11 @@ def _bytes(shapes: list[tuple[str, str]]) -> int:
     return sum(_ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d) for dtype, dims in shapes)
 
 
+def shape_bytes(text: str) -> int:
+    """Bytes of the first HLO-style shape (`f32[2,4]`) on each line of `text`."""
+    return _bytes([found[0] for line in text.splitlines() if (found := _SHAPE.findall(line))])
+
+
 def sends_dtype(hlo_text: str, dtype: str) -> bool:
     """Whether a collective of the program carries `dtype` (`bf16`, `f32`, ...)."""
     return any(found == dtype for match in _COLLECTIVE.finditer(hlo_text) for found, _ in _SHAPE.findall(match[1]))

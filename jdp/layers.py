@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import io
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 from flax import nnx
+from jax.ad_checkpoint import print_saved_residuals
+
+from jdp import hlo
 
 REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
     "none": None,
@@ -67,6 +71,15 @@ def never_saving_gathers(policy: Callable[..., bool] | None) -> Callable[..., bo
         return True if policy is None else policy(prim, *avals, **params)
 
     return saveable
+
+
+def saved_residual_bytes(fn: Callable, *args: Any) -> int:
+    """Bytes of what JAX saves from the forward of `fn(*args)` for its backward (`print_saved_residuals`, read):
+    what remat trades for recomputation, before XLA's buffer assignment."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_saved_residuals(fn, *args)
+    return hlo.shape_bytes(printed.getvalue())
 
 
 @contextlib.contextmanager

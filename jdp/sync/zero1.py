@@ -2,9 +2,10 @@
 
 Every leaf with at least one axis is split on one axis (`jdp.sync.base.shard_axis`: the longest that divides by
 N devices, else the longest, zero-padded to a multiple of N); device i owns the i-th block of it. Scalar leaves
-stay whole: every device updates them, with their mean gradient. Gradients are reduce-scattered into those slices, each device updates its slice of the parameters and optimizer state,
-and the parameters are all-gathered. Outside the step the optimizer state keeps its shapes, split across the
-devices (`jdp.sync.base.SHARDED`): checkpoints hold it unpadded ("logical"), so they restore on any N.
+stay whole: every device updates them, with their mean gradient. Gradients are reduce-scattered into those
+slices, each device updates its slice of the parameters and optimizer state, and the parameters are
+all-gathered. Outside the step the optimizer state keeps its shapes, split across the devices
+(`jdp.sync.base.SHARDED`): checkpoints hold it unpadded ("logical"), so they restore on any N.
 """
 
 from __future__ import annotations
