@@ -1,9 +1,11 @@
 """GPT-2 small's shapes (124M parameters: 12 layers, 12 heads, width 768, block 1024, vocabulary 50,257, biases,
-the embedding tied to the output) on any text source, with ZeRO-3 on (`parallel.shard_params`): each of 8 devices
-keeps 1/8 of the parameters, gradients and AdamW state. The text's own tokens fill the first ids of the
-50,257-token vocabulary (`data.num_classes`), so the model has GPT-2's size on the offline plays; a tokenizer's ids
-go in through the same field. Its memory per device, plain, ZeRO-1 and ZeRO-3 on 8 devices:
-`python -m jdp.bench --config configs/gpt2_small.py --compile_only --devices 8` (docs/performance.md)."""
+the embedding tied to the output) on any text source, made to fit: ZeRO-3 (`parallel.shard_params`), each of 8
+devices keeping 1/8 of the parameters, gradients and AdamW state, on scanned blocks gathered one at a time
+(`model.scan_layers`) whose activations are recomputed in the backward (`model.remat=full`). The text's own tokens
+fill the first ids of the 50,257-token vocabulary (`data.num_classes`), so the model has GPT-2's size on the
+offline plays; a tokenizer's ids go in through the same field. Its memory per device on 8 devices, plain, ZeRO-1 and
+ZeRO-3, each for every remat setting: `python -m jdp.bench --config configs/gpt2_small.py --compile_only --devices 8`
+(docs/benchmarks.md, "Making a model fit": 1,061 MB a device against 4,524 MB for the plain unrolled model)."""
 
 from jdp.configs import shakespeare_char
 
@@ -14,6 +16,10 @@ def get_config():
     c.model.num_heads = 12
     c.model.embed_dim = 768
     c.model.dropout = 0.0
+    c.model.scan_layers = True
+    c.model.remat = "full"
+    c.model.scan_layers = True
+    c.model.remat = "full"
     c.model.bias = True  # GPT-2's
     c.data.num_classes = 50257
     c.data.block_size = 1024

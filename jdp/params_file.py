@@ -1,8 +1,13 @@
 """The parameter file format of `python -m jdp.export` and `init_from`: a framework-neutral .npz whose keys are
-`params/<module path>/<name>` and `model_state/<module path>/<name>` (path parts joined by "/")."""
+`params/<module path>/<name>` and `model_state/<module path>/<name>` (path parts joined by "/").
+
+A scanned model's stacked layers (`<path>/layers/<name>`, `jdp.layers.Stack`) and an unrolled model's layers
+(`<path>/<i>/<name>`) are one model's two layouts: a file of either loads into a model of the other."""
 
 from __future__ import annotations
 
+import itertools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,11 +26,24 @@ def load_into(path: str | Path, params: Any, model_state: Any) -> tuple[Any, Any
     with np.load(path) as stored:
         values = dict(stored)
 
+    def other_layout(key: str) -> np.ndarray | None:
+        """The value of `key` from the file's layers in the other layout (stacked <-> unrolled), if there."""
+        if stacked := re.match(r"^(.*)/layers/(\D[^/]*(?:/.*)?)$", key):
+            layers = list(itertools.takewhile(lambda x: x is not None, (
+                values.get(f"{stacked[1]}/{i}/{stacked[2]}") for i in range(len(values)))))
+            return np.stack(layers) if layers else None
+        if unrolled := re.match(r"^(.*)/(\d+)/(.*)$", key):
+            whole = values.get(f"{unrolled[1]}/layers/{unrolled[3]}")
+            return whole[int(unrolled[2])] if whole is not None and int(unrolled[2]) < len(whole) else None
+        return None
+
     def fill(tree: Any, prefix: str) -> Any:
         keys = list(flatten(tree, prefix))
         leaves = jax.tree.leaves(tree)
         filled = []
         for key, leaf in zip(keys, leaves, strict=True):
+            if key not in values and (converted := other_layout(key)) is not None:
+                values[key] = converted
             if key not in values:
                 raise ValueError(f"{path} has no {key}; was it exported from a run of the same model?")
             if values[key].shape != leaf.shape:

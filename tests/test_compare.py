@@ -326,3 +326,23 @@ def test_speed_cli(tmp_path):
     assert [r["torch_threads"] for r in stored["runs"] if r["run"] == "ddp"] == [2]
     assert json.loads((tmp_path / "runs" / "jit-0" / "config.json").read_text())["parallel"]["cpu_devices"] == 1
     assert "DDP: 2 rank(s), 2 torch threads each; jdp: one process, 1 device(s)." in (tmp_path / "speed.md").read_text()
+
+
+def test_the_twin_of_a_scanned_gpt_loads_its_stacked_weights():
+    """A scanned GPT's stacked layers (`params/blocks/layers/...`, one array per leaf with a layer axis) load into
+    the twin's unrolled blocks (`weights.unstacked`): the same logits from the same weights."""
+    cfg = small_config("gpt", model={"kwargs": {"scan_layers": True, "remat": "full"}})
+    cfg.parallel.update(num_devices=1, backend="jit")
+    b = build(cfg)
+    state = b.init_state()
+    params, model_state = jax.tree.map(np.asarray, (state.params, state.model_state))
+    assert params["blocks"]["layers"]["attn"]["qkv"]["kernel"].shape[0] == 2
+    twin = torch_models.build_twin(cfg.model, b.source.input_shape, b.source.num_classes)
+    twin.load_state_dict(weights.jdp_to_torch(params, model_state, twin), strict=True)
+    x = b.source.train_batch(0)["x"][:8]
+    logits, _ = logits_and_state(b.model, params, model_state, x, train=False,
+                                 rng_state=jax.tree.map(np.asarray, state.rng_state))
+    twin.eval()
+    with torch.no_grad():
+        twin_logits = twin(torch_models.prepare_input(twin, x)).numpy()
+    np.testing.assert_allclose(twin_logits, np.asarray(logits), rtol=1e-4, atol=1e-5 * np.abs(twin_logits).max())

@@ -18,8 +18,9 @@ import pytest
 from flax import nnx
 
 import jdp
-from jdp import hlo
+from jdp import hlo, params_file
 from jdp.layers import saved_residual_bytes
+from jdp.modeldef import state_groups
 from jdp.models import build_model
 from jdp.models.gpt import GPT, stack_blocks, unstack_blocks
 from jdp.trainer import FitOptions, prepare
@@ -248,3 +249,15 @@ def test_a_zero3_checkpoint_of_a_scanned_gpt_restores_on_2_devices_and_on_1(tmp_
         shutil.copytree(tmp_path / "run", workdir)
         resumed = fit_gpt(scan=True, steps=4, num_devices=devices, shard_params=devices > 1, workdir=workdir)
         assert_same(resumed, (straight[0][2:], straight[1]))
+
+
+@pytest.mark.parametrize("saved_scanned", [False, True], ids=["unrolled_file", "scanned_file"])
+def test_a_parameter_file_of_one_layout_loads_into_the_other(tmp_path, saved_scanned):
+    """`python -m jdp.export`'s file (and so `init_from`): the unrolled model's `blocks/<i>/...` and the scanned
+    model's stacked `blocks/layers/...` are the same weights."""
+    saved, target = gpt(saved_scanned), GPT(VOCAB, BLOCK, num_layers=3, num_heads=2, embed_dim=16,
+                                             scan_layers=not saved_scanned, rngs=nnx.Rngs(7))
+    np.savez(tmp_path / "p.npz", **params_file.flatten(nnx.to_pure_dict(nnx.state(saved, nnx.Param)), "params"))
+    params, model_state = params_file.load_into(tmp_path / "p.npz", *state_groups(target))
+    expected = nnx.to_pure_dict(nnx.state(gpt(not saved_scanned), nnx.Param))
+    assert max_abs_diff(params, expected) == 0

@@ -196,8 +196,10 @@ def report_workdir(workdir: Path, tolerance: Tolerance | None = None) -> Parity:
     tolerance = tolerance or default_tolerance(cfg)
     jdp = json.loads((workdir / "jdp_result.json").read_text())
     ddp = json.loads((workdir / "ddp_result.json").read_text())
+    from jdp.compare.weights import unstacked  # torch: imported only where parity is reported
+
     with np.load(workdir / "jdp_final.npz") as a, np.load(workdir / "ddp_final.npz") as b:
-        jdp_final, ddp_final = dict(a), dict(b)
+        jdp_final, ddp_final = unstacked(dict(a)), dict(b)  # a scanned model's layers named as the twin's
     meta = {"config": sides["name"], "model": cfg.model.name, "optimizer": cfg.optim.name, "lr": cfg.optim.lr,
             "workers": sides["workers"], "steps": cfg.train.steps, "global_batch_size": cfg.train.global_batch_size,
             "bn_sync": cfg.model.bn_sync, "jdp_backend": cfg.parallel.backend, "ddp_backend": ddp["backend"],

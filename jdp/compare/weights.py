@@ -13,12 +13,16 @@ file written by `python -m jdp.export` or read with `np.load`.
 | Embed `<path>/embedding`, (vocab, width) | `<path>.weight`, the same (the GPT's tied head uses it too) |
 | BatchNorm `model_state/<path>/mean`, `var` | `<path>.running_mean`, `running_var` (see torch_models.BatchNorm) |
 
+A scanned model's stacked layers (`<path>/layers/<name>`, one array with a leading layer axis, `jdp.layers.Stack`)
+map to the twin's unrolled ones (`<path>/<i>/<name>`): `unstacked`.
+
 torch's `num_batches_tracked` has no jdp counterpart: `jdp_to_torch` keeps the model's own. Every conversion
 is a transpose or a permutation, so both round trips are exact. No jax here.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -87,10 +91,26 @@ def _to_jdp(kind: str, value: np.ndarray, flatten_from) -> np.ndarray:
     return value
 
 
+def unstacked(flat: Flat) -> Flat:
+    """Export-named arrays with a scanned model's stacked layers (`<path>/layers/<name>`, not followed by a layer
+    index as an `nnx.List`'s are) split into the unrolled model's names, one per layer (`<path>/<i>/<name>`)."""
+    out = {}
+    for key, value in flat.items():
+        stacked = re.match(r"^(.*)/layers/(\D[^/]*(?:/.*)?)$", key)
+        if stacked is None:
+            out[key] = value
+            continue
+        for i, layer in enumerate(np.asarray(value)):
+            out[f"{stacked[1]}/{i}/{stacked[2]}"] = layer
+    return out
+
+
 def flat_to_torch(flat: Flat, model: nn.Module) -> dict[str, torch.Tensor]:
-    """Export-named arrays -> a complete state_dict for `model` (load it with strict=True).
+    """Export-named arrays (a scanned model's stacked layers too) -> a complete state_dict for `model` (load it
+    with strict=True).
 
     Raises ValueError naming the first key that is missing or has the wrong shape."""
+    flat = unstacked(flat)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for jdp_key, torch_key, kind, flatten_from in _entries(model):
         if jdp_key not in flat:
