@@ -8,6 +8,7 @@ HLO's while bodies)."""
 from __future__ import annotations
 
 import functools
+import json
 import re
 import shutil
 
@@ -23,6 +24,7 @@ from jdp.layers import saved_residual_bytes
 from jdp.modeldef import state_groups
 from jdp.models import build_model
 from jdp.models.gpt import GPT, stack_blocks, unstack_blocks
+from jdp.perf import fits
 from jdp.trainer import FitOptions, prepare
 from tests.helpers import max_abs_diff
 
@@ -261,3 +263,46 @@ def test_a_parameter_file_of_one_layout_loads_into_the_other(tmp_path, saved_sca
     params, model_state = params_file.load_into(tmp_path / "p.npz", *state_groups(target))
     expected = nnx.to_pure_dict(nnx.state(gpt(not saved_scanned), nnx.Param))
     assert max_abs_diff(params, expected) == 0
+
+
+def test_a_checkpoint_of_the_unrolled_model_is_refused_by_the_scanned_one(tmp_path):
+    """The stacked parameter tree is another model's: resuming across layouts is refused in one line (a parameter
+    file converts instead, above)."""
+    fit_gpt(steps=2, num_devices=2, workdir=tmp_path)
+    with pytest.raises(jdp.FitError, match=r"other settings .*\(model parameter shapes\)"):
+        fit_gpt(scan=True, steps=4, num_devices=2, workdir=tmp_path)
+
+
+# --- what fits, said before anything runs -------------------------------------------------------------------------
+
+def test_bench_compile_only_gives_a_row_per_sharding_and_remat_setting(tmp_path, monkeypatch):
+    """A scanned GPT: 3 shardings x 3 remat settings, compiled from shapes (no step runs); ZeRO-3 with full remat
+    holds the least per device."""
+    from jdp.parallel import DataParallel
+    from jdp.perf import bench
+
+    monkeypatch.setattr(DataParallel, "train_step", lambda *a: pytest.fail("--compile_only ran a step"))
+    tiny = ["--config.model.kwargs.num_layers=2", "--config.model.kwargs.num_heads=2",
+            "--config.model.kwargs.embed_dim=32", "--config.data.block_size=16", "--config.train.global_batch_size=8",
+            "--config.model.kwargs.scan_layers=True", "--config.model.kwargs.dropout=0.0"]
+    assert bench.main(["--config", "configs/shakespeare_char_cpu.py", "--devices", "8", "--compile_only", "--out",
+                       str(tmp_path), *tiny]) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["rows"]
+    assert {(r["sharding"], r["remat"]) for r in rows} == {(s, m) for s in ("plain", "zero1", "zero3")
+                                                          for m in ("none", "dots", "full")}
+    peak = {(r["sharding"], r["remat"]): r["argument_bytes"] + r["temp_bytes"] for r in rows}
+    assert min(peak, key=peak.get) == ("zero3", "full")
+    assert "| 8 | zero3 | full |" in (tmp_path / "bench.md").read_text()
+
+
+def test_fits_compiles_each_shape_in_a_capped_child_and_tables_it():
+    """In-process, a tiny shape: the figures of one compile, host RSS included; a child over its cap is a row
+    that says so, not a hang."""
+    row = fits.measure_one("2x2x16", "ZeRO-3 + scan + remat", 8)
+    assert row["scanned"] and row["remat"] == "full" and row["host_rss_bytes"] > 0
+    assert row["peak_bytes"] == row["argument_bytes"] + row["output_bytes"] + row["temp_bytes"] - row["alias_bytes"]
+    capped = fits.measure("GPT 6.7B", "plain", 8, timeout_s=1)
+    assert capped == {"error": "compile over 1 s"}
+    table = fits.table([{"shape": "2x2x16", "strategy": "ZeRO-3 + scan + remat", **row},
+                        {"shape": "GPT 6.7B", "strategy": "plain", **capped}], memory_gb=16, devices=8)
+    assert "| 2x2x16 |" in table and "| yes |" in table and "compile over 1 s" in table

@@ -106,14 +106,14 @@ def test_zero3_gathers_parameters_and_reduce_scatters_gradients(n):
 
 def test_zero3_under_jit_leaves_the_collectives_to_xla():
     """Under jit the sliced parameters carry their sharding and XLA's partitioner places the collectives: it
-    all-gathers the parameters, and on XLA:CPU reduces the gradients with all-reduces over groups of devices and
-    slices, not reduce-scatters (docs/communication.md). What it sends is read, not predicted: more than
-    shard_map's explicit program, less than gathering and all-reducing every parameter whole."""
+    all-gathers the parameters, and on XLA:CPU reduces the gradients with all-reduces, not reduce-scatters
+    (docs/communication.md). What it sends is read, not predicted: more than the gathers of the slices alone,
+    less than gathering and all-reducing every parameter whole. (On this MLP, 596 B against shard_map's 628 B:
+    an all-reduce's operand is the unpadded gradient, a reduce-scatter's the padded one.)"""
     sent, text, _, state = _compiled(8, optax.sgd(0.1), shard_params=True, backend="jit")
-    explicit, *_ = _compiled(8, optax.sgd(0.1), shard_params=True)
     padded = sum(-(-leaf.size // 8) * 8 for leaf in jax.tree.leaves(state.params))
     assert "all-gather" in _kinds(text)
-    assert explicit < sent < padded * 4 + padded * 4 + _scalar_bytes(text)
+    assert padded * 4 / 8 + _scalar_bytes(text) < sent < padded * 4 + padded * 4 + _scalar_bytes(text)
 
 
 @pytest.mark.parametrize("momentum", [None, 0.9])

@@ -18,7 +18,9 @@ and the scaling efficiency throughput_N / (N x throughput_1). Writes bench.json 
 `--compile_only` runs nothing: for each device count it compiles the step from shapes alone with the state
 replicated ("plain"), ZeRO-1's sharded optimizer state (shard_map only) and ZeRO-3's sharded parameters, and
 reports each one's per-device bytes of parameters, gradients and optimizer state, XLA's `memory_analysis()` and
-the compile time, side by side: the figures of a model too big to run here.
+the compile time, side by side, once per remat setting of a model that takes `remat` (none, dots, full): the
+figures of a model too big to run here. `--fits --memory_gb G` compiles a family of GPT shapes under each way of
+sharding and says which fit in G GB a device (jdp/perf/fits.py).
 
 For a language model it adds tokens/sec; for the GPT the model FLOPs per token, 6N + 12 x layers x block x
 width (N: parameters without the position embedding, the tied embedding once; the attention term as in the
@@ -40,10 +42,11 @@ import jax
 
 from jdp import precision
 from jdp.cli import config as config_lib
+from jdp.layers import REMAT_POLICIES
 from jdp.mesh import simulate_cpu_devices
 from jdp.models import settings
 from jdp.models.gpt import flops_per_token, non_embedding_params
-from jdp.perf import predict
+from jdp.perf import fits, predict
 from jdp.perf.measure import SHARDINGS, Variant, compiled_memory
 
 COMM_DOMINATES = 0.5  # warn when the collective takes more than this share of the step
@@ -186,19 +189,51 @@ def memory_markdown(cfg, rows: list[dict]) -> str:
 
     platform = jax.devices()[0].platform
     compiler = f"XLA:{platform.upper()}'s" if platform == "cpu" else "XLA's"
-    lines = [f"config: model {cfg.model.name}, global batch {cfg.train.global_batch_size}, backend "
+    scanned = " scanned" if settings(cfg.model.name, cfg.model.kwargs.to_dict()).get("scan_layers") else ""
+    lines = [f"config: model {cfg.model.name}{scanned}, global batch {cfg.train.global_batch_size}, backend "
              f"{cfg.parallel.backend}, precision {cfg.precision}, {platform} ({jax.devices()[0].device_kind}); "
              f"{rows[0]['params_n']:,} parameters; compiled from shapes, not run", "",
-             "| devices | state | params MB/dev | grads MB/dev | opt state MB/dev | params + opt state MB/dev | "
-             f"/ plain | arguments MB/dev | temp MB/dev ({compiler} compiler) | compile s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| devices | state | remat | params MB/dev | grads MB/dev | opt state MB/dev | "
+             f"params + opt state MB/dev | / plain | arguments MB/dev | temp MB/dev ({compiler} compiler) | "
+             "arguments + temp MB/dev | peak MB/dev | compile s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     plain = {r["devices"]: r["params_bytes"] + r["opt_state_bytes"] for r in rows if r["sharding"] == "plain"}
     for r in rows:
         persistent = r["params_bytes"] + r["opt_state_bytes"]
-        lines.append(f"| {r['devices']} | {r['sharding']} | {mb(r['params_bytes'])} | {mb(r['grads_bytes'])} | "
-                     f"{mb(r['opt_state_bytes'])} | {mb(persistent)} | {persistent / plain[r['devices']]:.3f} | "
-                     f"{mb(r.get('argument_bytes', 0))} | {mb(r.get('temp_bytes', 0))} | {r['compile_s']:.1f} |")
+        arguments, temp = r.get("argument_bytes", 0), r.get("temp_bytes", 0)
+        lines.append(f"| {r['devices']} | {r['sharding']} | {r['remat']} | {mb(r['params_bytes'])} | "
+                     f"{mb(r['grads_bytes'])} | {mb(r['opt_state_bytes'])} | {mb(persistent)} | "
+                     f"{persistent / plain[r['devices']]:.3f} | {mb(arguments)} | {mb(temp)} | "
+                     f"{mb(arguments + temp)} | {mb(r.get('peak_bytes', 0))} | {r['compile_s']:.1f} |")
     return "\n".join(lines) + "\n"
+
+
+def remat_settings(cfg) -> tuple[str, ...]:
+    """Every remat setting of a model that takes one (jdp's GPT and ResNet); ("",) for other models."""
+    return tuple(REMAT_POLICIES) if "remat" in settings(cfg.model.name, cfg.model.kwargs.to_dict()) else ("",)
+
+
+def with_remat(cfg, remat: str):
+    cfg = cfg.copy_and_resolve_references()
+    if remat:
+        cfg.model.kwargs.remat = remat
+    return cfg
+
+
+def _fits(args) -> int:
+    try:
+        devices = int(args.devices)
+    except ValueError:
+        print(f"jdp.bench: --fits takes one device count (--devices 8), not {args.devices!r}", file=sys.stderr)
+        return 2
+    rows, table = fits.run_fits(args.memory_gb, devices, args.timeout_s)
+    out = args.out or Path("runs") / "bench-fits"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "fits.json").write_text(json.dumps(rows, indent=2))
+    (out / "fits.md").write_text(table)
+    print(table)
+    print(f"wrote {out / 'fits.json'} and {out / 'fits.md'}")
+    return 0
 
 
 def warnings_for(rows: list[dict]) -> list[str]:
@@ -236,8 +271,18 @@ def main(argv: list[str] | None = None) -> int:
                         help="also time a plain single-device jit step (one more compilation)")
     parser.add_argument("--compile_only", action="store_true",
                         help="run nothing: per-device memory of the state replicated, ZeRO-1 and ZeRO-3, side by "
-                             "side, from the compiled steps (for models too big to run here)")
+                             "side, from the compiled steps (for models too big to run here), per remat setting")
+    parser.add_argument("--remat", default="",
+                        help="--compile_only: comma-separated remat settings to compile (default: all of none, "
+                             "dots, full for a model that takes remat)")
+    parser.add_argument("--fits", action="store_true",
+                        help="run nothing: which GPT shapes fit in --memory_gb a device on --devices, under plain, "
+                             "ZeRO-1, ZeRO-3 and ZeRO-3 + scan + remat (compiled from shapes)")
+    parser.add_argument("--memory_gb", type=float, default=16.0, help="--fits: GB (2**30 bytes) a device")
+    parser.add_argument("--timeout_s", type=float, default=600.0, help="--fits: the cap of each compile")
     args, rest = parser.parse_known_args(argv)
+    if args.fits:
+        return _fits(args)
     try:
         cfg = config_lib.load_config_file(args.config)
         cfg = config_lib.apply_overrides(cfg, config_lib.parse_overrides(rest))
@@ -256,7 +301,9 @@ def main(argv: list[str] | None = None) -> int:
     enable_compilation_cache(cfg.compile_cache_dir)
     try:
         if args.compile_only:
-            rows = [compiled_memory(cfg, n, sharding) for n in devices for sharding in SHARDINGS
+            rows = [{**compiled_memory(with_remat(cfg, remat), n, sharding), "remat": remat or "-"}
+                    for n in devices for sharding in SHARDINGS
+                    for remat in (args.remat.split(",") if args.remat else remat_settings(cfg))
                     if not (sharding == "zero1" and cfg.parallel.backend == "jit")]  # ZeRO-1 is shard_map's
         else:
             rows = run_bench(cfg, devices, args.steps, args.repeats, args.peak_tflops, args.baseline)

@@ -1,0 +1,118 @@
+"""`python -m jdp.bench --fits --memory_gb G --devices N`: which GPT shapes fit in G GB a device, under plain data
+parallelism, ZeRO-1, ZeRO-3, and ZeRO-3 on scanned blocks with full remat. Nothing runs: each train step is compiled
+from shapes alone (`jdp.perf.measure.compiled_memory`), in a process of its own, capped in time, its peak host RSS
+read beside the device figures.
+
+The figure is the compiled step's peak per device, arguments + outputs + temporaries - aliased bytes (XLA's
+`memory_analysis()`): the model state and everything the step holds at once, activations included. (DeepSpeed's
+estimator counts the model states only.) On a CPU machine these are XLA:CPU's buffer assignments of the same
+program a GPU would run; a GPU compiler fuses and schedules differently, so read them as the program's size, within
+tens of percent of a GPU's, not as a GPU's own figure. Models up to GPT-2 medium are compiled unrolled for plain,
+ZeRO-1 and ZeRO-3 (the baseline), larger ones scanned (an unrolled compile grows with depth).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import subprocess
+import sys
+import time
+
+SHAPES = {  # name: (layers, heads, width); block 1024, vocabulary 50,257, GPT-2's biases and tied embedding
+    "GPT-2 small": (12, 12, 768),
+    "GPT-2 medium": (24, 16, 1024),
+    "GPT-2 large": (36, 20, 1280),
+    "GPT-2 XL": (48, 25, 1600),
+    "GPT 2.7B": (32, 32, 2560),
+    "GPT 6.7B": (32, 32, 4096),
+}
+UNROLLED_UP_TO = "GPT-2 medium"
+# name: (jdp.perf.measure.SHARDINGS entry, remat, scanned whatever the shape)
+STRATEGIES = {"plain": ("plain", "none", False), "ZeRO-1": ("zero1", "none", False),
+              "ZeRO-3": ("zero3", "none", False), "ZeRO-3 + scan + remat": ("zero3", "full", True)}
+
+
+def shape_of(name: str) -> tuple[int, int, int]:
+    """(layers, heads, width) of a SHAPES name, or of "LxHxW" (e.g. 2x2x16)."""
+    if name in SHAPES:
+        return SHAPES[name]
+    try:
+        layers, heads, width = (int(part) for part in name.split("x"))
+    except ValueError:
+        raise ValueError(f"unknown GPT shape {name!r}: one of {', '.join(SHAPES)}, or LAYERSxHEADSxWIDTH") from None
+    return layers, heads, width
+
+
+def measure_one(shape: str, strategy: str, devices: int) -> dict:
+    """One compile, in this process (the child's side)."""
+    from jdp.cli import config as config_lib
+    from jdp.configs import gpt2_small
+    from jdp.mesh import simulate_cpu_devices
+    from jdp.perf.measure import compiled_memory
+
+    try:
+        simulate_cpu_devices(devices)
+    except RuntimeError:  # JAX already started (called in-process): its devices stand
+        pass
+    sharding, remat, scanned = STRATEGIES[strategy]
+    layers, heads, width = shape_of(shape)
+    large = shape not in SHAPES or list(SHAPES).index(shape) > list(SHAPES).index(UNROLLED_UP_TO)
+    cfg = config_lib.load_config_file(gpt2_small.__file__)
+    cfg.model.kwargs.update(num_layers=layers, num_heads=heads, embed_dim=width, remat=remat,
+                            scan_layers=scanned or large)
+    cfg.compile_cache_dir = ""
+    row = compiled_memory(cfg, devices, sharding)
+    return {**row, "scanned": cfg.model.kwargs.scan_layers, "remat": remat,
+            "host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+
+
+def measure(shape: str, strategy: str, devices: int, timeout_s: float) -> dict:
+    """One compile in a child process, killed after `timeout_s`."""
+    t0 = time.perf_counter()
+    try:
+        done = subprocess.run([sys.executable, "-m", "jdp.perf.fits", shape, strategy, str(devices)],
+                              capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return {"error": f"compile over {timeout_s:.0f} s"}
+    if done.returncode:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        return {"error": lines[-1] if lines else f"exit {done.returncode}", "wall_s": time.perf_counter() - t0}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(rows: list[dict], memory_gb: float, devices: int) -> str:
+    def gb(x: float) -> str:
+        return f"{x / 2**30:,.2f}"
+
+    lines = [f"Which GPT shapes fit in {memory_gb:g} GB a device on {devices} devices (one 1024-token sequence per "
+             "device, float32, AdamW): the train step compiled from shapes by XLA:CPU, not run; a GPU compiler's "
+             "buffers differ (jdp/perf/fits.py)", "",
+             "| model | params | state | blocks | arguments GB/dev | temporaries GB/dev | peak GB/dev | fits | "
+             "compile s | host RSS GB |", "|---|---:|---|---|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['shape']} | | {r['strategy']} | | | | | {r['error']} | | |")
+            continue
+        fits = "yes" if r["peak_bytes"] <= memory_gb * 2**30 else "no"
+        blocks = ("scanned" if r["scanned"] else "unrolled") + (f", remat {r['remat']}" if r["remat"] != "none"
+                                                                else "")
+        lines.append(f"| {r['shape']} | {r['params_n'] / 1e6:,.0f}M | {r['strategy']} | {blocks} | "
+                     f"{gb(r['argument_bytes'])} | {gb(r['temp_bytes'])} | {gb(r['peak_bytes'])} | {fits} | "
+                     f"{r['compile_s']:.0f} | {gb(r['host_rss_bytes'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_fits(memory_gb: float, devices: int, timeout_s: float, shapes: list[str] | None = None) -> tuple[list, str]:
+    rows = []
+    for shape in shapes or SHAPES:
+        for strategy in STRATEGIES:
+            row = {"shape": shape, "strategy": strategy, **measure(shape, strategy, devices, timeout_s)}
+            rows.append(row)
+            print(f"{shape}, {strategy}: " + (row["error"] if "error" in row else
+                                               f"peak {row['peak_bytes'] / 2**30:.2f} GB/dev"), flush=True)
+    return rows, table(rows, memory_gb, devices)
+
+
+if __name__ == "__main__":  # the child of `measure`: python -m jdp.perf.fits SHAPE STRATEGY DEVICES
+    print(json.dumps(measure_one(sys.argv[1], sys.argv[2], int(sys.argv[3]))))
