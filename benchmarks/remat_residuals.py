@@ -35,13 +35,13 @@ def main() -> int:
     print(f"| remat | saved residuals MB ({'scanned' if args.scan_layers else 'unrolled'}, one sequence of {block}) "
           "| / none |\n|---|---:|---:|")
     none = None
+    tokens = jnp.zeros((1, block + 1), jnp.int32)
     for remat in REMAT_POLICIES:
         kwargs = {**cfg.model.kwargs.to_dict(), "remat": remat, "scan_layers": args.scan_layers}
         model = nnx.eval_shape(lambda kwargs=kwargs: build_model("gpt", kwargs, (block,), cfg.data.num_classes,
                                                                  seed=0))
         graph, params, rest = nnx.split(model, nnx.Param, ...)
         params, rest = nnx.to_pure_dict(params), nnx.to_pure_dict(rest)
-        tokens = jnp.zeros((1, block + 1), jnp.int32)
 
         def loss(params, graph=graph, rest=rest):
             logits = nnx.merge(graph, params, rest)(tokens[:, :-1])
