@@ -228,7 +228,7 @@ def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> N
         if due:
             values = deliver(*pending)
             pending = None
-            # Laid out logically (ZeRO's flat slices reshaped, pmap's stacked copies) only for those that read it.
+            # Laid out logically (ZeRO's padded slices cut back, pmap's stacked copies) only for those that read it.
             logical = None if all(c.reads_devices for c in due) else parallel.to_logical(run.state)
             for callback in due:
                 callback.on_step(step, values, logical)

@@ -73,10 +73,10 @@ def to_numpy(x: jax.Array | np.ndarray) -> np.ndarray:
 
 
 def split_whole(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    """A whole array split across the devices on an axis that divides by their count: the first, whose parts are
-    the flat slices the step holds (a local reshape), else the longest; replicated when none does (JAX splits only
-    evenly). How a sharded leaf of the train state lives outside the step, where it keeps its shape: a checkpoint
-    then writes each device's part, and restores on any device count."""
+    """A whole array split across the devices on an axis that divides by their count: the first, else the longest;
+    replicated when none does (JAX splits only evenly). How a sharded leaf of the train state lives outside the
+    step whose own axis does not divide, where it keeps its shape: a checkpoint then writes each device's part, and
+    restores on any device count."""
     axes = sorted((i for i, size in enumerate(shape) if size % mesh.size == 0), key=lambda i: (i != 0, -shape[i]))
     if not axes or mesh.size == 1:
         return replicated(mesh)

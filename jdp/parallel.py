@@ -16,6 +16,7 @@ import dataclasses
 import math
 from collections.abc import Callable, Iterable
 from functools import partial
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -30,7 +31,7 @@ from jdp import step as step_lib
 from jdp.mesh import DATA_AXIS, data_sharded, replicated, split_whole, to_numpy
 from jdp.modeldef import LossFn, ModelDef
 from jdp.sync import Sync
-from jdp.sync.base import PER_DEVICE, REPLICATED, SHARDED
+from jdp.sync.base import PER_DEVICE, REPLICATED, SHARDED, spec_on
 
 Tree = step_lib.Tree
 
@@ -113,10 +114,17 @@ class DataParallel:
         if backend == "pmap" and SHARDED in jax.tree.leaves(layouts):
             raise ValueError("a sharded state needs shard_map or jit, not pmap")
         # Where each leaf of the logical state lives: whole on every device, a per-device leaf split on `data`, a
-        # sharded one split whole (`jdp.mesh.split_whole`).
-        self.logical_shardings = jax.tree.map(
-            lambda layout, x: {REPLICATED: replicated(mesh), PER_DEVICE: data_sharded(mesh)}.get(
-                layout) or split_whole(mesh, x.shape), layouts, abstract_state)
+        # sharded one split on the step's own axis when that needs no padding (its parts are then the step's
+        # slices), else whole-shaped on another (`jdp.mesh.split_whole`).
+        def logical(layout: str, x: Any, axis: int | None) -> NamedSharding:
+            if layout != SHARDED:
+                return {REPLICATED: replicated(mesh), PER_DEVICE: data_sharded(mesh)}[layout]
+            if axis is not None and x.shape[axis] % mesh.size == 0:
+                return NamedSharding(mesh, spec_on(axis, x.ndim))
+            return split_whole(mesh, x.shape)
+
+        self.logical_shardings = jax.tree.map(logical, layouts, abstract_state,
+                                              sync.shard_axes(abstract_state, mesh.size))
         self._relayout = any(spec != P() for spec in jax.tree.leaves(self._state_specs))  # else the layout is logical
         split = data_sharded(mesh)
         self._batch_sharding = split

@@ -74,7 +74,7 @@ def build_optimizer(cfg: ml_collections.ConfigDict, global_batch_size: int, tota
 
     The transform runs after the gradient all-reduce, so clipping sees the averaged gradient,
     exactly as on one device. `params` (shapes suffice) fixes the weight-decay mask, so it still
-    holds when a sharded optimizer (`sharded_axis`) updates flat slices of the parameters.
+    holds when a sharded optimizer (`sharded_axis`) updates slices of the parameters.
     """
     lr = learning_rate(cfg, global_batch_size, total_steps)
     tx = OPTIMIZERS.get(cfg.name)(lr, cfg, decay_mask(params))
