@@ -281,6 +281,7 @@ class Evaluation(Every):
         super().__init__(every, run.steps)
         self.run = run
         self.metrics: dict[str, float] = {}
+        self.warned = False
 
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
         with self.run.clock.paused():
@@ -288,6 +289,20 @@ class Evaluation(Every):
             if result:
                 self.metrics = result
                 self.run.writer.eval(step, result)
+                if not self.warned and not math.isfinite(result.get("loss", 0.0)):
+                    self.warned = True  # once: the summary line lists every such eval
+                    self.run.writer.echo(f"warning: {self._nonfinite(step, result['loss'])}")
+
+    def _nonfinite(self, step: int, loss: float) -> str:
+        """Why the eval loss is not finite, as far as this process's rows of the eval split tell (read only now:
+        the check costs nothing while the loss is finite)."""
+        bad = sorted({k for batch in self.run.source.eval_batches() for k, v in batch.items()
+                      if np.issubdtype(np.asarray(v).dtype, np.floating) and not np.isfinite(v).all()})
+        noted = "(null in metrics.jsonl; the summary line lists such evals under nonfinite_eval_steps)"
+        if bad:
+            return (f"the eval split holds non-finite inputs (key {', '.join(repr(k) for k in bad)}), so the eval "
+                    f"loss at step {step} is {loss} {noted}; fix the eval data")
+        return f"the eval loss at step {step} is {loss}, from finite eval inputs {noted}"
 
 
 class Profile(Callback):
@@ -351,11 +366,12 @@ class KillAfterStep(Callback):
 
 def builtin(run: Run, options: Any, checkpoints: Checkpoints | None, preemption: PreemptionRequest,
             log: TrainLog, evaluation: Evaluation) -> list[Callback]:
-    """jdp's own callbacks with their periods from `options` (`jdp.FitOptions`), in the order they run."""
+    """jdp's own callbacks with their periods from `options` (`jdp.FitOptions`) and the sync strategy's (its
+    replicas agree every `every` steps), in the order they run."""
     kill_at = faults.requested_step()
-    return [log, NonFiniteGuard(run, options.on_nonfinite, options.max_skipped_fraction, options.sync_every,
-                                options.precision),
-            StopOnSignal(run, preemption, checkpoints, options.sync_every),
+    every = run.parallel.sync.every
+    return [log, NonFiniteGuard(run, options.on_nonfinite, options.max_skipped_fraction, every, options.precision),
+            StopOnSignal(run, preemption, checkpoints, every),
             ReplicaCheck(run, options.check_replicas_every),
             *([checkpoints] if checkpoints else []),
             *([KillAfterStep(kill_at, checkpoints)] if kill_at is not None else []),

@@ -111,6 +111,11 @@ def _address(name: str, raw: str) -> str:
     return f"{host}:{port.strip()}"
 
 
+def check_bind_address(raw: str) -> str:
+    """`distributed.bind_address` as HOST:PORT, checked in every run (a single process never listens)."""
+    return _address("distributed.bind_address", raw)
+
+
 def _port(name: str, raw: str) -> int:
     try:
         port = int(raw.strip())

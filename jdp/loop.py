@@ -121,7 +121,7 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
         # replicas agree on it (under local SGD they do at sync points only).
         logical = parallel.to_logical(run.state)
         halted = int(logical.step.addressable_data(0))
-        if checkpoints is not None and halted % options.sync_every == 0:
+        if checkpoints is not None and halted % parallel.sync.every == 0:
             checkpoints.save(halted, logical)
         raise
     except BaseException as e:
@@ -275,7 +275,7 @@ def _header(run: callbacks_lib.Run, engine: Engine, options: FitOptions) -> None
         f"jdp: {n} {mesh.devices.flat[0].platform} devices x {run.batch_size // n} examples = global batch "
         f"{run.batch_size} ({jax.process_count()} process(es)); {what}{params:,} parameters, "
         f"{run.source.num_train} train examples, {run.steps} steps = {run.steps / run.source.steps_per_epoch:.1f} "
-        f"epochs; backend {options.backend}")
+        f"epochs; backend {options.backend}, sync {run.parallel.sync!r}")
     if slower := precision.slower_than_fp32(options.precision, mesh.devices.flat[0].platform):
         run.writer.echo(f"warning: {slower}")
 
@@ -299,6 +299,8 @@ def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: ca
     if log.noise_scale:
         run.writer.echo(f"batch size: {noise_scale.advice(log.noise_scale.global_batch, log.noise_scale.value)}")
     per_sec = f"{rate:,.0f} examples/s" + (f" ({tokens['tokens_per_sec']:,.0f} tokens/s)" if tokens else "")
+    sent = run.parallel.comm_bytes_per_step
+    per_sec += f", comm_bytes_per_step {sent:,.0f}" if sent is not None else ""
     run.writer.echo(f"done: {evaluated + ', ' if evaluated else ''}{per_sec}, first step (compile) "
                     f"{log.compile_time:.1f}s, checkpoint stall {stall * 1e3:.0f} ms/save, final save "
                     f"{final_save:.2f}s{where}")

@@ -73,6 +73,7 @@ class MetricsWriter:
         self.listeners: list = []  # functions of each line written (process 0)
         self.eval_steps: set[int] = set()  # steps with an eval line in the file (process 0)
         self.summary_written = False  # the file ends with a summary line (process 0)
+        self.nonfinite_evals: list[int] = []  # steps of the eval lines whose loss was not finite (null; process 0)
         if not enabled:
             return
         self._start = time.time()
@@ -86,6 +87,8 @@ class MetricsWriter:
                 records = _truncate_after(path, start_step) if resume else _records(path)
                 self.eval_steps = {r["step"] for r in records if r.get("split") == "eval"}
                 self.summary_written = bool(records) and records[-1].get("split") == "summary"
+                self.nonfinite_evals = [r["step"] for r in records if r.get("split") == "eval"
+                                        and "loss" in r and r["loss"] is None]
             self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
             if resume:
                 _purge_events(workdir / "tensorboard", start_step)
@@ -129,12 +132,16 @@ class MetricsWriter:
     def eval(self, step: int, metrics: dict[str, float]) -> None:
         if not self.enabled:
             return
+        if not math.isfinite(metrics.get("loss", 0.0)) and step not in self.nonfinite_evals:
+            self.nonfinite_evals.append(step)
         self._write({"step": step, "split": "eval", **metrics})
         self.echo(f"eval at step {step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
 
     def summary(self, **fields: float) -> None:
+        """The summary line; `nonfinite_eval_steps` lists the evals whose loss was not finite, if any was."""
         if self.enabled:
-            self._write({"split": "summary", **fields})
+            flagged = {"nonfinite_eval_steps": sorted(self.nonfinite_evals)} if self.nonfinite_evals else {}
+            self._write({"split": "summary", **fields, **flagged})
 
     def echo(self, line: str) -> None:
         if self.enabled:

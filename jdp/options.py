@@ -20,7 +20,6 @@ BACKENDS = ("shard_map", "pmap", "jit")
 PRECISIONS = ("fp32", "bf16", "fp16")
 NONFINITE_POLICIES = ("halt", "skip")
 ALLREDUCE_DTYPES = ("fp32", "bf16")
-SYNCS = ("allreduce", "powersgd")
 OUTER_OPTIMIZERS = ("none", "sgd", "nesterov")
 
 
@@ -45,7 +44,10 @@ class Range:
             return f"{'>' if self.low_open else '>='} {low}"
         return f"in {'(' if self.low_open else '['}{low}, {high}{')' if self.high_open else ']'}"
 
-    def phrase(self) -> str:
+    def phrase(self, value: float | None = None) -> str:
+        """Why a value is refused: `must be positive`; `must be finite and > 0` for an inf or a NaN `value`."""
+        if hasattr(value, "__float__") and not math.isfinite(value):
+            return f"must be finite and {self.condition()}"
         return _PHRASES.get(self, f"must be {self.condition()}")
 
 
@@ -111,9 +113,10 @@ OPTIONS: tuple[Option, ...] = (
            "of gradients every step", AT_LEAST_1),
     Option("allreduce_dtype", "parallel.allreduce_dtype", str, "fp32", "what the gradient all-reduce sends",
            ALLREDUCE_DTYPES),
-    Option("sync", "parallel.sync", str, "allreduce", "the gradient sync: allreduce (the mean all-reduce, or ZeRO-1 / "
-           "local SGD / DiLoCo as shard_optimizer, sync_every and outer_optimizer say) or powersgd (low-rank, "
-           "Vogels et al. 2019)", SYNCS),
+    Option("sync", "parallel.sync", str, "allreduce", "the gradient sync strategy: a jdp.sync.Sync object (fit), "
+           "an import path `pkg.module:Class` built with parallel.sync_kwargs (config), or a name: allreduce (the "
+           "mean all-reduce, or ZeRO-1 / ZeRO-3 / local SGD / DiLoCo as shard_optimizer, shard_params, sync_every "
+           "and outer_optimizer say), zero1, zero3, local_sgd, diloco or powersgd (low-rank, Vogels et al. 2019)"),
     Option("powersgd_rank", "parallel.powersgd_rank", int, 4, "PowerSGD: the rank of each compressed gradient "
            "matrix", AT_LEAST_1),
     Option("powersgd_start_step", "parallel.powersgd_start_step", int, 10, "PowerSGD: steps before it, the "
@@ -179,48 +182,18 @@ def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception]
             require(value in valid, f"{n(name)}={value!r} is unknown; choose one of {', '.join(valid)}")
         elif isinstance(valid, Range):
             fix = f"; set --config.{n(name)} to a value {valid.condition()}" if isinstance(view, ConfigView) else ""
-            require(value in valid, f"{n(name)}={value} {valid.phrase()}{fix}")
-    o = dict({name: option.default for name, option in BY_NAME.items()}, **values)
-    per_device = o["backend"] in ("shard_map", "pmap")
-    require(per_device or o["allreduce_dtype"] == "fp32",
-            f"{n('allreduce_dtype')}=bf16 needs an explicit collective; use {use('backend', 'shard_map')}")
-    if o["shard_optimizer"]:
-        require(o["backend"] == "shard_map", f"{n('shard_optimizer')}=True needs {use('backend', 'shard_map')}")
-        require(o["sync_every"] == 1, f"{n('shard_optimizer')}=True and {n('sync_every')} > 1 (local SGD) cannot "
-                                      "be combined")
-    if o["shard_params"]:
-        require(o["backend"] != "pmap", f"{n('shard_params')}=True needs {use('backend', 'shard_map')} or jit: pmap "
-                                        "keeps a whole copy of the state on every device")
-        require(o["sync_every"] == 1 and o["sync"] == "allreduce",
-                f"{n('shard_params')}=True reduce-scatters each step's gradient, so it cannot be combined with "
-                f"{n('sync_every')} > 1 (local SGD, DiLoCo) or {n('sync')}=powersgd; set {n('shard_params')}=False")
-        require(o["allreduce_dtype"] == "fp32", f"{n('shard_params')}=True reduce-scatters the gradient in the "
-                f"parameters' dtype (the gather's transpose); use {use('allreduce_dtype', 'fp32')}")
-        require(not o["log_noise_scale"], f"{n('log_noise_scale')} needs each device's whole gradient, which "
-                f"{n('shard_params')}=True never holds; set {n('log_noise_scale')}=False")
-    if o["log_noise_scale"]:
-        require(o["backend"] != "jit" and o["sync_every"] == 1 and not o["shard_optimizer"],
-                f"{n('log_noise_scale')} compares each device's gradient with the all-reduced one, which jit (no "
-                "per-device gradients), local SGD (no all-reduced gradient) and shard_optimizer (no whole gradient "
-                f"on a device) do not have; use {use('backend', 'shard_map')} or pmap with {n('sync_every')}=1 "
-                f"and {n('shard_optimizer')}=False")
-    if o["sync"] == "powersgd":
-        require(per_device and o["sync_every"] == 1 and not o["shard_optimizer"] and not o["log_noise_scale"]
-                and o["allreduce_dtype"] == "fp32",
-                f"{n('sync')}=powersgd compresses each device's gradient before its all-reduce: it needs a per-device "
-                f"step ({use('backend', 'shard_map')} or pmap), {n('sync_every')}=1, {n('shard_optimizer')}=False, "
-                f"{n('log_noise_scale')}=False and {n('allreduce_dtype')}=fp32")
-    h = o["sync_every"]
-    require(o["outer_optimizer"] == "none" or h > 1, f"{n('outer_optimizer')}={o['outer_optimizer']} (DiLoCo) "
-            f"applies the change of each round of {n('sync_every')} steps; set {n('sync_every')} > 1")
-    if h > 1:  # between syncs the replicas differ on purpose: checks, checkpoints and eval happen at sync points
-        require(per_device, f"{n('sync_every')} > 1 (local SGD) needs a per-device step; use "
-                            f"{use('backend', 'shard_map')} or pmap")
-        require(o["allreduce_dtype"] == "fp32", f"{n('allreduce_dtype')}=bf16 compresses gradients, and local SGD "
-                f"({n('sync_every')} > 1) averages parameters instead; use {use('allreduce_dtype', 'fp32')}")
-        for name in ("eval_every", "checkpoint_every", "check_replicas_every"):
-            require(o[name] % h == 0, f"{n(name)}={o[name]} is not a multiple of {n('sync_every')}={h}: with local "
-                                      "SGD the replicas agree only at sync points; use a multiple")
+            require(value in valid, f"{n(name)}={value} {valid.phrase(value)}{fix}")
+    defaults = {name: option.default for name, option in BY_NAME.items()}
+    o = dict(defaults, **values)
+    from jdp.sync.flags import chosen  # the strategy's own rules: jdp.sync (JAX) only once a run is checked
+
+    strategy, what = chosen(o, view, require, defaults)
+    strategy.check(o, view, what, require)
+    require(not o["log_noise_scale"] or (o["backend"] != "jit" and strategy.noise_scale),
+            f"{n('log_noise_scale')} compares each device's gradient with the all-reduced one, which jit (no "
+            "per-device gradients), local SGD (no all-reduced gradient) and shard_optimizer (no whole gradient "
+            f"on a device) do not have; use {use('backend', 'shard_map')} or pmap with {n('sync_every')}=1 "
+            f"and {n('shard_optimizer')}=False")
 
 
 def _post_init(self: Any) -> None:

@@ -179,6 +179,8 @@ def options_record(options: Any) -> dict[str, Any]:
             continue
         if field.name == "callbacks":
             value = [_name(type(c)) for c in value]
+        elif hasattr(value, "record"):  # a sync strategy object: its import path and parameters
+            value = value.record()
         elif callable(value):
             value = _name(value)
         elif isinstance(value, tuple):
@@ -222,18 +224,36 @@ def _guarded(fit_record: dict[str, Any]) -> dict[str, Any]:
 def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """What differs between two records where a resume must not change it: `key: old -> new` (fingerprints by
     name only). A changed schedule is not listed when `steps` changed too: a schedule built from `steps` moves
-    with it, and extending a run is allowed."""
+    with it, and extending a run is allowed; nor when the first update differs: the later ones then differ with
+    it. Every update scaled alike is listed as the learning rate."""
     before, after = _guarded(old), _guarded(new)
+    first, later = "optimizer (its first update)", "schedule (the optimizer's later updates)"
+    first_differs = not same_fingerprint(before.get(first) or [], after[first])
     listed = []
     for key in after:
         fingerprint = key.startswith(("optimizer", "schedule"))
         if (same_fingerprint(before.get(key) or [], after[key]) if fingerprint else before.get(key) == after[key]):
             continue
-        if key.startswith("schedule") and old["steps"] != new["steps"]:
-            continue
+        if key == later and (old["steps"] != new["steps"] or first_differs):
+            continue  # later updates that differ after a first that differs say nothing more about a schedule
+        if key == first:  # every update scaled alike (optax.adam(1e-3) -> adam(1e-2)): name the learning rate
+            parts = (first,) if old["steps"] != new["steps"] else (first, later)
+            scale = _scale([v for p in parts for v in before.get(p) or []], [v for p in parts for v in after[p]])
+            if scale is not None:
+                listed.append(f"learning rate: every update is {scale:.3g}x the recorded run's")
+                continue
         shown = key in ("model", "loss_fn", "global_batch_size", *GUARDED_OPTIONS)  # the rest are fingerprints
         listed.append(f"{key}: {before.get(key)!r} -> {after[key]!r}" if shown else key)
     return listed
+
+
+def _scale(before: list[float], after: list[float]) -> float | None:
+    """k where the fingerprint `after` is `before` with every update k times larger (another learning rate, the
+    optimizer otherwise the same), else None."""
+    if len(before) != len(after) or not before or not before[0] > 0:
+        return None
+    k = after[0] / before[0]
+    return k if 0 < k < np.inf and k != 1 and same_fingerprint([k * v for v in before], after) else None
 
 
 def fit_record(*, model: Any, loss_fn: Callable, optimizer: optax.GradientTransformation, source: Any,

@@ -28,16 +28,17 @@ from jdp.modeldef import LossFn, ModelDef, state_groups
 from jdp.params_file import flatten
 
 
-def model_factory(workdir: Path) -> Callable[[], nnx.Module]:
-    """The importable factory a run's record names (FitError, saying what to pass instead, when it names none)."""
+def model_factory(workdir: Path, call: str = "jdp.restore(workdir, model)") -> Callable[[], nnx.Module]:
+    """The importable factory a run's record names (FitError, saying what to pass instead, when it names none):
+    `call` is how the caller's function takes the model."""
     fit_record = record_lib.read(workdir)
     if fit_record is None:
         raise FitError(f"{workdir / record_lib.RECORD_FILE} holds no jdp.fit record (a run of an earlier jdp, or no "
-                       "run); pass the model: jdp.restore(workdir, model)")
+                       f"run); pass the model: {call}")
     factory = fit_record["model"]["factory"]
     if factory is None:
         raise FitError(f"{workdir}'s model ({fit_record['model']['class']}) cannot be rebuilt: fit was given an "
-                       "instance, or a function that cannot be imported; pass it: jdp.restore(workdir, model)")
+                       f"instance, or a function that cannot be imported; pass it: {call}")
     return imported(factory, "model")
 
 
@@ -57,10 +58,10 @@ def restore(workdir: str | Path, model: nnx.Module | Callable[[], nnx.Module] | 
     return _restored(Path(workdir), model, step)[1]
 
 
-def _restored(workdir: Path, model: nnx.Module | Callable[[], nnx.Module] | None, step: int | None
-              ) -> tuple[int, nnx.Module]:
+def _restored(workdir: Path, model: nnx.Module | Callable[[], nnx.Module] | None, step: int | None,
+              call: str = "jdp.restore(workdir, model)") -> tuple[int, nnx.Module]:
     if model is None:
-        model = model_factory(workdir)
+        model = model_factory(workdir, call)
     if not isinstance(model, nnx.Module):
         model = model()
     if not (workdir / "checkpoints").is_dir():
@@ -110,8 +111,10 @@ def evaluate(model: nnx.Module, loss_fn: LossFn, data: Any, *, global_batch_size
 def export(workdir: str | Path, path: str | Path, model: nnx.Module | Callable[[], nnx.Module] | None = None, *,
            step: int | None = None) -> tuple[int, int]:
     """What `python -m jdp.export` writes: the run's parameters and model state (not its RNG streams) as an .npz
-    that `init_from` and `jdp.params_file` read. Returns (the step exported, the number of arrays)."""
-    step, restored = _restored(Path(workdir), model, step)
+    that `init_from` and `jdp.params_file` read. `model`, as in `restore`: the run's model (an `nnx.Module` or a
+    factory), needed when the run's record names no importable one. Returns (the step exported, the number of
+    arrays)."""
+    step, restored = _restored(Path(workdir), model, step, "jdp.export(workdir, path, model)")
     params, model_state = state_groups(restored)
     write_params_file(Path(path), params, model_state, step)
     return step, len(jax.tree.leaves((params, model_state)))

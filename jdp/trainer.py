@@ -33,7 +33,6 @@ from jdp.options import FitOptions
 from jdp.parallel import DataParallel
 from jdp.precision import COMPUTE_DTYPES, cast_floating, jaxpr_matmul_dtypes
 from jdp.step import StepOptions, TrainState, run_loss
-from jdp.sync import zero1
 
 
 @dataclasses.dataclass
@@ -130,7 +129,8 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
         model_def = ModelDef.of(module, bn_axis, o.seed)
     except ValueError as e:
         raise FitError(str(e)) from None
-    sync = sync_lib.strategy(o, module)
+    sync, what = sync_lib.strategy(o)
+    sync = sync.bind(module, o.seed)
     # A module's state goes in as host copies (an argument, not constants baked into the program); the
     # devices' replicated buffers then never alias the caller's.
     initial = () if make else (jax.tree.map(np.asarray, ModelDef.split(model, o.seed)),)
@@ -145,10 +145,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     abstract = jax.eval_shape(init_state, *initial)
     device_input = optional(source, "device_input")
     _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, device_input, n, global_batch_size, o)
-    if o.shard_optimizer or o.shard_params:  # ZeRO-3 under jit: each leaf flat and padded, not sliced (n = 1)
-        sliced = sync_lib.optimizer_sees_slices(o.shard_optimizer, o.shard_params, o.backend)
-        zero1.check_sliceable(optimizer, abstract.params, n if sliced else 1,
-                              "shard_params" if o.shard_params else "shard_optimizer")
+    sync.check_optimizer(optimizer, abstract.params, n, o.backend, what)
     step_options = StepOptions(
         o, bn_groups=1 if o.bn_sync else n, all_reduce=all_reduce, device_input=device_input,
         noise_small_batches=("micro_batches" if n == 1 else "devices") if o.log_noise_scale else "")
@@ -295,8 +292,9 @@ def _run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_da
          on_resume: Callable[[], None] | None, on_start: Callable[[int], None] | None) -> FitResult:
     o = options
     _check_joined()
-    if not 0 < steps < 2**31 or steps % o.sync_every:  # the state counts steps in int32
-        raise FitError(f"steps={steps} must be a positive multiple of sync_every={o.sync_every}, below 2**31")
+    every = sync_lib.strategy(o)[0].every  # a periodic strategy's replicas agree only at sync points
+    if not 0 < steps < 2**31 or steps % every:  # the state counts steps in int32
+        raise FitError(f"steps={steps} must be a positive multiple of sync_every={every}, below 2**31")
     if o.workdir is not None:
         try:
             storage.check_writable(o.workdir, "workdir")

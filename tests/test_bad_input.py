@@ -61,6 +61,9 @@ FILES = {
     "unknown key": ("from jdp.configs import base\ndef get_config():\n    c = base.get_config()\n"
                     "    c.train.stepz = 5\n    return c\n",
                     "sets an unknown key train.stepz; did you mean train.steps?"),
+    "sys.exit(0) while loading": ("import sys\nsys.exit(0)\n", "line 2 exited while loading (sys.exit(0))"),
+    "SystemExit in get_config": ("def get_config():\n    raise SystemExit('no')\n",
+                                 "line 2 exited while loading (get_config() called sys.exit('no'))"),
     "missing key": ("import ml_collections\ndef get_config():\n    return ml_collections.ConfigDict({'seed': 0})\n",
                     "lacks checkpoint.allow_config_change and "),
 }
@@ -72,6 +75,18 @@ def test_a_bad_config_file_is_one_line(case, tmp_path, capsys):
     path = write(tmp_path / "my_config.py", text)
     one_line(capsys, 2, main(["--config", str(path), "--workdir", str(tmp_path / "run")]), str(path), expected)
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("case", ["a directory", "/dev/null", "an empty file"])
+def test_a_config_path_that_is_no_python_file_says_what_it_is(case, tmp_path, capsys):
+    """Not "not found": the path exists; the line says what it is and what --config takes."""
+    (tmp_path / "empty.py").write_text("")
+    path, expected = {"a directory": (tmp_path, "is a directory; pass --config PATH.py"),
+                      "/dev/null": ("/dev/null", "is not a regular file (a device or a pipe); pass --config PATH.py"),
+                      "an empty file": (tmp_path / "empty.py", "is empty; it must define get_config()")}[case]
+    err = one_line(capsys, 2, main(["--config", str(path), "--workdir", str(tmp_path / "run")]),
+                   f"config file {path} {expected}")
+    assert "not found" not in err and not (tmp_path / "run").exists()
 
 
 def test_model_kwargs_in_a_config_file_are_the_models_own(tmp_path):
@@ -111,6 +126,33 @@ def test_a_bad_setting_is_one_line_before_anything_compiles(case, tmp_path, caps
     (tmp_path / "TRUNCATED").write_bytes((tmp_path / "whole.npz").read_bytes()[:300])
     one_line(capsys, 2, main([*TINY, *args, "--workdir", "run"]), expected)
     assert not (tmp_path / "run").exists()
+
+
+NOTHING_WRITTEN = {
+    "bind_address garbage": (["--config.distributed.bind_address=garbage"],
+                             "distributed.bind_address='garbage' is not HOST:PORT"),
+    "mlflow uri ::::": (["--config.metrics.loggers=mlflow", "--config.metrics.mlflow_tracking_uri=::::"],
+                        "metrics.mlflow_tracking_uri='::::' is neither a URI"),
+    "loggers ,,": (["--config.metrics.loggers=,,"], "metrics.loggers=',,' has an empty name between its commas"),
+}
+
+
+@pytest.mark.parametrize("case", NOTHING_WRITTEN, ids=list(NOTHING_WRITTEN))
+def test_a_bad_address_uri_or_logger_list_is_one_line_and_writes_nothing(case, tmp_path, capsys, monkeypatch):
+    """Checked in a single-process run too: no workdir, and no directory named `::::` in the working directory."""
+    args, expected = NOTHING_WRITTEN[case]
+    monkeypatch.chdir(tmp_path)
+    one_line(capsys, 2, main([*TINY, *args, "--workdir", "run"]), expected)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_mlflow_refuses_a_tracking_uri_that_is_neither_uri_nor_path():
+    from jdp.loggers import MLflow
+
+    with pytest.raises(jdp.UsageError, match=r"^MLflow\(tracking_uri='::::'\) is neither a URI"):
+        MLflow(tracking_uri="::::")
+    for uri in ("http://localhost:5000", "file:./mlruns", "sqlite:///m.db", "runs/mlruns"):
+        MLflow(tracking_uri=uri)
 
 
 def _read_only_access(monkeypatch):
@@ -173,7 +215,21 @@ def test_each_numeric_field_refuses_a_value_out_of_its_range(key, tmp_path, caps
 
 def test_nan_is_outside_every_range(tmp_path, capsys):
     one_line(capsys, 2, main(["--config.optim.momentum=nan", "--workdir", str(tmp_path)]),
-             "optim.momentum=nan must be in [0, 1)")
+             "optim.momentum=nan must be finite and in [0, 1)")
+
+
+@pytest.mark.parametrize("key,value", [("optim.lr", "inf"), ("optim.lr", "nan"), ("train.max_skipped_fraction",
+                                                                                   "inf")])
+def test_inf_and_nan_are_refused_as_not_finite(key, value, tmp_path, capsys):
+    """`lr=inf` is positive: the line says what is wrong with it, that it is not finite (the config's own ranges
+    and the training options' alike, and `fit`'s keywords, which share the check)."""
+    workdir = tmp_path / "run"
+    one_line(capsys, 2, main([f"--config.{key}={value}", "--workdir", str(workdir)]),
+             f"{key}={value} must be finite and ")
+    assert not workdir.exists()
+    with pytest.raises(jdp.FitError, match=r"^max_skipped_fraction=inf must be finite and in \[0, 1\]$"):
+        jdp.fit(lambda: nnx.Linear(2, 1, rngs=nnx.Rngs(0)), _mse, _data(), optimizer=optax.sgd(0.1), steps=1,
+                global_batch_size=8, max_skipped_fraction=math.inf)
 
 
 # -- jdp.fit: the same checks, raised as one-line FitErrors -----------------------------------------------------
@@ -267,6 +323,27 @@ def test_skipping_past_max_skipped_fraction_halts_with_exit_3(tmp_path, capsys, 
     err = one_line(capsys, 3, code, "jdp: halted: 6 of the last 8 steps were skipped as non-finite, more than "
                    "max_skipped_fraction=0.05", "the latest, step 8, had non-finite inputs (batch key 'x')")
     assert "state is saved" in err and sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+
+
+def test_nan_in_the_eval_data_is_one_warning_naming_the_key_and_the_summary_lists_the_evals(tmp_path, capsys):
+    """NaN in the train data halts (exit 3); in the eval data the run goes on, its eval losses null: one line
+    says why, naming the key, and the summary line says which evals were affected."""
+    eval_data = _data(16)
+    eval_data["x"][3, 1] = np.nan
+    result = jdp.fit(lambda: nnx.Linear(2, 1, rngs=nnx.Rngs(0)), _mse, _data(), optimizer=optax.sgd(0.1), steps=2,
+                     global_batch_size=8, eval_data=eval_data, eval_every=1, num_devices=2, workdir=tmp_path / "run")
+    assert result.step == 2 and math.isnan(result.eval_metrics["loss"])
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "eval" in line and "warning" in line]
+    assert warnings == ["warning: the eval split holds non-finite inputs (key 'x'), so the eval loss at step 1 is "
+                        "nan (null in metrics.jsonl; the summary line lists such evals under nonfinite_eval_steps); "
+                        "fix the eval data"], warnings
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if r["split"] == "eval" and r["loss"] is None] == [1, 2]
+    assert lines[-1]["split"] == "summary" and lines[-1]["nonfinite_eval_steps"] == [1, 2]
+    clean = jdp.fit(lambda: nnx.Linear(2, 1, rngs=nnx.Rngs(0)), _mse, _data(), optimizer=optax.sgd(0.1), steps=1,
+                    global_batch_size=8, eval_data=_data(16), num_devices=2, workdir=tmp_path / "clean")
+    assert math.isfinite(clean.eval_metrics["loss"]) and "nonfinite_eval_steps" not in json.loads(
+        (tmp_path / "clean" / "metrics.jsonl").read_text().splitlines()[-1])
 
 
 class _Linear(nnx.Module):

@@ -219,11 +219,13 @@ def test_updates_one_float32_ulp_apart_keep_the_fingerprint(cnn_params):
 # 2. The resume guard ---------------------------------------------------------------------------------------
 
 OPTIMIZER, SCHEDULE = "optimizer (its first update)", "schedule (the optimizer's later updates)"
+LR = "learning rate"  # every update scaled alike, listed as "learning rate: every update is 2x the recorded run's"
 DATA = "train data (keys, shapes, dtypes, length or sampled rows)"
 CHANGES = {  # one change each: (fit's arguments, the keys a refusal lists when steps is unchanged / extended)
-    "lr": ({"optimizer": sgd(0.2)}, {OPTIMIZER, SCHEDULE}, {OPTIMIZER}),
-    "optimizer kind": ({"optimizer": optax.adam(0.1)}, {OPTIMIZER, SCHEDULE}, {OPTIMIZER}),
-    "momentum": ({"optimizer": sgd(momentum=0.9)}, {OPTIMIZER, SCHEDULE}, {OPTIMIZER}),
+    "lr": ({"optimizer": sgd(0.2)}, {LR}, {LR}),
+    # The later updates differ with the first: only the first is listed, never a schedule the run does not have.
+    "optimizer kind": ({"optimizer": optax.adam(0.1)}, {OPTIMIZER}, {OPTIMIZER}),
+    "momentum": ({"optimizer": sgd(momentum=0.9)}, {OPTIMIZER}, {OPTIMIZER}),
     # Extending a run may change a schedule built from `steps`: then only its first update is compared.
     "schedule": ({"optimizer": optax.sgd(optax.cosine_decay_schedule(0.1, 8))}, {SCHEDULE}, set()),
     "global batch size": ({"global_batch_size": 64}, {"global_batch_size"}, {"global_batch_size"}),
@@ -271,6 +273,23 @@ def test_a_resume_at_another_momentum_is_refused(tmp_path):
         fit(tmp_path / "run", 4, optimizer=sgd(momentum=0.5))
 
 
+def test_a_10x_lr_of_a_plain_adam_is_refused_naming_the_learning_rate_not_a_schedule(cnn_params):
+    """optax.adam(1e-3) -> adam(1e-2): no schedule in either, so the refusal names the learning rate (every update
+    10x), not "schedule (the optimizer's later updates)"; another optimizer names only its first update."""
+    def record(tx, steps=8):
+        return {"model": {"class": "M", "shapes": []}, "loss_fn": "loss", "global_batch_size": 32, "options": {},
+                "steps": steps, "optimizer": record_lib.describe_optimizer(tx, cnn_params),
+                "data": {"train": dict.fromkeys(("keys", "shapes", "dtypes", "length", "sample_hash"))}}
+
+    adam = record(optax.adam(1e-3))
+    for steps in (8, 16):  # the same steps, and a run extended
+        assert record_lib.changes(adam, record(optax.adam(1e-2), steps)) == [
+            "learning rate: every update is 10x the recorded run's"]
+        assert record_lib.changes(adam, record(optax.sgd(1e-3), steps)) == [OPTIMIZER]
+    assert record_lib.changes(adam, record(optax.adam(optax.cosine_decay_schedule(1e-3, 8)))) == [SCHEDULE]
+    assert record_lib.changes(adam, record(optax.adam(1e-3))) == []
+
+
 def test_a_float_lr_changed_to_a_schedule_is_refused_naming_the_schedule(tmp_path):
     """optax.sgd(0.1) -> optax.sgd(cosine_decay_schedule(0.1, ...)), steps unchanged: the same first update, then
     another schedule; the refusal must be the FitError naming the schedule."""
@@ -298,7 +317,8 @@ def test_allow_config_change_resumes_with_another_lr_and_records_it(finished, tm
     result = fit(workdir, 8, optimizer=sgd(0.2), allow_config_change=True)
     out = capsys.readouterr().out
     assert result.step == 8 and "resumed from" in out
-    assert f"warning: resuming {workdir} with other settings (allow_config_change): {OPTIMIZER}" in out
+    assert (f"warning: resuming {workdir} with other settings (allow_config_change): {LR}: every update is 2x the "
+            "recorded run's") in out
     assert saved_record(workdir)["fit"]["optimizer"] == record_lib.describe_optimizer(
         sgd(0.2), abstract_params(result.params))
     assert fit(workdir, 10, optimizer=sgd(0.2)).step == 10  # the new settings are the run's now
@@ -357,6 +377,18 @@ def test_restore_of_a_run_whose_model_cannot_be_imported_asks_for_it(local_run):
     assert max_abs_diff(params, result.params) == 0
     metrics = jdp.evaluate(model, LOSS, EVAL(), num_devices=2)
     np.testing.assert_allclose(metrics["loss"], result.eval_metrics["loss"], rtol=RTOL)
+
+
+def test_export_of_a_run_whose_model_cannot_be_imported_names_jdp_export(local_run, tmp_path):
+    """The refusal names the function called, and how it takes the model: jdp.export(workdir, path, model)."""
+    workdir, result, scripted = local_run
+    with pytest.raises(jdp.FitError, match=r"pass it: jdp.export\(workdir, path, model\)$") as refused:
+        jdp.export(workdir, tmp_path / "p.npz")
+    assert "jdp.restore" not in str(refused.value) and not (tmp_path / "p.npz").exists()
+    step, _ = jdp.export(workdir, tmp_path / "p.npz", scripted(rate=0.2, rngs=nnx.Rngs(3)))
+    with np.load(tmp_path / "p.npz") as exported:
+        np.testing.assert_array_equal(exported["params/conv/kernel"], result.params["conv"]["kernel"])
+    assert step == 4
 
 
 def test_restore_refuses_a_model_of_other_shapes_in_one_line(finished):
@@ -445,7 +477,7 @@ def test_the_commands_on_a_run_whose_model_cannot_be_imported_say_what_is_missin
     `python -m jdp.sample` (language-model runs of jdp.train) says a fit run is not one."""
     workdir, _, _ = local_run
     line = one_line(jdp_command("jdp.export", "--workdir", workdir, "--out", tmp_path / "p.npz"),
-                    "jdp.export:", "cannot be rebuilt", "jdp.restore(workdir, model)")
+                    "jdp.export:", "cannot be rebuilt", "jdp.export(workdir, path, model)")
     assert not (tmp_path / "p.npz").exists(), line
     before = len(records(workdir, "eval"))
     one_line(jdp_command("jdp.train", "--workdir", workdir, "--eval_only"), "model cannot be imported",

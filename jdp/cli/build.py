@@ -23,8 +23,6 @@ from jdp.cli.optim import OPTIMIZERS, build_optimizer
 from jdp.errors import UsageError, one_line
 from jdp.mesh import DATA_AXIS, mesh_devices
 from jdp.modeldef import LossFn
-from jdp.options import CONFIG_KEYS
-from jdp.sync import optimizer_sees_slices
 from jdp.task import DERIVED_EVAL_METRICS, LOSSES
 
 
@@ -115,12 +113,13 @@ def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None
     make_model = model_maker(cfg, source.input_shape, cfg.data.num_classes or source.num_classes)
     model = abstract_model(make_model)
     params = nnx.state(model, nnx.Param)
+    values = config_lib.fit_values(cfg)  # the config's view of fit's options
+    strategy, _ = config_lib.sync_strategy(values)
     tx, schedule = build_optimizer(cfg.optim, batch_size, cfg.train.steps, nnx.to_pure_dict(params),
-                                   sharded_axis=DATA_AXIS if optimizer_sees_slices(
-                                       cfg.parallel.shard_optimizer, cfg.parallel.shard_params, cfg.parallel.backend)
+                                   sharded_axis=DATA_AXIS if strategy.optimizer_sees_slices(cfg.parallel.backend)
                                    else None)
     options = trainer.FitOptions(
-        **{option.name: cfg[key] for key, option in CONFIG_KEYS.items()},  # the config's view of fit's options
+        **values,
         schedule=schedule, profile_steps=config_lib.profile_steps(cfg.profile.steps),
         eval_derived=DERIVED_EVAL_METRICS.get(cfg.task.loss),
         description=f"{cfg.model.name} on {cfg.data.name} ({source.num_eval} eval examples)"

@@ -11,28 +11,31 @@ import sys
 import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import ml_collections
 
 from jdp import configs, loggers
-from jdp.distributed import differences, flatten
+from jdp.distributed import check_bind_address, differences, flatten
 from jdp.environment import MAX_CPU_DEVICES
 from jdp.errors import UsageError, one_line
 from jdp.files import write_atomic
 from jdp.loggers.base import installed
-from jdp.options import AT_LEAST_1, CONFIG_KEYS, CONFIG_NAMES, NON_NEGATIVE, POSITIVE, Range, check
+from jdp.loggers.mlflow_logger import tracking_uri_problem
+from jdp.options import AT_LEAST_1, BY_NAME, CONFIG_KEYS, CONFIG_NAMES, NON_NEGATIVE, POSITIVE, Range, check
 
 DEFAULT_CONFIG = Path(configs.__file__).parent / "mnist1d_cnn.py"
 
 SCHEDULES = ("cosine", "linear", "constant")
-OPEN_SECTIONS = ("model.kwargs.",)  # keys a config may add: a user model's own settings
+# Keys a config may add: a user model's own settings, a user sync strategy's.
+OPEN_SECTIONS = ("model.kwargs.", "parallel.sync_kwargs.")
 MODEL_FIELDS = ("name", "kwargs", "bn_sync")  # configs/base.py's model section; any other model.X is model.kwargs.X
 # Settings that change what a run computes (its data order or its numerics): changing them when resuming a
 # workdir is refused by default. Paths, caches, lengths and periods are not among them.
 STATE_DEFINING = ("model.", "optim.", "task.", "loss_scale.", "seed", "precision", "train.global_batch_size",
                   "train.grad_accum_steps", "parallel.allreduce_dtype", "parallel.sync_every", "parallel.sync",
                   "parallel.powersgd_rank", "parallel.powersgd_start_step", "parallel.outer_optimizer",
-                  "parallel.outer_lr", "parallel.outer_momentum", "data.name",
+                  "parallel.outer_lr", "parallel.outer_momentum", "parallel.sync_kwargs", "data.name",
                   "data.shape", "data.num_classes", "data.num_examples", "data.normalize", "data.augment",
                   "data.image_size", "data.train_split", "data.block_size", "data.tokenizer")
 
@@ -76,7 +79,7 @@ def check_ranges(cfg: ml_collections.ConfigDict) -> None:
     for key, valid in RANGES.items():
         value = cfg[key]
         if value not in valid:
-            raise ConfigError(f"{key}={value} {valid.phrase()}; set --config.{key} to a value {valid.condition()}")
+            raise ConfigError(f"{key}={value} {valid.phrase(value)}; set --config.{key} to a value {valid.condition()}")
     shape = cfg.data.shape
     if not shape or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape):
         raise ConfigError(f"data.shape={tuple(shape)} must be a tuple of positive sizes; set e.g. "
@@ -94,9 +97,18 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
     if not path.is_file() and (DEFAULT_CONFIG.parent / path.with_suffix(".py").name).is_file() \
             and path.parent == Path():
         path = DEFAULT_CONFIG.parent / path.with_suffix(".py").name
+    if path.is_dir():
+        raise ConfigError(f"config file {path} is a directory; pass --config PATH.py, a Python file defining "
+                          "get_config(), or the name of a shipped config")
+    if path.exists() and not path.is_file():
+        raise ConfigError(f"config file {path} is not a regular file (a device or a pipe); pass --config PATH.py, "
+                          "a Python file defining get_config()")
     if not path.is_file():
         raise ConfigError(f"config file {path} not found; pass --config PATH.py or the name of a shipped config "
                           f"({', '.join(shipped_configs())})")
+    if path.stat().st_size == 0:
+        raise ConfigError(f"config file {path} is empty; it must define get_config() returning an "
+                          "ml_collections.ConfigDict (start from jdp.configs.base.get_config())")
     _importable(str(path.parent.absolute()))
     spec = importlib.util.spec_from_file_location(f"jdp_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
@@ -104,12 +116,16 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
         spec.loader.exec_module(module)
     except SyntaxError as e:
         raise ConfigError(f"config file {path} line {e.lineno}: {e.msg}; fix the file") from None
+    except SystemExit as e:  # sys.exit(0) would end the run with exit 0, a success to a scheduler
+        raise ConfigError(_exited(e, path)) from None
     except Exception as e:  # noqa: BLE001 - the user's file failed: say where, in one line
         raise ConfigError(f"config file {path}{_where(e, path)}: {one_line(e)}; fix the file") from None
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path} defines no get_config(); it must return an ml_collections.ConfigDict")
     try:
         cfg = module.get_config()
+    except SystemExit as e:
+        raise ConfigError(_exited(e, path, "get_config() called ")) from None
     except Exception as e:  # noqa: BLE001
         raise ConfigError(f"config file {path}{_where(e, path)}: get_config() raised {one_line(e)}; "
                           "fix the file") from None
@@ -123,7 +139,12 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
     return cfg
 
 
-def _where(error: Exception, path: Path) -> str:
+def _exited(error: SystemExit, path: Path, caller: str = "") -> str:
+    return (f"config file {path}{_where(error, path)} exited while loading ({caller}sys.exit({error.code!r})); a "
+            "config file must define get_config() and return, not exit: fix the file")
+
+
+def _where(error: BaseException, path: Path) -> str:
     """` line N`: the last line of `path` in the error's traceback, if any."""
     lines = [frame.lineno for frame in traceback.extract_tb(error.__traceback__)
              if Path(frame.filename).resolve() == path.resolve()]
@@ -303,6 +324,27 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+def fit_values(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    """`fit`'s options as the config sets them; a `parallel.sync` that names no built-in strategy is an import path
+    (`pkg.module:Class`), built with `parallel.sync_kwargs`."""
+    from jdp.sync import NAMES, flags  # JAX: once a run is checked
+
+    values = {option.name: cfg[key] for key, option in CONFIG_KEYS.items()}
+    if values["sync"] not in NAMES:
+        try:
+            values["sync"] = flags.from_path(values["sync"], cfg.parallel.sync_kwargs.to_dict())
+        except ValueError as e:
+            raise ConfigError(f"parallel.sync: {e}") from None
+    return values
+
+
+def sync_strategy(values: dict[str, Any]) -> tuple[Any, str]:
+    """(the strategy `fit_values` name, how they name it as config keys), checked."""
+    from jdp.sync import flags
+
+    return flags.chosen(values, CONFIG_NAMES, _require, {name: option.default for name, option in BY_NAME.items()})
+
+
 def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
     """Check the config before anything compiles. `num_devices` is the device count the run will use."""
     def choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -316,6 +358,11 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
                                        "with local SGD the replicas agree only at sync points; use a multiple")
     profile_steps(cfg.profile.steps)
     logger_names(cfg.metrics.loggers)
+    uri = cfg.metrics.mlflow_tracking_uri
+    _require(not uri or tracking_uri_problem(uri) is None,
+             f"metrics.mlflow_tracking_uri={uri!r} {tracking_uri_problem(uri)}")
+    if cfg.distributed.bind_address:  # a single-process run never listens: a typo would wait for the cluster
+        check_bind_address(cfg.distributed.bind_address)
     for key in ("shard_optimizer", "shard_params"):
         _require(not cfg.parallel[key] or cfg.optim.name not in ("lamb", "lars"), f"optim.name={cfg.optim.name} "
                  f"needs whole-leaf norms (trust ratios); parallel.{key}=True supports sgd, momentum, nesterov and "
@@ -382,6 +429,9 @@ def state_changes(old: ml_collections.ConfigDict, new: ml_collections.ConfigDict
 def logger_names(spec: str) -> list[str]:
     """`metrics.loggers` ("wandb,mlflow") -> its names, each known (`jdp.loggers.LOGGERS`) and installed."""
     given = [name.strip() for name in spec.split(",") if name.strip()]
+    _require(not spec.strip() or len(given) == spec.count(",") + 1,
+             f"metrics.loggers={spec!r} has an empty name between its commas; name each logger once, "
+             f"comma-separated (e.g. \"wandb,mlflow\"), or give \"\" for none")
     for name in given:
         _require(name in loggers.LOGGERS, f"metrics.loggers={spec!r} names an unknown logger {name!r}; choose from "
                                           f"{', '.join(loggers.LOGGERS)}, comma-separated (e.g. \"wandb,mlflow\")")

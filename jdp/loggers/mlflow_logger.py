@@ -7,9 +7,19 @@ import os
 from pathlib import Path
 from typing import Any
 
+from jdp.errors import UsageError
 from jdp.loggers.base import CLOSE_TIMEOUT_S, Tracker, flatten, now_ms, numbers
 
 MAX_KEY, MAX_VALUE = 250, 6000  # MLflow's limits on a param's key and value
+
+
+def tracking_uri_problem(uri: str) -> str | None:
+    """Why `uri` is no tracking URI, or None: a URI (`SCHEME://...`, `file:...`) or a path without a colon, which
+    `_prepare` makes a file store (`::::` would otherwise become a directory named `::::`)."""
+    if "://" in uri or uri.startswith("file:") or ":" not in uri:
+        return None
+    return ("is neither a URI (SCHEME://..., e.g. http://HOST:5000) nor a path; give a tracking server's URI, "
+            "file:./mlruns, or a directory")
 
 
 class MLflow(Tracker):
@@ -28,6 +38,8 @@ class MLflow(Tracker):
 
     def __init__(self, tracking_uri: str | None = None, experiment: str | None = None, *,
                  close_timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        if tracking_uri and tracking_uri_problem(tracking_uri):
+            raise UsageError(f"MLflow(tracking_uri={tracking_uri!r}) {tracking_uri_problem(tracking_uri)}")
         super().__init__(close_timeout_s=close_timeout_s)
         self.tracking_uri, self.experiment = tracking_uri, experiment
         self.client: Any = None

@@ -6,6 +6,7 @@ the global batch under jit (`axis_name` None: the arrays are global and XLA inse
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -28,6 +29,7 @@ Tree = Any
 # `jdp.mesh.split_whole`) and restores on any device count. Checkpoints, the replica check and export follow the
 # declaration.
 REPLICATED, PER_DEVICE, SHARDED = "replicated", "per_device", "sharded"
+ALLREDUCE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}  # what a gradient collective sends
 
 
 def is_sharded(leaf: Any) -> bool:
@@ -127,9 +129,46 @@ class Sync:
 
     per_device_update = False  # True: each device updates from its own gradient (the guard then decides alike)
     every = 1  # steps between two runs of a periodic sync's collectives (local SGD, DiLoCo)
+    noise_scale = True  # each device holds its whole gradient and the all-reduced one (`log_noise_scale`)
+    shards_optimizer = False  # the optimizer updates slices of the leaves (the CLI refuses LAMB and LARS)
 
-    def __init__(self, dtype: Any = jnp.float32) -> None:
-        self.dtype = dtype
+    def __init__(self, dtype: str = "fp32") -> None:
+        if dtype not in ALLREDUCE_DTYPES:
+            raise ValueError(f"dtype={dtype!r} is not one of {', '.join(ALLREDUCE_DTYPES)}")
+        self.dtype_name, self.dtype = dtype, ALLREDUCE_DTYPES[dtype]
+
+    # The strategy as its user names it: its parameters, its record, its rules.
+    def params(self) -> dict[str, Any]:
+        """The scalar parameters that define the strategy's numerics, by keyword (its record, its start-up line)."""
+        return {"dtype": self.dtype_name}
+
+    def record(self) -> dict[str, Any]:
+        """What the resume guard compares: the class's import path and its parameters, as JSON."""
+        return {"class": f"{type(self).__module__}:{type(self).__qualname__}", **self.params()}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params().items())})"
+
+    def bind(self, model: Any, seed: int) -> Sync:
+        """The strategy for this model (an `nnx.Module`, maybe abstract) and seed: itself, or a copy holding what
+        it derives from them (PowerSGD's matrices, ZeRO-3's shapes)."""
+        return self
+
+    def check(self, options: dict[str, Any], view: Any, what: str, require: Callable[[bool, str], None]) -> None:
+        """Refuses, with `require(condition, one line)`, the options (`fit` keyword -> value; `view` names them
+        and their fixes, `jdp.options.View`) it cannot run with; `what` is how the run named the strategy."""
+        if self.dtype_name == "bf16":
+            require(options["backend"] in ("shard_map", "pmap"),
+                    f"{what} needs an explicit collective; use {view.use('backend', 'shard_map')}")
+
+    def optimizer_sees_slices(self, backend: str) -> bool:
+        """Whether each device's optimizer updates slices of the leaves, so that its global-norm clipping sums
+        the slices' squares across devices."""
+        return False
+
+    def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
+                        backend: str, what: str) -> None:
+        """Refuses (FitError) an optimizer the strategy cannot run."""
 
     def init_state(self, params: Tree, num_devices: int) -> Tree:
         """The strategy's own state (`TrainState.sync`) in the logical layout, from the initial parameters."""
@@ -205,3 +244,8 @@ class Sync:
     def grad_norm(self, grads: Tree, axis_name: str | None, collective: bool = True) -> jax.Array:
         """The norm the update sees, before clipping."""
         return jnp.sqrt(sum_of_squares(grads))
+
+
+class AllReduce(Sync):
+    """Data parallelism's mean all-reduce, the default strategy: `AllReduce(dtype="bf16")` sends bfloat16, as DDP's
+    `bf16_compress_hook`. (`Sync` is the interface every strategy implements, with this one's behaviour.)"""

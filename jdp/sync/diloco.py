@@ -21,18 +21,28 @@ import optax
 from jdp.sync.base import PER_DEVICE, Tree, all_reduce_mean
 from jdp.sync.local_sgd import LocalSGD
 
-
-def outer_optimizer(name: str, lr: float, momentum: float) -> optax.GradientTransformation:
-    """`sgd`: anchor - lr * g; `nesterov`: the paper's outer Nesterov momentum (optax's)."""
-    return optax.sgd(lr, momentum=momentum, nesterov=True) if name == "nesterov" else optax.sgd(lr)
+OUTER_OPTIMIZERS = ("nesterov", "sgd")
 
 
 class DiLoCo(LocalSGD):
-    """Its state: `{"anchor": the parameters at the round's start, "outer": the outer optimizer's state}`."""
+    """`DiLoCo(every=H, outer_lr=0.7, outer_momentum=0.9, outer="nesterov")`; `outer` "sgd": anchor - lr * g,
+    "nesterov": the paper's outer Nesterov momentum (optax's). Its state: `{"anchor": the parameters at the round's
+    start, "outer": the outer optimizer's state}`."""
 
-    def __init__(self, every: int, outer: optax.GradientTransformation) -> None:
+    def __init__(self, every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9, outer: str = "nesterov"
+                 ) -> None:
         super().__init__(every)
-        self.outer = outer
+        if outer not in OUTER_OPTIMIZERS:
+            raise ValueError(f"outer={outer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
+        if not (outer_lr > 0 and 0 <= outer_momentum < 1):
+            raise ValueError(f"outer_lr={outer_lr} must be positive and outer_momentum={outer_momentum} in [0, 1)")
+        self.outer_name, self.outer_lr, self.outer_momentum = outer, float(outer_lr), float(outer_momentum)
+        self.outer = (optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True) if outer == "nesterov"
+                      else optax.sgd(outer_lr))
+
+    def params(self) -> dict[str, Any]:
+        return {"every": self.every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
+                "outer": self.outer_name}
 
     def init_state(self, params: Tree, num_devices: int) -> Tree:
         return {"anchor": params, "outer": self.outer.init(params)}

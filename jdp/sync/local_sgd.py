@@ -12,11 +12,28 @@ from jdp.sync.base import Local, Reduced, Sync, Tree, all_reduce_mean, floating,
 
 
 class LocalSGD(Sync):
+    """`LocalSGD(every=H)`: H local steps per device, then the average. shard_map or pmap; evals, checkpoints and
+    replica checks at sync points."""
+
     per_device_update = True
+    noise_scale = False  # no all-reduced gradient
 
     def __init__(self, every: int) -> None:
-        super().__init__(jnp.float32)
+        super().__init__()
+        if isinstance(every, bool) or not isinstance(every, int) or every < 2:
+            raise ValueError(f"every={every!r} must be an int of at least 2 (steps between syncs)")
         self.every = every
+
+    def params(self) -> dict[str, Any]:
+        return {"every": self.every}
+
+    def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
+        require(options["backend"] in ("shard_map", "pmap"),
+                f"{what} (local SGD) needs a per-device step; use {view.use('backend', 'shard_map')} or pmap")
+        for name in ("eval_every", "checkpoint_every", "check_replicas_every"):
+            require(options[name] % self.every == 0, f"{view(name)}={options[name]} is not a multiple of {what}: "
+                                                     "with local SGD the replicas agree only at sync points; use a "
+                                                     "multiple")
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         """The gradient stays local, scaled by the local weight; the sums are still all-reduced for the metrics."""

@@ -17,6 +17,7 @@ last): a conv kernel HWIO as (H W I, O).
 
 from __future__ import annotations
 
+import copy
 import math
 from typing import Any, NamedTuple
 
@@ -24,6 +25,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jdp.errors import FitError
 from jdp.sync.base import PER_DEVICE, Local, Reduced, Sync, Tree, all_reduce_mean, floating, merge_floating
 
 EPSILON = 1e-8  # Gram-Schmidt's guard against a zero column (a rank-deficient P), as torch's hook uses
@@ -55,21 +57,30 @@ def layer_ranks(model: nnx.Module) -> dict[tuple, int]:
     return ranks
 
 
-def matrices(model: nnx.Module, params: Tree, rank: int) -> dict[str, Matrix]:
-    """The parameters PowerSGD compresses ("a.b.kernel" -> its Matrix); the others go whole."""
+def _candidates(model: nnx.Module, params: Tree) -> dict[str, tuple[int, int, int]]:
+    """Every parameter that is a stack of matrices ("a.b.kernel" -> (layers, n, m))."""
     ranks = layer_ranks(model)
     found = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
         own = ranks.get(keys, leaf.ndim)
-        if own < 2:
-            continue
-        stack = leaf.shape[:leaf.ndim - own]
-        n, m = math.prod(leaf.shape[len(stack):-1]), leaf.shape[-1]
-        r = min(rank, n, m)
-        if r * (n + m) < n * m:
-            found[".".join(str(k) for k in keys)] = Matrix(math.prod(stack), n, m, r)
+        if own >= 2:
+            stack = leaf.shape[:leaf.ndim - own]
+            found[".".join(str(k) for k in keys)] = (math.prod(stack), math.prod(leaf.shape[len(stack):-1]),
+                                                     leaf.shape[-1])
     return found
+
+
+def matrices(model: nnx.Module, params: Tree, rank: int) -> dict[str, Matrix]:
+    """The parameters PowerSGD compresses ("a.b.kernel" -> its Matrix, at rank min(rank, n, m)): those for which
+    r (n + m) < n m, as torch decides; the others go whole."""
+    return {name: Matrix(layers, n, m, min(rank, n, m)) for name, (layers, n, m) in _candidates(model, params).items()
+            if min(rank, n, m) * (n + m) < n * m}
+
+
+def largest_useful_rank(model: nnx.Module, params: Tree) -> int:
+    """The largest rank at which some parameter is compressed (0: none can be)."""
+    return max((-(-n * m // (n + m)) - 1 for _, n, m in _candidates(model, params).values()), default=0)
 
 
 def orthonormal(p: jax.Array) -> jax.Array:
@@ -88,14 +99,47 @@ def _flat(tree: Tree) -> dict[str, jax.Array]:
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
-class PowerSGD(Sync):
-    """Its state: `{"q": {name: (layers, m, r)}, "error": {name: (devices, layers, n, m)}}`; Q is replicated,
-    the error feedback per device (it restores on the same device count only)."""
+# Why PowerSGD refuses a setting (the flags and the object alike).
+NEEDS = ("{what} compresses each device's gradient before its all-reduce: it needs a per-device step ({backend} or "
+         "pmap), {sync_every}=1, {shard_optimizer}=False, {log_noise_scale}=False and {allreduce_dtype}=fp32")
 
-    def __init__(self, model: nnx.Module, params: Tree, rank: int, start_step: int, seed: int) -> None:
-        super().__init__(jnp.float32)
-        self.matrices = matrices(model, params, rank)
-        self.start_step, self.seed = start_step, seed
+
+class PowerSGD(Sync):
+    """`PowerSGD(rank=4, start_step=10)`: every gradient goes whole before `start_step`. shard_map or pmap. Bound
+    to a model (`bind`), it holds the matrices it compresses. Its state: `{"q": {name: (layers, m, r)}, "error":
+    {name: (devices, layers, n, m)}}`; Q is replicated, the error feedback per device (it restores on the same
+    device count only)."""
+
+    per_device_update = False
+    noise_scale = False
+    matrices: dict[str, Matrix] = {}
+    seed = 0
+
+    def __init__(self, rank: int = 4, start_step: int = 10) -> None:
+        super().__init__()
+        for name, value, low in (("rank", rank, 1), ("start_step", start_step, 0)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < low:
+                raise ValueError(f"{name}={value!r} must be an int of at least {low}")
+        self.rank, self.start_step = rank, start_step
+
+    def params(self) -> dict[str, Any]:
+        return {"rank": self.rank, "start_step": self.start_step}
+
+    def bind(self, model: nnx.Module, seed: int) -> PowerSGD:
+        bound = copy.copy(self)
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        bound.matrices, bound.seed = matrices(model, params, self.rank), seed
+        if not bound.matrices:
+            useful = largest_useful_rank(model, params)
+            raise FitError(f"{self!r} compresses none of this model's gradient matrices: at rank {self.rank} each "
+                           "would send as much as it whole" + (f"; use a rank of at most {useful}" if useful else
+                                                                "; it has no matrix to compress"))
+        return bound
+
+    def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
+        require(options["backend"] in ("shard_map", "pmap") and not options["log_noise_scale"], NEEDS.format(
+            what=what, backend=view.use("backend", "shard_map"), **{k: view(k) for k in (
+                "sync_every", "shard_optimizer", "log_noise_scale", "allreduce_dtype")}))
 
     def init_state(self, params: Tree, num_devices: int) -> Tree:
         keys = jax.random.split(jax.random.key(self.seed), max(1, len(self.matrices)))

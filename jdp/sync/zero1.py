@@ -83,12 +83,24 @@ def global_norm(tree: Tree, axis_name: str | None = None) -> jax.Array:
     return jnp.sqrt(sum_of_squares(tree, axis_name, sliced=is_sharded))
 
 
-class ShardedOptimizer(Sync):
-    """The gradient is reduce-scattered (in `dtype`) beside the one all-reduce of the sums; each device updates
-    its slice of the parameters and of the optimizer state (sharded on `data` in the step), then all-gathers the
-    parameters."""
+class ZeRO1(Sync):
+    """The gradient is reduce-scattered (in `dtype`, "fp32" or "bf16") beside the one all-reduce of the sums; each
+    device updates its slice of the parameters and of the optimizer state (sharded on `data` in the step), then
+    all-gathers the parameters. shard_map only; element-wise optimizers only."""
 
     per_device_update = True
+    noise_scale = False  # no device holds a whole gradient
+    shards_optimizer = True
+
+    def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
+        require(options["backend"] == "shard_map", f"{what} needs {view.use('backend', 'shard_map')}")
+
+    def optimizer_sees_slices(self, backend: str) -> bool:
+        return True
+
+    def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
+                        backend: str, what: str) -> None:
+        check_sliceable(tx, abstract_params, num_devices if self.optimizer_sees_slices(backend) else 1, what)
 
     def layouts(self, abstract_state: Any) -> Any:
         return super().layouts(abstract_state)._replace(opt_state=sharded_where(abstract_state.opt_state))
@@ -134,8 +146,8 @@ def clip_by_global_norm(max_norm: float, axis_name: str | None = None) -> optax.
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: int, option: str = "shard_optimizer"
-                    ) -> None:
+def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: int,
+                    what: str = "shard_optimizer=True") -> None:
     """ZeRO-1 runs the optimizer on flat slices of each leaf: refuse a transform whose update on slices
     differs from its update on whole leaves (global norms, trust ratios, shape-dependent masks)."""
     if isinstance(tx, Sliceable):
@@ -158,7 +170,7 @@ def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: i
                             if w.ndim else s[0], whole, *slices)
     if not all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(jax.tree.leaves(whole),
                                                                        jax.tree.leaves(gathered), strict=True)):
-        raise FitError(f"{option}=True runs the optimizer on slices of each parameter, and this optimizer "
+        raise FitError(f"{what} runs the optimizer on slices of each parameter, and this optimizer "
                        "updates slices differently from whole parameters (global-norm clipping, LAMB, LARS, "
-                       "shape-dependent masks); use an element-wise one (sgd, momentum, adam, adamw) or "
-                       f"{option}=False")
+                       "shape-dependent masks); use an element-wise one (sgd, momentum, adam, adamw) or another "
+                       "sync strategy")

@@ -26,6 +26,7 @@ A scanned model's layers are gathered twice per micro-batch (forward and backwar
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import jax
@@ -36,7 +37,7 @@ from jax.sharding import Mesh
 from jdp.layers import LayerView, Stack
 from jdp.mesh import data_sharded
 from jdp.sync.base import Sync, Tree, is_sharded, shard_axis, sharded_where, unpadded
-from jdp.sync.zero1 import ShardedOptimizer, all_gather_like
+from jdp.sync.zero1 import ZeRO1, all_gather_like
 
 
 def _path(keys: tuple) -> tuple:
@@ -48,17 +49,38 @@ def stacked_paths(model: nnx.Module) -> list[tuple]:
     return [(*path, "layers") for path, module in nnx.iter_modules(model) if isinstance(module, Stack)]
 
 
-class FullySharded(ShardedOptimizer):
-    """ZeRO-1's sharded optimizer state, plus sharded parameters gathered for each forward. `abstract_params`: the
-    parameters' logical shapes (what the forward sees); `stacked`: the paths of a scanned model's stacked layers
-    (`stacked_paths`), whose parameters are gathered one layer at a time."""
+class ZeRO3(ZeRO1):
+    """ZeRO-1's sharded optimizer state, plus sharded parameters gathered for each forward. shard_map or jit. Bound
+    to a model (`bind`), it holds the parameters' logical shapes (what the forward sees) and which leaves are a
+    scanned model's stacked layers (`stacked_paths`), gathered one layer at a time."""
 
-    def __init__(self, abstract_params: Tree, stacked: list[tuple] = ()) -> None:
+    abstract_params: Tree = None
+    per_layer: Tree = None
+
+    def __init__(self) -> None:
         super().__init__()  # the reduce-scatter is the gather's transpose: it sends the parameters' dtype
-        self.abstract_params = abstract_params
+
+    def params(self) -> dict[str, Any]:
+        return {}
+
+    def bind(self, model: Any, seed: int) -> ZeRO3:
+        bound = copy.copy(self)
+        bound.abstract_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
+                                             nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        stacked = stacked_paths(model)
         # A stacked leaf with an axis besides the layer axis is split on one of those and gathered per layer.
-        self.per_layer = jax.tree_util.tree_map_with_path(
-            lambda path, x: x.ndim >= 2 and any(_path(path)[:len(p)] == p for p in stacked), abstract_params)
+        bound.per_layer = jax.tree_util.tree_map_with_path(
+            lambda path, x: x.ndim >= 2 and any(_path(path)[:len(p)] == p for p in stacked), bound.abstract_params)
+        return bound
+
+    def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
+        require(options["backend"] != "pmap", f"{what} needs {view.use('backend', 'shard_map')} or jit: pmap keeps "
+                                              "a whole copy of the state on every device")
+        require(not options["log_noise_scale"], f"{view('log_noise_scale')} needs each device's whole gradient, "
+                f"which {what} never holds; set {view.use('log_noise_scale', False)}")
+
+    def optimizer_sees_slices(self, backend: str) -> bool:
+        return backend != "jit"  # under jit the optimizer updates global arrays
 
     def layouts(self, abstract_state: Any) -> Any:
         return super().layouts(abstract_state)._replace(params=sharded_where(abstract_state.params))

@@ -1,0 +1,91 @@
+"""The one mapping from the strategy flags of `fit` and the config to a strategy object.
+
+The flags (`sync`, `shard_optimizer`, `shard_params`, `sync_every`, `allreduce_dtype`, `powersgd_rank`,
+`powersgd_start_step`, `outer_optimizer`, `outer_lr`, `outer_momentum`) keep their meaning: `sync` names a strategy
+(`allreduce`, `zero1`, `zero3`, `local_sgd`, `diloco`, `powersgd`), and under `allreduce` the others pick one as
+they always did. `sync` may instead be a strategy object (`jdp.sync.ZeRO3()`, or a class of your own): then every
+other flag must stay at its default.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from jdp.sync.base import AllReduce, Sync
+from jdp.sync.diloco import DiLoCo
+from jdp.sync.local_sgd import LocalSGD
+from jdp.sync.powersgd import NEEDS, PowerSGD
+from jdp.sync.zero1 import ZeRO1
+from jdp.sync.zero3 import ZeRO3
+
+FLAGS = ("shard_optimizer", "shard_params", "sync_every", "allreduce_dtype", "powersgd_rank", "powersgd_start_step",
+         "outer_optimizer", "outer_lr", "outer_momentum")
+NAMES = ("allreduce", "zero1", "zero3", "local_sgd", "diloco", "powersgd")
+
+
+def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None], defaults: dict[str, Any]
+           ) -> tuple[Sync, str]:
+    """(the strategy `o`'s flags name, how they name it for messages); `require(condition, line)` refuses
+    flags that contradict each other. `view` names the options (`jdp.options.View`), `defaults` their defaults."""
+    n, sync = view, o["sync"]
+    if isinstance(sync, Sync):
+        changed = [flag for flag in FLAGS if o[flag] != defaults[flag]]
+        require(not changed, f"sync={sync!r} is a strategy object, and {n(changed[0])}={o[changed[0]]!r} is a "
+                f"strategy setting: give it to the object, or leave {n(changed[0])} at its default" if changed
+                else "")
+        return sync, repr(sync)
+    require(isinstance(sync, str) and sync in NAMES, f"{n('sync')}={sync!r} is unknown; choose one of "
+            f"{', '.join(NAMES)}, or give a strategy object (a jdp.sync.Sync)")
+    h, dtype = o["sync_every"], o["allreduce_dtype"]
+    require(not (o["shard_params"] and o["shard_optimizer"]), f"{n('shard_params')}=True (ZeRO-3) already shards the "
+            f"optimizer state; set {n('shard_optimizer')}=False")
+    if o["shard_optimizer"]:
+        require(h == 1, f"{n('shard_optimizer')}=True and {n('sync_every')} > 1 (local SGD) cannot be combined")
+    if o["shard_params"]:
+        require(h == 1 and sync == "allreduce",
+                f"{n('shard_params')}=True reduce-scatters each step's gradient, so it cannot be combined with "
+                f"{n('sync_every')} > 1 (local SGD, DiLoCo) or {n('sync')}=powersgd; set {n('shard_params')}=False")
+        require(dtype == "fp32", f"{n('shard_params')}=True reduce-scatters the gradient in the parameters' dtype "
+                                 f"(the gather's transpose); use {view.use('allreduce_dtype', 'fp32')}")
+    if sync == "powersgd":
+        require(h == 1 and not o["shard_optimizer"] and dtype == "fp32", NEEDS.format(
+            what=f"{n('sync')}=powersgd", backend=view.use("backend", "shard_map"),
+            **{k: n(k) for k in ("sync_every", "shard_optimizer", "log_noise_scale", "allreduce_dtype")}))
+        return PowerSGD(o["powersgd_rank"], o["powersgd_start_step"]), f"{n('sync')}=powersgd"
+    require(o["outer_optimizer"] == "none" or h > 1, f"{n('outer_optimizer')}={o['outer_optimizer']} (DiLoCo) "
+            f"applies the change of each round of {n('sync_every')} steps; set {n('sync_every')} > 1")
+    require(h == 1 or sync in ("allreduce", "local_sgd", "diloco"), f"{n('sync')}={sync} runs every step; set "
+            f"{n('sync_every')}=1")
+    require(h > 1 or sync not in ("local_sgd", "diloco"), f"{n('sync')}={sync} averages every {n('sync_every')} "
+            f"steps; set {n('sync_every')} > 1")
+    if h > 1:
+        require(dtype == "fp32", f"{n('allreduce_dtype')}=bf16 compresses gradients, and local SGD "
+                f"({n('sync_every')} > 1) averages parameters instead; use {view.use('allreduce_dtype', 'fp32')}")
+        if sync == "diloco" or o["outer_optimizer"] != "none":
+            outer = "nesterov" if o["outer_optimizer"] == "none" else o["outer_optimizer"]
+            return DiLoCo(h, o["outer_lr"], o["outer_momentum"], outer), f"{n('sync_every')}={h}"
+        return LocalSGD(h), f"{n('sync_every')}={h}"
+    if o["shard_params"] or sync == "zero3":
+        return ZeRO3(), f"{n('shard_params')}=True" if o["shard_params"] else f"{n('sync')}=zero3"
+    if o["shard_optimizer"] or sync == "zero1":
+        return ZeRO1(dtype), f"{n('shard_optimizer')}=True" if o["shard_optimizer"] else f"{n('sync')}=zero1"
+    return AllReduce(dtype), f"{n('allreduce_dtype')}={dtype}"
+
+
+def from_path(path: str, kwargs: dict[str, Any]) -> Sync:
+    """The strategy class at `path` (`pkg.module:Class`) built with `kwargs`; ValueError in one line otherwise."""
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise ValueError(f"{path!r} is neither one of {', '.join(NAMES)} nor an import path pkg.module:Class")
+    try:
+        cls = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"{path!r} cannot be imported ({type(e).__name__}: {e})") from None
+    if not (isinstance(cls, type) and issubclass(cls, Sync)):
+        raise ValueError(f"{path!r} is not a subclass of jdp.sync.Sync")
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{path}(**{kwargs}) fails: {e}") from None

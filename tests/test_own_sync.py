@@ -1,0 +1,148 @@
+"""`fit(sync=...)`: every built-in strategy as a public object gives the run its flags give, bit for bit, and a
+strategy written outside jdp (tests/sign_ef.py, the one docs/communication.md prints) plugs in with no edit to jdp:
+it trains, checkpoints its per-device state and resumes bitwise, reports what its compiled program sends, and is
+refused where its own check says; the resume guard compares its record."""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jdp
+from jdp import sync
+from jdp.cli import config as config_lib
+from jdp.errors import FitError
+from jdp.trainer import FitOptions, prepare
+from tests.helpers import small_config
+from tests.sign_ef import SignEF
+from tests.test_fit import Regressor, mse, regression_data
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _fit(**options):
+    options = {"steps": 4, "global_batch_size": 32, "optimizer": optax.sgd(0.1), "log_every": 1,
+               "num_devices": 4, **options}
+    return jdp.fit(lambda: Regressor(nnx.Rngs(0)), mse, regression_data(), **options)
+
+
+BUILT_INS = {
+    "allreduce": ({}, sync.AllReduce()),
+    "bf16": ({"allreduce_dtype": "bf16"}, sync.AllReduce(dtype="bf16")),
+    "zero1": ({"shard_optimizer": True}, sync.ZeRO1()),
+    "zero3": ({"shard_params": True}, sync.ZeRO3()),
+    "local_sgd": ({"sync_every": 2}, sync.LocalSGD(every=2)),
+    "diloco": ({"sync_every": 2, "outer_optimizer": "nesterov", "outer_lr": 0.5},
+               sync.DiLoCo(every=2, outer_lr=0.5, outer_momentum=0.9)),
+    "powersgd": ({"sync": "powersgd", "powersgd_rank": 1, "powersgd_start_step": 1},
+                 sync.PowerSGD(rank=1, start_step=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(BUILT_INS))
+def test_a_built_in_object_runs_as_its_flags(name):
+    flags, strategy = BUILT_INS[name]
+    by_flags, by_object = _fit(**flags), _fit(sync=strategy)
+    assert by_flags.losses == by_object.losses
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(by_flags.params),
+                                                    jax.tree.leaves(by_object.params), strict=True))
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(sync=sync.ZeRO3(), sync_every=2), r"sync=ZeRO3\(\) is a strategy object, and sync_every=2 is a strategy "
+                                            "setting"),
+    (dict(shard_params=True, shard_optimizer=True), "already shards the optimizer state; set shard_optimizer=False"),
+    (dict(sync="zero9"), "sync='zero9' is unknown; choose one of allreduce, zero1, zero3, local_sgd, diloco, "
+                         "powersgd"),
+    (dict(sync="local_sgd"), "sync=local_sgd averages every sync_every steps; set sync_every > 1"),
+])
+def test_strategies_that_cannot_be_are_refused_in_one_line(options, message):
+    with pytest.raises(FitError, match=message):
+        FitOptions(**options)
+
+
+def test_a_powersgd_rank_that_compresses_nothing_is_refused():
+    """Each matrix is compressed at min(rank, n, m); a rank at which no matrix sends less than it whole is refused,
+    naming the largest rank that compresses (the regression model's 6 x 16 kernel: 4)."""
+    with pytest.raises(FitError, match="compresses none of this model's gradient matrices.*at most 4"):
+        _fit(sync="powersgd", powersgd_rank=1_000_000_000)
+
+
+def test_the_start_up_line_names_the_strategy_and_done_its_bytes(capsys):
+    _fit(sync=sync.PowerSGD(rank=1, start_step=1))
+    out = capsys.readouterr().out
+    assert "sync PowerSGD(rank=1, start_step=1)" in out
+    assert "comm_bytes_per_step" in next(line for line in out.splitlines() if line.startswith("done:"))
+
+
+# --- a strategy of one's own ----------------------------------------------------------------------------------------
+
+def test_sign_compression_with_error_feedback_trains():
+    result = _fit(sync=SignEF(), steps=40, optimizer=optax.sgd(0.05))
+    assert result.losses[-1] < 0.7 * result.losses[0]
+
+
+def test_its_per_device_error_is_checkpointed_and_resumes_bitwise(tmp_path):
+    straight = _fit(sync=SignEF(), steps=6)
+    _fit(sync=SignEF(), steps=3, workdir=tmp_path, checkpoint_every=3)
+    resumed = _fit(sync=SignEF(), steps=6, workdir=tmp_path, checkpoint_every=3)
+    assert resumed.losses == straight.losses[3:]
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(straight.params),
+                                                    strict=True))
+
+
+def test_its_bytes_are_read_from_the_compiled_program_and_match_the_hand_count():
+    """Per leaf and device: the signs packed 8 to a byte and one float32 scale, all-gathered; plus the one
+    all-reduce of the loss's weighted sum and the weight total."""
+    engine = prepare(lambda: Regressor(nnx.Rngs(0)), mse, regression_data(), optimizer=optax.sgd(0.1),
+                     global_batch_size=32, options=FitOptions(num_devices=4, sync=SignEF()))
+    state = engine.parallel.to_devices(engine.init_state())
+    sent = engine.parallel.read_collectives(state, engine.parallel.shard_batch(engine.source.train_batch(0)))
+    leaves = jax.tree.leaves(engine.abstract_state.params)
+    sums = 3 * 4  # the loss's and the abs_err's weighted sums, and the weight total, float32
+    assert sent == sum(math.ceil(leaf.size / 8) + 4 for leaf in leaves) + sums
+
+
+def test_its_own_check_refuses_jit_in_one_line():
+    with pytest.raises(FitError, match=r"SignEF\(error_feedback=True\) keeps each device's own error: it needs a "
+                                       "per-device step; use backend='shard_map'"):
+        FitOptions(sync=SignEF(), backend="jit")
+
+
+def test_the_resume_guard_compares_its_parameters(tmp_path):
+    _fit(sync=SignEF(), steps=2, workdir=tmp_path)
+    with pytest.raises(FitError, match="error_feedback"):
+        _fit(sync=SignEF(error_feedback=False), steps=4, workdir=tmp_path)
+
+
+def test_the_cli_names_it_by_import_path_with_its_settings():
+    cfg = small_config("mlp", num_devices=4)
+    cfg.parallel.sync = "tests.sign_ef:SignEF"
+    cfg.parallel.sync_kwargs = {"error_feedback": False}
+    values = config_lib.fit_values(cfg)
+    assert isinstance(values["sync"], SignEF) and values["sync"].error_feedback is False
+    cfg.parallel.sync = "tests.sign_ef:Nothing"
+    with pytest.raises(config_lib.ConfigError, match="parallel.sync: 'tests.sign_ef:Nothing' cannot be imported"):
+        config_lib.fit_values(cfg)
+
+
+@pytest.mark.slow
+def test_the_docs_program_runs_as_printed_with_the_same_class(tmp_path):
+    """docs/communication.md's program, run as printed in a fresh process: it trains; its SignEF is this file's."""
+    page = (REPO / "docs" / "communication.md").read_text()
+    program = page.split("## A strategy of your own", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+    source = (REPO / "tests" / "sign_ef.py").read_text()
+    cls = source[source.index("class SignEF"):]
+    assert cls.strip() in program
+    out = subprocess.run([sys.executable, "-c", program], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    first, last = map(float, out.stdout.strip().splitlines()[-1].split())
+    assert last < 0.7 * first
