@@ -1,13 +1,19 @@
 """The redesign's figures of a checkout: lines in jdp/ and in its core (split, step, gradient, sync strategies,
-update, loss, model state, backends), the length of `train_step` and of the longest function, the README's length.
+update, loss, model state, backends), the length of `train_step` and of the longest function, the README's length,
+and the lines outside jdp/sync/ that name a sync strategy's class or one of the strategy flags (the Option rows of
+jdp/options.py aside).
 
     python benchmarks/house_figures.py [CHECKOUT]      (default: this one)
 """
 
 import ast
+import re
 import sys
 from pathlib import Path
 
+STRATEGY_NAMES = re.compile(r"\b(AllReduce|ZeRO1|ZeRO3|LocalSGD|DiLoCo|PowerSGD|ShardedOptimizer|FullySharded|"
+                            r"shard_optimizer|shard_params|sync_every|allreduce_dtype|powersgd_rank|"
+                            r"powersgd_start_step|outer_optimizer|outer_lr|outer_momentum)\b")
 CORE = {"mesh.py", "step.py", "gradients.py", "update.py", "loss.py", "modeldef.py", "parallel.py", "zero.py"}
 
 
@@ -22,7 +28,21 @@ def main(root: Path) -> None:
     train_step = next(n for n, where, name in functions if name == "train_step" and "step.py" in where)
     longest = max(functions)
     print(f"jdp/: {sum(lines.values())} lines; core: {core}; train_step: {train_step} lines; longest function: "
-          f"{longest[1]}, {longest[0]} lines; README: {len((root / 'README.md').read_text().splitlines())} lines")
+          f"{longest[1]}, {longest[0]} lines; README: {len((root / 'README.md').read_text().splitlines())} lines; "
+          f"lines naming a strategy or its flags outside jdp/sync/: {strategy_mentions(root, files)}")
+
+
+def strategy_mentions(root: Path, files: list[Path]) -> int:
+    count = 0
+    for path in files:
+        if (root / "jdp" / "sync") in path.parents:
+            continue
+        text = path.read_text()
+        if path.name == "options.py" and path.parent == root / "jdp" and "OPTIONS: tuple" in text:
+            start = text.index("OPTIONS: tuple")
+            text = text[:start] + text[text.index("\nBY_NAME", start):]  # the Option rows
+        count += sum(bool(STRATEGY_NAMES.search(line)) for line in text.splitlines())
+    return count
 
 
 if __name__ == "__main__":
