@@ -15,6 +15,7 @@ import functools
 import hashlib
 import importlib
 import json
+import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -34,9 +35,9 @@ from jdp.options import BY_NAME
 RECORD_FILE = "run.json"
 FORMAT = 1  # of the `fit` section; a run.json without one (written before it) is not guarded
 # The options that change the numerics or the data order (beside the model, loss, optimizer, data and batch).
+# The sync strategy is guarded by its own record (`jdp.sync.Sync.record`: its class and parameters).
 GUARDED_OPTIONS = ("seed", "precision", "loss_scale", "loss_scale_growth_interval", "keep_fp32", "bn_sync",
-                   "grad_accum_steps", "allreduce_dtype", "sync_every", "sync", "powersgd_rank", "powersgd_start_step",
-                   "outer_optimizer", "outer_lr", "outer_momentum")
+                   "grad_accum_steps")
 # Optimizer-state step counts at which the optimizer is probed: the first update shows its kind, learning rate and
 # weight decay (unless a warmup starts from 0); the later ones its schedule, which a schedule built from `steps`
 # changes when `steps` does, so that part is not compared when `steps` changed.
@@ -217,8 +218,21 @@ def _guarded(fit_record: dict[str, Any]) -> dict[str, Any]:
             "train data (keys, shapes, dtypes, length or sampled rows)": {k: data[k] for k in (
                 "keys", "shapes", "dtypes", "length", "sample_hash")},
             "global_batch_size": fit_record["global_batch_size"],
+            "sync strategy": fit_record.get("strategy") or _strategy_of(fit_record["options"]),
             # An option newer than the record's jdp had its default there.
             **{key: fit_record["options"].get(key, BY_NAME[key].default) for key in GUARDED_OPTIONS}}
+
+
+def _strategy(options: Any) -> Any:
+    from jdp import sync
+
+    return sync.strategy(options)[0]
+
+
+def _strategy_of(options: dict[str, Any]) -> dict[str, Any]:
+    """The record of the strategy a record's options name by flags: of a record written before records held it."""
+    return _strategy(types.SimpleNamespace(**{name: options.get(name, option.default)
+                                              for name, option in BY_NAME.items()})).record()
 
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -242,7 +256,8 @@ def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
             if scale is not None:
                 listed.append(f"learning rate: every update is {scale:.3g}x the recorded run's")
                 continue
-        shown = key in ("model", "loss_fn", "global_batch_size", *GUARDED_OPTIONS)  # the rest are fingerprints
+        # the rest are fingerprints
+        shown = key in ("model", "loss_fn", "global_batch_size", "sync strategy", *GUARDED_OPTIONS)
         listed.append(f"{key}: {before.get(key)!r} -> {after[key]!r}" if shown else key)
     return listed
 
@@ -263,7 +278,8 @@ def fit_record(*, model: Any, loss_fn: Callable, optimizer: optax.GradientTransf
     data came from, where they were given so (None otherwise)."""
     train_factory, eval_factory = data_factories
     return {"format": FORMAT, "steps": steps, "global_batch_size": global_batch_size,
-            "options": options_record(options), "model": describe_model(model, abstract_params),
+            "options": options_record(options), "strategy": _strategy(options).record(),
+            "model": describe_model(model, abstract_params),
             "loss_fn": _name(loss_fn),
             "imports": {"loss_fn": import_path(loss_fn),
                         "eval_fn": import_path(options.eval_fn) if options.eval_fn is not None else None,

@@ -352,10 +352,11 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
 
     check_ranges(cfg)
     choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
-    check({option.name: cfg[key] for key, option in CONFIG_KEYS.items()}, CONFIG_NAMES, ConfigError)
-    h = cfg.parallel.sync_every
-    _require(cfg.train.steps % h == 0, f"train.steps={cfg.train.steps} is not a multiple of parallel.sync_every={h}: "
-                                       "with local SGD the replicas agree only at sync points; use a multiple")
+    values = fit_values(cfg)
+    check(values, CONFIG_NAMES, ConfigError)
+    strategy, what = sync_strategy(values)
+    _require(cfg.train.steps % strategy.every == 0, f"train.steps={cfg.train.steps} is not a multiple of {what}: with "
+                                                    "local SGD the replicas agree only at sync points; use a multiple")
     profile_steps(cfg.profile.steps)
     logger_names(cfg.metrics.loggers)
     uri = cfg.metrics.mlflow_tracking_uri
@@ -363,10 +364,8 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
              f"metrics.mlflow_tracking_uri={uri!r} {tracking_uri_problem(uri)}")
     if cfg.distributed.bind_address:  # a single-process run never listens: a typo would wait for the cluster
         check_bind_address(cfg.distributed.bind_address)
-    for key in ("shard_optimizer", "shard_params"):
-        _require(not cfg.parallel[key] or cfg.optim.name not in ("lamb", "lars"), f"optim.name={cfg.optim.name} "
-                 f"needs whole-leaf norms (trust ratios); parallel.{key}=True supports sgd, momentum, nesterov and "
-                 "adamw")
+    _require(not strategy.shards_optimizer or cfg.optim.name not in ("lamb", "lars"), f"optim.name={cfg.optim.name} "
+             f"needs whole-leaf norms (trust ratios); {what} supports sgd, momentum, nesterov and adamw")
     _require(cfg.optim.min_lr <= cfg.optim.lr, f"optim.min_lr={cfg.optim.min_lr} is above optim.lr={cfg.optim.lr}; "
              "the schedule decays to min_lr: lower it")
     _require(cfg.optim.warmup_steps < cfg.train.steps,
