@@ -165,9 +165,9 @@ class NonFiniteGuard(Callback):
 
     WINDOW = 100
 
-    def __init__(self, run: Run, policy: str, max_skipped_fraction: float, sync_every: int, precision: str) -> None:
+    def __init__(self, run: Run, policy: str, max_skipped_fraction: float, sync_period: int, precision: str) -> None:
         self.run, self.policy, self.max_skipped_fraction = run, policy, max_skipped_fraction
-        self.sync_every, self.precision = sync_every, precision
+        self.sync_period, self.precision = sync_period, precision  # the sync strategy's `every`
         self.recent: collections.deque[bool] = collections.deque(maxlen=self.WINDOW)
         self.warned = False
 
@@ -177,9 +177,9 @@ class NonFiniteGuard(Callback):
         if not bad:
             return
         if self.policy == "halt":
-            saved = ("the state from before it is saved" if (step - 1) % self.sync_every == 0 else
+            saved = ("the state from before it is saved" if (step - 1) % self.sync_period == 0 else
                      f"the last checkpoint stays the latest (local SGD saves only at sync points, every "
-                     f"{self.sync_every} steps)")
+                     f"{self.sync_period} steps)")
             raise NonFiniteLossError(
                 f"non-finite {self._cause(step, metrics)} at step {step}; {saved}; rerun to resume, skipping such "
                 "steps (train.on_nonfinite=skip), or with a lower learning rate (optim.lr) or gradient clipping "
@@ -329,14 +329,14 @@ class StopOnSignal(Callback):
     Preempted. Under local SGD the replicas agree only at sync points: the stop waits for the next one."""
 
     def __init__(self, run: Run, preemption: PreemptionRequest, checkpoints: Checkpoints | None,
-                 sync_every: int) -> None:
-        self.run, self.preemption, self.checkpoints, self.sync_every = run, preemption, checkpoints, sync_every
+                 sync_period: int) -> None:
+        self.run, self.preemption, self.checkpoints, self.sync_period = run, preemption, checkpoints, sync_period
         self.agreement = distributed_lib.StopAgreement()
         self.agreed = False
 
     def due(self, step: int) -> bool:
         self.agreed |= self.agreement.should_stop(step, self.preemption.signal_name is not None)
-        return self.agreed and step % self.sync_every == 0
+        return self.agreed and step % self.sync_period == 0
 
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
         cause = self.preemption.signal_name or "a signal to another process"

@@ -6,7 +6,7 @@ The count is the operand bytes each device hands its all-reduces, reduce-scatter
 state of a training step:
 - a collective in the entry computation runs every step;
 - a conditional's last branch (the true branch of `lax.cond`) is the steady state, run once every `period` steps:
-  a periodic sync's round, or PowerSGD's compressed path after its start step; its other branches (a start-up
+  a periodic sync's round, or a compressing strategy's path after its start step; its other branches (a start-up
   path, or nothing) are not counted;
 - a while loop's body counts its known trip count times (once when XLA does not know it).
 """

@@ -72,10 +72,15 @@ def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: in
                           on_resume or (lambda: None), on_start or (lambda start: None))
         except Exception as e:
             failure = storage.disk_failure(e)
-            if failure is None or workdir is None:
+            lost = storage.lost_directory(e, workdir.absolute()) if failure is None and workdir is not None else None
+            if (failure is None and lost is None) or workdir is None:
                 raise
-            last = checkpointer.steps()[-1] if checkpointer is not None and checkpointer.steps() else None
-            raise storage.disk_error(failure, workdir, last) from None
+            last = None
+            with contextlib.suppress(Exception):  # orbax's list, of those still there (a directory may be gone)
+                saved = [s for s in checkpointer.steps() if (checkpointer.directory / str(s)).is_dir()]
+                last = saved[-1] if saved else None
+            error = storage.disk_error(failure, workdir, last) if failure else storage.lost_error(lost, last)
+            raise error from None
 
 
 def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int, workdir: Path | None,
@@ -240,10 +245,8 @@ def _compile(run: callbacks_lib.Run, batch: dict) -> None:
     parallel = run.parallel
     parallel.compile_train(run.state, batch)
     run.writer.echo(memory.describe(parallel.memory))
-    if parallel.bf16_widened:
-        run.writer.echo("warning: allreduce_dtype=bf16 saves nothing here: the compiled program all-reduces "
-                        "in float32 on these devices (XLA:CPU widens bfloat16); fp32 sends as many bytes, "
-                        "without the casts")
+    if parallel.compiled_warning:
+        run.writer.echo(f"warning: {parallel.compiled_warning}")
 
 
 def _restore_or_init(engine: Engine, checkpointer: Checkpointer | None, echo) -> tuple[int, Any]:

@@ -146,7 +146,7 @@ CONFIG_KEYS = {option.key: option for option in OPTIONS if option.key}
 
 
 class View:
-    """How a check names an option and its fix: by `fit` keyword (`sync_every`, "use backend='shard_map'")."""
+    """How a check names an option and its fix: by `fit` keyword (`eval_every`, "use backend='shard_map'")."""
 
     def __call__(self, name: str) -> str:
         return name
@@ -156,7 +156,7 @@ class View:
 
 
 class ConfigView(View):
-    """The same checks read as config keys (`parallel.sync_every`, "use --config.parallel.backend=shard_map")."""
+    """The same checks read as config keys (`train.eval_every`, "use --config.parallel.backend=shard_map")."""
 
     def __call__(self, name: str) -> str:
         return BY_NAME[name].key
@@ -189,11 +189,11 @@ def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception]
 
     strategy, what = chosen(o, view, require, defaults)
     strategy.check(o, view, what, require)
-    require(not o["log_noise_scale"] or (o["backend"] != "jit" and strategy.noise_scale),
-            f"{n('log_noise_scale')} compares each device's gradient with the all-reduced one, which jit (no "
-            "per-device gradients), local SGD (no all-reduced gradient) and shard_optimizer (no whole gradient "
-            f"on a device) do not have; use {use('backend', 'shard_map')} or pmap with {n('sync_every')}=1 "
-            f"and {n('shard_optimizer')}=False")
+    noise = f"{n('log_noise_scale')} compares each device's gradient with the all-reduced one, which"
+    require(not o["log_noise_scale"] or o["backend"] != "jit", f"{noise} jit does not have (no per-device "
+            f"gradients); use {use('backend', 'shard_map')} or pmap")
+    require(not o["log_noise_scale"] or strategy.noise_scale, f"{noise} {what} does not hold on each device; use "
+            "the mean all-reduce")
 
 
 def _post_init(self: Any) -> None:

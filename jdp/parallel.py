@@ -105,7 +105,7 @@ class DataParallel:
         self._eval_derived = eval_derived
         options = options or step_lib.StepOptions()
         self.comm_bytes_per_step: float | None = None  # read from the compiled step by `read_collectives`
-        self.bf16_widened = False
+        self.compiled_warning: str | None = None  # the strategy's word on the compiled program (`Sync`)
         self._state_specs = sync.state_specs(abstract_state, mesh.size)
         self._layouts = layouts = sync.layouts(abstract_state)
         self.per_device = jax.tree.map(lambda layout: layout == PER_DEVICE, layouts)
@@ -271,9 +271,7 @@ class DataParallel:
 
     def _read_collectives(self, text: str) -> None:
         self.comm_bytes_per_step = hlo.collective_bytes(text, self.mesh.size, self.sync.every)
-        # XLA:CPU all-reduces a bfloat16 payload in float32: the compression then saves nothing.
-        self.bf16_widened = self.sync.dtype == jnp.bfloat16 and self.mesh.size > 1 and not hlo.sends_dtype(
-            text, "bf16")
+        self.compiled_warning = self.sync.compiled_warning(text, self.mesh.size)
 
     def to_host(self, tree: Tree) -> Tree:
         """A logical tree as numpy: this process's first copy of each replicated leaf; of a train state's per-device

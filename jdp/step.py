@@ -40,7 +40,7 @@ class TrainState(NamedTuple):
     skipped: jax.Array  # int32 scalar: steps whose update was dropped as non-finite
     loss_scale: jax.Array  # float32 [scale, finite steps since it last changed, overflowed steps]; fp16 only
     halted: jax.Array  # int32 scalar, 1 once on_nonfinite=halt froze this process's state (reset on restore)
-    sync: Tree = {}  # the sync strategy's own state (jdp.sync: PowerSGD's Q and error feedback); {} for most
+    sync: Tree = {}  # the sync strategy's own state (jdp.sync: an error feedback, an outer optimizer's); {} for most
 
 
 @dataclasses.dataclass(frozen=True)

@@ -272,6 +272,7 @@ def fit(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
     jdp takes the weighted mean over the whole global batch. `train_data` / `eval_data`: a dict of arrays
     sharing a leading length, a random-access dataset, or a jdp `Source`. Other options: `FitOptions`.
     """
+    preemption.install_excepthook()  # left uncaught in a script, a FitError is one line and exit 2, as in the CLI
     return run(model, loss_fn, train_data, optimizer=optimizer, steps=steps, global_batch_size=global_batch_size,
                options=_options(options))
 
@@ -292,9 +293,10 @@ def _run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_da
          on_resume: Callable[[], None] | None, on_start: Callable[[int], None] | None) -> FitResult:
     o = options
     _check_joined()
-    every = sync_lib.strategy(o)[0].every  # a periodic strategy's replicas agree only at sync points
-    if not 0 < steps < 2**31 or steps % every:  # the state counts steps in int32
-        raise FitError(f"steps={steps} must be a positive multiple of sync_every={every}, below 2**31")
+    strategy, what = sync_lib.strategy(o)  # a periodic strategy's replicas agree only at sync points
+    if not 0 < steps < 2**31 or steps % strategy.every:  # the state counts steps in int32
+        raise FitError(f"steps={steps} must be positive, below 2**31, and a multiple of the sync strategy's period "
+                       f"{strategy.every} ({what})")
     if o.workdir is not None:
         try:
             storage.check_writable(o.workdir, "workdir")

@@ -334,7 +334,7 @@ def test_a_random_access_dataset_trains_like_the_same_arrays():
     ({"eval_evry": 4}, "did you mean 'eval_every'"),
     ({"data": {**regression_data(), "mask": np.ones(256, np.float32)}}, "key 'mask'"),
     ({"data": jdp.Batcher(regression_data(), seed=0, global_batch_size=64)}, "global batches of 64 rows"),
-    ({"sync_every": 2, "steps": 5, "check_replicas_every": 2}, "multiple of sync_every=2"),
+    ({"sync_every": 2, "steps": 5, "check_replicas_every": 2}, r"multiple of the sync strategy.s period 2 \(sync_every=2\)"),
 ])
 def test_bad_input_is_refused_in_one_line_before_compiling(case, message):
     case = dict(case)
@@ -365,7 +365,8 @@ def test_what_is_no_model_or_optimizer_is_refused_in_one_line(given, message):
 
 @pytest.mark.parametrize("steps", [0, 2**31])
 def test_steps_outside_the_int32_step_counter_are_refused(steps):
-    with pytest.raises(jdp.FitError, match=f"steps={steps} must be a positive multiple of sync_every=1, below 2"):
+    with pytest.raises(jdp.FitError, match=f"steps={steps} must be positive, below 2..31, and a multiple of the sync "
+                                           "strategy's period 1"):
         jdp.fit(Regressor(nnx.Rngs(0)), mse, regression_data(), optimizer=optax.sgd(0.1), steps=steps,
                 global_batch_size=32)
 

@@ -6,6 +6,7 @@ refused where its own check says; the resume guard compares its record."""
 from __future__ import annotations
 
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -146,3 +147,27 @@ def test_the_docs_program_runs_as_printed_with_the_same_class(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     first, last = map(float, out.stdout.strip().splitlines()[-1].split())
     assert last < 0.7 * first
+
+
+def test_no_module_outside_jdp_sync_names_a_strategy_or_its_flags():
+    """A strategy's rules (its checks, record, optimizer rule, period, messages) live in its class, and the flags
+    map onto the classes in jdp/sync/flags.py: a module elsewhere that names one has taken a rule back. Exempt:
+    the Option rows of jdp/options.py (the flags' names, ranges and help) and the PyTorch twin (jdp/compare/),
+    which maps jdp's PowerSGD onto DDP's own `powerSGD_hook`."""
+    from jdp.sync import flags
+
+    names = [name for name in sync.__all__ if isinstance(getattr(sync, name), type) and issubclass(
+        getattr(sync, name), sync.Sync) and name != "Sync"]
+    pattern = re.compile(r"\b(" + "|".join((*names, *flags.FLAGS)) + r")\b")
+    found = []
+    for path in sorted((REPO / "jdp").rglob("*.py")):
+        where = path.relative_to(REPO / "jdp").parts
+        if where[0] in ("sync", "compare", "configs"):
+            continue
+        text = path.read_text()
+        if where == ("options.py",):
+            start = text.index("OPTIONS: tuple")
+            text = text[:start] + text[text.index("\nBY_NAME", start):]
+        found += [f"jdp/{'/'.join(where)}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1)
+                  if pattern.search(line)]
+    assert not found, "\n".join(found)

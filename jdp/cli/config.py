@@ -33,9 +33,7 @@ MODEL_FIELDS = ("name", "kwargs", "bn_sync")  # configs/base.py's model section;
 # Settings that change what a run computes (its data order or its numerics): changing them when resuming a
 # workdir is refused by default. Paths, caches, lengths and periods are not among them.
 STATE_DEFINING = ("model.", "optim.", "task.", "loss_scale.", "seed", "precision", "train.global_batch_size",
-                  "train.grad_accum_steps", "parallel.allreduce_dtype", "parallel.sync_every", "parallel.sync",
-                  "parallel.powersgd_rank", "parallel.powersgd_start_step", "parallel.outer_optimizer",
-                  "parallel.outer_lr", "parallel.outer_momentum", "parallel.sync_kwargs", "data.name",
+                  "train.grad_accum_steps", "parallel.sync", "parallel.sync_kwargs", "data.name",
                   "data.shape", "data.num_classes", "data.num_examples", "data.normalize", "data.augment",
                   "data.image_size", "data.train_split", "data.block_size", "data.tokenizer")
 
@@ -420,9 +418,13 @@ def load_saved_config(path: Path, fix: str = "move it away, or pass --config") -
 
 
 def state_changes(old: ml_collections.ConfigDict, new: ml_collections.ConfigDict) -> list[str]:
-    """`key: old -> new` for each setting that changes the data order or the numerics (STATE_DEFINING)."""
+    """`key: old -> new` for each setting that changes the data order or the numerics (STATE_DEFINING, and the sync
+    strategy's flags)."""
+    from jdp.sync.flags import FLAGS
+
+    guarded = (*STATE_DEFINING, *(f"parallel.{flag}" for flag in FLAGS))
     return [f"{k}: {before!r} -> {after!r}" for k, before, after in differences(old.to_dict(), new.to_dict())
-            if any(k == key or (key.endswith(".") and k.startswith(key)) for key in STATE_DEFINING)]
+            if any(k == key or (key.endswith(".") and k.startswith(key)) for key in guarded)]
 
 
 def logger_names(spec: str) -> list[str]:

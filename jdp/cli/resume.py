@@ -108,10 +108,16 @@ def restore_for_inference(workdir: Path) -> tuple[int, Engine, TrainState]:
     engine = build(cfg, workdir=workdir)
     checkpointer = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0)
     try:
-        restored = checkpointer.restore_latest(engine.abstract_state, reject_damaged=False)
+        restored = checkpointer.restore_latest(engine.abstract_state, reject_damaged=False,
+                                               per_device=engine.parallel.per_device)
     finally:
         checkpointer.close()
     if restored is None:
         raise CheckpointError(f"no checkpoint in {checkpointer.directory}; train first with python -m jdp.train")
     step, state, _ = restored
+    # Saved on more devices than restore it here, the per-device state (a strategy's error feedback, an inner
+    # optimizer's state) comes back as None; inference reads only the parameters and model state, so it stays fresh.
+    if any(x is None for x in jax.tree.leaves(state, is_leaf=lambda x: x is None)):
+        state = jax.tree.map(lambda x, fresh: fresh if x is None else x, state, engine.init_state(),
+                             is_leaf=lambda x: x is None)
     return step, engine, state

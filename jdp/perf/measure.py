@@ -13,9 +13,11 @@ from jdp import precision
 from jdp.cli.build import build
 from jdp.memory import memory_analysis, state_memory
 from jdp.memory import per_device_bytes as per_device_bytes  # re-exported: where the bench's figures come from
+from jdp.options import BY_NAME
+from jdp.sync.flags import FLAGS
 
-# The state's sharding on the devices, as `python -m jdp.bench --compile_only` compares them: config overrides.
-SHARDINGS = {"plain": {}, "zero1": {"shard_optimizer": True}, "zero3": {"shard_params": True}}
+# The state's sharding on the devices, as `python -m jdp.bench --compile_only` compares them: sync strategy names.
+SHARDINGS = {"plain": "allreduce", "zero1": "zero1", "zero3": "zero3"}
 
 
 def compiled_memory(cfg, num_devices: int, sharding: str) -> dict:
@@ -24,8 +26,9 @@ def compiled_memory(cfg, num_devices: int, sharding: str) -> dict:
     too big to run here."""
     cfg = cfg.copy_and_resolve_references()
     cfg.parallel.num_devices = num_devices
-    for key in ("shard_optimizer", "shard_params"):
-        cfg.parallel[key] = SHARDINGS[sharding].get(key, False)
+    for flag in FLAGS:  # the strategy named alone, whatever the config's flags chose
+        cfg.parallel[flag] = BY_NAME[flag].default
+    cfg.parallel.sync = SHARDINGS[sharding]
     b = build(cfg)
     state = b.parallel.step_shapes(b.abstract_state)
     batch = b.parallel.shard_batch(b.source.train_batch(0))

@@ -61,7 +61,7 @@ def gradient_bytes(cfg, input_shape: tuple[int, ...] | None = None, num_classes:
         build_lib.check_names(cfg)
         make_model = build_lib.model_maker(cfg, input_shape, num_classes)
     params = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(build_lib.abstract_model(make_model), nnx.Param)))
-    return params, params * ALLREDUCE_BYTES[cfg.parallel.allreduce_dtype]
+    return params, params * ALLREDUCE_BYTES[config_lib.sync_strategy(config_lib.fit_values(cfg))[0].dtype_name]
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -114,7 +114,8 @@ def main(argv: list[str]) -> int:
     batch = cfg.train.global_batch_size
     rows = predict(nbytes, one_step, batch, devices, topo, args.scaling)
     measured = "given" if args.step_ms else "measured here by jdp.bench"
-    print(f"{args.config.name}: {cfg.model.name}, {params:,} parameters, all-reduce in {cfg.parallel.allreduce_dtype}; "
+    strategy = config_lib.sync_strategy(config_lib.fit_values(cfg))[0]
+    print(f"{args.config.name}: {cfg.model.name}, {params:,} parameters, all-reduce in {strategy.dtype_name}; "
           f"one device's step {one_step * 1e3:.3f} ms at batch {batch} ({measured}); {args.scaling} scaling")
     print(f"links: {args.intra}: {topo.intra.about}; {args.inter}: {topo.inter.about}")
     print(to_markdown(rows, nbytes, f"{args.per_node} devices per node, {args.intra} within, {args.inter} between"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 BACKWARD_SHARE = 2 / 3  # the overlap: backward FLOPs are 2x the forward's (Kaplan et al. 2020, C ~ 6N per token)
-ALLREDUCE_BYTES = {"fp32": 4, "bf16": 2}  # parallel.allreduce_dtype -> bytes per gradient element sent
+ALLREDUCE_BYTES = {"fp32": 4, "bf16": 2}  # a strategy's dtype -> bytes per gradient element sent
 DEFAULT_DEVICES = (1, 8, 64, 512)
 
 

@@ -15,6 +15,7 @@ import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from jdp import hlo
 from jdp.layers import LayerView
 from jdp.mesh import DATA_AXIS
 
@@ -165,6 +166,14 @@ class Sync:
         """Whether each device's optimizer updates slices of the leaves, so that its global-norm clipping sums
         the slices' squares across devices."""
         return False
+
+    def compiled_warning(self, hlo_text: str, num_devices: int) -> str | None:
+        """What to say of the compiled step (`hlo_text`, after XLA's passes) before it runs, or None."""
+        if self.dtype == jnp.bfloat16 and num_devices > 1 and not hlo.sends_dtype(hlo_text, "bf16"):
+            # XLA:CPU all-reduces a bfloat16 payload in float32: the compression then saves nothing.
+            return (f"{self!r} saves nothing here: the compiled program all-reduces in float32 on these devices "
+                    "(XLA:CPU widens bfloat16); fp32 sends as many bytes, without the casts")
+        return None
 
     def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
                         backend: str, what: str) -> None:
