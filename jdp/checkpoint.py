@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -268,6 +269,12 @@ class Checkpointer:
         DiskError, and nothing is moved."""
         warn = warn or _warn
         signal_if_requested("restore")
+        if not_checkpoints := self._not_directories():  # orbax skips them, then fails to save those steps
+            for step, problem in not_checkpoints.items():
+                warn(f"checkpoint {self.directory / str(step)} is unusable: {problem.removeprefix('is ')} stands "
+                     f"where its directory belongs; {'moving it aside' if reject_damaged else 'skipping it'}")
+            if reject_damaged:
+                self._reject(list(not_checkpoints), warn, timeout_s)
         problems, damaged = [], []
         for step in reversed(self.steps()):
             state, data, problem = self._restore(step, abstract_state, per_device)
@@ -283,6 +290,16 @@ class Checkpointer:
             raise CheckpointError(f"no usable checkpoint in {self.directory}: {problems[0]}; restore the files, "
                                   "or move the directory away to start afresh")
         return None
+
+    def _not_directories(self) -> dict[int, str]:
+        """{step: what it is} of the entries named as a step that are not a directory: a file, a symbolic link
+        loop, a link to nothing."""
+        try:
+            entries = [path for path in self.directory.iterdir() if path.name.isdigit()]
+        except OSError:
+            return {}
+        found = {int(path.name): storage.not_a_directory(path) for path in entries}
+        return {step: problem for step, problem in sorted(found.items()) if problem}
 
     def _restore(self, step: int, abstract_state: Any, per_device: Any) -> tuple[Any, dict | None, str | None]:
         """(state, data item, None), or what is wrong with checkpoint `step`: (None, data item or None if it is
@@ -366,7 +383,7 @@ def _warn(line: str) -> None:
 def _move_aside(checkpoint: Path, rejected: Path) -> Path:
     """Renames `checkpoint` into `rejected` (as STEP, or STEP.N where that is taken); returns its new path."""
     target, n = rejected / checkpoint.name, 1
-    while target.exists():
+    while os.path.lexists(target):  # a symbolic link moved aside before counts, even one that leads nowhere
         target, n = rejected / f"{checkpoint.name}.{n}", n + 1
     try:
         rejected.mkdir(exist_ok=True)

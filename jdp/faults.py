@@ -1,5 +1,7 @@
 """Deterministic faults for the crash-safety tests, set through the environment as `JDP_KILL_AT=POINT:STEP`, or
-`POINT:STEP@PROCESS` for one process of a multi-process run. Unset, nothing happens.
+`POINT:STEP@PROCESS` for one process of a multi-process run. Unset, nothing happens. Under `jdp.launch
+--max_restarts N` only the first attempt (`JDP_RESTART=0`, or unset) has faults: a restarted group runs clean, so a
+test's fault fires once.
 
 | POINT   | what happens                                                                                   |
 |---------|------------------------------------------------------------------------------------------------|
@@ -18,6 +20,8 @@ from collections.abc import Callable
 
 def _requested(point: str) -> int | None:
     """STEP of `JDP_KILL_AT=POINT:STEP[@PROCESS]` when it names `point` (and this process), else None."""
+    if os.environ.get("JDP_RESTART", "0").strip() not in ("", "0"):  # a restart by jdp.launch: the fault has fired
+        return None
     spec = os.environ.get("JDP_KILL_AT", "")
     name, _, rest = spec.partition(":")
     step, _, process = rest.partition("@")

@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import struct
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 from tqdm import tqdm
 
@@ -152,10 +154,14 @@ class MetricsWriter:
             return
         if self._bar is not None:
             self._bar.close()
-        if self._tb:
-            self._tb.close()
-        if self._file is not None:
-            self._file.close()
+        tb, self._tb, self._summary_writer = self._tb, None, None  # closed once, even if closing fails (a full disk)
+        try:
+            if tb:
+                tb.close()
+        finally:
+            file, self._file = self._file, None
+            if file is not None:
+                file.close()
 
 
 def _short(metrics: dict[str, float]) -> str:
@@ -246,18 +252,61 @@ def _purge_events(directory: Path, step: int) -> None:
             write_atomic(path, purged)
 
 
+FLUSH_S = 120.0  # how often the event file's buffered records are pushed to the disk (tensorboardX's default)
+
+
+class _EventFile:
+    """A TensorBoard event file written on the caller's thread, in tensorboardX's format (its `EventsWriter`) and
+    with its scalar summaries. tensorboardX's own SummaryWriter writes on a thread of its own: a write that fails
+    there (a full disk) ends that thread with a traceback, and the next lines then wait forever on its full queue,
+    as does the exit. Here a failed write raises where the line is written, naming the file. Records go through
+    the file's buffer, pushed to the disk every FLUSH_S and at close, as tensorboardX's thread did."""
+
+    def __init__(self, logdir: str, filename_suffix: str = "") -> None:
+        # Imported by `_tensorboard_class` at start-up.
+        from tensorboardX.event_file_writer import EventsWriter
+        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.summary import scalar
+
+        self._event, self._scalar = Event, scalar
+        self._logdir, self._flushed = logdir, time.monotonic()
+        self._named(os.makedirs, logdir, exist_ok=True)
+        self._events = self._named(EventsWriter, os.path.join(logdir, "events"), filename_suffix)
+
+    def add_scalar(self, tag: str, value: float, step: int) -> None:
+        event = self._event(wall_time=time.time(), step=int(step), summary=self._scalar(tag, value))
+        self._named(self._events.write_event, event)
+        if time.monotonic() - self._flushed > FLUSH_S:
+            self._named(self._events.flush)
+            self._flushed = time.monotonic()
+
+    def close(self) -> None:
+        self._named(self._events.close)
+
+    def _named(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """`write(*args, **kwargs)`; an OSError without a path (a buffered write's) names the event file."""
+        try:
+            return write(*args, **kwargs)
+        except OSError as e:
+            if e.filename is None:
+                writer = getattr(self, "_events", None)
+                e.filename = getattr(getattr(writer, "_py_recordio_writer", None), "path", self._logdir)
+            raise
+
+
 def _tensorboard_class() -> type | None:
-    """tensorboardX's SummaryWriter, or None where tensorboardX is not installed (optional: a bare GPU box may
-    lack it). tensorboardX imports torch when it is installed (2-3 s at every start) only to accept torch
+    """The event file's writer (`_EventFile`), or None where tensorboardX is not installed (optional: a bare GPU
+    box may lack it). tensorboardX imports torch when it is installed (2-3 s at every start) only to accept torch
     tensors; jdp writes Python floats, so torch is hidden from that import."""
     hide_torch = "torch" not in sys.modules
     if hide_torch:
         sys.modules["torch"] = None
     try:
-        from tensorboardX import SummaryWriter
+        import tensorboardX.event_file_writer  # noqa: F401
+        import tensorboardX.summary  # noqa: F401
     except ImportError:
         return None
     finally:
         if hide_torch:
             del sys.modules["torch"]
-    return SummaryWriter
+    return _EventFile

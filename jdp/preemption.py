@@ -14,12 +14,45 @@ import threading
 from collections.abc import Callable, Iterator
 from types import FrameType, TracebackType
 
-from jdp.errors import Preempted
+from jdp.errors import Preempted, UsageError
 
 EXIT_PREEMPTED = 75  # safe to requeue: the rerun resumes from the last checkpoint, or starts over without one
+EXIT_USAGE = 2  # a refusal or bad input: the same again fails the same way
+
+
+EXIT_PEER_FAILED = 5  # jdp.cli.train's EXIT_DISTRIBUTED: another process (or the coordinator) failed
+# Set by jdp.launch for its children: the file it writes, before its SIGTERM, when it stops them because one failed.
+LAUNCH_FAILURE_FILE = "JDP_LAUNCH_FAILURE_FILE"
+
+
+def launch_failure() -> str | None:
+    """Under `jdp.launch`, why it is stopping this process (`rank 1 exited with code 1`), when it stops the group
+    because another process failed; None otherwise (no launcher, or a SIGTERM it passed on: a preemption)."""
+    path = os.environ.get(LAUNCH_FAILURE_FILE)
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            return f.read().strip() or "another process failed"
+    except OSError:
+        return None
+
+
+def _exit_if_peer_failed() -> None:
+    """A SIGTERM from jdp.launch after another process failed is no preemption: one line and exit 5 at once (a
+    requeue policy must not take a crash for a preemption; the peer is gone, so no checkpoint can be written)."""
+    failure = launch_failure()
+    if failure is None:
+        return
+    sys.stdout.flush()
+    print(f"jdp: distributed: process {os.environ.get('RANK', '?')} stopped because another process failed "
+          f"(jdp.launch: {failure}); exiting with code {EXIT_PEER_FAILED}, not {EXIT_PREEMPTED}: this is no "
+          "preemption (a rerun resumes from the last checkpoint)", file=sys.stderr, flush=True)
+    os._exit(EXIT_PEER_FAILED)
 
 
 def _exit_at_once(signum: int, frame: FrameType | None) -> None:
+    _exit_if_peer_failed()
     print(f"jdp: preempted: {signal.Signals(signum).name} outside the training steps; exiting with code "
           f"{EXIT_PREEMPTED} (no step was lost: a rerun resumes from the last checkpoint, or starts over without one)",
           file=sys.stderr, flush=True)
@@ -57,6 +90,7 @@ class PreemptionRequest:
         self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        _exit_if_peer_failed()
         name = signal.Signals(signum).name
         if self.signal_name is not None:
             print(f"jdp: second {name}: exiting now, without a checkpoint", file=sys.stderr, flush=True)
@@ -83,23 +117,33 @@ def interactive() -> bool:
 
 
 class _PreemptedExits:
-    """`sys.excepthook`: in a script, an uncaught `Preempted` is one line and exit 75, as in `python -m jdp.train`;
-    anything else goes to the previous hook. IPython and Jupyter show a cell's errors without this hook."""
+    """`sys.excepthook`: in a script, an uncaught `Preempted` is one line and exit 75, and an uncaught `jdp.FitError`
+    (any `jdp.UsageError`: a refused resume, bad input) one line and exit 2, as in `python -m jdp.train`; anything
+    else goes to the previous hook. IPython and Jupyter show a cell's errors without this hook."""
 
     def __init__(self, previous: Callable[[type[BaseException], BaseException, TracebackType | None], object]) -> None:
         self.previous = previous
 
     def __call__(self, kind: type[BaseException], error: BaseException, tb: TracebackType | None) -> None:
-        if not issubclass(kind, Preempted) or interactive():
+        if not issubclass(kind, (Preempted, UsageError)) or interactive():
             self.previous(kind, error, tb)
             return
-        print(f"jdp: preempted: {error}", file=sys.stderr)
+        preempted = issubclass(kind, Preempted)
+        print(f"jdp: {'preempted' if preempted else 'error'}: {error}", file=sys.stderr)
         # The interpreter fixes the status of an uncaught exception at 1: end the process here, after what a normal
         # exit runs first (atexit: loggers, trackers, JAX's distributed shutdown).
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_PREEMPTED)
+        os._exit(EXIT_PREEMPTED if preempted else EXIT_USAGE)
+
+
+def install_excepthook() -> None:
+    """`_PreemptedExits` as `sys.excepthook`, once (`jdp.fit`, `jdp.restore`, `jdp.evaluate` and `jdp.export` call
+    it): a script that leaves jdp's one-line errors uncaught ends as the CLI does, one that catches them is
+    unchanged."""
+    if not isinstance(sys.excepthook, _PreemptedExits):  # installed once: later calls find it
+        sys.excepthook = _PreemptedExits(sys.excepthook)
 
 
 @contextlib.contextmanager
@@ -109,7 +153,6 @@ def during_fit() -> Iterator[None]:
     and one process of several would wait for the others in a barrier); in the steps it checkpoints and raises
     `Preempted`, which, uncaught, exits 75 in one line. Interactive, the handlers stay (SIGINT raises
     KeyboardInterrupt) and `Preempted` is shown as any error: the session lives."""
-    if not isinstance(sys.excepthook, _PreemptedExits):  # installed once: later fits find it
-        sys.excepthook = _PreemptedExits(sys.excepthook)
+    install_excepthook()
     with contextlib.nullcontext() if interactive() else ExitOnSignal():
         yield

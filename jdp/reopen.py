@@ -18,6 +18,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jdp import preemption
 from jdp import record as record_lib
 from jdp import trainer
 from jdp.checkpoint import CheckpointError, read_arrays
@@ -55,6 +56,7 @@ def restore(workdir: str | Path, model: nnx.Module | Callable[[], nnx.Module] | 
             step: int | None = None) -> nnx.Module:
     """The run's model with the parameters and state of its latest checkpoint (or of `step`): built from the
     run's record when that names importable code, else `model` (a module, filled in place, or a factory)."""
+    preemption.install_excepthook()  # an uncaught FitError: one line and exit 2
     return _restored(Path(workdir), model, step)[1]
 
 
@@ -87,6 +89,7 @@ def evaluate(model: nnx.Module, loss_fn: LossFn, data: Any, *, global_batch_size
     or a factory of one), the model in eval mode, data-parallel over `num_devices` (0 = all): the last batch is
     padded and the padding masked, so nothing is dropped. `global_batch_size`: rows per eval batch (default: the
     data in one batch, up to 1024 rows per device). `derived`: more metrics from the means (e.g. perplexity)."""
+    preemption.install_excepthook()  # an uncaught FitError: one line and exit 2
     data = data() if trainer.is_factory(data) else data
     try:
         n = len(mesh_devices(num_devices))
@@ -114,6 +117,7 @@ def export(workdir: str | Path, path: str | Path, model: nnx.Module | Callable[[
     that `init_from` and `jdp.params_file` read. `model`, as in `restore`: the run's model (an `nnx.Module` or a
     factory), needed when the run's record names no importable one. Returns (the step exported, the number of
     arrays)."""
+    preemption.install_excepthook()  # an uncaught FitError: one line and exit 2
     step, restored = _restored(Path(workdir), model, step, "jdp.export(workdir, path, model)")
     params, model_state = state_groups(restored)
     write_params_file(Path(path), params, model_state, step)

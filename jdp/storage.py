@@ -58,6 +58,24 @@ def check_writable(workdir: str | Path, flag: str = "--workdir") -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"workdir {workdir} cannot be written ({existing} is read-only to this user); pass "
                          f"another {flag} or make it writable")
+    for name in RUN_DIRECTORIES:  # orbax would write into a file there, and wait forever for its failed save
+        if problem := not_a_directory(workdir / name):
+            raise UsageError(f"{workdir / name} {problem}: the run keeps its {name} there; move it away (or pass "
+                             f"another {flag}) and rerun")
+
+
+# The directories a run makes in its workdir.
+RUN_DIRECTORIES = ("checkpoints", "tensorboard")
+
+
+def not_a_directory(path: Path) -> str | None:
+    """Why `path`, where a directory is made or expected, cannot be one (a file, a symbolic link loop, a link to
+    nothing), or None: a directory, or nothing there."""
+    if path.is_dir():
+        return None
+    if path.is_symlink():
+        return _broken_link(path, path)
+    return "is a file" if path.exists() else None
 
 
 def _broken_link(link: Path, workdir: Path) -> str:
@@ -84,6 +102,57 @@ def disk_failure(error: BaseException) -> tuple[int, str | None] | None:
             return int(code[1]), path[1] if path else None
         error = error.__cause__ or error.__context__
     return None
+
+
+_QUOTED_PATH = re.compile(r'"(/[^"]+)"')
+
+
+def lost_directory(error: BaseException, workdir: Path | None = None) -> tuple[Path, str | None] | None:
+    """(the directory that is gone, the path written or None) if `error`, or an error it was raised from, is a
+    write that failed with ENOENT because a directory it wrote into was deleted or moved meanwhile: `workdir`
+    itself when it is gone, else the highest missing directory above the path the error names (inside `workdir`,
+    if given). A missing file in a directory that is there is not this."""
+    seen = set()
+    while error is not None and id(error) not in seen and not isinstance(error, DiskError):
+        seen.add(id(error))
+        path, text = None, str(error)
+        if isinstance(error, OSError) and error.errno == errno.ENOENT:
+            found, path = True, error.filename
+            path = path if isinstance(path, str) else None
+        else:
+            code = _OS_ERROR_CODE.search(text)
+            found = bool(code) and int(code[1]) == errno.ENOENT
+            if found:
+                named = _WRITTEN_PATH.search(text) or _QUOTED_PATH.search(text)
+                path = named[1] if named else None
+        if found:
+            if workdir is not None and not Path(workdir).is_dir():
+                return Path(workdir), path
+            gone = _highest_missing(Path(path).parent, workdir) if path else None
+            if gone is not None:
+                return gone, path
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _highest_missing(directory: Path, within: Path | None) -> Path | None:
+    """The highest directory above and including `directory` that does not exist (below `within`, if given)."""
+    if directory.exists() or (within is not None and not directory.is_relative_to(within)):
+        return None
+    while directory.parent != directory and not directory.parent.exists() and (
+            within is None or directory.parent.is_relative_to(within)):
+        directory = directory.parent
+    return directory
+
+
+def lost_error(lost: tuple[Path, str | None], last_checkpoint: int | None) -> DiskError:
+    """The one-line error for `lost` (from `lost_directory`): a directory of the workdir deleted or moved while
+    the run wrote it."""
+    gone, path = lost
+    written = f" (no such file or directory writing {path})" if path else ""
+    kept = (f"the last checkpoint, step {last_checkpoint}, is intact: rerun to resume" if last_checkpoint is not None
+            else "move it back and rerun to resume, or rerun to start afresh")
+    return DiskError(f"{gone} was deleted or moved while the run wrote it{written}; {kept}")
 
 
 def read_failure(error: BaseException) -> tuple[int, str | None] | None:
@@ -170,12 +239,13 @@ def _free(path: Path) -> str:
 
 
 class QuietDiskFailures(logging.Filter):
-    """orbax's background threads log each failed write with a traceback; jdp reports a storage failure
-    once, itself, so those records are dropped (any other record passes)."""
+    """orbax's background threads log each failed write with a traceback; jdp reports a storage failure (or a
+    directory deleted under a write, `lost_directory`) once, itself, so those records are dropped (any other record
+    passes)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
             return True
-        if record.exc_info and record.exc_info[1] is not None and disk_failure(record.exc_info[1]):
-            return False
-        return disk_failure(Exception(record.getMessage())) is None
+        errors = [record.exc_info[1]] if record.exc_info and record.exc_info[1] is not None else []
+        errors.append(Exception(record.getMessage()))
+        return not any(disk_failure(e) or lost_directory(e) for e in errors)

@@ -20,7 +20,7 @@ from jdp import checkpoint as checkpoint_lib
 from jdp import digest, params_file, storage
 from jdp.checkpoint import Checkpointer, CheckpointError
 from jdp.cli import config as config_lib
-from jdp.cli import export
+from jdp.cli import export, resume
 from jdp.cli.build import build
 from jdp.cli.optim import learning_rate
 from jdp.cli.train import main, run
@@ -574,6 +574,22 @@ def test_export_eval_only_and_init_from_work_whatever_device_count_the_run_used(
     second = small_config("mlp", steps=1, num_devices=2, init_from=str(tmp_path / "p.npz"))
     second.optim.lr = 1e-12
     assert run(second, tmp_path / "b").eval_loss == pytest.approx(first.eval_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("sync", [{"sync": "powersgd", "powersgd_rank": 2, "powersgd_start_step": 0},
+                                  {"sync_every": 2, "outer_optimizer": "nesterov"}], ids=["powersgd", "diloco"])
+def test_export_and_eval_only_of_a_run_with_per_device_state_work_on_fewer_devices(monkeypatch, tmp_path, sync):
+    """PowerSGD's error feedback and DiLoCo's inner optimizer state hold one row per device (4 here); export and
+    --eval_only on 1 device read none of it. Breaks if they restore it at the model's shape (a config change,
+    exit 2)."""
+    first = run(small_config("mlp", steps=2, num_devices=4, parallel={"num_devices": 4, **sync}), tmp_path)
+    monkeypatch.setattr(resume, "inference_devices", lambda cfg: 1)  # what a machine with 1 device gets
+    assert export.main(["--workdir", str(tmp_path), "--out", str(tmp_path / "p.npz")]) == 0
+    with np.load(tmp_path / "p.npz") as stored:
+        exported = params_file.flatten(first.params, "params")
+        assert all(np.array_equal(stored[k], v) for k, v in exported.items())
+    assert main(["--workdir", str(tmp_path), "--eval_only"]) == 0
+    assert records(tmp_path, "eval")[-1]["loss"] == pytest.approx(first.eval_loss, rel=1e-5)
 
 
 @pytest.mark.slow

@@ -542,3 +542,125 @@ def test_only_the_key_value_shim_reaches_into_jax_private_modules():
     offenders = [p.name for p in package.rglob("*.py") if "jax._src" in p.read_text() and p.name != "kvstore.py"]
     assert offenders == []
     assert kvstore.client() is None  # one process: no store (the multi-process tests above use it)
+
+
+PEER_FAILS_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+from jdp import preemption
+ready = Path(sys.argv[1])
+if os.environ["RANK"] == "1":  # fails once rank 0 has its handlers: before a collective, as in a compile or an eval
+    deadline = time.monotonic() + 20
+    while not ready.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    sys.exit(1)
+# Rank 0 as jdp.train is outside the steps (ExitOnSignal) or in them (PreemptionRequest, whose loop would checkpoint).
+with preemption.ExitOnSignal() if sys.argv[2] == "start-up" else preemption.PreemptionRequest() as request:
+    ready.write_text("ready")
+    for _ in range(400):
+        if getattr(request, "signal_name", None):
+            print("jdp: preempted: checkpoint written", file=sys.stderr, flush=True)
+            sys.exit(preemption.EXIT_PREEMPTED)
+        time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("phase", ["start-up", "steps"])
+def test_a_process_stopped_for_a_peer_failure_says_so_not_preempted(tmp_path, phase):
+    """Rank 1 fails; the launcher's SIGTERM to rank 0 comes after it. Rank 0 says a peer failed and exits 5, in
+    start-up and in the steps alike: 75 (preempted) would have a SLURM script requeue a crashed run."""
+    from jdp.cli.train import EXIT_DISTRIBUTED
+    from jdp.preemption import EXIT_PEER_FAILED
+
+    assert EXIT_PEER_FAILED == EXIT_DISTRIBUTED
+    t0 = time.monotonic()
+    result = run([sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--grace_s", "5", "--", sys.executable, "-c",
+                  PEER_FAILS_SCRIPT, str(tmp_path / "ready"), phase], timeout=60)
+    print(f"launch ended in {time.monotonic() - t0:.1f} s")
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "[launch] exit codes: rank 0 5, rank 1 1" in result.stderr, result.stderr[-2000:]
+    assert ("[0] jdp: distributed: process 0 stopped because another process failed (jdp.launch: rank 1 exited "
+            "with code 1); exiting with code 5, not 75") in result.stderr
+    assert "preempted" not in result.stderr and "received" not in result.stderr
+
+
+RESTART_SCRIPT = """
+import os, sys, time
+attempt, rank = int(os.environ["JDP_RESTART"]), os.environ["RANK"]
+print("attempt", attempt, flush=True)
+if attempt >= int(sys.argv[2]):  # this attempt runs clean
+    sys.exit(0)
+if rank == "1":
+    os.abort() if sys.argv[1] == "134" else sys.exit(int(sys.argv[1]))
+time.sleep(30)  # rank 0: until the launcher stops it
+"""
+
+
+@pytest.mark.parametrize(("code", "failing", "attempts", "final"), [
+    (1, 2, 3, 0), (134, 1, 2, 0), (5, 5, 3, 5),  # restarted; the last: --max_restarts 2 spent, the last code
+    (2, 5, 1, 2), (3, 5, 1, 3), (4, 5, 1, 4), (6, 5, 1, 6), (75, 5, 1, 75)])  # never restarted
+def test_max_restarts_restarts_the_group_on_what_a_restart_cures(tmp_path, code, failing, attempts, final):
+    """`--max_restarts 2`: rank 1 fails in the first `failing` attempts with `code`; every attempt gets its
+    JDP_RESTART, each restart one line with the rank, the code and the step of the last committed checkpoint."""
+    (tmp_path / "checkpoints" / "4").mkdir(parents=True)
+    (tmp_path / "checkpoints" / "6.orbax-checkpoint-tmp-1").mkdir()  # not committed: not where it resumes
+    result = run([sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--grace_s", "5", "--max_restarts", "2",
+                  "--", sys.executable, "-c", RESTART_SCRIPT, str(code), str(failing), "--workdir", str(tmp_path)],
+                 timeout=60)
+    assert result.returncode == final, result.stderr[-2000:]
+    assert [line for line in result.stdout.splitlines() if line.startswith("[1] attempt")] == [
+        f"[1] attempt {k}" for k in range(attempts)]
+    restarts = [line for line in result.stderr.splitlines() if "[launch] restart" in line]
+    assert restarts == [f"[launch] restart {k} of 2: rank 1 exited with code {code}; starting the 2 processes again, "
+                        f"resuming from step 4 (the last committed checkpoint in {tmp_path})"
+                        for k in range(1, attempts)]
+    if attempts == 3 and final:
+        assert f"rank 1 exited with code {code} and --max_restarts 2 is spent; exiting with code {code}" in (
+            result.stderr)
+    if attempts == 1:
+        assert "not restarting" in result.stderr
+
+
+def test_restart_helpers():
+    assert [launch.restartable(c) for c in (1, 5, 134, 137, 143, 0, 2, 3, 4, 6, 75, 126, 127)] == [
+        True] * 5 + [False] * 8
+    assert launch.workdir_of(["python", "-m", "jdp.train", "--workdir", "a", "--workdir=b"]) == Path("b")
+    assert launch.workdir_of(["python", "x.py"]) is None
+    assert launch.child_env({}, rank=0, nprocs=2, port=1, cpu_devices=0, restart=3)["JDP_RESTART"] == "3"
+
+
+def test_faults_fire_only_in_the_first_attempt(monkeypatch):
+    from jdp import faults
+
+    monkeypatch.setenv("JDP_KILL_AT", "raise:3")
+    for attempt, expected in (("", 3), ("0", 3), ("1", None)):
+        monkeypatch.setenv("JDP_RESTART", attempt)
+        assert faults.requested_step() == expected
+
+
+def test_a_restarted_run_ends_with_the_parameters_of_an_uninterrupted_one(two_processes, tmp_path):
+    """Rank 1 SIGKILLed after step 3 (checkpoint 2 committed), `--max_restarts 1`: the launcher stops rank 0, starts
+    both again, they resume from step 2 and end with the same parameters, bit for bit, as the uninterrupted run."""
+    workdir, t0 = tmp_path / "run", time.monotonic()
+    result = run([sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--cpu_devices", "2", "--grace_s", "2",
+                  "--max_restarts", "1", "--", *TRAIN, *ARGS, "--config.checkpoint.every_steps=2",
+                  "--workdir", str(workdir)], timeout=200, env=clean_env(JDP_KILL_AT="step:3@1"))
+    print(f"restarted run took {time.monotonic() - t0:.1f} s")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "[launch] rank 1 exited with code 137; stopping the others" in result.stderr
+    (restart,) = [line for line in result.stderr.splitlines() if "[launch] restart" in line]
+    assert restart.startswith("[launch] restart 1 of 1: rank 1 exited with code 137; starting the 2 processes "
+                              "again, resuming from step 2"), restart
+    assert f"[0] resumed from {workdir / 'checkpoints' / '2'}" in result.stdout
+    import jax
+
+    from jdp.checkpoint import read_arrays
+
+    # The whole last checkpoint of each (parameters, optimizer and RNG state), read here, leaf by leaf.
+    (step_a, reference), (step_b, restarted) = read_arrays(two_processes[0] / "checkpoints"), read_arrays(
+        workdir / "checkpoints")
+    assert step_a == step_b == 5
+    leaves_a, leaves_b = jax.tree.leaves_with_path(reference), jax.tree.leaves_with_path(restarted)
+    assert [path for path, _ in leaves_a] == [path for path, _ in leaves_b] and leaves_a
+    for (path, a), (_, b) in zip(leaves_a, leaves_b, strict=True):
+        assert np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(a, b), jax.tree_util.keystr(path)

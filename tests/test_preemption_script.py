@@ -141,6 +141,61 @@ def test_the_hook_ends_a_script_on_preempted_and_leaves_everything_else(monkeypa
         assert seen == [ValueError, jdp.Preempted] and exits == []
 
 
+@pytest.mark.parametrize("error", [jdp.FitError("a refused resume"), jdp.UsageError("a locked workdir")])
+def test_the_hook_ends_a_script_on_a_fit_error_in_one_line_with_exit_2(monkeypatch, capsys, error):
+    seen, exits = [], []
+    hook = preemption._PreemptedExits(lambda kind, error, tb: seen.append(kind))
+    monkeypatch.setattr(preemption.os, "_exit", exits.append)
+    monkeypatch.setattr(preemption.atexit, "_run_exitfuncs", lambda: None)
+    hook(type(error), error, None)
+    assert seen == [] and exits == [2]
+    assert capsys.readouterr().err == f"jdp: error: {error}\n"
+
+
+# Trains 4 steps into argv[1]; a rerun with a 10x learning rate is caught (FitError stays an exception); then run.json
+# is random bytes and the rerun's refusal is left uncaught.
+REFUSED = textwrap.dedent("""
+    import os, sys
+    from pathlib import Path
+
+    import jax
+
+    jax.config.update("jax_num_cpu_devices", 1)
+
+    import numpy as np
+    import optax
+    from flax import nnx
+
+    import jdp
+
+    x = np.random.default_rng(0).normal(size=(64, 4)).astype(np.float32)
+    data = {"x": x, "y": x.sum(1)}
+    mse = lambda model, batch: {"loss": (model(batch["x"])[:, 0] - batch["y"]) ** 2}
+    run = lambda lr: jdp.fit(nnx.Linear(4, 1, rngs=nnx.Rngs(0)), mse, data, optimizer=optax.sgd(lr), steps=4,
+                             global_batch_size=16, workdir=sys.argv[1], log_every=100)
+    run(0.05)
+    try:
+        run(0.5)
+    except jdp.FitError as e:
+        print("caught:", e)
+    Path(sys.argv[1], "run.json").write_bytes(os.urandom(64))
+    run(0.05)
+    print("not reached")
+""")
+
+
+def test_a_refusal_left_uncaught_in_a_script_is_one_line_and_exit_2(tmp_path):
+    path = tmp_path / "refused.py"
+    path.write_text(REFUSED)
+    out = subprocess.run([sys.executable, str(path), str(tmp_path / "run")], cwd=ROOT, capture_output=True,
+                         text=True, timeout=180)
+    assert out.returncode == 2, out.stderr
+    assert "caught: " in out.stdout and "learning rate" in out.stdout and "not reached" not in out.stdout
+    assert "Traceback" not in out.stderr, out.stderr
+    errors = [line for line in out.stderr.splitlines() if line.startswith("jdp: error")]
+    assert len(errors) == 1 and f"{tmp_path / 'run' / 'run.json'} cannot be read" in errors[0], out.stderr
+
+
 def test_fit_puts_the_signal_handlers_back(monkeypatch):
     monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # put back after the test
     before = {s: signal.getsignal(s) for s in preemption.PreemptionRequest.SIGNALS}

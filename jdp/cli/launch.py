@@ -11,6 +11,14 @@ When a child fails, the others get SIGTERM, then SIGKILL after --grace_s, and th
 failed child's code (128+N for a death by signal N); otherwise with the first non-zero code, or 0. Of children
 found failed together, the one that failed by itself is reported, not one that stopped because of it (5, 134).
 A command that cannot run is one line and a shell's code: 127 when it is not found, 126 when it cannot be executed.
+Before stopping the others for a failure, the launcher writes why to the file JDP_LAUNCH_FAILURE_FILE names, so
+that a jdp child says "another process failed" and exits 5, rather than taking the SIGTERM for a preemption (75).
+
+With --max_restarts N, as torchrun's --max-restarts: when a child fails with exit code 1, 5 or 134, or dies by a
+signal, the others are stopped and the whole group starts again (JDP_RESTART=1, 2, ...; 0 the first time), and
+resumes from the workdir's last checkpoint, up to N times; one line per restart names the rank, its code and the
+step. Codes 2, 3, 4 and 6 (a bad config, non-finite values, replicas that differ, a full disk) would fail the same
+way again and 75 (preempted) is for the scheduler: those end the launch at once, as does a signal to the launcher.
 """
 
 from __future__ import annotations
@@ -19,16 +27,19 @@ import argparse
 import contextlib
 import ctypes
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import IO
 
 from jdp.environment import MAX_CPU_DEVICES
-from jdp.preemption import EXIT_PREEMPTED
+from jdp.preemption import EXIT_PREEMPTED, LAUNCH_FAILURE_FILE
 
 # Variables of other conventions that would take precedence over the launcher's in jdp.distributed.
 _CLEARED = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS",
@@ -38,6 +49,9 @@ _PR_SET_PDEATHSIG = 1
 # is gone) and SIGABRT (JAX's heartbeat, or gloo when a peer's connection breaks mid-collective).
 PEER_FAILED = (5, 128 + signal.SIGABRT)
 EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 126, 127  # the command after --, as a shell reports it
+# Failures a restart can cure (--max_restarts): an unexpected error (1), a peer or start-up failure (5); a death by
+# a signal (128+N, SIGABRT's 134 among them) is one too. Never 2, 3, 4, 6: those fail again the same way.
+RESTARTED = (1, 5)
 
 
 def free_port() -> int:
@@ -47,11 +61,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def child_env(base: dict[str, str], *, rank: int, nprocs: int, port: int, cpu_devices: int) -> dict[str, str]:
+def child_env(base: dict[str, str], *, rank: int, nprocs: int, port: int, cpu_devices: int, restart: int = 0,
+              failure_file: str = "") -> dict[str, str]:
     env = {k: v for k, v in base.items() if k not in _CLEARED}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nprocs),
                LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs), PYTHONUNBUFFERED="1",
-               JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}")
+               JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}", JDP_RESTART=str(restart))
+    if failure_file:
+        env[LAUNCH_FAILURE_FILE] = failure_file
+    else:
+        env.pop(LAUNCH_FAILURE_FILE, None)  # an outer launcher's: not this group's
     if cpu_devices:
         env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
         env.setdefault("JAX_PLATFORMS", "cpu")
@@ -67,6 +86,34 @@ def _die_with_parent() -> None:
 def exit_code(returncode: int) -> int:
     """Popen's returncode as a shell would report it: -N (killed by signal N) -> 128+N."""
     return 128 - returncode if returncode < 0 else returncode
+
+
+def restartable(code: int) -> bool:
+    """Whether --max_restarts restarts the group after a child's exit `code` (as exit_code reports it)."""
+    return code in RESTARTED or 128 < code <= 128 + 64
+
+
+def workdir_of(command: list[str]) -> Path | None:
+    """The `--workdir DIR` (or `--workdir=DIR`) of a jdp.train command line, the last one as argparse takes it."""
+    found = None
+    for i, arg in enumerate(command):
+        if arg == "--workdir" and i + 1 < len(command):
+            found = command[i + 1]
+        elif arg.startswith("--workdir="):
+            found = arg.partition("=")[2]
+    return Path(found) if found else None
+
+
+def resumed_from(workdir: Path | None) -> str:
+    """Where a restarted group resumes, for the restart's line: the workdir's last committed checkpoint (orbax
+    renames a checkpoint's directory from its temporary name to STEP once every process has written it)."""
+    if workdir is None:
+        return "its workdir's last checkpoint (pass --workdir to jdp.launch to see its step here)"
+    with contextlib.suppress(OSError):
+        steps = [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit() and p.is_dir()]
+        if steps:
+            return f"step {max(steps)} (the last committed checkpoint in {workdir})"
+    return f"the start (no committed checkpoint in {workdir})"
 
 
 def first_failure(returncodes: list[int | None], expected: tuple[int | None, ...]) -> tuple[int, int] | None:
@@ -88,15 +135,20 @@ class CannotStart(RuntimeError):
 
 class Launcher:
     def __init__(self, command: list[str], nprocs: int, *, cpu_devices: int = 0, port: int = 0,
-                 grace_s: float = 5.0, out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> None:
+                 grace_s: float = 5.0, max_restarts: int = 0, workdir: Path | None = None,
+                 out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> None:
         self.command, self.nprocs, self.grace_s = command, nprocs, grace_s
-        self.cpu_devices, self.port = cpu_devices, port or free_port()
+        self.cpu_devices, self.port, self._fixed_port = cpu_devices, port or free_port(), bool(port)
+        self.max_restarts, self.workdir = max_restarts, workdir or workdir_of(command)
         self.out, self.err = out, err
         self.children: list[subprocess.Popen] = []
         self._write_lock = threading.Lock()
         self._signals: list[int] = []
         self._pumps: list[threading.Thread] = []
         self._kill_at: float | None = None
+        self.attempt = 0  # restarts so far: JDP_RESTART of the children
+        self.failure: tuple[int, int] | None = None  # (rank, exit code) of the failure that stopped the group
+        self._dir: str | None = None  # the launcher's own files (the failure file)
 
     def say(self, line: str) -> None:
         with self._write_lock:
@@ -109,11 +161,26 @@ class Launcher:
                 print(f"[{rank}] {line}", file=sink, flush=True)
         stream.close()
 
+    def _failure_file(self) -> str:
+        return os.path.join(self._dir, f"failure-{self.attempt}") if self._dir else ""
+
+    def _record_failure(self, rank: int, code: int) -> None:
+        """Written before the others get their SIGTERM: a jdp child then exits 5 (a peer failed), not 75."""
+        path = self._failure_file()
+        if path:
+            with contextlib.suppress(OSError):
+                with open(path + ".tmp", "w") as f:
+                    f.write(f"rank {rank} exited with code {code}\n")
+                os.replace(path + ".tmp", path)
+
     def start(self) -> None:
         """Starts every child; CannotStart (after stopping those already started) if the command cannot run."""
+        self.children, self._pumps, self._kill_at, self.failure = [], [], None, None
+        if self.attempt and not self._fixed_port:
+            self.port = free_port()  # the last group's coordinator port may linger
         for rank in range(self.nprocs):
             env = child_env(dict(os.environ), rank=rank, nprocs=self.nprocs, port=self.port,
-                            cpu_devices=self.cpu_devices)
+                            cpu_devices=self.cpu_devices, restart=self.attempt, failure_file=self._failure_file())
             try:
                 # A session of its own: a terminal's Ctrl-C reaches the child once, through the launcher.
                 self.children.append(subprocess.Popen(self.command, env=env, stdout=subprocess.PIPE,
@@ -127,7 +194,10 @@ class Launcher:
                 self._pumps.append(threading.Thread(target=self._pump, args=(rank, stream, sink), daemon=True))
                 self._pumps[-1].start()
         pids = ", ".join(f"rank {rank} pid {child.pid}" for rank, child in enumerate(self.children))
-        self.say(f"{self.nprocs} processes, coordinator 127.0.0.1:{self.port} (loopback only): {pids}")
+        again = f" (restart {self.attempt} of {self.max_restarts})" if self.attempt else ""
+        self.say(f"{self.nprocs} processes{again}, coordinator 127.0.0.1:{self.port} (loopback only): {pids}")
+        if self._signals:  # a signal to the launcher while it was starting them: theirs too
+            self._signal_all(self._signals[-1])
 
     def _signal_all(self, signum: int) -> None:
         for child in self.children:
@@ -162,7 +232,9 @@ class Launcher:
                 failed = first_failure(codes, expected)
                 if failed is not None:
                     rank, code = failed
+                    self.failure = (rank, exit_code(code))
                     self.say(f"rank {rank} exited with code {exit_code(code)}; stopping the others")
+                    self._record_failure(rank, exit_code(code))
                     self.stop_all()
                     self.say("exit codes: " + ", ".join(f"rank {r} {exit_code(c.returncode)}"
                                                         for r, c in enumerate(self.children)))
@@ -179,18 +251,44 @@ class Launcher:
             for pump in self._pumps:
                 pump.join(timeout=max(0.0, deadline - time.monotonic()))
 
+    def restart(self) -> bool:
+        """After the group ended: whether to start it again (--max_restarts), saying why in one line."""
+        if self.failure is None or self._signals or not self.max_restarts:
+            return False  # done, preempted through the launcher, or no restarts asked for
+        rank, code = self.failure
+        if code == EXIT_PREEMPTED:
+            self.say(f"rank {rank} was preempted (exit code {code}): passing it on, not restarting")
+            return False
+        if not restartable(code):
+            self.say(f"rank {rank}'s exit code {code} is not one a restart cures (1, 5, 134 or a signal); not "
+                     f"restarting, exiting with code {code}")
+            return False
+        if self.attempt >= self.max_restarts:
+            self.say(f"rank {rank} exited with code {code} and --max_restarts {self.max_restarts} is spent; exiting "
+                     f"with code {code}")
+            return False
+        self.attempt += 1
+        self.say(f"restart {self.attempt} of {self.max_restarts}: rank {rank} exited with code {code}; starting the "
+                 f"{self.nprocs} processes again, resuming from {resumed_from(self.workdir)}")
+        return True
+
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+        self._dir = tempfile.mkdtemp(prefix="jdp-launch-")
         try:
-            try:
-                self.start()
-            except CannotStart as e:
-                self.say(str(e))
-                return e.code
-            return self.wait()
+            while True:
+                try:
+                    self.start()
+                except CannotStart as e:
+                    self.say(str(e))
+                    return e.code
+                code = self.wait()
+                if not self.restart():
+                    return code
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,6 +300,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=0, help="coordinator port (default: a free one)")
     parser.add_argument("--grace_s", type=float, default=5.0,
                         help="after a failure, seconds between SIGTERM and SIGKILL for the others")
+    parser.add_argument("--max_restarts", type=int, default=0,
+                        help="when a process fails (exit 1, 5, 134 or a signal), stop the others and start the "
+                             "group again, resuming from the last checkpoint, up to this many times (torchrun's "
+                             "--max-restarts)")
+    parser.add_argument("--workdir", type=Path, help="the run's workdir, whose last checkpoint each restart's line "
+                                                     "names (default: the command's --workdir)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each process runs")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
@@ -209,5 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no command; e.g. python -m jdp.launch --nprocs 2 -- python -m jdp.train")
     if args.nprocs < 1 or not 0 <= args.cpu_devices <= MAX_CPU_DEVICES:
         parser.error(f"--nprocs must be at least 1 and --cpu_devices in 0..{MAX_CPU_DEVICES}")
-    return Launcher(command, args.nprocs, cpu_devices=args.cpu_devices, port=args.port, grace_s=args.grace_s).run()
+    if args.max_restarts < 0:
+        parser.error(f"--max_restarts {args.max_restarts} must not be negative")
+    return Launcher(command, args.nprocs, cpu_devices=args.cpu_devices, port=args.port, grace_s=args.grace_s,
+                    max_restarts=args.max_restarts, workdir=args.workdir).run()
 

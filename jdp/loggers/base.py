@@ -10,6 +10,7 @@ import contextlib
 import importlib
 import importlib.util
 import json
+import logging
 import math
 import queue
 import sys
@@ -20,6 +21,7 @@ from typing import Any
 
 import jax
 
+from jdp import storage
 from jdp.callbacks import Callback
 from jdp.errors import UsageError, one_line
 from jdp.files import write_atomic
@@ -90,6 +92,7 @@ class Tracker(Callback):
         self._thread: threading.Thread | None = None
         self._warned = self._abandoned = self._opened = self._failed = False
         self._last_step = self._jsonl_size = 0
+        self._write_failure: Exception | None = None  # the worker's failed write to the workdir (it then stopped)
 
     # The training thread's side: decide, enqueue, return.
 
@@ -103,7 +106,7 @@ class Tracker(Callback):
         self._last_step = start
         jsonl = workdir / "metrics.jsonl" if workdir is not None else None
         self._jsonl_size = jsonl.stat().st_size if jsonl is not None and jsonl.is_file() else 0
-        self._queue, self._warned, self._abandoned = queue.Queue(), False, False
+        self._queue, self._warned, self._abandoned, self._write_failure = queue.Queue(), False, False, None
         self._prepare()
         # Started now, so that the client's import (seconds) overlaps the compilation; the tracked run opens with
         # the first line to log, so a rerun with nothing to log opens none.
@@ -114,6 +117,7 @@ class Tracker(Callback):
     def on_line(self, line: dict[str, Any]) -> None:
         if not self.active:
             return
+        self._raise_write_failure()
         split = line.get("split")
         if split not in SPLITS:
             return
@@ -136,6 +140,8 @@ class Tracker(Callback):
         atexit.unregister(self._at_exit)
         self._queue.put((_END, ok, None))
         thread.join(self.close_timeout_s)
+        if ok:
+            self._raise_write_failure()
         if thread.is_alive():
             self._abandoned = True  # silent from now on: the tracker may answer long after
             _print(f"jdp: warning: the {self.name} tracker did not finish within {self.close_timeout_s:g} s of the "
@@ -145,9 +151,23 @@ class Tracker(Callback):
     def _at_exit(self) -> None:
         self.close(ok=False)
 
+    def _raise_write_failure(self) -> None:
+        """A write to the workdir that failed on the worker (a full disk, the workdir deleted) stops the run, as
+        any other write to the workdir does: raised here, on the training thread, once."""
+        failure, self._write_failure = self._write_failure, None
+        if failure is not None:
+            raise failure
+
     # The worker thread's side.
 
     def _work(self) -> None:
+        try:
+            with _ClientLogs(self):
+                self._work_through_queue()
+        except Exception as e:  # noqa: BLE001 - a write to the workdir failed (_save_state, `_fails_workdir`)
+            self._write_failure = e  # the training thread raises it; the worker stops, and the lines are dropped
+
+    def _work_through_queue(self) -> None:
         # One client's import at a time: wandb and mlflow share packages, and two threads importing them at once
         # can see each other's half-initialised modules.
         with _IMPORTS, contextlib.suppress(Exception):  # an import that fails fails again in `_open`, which warns
@@ -210,8 +230,16 @@ class Tracker(Callback):
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - a tracker's failure must not stop the training
+            if self._fails_workdir(e):
+                raise
             self._warn(f"{one_line(e)}; training goes on, the tracker may miss lines")
             return None
+
+    def _fails_workdir(self, error: Exception) -> bool:
+        """Whether a tracker client's `error` is a write into the workdir that failed for the storage's reason (a
+        full disk, an I/O error): that stops the run, as jdp's own writes there do."""
+        failure = storage.disk_failure(error) if self.workdir is not None else None
+        return bool(failure and failure[1]) and Path(failure[1]).absolute().is_relative_to(self.workdir.absolute())
 
     def _warn(self, message: str) -> None:
         if not self._warned and not self._abandoned:
@@ -271,6 +299,36 @@ class Tracker(Callback):
 
     def _close(self, ok: bool) -> None:
         raise NotImplementedError
+
+
+class _ClientLogs(logging.Filter):
+    """While a tracker's worker thread runs: what it makes its client's libraries log at WARNING or above (urllib3's
+    `Retrying (Retry(total=6, ...)) after connection broken by ...`, one per retry while a tracking server does not
+    answer, in Python's logging format) becomes the tracker's one warning, in jdp's format. Other threads' records
+    pass unchanged."""
+
+    LOGGERS = ("urllib3.connectionpool", "urllib3.util.retry", "urllib3.response")
+
+    def __init__(self, tracker: Tracker) -> None:
+        super().__init__()
+        self.tracker, self.thread = tracker, threading.get_ident()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.thread != self.thread or record.levelno < logging.WARNING:
+            return True
+        with contextlib.suppress(Exception):  # a record that does not format: dropped all the same
+            self.tracker._warn(f"{record.name}: {record.getMessage()[:300]}; training goes on, the tracker may miss "
+                               "lines")
+        return False
+
+    def __enter__(self) -> _ClientLogs:
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).removeFilter(self)
 
 
 def _print(line: str) -> None:

@@ -19,7 +19,8 @@ class WandB(Tracker):
     `project`: None = `WANDB_PROJECT`, else W&B's default. `init_kwargs` go to `wandb.init` (`mode="offline"`,
     `entity`, `name`, `tags`, `dir`, ...). The run's files go to `dir`, else `WANDB_DIR`, else the workdir; its
     name defaults to the workdir's. A rerun on the workdir continues the same run id: online, W&B appends to the
-    run; offline, W&B writes a second run directory with that id, and `wandb sync` of both uploads one run.
+    run; offline, W&B writes a second run directory with that id, and `wandb sync` of both uploads one run. The id
+    is in WORKDIR/trackers/wandb.json before `wandb.init` starts, so a kill during W&B's start-up changes nothing.
     """
 
     name = package = "wandb"
@@ -41,8 +42,14 @@ class WandB(Tracker):
             if "dir" not in kwargs and not os.environ.get("WANDB_DIR"):
                 kwargs["dir"] = str(self.workdir)
             kwargs.setdefault("name", self.workdir.name)
-        # Its own run beside any the user has open; W&B ids are lower-case letters and digits.
-        self.run = wandb.init(project=self.project, id=run_id or secrets.token_hex(4), resume="allow",
+        if run_id is None:  # W&B ids are lower-case letters and digits
+            # Recorded before wandb.init, which takes seconds and writes its run directory at once: a kill meanwhile
+            # leaves that directory, and the rerun continues the same id rather than opening another.
+            run_id = secrets.token_hex(4)
+            self.state = {"run_id": run_id}
+            self._save_state()
+        # Its own run beside any the user has open.
+        self.run = wandb.init(project=self.project, id=run_id, resume="allow",
                               config=self.params(), reinit="create_new", **kwargs)
         return self.run.id
 
