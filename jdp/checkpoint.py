@@ -197,7 +197,16 @@ def _read(read: Callable[[], Any], where: Path) -> tuple[Any, str | None]:
     except DiskError:
         raise
     except Exception as e:  # noqa: BLE001 - any other failure to read means the checkpoint is damaged
-        return None, one_line(e)
+        return None, _read_error(e)
+
+
+def _read_error(error: BaseException) -> str:
+    """The line for a failed read. orbax wraps an array's failed read in a bare Exception whose text ends in the
+    repr of a method (`See full TensorStore details: <bound method ...spec of TensorStore(...)>`): the error it
+    wraps, tensorstore's, names the file and what is wrong with it."""
+    while type(error) is Exception and error.__cause__ is not None:
+        error = error.__cause__
+    return one_line(error)
 
 
 def _check_format(directory: Path, step: int, data: dict) -> None:

@@ -404,6 +404,54 @@ def test_a_tracker_that_raises_costs_one_warning(tmp_path, monkeypatch, capfd):
     assert mlflow_points(store, run.info.run_id, "loss") == expected  # training and logging went on
 
 
+@needs_trackers
+def test_a_dead_mlflow_server_is_one_warning_in_jdps_format(tmp_path, monkeypatch, capfd, caplog):
+    """Nothing listens at the tracking URI: urllib3's `WARNING:urllib3.connectionpool:Retrying ...` (one per retry, in
+    Python's logging format once absl has configured it) becomes the logger's one warning, in jdp's format."""
+    import logging
+
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")  # MLflow's client gives up in a second, not minutes
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0")
+    caplog.set_level(logging.WARNING)
+    port = launch.free_port()  # a closed port on loopback: every connection is refused
+    result = fit(tmp_path / "run", [MLflow(tracking_uri=f"http://127.0.0.1:{port}", close_timeout_s=30)], steps=4)
+    assert result.step == 4
+    assert [r.getMessage() for r in caplog.records if r.name.startswith("urllib3")] == []
+    warnings = [line for line in capfd.readouterr().err.splitlines() if "warning" in line.lower()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("jdp: warning: mlflow logger: urllib3.connectionpool: Retrying (Retry(total=1")
+    assert "Connection refused" in warnings[0] and warnings[0].endswith("(this warning is shown once)")
+
+
+@needs_trackers
+def test_a_kill_during_wandbs_start_up_leaves_its_id_for_the_rerun(tmp_path, monkeypatch):
+    """W&B's start-up takes seconds; a kill then left an empty `offline-run-...-<id>` directory and no id in
+    trackers/wandb.json, so the rerun opened another id (two runs for `wandb sync`). The id is written first."""
+    import wandb
+
+    workdir, calls, real_init = tmp_path / "run", [], wandb.init
+    state = workdir / "trackers" / "wandb.json"
+
+    def killed(**kwargs):  # what a kill inside wandb.init leaves: its run directory, empty, and no run
+        calls.append((kwargs["id"], json.loads(state.read_text()) if state.exists() else None))
+        (workdir / "wandb" / f"offline-run-20000101_000000-{kwargs['id']}").mkdir(parents=True)
+        raise RuntimeError("killed in wandb.init")
+
+    monkeypatch.setattr(wandb, "init", killed)
+    monkeypatch.setenv("JDP_KILL_AT", "raise:7")
+    first = WandB(project="tests", mode="offline")
+    with pytest.raises(RuntimeError, match="raise:7"):
+        fit(workdir, [first])
+    first.close()  # what the process's exit does: the lines sent, so wandb.init was called
+    monkeypatch.setattr(wandb, "init", real_init)
+    monkeypatch.delenv("JDP_KILL_AT")
+    fit(workdir, [WandB(project="tests", mode="offline")])
+    empty, run = wandb_runs(workdir)
+    assert calls == [(run["id"], {"run_id": run["id"]})]  # the id was on disk before W&B started
+    assert empty["dir_id"] == run["dir_id"] == run["id"] and empty["history"] == []  # one run id for `wandb sync`
+    assert wandb_points([run], "loss") == jsonl_points(workdir, "train", "loss")  # every step, from metrics.jsonl
+
+
 def test_a_missing_package_or_an_unknown_name_is_one_line(tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
     with pytest.raises(UsageError, match=re.escape('needs the wandb package, which is not installed: pip install '
