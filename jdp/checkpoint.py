@@ -13,11 +13,13 @@ permission, a stale handle) is retried, then a DiskError, and nothing is moved.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import inspect
 import logging
 import os
 import sys
 import traceback
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +42,41 @@ logging.getLogger("absl").addFilter(QuietDiskFailures())
 # The same failure again from asyncio, once per write task still running when orbax gave up on the save ("Task
 # exception was never retrieved", a traceback each, when the task is collected).
 logging.getLogger("asyncio").addFilter(QuietDiskFailures())
+
+
+class _QuietStepMetadata(logging.Filter):
+    """orbax's `ERROR:absl:` / `WARNING:absl:` lines about its own step metadata file (`STEP/_CHECKPOINT_METADATA`:
+    item handler names, timestamps) missing, unreadable or holding keys it does not know. jdp reads nothing from that
+    file (it names the handlers itself) and decides whether a checkpoint is intact by its digests and its data item's
+    checksum, so a checkpoint with that file damaged restores, and the lines only alarm; any other record passes."""
+
+    _UNREADABLE = ("Metadata file does not exist", "Failed to read Metadata file", "Failed to json parse Metadata file")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = str(record.msg)
+        if message.startswith("Provided metadata contains unknown key"):
+            return False
+        return not (message.startswith(self._UNREADABLE) and isinstance(record.args, tuple) and record.args
+                    and Path(str(record.args[0])).name == "_CHECKPOINT_METADATA")
+
+
+logging.getLogger("absl").addFilter(_QuietStepMetadata())
+
+
+class _QuietWhileVanished(logging.Filter):
+    """orbax's threads log each write that fails once the workdir (or its checkpoints directory) was deleted or moved,
+    a traceback each, in words that name no errno (`No ArrayMetadata found ...`), and warn of the steps they no
+    longer find; jdp reports that once, itself (`Checkpointer.vanished`). Once it holds for an open Checkpointer,
+    orbax's warnings and errors are dropped."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno < logging.WARNING or not (_VANISHED or any(c.vanished() for c in list(_OPEN)))
+
+
+_OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # the Checkpointers not closed yet
+_VANISHED: list[Path] = []  # what `Checkpointer.vanished` found gone in this process, once it did
+logging.getLogger("absl").addFilter(_QuietWhileVanished())
+logging.getLogger("asyncio").addFilter(_QuietWhileVanished())
 
 
 class _QuietAbandonedReads:
@@ -242,14 +279,30 @@ class Checkpointer:
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                                  create=True))
+        # What a deletion or a move of the workdir (whole or in part) changes; the lock file (`jdp.workdir_lock`),
+        # held by the run, goes first when `rm -r` meets files that orbax is still writing.
+        watched = (self.directory.parent, self.directory, self.directory.parent / "jdp.lock")
+        self._identity = {path: _identity(path) for path in watched}
+        _OPEN.add(self)
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())
+
+    def vanished(self) -> Path | None:
+        """The workdir, its checkpoints directory or its lock file, if deleted or moved since the run began (another
+        one, or none, under that name now: orbax would make a new directory and go on saving there), else None."""
+        gone = next((path for path, then in self._identity.items() if then is not None and _identity(path) != then),
+                    None)
+        if gone is not None and not _VANISHED:
+            _VANISHED.append(gone)
+        return gone
 
     def save(self, step: int, state: Any, data_position: dict[str, int]) -> None:
         """Starts an asynchronous save; returns once the arrays are copied off the devices."""
         if step in self._manager.all_steps():
             return
+        if (gone := self.vanished()) is not None:
+            raise FileNotFoundError(errno.ENOENT, "deleted or moved during the run", str(gone))
         data = {**data_position, "format": FORMAT}
         # Process 0 writes the JSON item; its digests are completed on the save thread.
         digests = digest.pending(state, host=jax.process_index() == 0)
@@ -382,6 +435,16 @@ class Checkpointer:
 
     def close(self) -> None:
         self._manager.close()
+        _OPEN.discard(self)
+
+
+def _identity(path: Path) -> tuple[int, int] | None:
+    """(device, inode) of `path`, or None where there is nothing."""
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_dev, found.st_ino
 
 
 def _warn(line: str) -> None:

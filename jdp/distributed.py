@@ -40,6 +40,7 @@ import jax
 
 from jdp import kvstore
 from jdp.errors import UsageError, one_line
+from jdp.nested import flatten
 
 # jax aborts about 4 s after its own initialization_timeout; give it this much more than jdp's,
 # so that jdp's watchdog speaks first.
@@ -375,14 +376,6 @@ def differences(a: dict, b: dict) -> list[tuple[str, object, object]]:
     flat_a, flat_b = flatten(a), flatten(b)
     return [(k, flat_a.get(k), flat_b.get(k)) for k in sorted(set(flat_a) | set(flat_b))
             if flat_a.get(k) != flat_b.get(k)]
-
-
-def flatten(tree: dict, prefix: str = "") -> dict:
-    """A nested dict as {dotted key: leaf}."""
-    flat = {}
-    for k, v in tree.items():
-        flat.update(flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-    return flat
 
 
 _sequence = itertools.count()  # every process makes the same calls in the same order: the same key names

@@ -1,4 +1,11 @@
-"""The errors jdp reports as one line, and the exit code each maps to in `python -m jdp.train`."""
+"""The errors jdp reports as one line, and the exit code each maps to in `python -m jdp.train`; its warnings' line."""
+
+import sys
+
+
+def warn(line: str) -> None:
+    """`jdp: warning: LINE` on stderr, at once."""
+    print(f"jdp: warning: {line}", file=sys.stderr, flush=True)
 
 
 def one_line(error: BaseException, *, typed: bool = True) -> str:

@@ -18,6 +18,10 @@ def write_atomic(path: Path, content: str | bytes) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except OSError as e:
+        if e.filename is None:  # a buffered write's error names no file (a full disk): name it
+            e.filename = str(tmp)
+        raise
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()

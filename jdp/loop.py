@@ -72,15 +72,16 @@ def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: in
                           on_resume or (lambda: None), on_start or (lambda start: None))
         except Exception as e:
             failure = storage.disk_failure(e)
-            lost = storage.lost_directory(e, workdir.absolute()) if failure is None and workdir is not None else None
+            lost = None
+            if failure is None and workdir is not None:  # the workdir deleted or moved meanwhile?
+                lost = storage.lost_workdir(e, workdir.absolute(), checkpointer.vanished if checkpointer is not None
+                                            else lambda: None)
             if (failure is None and lost is None) or workdir is None:
                 raise
-            last = None
-            with contextlib.suppress(Exception):  # orbax's list, of those still there (a directory may be gone)
-                saved = [s for s in checkpointer.steps() if (checkpointer.directory / str(s)).is_dir()]
-                last = saved[-1] if saved else None
-            error = storage.disk_error(failure, workdir, last) if failure else storage.lost_error(lost, last)
-            raise error from None
+            if lost is not None:  # the workdir, or something in it, deleted or moved meanwhile
+                raise storage.lost_error(lost, workdir.absolute()) from None
+            last = checkpointer.steps()[-1] if checkpointer is not None and checkpointer.steps() else None
+            raise storage.disk_error(failure, workdir, last) from None
 
 
 def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int, workdir: Path | None,

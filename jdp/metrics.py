@@ -7,7 +7,6 @@ import contextlib
 import json
 import math
 import os
-import struct
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -16,6 +15,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from jdp.errors import warn
 from jdp.files import write_atomic
 
 
@@ -194,9 +194,9 @@ def _parse(path: Path) -> list[tuple[str, dict | None]]:
             record = json.loads(line)
         except ValueError:
             if number == len(lines):
-                _warn(f"the last line ({number}) of {path} is cut short; dropping it")
+                warn(f"the last line ({number}) of {path} is cut short; dropping it")
                 continue
-            _warn(f"line {number} of {path} is not JSON; keeping it as it is")
+            warn(f"line {number} of {path} is not JSON; keeping it as it is")
             record = None
         parsed.append((line, record))
     return parsed
@@ -219,10 +219,6 @@ def _truncate_after(path: Path, step: int) -> list[dict]:
     return [record for _, record in kept if record is not None]
 
 
-def _warn(line: str) -> None:
-    print(f"jdp: warning: {line}", file=sys.stderr, flush=True)
-
-
 def _purge_events(directory: Path, step: int) -> None:
     """Drops from the TensorBoard event files the events past `step` that an interrupted run wrote, as
     `_truncate_after` does for metrics.jsonl: the resumed run writes those steps again, and every reader of the
@@ -235,18 +231,14 @@ def _purge_events(directory: Path, step: int) -> None:
         from tensorboardX.proto.event_pb2 import Event  # the files' writer's own protobuf
     except ImportError:  # no tensorboardX: jdp wrote no event files
         return
+    from jdp.data.tfrecord import UnreadableFileError, frames  # the files' framing is TFRecord's
+
     for path in sorted(directory.glob("events.out.tfevents.*")):
-        data = path.read_bytes()
-        kept, offset = [], 0
-        # TFRecord framing: length (uint64, little-endian), its CRC (4 bytes), the Event, the Event's CRC.
-        while offset + 12 <= len(data):
-            (length,) = struct.unpack_from("<Q", data, offset)
-            end = offset + 12 + length + 4
-            if end > len(data):
-                break
-            if Event.FromString(data[offset + 12:offset + 12 + length]).step <= step:
-                kept.append(data[offset:end])
-            offset = end
+        data, kept = path.read_bytes(), []
+        with contextlib.suppress(UnreadableFileError):  # a record cut short ends the file
+            for offset, length in frames(str(path), lambda n, at, data=data: data[at:at + n], len(data)):
+                if Event.FromString(data[offset:offset + length]).step <= step:
+                    kept.append(data[offset - 12:offset + length + 4])  # its header, the Event, its CRC
         purged = b"".join(kept)
         if purged != data:
             write_atomic(path, purged)

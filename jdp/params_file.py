@@ -14,10 +14,11 @@ from typing import Any
 import jax
 import numpy as np
 
+from jdp import nested
+
 
 def flatten(tree: Any, prefix: str) -> dict[str, np.ndarray]:
-    return {prefix + "/" + "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): np.asarray(leaf)
-            for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
+    return nested.flatten(jax.tree.map(np.asarray, tree), prefix + "/", "/")  # rebuilt by jax: in jax's leaf order
 
 
 def load_into(path: str | Path, params: Any, model_state: Any) -> tuple[Any, Any]:

@@ -18,9 +18,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jdp import preemption
+from jdp import preemption, trainer
 from jdp import record as record_lib
-from jdp import trainer
 from jdp.checkpoint import CheckpointError, read_arrays
 from jdp.errors import FitError, UsageError, one_line
 from jdp.files import write_atomic

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import errno
 import logging
+import math
 import os
 import re
 import shutil
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -64,8 +66,8 @@ def check_writable(workdir: str | Path, flag: str = "--workdir") -> None:
                              f"another {flag}) and rerun")
 
 
-# The directories a run makes in its workdir.
-RUN_DIRECTORIES = ("checkpoints", "tensorboard")
+# The directories a run makes in its workdir (`trackers`: the tracker loggers' state).
+RUN_DIRECTORIES = ("checkpoints", "tensorboard", "trackers")
 
 
 def not_a_directory(path: Path) -> str | None:
@@ -105,54 +107,109 @@ def disk_failure(error: BaseException) -> tuple[int, str | None] | None:
 
 
 _QUOTED_PATH = re.compile(r'"(/[^"]+)"')
+_ABSOLUTE_PATH = re.compile(r"(/[^\s\"',\[\]]+)")
+_ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax's temporary directory of a save in progress
 
 
 def lost_directory(error: BaseException, workdir: Path | None = None) -> tuple[Path, str | None] | None:
-    """(the directory that is gone, the path written or None) if `error`, or an error it was raised from, is a
-    write that failed with ENOENT because a directory it wrote into was deleted or moved meanwhile: `workdir`
-    itself when it is gone, else the highest missing directory above the path the error names (inside `workdir`,
-    if given). A missing file in a directory that is there is not this."""
+    """(what is gone, the path written or None) if `error`, or an error it was raised from, is a write that failed
+    with ENOENT because what it wrote into was deleted or moved meanwhile (jdp and orbax make every directory they
+    write into). With `workdir`: the workdir itself when it is gone, else for a path inside it the highest of its
+    directories that is missing, or the path itself while a deletion is still under way. Without: a path whose
+    directory is missing, or inside orbax's temporary directory of a save (what orbax's threads log)."""
     seen = set()
     while error is not None and id(error) not in seen and not isinstance(error, DiskError):
         seen.add(id(error))
-        path, text = None, str(error)
-        if isinstance(error, OSError) and error.errno == errno.ENOENT:
-            found, path = True, error.filename
-            path = path if isinstance(path, str) else None
-        else:
-            code = _OS_ERROR_CODE.search(text)
-            found = bool(code) and int(code[1]) == errno.ENOENT
-            if found:
-                named = _WRITTEN_PATH.search(text) or _QUOTED_PATH.search(text)
-                path = named[1] if named else None
-        if found:
+        path = _enoent_path(error)
+        if path is not None:
             if workdir is not None and not Path(workdir).is_dir():
-                return Path(workdir), path
-            gone = _highest_missing(Path(path).parent, workdir) if path else None
-            if gone is not None:
-                return gone, path
+                return Path(workdir), path or None
+            inside = workdir is not None and path and Path(path).absolute().is_relative_to(Path(workdir).absolute())
+            if inside and not Path(path).exists():
+                return _highest_missing(Path(path).absolute(), Path(workdir).absolute()), path
+            # orbax names some files of its temporary directory relative to it ('commit_success.txt')
+            if workdir is None and path and (_ORBAX_TMP in path or not Path(path).is_absolute()
+                                             or not Path(path).parent.exists()):
+                return Path(path), path
         error = error.__cause__ or error.__context__
     return None
 
 
-def _highest_missing(directory: Path, within: Path | None) -> Path | None:
-    """The highest directory above and including `directory` that does not exist (below `within`, if given)."""
-    if directory.exists() or (within is not None and not directory.is_relative_to(within)):
-        return None
-    while directory.parent != directory and not directory.parent.exists() and (
-            within is None or directory.parent.is_relative_to(within)):
-        directory = directory.parent
-    return directory
+def lost_workdir(error: BaseException, workdir: Path, vanished: Callable[[], Path | None],
+                 settle_s: float = 2.0) -> tuple[Path, str | None] | None:
+    """What of `workdir` is gone if `error` came of its deletion or move during the run, as `lost_directory` (from
+    the error) or `vanished()` (the workdir's own check, `Checkpointer.vanished`) tell: for an ENOENT, each is asked
+    again for up to `settle_s`, since a deletion still under way (`rm -r`) may have reached the files written, not
+    yet the directories."""
+    deadline = time.monotonic() + (settle_s if _any_enoent(error) or _from_orbax(error) else 0.0)
+    while True:
+        gone = vanished()
+        lost = (gone, None) if gone is not None else lost_directory(error, workdir)
+        if lost is not None or time.monotonic() >= deadline:
+            return lost
+        time.sleep(0.1)
 
 
-def lost_error(lost: tuple[Path, str | None], last_checkpoint: int | None) -> DiskError:
-    """The one-line error for `lost` (from `lost_directory`): a directory of the workdir deleted or moved while
-    the run wrote it."""
+def _any_enoent(error: BaseException) -> bool:
+    return any(_enoent_path(e) is not None for e in _chain(error))
+
+
+def _from_orbax(error: BaseException) -> bool:
+    """Whether `error`, or one it was raised from, was raised inside orbax (a checkpoint's write)."""
+    return any("/orbax/" in frame.filename for e in _chain(error) for frame in traceback.extract_tb(e.__traceback__))
+
+
+def _chain(error: BaseException | None) -> list[BaseException]:
+    """`error` and those it was raised from."""
+    chain: list[BaseException] = []
+    while error is not None and all(error is not e for e in chain):
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    return chain
+
+
+def _enoent_path(error: BaseException) -> str | None:
+    """The path named by an ENOENT `error` (an OSError; tensorstore's text for one; orbax's FileNotFoundError, or
+    ValueError, saying that a directory "does not exist"), "" for one naming none; None for any other error."""
+    text = str(error)
+    if isinstance(error, OSError):
+        if error.errno != errno.ENOENT and not (error.errno is None and isinstance(error, FileNotFoundError)):
+            return None
+        if isinstance(error.filename, str):
+            return error.filename
+        named = _ABSOLUTE_PATH.search(text)
+        return named[1].rstrip(".") if named else ""
+    if code := _OS_ERROR_CODE.search(text):
+        if int(code[1]) != errno.ENOENT:
+            return None
+        named = _WRITTEN_PATH.search(text) or _QUOTED_PATH.search(text)
+        return named[1] if named else ""
+    if isinstance(error, ValueError) and "does not exist" in text and (named := _ABSOLUTE_PATH.search(text)):
+        return named[1].rstrip(".")
+    return None
+
+
+def _highest_missing(path: Path, within: Path) -> Path:
+    """`path`, or the highest of its directories below `within` that is missing."""
+    highest = path
+    for directory in path.parents:
+        if directory == within or not directory.is_relative_to(within) or directory.exists():
+            break
+        highest = directory
+    return highest
+
+
+def lost_error(lost: tuple[Path, str | None], workdir: Path) -> DiskError:
+    """The one-line error for `lost` (from `lost_directory`, or `Checkpointer.vanished`): the workdir, or something
+    in it, deleted or moved while the run wrote it."""
     gone, path = lost
-    written = f" (no such file or directory writing {path})" if path else ""
-    kept = (f"the last checkpoint, step {last_checkpoint}, is intact: rerun to resume" if last_checkpoint is not None
-            else "move it back and rerun to resume, or rerun to start afresh")
-    return DiskError(f"{gone} was deleted or moved while the run wrote it{written}; {kept}")
+    written = f"no such file or directory writing {path}" if path and Path(path) != gone else ""
+    if gone == workdir:
+        return DiskError(f"{gone} was deleted or moved while the run wrote it{f' ({written})' if written else ''}; "
+                         "move it back and rerun to resume, or rerun to start afresh")
+    return DiskError(f"{workdir} was deleted in part while the run wrote it ({gone} is gone"
+                     f"{f': {written}' if written else ''}); rerun to resume from the last checkpoint left, or to "
+                     "start afresh if none is")
 
 
 def read_failure(error: BaseException) -> tuple[int, str | None] | None:
@@ -221,7 +278,19 @@ def disk_error(failure: tuple[int, str | None], workdir: Path, last_checkpoint: 
     fix = remedy(failure[0])
     kept = (f"the last checkpoint, step {last_checkpoint}, is intact: {fix} and rerun to resume"
             if last_checkpoint is not None else f"no checkpoint was written yet: {fix} and rerun")
-    return DiskError(f"{describe(failure, workdir)}; {kept}")
+    return DiskError(f"{describe(failure, _fullest(workdir))}; {kept}")
+
+
+def _fullest(workdir: Path) -> Path:
+    """Where a failed write that named no path most likely was: the workdir, or a directory of the run in it that
+    has less free space (a filesystem of its own)."""
+    def free(path: Path) -> float:
+        try:
+            return shutil.disk_usage(path).free if path.is_dir() else math.inf
+        except OSError:
+            return math.inf
+
+    return min([workdir, *(workdir / name for name in RUN_DIRECTORIES)], key=free)  # the first of equals: workdir
 
 
 def _free(path: Path) -> str:

@@ -37,7 +37,8 @@ from jdp.step import StepOptions, TrainState, run_loss
 
 @dataclasses.dataclass
 class FitResult:
-    losses: list[float]  # per-step train loss (weighted mean over the global batch), from the start step on
+    losses: list[float]  # per-step train loss (weighted mean over the global batch) of the steps this call ran,
+    # from the step it started or resumed from ([] for a finished run: the history is metrics.jsonl's train lines)
     eval_metrics: dict[str, float]  # the last eval's weighted means ({} without eval data)
     params: dict  # final parameters, numpy
     model_state: dict  # final non-trainable state (BatchNorm statistics), numpy

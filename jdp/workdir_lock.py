@@ -13,7 +13,6 @@ import errno
 import fcntl
 import os
 import socket
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 import jax
 
 from jdp import distributed as distributed_lib
-from jdp.errors import UsageError
+from jdp.errors import UsageError, warn
 
 LOCK_NAME = "jdp.lock"
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
@@ -62,8 +61,8 @@ def _acquire(path: Path) -> tuple[int | None, str]:
         os.close(fd)
         if e.errno not in _UNSUPPORTED:
             raise
-        print(f"jdp: warning: the filesystem refuses locks on {path} ({os.strerror(e.errno)}); going on without "
-              "protection against a second run on this workdir", file=sys.stderr, flush=True)
+        warn(f"the filesystem refuses locks on {path} ({os.strerror(e.errno)}); going on without protection "
+             "against a second run on this workdir")
         return None, ""
     os.ftruncate(fd, 0)
     os.write(fd, f"{socket.gethostname()}:{os.getpid()}\n".encode())

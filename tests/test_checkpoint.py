@@ -3,6 +3,7 @@
 import asyncio
 import errno
 import json
+import logging
 import os
 import shutil
 import signal
@@ -13,8 +14,10 @@ from pathlib import Path
 
 import jax
 import numpy as np
+import optax
 import pytest
 import tensorstore as ts
+from flax import nnx
 
 from jdp import checkpoint as checkpoint_lib
 from jdp import digest, params_file, storage
@@ -27,6 +30,7 @@ from jdp.cli.train import main, run
 from jdp.data.batching import Batcher
 from jdp.errors import DiskError
 from jdp.parallel import DataParallel
+from jdp.trainer import FitOptions, prepare
 from tests.helpers import records, small_config, train_losses
 
 # A short MLP run with a checkpoint every 4 steps, as a user would type it.
@@ -382,6 +386,55 @@ def test_read_failures_not_about_the_bytes_are_retried_then_one_line(monkeypatch
                                  "readable and rerun")
 
 
+def _two_checkpoints(workdir):
+    """Checkpoints 1 and 2 of a one-layer model (a 64 x 512 kernel: its bytes in a file of their own) in
+    workdir/checkpoints; returns the abstract state that restores them."""
+    engine = prepare(lambda: nnx.Linear(64, 512, rngs=nnx.Rngs(0)), lambda m, b: {"loss": m(b["x"]).sum(-1)},
+                     {"x": np.zeros((8, 64), np.float32)}, optimizer=optax.sgd(0.1), global_batch_size=8,
+                     options=FitOptions(num_devices=1))
+    state = engine.parallel.to_devices(engine.init_state())
+    writer = Checkpointer(workdir / "checkpoints", keep=2, every_steps=1)
+    for step in (1, 2):
+        writer.save(step, state._replace(step=state.step + step), {"step": step})
+        writer.wait()
+    writer.close()
+    return engine.abstract_state
+
+
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_truncated_or_missing_array_file_is_named_in_tensorstores_words(tmp_path, damage):
+    """orbax wraps a failed array read in an Exception whose text is the repr of a method (`<bound method
+    pybind11_detail_function_record_...spec of TensorStore(...)>`); the warning quotes the error it wraps."""
+    abstract_state = _two_checkpoints(tmp_path)
+    largest = max((p for p in (tmp_path / "checkpoints" / "2" / "state").rglob("*") if p.is_file()),
+                  key=lambda p: p.stat().st_size)  # the kernel's bytes, in a file of their own
+    if damage == "truncated":
+        os.truncate(largest, 100)
+    else:
+        largest.unlink()
+    step, warnings = _restore_latest(tmp_path / "checkpoints", abstract_state)
+    assert step == 1 and len(warnings) == 2, warnings
+    assert warnings[0].startswith(f"checkpoint {tmp_path / 'checkpoints' / '2'} is unusable: ValueError: ")
+    assert "Error reading" in warnings[0] and "bound method" not in warnings[0], warnings[0]
+
+
+@pytest.mark.parametrize("damage", ["deleted", "cut short", "a key renamed"])
+def test_orbaxs_step_metadata_damaged_restores_without_absl_lines(tmp_path, caplog, damage):
+    """STEP/_CHECKPOINT_METADATA is orbax's (handler names, timestamps): jdp reads nothing from it, so the checkpoint
+    restores as it is, and orbax's `ERROR:absl:` / `WARNING:absl:` lines about it are not printed."""
+    abstract_state = _two_checkpoints(tmp_path)
+    metadata = tmp_path / "checkpoints" / "2" / "_CHECKPOINT_METADATA"
+    if damage == "deleted":
+        metadata.unlink()
+    elif damage == "cut short":
+        metadata.write_bytes(metadata.read_bytes()[:40])
+    else:  # one flipped bit
+        metadata.write_text(metadata.read_text().replace('"metrics"', '"metpics"'))
+    step, warnings = _restore_latest(tmp_path / "checkpoints", abstract_state)
+    assert step == 2 and warnings == []
+    assert [r.getMessage() for r in caplog.records if r.name == "absl" and r.levelno >= logging.WARNING] == []
+
+
 class _Pending:
     def __await__(self):
         yield
@@ -576,6 +629,7 @@ def test_export_eval_only_and_init_from_work_whatever_device_count_the_run_used(
     assert run(second, tmp_path / "b").eval_loss == pytest.approx(first.eval_loss, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sync", [{"sync": "powersgd", "powersgd_rank": 2, "powersgd_start_step": 0},
                                   {"sync_every": 2, "outer_optimizer": "nesterov"}], ids=["powersgd", "diloco"])
 def test_export_and_eval_only_of_a_run_with_per_device_state_work_on_fewer_devices(monkeypatch, tmp_path, sync):

@@ -423,6 +423,7 @@ def test_a_dead_mlflow_server_is_one_warning_in_jdps_format(tmp_path, monkeypatc
     assert "Connection refused" in warnings[0] and warnings[0].endswith("(this warning is shown once)")
 
 
+@pytest.mark.slow  # two W&B start-ups: ~9 s
 @needs_trackers
 def test_a_kill_during_wandbs_start_up_leaves_its_id_for_the_rerun(tmp_path, monkeypatch):
     """W&B's start-up takes seconds; a kill then left an empty `offline-run-...-<id>` directory and no id in

@@ -3,14 +3,18 @@ half done, metrics.jsonl with damaged lines, the settings a resume refuses, and 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import jax
@@ -217,3 +221,127 @@ def test_digests_name_the_damaged_leaf_and_a_changed_layout():
     wider = {**abstract, "params": {"w": jax.ShapeDtypeStruct((2, 4), np.float32)}}
     assert digest.layout_difference(saved, wider) == ("['params']['w'] is float32(2, 3) there, float32(2, 4) in the "
                                                       "model")
+
+
+# -- the storage under a running CLI: a writer that meets a full disk, a workdir deleted or in the way ----------
+# Each run is a child, bounded in time and killed at the bound: what failed here used to hang for good.
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = [sys.executable, "-m", "jdp.train", "--config", "digits_mlp", "--config.model.kwargs.hidden_sizes=(16,)",
+        "--config.train.log_every=1", "--config.train.eval_every=0", "--config.parallel.num_devices=2",
+        "--config.train.global_batch_size=32", "--config.compile_cache_dir="]
+HANG_S = 60  # the most a child may take: the hangs these tests guard against lasted 5 minutes and more
+
+
+def _child_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("JDP_KILL_AT", "XLA_FLAGS", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")}
+    return {**env, "JAX_PLATFORMS": "cpu", "JAX_NUM_CPU_DEVICES": "2", "PYTHONUNBUFFERED": "1"}
+
+
+def _train(workdir: Path, *args: str) -> subprocess.CompletedProcess:
+    """The CLI on `workdir`; fails the test (the child killed) when it runs past HANG_S."""
+    try:
+        return subprocess.run([*TINY, "--workdir", str(workdir), *args], cwd=ROOT, env=_child_env(),
+                              capture_output=True, text=True, timeout=HANG_S)
+    except subprocess.TimeoutExpired as e:  # subprocess.run has killed it
+        pytest.fail(f"the run still ran after {HANG_S} s (a hang); its stderr ended with: "
+                    f"{(e.stderr or b'')[-2000:]!r}")
+
+
+def _one_line(out: subprocess.CompletedProcess, code: int, start: str) -> str:
+    assert out.returncode == code, out.stderr[-3000:]
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith(start), out.stderr[-3000:]
+    return out.stderr
+
+
+@contextlib.contextmanager
+def _small_disk(path: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` mounted at `path` for the block (root only; in CI, which runs as root, a failure to
+    mount fails the test), unmounted after, lazily if a killed child still holds it."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                             text=True, timeout=30)
+    if mounted.returncode:
+        if os.environ.get("CI"):
+            pytest.fail(f"mount -t tmpfs failed: {mounted.stderr.strip()}")
+        pytest.skip(f"needs root to mount a tmpfs ({mounted.stderr.strip()})")
+    try:
+        yield path
+    finally:
+        for _ in range(20):
+            if subprocess.run(["umount", str(path)], capture_output=True, timeout=30).returncode == 0:
+                break
+            time.sleep(0.25)
+        else:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True, timeout=30)
+
+
+# The disk each writer meets full: a tmpfs of its own in the workdir, the rest on the test's disk. A page (4 KiB)
+# holds the tracker's state file once (its rewrite needs a second) and less than TensorBoard's buffer; 120 KiB,
+# the first checkpoint of the tiny MLP, not the second.
+WRITERS = {"tensorboard": "4k", "trackers": "4k", "checkpoints": "120k"}
+
+
+@pytest.mark.parametrize("writer", WRITERS)
+def test_a_full_disk_stops_each_writer_in_one_line_and_the_rerun_resumes(writer, tmp_path):
+    """The issue's run: the disk filled, tensorboardX's writer thread died of ENOSPC with a traceback, and the run
+    then waited on that thread's full queue for good (over 10 minutes). A tracker's worker thread died the same way,
+    its state file unwritten, while the run went on. Each writer's ENOSPC is now the one-line disk error, exit 6;
+    once the disk is larger, the rerun resumes from the last checkpoint and computes the same losses, bitwise."""
+    workdir = tmp_path / "run"
+    args = ["--config.train.steps=40", "--config.checkpoint.every_steps=5"]
+    if writer == "trackers":
+        if not os.environ.get("CI"):  # in CI a missing mlflow (the test extra) fails this test, never skips it
+            pytest.importorskip("mlflow")
+        args += ["--config.metrics.loggers=mlflow", f"--config.metrics.mlflow_tracking_uri={tmp_path / 'mlruns'}",
+                 "--config.metrics.mlflow_experiment=tests"]
+    with _small_disk(workdir / writer, WRITERS[writer]) as disk:
+        _one_line(_train(workdir, *args), 6, f"jdp: disk: no space left on device writing {disk}")
+        written = dict(_losses(workdir))
+        subprocess.run(["mount", "-o", "remount,size=8m", str(disk)], check=True, timeout=30)
+        out = _train(workdir, *args)
+        assert out.returncode == 0, out.stderr[-3000:]
+    resumed = dict(_losses(workdir))
+    assert [step for step, _ in _losses(workdir)] == list(range(1, 41))  # each step once
+    assert {s: resumed[s] for s in written} == written  # the steps both segments trained: the same bits
+
+
+def _losses(workdir: Path) -> list[tuple[int, float]]:
+    return [(r["step"], r["loss"]) for r in read_metrics(workdir) if r["split"] == "train"]
+
+
+def test_checkpoints_as_a_file_is_refused_at_start_up(tmp_path):
+    """WORKDIR/checkpoints a regular file: the run started from step 0 without a word and hung at its first save
+    (over 300 s), ending in an absl traceback."""
+    (tmp_path / "checkpoints").write_text("")
+    _one_line(_train(tmp_path), 2, f"jdp: error: {tmp_path / 'checkpoints'} is a file: the run keeps its checkpoints "
+                                   "there; move it away (or pass another --workdir) and rerun")
+    assert [p.name for p in tmp_path.iterdir()] == ["checkpoints"]  # nothing written
+
+
+def test_a_workdir_deleted_mid_run_is_the_one_line_disk_error(tmp_path):
+    """The workdir removed while the run writes it (moved away, then deleted, so that the removal is at once):
+    exit 1 with 5 tracebacks and 454 lines of stderr, or a run that went on into a directory orbax made anew."""
+    workdir = tmp_path / "run"
+    child = subprocess.Popen([*TINY, "--workdir", str(workdir), "--config.train.steps=100000",
+                              "--config.checkpoint.every_steps=5"], cwd=ROOT, env=_child_env(),
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    bound = threading.Timer(2 * HANG_S, child.kill)  # however it hangs: before its first lines, or after
+    bound.start()
+    try:
+        for line in child.stdout:  # trained past its first checkpoints
+            if line.startswith("step 12:"):
+                break
+        workdir.rename(tmp_path / "removed")
+        shutil.rmtree(tmp_path / "removed", ignore_errors=True)  # a write still in flight may add a file there
+        started = time.monotonic()
+        stdout, stderr = child.communicate(timeout=HANG_S)
+    finally:
+        bound.cancel()
+        child.kill()
+        child.wait()
+    assert time.monotonic() - started < HANG_S
+    out = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
+    _one_line(out, 6, f"jdp: disk: {workdir} was deleted or moved while the run wrote it")
+    assert stderr.strip().endswith("move it back and rerun to resume, or rerun to start afresh")

@@ -15,7 +15,7 @@ from typing import Any
 
 import ml_collections
 
-from jdp import configs, loggers
+from jdp import configs, errors, loggers
 from jdp.distributed import check_bind_address, differences, flatten
 from jdp.environment import MAX_CPU_DEVICES
 from jdp.errors import UsageError, one_line
@@ -284,7 +284,7 @@ def apply_command_line(cfg: ml_collections.ConfigDict, overrides: dict[str, str]
     - `train.steps` shortened to no more than the file's `optim.warmup_steps` (a smoke test of a long recipe):
       the warmup becomes a tenth of the steps, and the config (so config.json, which the resume guard compares)
       holds that value. A warmup given on the command line is the user's: `validate` refuses it instead."""
-    warn = warn or _warn
+    warn = warn or errors.warn
     given = {_model_setting(key) for key in overrides}
     file_model = cfg.model.name
     apply_overrides(cfg, overrides)
@@ -303,10 +303,6 @@ def apply_command_line(cfg: ml_collections.ConfigDict, overrides: dict[str, str]
              f"{cfg.optim.warmup_steps}, a tenth of the steps (recorded in config.json; set "
              "--config.optim.warmup_steps to choose)")
     return cfg
-
-
-def _warn(line: str) -> None:
-    print(f"jdp: warning: {line}", file=sys.stderr, flush=True)
 
 
 def _literal(raw: str) -> object:

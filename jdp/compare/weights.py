@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from jdp.compare.torch_models import BatchNorm
+from jdp.nested import flatten
 
 Flat = dict[str, np.ndarray]
 
@@ -136,12 +137,7 @@ def torch_to_flat(state_dict: dict[str, torch.Tensor], model: nn.Module) -> Flat
 
 def flatten_tree(tree: Any, prefix: str) -> Flat:
     """A jdp pure dict -> {'prefix/a/0/b': array}, the names of jdp.params_file.flatten (without jax)."""
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(flatten_tree(v, f"{prefix}/{k}"))
-        return out
-    return {prefix: np.asarray(tree)}
+    return {k: np.asarray(v) for k, v in flatten(tree, prefix + "/", "/").items()}
 
 
 def unflatten_tree(flat: Flat, prefix: str) -> dict:

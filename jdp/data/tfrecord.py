@@ -14,9 +14,10 @@ per record: about a second per million records from the page cache, longer from 
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -28,12 +29,12 @@ class UnreadableFileError(ValueError):
     """A tfrecord file that is missing, remote, truncated or disagrees with the dataset info."""
 
 
-def _frame_offsets(path: str, fd: int) -> tuple[np.ndarray, np.ndarray]:
-    """(offset of each record's data, its length) for every frame of the open file `fd`."""
-    size = os.fstat(fd).st_size
-    offsets, lengths, pos = [], [], 0
+def frames(path: str, read: Callable[[int, int], bytes], size: int) -> Iterator[tuple[int, int]]:
+    """(offset of each record's data, its length) for every frame of the `size`-byte file `path` (`read(n, offset)`
+    reads n bytes of it); a frame cut short raises UnreadableFileError, after the frames before it."""
+    pos = 0
     while pos < size:
-        header = os.pread(fd, _HEADER, pos)
+        header = read(_HEADER, pos)
         if len(header) < _HEADER:
             raise UnreadableFileError(f"{path} is truncated: a frame header at byte {pos} is cut off; prepare the "
                                       "dataset again")
@@ -42,10 +43,8 @@ def _frame_offsets(path: str, fd: int) -> tuple[np.ndarray, np.ndarray]:
         if end > size:
             raise UnreadableFileError(f"{path} is truncated or not a tfrecord file: a {length}-byte record at "
                                       f"byte {pos} runs past its end ({size} bytes); prepare the dataset again")
-        offsets.append(pos + _HEADER)
-        lengths.append(length)
+        yield pos + _HEADER, length
         pos = end
-    return np.asarray(offsets, np.int64), np.asarray(lengths, np.int64)
 
 
 class TfrecordRecords:
@@ -73,7 +72,8 @@ class TfrecordRecords:
                        "copy or prepare the dataset again")
                 raise UnreadableFileError(f"cannot open {path} ({e.strerror}); {fix}") from None
             self._fds.append(fd)
-            offsets, lengths = _frame_offsets(path, fd)
+            offsets, lengths = np.asarray(list(frames(path, functools.partial(os.pread, fd), os.fstat(fd).st_size)),
+                                          np.int64).reshape(-1, 2).T
             if len(offsets) != instruction.examples_in_shard:
                 raise UnreadableFileError(f"{path} holds {len(offsets)} records where the dataset info says "
                                           f"{instruction.examples_in_shard}; prepare the dataset again")

@@ -21,9 +21,9 @@ from typing import Any
 
 import jax
 
-from jdp import storage
+from jdp import nested, storage
 from jdp.callbacks import Callback
-from jdp.errors import UsageError, one_line
+from jdp.errors import UsageError, one_line, warn
 from jdp.files import write_atomic
 
 CLOSE_TIMEOUT_S = 30.0  # the most a run's end (or its exit after an error or a signal) waits for a tracker
@@ -44,18 +44,9 @@ def installed(package: str) -> bool:
 def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     """Nested dicts as `a.b.c` keys; a dict with a key that is not a plain name (parameter paths, such as the model's
     shapes) and any list stay one value each, as JSON."""
-    flat: dict[str, Any] = {}
-    for key, value in record.items():
-        name = f"{prefix}{key}"
-        plain = isinstance(value, dict) and value and all(
-            isinstance(k, str) and k.replace("_", "").replace("-", "").isalnum() for k in value)
-        if plain:
-            flat.update(flatten(value, name + "."))
-        elif isinstance(value, (dict, list, tuple)):
-            flat[name] = json.dumps(value, default=str)
-        else:
-            flat[name] = value
-    return flat
+    flat = nested.flatten(record, prefix, into=lambda value: isinstance(value, dict) and value and all(
+        isinstance(k, str) and k.replace("_", "").replace("-", "").isalnum() for k in value))
+    return {k: json.dumps(v, default=str) if isinstance(v, (dict, list, tuple)) else v for k, v in flat.items()}
 
 
 def numbers(line: dict[str, Any], prefix: str = "") -> dict[str, float]:
@@ -144,9 +135,8 @@ class Tracker(Callback):
             self._raise_write_failure()
         if thread.is_alive():
             self._abandoned = True  # silent from now on: the tracker may answer long after
-            _print(f"jdp: warning: the {self.name} tracker did not finish within {self.close_timeout_s:g} s of the "
-                   f"run's end (close_timeout_s); going on without it, with {max(0, self._queue.qsize() - 1)} more "
-                   "line(s) waiting")
+            warn(f"the {self.name} tracker did not finish within {self.close_timeout_s:g} s of the run's end "
+                 f"(close_timeout_s); going on without it, with {max(0, self._queue.qsize() - 1)} more line(s) waiting")
 
     def _at_exit(self) -> None:
         self.close(ok=False)
@@ -244,7 +234,7 @@ class Tracker(Callback):
     def _warn(self, message: str) -> None:
         if not self._warned and not self._abandoned:
             self._warned = True
-            _print(f"jdp: warning: {self.name} logger: {message} (this warning is shown once)")
+            warn(f"{self.name} logger: {message} (this warning is shown once)")
 
     def _read_state(self) -> dict[str, Any]:
         path = self._state_path()
@@ -253,7 +243,7 @@ class Tracker(Callback):
         try:
             state = json.loads(path.read_text())
         except (OSError, ValueError) as e:
-            _print(f"jdp: warning: {path} cannot be read ({one_line(e)}); the {self.name} logger opens a new run")
+            warn(f"{path} cannot be read ({one_line(e)}); the {self.name} logger opens a new run")
             return {}
         return state if isinstance(state, dict) else {}
 
@@ -329,10 +319,6 @@ class _ClientLogs(logging.Filter):
     def __exit__(self, *exc: object) -> None:
         for name in self.LOGGERS:
             logging.getLogger(name).removeFilter(self)
-
-
-def _print(line: str) -> None:
-    print(line, file=sys.stderr, flush=True)
 
 
 def now_ms() -> int:
