@@ -68,7 +68,8 @@ def offline(tmp_path, monkeypatch):
 
 def wandb_run(run_dir: Path) -> dict:
     """One offline run directory: its run id, config, history rows (user keys only) and summary."""
-    run = {"id": None, "dir_id": run_dir.name.rsplit("-", 1)[1], "config": {}, "history": [], "summary": {}}
+    # offline-run-<time>-<id>, with -1, -2, ... when a directory of that second and id exists already
+    run = {"id": None, "dir_id": run_dir.name.split("-")[3], "config": {}, "history": [], "summary": {}}
     files = list(run_dir.glob("run-*.wandb"))  # none when a SIGKILL came before W&B wrote its first block
     assert len(files) <= 1, files
     for record in (r for path in files for r in read_records(path)):
@@ -87,6 +88,20 @@ def wandb_run(run_dir: Path) -> dict:
 
 def wandb_runs(workdir: Path) -> list[dict]:
     return [wandb_run(d) for d in sorted((workdir / "wandb").glob("offline-run-*"))]
+
+
+def wandb_finished(workdir: Path, timeout_s: float = 30) -> None:
+    """Until the newest offline run's file ends with its exit record. W&B's `finish` (wandb 0.31, offline) can return
+    before its service has written the run file, which a read right after `fit` then finds holding its header alone;
+    at a process's exit W&B waits for its service."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        newest = sorted((workdir / "wandb").glob("offline-run-*"))[-1:]
+        files = list(newest[0].glob("run-*.wandb")) if newest else []
+        if files and any(r.WhichOneof("record_type") == "exit" for r in read_records(files[0])):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"W&B wrote no finished run file in {workdir / 'wandb'} within {timeout_s:g} s")
 
 
 def wandb_points(runs: list[dict], key: str) -> list[tuple[int, float]]:
@@ -162,6 +177,7 @@ def test_mlflow_holds_the_record_and_the_lines_of_metrics_jsonl(tmp_path):
 def test_wandb_offline_run_holds_the_config_and_the_lines_of_metrics_jsonl(tmp_path):
     workdir = tmp_path / "run"
     fit(workdir, [WandB(project="tests", mode="offline")])
+    wandb_finished(workdir)
     (run,) = wandb_runs(workdir)  # the run's files live in the workdir (no dir given, no WANDB_DIR)
     assert run["id"] == json.loads((workdir / "trackers" / "wandb.json").read_text())["run_id"]
     record = json.loads((workdir / "run.json").read_text())
@@ -205,6 +221,7 @@ def test_a_resumed_fit_continues_the_same_runs_with_each_step_once(tmp_path, mon
         assert mlflow_points(store, run.info.run_id, key) == expected
     assert run.data.params["fit.options.description"] == ""
     assert run.data.params["resume_4.fit.options.description"] == "resumed"
+    wandb_finished(workdir)
     runs = wandb_runs(workdir)
     assert [r["dir_id"] for r in runs] == [runs[1]["id"]] * 2  # offline: a second directory, the same run id
     assert wandb_points(runs, "loss") == jsonl_points(workdir, "train", "loss")
@@ -447,6 +464,7 @@ def test_a_kill_during_wandbs_start_up_leaves_its_id_for_the_rerun(tmp_path, mon
     monkeypatch.setattr(wandb, "init", real_init)
     monkeypatch.delenv("JDP_KILL_AT")
     fit(workdir, [WandB(project="tests", mode="offline")])
+    wandb_finished(workdir)
     empty, run = wandb_runs(workdir)
     assert calls == [(run["id"], {"run_id": run["id"]})]  # the id was on disk before W&B started
     assert empty["dir_id"] == run["dir_id"] == run["id"] and empty["history"] == []  # one run id for `wandb sync`
