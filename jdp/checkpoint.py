@@ -34,6 +34,7 @@ from jdp import distributed as distributed_lib
 from jdp.errors import DiskError, one_line
 from jdp.faults import kill_if_requested, signal_if_requested
 from jdp.storage import QuietDiskFailures
+from jdp.workdir_lock import LOCK_NAME
 
 # Orbax logs every save at INFO through absl, and a failed write once per thread with a traceback; jdp reports
 # saves, and a full disk (jdp.storage), itself.
@@ -74,7 +75,8 @@ class _QuietWhileVanished(logging.Filter):
 
 
 _OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # the Checkpointers not closed yet
-_VANISHED: list[Path] = []  # what `Checkpointer.vanished` found gone in this process, once it did
+_VANISHED: list[Path] = []  # what `Checkpointer.vanished` found gone (until the next Checkpointer): what orbax
+# logs late, once the Checkpointer is closed (a task's exception when it is collected), is quieted too
 logging.getLogger("absl").addFilter(_QuietWhileVanished())
 logging.getLogger("asyncio").addFilter(_QuietWhileVanished())
 
@@ -279,11 +281,12 @@ class Checkpointer:
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                                  create=True))
-        # What a deletion or a move of the workdir (whole or in part) changes; the lock file (`jdp.workdir_lock`),
-        # held by the run, goes first when `rm -r` meets files that orbax is still writing.
-        watched = (self.directory.parent, self.directory, self.directory.parent / "jdp.lock")
+        # What a deletion or a move of the workdir (whole or in part) changes; the lock file, held by the run, goes
+        # first when `rm -r` meets files that orbax is still writing.
+        watched = (self.directory.parent, self.directory, self.directory.parent / LOCK_NAME)
         self._identity = {path: _identity(path) for path in watched}
         _OPEN.add(self)
+        _VANISHED.clear()  # a new run: what an earlier one's orbax threads log is no longer quieted
 
     def steps(self) -> list[int]:
         return sorted(self._manager.all_steps())

@@ -330,6 +330,26 @@ def test_an_unreadable_checkpoint_stops_with_exit_6_and_moves_nothing(reference,
     assert train_losses(tmp_path) == train_losses(reference)  # nothing was trained or dropped
 
 
+def test_a_step_that_is_a_symbolic_link_loop_is_named_moved_aside_and_saved_anew(tmp_path, capsys):
+    """checkpoints/4 a symbolic link to itself: orbax skipped it on restore, then its save of step 4 died renaming
+    its temporary directory onto the link (NotADirectoryError, a traceback, exit 1, 4.orbax-checkpoint-tmp left).
+    Named in one line and moved aside as damage is: the rerun resumes from step 2 and saves step 4 anew."""
+    cfg = small_config("mlp", steps=4, checkpoint={"every_steps": 2})
+    run(cfg, tmp_path)
+    losses, checkpoints = train_losses(tmp_path), tmp_path / "checkpoints"
+    shutil.rmtree(checkpoints / "4")
+    (checkpoints / "4").symlink_to("4")
+    capsys.readouterr()
+    assert run(cfg, tmp_path).step == 4
+    assert capsys.readouterr().err.splitlines() == [
+        f"jdp: warning: checkpoint {checkpoints / '4'} is unusable: a symbolic link loop (it leads back to itself) "
+        "stands where its directory belongs; moving it aside",
+        f"jdp: warning: moved the damaged checkpoint {checkpoints / '4'} to {tmp_path / 'rejected' / '4'}"]
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4"] and (checkpoints / "4").is_dir()
+    assert (tmp_path / "rejected" / "4").is_symlink()
+    assert train_losses(tmp_path) == losses  # steps 3-4 trained again from step 2, bitwise
+
+
 # tensorstore's text for a read that EACCES stopped, as orbax raises it (a ValueError), and the same read once
 # tensorstore has the failure cached: without the errno.
 _DENIED = ('PERMISSION_DENIED: Error opening "zarr" driver: Error reading "step/.zarray" in OCDBT database at local '
