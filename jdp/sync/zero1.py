@@ -19,6 +19,7 @@ import optax
 
 from jdp.errors import FitError
 from jdp.sync.base import (
+    AllReduce,
     Local,
     Reduced,
     Sync,
@@ -91,6 +92,11 @@ class ZeRO1(Sync):
     per_device_update = True
     noise_scale = False  # no device holds a whole gradient
     shards_optimizer = True
+
+    def record(self) -> dict[str, Any]:
+        # Sharding changes where the state lives, not what is computed: the mean all-reduce's numerics, so a run
+        # resumes sharded or not, on any device count (the state restores resharded).
+        return AllReduce(self.dtype_name).record()
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
         require(options["backend"] == "shard_map", f"{what} needs {view.use('backend', 'shard_map')}")
