@@ -74,6 +74,16 @@ class _QuietWhileVanished(logging.Filter):
         return record.levelno < logging.WARNING or not (_VANISHED or any(c.vanished() for c in list(_OPEN)))
 
 
+class _QuietSaveWaits(logging.Filter):
+    """orbax's `WARNING:absl:Waiting for previous save to complete took 1.02 seconds ...` when a save waits for the
+    one before (a loaded machine, checkpoints a few steps apart): jdp reports that time itself, as the checkpoint
+    stall of its summary line, and the extra line broke the promise of one line on stderr for a failed run."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Waiting for previous save to complete")
+
+
+logging.getLogger("absl").addFilter(_QuietSaveWaits())
 _OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # the Checkpointers not closed yet
 _VANISHED: list[Path] = []  # what `Checkpointer.vanished` found gone (until the next Checkpointer): what orbax
 # logs late, once the Checkpointer is closed (a task's exception when it is collected), is quieted too
