@@ -134,8 +134,4 @@ class Stack(nnx.Module):
         else:
             body = remat(body, self.remat)
 
-        @nnx.scan(in_axes=(0, nnx.Carry, *(0,) * len(xs)), out_axes=(nnx.Carry, 0))
-        def scan(layer: nnx.Module, x: jax.Array, *xs_i: Any) -> tuple[jax.Array, Any]:
-            return body(layer, x, *xs_i)
-
-        return scan(self.layers, x, *xs)
+        return nnx.scan(body, in_axes=(0, nnx.Carry, *(0,) * len(xs)), out_axes=(nnx.Carry, 0))(self.layers, x, *xs)

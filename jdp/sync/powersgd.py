@@ -110,7 +110,6 @@ class PowerSGD(Sync):
     {name: (devices, layers, n, m)}}`; Q is replicated, the error feedback per device (it restores on the same
     device count only)."""
 
-    per_device_update = False
     noise_scale = False
     matrices: dict[str, Matrix] = {}
     seed = 0
