@@ -73,11 +73,37 @@ def to_numpy(x: jax.Array | np.ndarray) -> np.ndarray:
 
 
 def split_whole(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    """A whole array split across the devices on an axis that divides by their count: the first, else the longest;
-    replicated when none does (JAX splits only evenly). How a sharded leaf of the train state lives outside the
-    step whose own axis does not divide, where it keeps its shape: a checkpoint then writes each device's part, and
+    """A whole array split across the devices on an axis that divides by their count: the first, else the longest.
+    When none does, it is split as far as its axes share factors with the count, on a view of the same devices as
+    one mesh axis per prime factor (250 x 10 on 8 devices: 2 x 2 ways, over a 2 x 2 x 2 view), and replicated only
+    when none shares one (JAX splits only evenly). How a sharded leaf of the train state lives outside the step
+    whose own axis does not divide, where it keeps its shape: a checkpoint then writes each device's part, and
     restores on any device count."""
-    axes = sorted((i for i, size in enumerate(shape) if size % mesh.size == 0), key=lambda i: (i != 0, -shape[i]))
-    if not axes or mesh.size == 1:
+    if mesh.size == 1:
         return replicated(mesh)
-    return NamedSharding(mesh, P(*[DATA_AXIS if i == axes[0] else None for i in range(len(shape))]))
+    axes = sorted((i for i, size in enumerate(shape) if size % mesh.size == 0), key=lambda i: (i != 0, -shape[i]))
+    if axes:
+        return NamedSharding(mesh, P(*[DATA_AXIS if i == axes[0] else None for i in range(len(shape))]))
+    factors = _prime_factors(mesh.size)
+    view = Mesh(mesh.devices.reshape(factors), tuple(f"{DATA_AXIS}{k}" for k in range(len(factors))),
+                axis_types=(AxisType.Auto,) * len(factors))
+    left, names = list(shape), [[] for _ in shape]
+    for name, factor in zip(view.axis_names, factors, strict=True):
+        fits = [i for i, size in enumerate(left) if size % factor == 0]
+        if fits:
+            i = max(fits, key=lambda i: left[i])
+            left[i] //= factor
+            names[i].append(name)
+    if not any(names):
+        return replicated(mesh)
+    return NamedSharding(view, P(*[tuple(n) if n else None for n in names]))
+
+
+def _prime_factors(n: int) -> list[int]:
+    factors, p = [], 2
+    while n > 1:
+        while n % p == 0:
+            factors.append(p)
+            n //= p
+        p += 1
+    return factors

@@ -115,7 +115,7 @@ class DataParallel:
             raise ValueError("a sharded state needs shard_map or jit, not pmap")
         # Where each leaf of the logical state lives: whole on every device, a per-device leaf split on `data`, a
         # sharded one split on the step's own axis when that needs no padding (its parts are then the step's
-        # slices), else whole-shaped on another (`jdp.mesh.split_whole`).
+        # slices), else whole-shaped and split as evenly as its axes allow (`jdp.mesh.split_whole`).
         def logical(layout: str, x: Any, axis: int | None) -> NamedSharding:
             if layout != SHARDED:
                 return {REPLICATED: replicated(mesh), PER_DEVICE: data_sharded(mesh)}[layout]

@@ -18,9 +18,11 @@ from flax import nnx
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+import jdp
 from jdp import digest
 from jdp.errors import FitError
 from jdp.mesh import DATA_AXIS, make_mesh
+from jdp.models.mlp import MLP
 from jdp.trainer import FitOptions, prepare
 from tests.helpers import max_abs_diff
 from tests.test_fit import CASES, _fit, mse, regression_data
@@ -165,6 +167,42 @@ def test_the_state_between_steps_is_sliced_and_the_logical_state_split_whole():
     whole = logical.params["b"]["kernel"]
     assert whole.shape == (256, 255) and whole.addressable_shards[0].data.shape == (32, 255)
     assert logical.params["out"]["bias"].sharding.is_fully_replicated  # 1 element: no axis divides by 8
+
+
+@pytest.mark.parametrize("shard_params", [True, False], ids=["zero3", "zero1"])
+def test_a_callback_sees_an_eighth_of_leaves_no_axis_of_which_divides_by_8(shard_params):
+    """A 64-256-250-10 MLP: the 250 x 10 kernel and the biases of 250 and 10 have no axis that divides by 8, and
+    held whole they put 15.4% of the parameters on each device. Split as far as their factors allow (250 x 10 four
+    ways, over a 2 x 2 x 2 view of the devices), each device's share of the parameters and of AdamW's state, as a
+    callback gets them, is at most 1.1/8. Breaks if such leaves are replicated in the logical layout."""
+    class Shares:
+        every, seen = 2, []
+
+        def on_step(self, step, metrics, state):
+            def share(tree):
+                held = [0] * 8
+                for leaf in jax.tree.leaves(tree):
+                    for shard in leaf.addressable_shards:
+                        held[shard.device.id] += shard.data.nbytes
+                return max(held) / sum(leaf.nbytes for leaf in jax.tree.leaves(tree))
+            self.seen.append((share(state.params), share(state.opt_state)))
+
+        def on_end(self, result):
+            pass
+
+    rng = np.random.default_rng(0)
+    data = {"x": rng.normal(size=(64, 64)).astype(np.float32), "y": rng.integers(0, 10, 64).astype(np.int32)}
+
+    def xent(model, batch):
+        return {"loss": optax.softmax_cross_entropy_with_integer_labels(model(batch["x"]), batch["y"])}
+
+    callback = Shares()
+    jdp.fit(lambda: MLP(64, (256, 250), 10, rngs=nnx.Rngs(0)), xent, data, steps=2, global_batch_size=16,
+            num_devices=8, optimizer=optax.adamw(1e-3), callbacks=[callback],
+            **({"shard_params": True} if shard_params else {"shard_optimizer": True}))
+    (params, opt_state), = callback.seen
+    assert opt_state <= 1.1 / 8
+    assert params <= 1.1 / 8 if shard_params else params == 1.0  # ZeRO-1 keeps the parameters whole
 
 
 @pytest.mark.parametrize("options,message", [

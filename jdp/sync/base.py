@@ -26,8 +26,8 @@ Tree = Any
 # feedback, DiLoCo's inner optimizer state); it has no replicas to compare, and restores only on the same device
 # count. Sharded: one whole array split across the devices (ZeRO's optimizer state and parameters); inside the step
 # it keeps its rank and is split on one axis (`shard_axis`), zero-padded to a multiple of N where that axis does
-# not divide, device i holding the i-th block of it; outside, it keeps its shape (split on an axis that divides,
-# `jdp.mesh.split_whole`) and restores on any device count. Checkpoints, the replica check and export follow the
+# not divide, device i holding the i-th block of it; outside, it keeps its shape (split as evenly as its axes
+# allow, `jdp.mesh.split_whole`) and restores on any device count. Checkpoints, the replica check and export follow the
 # declaration.
 REPLICATED, PER_DEVICE, SHARDED = "replicated", "per_device", "sharded"
 ALLREDUCE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}  # what a gradient collective sends
