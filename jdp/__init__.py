@@ -14,26 +14,23 @@ _EXPORTS = {"Batcher": "jdp.data.batching", "TrainState": "jdp.step",
                                                "ReplicaMismatchError", "UsageError")},
             "Callback": "jdp.callbacks", "FitOptions": "jdp.options",
             **{name: "jdp.trainer" for name in ("FitResult", "Source", "fit")},
-            **{name: "jdp.reopen" for name in ("evaluate", "restore")}}
+            **{name: "jdp.reopen" for name in ("evaluate", "export_params", "restore")}}
 
 if TYPE_CHECKING:
     from jdp.callbacks import Callback
     from jdp.data.batching import Batcher
     from jdp.errors import DiskError, FitError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError
     from jdp.options import FitOptions
-    from jdp.reopen import evaluate, restore
-    from jdp.reopen import export as export
+    from jdp.reopen import evaluate, export_params, restore
     from jdp.step import TrainState
     from jdp.trainer import FitResult, Source, fit
 
 __all__ = ["Batcher", "Callback", "DiskError", "FitError", "FitOptions", "FitResult", "NonFiniteLossError",
-           "Preempted", "ReplicaMismatchError", "Source", "TrainState", "UsageError", "evaluate", "export", "fit",
-           "initialize", "restore"]
+           "Preempted", "ReplicaMismatchError", "Source", "TrainState", "UsageError", "evaluate", "export_params",
+           "fit", "initialize", "restore"]
 
 
 def __getattr__(name: str) -> object:
-    if name == "export":  # the module of python -m jdp.export, callable as jdp.export(workdir, path)
-        return importlib.import_module("jdp.export")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'jdp' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)

@@ -139,8 +139,8 @@ class _PreemptedExits:
 
 
 def install_excepthook() -> None:
-    """`_PreemptedExits` as `sys.excepthook`, once (`jdp.fit`, `jdp.restore`, `jdp.evaluate` and `jdp.export` call
-    it): a script that leaves jdp's one-line errors uncaught ends as the CLI does, one that catches them is
+    """`_PreemptedExits` as `sys.excepthook`, once (`jdp.fit`, `jdp.restore`, `jdp.evaluate` and `jdp.export_params`
+    call it): a script that leaves jdp's one-line errors uncaught ends as the CLI does, one that catches them is
     unchanged."""
     if not isinstance(sys.excepthook, _PreemptedExits):  # installed once: later calls find it
         sys.excepthook = _PreemptedExits(sys.excepthook)

@@ -110,14 +110,15 @@ def evaluate(model: nnx.Module, loss_fn: LossFn, data: Any, *, global_batch_size
         engine.source.close()
 
 
-def export(workdir: str | Path, path: str | Path, model: nnx.Module | Callable[[], nnx.Module] | None = None, *,
-           step: int | None = None) -> tuple[int, int]:
+def export_params(workdir: str | Path, path: str | Path,
+                  model: nnx.Module | Callable[[], nnx.Module] | None = None, *,
+                  step: int | None = None) -> tuple[int, int]:
     """What `python -m jdp.export` writes: the run's parameters and model state (not its RNG streams) as an .npz
     that `init_from` and `jdp.params_file` read. `model`, as in `restore`: the run's model (an `nnx.Module` or a
     factory), needed when the run's record names no importable one. Returns (the step exported, the number of
     arrays)."""
     preemption.install_excepthook()  # an uncaught FitError: one line and exit 2
-    step, restored = _restored(Path(workdir), model, step, "jdp.export(workdir, path, model)")
+    step, restored = _restored(Path(workdir), model, step, "jdp.export_params(workdir, path, model)")
     params, model_state = state_groups(restored)
     write_params_file(Path(path), params, model_state, step)
     return step, len(jax.tree.leaves((params, model_state)))

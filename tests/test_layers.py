@@ -86,11 +86,11 @@ def _modules() -> dict[str, Path]:
 
 
 def _lazy_exports() -> dict[str, str]:
-    """`from jdp import NAME` -> the module NAME comes from: jdp/__init__.py's lazy `_EXPORTS`, and `export`
-    (the module jdp.export). Importing jdp imports nothing else."""
+    """`from jdp import NAME` -> the module NAME comes from: jdp/__init__.py's lazy `_EXPORTS`. Importing jdp
+    imports nothing else."""
     import jdp
 
-    return {**jdp._EXPORTS, "export": "jdp.export"}
+    return dict(jdp._EXPORTS)
 
 
 def _is_type_checking(test: ast.expr) -> bool:

@@ -1,6 +1,6 @@
 """The run record `jdp.fit` writes (WORKDIR/run.json, key "fit") and what reads it back: the resume guard, which
 refuses a resumed run whose numerics or data order changed, and the tools that reopen a run from Python
-(`jdp.restore`, `jdp.evaluate`, `jdp.export`) and from the command line (`python -m jdp.export`,
+(`jdp.restore`, `jdp.evaluate`, `jdp.export_params`) and from the command line (`python -m jdp.export`,
 `python -m jdp.train --eval_only`, `python -m jdp.sample`)."""
 
 from __future__ import annotations
@@ -380,12 +380,12 @@ def test_restore_of_a_run_whose_model_cannot_be_imported_asks_for_it(local_run):
 
 
 def test_export_of_a_run_whose_model_cannot_be_imported_names_jdp_export(local_run, tmp_path):
-    """The refusal names the function called, and how it takes the model: jdp.export(workdir, path, model)."""
+    """The refusal names the function called, and how it takes the model: jdp.export_params(workdir, path, model)."""
     workdir, result, scripted = local_run
-    with pytest.raises(jdp.FitError, match=r"pass it: jdp.export\(workdir, path, model\)$") as refused:
-        jdp.export(workdir, tmp_path / "p.npz")
+    with pytest.raises(jdp.FitError, match=r"pass it: jdp.export_params\(workdir, path, model\)$") as refused:
+        jdp.export_params(workdir, tmp_path / "p.npz")
     assert "jdp.restore" not in str(refused.value) and not (tmp_path / "p.npz").exists()
-    step, _ = jdp.export(workdir, tmp_path / "p.npz", scripted(rate=0.2, rngs=nnx.Rngs(3)))
+    step, _ = jdp.export_params(workdir, tmp_path / "p.npz", scripted(rate=0.2, rngs=nnx.Rngs(3)))
     with np.load(tmp_path / "p.npz") as exported:
         np.testing.assert_array_equal(exported["params/conv/kernel"], result.params["conv"]["kernel"])
     assert step == 4
@@ -399,10 +399,10 @@ def test_restore_refuses_a_model_of_other_shapes_in_one_line(finished):
 
 
 def test_export_writes_the_parameters_and_state_of_the_last_checkpoint(finished, tmp_path):
-    """`jdp.export` (the module, callable) writes what `init_from` reads: params/... and model_state/... of the
+    """`jdp.export_params` writes what `init_from` reads: params/... and model_state/... of the
     last checkpoint, and its step."""
     workdir, result = finished
-    step, count = jdp.export(workdir, tmp_path / "params.npz")
+    step, count = jdp.export_params(workdir, tmp_path / "params.npz")
     with np.load(tmp_path / "params.npz") as exported:
         arrays = dict(exported)
     assert step == 4 and int(arrays.pop("step")) == 4 and count == len(arrays)
@@ -450,7 +450,7 @@ def test_the_export_command_writes_what_jdp_export_writes(finished, tmp_path):
     out = jdp_command("jdp.export", "--workdir", workdir, "--out", tmp_path / "cli.npz")
     assert out.returncode == 0, out.stderr[-2000:]
     assert "of step 4" in out.stdout
-    jdp.export(workdir, tmp_path / "python.npz")
+    jdp.export_params(workdir, tmp_path / "python.npz")
     with np.load(tmp_path / "cli.npz") as cli, np.load(tmp_path / "python.npz") as python:
         assert sorted(cli) == sorted(python)
         for key in cli:
@@ -477,7 +477,7 @@ def test_the_commands_on_a_run_whose_model_cannot_be_imported_say_what_is_missin
     `python -m jdp.sample` (language-model runs of jdp.train) says a fit run is not one."""
     workdir, _, _ = local_run
     line = one_line(jdp_command("jdp.export", "--workdir", workdir, "--out", tmp_path / "p.npz"),
-                    "jdp.export:", "cannot be rebuilt", "jdp.export(workdir, path, model)")
+                    "jdp.export:", "cannot be rebuilt", "jdp.export_params(workdir, path, model)")
     assert not (tmp_path / "p.npz").exists(), line
     before = len(records(workdir, "eval"))
     one_line(jdp_command("jdp.train", "--workdir", workdir, "--eval_only"), "model cannot be imported",

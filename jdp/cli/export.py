@@ -1,5 +1,5 @@
 """`python -m jdp.export --workdir W --out params.npz`: a run's parameters and BatchNorm statistics (of a
-`python -m jdp.train` run, or of a `jdp.fit` run whose model is importable: `jdp.export` in Python) in a
+`python -m jdp.train` run, or of a `jdp.fit` run whose model is importable: `jdp.export_params` in Python) in a
 framework-neutral .npz (`jdp.params_file`), which `--config.init_from=params.npz` starts a run from.
 
 Key names: `params/<module path>/<name>` and `model_state/<module path>/<name>`, path parts joined
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
             host = built.parallel.to_host(state)  # RNG streams are left out: they are not weights
             write_params_file(args.out, host.params, host.model_state, step)
         else:  # a jdp.fit run whose record names an importable model
-            step, _ = reopen.export(args.workdir, args.out)
+            step, _ = reopen.export_params(args.workdir, args.out)
     except (config_lib.ConfigError, CheckpointError, FitError) as e:
         print(f"jdp.export: {e}", file=sys.stderr)
         return 2
