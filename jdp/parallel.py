@@ -30,6 +30,7 @@ from jdp import memory as memory_lib
 from jdp import step as step_lib
 from jdp.mesh import DATA_AXIS, data_sharded, replicated, split_whole, to_numpy
 from jdp.modeldef import LossFn, ModelDef
+from jdp.split import batch_sharding, shard_batch
 from jdp.sync import Sync
 from jdp.sync.base import PER_DEVICE, REPLICATED, SHARDED, spec_on
 
@@ -43,7 +44,7 @@ Tree = step_lib.Tree
 def _jit(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
          ) -> tuple[Callable, Callable]:
     """One call on the global batch; XLA partitions it and inserts the all-reduce (and a sharded state's gathers)."""
-    repl, split = replicated(mesh), data_sharded(mesh)
+    repl, split = replicated(mesh), batch_sharding(mesh)
     state = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs)
     return (jax.jit(step_for(None), in_shardings=(state, split), out_shardings=(state, repl), donate_argnums=0),
             jax.jit(eval_for(None), in_shardings=(state, split), out_shardings=repl))
@@ -67,7 +68,7 @@ def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callab
         return jax.shard_map(fn, mesh=mesh, in_specs=(state_specs, P(DATA_AXIS)), out_specs=out_specs,
                              check_vma=False)
 
-    batch_in = (None, data_sharded(mesh))  # host rows are split as the step is called (`shard_batch`)
+    batch_in = (None, batch_sharding(mesh))  # host rows are split as the step is called (`jdp.split`)
     return (jax.jit(on_each_device(each_device(step_for(DATA_AXIS)), (state_specs, P())), in_shardings=batch_in,
                     donate_argnums=0),
             jax.jit(on_each_device(eval_for(DATA_AXIS), P()), in_shardings=batch_in))
@@ -127,7 +128,6 @@ class DataParallel:
                                               sync.shard_axes(abstract_state, mesh.size))
         self._relayout = any(spec != P() for spec in jax.tree.leaves(self._state_specs))  # else the layout is logical
         split = data_sharded(mesh)
-        self._batch_sharding = split
 
         def step_for(axis_name: str | None) -> Callable:
             groups = options.bn_groups if axis_name is None else 1  # per-device rows need no grouping
@@ -157,7 +157,6 @@ class DataParallel:
         state_spec = P(DATA_AXIS) if backend == "pmap" else P()
         self._differing_leaves = jax.jit(jax.shard_map(
             _differing_leaves, mesh=mesh, in_specs=(state_spec,), out_specs=P(), check_vma=False))
-        self._local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
 
     def _packed(self, step: Callable) -> Callable:
         """The step with its scalar metrics as one float32 vector: the host fetches a step's metrics in one
@@ -203,15 +202,8 @@ class DataParallel:
         return self._to_logical(state) if self._relayout else state
 
     def shard_batch(self, local_rows: dict[str, np.ndarray]) -> dict[str, jax.Array | np.ndarray]:
-        """Step 1, split: this process's rows of the global batch -> what the compiled steps take. In one process,
-        the host rows themselves: the steps' input shardings split them across the devices as they are called,
-        which costs a fraction of `jax.device_put` (docs/benchmarks.md, "Fixed per-step costs"). In several, a
-        global array on `data`."""
-        if self.backend == "pmap":
-            local_rows = {k: v.reshape(self._local_devices, -1, *v.shape[1:]) for k, v in local_rows.items()}
-        if jax.process_count() == 1:
-            return local_rows
-        return {k: jax.make_array_from_process_local_data(self._batch_sharding, v) for k, v in local_rows.items()}
+        """Step 1, split (`jdp.split`): this process's rows of the global batch -> what the compiled steps take."""
+        return shard_batch(local_rows, self.backend, self.mesh)
 
     def train_step(self, state: step_lib.TrainState, batch: dict[str, jax.Array]
                    ) -> tuple[step_lib.TrainState, jax.Array]:

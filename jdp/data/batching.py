@@ -13,6 +13,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from jdp.errors import UsageError
+from jdp.split import process_block
 
 
 class Source(Protocol):
@@ -51,16 +52,6 @@ def optional(source: Source, name: str) -> Any:
 
 
 
-def _local_block(global_size: int, process_index: int, process_count: int, what: str) -> slice:
-    """Process p's contiguous block [p*B/P, (p+1)*B/P) of a global batch of size B."""
-    if global_size <= 0 or global_size % process_count:
-        raise ValueError(
-            f"{what} {global_size} must be a positive multiple of the process count {process_count}"
-        )
-    local = global_size // process_count
-    return slice(process_index * local, (process_index + 1) * local)
-
-
 class RowOrder:
     """Which rows of the train and eval splits this process reads, by step: the contract every source shares.
 
@@ -74,8 +65,8 @@ class RowOrder:
             raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
         if seed < 0:
             raise ValueError(f"seed must be >= 0, got {seed}")
-        self.train_block = _local_block(global_batch_size, process_index, process_count, "global batch size")
-        self._eval_block = _local_block(eval_batch_size, process_index, process_count, "eval batch size")
+        self.train_block = process_block(global_batch_size, process_index, process_count, "global batch size")
+        self._eval_block = process_block(eval_batch_size, process_index, process_count, "eval batch size")
         self._seed, self.num_train, self.num_eval = seed, num_train, num_eval
         self.global_batch_size, self.eval_batch_size = global_batch_size, eval_batch_size
         self.steps_per_epoch = num_train // global_batch_size
