@@ -2,27 +2,48 @@
 under jit the collectives exist only once the program is partitioned, and XLA may combine them or change their
 element type (XLA:CPU all-reduces a bfloat16 payload in float32).
 
-The count is the operand bytes each device hands its all-reduces, reduce-scatters and all-gathers, in the steady
-state of a training step:
+The count is the operand bytes each device hands its collectives (all-reduce, reduce-scatter, all-gather,
+all-to-all, ragged-all-to-all, collective-permute, and their asynchronous `-start` forms), in the steady state
+of a training step:
+- each collective is sized within its own replica groups (none, or `{}`: all devices): an all-gather's operand is
+  its result / the group's size, a reduce-scatter's its result * the group's size; a ragged-all-to-all counts its
+  output buffer (what it may move at most); a collective-permute its operand; a group of one device sends nothing;
 - a collective in the entry computation runs every step;
-- a conditional's last branch (the true branch of `lax.cond`) is the steady state, run once every `period` steps:
-  a periodic sync's round, or a compressing strategy's path after its start step; its other branches (a start-up
-  path, or nothing) are not counted;
+- a conditional of two branches (`lax.cond`, lowered to an index conditional {false, true}) is a strategy's
+  steady state in its last (true) branch, run once every `period` steps: a periodic sync's round, or a
+  compressing strategy's path after its start step; the other (a start-up path, or nothing) is not counted;
+- a conditional of more than two branches (`lax.switch`, its branches in order under a clamped index) is a
+  staggered sync: each branch runs once every `period` steps (fragment f of F synced at its own step of the
+  period, the remaining steps in a branch that sends nothing), so all its branches count, each 1/period (the
+  HLO marks no branch as idle; a staggered sync of two branches would read as `lax.cond`);
 - a while loop's body counts its known trip count times (once when XLA does not know it).
+
+A collective is in-group when each of its replica groups (a collective-permute's: each source-target pair) lies
+within one block of `group_size` consecutive device ids (the program's logical ids, the mesh's devices in order:
+one process's or node's), else cross-group.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
 from collections import defaultdict
 
-_ITEMSIZE = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4, "u32": 4,
-             "f64": 8, "s64": 8, "u64": 8}
+import numpy as np
+
+_BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "f4e2m1fn": 4, "s8": 8, "u8": 8, "f8e5m2": 8,
+         "f8e4m3": 8, "f8e4m3fn": 8, "f8e4m3b11fnuz": 8, "f8e5m2fnuz": 8, "f8e4m3fnuz": 8, "f8e3m4": 8,
+         "f8e8m0fnu": 8, "bf16": 16, "f16": 16, "s16": 16, "u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64,
+         "s64": 64, "u64": 64, "c64": 64, "c128": 128}
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$")  # an unindented line opening a computation
-_COLLECTIVE = re.compile(r"=\s+(.+?)\s+(all-reduce|reduce-scatter|all-gather)(-start)?\(")
-_SHAPE = re.compile(r"\b(" + "|".join(_ITEMSIZE) + r")\[([\d,]*)\]")
+_COLLECTIVE = re.compile(r"=\s+(.+?)\s+(all-reduce|reduce-scatter|all-gather|all-to-all|ragged-all-to-all"
+                         r"|collective-permute)(-start)?\(")
+_SHAPE = re.compile(r"\b(" + "|".join(sorted(_BITS, key=len, reverse=True)) + r")\[([\d,]*)\]")
+_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
+_IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRUE_FALSE = re.compile(r"(true|false)_computation=%?([\w.\-]+)")
 _WHILE_BODY = re.compile(r"\bwhile\(.*\bbody=%?([\w.\-]+)")
@@ -30,13 +51,43 @@ _TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _CALLED = re.compile(r"\b(?:to_apply|calls)=%?([\w.\-]+)")
 
 
+@dataclasses.dataclass(frozen=True)
+class CommBytes:
+    """Operand bytes per device per step: of the collectives within one group of devices, and of the others."""
+    in_group: float
+    cross_group: float
+
+    @property
+    def total(self) -> float:
+        return self.in_group + self.cross_group
+
+
 def _bytes(shapes: list[tuple[str, str]]) -> int:
-    return sum(_ITEMSIZE[dtype] * math.prod(int(d) for d in dims.split(",") if d) for dtype, dims in shapes)
+    return sum(math.ceil(_BITS[dtype] * math.prod(int(d) for d in dims.split(",") if d) / 8)
+               for dtype, dims in shapes)
 
 
-def shape_bytes(text: str) -> int:
-    """Bytes of the first HLO-style shape (`f32[2,4]`) on each line of `text`."""
-    return _bytes([found[0] for line in text.splitlines() if (found := _SHAPE.findall(line))])
+def _elements(shape: str) -> list[str]:
+    """The top-level elements of a tuple shape `(a, b, ...)`."""
+    elements, depth, start = [], 0, 1
+    for i, char in enumerate(shape[1:-1], 1):
+        depth += (char in "([{") - (char in ")]}")
+        if char == "," and depth == 0:
+            elements.append(shape[start:i])
+            start = i + 1
+    return elements + [shape[start:-1]]
+
+
+def _groups(line: str, num_devices: int) -> list[set[int]]:
+    """The device groups of a collective's line (a collective-permute's: its source-target pairs)."""
+    if iota := _IOTA_GROUPS.search(line):
+        count, size, dims, perm = iota.groups()
+        ids = np.arange(math.prod(int(d) for d in dims.split(","))).reshape([int(d) for d in dims.split(",")])
+        ids = ids.transpose([int(p) for p in perm.split(",")]) if perm else ids
+        return [set(group) for group in ids.reshape(int(count), int(size)).tolist()]
+    listed = _GROUPS.search(line) or _PAIRS.search(line)
+    groups = re.findall(r"\{([\d,]+)\}", listed[1]) if listed else []
+    return [{int(d) for d in group.split(",")} for group in groups] or [set(range(num_devices))]
 
 
 def sends_dtype(hlo_text: str, dtype: str) -> bool:
@@ -44,11 +95,17 @@ def sends_dtype(hlo_text: str, dtype: str) -> bool:
     return any(found == dtype for match in _COLLECTIVE.finditer(hlo_text) for found, _ in _SHAPE.findall(match[1]))
 
 
-def collective_bytes(hlo_text: str, num_devices: int, period: int = 1) -> float:
+def shape_bytes(text: str) -> int:
+    """Bytes of the first HLO-style shape (`f32[2,4]`) on each line of `text`."""
+    return _bytes([found[0] for line in text.splitlines() if (found := _SHAPE.findall(line))])
+
+
+def collectives(hlo_text: str, num_devices: int, period: int = 1, group_size: int | None = None) -> CommBytes:
     """The operand bytes per device of the program's collectives per step (see the module docstring).
-    `num_devices`: the size of the collectives' device group (an all-gather's operand is its result / N, a
-    reduce-scatter's its result * N); `period`: how many steps apart a conditional's steady branch runs."""
-    sent: dict[str, float] = defaultdict(float)  # computation -> bytes of its own collectives
+    `num_devices`: the devices of a collective without replica groups; `period`: how many steps apart a
+    conditional's steady branch runs; `group_size`: the devices of one group (None: every collective is
+    cross-group, as under flat data parallelism)."""
+    sent: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # computation -> in-group, cross-group bytes
     calls: dict[str, list[tuple[str, float]]] = defaultdict(list)  # computation -> (callee, runs per run of it)
     entry = computation = None
     for line in hlo_text.splitlines():
@@ -57,19 +114,21 @@ def collective_bytes(hlo_text: str, num_devices: int, period: int = 1) -> float:
             entry = computation if line.startswith("ENTRY") else entry
             continue
         if match := _COLLECTIVE.search(line):
-            shapes, op, start = match.groups()
-            found = _SHAPE.findall(shapes)
-            if op == "all-gather" and start:  # an asynchronous all-gather's result is (operands, results)
-                sent[computation] += _bytes(found[:len(found) // 2])
-            else:
-                sent[computation] += _bytes(found) * {"all-gather": 1 / num_devices,
-                                                      "reduce-scatter": num_devices}.get(op, 1)
+            shape, op, start = match.groups()
+            result = _elements(shape)[1] if start and op != "all-reduce" else shape  # -start: (operands, result, ..)
+            groups = _groups(line, num_devices)
+            if max(len(group) for group in groups) > 1:
+                size = len(groups[0])
+                within = group_size is not None and all(len({d // group_size for d in g}) == 1 for g in groups)
+                sent[computation][0 if within else 1] += _bytes(_SHAPE.findall(result)) * {
+                    "all-gather": 1 / size, "reduce-scatter": size}.get(op, 1)
         if " conditional(" in line:
             listed = _BRANCHES.search(line)
             named = dict((kind, name) for kind, name in _TRUE_FALSE.findall(line))
             branches = ([b.strip().lstrip("%") for b in listed.group(1).split(",")] if listed
                         else [named["false"], named["true"]])
-            calls[computation] += [(b, 0.0) for b in branches[:-1]] + [(branches[-1], 1 / period)]
+            calls[computation] += ([(branches[0], 0.0), (branches[1], 1 / period)] if len(branches) == 2
+                                   else [(b, 1 / period) for b in branches])
         elif body := _WHILE_BODY.search(line):
             trips = _TRIP_COUNT.search(line)
             calls[computation].append((body.group(1), float(trips.group(1)) if trips else 1.0))
@@ -77,9 +136,17 @@ def collective_bytes(hlo_text: str, num_devices: int, period: int = 1) -> float:
             calls[computation] += [(callee, 1.0) for callee in _CALLED.findall(line)]
 
     @functools.cache
-    def total(computation: str) -> float:
-        return sent[computation] + sum(runs * total(callee) for callee, runs in calls[computation] if runs)
+    def total(computation: str) -> tuple[float, float]:
+        called = [(runs, total(callee)) for callee, runs in calls[computation] if runs]
+        in_group, cross_group = (sent[computation][i] + sum(runs * counted[i] for runs, counted in called)
+                                 for i in (0, 1))
+        return in_group, cross_group
 
     if entry is None:
         raise ValueError("no ENTRY computation in this HLO text")
-    return total(entry) if num_devices > 1 else 0.0  # a group of one device sends nothing
+    return CommBytes(*total(entry))
+
+
+def collective_bytes(hlo_text: str, num_devices: int, period: int = 1) -> float:
+    """The operand bytes per device of the program's collectives per step (`collectives(...).total`)."""
+    return collectives(hlo_text, num_devices, period).total

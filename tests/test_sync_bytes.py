@@ -5,7 +5,7 @@ The model has no scalar parameter, so the program's rank-0 collective operands a
 outputs, weight, the guard's agreement, the gradient norm): counted apart from the same text, and added to the
 strategy's count, which must then match exactly (beside ZeRO-1's padding of each leaf to a multiple of N). A
 periodic sync's average runs in a conditional's branch, once per `sync_every` steps: its bytes are divided by the
-period. The parser's own rules (conditionals, loops, asynchronous collectives) are held to small HLO texts.
+period. The parser's own rules are held to small HLO texts in tests/test_hlo.py.
 """
 
 from __future__ import annotations
@@ -135,40 +135,6 @@ def test_diloco_sends_the_parameters_once_a_round():
 def test_one_device_sends_nothing():
     sent, *_ = _compiled(1, optax.sgd(0.1))
     assert sent == 0
-
-
-LOOP_AND_BRANCHES = """HloModule m
-
-%body (p: f32[8]) -> f32[8] {
-  %p = f32[8]{0} parameter(0)
-  ROOT %ar = f32[8]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
-}
-
-%startup (p: f32[4]) -> f32[4] {
-  ROOT %ar1 = f32[100]{0} all-reduce(%p), replica_groups={{0,1}}, to_apply=%add
-}
-
-%steady (p: f32[4]) -> f32[4] {
-  ROOT %ag = (f32[2]{0}, f32[4]{0}) all-gather-start(%p), replica_groups={{0,1}}, dimensions={0}
-}
-
-ENTRY %main (a: f32[8], b: pred[]) -> f32[8] {
-  %w = f32[8]{0} while(%a), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
-  %c = f32[4]{0} conditional(%b, %x, %x), true_computation=%steady, false_computation=%startup
-  ROOT %rs = f32[4]{0} reduce-scatter(%w), replica_groups={{0,1}}, dimensions={0}, to_apply=%add
-}
-"""
-
-
-def test_the_parsers_rules_on_a_small_program():
-    """A loop's body counts its trip count times (3 x 32 bytes); a conditional only its true branch, once per
-    period (an asynchronous all-gather's operand: 2 floats); a reduce-scatter its result times N (4 x 4 x 2)."""
-    assert hlo.collective_bytes(LOOP_AND_BRANCHES, 2) == 3 * 32 + 8 + 32
-    assert hlo.collective_bytes(LOOP_AND_BRANCHES, 2, period=4) == 3 * 32 + 8 / 4 + 32
-    assert hlo.collective_bytes(LOOP_AND_BRANCHES.replace(', backend_config={"known_trip_count":{"n":"3"}}', ""),
-                                2) == 32 + 8 + 32
-    with pytest.raises(ValueError, match="no ENTRY"):
-        hlo.collective_bytes("HloModule m\n", 2)
 
 
 def test_fit_warns_once_when_the_bf16_payload_is_widened(capsys):
