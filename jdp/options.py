@@ -19,7 +19,7 @@ from jdp.errors import FitError
 BACKENDS = ("shard_map", "pmap", "jit")
 PRECISIONS = ("fp32", "bf16", "fp16")
 NONFINITE_POLICIES = ("halt", "skip")
-ALLREDUCE_DTYPES = ("fp32", "bf16")
+ALLREDUCE_DTYPES = ("fp32", "bf16", "int8", "int4")
 OUTER_OPTIMIZERS = ("none", "sgd", "nesterov")
 
 
@@ -111,8 +111,8 @@ OPTIONS: tuple[Option, ...] = (
            "element-wise optimizers only)"),
     Option("sync_every", "parallel.sync_every", int, 1, "local SGD: > 1 averages parameters every H steps instead "
            "of gradients every step", AT_LEAST_1),
-    Option("allreduce_dtype", "parallel.allreduce_dtype", str, "fp32", "what the gradient all-reduce sends",
-           ALLREDUCE_DTYPES),
+    Option("allreduce_dtype", "parallel.allreduce_dtype", str, "fp32", "what the gradient all-reduce sends "
+           "(int8, int4: block-quantized through an all-to-all, jdp.sync.QuantizedAllReduce)", ALLREDUCE_DTYPES),
     Option("sync", "parallel.sync", str, "allreduce", "the gradient sync strategy: a jdp.sync.Sync object (fit), "
            "an import path `pkg.module:Class` built with parallel.sync_kwargs (config), or a name: allreduce (the "
            "mean all-reduce, or ZeRO-1 / ZeRO-3 / local SGD / DiLoCo as shard_optimizer, shard_params, sync_every "

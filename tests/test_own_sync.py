@@ -45,6 +45,8 @@ BUILT_INS = {
                sync.DiLoCo(every=2, outer_lr=0.5, outer_momentum=0.9)),
     "powersgd": ({"sync": "powersgd", "powersgd_rank": 1, "powersgd_start_step": 1},
                  sync.PowerSGD(rank=1, start_step=1)),
+    "int8": ({"allreduce_dtype": "int8"}, sync.QuantizedAllReduce(bits=8)),
+    "int4": ({"allreduce_dtype": "int4"}, sync.QuantizedAllReduce(bits=4)),
 }
 
 

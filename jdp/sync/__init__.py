@@ -4,7 +4,8 @@ communication hooks. The built-ins, each a public class with its own parameters:
 - `ZeRO1(dtype="fp32")`: the optimizer state sharded, the gradient reduce-scattered;
 - `ZeRO3()`: parameters, gradients and optimizer state sharded (FSDP), a scanned model gathered layer by layer;
 - `LocalSGD(every=H)` and `DiLoCo(every=H, outer_lr=0.7, outer_momentum=0.9)`: H local steps, then a sync;
-- `PowerSGD(rank=4, start_step=10)`: low-rank compression with error feedback.
+- `PowerSGD(rank=4, start_step=10)`: low-rank compression with error feedback;
+- `QuantizedAllReduce(bits=8, block=256)`: int8 or int4 gradients through an all-to-all and an all-gather (qgZ).
 
 `fit(sync=...)` takes one of them, a strategy of your own (a subclass of `Sync`, in your file), or a name; the
 older flags map onto them in `jdp.sync.flags`. docs/communication.md shows a strategy written outside jdp."""
@@ -18,11 +19,12 @@ from jdp.sync.diloco import DiLoCo
 from jdp.sync.flags import NAMES, chosen
 from jdp.sync.local_sgd import LocalSGD
 from jdp.sync.powersgd import PowerSGD
+from jdp.sync.quantized import QuantizedAllReduce
 from jdp.sync.zero1 import ZeRO1
 from jdp.sync.zero3 import ZeRO3
 
-__all__ = ["NAMES", "AllReduce", "DiLoCo", "Local", "LocalSGD", "PowerSGD", "Reduced", "Sync", "ZeRO1", "ZeRO3",
-           "strategy"]
+__all__ = ["NAMES", "AllReduce", "DiLoCo", "Local", "LocalSGD", "PowerSGD", "QuantizedAllReduce", "Reduced", "Sync",
+           "ZeRO1", "ZeRO3", "strategy"]
 
 
 def strategy(options: Any) -> tuple[Sync, str]:

@@ -17,6 +17,7 @@ from jdp.sync.base import AllReduce, Sync
 from jdp.sync.diloco import DiLoCo
 from jdp.sync.local_sgd import LocalSGD
 from jdp.sync.powersgd import NEEDS, PowerSGD
+from jdp.sync.quantized import QuantizedAllReduce
 from jdp.sync.zero1 import ZeRO1
 from jdp.sync.zero3 import ZeRO3
 
@@ -43,6 +44,8 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None], d
             f"optimizer state; set {n('shard_optimizer')}=False")
     if o["shard_optimizer"]:
         require(h == 1, f"{n('shard_optimizer')}=True and {n('sync_every')} > 1 (local SGD) cannot be combined")
+        require(dtype in ("fp32", "bf16"), f"{n('shard_optimizer')}=True reduce-scatters the gradient in fp32 or "
+                f"bf16, not {dtype}; use {view.use('allreduce_dtype', 'fp32')}")
     if o["shard_params"]:
         require(h == 1 and sync == "allreduce",
                 f"{n('shard_params')}=True reduce-scatters each step's gradient, so it cannot be combined with "
@@ -71,6 +74,8 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None], d
         return ZeRO3(), f"{n('shard_params')}=True" if o["shard_params"] else f"{n('sync')}=zero3"
     if o["shard_optimizer"] or sync == "zero1":
         return ZeRO1(dtype), f"{n('shard_optimizer')}=True" if o["shard_optimizer"] else f"{n('sync')}=zero1"
+    if dtype in ("int8", "int4"):
+        return QuantizedAllReduce(int(dtype[3:])), f"{n('allreduce_dtype')}={dtype}"
     return AllReduce(dtype), f"{n('allreduce_dtype')}={dtype}"
 
 

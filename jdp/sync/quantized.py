@@ -1,0 +1,105 @@
+"""The mean all-reduce with int8 or int4 gradients, as ZeRO++'s quantized gradients (qgZ, Wang et al. 2023) send
+them: a reduce-scatter through an all-to-all, then an all-gather, each carrying integers and one float32 scale per
+block of `block` values.
+
+    v = every gradient leaf, flattened and zero-padded to N chunks of whole blocks
+    each device: quantize its N chunks -> all-to-all -> device i holds chunk i of every device
+    device i: dequantize, average in float32, quantize the mean -> all-gather -> every device dequantizes all
+
+A block's scale is its largest magnitude over the largest integer (127, or 7 for int4), so a value is off by at
+most half a scale at each of the two quantizations; an all-zero block has scale 0 and comes back as zeros. int4
+values travel packed two to a uint8 (XLA:CPU sends an s4 array as s8). The weighted sums, the weight total and
+the model state go in the mean all-reduce's float32 collective beside.
+
+`error_feedback=True` keeps on each device what its first quantization lost and adds it to the next step's
+gradient (per-device state, as PowerSGD's error); the mean's quantization error is not fed back.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jdp.sync.base import PER_DEVICE, Local, Reduced, Sync, Tree, all_reduce_mean, floating, merge_floating
+
+LARGEST = {8: 127, 4: 7}  # the largest integer a value is quantized to, symmetric around 0
+
+
+def quantize(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
+    """x (..., block) float32 -> (integers, int8 or int4 packed two to a uint8; one float32 scale per block)."""
+    scale = jnp.max(jnp.abs(x), axis=-1) / LARGEST[bits]
+    q = jnp.round(x / jnp.where(scale > 0, scale, 1.0)[..., None]).astype(jnp.int8)
+    if bits == 4:  # [-7, 7] -> [1, 15], two to a byte
+        nibbles = (q + 8).astype(jnp.uint8)
+        q = nibbles[..., 0::2] | (nibbles[..., 1::2] << 4)
+    return q, scale
+
+
+def dequantize(q: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
+    if bits == 4:
+        q = jnp.stack([q & 15, q >> 4], axis=-1).reshape(*q.shape[:-1], -1).astype(jnp.int8) - 8
+    return q.astype(jnp.float32) * scale[..., None]
+
+
+class QuantizedAllReduce(Sync):
+    """The mean all-reduce sending `bits`-bit integers (8 or 4) with a float32 scale per `block` values (see the
+    module docstring). shard_map or pmap: its collectives are explicit."""
+
+    def __init__(self, bits: int = 8, block: int = 256, error_feedback: bool = False) -> None:
+        super().__init__()
+        if bits not in LARGEST:
+            raise ValueError(f"bits={bits!r}: choose 8 or 4")
+        if block < 2 or block % 2:
+            raise ValueError(f"block={block!r}: give an even block size of at least 2")
+        self.bits, self.block, self.error_feedback = bits, block, error_feedback
+
+    def params(self) -> dict[str, Any]:
+        return {"bits": self.bits, "block": self.block, "error_feedback": self.error_feedback}
+
+    def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
+        require(options["backend"] in ("shard_map", "pmap"), f"{what} quantizes each device's gradient before its "
+                f"collectives; use {view.use('backend', 'shard_map')}")
+
+    def init_state(self, params: Tree, num_devices: int) -> Tree:
+        if not self.error_feedback:
+            return {}
+        return {"error": jax.tree.map(lambda p: jnp.zeros((num_devices, *p.shape), jnp.float32), params)}
+
+    def layouts(self, abstract_state: Any) -> Any:
+        layouts = super().layouts(abstract_state)
+        if not self.error_feedback:
+            return layouts
+        return layouts._replace(sync={"error": jax.tree.map(lambda _: PER_DEVICE, abstract_state.sync["error"])})
+
+    def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
+        axis = axis_name if collective else None
+        grads = jax.tree.map(jnp.add, local.grads, state.sync["error"]) if self.error_feedback else local.grads
+        leaves, treedef = jax.tree.flatten(grads)
+        flat = jnp.concatenate([g.reshape(-1) for g in leaves])
+        n = jax.lax.psum(1, axis) if axis else 1
+        chunk = math.ceil(flat.size / (n * self.block)) * self.block
+        chunks = jnp.pad(flat, (0, n * chunk - flat.size)).reshape(n, chunk // self.block, self.block)
+        sent = quantize(chunks, self.bits)
+        q, scale = (jax.lax.all_to_all(x, axis, 0, 0, tiled=True) for x in sent) if axis else sent
+        mine = quantize(jnp.mean(dequantize(q, scale, self.bits), axis=0), self.bits)  # chunk i's mean
+        q, scale = (jax.lax.all_gather(x, axis, tiled=True) for x in mine) if axis else mine
+        mean = dequantize(q.reshape(n, -1, q.shape[-1]), scale.reshape(n, -1), self.bits).reshape(-1)
+
+        def unflatten(vector: jax.Array) -> Tree:
+            ends = list(itertools.accumulate(g.size for g in leaves))
+            return jax.tree.unflatten(treedef, [vector[end - g.size:end].reshape(g.shape)
+                                                for g, end in zip(leaves, ends, strict=True)])
+
+        lost = ({"error": unflatten(flat - dequantize(*sent, self.bits).reshape(-1)[:flat.size])}
+                if self.error_feedback else None)
+        payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight}
+        if local.small_sq is not None:
+            payload["small_sq"] = local.small_sq
+        averaged = all_reduce_mean(payload, axis)
+        return Reduced(self._of_mean(unflatten(mean), local.rows, averaged["weight"]), averaged["sums"],
+                       averaged["weight"], merge_floating(averaged["model_state"], local.model_state),
+                       averaged.get("small_sq"), lost)
