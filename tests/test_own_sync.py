@@ -46,6 +46,8 @@ BUILT_INS = {
     "powersgd": ({"sync": "powersgd", "powersgd_rank": 1, "powersgd_start_step": 1},
                  sync.PowerSGD(rank=1, start_step=1)),
     "int8": ({"allreduce_dtype": "int8"}, sync.QuantizedAllReduce(bits=8)),
+    "diloco_int4": ({"sync_every": 2, "outer_optimizer": "nesterov", "allreduce_dtype": "int4"},
+                    sync.DiLoCo(every=2, bits=4)),
     "int4": ({"allreduce_dtype": "int4"}, sync.QuantizedAllReduce(bits=4)),
 }
 

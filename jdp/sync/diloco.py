@@ -8,6 +8,10 @@ The inner optimizer's state stays with each device (per-device leaves: it restor
 starts afresh on another); the anchor and the outer optimizer's state are replicated. Checkpoints, evals and
 replica checks come at round ends, as under local SGD, so a resume there is bitwise. With outer SGD at learning
 rate 1 and a stateless inner optimizer it is local SGD.
+
+`bits` 8 or 4 sends the outer gradient block-quantized, as INTELLECT-1 sends int8 pseudo-gradients: each device's
+anchor - parameters through `jdp.sync.quantized.quantized_mean` (an all-to-all and an all-gather of integers with
+a float32 scale per `block` values) instead of the float32 all-reduce of the parameters.
 """
 
 from __future__ import annotations
@@ -20,18 +24,22 @@ import optax
 
 from jdp.sync.base import PER_DEVICE, Tree, all_reduce_mean
 from jdp.sync.local_sgd import LocalSGD
+from jdp.sync.quantized import LARGEST, quantized_mean
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 
 
 class DiLoCo(LocalSGD):
-    """`DiLoCo(every=H, outer_lr=0.7, outer_momentum=0.9, outer="nesterov")`; `outer` "sgd": anchor - lr * g,
-    "nesterov": the paper's outer Nesterov momentum (optax's). Its state: `{"anchor": the parameters at the round's
-    start, "outer": the outer optimizer's state}`."""
+    """`DiLoCo(every=H, outer_lr=0.7, outer_momentum=0.9, outer="nesterov", bits=32, block=256)`; `outer` "sgd":
+    anchor - lr * g, "nesterov": the paper's outer Nesterov momentum (optax's); `bits` 8 or 4: the outer gradient
+    quantized. Its state: `{"anchor": the parameters at the round's start, "outer": the outer optimizer's state}`."""
 
-    def __init__(self, every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9, outer: str = "nesterov"
-                 ) -> None:
+    def __init__(self, every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9, outer: str = "nesterov",
+                 bits: int = 32, block: int = 256) -> None:
         super().__init__(every)
+        if bits != 32 and bits not in LARGEST:
+            raise ValueError(f"bits={bits!r}: choose 32 (float32), 8 or 4")
+        self.bits, self.block = bits, block
         if outer not in OUTER_OPTIMIZERS:
             raise ValueError(f"outer={outer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
         if not (outer_lr > 0 and 0 <= outer_momentum < 1):
@@ -41,8 +49,9 @@ class DiLoCo(LocalSGD):
                       else optax.sgd(outer_lr))
 
     def params(self) -> dict[str, Any]:
+        quantized = {"bits": self.bits, "block": self.block} if self.bits != 32 else {}  # float32 runs' records
         return {"every": self.every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
-                "outer": self.outer_name}
+                "outer": self.outer_name, **quantized}
 
     def init_state(self, params: Tree, num_devices: int) -> Tree:
         return {"anchor": params, "outer": self.outer.init(params)}
@@ -58,7 +67,11 @@ class DiLoCo(LocalSGD):
         """At a round's end (counted from the step before, whatever the guard kept): the outer step."""
         def outer_step(state: Any) -> Any:
             anchor = state.sync["anchor"]
-            gradient = jax.tree.map(lambda a, p: a - p, anchor, all_reduce_mean(state.params, axis_name))
+            if self.bits == 32:
+                gradient = jax.tree.map(lambda a, p: a - p, anchor, all_reduce_mean(state.params, axis_name))
+            else:
+                gradient, _ = quantized_mean(jax.tree.map(lambda a, p: (a - p).astype(jnp.float32), anchor,
+                                                          state.params), axis_name, self.bits, self.block)
             updates, outer = self.outer.update(gradient, state.sync["outer"], anchor)
             anchor = optax.apply_updates(anchor, updates)
             return state._replace(params=anchor, sync={"anchor": anchor, "outer": outer})

@@ -64,11 +64,14 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None], d
     require(h > 1 or sync not in ("local_sgd", "diloco"), f"{n('sync')}={sync} averages every {n('sync_every')} "
             f"steps; set {n('sync_every')} > 1")
     if h > 1:
-        require(dtype == "fp32", f"{n('allreduce_dtype')}=bf16 compresses gradients, and local SGD "
-                f"({n('sync_every')} > 1) averages parameters instead; use {view.use('allreduce_dtype', 'fp32')}")
-        if sync == "diloco" or o["outer_optimizer"] != "none":
+        diloco = sync == "diloco" or o["outer_optimizer"] != "none"
+        require(dtype == "fp32" or (diloco and dtype in ("int8", "int4")), f"{n('allreduce_dtype')}={dtype} "
+                f"compresses gradients, and local SGD ({n('sync_every')} > 1) averages parameters instead (DiLoCo "
+                f"sends its outer gradient in int8 or int4); use {view.use('allreduce_dtype', 'fp32')}")
+        if diloco:
             outer = "nesterov" if o["outer_optimizer"] == "none" else o["outer_optimizer"]
-            return DiLoCo(h, o["outer_lr"], o["outer_momentum"], outer), f"{n('sync_every')}={h}"
+            bits = 32 if dtype == "fp32" else int(dtype[3:])
+            return DiLoCo(h, o["outer_lr"], o["outer_momentum"], outer, bits), f"{n('sync_every')}={h}"
         return LocalSGD(h), f"{n('sync_every')}={h}"
     if o["shard_params"] or sync == "zero3":
         return ZeRO3(), f"{n('shard_params')}=True" if o["shard_params"] else f"{n('sync')}=zero3"

@@ -45,6 +45,28 @@ def dequantize(q: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
     return q.astype(jnp.float32) * scale[..., None]
 
 
+def quantized_mean(tree: Tree, axis_name: str | None, bits: int, block: int) -> tuple[Tree, Tree]:
+    """(the mean over `axis_name` of each device's `tree` (float32 leaves), sent as `bits`-bit integers with a
+    scale per `block` values (the module docstring); what this device's own quantization lost)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    flat = jnp.concatenate([g.reshape(-1) for g in leaves])
+    n = jax.lax.psum(1, axis_name) if axis_name else 1
+    chunk = math.ceil(flat.size / (n * block)) * block
+    chunks = jnp.pad(flat, (0, n * chunk - flat.size)).reshape(n, chunk // block, block)
+    sent = quantize(chunks, bits)
+    q, scale = (jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True) for x in sent) if axis_name else sent
+    mine = quantize(jnp.mean(dequantize(q, scale, bits), axis=0), bits)  # the mean of chunk i
+    q, scale = (jax.lax.all_gather(x, axis_name, tiled=True) for x in mine) if axis_name else mine
+    mean = dequantize(q.reshape(n, -1, q.shape[-1]), scale.reshape(n, -1), bits).reshape(-1)
+
+    def unflatten(vector: jax.Array) -> Tree:
+        ends = itertools.accumulate(g.size for g in leaves)
+        return jax.tree.unflatten(treedef, [vector[end - g.size:end].reshape(g.shape)
+                                            for g, end in zip(leaves, ends, strict=True)])
+
+    return unflatten(mean), unflatten(flat - dequantize(*sent, bits).reshape(-1)[:flat.size])
+
+
 class QuantizedAllReduce(Sync):
     """The mean all-reduce sending `bits`-bit integers (8 or 4) with a float32 scale per `block` values (see the
     module docstring). shard_map or pmap: its collectives are explicit."""
@@ -76,30 +98,12 @@ class QuantizedAllReduce(Sync):
         return layouts._replace(sync={"error": jax.tree.map(lambda _: PER_DEVICE, abstract_state.sync["error"])})
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
-        axis = axis_name if collective else None
         grads = jax.tree.map(jnp.add, local.grads, state.sync["error"]) if self.error_feedback else local.grads
-        leaves, treedef = jax.tree.flatten(grads)
-        flat = jnp.concatenate([g.reshape(-1) for g in leaves])
-        n = jax.lax.psum(1, axis) if axis else 1
-        chunk = math.ceil(flat.size / (n * self.block)) * self.block
-        chunks = jnp.pad(flat, (0, n * chunk - flat.size)).reshape(n, chunk // self.block, self.block)
-        sent = quantize(chunks, self.bits)
-        q, scale = (jax.lax.all_to_all(x, axis, 0, 0, tiled=True) for x in sent) if axis else sent
-        mine = quantize(jnp.mean(dequantize(q, scale, self.bits), axis=0), self.bits)  # chunk i's mean
-        q, scale = (jax.lax.all_gather(x, axis, tiled=True) for x in mine) if axis else mine
-        mean = dequantize(q.reshape(n, -1, q.shape[-1]), scale.reshape(n, -1), self.bits).reshape(-1)
-
-        def unflatten(vector: jax.Array) -> Tree:
-            ends = list(itertools.accumulate(g.size for g in leaves))
-            return jax.tree.unflatten(treedef, [vector[end - g.size:end].reshape(g.shape)
-                                                for g, end in zip(leaves, ends, strict=True)])
-
-        lost = ({"error": unflatten(flat - dequantize(*sent, self.bits).reshape(-1)[:flat.size])}
-                if self.error_feedback else None)
+        mean, lost = quantized_mean(grads, axis_name if collective else None, self.bits, self.block)
         payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight}
         if local.small_sq is not None:
             payload["small_sq"] = local.small_sq
-        averaged = all_reduce_mean(payload, axis)
-        return Reduced(self._of_mean(unflatten(mean), local.rows, averaged["weight"]), averaged["sums"],
-                       averaged["weight"], merge_floating(averaged["model_state"], local.model_state),
-                       averaged.get("small_sq"), lost)
+        averaged = all_reduce_mean(payload, axis_name if collective else None)
+        return Reduced(self._of_mean(mean, local.rows, averaged["weight"]), averaged["sums"], averaged["weight"],
+                       merge_floating(averaged["model_state"], local.model_state), averaged.get("small_sq"),
+                       {"error": lost} if self.error_feedback else None)
