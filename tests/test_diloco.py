@@ -71,10 +71,9 @@ def test_outer_sgd_at_learning_rate_1_with_plain_sgd_inside_is_local_sgd():
     np.testing.assert_allclose(diloco.losses, local.losses, rtol=1e-6)
 
 
-def test_a_resume_at_a_rounds_end_is_bitwise(tmp_path):
-    """The inner AdamW states (one per device), the anchor and the outer momentum are all checkpointed."""
+def _assert_resumes_bitwise(tmp_path, **options):
     def run(workdir, steps):
-        return _fit(INNER, steps=steps, outer_optimizer="nesterov", workdir=workdir, checkpoint_every=H)
+        return _fit(INNER, steps=steps, outer_optimizer="nesterov", workdir=workdir, checkpoint_every=H, **options)
 
     straight = run(tmp_path / "a", 2 * H)
     run(tmp_path / "b", H)
@@ -82,6 +81,11 @@ def test_a_resume_at_a_rounds_end_is_bitwise(tmp_path):
     assert resumed.losses == straight.losses[H:]
     for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(straight.params), strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_resume_at_a_rounds_end_is_bitwise(tmp_path):
+    """The inner AdamW states (one per device), the anchor and the outer momentum are all checkpointed."""
+    _assert_resumes_bitwise(tmp_path)
 
 
 def test_an_outer_optimizer_needs_rounds():
@@ -106,16 +110,7 @@ def test_a_quantized_outer_gradient_stays_within_its_error_of_the_reference(bits
 
 
 def test_a_quantized_outer_gradient_sends_integers_and_resumes_bitwise(tmp_path):
-    def run(workdir, steps, dtype="int8"):
-        return _fit(INNER, steps=steps, outer_optimizer="nesterov", workdir=workdir, checkpoint_every=H,
-                    allreduce_dtype=dtype)
-
-    straight = run(tmp_path / "a", 2 * H)
-    run(tmp_path / "b", H)
-    resumed = run(tmp_path / "b", 2 * H)
-    assert resumed.losses == straight.losses[H:]
-    for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(straight.params), strict=True):
-        np.testing.assert_array_equal(a, b)
+    _assert_resumes_bitwise(tmp_path, allreduce_dtype="int8")
     engine = prepare(lambda: Net(nnx.Rngs(0)), mse, _data(), optimizer=INNER, global_batch_size=BATCH,
                      options=FitOptions(num_devices=N, sync_every=H, eval_every=0, outer_optimizer="nesterov",
                                         allreduce_dtype="int8"))
