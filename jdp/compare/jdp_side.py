@@ -20,27 +20,18 @@ import sys
 from pathlib import Path
 
 
-def _config(path: str):
-    from jdp.cli import config as config_lib
-
-    return config_lib.load_saved_config(Path(path))
-
-
 def write_init(cfg, out: Path) -> None:
     """init.npz and lrs.json for `cfg` (uses one device)."""
     import copy
 
-    import numpy as np
-
     from jdp.cli.build import build
     from jdp.cli.optim import learning_rate
-    from jdp.params_file import flatten
+    from jdp.reopen import write_params_file
 
     one = copy.deepcopy(cfg)
     one.parallel.num_devices, one.init_from = 1, ""
     state = build(one).init_state()
-    arrays = {**flatten(state.params, "params"), **flatten(state.model_state, "model_state"), "step": np.int64(0)}
-    np.savez(out / "init.npz", **arrays)
+    write_params_file(out / "init.npz", state.params, state.model_state, 0)
     schedule = learning_rate(cfg.optim, cfg.train.global_batch_size, cfg.train.steps)
     (out / "lrs.json").write_text(json.dumps([float(schedule(t)) for t in range(cfg.train.steps)]))
 
@@ -86,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--devices", type=int, default=0, help="simulated CPU devices (0: leave JAX alone)")
     args = p.parse_args(argv)
-    cfg = _config(args.config)
+    from jdp.cli import config as config_lib
+
+    cfg = config_lib.load_saved_config(Path(args.config))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.command == "init":
         write_init(cfg, args.out)
