@@ -49,12 +49,6 @@ def _import_tfds():
     return tfds
 
 
-def _searched_dirs(tfds, data_dir: str | None) -> list[str]:
-    from tensorflow_datasets.core.utils import file_utils
-
-    return [os.fspath(d) for d in file_utils.list_data_dirs(data_dir)]
-
-
 def _not_prepared(name: str, dirs: list[str], why: str = "") -> ValueError:
     target = dirs[0] if len(dirs) == 1 else "DIR"
     manual = " --manual_dir=DIR_WITH_THE_TAR_FILES" if name.startswith("imagenet2012") else ""
@@ -69,8 +63,10 @@ def _not_prepared(name: str, dirs: list[str], why: str = "") -> ValueError:
 def open_builder(name: str, data_dir: str):
     """The prepared builder for `name` in `data_dir` ("" = tfds's default directories), or a ValueError."""
     tfds = _import_tfds()
+    from tensorflow_datasets.core.utils import file_utils
+
     data_dir = os.path.expanduser(data_dir) if data_dir else None
-    dirs = _searched_dirs(tfds, data_dir)
+    dirs = [os.fspath(d) for d in file_utils.list_data_dirs(data_dir)]
     if data_dir is not None and not Path(data_dir).is_dir():
         raise _not_prepared(name, dirs, " (that directory does not exist)")
     try:

@@ -4,11 +4,12 @@ client: a local `file:` store or a tracking server; `sqlite:` stores need the fu
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from jdp.errors import UsageError
-from jdp.loggers.base import CLOSE_TIMEOUT_S, Tracker, flatten, now_ms, numbers
+from jdp.loggers.base import CLOSE_TIMEOUT_S, Tracker, flatten, numbers
 
 MAX_KEY, MAX_VALUE = 250, 6000  # MLflow's limits on a param's key and value
 
@@ -118,7 +119,7 @@ class MLflow(Tracker):
         from mlflow.entities import Metric
 
         prefix = {"train": "", "eval": "eval_", "summary": "summary/"}[split]
-        stamp = now_ms()
+        stamp = int(time.time() * 1000)
         metrics = [Metric(key, value, stamp, step) for key, value in numbers(line, prefix).items()]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)
