@@ -312,24 +312,19 @@ class TfdsSource(OrderedSource):
         """This process's rows of the global train batch at `step`: {'x': (B/P, H, W, C) uint8, 'y'}, plus
         'crop' and 'flip' for augmented small images; `device_input` makes the model's input from it."""
         rows = self._order.train_rows(step)
+        params = self._augment_params(step) if self._augment else None
         if self._small:
             pixels, labels = self._read_small(self._train, self._train_cache, rows)
-            if not self._augment:
-                return {"x": pixels, "y": labels}
-            params = self._augment_params(step)
-            return {"x": pixels, "y": labels, "crop": params.offsets.astype(np.int32), "flip": params.flips}
-        if not self._augment:
-            pixels, labels = self._read(self._train, rows, self._center_crop, self.input_shape)
-            return {"x": pixels, "y": labels}
-        params = self._augment_params(step)
-        size = self.input_shape[0]
+            crop = {} if params is None else {"crop": params.offsets.astype(np.int32), "flip": params.flips}
+            return {"x": pixels, "y": labels, **crop}
 
-        def transform(image: bytes | np.ndarray, i: int) -> np.ndarray:
+        def random_crop(image: bytes | np.ndarray, i: int) -> np.ndarray:
             return augment.decode_crop(image, self._channels,
                                        functools.partial(augment.random_resized_box, uniforms=params.uniforms[i]),
-                                       size, bool(params.flips[i]))
+                                       self.input_shape[0], bool(params.flips[i]))
 
-        pixels, labels = self._read(self._train, rows, transform, self.input_shape)
+        pixels, labels = self._read(self._train, rows, self._center_crop if params is None else random_crop,
+                                    self.input_shape)
         return {"x": pixels, "y": labels}
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
