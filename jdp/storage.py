@@ -134,23 +134,16 @@ def lost_workdir(error: BaseException, workdir: Path, vanished: Callable[[], Pat
     """What of `workdir` is gone if `error` came of its deletion or move during the run, as `lost_directory` (from
     the error) or `vanished()` (the workdir's own check, `Checkpointer.vanished`) tell: for an ENOENT, each is asked
     again for up to `settle_s`, since a deletion still under way (`rm -r`) may have reached the files written, not
-    yet the directories."""
-    deadline = time.monotonic() + (settle_s if _any_enoent(error) or _from_orbax(error) else 0.0)
+    yet the directories. So does an error raised inside orbax (a checkpoint's write)."""
+    settles = any(_enoent_path(e) is not None or any("/orbax/" in frame.filename for frame in
+                                                     traceback.extract_tb(e.__traceback__)) for e in _chain(error))
+    deadline = time.monotonic() + (settle_s if settles else 0.0)
     while True:
         gone = vanished()
         lost = (gone, None) if gone is not None else lost_directory(error, workdir)
         if lost is not None or time.monotonic() >= deadline:
             return lost
         time.sleep(0.1)
-
-
-def _any_enoent(error: BaseException) -> bool:
-    return any(_enoent_path(e) is not None for e in _chain(error))
-
-
-def _from_orbax(error: BaseException) -> bool:
-    """Whether `error`, or one it was raised from, was raised inside orbax (a checkpoint's write)."""
-    return any("/orbax/" in frame.filename for e in _chain(error) for frame in traceback.extract_tb(e.__traceback__))
 
 
 def _chain(error: BaseException | None, unreported: bool = False) -> list[BaseException]:

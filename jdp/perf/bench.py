@@ -152,12 +152,11 @@ def to_markdown(cfg, rows: list[dict]) -> str:
              "| first step s | efficiency | params MB/dev | grads MB/dev | opt state MB/dev | XLA temp MB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        eff = "n/a" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
         lines.append(
             f"| {r['devices']} | {r['examples_per_sec']:,.0f} | {ratio(r['vs_single_device_jit'])} | "
             f"{ms(r['step_s'])} | "
             f"{ms(r['compute_s'])} | "
-            f"{ms(r['allreduce_s'])} | {ms(r['input_s'])} | {r['first_step_s']:.2f} | {eff} | "
+            f"{ms(r['allreduce_s'])} | {ms(r['input_s'])} | {r['first_step_s']:.2f} | {ratio(r['efficiency'])} | "
             f"{r['params_bytes'] / 2**20:.2f} | {r['grads_bytes'] / 2**20:.2f} | {r['opt_state_bytes'] / 2**20:.2f} | "
             f"{r.get('temp_bytes', 0) / 2**20:.2f} |")
     matmuls = rows[0].get("matmul_dtypes")
