@@ -279,12 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         simulate_cpu_devices(cfg.parallel.cpu_devices or max(devices))
     except RuntimeError:  # called from Python after JAX started: the devices are already fixed
         pass
-    if args.compile_only and cfg.parallel.backend == "pmap":
-        print("jdp.bench: --compile_only compiles the shard_map or jit step; use --config.parallel.backend=shard_map",
-              file=sys.stderr)
-        return 2
     enable_compilation_cache(cfg.compile_cache_dir)
     try:
+        if args.compile_only and cfg.parallel.backend == "pmap":
+            raise config_lib.ConfigError("--compile_only compiles the shard_map or jit step; use "
+                                         "--config.parallel.backend=shard_map")
         if args.compile_only:
             rows = [{**compiled_memory(cfg, n, sharding, remat), "remat": remat or "-"}
                     for n in devices for sharding in SHARDINGS
