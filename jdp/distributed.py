@@ -32,9 +32,10 @@ import re
 import socket
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import jax
 
@@ -357,11 +358,8 @@ def check_same_run(settings: dict, timeout_s: float) -> None:
     client.key_value_set(f"jdp/run/{me}", mine)
     others = range(1, jax.process_count()) if me == 0 else [0]
     for other in others:
-        try:
-            theirs = client.blocking_key_value_get(f"jdp/run/{other}", int(timeout_s * 1000))
-        except Exception as e:  # noqa: BLE001 - the peer went away between joining and here
-            raise DistributedFailure(f"process {other} did not report its settings within {timeout_s:g} s: "
-                                     f"{one_line(e, typed=False)}") from None
+        theirs = _within(timeout_s, f"process {other} did not report its settings", client.blocking_key_value_get,
+                         f"jdp/run/{other}")
         first, this, index = (json.loads(mine), json.loads(theirs), other) if me == 0 else (
             json.loads(theirs), json.loads(mine), me)
         differing = [f"{k}: {a!r} on process 0, {b!r} on process {index}" for k, a, b in differences(first, this)]
@@ -390,23 +388,23 @@ def broadcast(name: str, value: str, timeout_s: float) -> str:
     if jax.process_index() == 0:
         client.key_value_set(key, value)
         return value
-    try:
-        return client.blocking_key_value_get(key, int(timeout_s * 1000))
-    except Exception as e:  # noqa: BLE001 - process 0 went away
-        raise DistributedFailure(f"process 0 did not report {name} within {timeout_s:g} s: "
-                                 f"{one_line(e, typed=False)}") from None
+    return _within(timeout_s, f"process 0 did not report {name}", client.blocking_key_value_get, key)
 
 
 def barrier(name: str, timeout_s: float) -> None:
     """Every process waits here until all have arrived; alone, nothing happens."""
     client = kvstore.client()
-    if client is None:
-        return
+    if client is not None:
+        _within(timeout_s, f"not every process reached {name}", client.wait_at_barrier,
+                f"jdp/barrier/{name}/{next(_sequence)}")
+
+
+def _within(timeout_s: float, failure: str, wait: Callable[[str, int], Any], key: str) -> Any:
+    """`wait(key, timeout_ms)`; an error (a peer went away) is the DistributedFailure `failure within timeout_s`."""
     try:
-        client.wait_at_barrier(f"jdp/barrier/{name}/{next(_sequence)}", int(timeout_s * 1000))
-    except Exception as e:  # noqa: BLE001 - a peer went away
-        raise DistributedFailure(f"not every process reached {name} within {timeout_s:g} s: "
-                                 f"{one_line(e, typed=False)}") from None
+        return wait(key, int(timeout_s * 1000))
+    except Exception as e:  # noqa: BLE001 - the peer went away between joining and here
+        raise DistributedFailure(f"{failure} within {timeout_s:g} s: {one_line(e, typed=False)}") from None
 
 
 def run_settings(cfg_dict: dict, workdir: Path) -> dict:

@@ -69,10 +69,8 @@ class ExitOnSignal:
     """Context manager: `exit_on_signal` inside, the previous handlers restored after (main thread only)."""
 
     def __enter__(self) -> ExitOnSignal:
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
-            self._previous = {s: signal.getsignal(s) for s in PreemptionRequest.SIGNALS}
-            exit_on_signal()
+        main = threading.current_thread() is threading.main_thread()
+        self._previous = {s: signal.signal(s, _exit_at_once) for s in PreemptionRequest.SIGNALS} if main else {}
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -93,16 +93,13 @@ def _broken_link(link: Path, workdir: Path) -> str:
 
 def disk_failure(error: BaseException) -> tuple[int, str | None] | None:
     """(errno, path) if `error`, or an error it was raised from, is a storage failure (see DISK_ERRNOS)."""
-    seen = set()
-    while error is not None and id(error) not in seen and not isinstance(error, DiskError):  # that one is reported
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in DISK_ERRNOS:
-            return error.errno, error.filename
-        code = _OS_ERROR_CODE.search(str(error))
+    for cause in _chain(error, unreported=True):
+        if isinstance(cause, OSError) and cause.errno in DISK_ERRNOS:
+            return cause.errno, cause.filename
+        code = _OS_ERROR_CODE.search(str(cause))
         if code and int(code[1]) in DISK_ERRNOS:
-            path = _WRITTEN_PATH.search(str(error))
+            path = _WRITTEN_PATH.search(str(cause))
             return int(code[1]), path[1] if path else None
-        error = error.__cause__ or error.__context__
     return None
 
 
@@ -117,10 +114,8 @@ def lost_directory(error: BaseException, workdir: Path | None = None) -> tuple[P
     write into). With `workdir`: the workdir itself when it is gone, else for a path inside it the highest of its
     directories that is missing, or the path itself while a deletion is still under way. Without: a path whose
     directory is missing, or inside orbax's temporary directory of a save (what orbax's threads log)."""
-    seen = set()
-    while error is not None and id(error) not in seen and not isinstance(error, DiskError):
-        seen.add(id(error))
-        path = _enoent_path(error)
+    for cause in _chain(error, unreported=True):
+        path = _enoent_path(cause)
         if path is not None:
             if workdir is not None and not Path(workdir).is_dir():
                 return Path(workdir), path or None
@@ -131,7 +126,6 @@ def lost_directory(error: BaseException, workdir: Path | None = None) -> tuple[P
             if workdir is None and path and (_ORBAX_TMP in path or not Path(path).is_absolute()
                                              or not Path(path).parent.exists()):
                 return Path(path), path
-        error = error.__cause__ or error.__context__
     return None
 
 
@@ -140,8 +134,10 @@ def lost_workdir(error: BaseException, workdir: Path, vanished: Callable[[], Pat
     """What of `workdir` is gone if `error` came of its deletion or move during the run, as `lost_directory` (from
     the error) or `vanished()` (the workdir's own check, `Checkpointer.vanished`) tell: for an ENOENT, each is asked
     again for up to `settle_s`, since a deletion still under way (`rm -r`) may have reached the files written, not
-    yet the directories."""
-    deadline = time.monotonic() + (settle_s if _any_enoent(error) or _from_orbax(error) else 0.0)
+    yet the directories. So does an error raised inside orbax (a checkpoint's write)."""
+    settles = any(_enoent_path(e) is not None or any("/orbax/" in frame.filename for frame in
+                                                     traceback.extract_tb(e.__traceback__)) for e in _chain(error))
+    deadline = time.monotonic() + (settle_s if settles else 0.0)
     while True:
         gone = vanished()
         lost = (gone, None) if gone is not None else lost_directory(error, workdir)
@@ -150,19 +146,12 @@ def lost_workdir(error: BaseException, workdir: Path, vanished: Callable[[], Pat
         time.sleep(0.1)
 
 
-def _any_enoent(error: BaseException) -> bool:
-    return any(_enoent_path(e) is not None for e in _chain(error))
-
-
-def _from_orbax(error: BaseException) -> bool:
-    """Whether `error`, or one it was raised from, was raised inside orbax (a checkpoint's write)."""
-    return any("/orbax/" in frame.filename for e in _chain(error) for frame in traceback.extract_tb(e.__traceback__))
-
-
-def _chain(error: BaseException | None) -> list[BaseException]:
-    """`error` and those it was raised from."""
+def _chain(error: BaseException | None, unreported: bool = False) -> list[BaseException]:
+    """`error` and those it was raised from; `unreported`: up to a DiskError (one jdp has reported)."""
     chain: list[BaseException] = []
     while error is not None and all(error is not e for e in chain):
+        if unreported and isinstance(error, DiskError):
+            break
         chain.append(error)
         error = error.__cause__ or error.__context__
     return chain
@@ -215,18 +204,15 @@ def lost_error(lost: tuple[Path, str | None], workdir: Path) -> DiskError:
 def read_failure(error: BaseException) -> tuple[int, str | None] | None:
     """(errno, path) if `error`, or an error it was raised from, is a read failure that is not about the bytes read
     (see READ_ERRNOS): an OSError, or tensorstore's text for one."""
-    seen = set()
-    while error is not None and id(error) not in seen and not isinstance(error, DiskError):
-        seen.add(id(error))
-        if isinstance(error, OSError) and error.errno in READ_ERRNOS:
-            return error.errno, error.filename
-        text = str(error)
+    for cause in _chain(error, unreported=True):
+        if isinstance(cause, OSError) and cause.errno in READ_ERRNOS:
+            return cause.errno, cause.filename
+        text = str(cause)
         code, status = _OS_ERROR_CODE.search(text), _STATUS.match(text)
         found = int(code[1]) if code else _READ_STATUSES.get(status[1]) if status else None
         if found in READ_ERRNOS:
             path = _FAILED_PATH.search(text)
             return found, path[1] if path else None
-        error = error.__cause__ or error.__context__
     return None
 
 

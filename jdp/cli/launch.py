@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import IO
 
 from jdp.environment import MAX_CPU_DEVICES
+from jdp.files import write_atomic
 from jdp.preemption import EXIT_PREEMPTED, LAUNCH_FAILURE_FILE
 
 # Variables of other conventions that would take precedence over the launcher's in jdp.distributed.
@@ -169,9 +170,7 @@ class Launcher:
         path = self._failure_file()
         if path:
             with contextlib.suppress(OSError):
-                with open(path + ".tmp", "w") as f:
-                    f.write(f"rank {rank} exited with code {code}\n")
-                os.replace(path + ".tmp", path)
+                write_atomic(Path(path), f"rank {rank} exited with code {code}\n")
 
     def start(self) -> None:
         """Starts every child; CannotStart (after stopping those already started) if the command cannot run."""

@@ -34,7 +34,6 @@ def decay_mask(params: optax.Params) -> optax.Params:
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
-
 # optim.name -> (schedule, optim section, weight-decay mask) -> optax transform
 OPTIMIZERS: Registry[Callable[..., optax.GradientTransformation]] = Registry("optim.name")
 

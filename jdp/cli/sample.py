@@ -81,11 +81,9 @@ class Sampler:
         vocab_size = logits.shape[0]
         k = jnp.int32(min(top_k, vocab_size) if top_k > 0 else vocab_size)
         position = length  # where the next token's keys and values go in the cache
-        new: list[int] = []
         for i in range(num_tokens):
             token = int(self._pick(logits, jax.random.fold_in(key, i), jnp.float32(temperature), k))
             tokens.append(token)
-            new.append(token)
             if i == num_tokens - 1:
                 break
             if use_cache and position < self.block_size:
@@ -94,7 +92,7 @@ class Sampler:
             else:  # the context is longer than the block: the last block_size tokens, in full
                 window, length = self._window(tokens)
                 logits = self._window_logits(self._state, window, length)
-        return new
+        return tokens[len(prompt):]
 
 
 def sample_text(model: nnx.Module, vocab: Vocabulary, prompt: str, num_tokens: int, *, temperature: float,

@@ -4,7 +4,4 @@ torch is imported only inside this package.
 
     python -m jdp.compare parity --config configs/mnist1d_mlp.py --workers 2 --steps 50
     python -m jdp.compare speed  --config configs/synthetic_mlp.py --workers 2
-
-Modules: torch_models (the twins), weights (jdp <-> torch state_dict), ddp (the DDP worker processes),
-jdp_side (the jdp processes), parity, speed, report, procs (bounded child processes).
 """

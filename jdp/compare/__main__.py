@@ -116,12 +116,9 @@ def main(argv: list[str] | None = None) -> int:
         print("; ".join(f"{r['run']} {r['examples_per_sec']:,.0f} ex/s ({r['ratio_vs_ddp']:.2f}x)"
                         for r in result.rows if r is not ddp) + f"; ddp {ddp['examples_per_sec']:,.0f} ex/s")
         return EXIT_OK
-    except (config_lib.ConfigError, ValueError) as e:
+    except (config_lib.ConfigError, ValueError, SideFailed) as e:
         print(f"jdp.compare: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except SideFailed as e:
-        print(f"jdp.compare: {e}", file=sys.stderr)
-        return EXIT_SIDE_FAILED
+        return EXIT_SIDE_FAILED if isinstance(e, SideFailed) else EXIT_USAGE
 
 
 if __name__ == "__main__":

@@ -20,12 +20,6 @@ import sys
 from pathlib import Path
 
 
-def _config(path: str):
-    from jdp.cli import config as config_lib
-
-    return config_lib.load_saved_config(Path(path))
-
-
 def write_init(cfg, out: Path) -> None:
     """init.npz and lrs.json for `cfg` (uses one device)."""
     import copy
@@ -86,7 +80,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--devices", type=int, default=0, help="simulated CPU devices (0: leave JAX alone)")
     args = p.parse_args(argv)
-    cfg = _config(args.config)
+    from jdp.cli import config as config_lib
+
+    cfg = config_lib.load_saved_config(Path(args.config))
     args.out.mkdir(parents=True, exist_ok=True)
     if args.command == "init":
         write_init(cfg, args.out)

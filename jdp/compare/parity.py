@@ -45,11 +45,9 @@ from jdp.compare.report import Parity, Tolerance
 #   plain-SGD losses are the tight checks.
 _SGD, _MOMENTUM, _ADAM = Tolerance(1e-6, 1e-3, 1e-5), Tolerance(1e-3, 1e-2, 1e-5), Tolerance(1e-2, 5e-2, 1e-5)
 _RESNET = Tolerance(0.5, 1.0, 1e-4)
-TOLERANCES = {("mlp", "sgd"): _SGD, ("cnn1d", "sgd"): _SGD, ("cnn2d", "sgd"): _SGD,
-              ("mlp", "momentum"): _MOMENTUM, ("cnn1d", "momentum"): _MOMENTUM, ("cnn2d", "momentum"): _MOMENTUM,
-              ("mlp", "adamw"): _ADAM, ("cnn1d", "adamw"): _ADAM, ("cnn2d", "adamw"): _ADAM,
-              ("resnet", "sgd"): _RESNET, ("resnet", "momentum"): _RESNET, ("resnet", "adamw"): _RESNET,
-              ("gpt", "sgd"): _SGD, ("gpt", "momentum"): _MOMENTUM, ("gpt", "adamw"): _ADAM}
+TOLERANCES = {(model, optimizer): _RESNET if model == "resnet" else tolerance
+              for model in ("mlp", "cnn1d", "cnn2d", "resnet", "gpt")
+              for optimizer, tolerance in (("sgd", _SGD), ("momentum", _MOMENTUM), ("adamw", _ADAM))}
 
 
 # PowerSGD: both sides compress the same matrices at the same rank from the same start step, but from other
@@ -64,8 +62,6 @@ def default_tolerance(cfg) -> Tolerance:
     model = "resnet" if cfg.model.name.startswith("resnet") else cfg.model.name
     optimizer = {"nesterov": "momentum"}.get(cfg.optim.name, cfg.optim.name)
     return TOLERANCES[(model, optimizer)]
-
-
 
 
 # Settings the twin does not mirror, and the value it needs (absent keys are fine: an older config).
@@ -102,21 +98,29 @@ def check_supported(cfg, workers: int, *, bf16: bool = False) -> None:
                          f"--workers {workers}")
 
 
-def prepare_config(cfg, *, workers: int, steps: int):
-    """The config both sides train: `steps` steps, every loss logged, eval and checkpoint only at the end."""
+def both_sides(cfg, *, workers: int, steps: int, device: str, bf16: bool = False):
+    """A copy of `cfg` that both sides can train for `steps` steps on `workers` (simulated CPU devices, or GPUs on
+    cuda), with no checkpoint and no closing sample."""
     cfg = copy.deepcopy(cfg)
-    check_supported(cfg, workers)
+    check_supported(cfg, workers, bf16=bf16)
+    cfg.train.steps = steps
+    cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, steps - 1)
+    cfg.checkpoint.every_steps = 0
+    cfg.parallel.update(cpu_devices=0 if device == "cuda" else workers, num_devices=workers if device == "cuda" else 0,
+                        check_replicas_every=0)
+    cfg.sample.tokens = 0  # a language model's closing sample is not part of the comparison
+    return cfg
+
+
+def prepare_config(cfg, *, workers: int, steps: int, device: str = "cpu"):
+    """The config both sides train: `steps` steps, every loss logged, eval only at the end."""
+    cfg = both_sides(cfg, workers=workers, steps=steps, device=device)
     if cfg.model.kwargs.get("dropout", 0.0):
         raise ValueError(f"model.dropout={cfg.model.kwargs.dropout}: the two sides draw different dropout "
                          "masks; compare with --config.model.dropout=0")
-    cfg.train.steps = steps
-    cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, steps - 1)
     if cfg.parallel.get("sync", "allreduce") == "powersgd":  # torch's hook starts at step 2 at the earliest
         cfg.parallel.powersgd_start_step = max(2, cfg.parallel.powersgd_start_step)
     cfg.train.update(log_every=1, eval_every=steps, log_grad_norm=True)
-    cfg.checkpoint.every_steps = 0
-    cfg.parallel.update(cpu_devices=workers, num_devices=0, check_replicas_every=0)
-    cfg.sample.tokens = 0  # a language model's closing sample is not part of the comparison
     cfg.init_from = ""
     return cfg
 
@@ -157,10 +161,7 @@ def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance
     `tolerance`: default_tolerance(cfg) when None."""
     from jdp.cli import config as config_lib
 
-    cfg = prepare_config(cfg, workers=workers, steps=steps)
-    if device == "cuda":
-        cfg.parallel.cpu_devices = 0
-        cfg.parallel.num_devices = workers
+    cfg = prepare_config(cfg, workers=workers, steps=steps, device=device)
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
     for stale in ("jdp_result.json", "ddp_result.json", "jdp_final.npz", "ddp_final.npz", "sides.json"):

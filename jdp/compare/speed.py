@@ -26,19 +26,13 @@ _CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIM
 
 
 def prepare_config(cfg, *, workers: int, steps: int | None, compile_cache: bool, device: str = "cpu"):
-    from jdp.compare.parity import check_supported
+    from jdp.compare.parity import both_sides
 
-    cfg = copy.deepcopy(cfg)
-    check_supported(cfg, workers, bf16=device == "cuda")
     steps = steps or cfg.train.steps
     if steps < 2:
         raise ValueError("--steps must be at least 2: the first step is left out of the throughput")
-    cfg.train.steps = steps
-    cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, steps - 1)
+    cfg = both_sides(cfg, workers=workers, steps=steps, device=device, bf16=device == "cuda")
     cfg.train.update(eval_every=steps, log_every=min(cfg.train.log_every, steps))
-    cfg.checkpoint.every_steps = 0
-    cfg.parallel.update(cpu_devices=workers, num_devices=0, check_replicas_every=0)
-    cfg.sample.tokens = 0  # a language model's closing sample is not part of the comparison
     if not compile_cache:
         cfg.compile_cache_dir = ""
     return cfg
@@ -99,9 +93,7 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
     from jdp.compare import report
 
     cfg = prepare_config(cfg, workers=workers, steps=steps, compile_cache=compile_cache, device=device)
-    if device == "cuda":
-        cfg.parallel.update(cpu_devices=0, num_devices=workers)
-    elif jdp_devices:
+    if device != "cuda" and jdp_devices:
         cfg.parallel.cpu_devices = jdp_devices
     workdir = Path(workdir).resolve()
     shutil.rmtree(workdir / "runs", ignore_errors=True)

@@ -79,13 +79,8 @@ def _to_torch(kind: str, value: np.ndarray, flatten_from) -> np.ndarray:
 
 
 def _to_jdp(kind: str, value: np.ndarray, flatten_from) -> np.ndarray:
-    if kind == "linear":
-        kernel = value.T
-        if flatten_from:
-            out = np.empty_like(kernel)
-            out[_flatten_permutation(flatten_from)] = kernel
-            return out
-        return kernel
+    if kind == "linear":  # the inverse permutation of _to_torch's rows
+        return value.T[np.argsort(_flatten_permutation(flatten_from))] if flatten_from else value.T
     if kind == "conv":  # (O, I, *spatial) -> (*spatial, I, O)
         nd = value.ndim - 2
         return np.transpose(value, (*range(2, 2 + nd), 1, 0))

@@ -159,13 +159,10 @@ class Vocabulary:
             return bytes(int(i) for i in ids).decode("utf-8", errors="replace")
         return "".join(self.symbols[int(i)] for i in ids)
 
-    def to_json(self) -> str:
-        return json.dumps({"tokenizer": self.tokenizer, "symbols": self.symbols}, ensure_ascii=False)
-
     def save(self, path: Path) -> None:
         """Into `path`, its folder made if needed; a failure to write raises (resume and sampling need it)."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomic(path, self.to_json())
+        write_atomic(path, json.dumps({"tokenizer": self.tokenizer, "symbols": self.symbols}, ensure_ascii=False))
 
     @classmethod
     def load(cls, path: Path) -> Vocabulary:

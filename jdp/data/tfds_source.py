@@ -49,12 +49,6 @@ def _import_tfds():
     return tfds
 
 
-def _searched_dirs(tfds, data_dir: str | None) -> list[str]:
-    from tensorflow_datasets.core.utils import file_utils
-
-    return [os.fspath(d) for d in file_utils.list_data_dirs(data_dir)]
-
-
 def _not_prepared(name: str, dirs: list[str], why: str = "") -> ValueError:
     target = dirs[0] if len(dirs) == 1 else "DIR"
     manual = " --manual_dir=DIR_WITH_THE_TAR_FILES" if name.startswith("imagenet2012") else ""
@@ -69,8 +63,10 @@ def _not_prepared(name: str, dirs: list[str], why: str = "") -> ValueError:
 def open_builder(name: str, data_dir: str):
     """The prepared builder for `name` in `data_dir` ("" = tfds's default directories), or a ValueError."""
     tfds = _import_tfds()
+    from tensorflow_datasets.core.utils import file_utils
+
     data_dir = os.path.expanduser(data_dir) if data_dir else None
-    dirs = _searched_dirs(tfds, data_dir)
+    dirs = [os.fspath(d) for d in file_utils.list_data_dirs(data_dir)]
     if data_dir is not None and not Path(data_dir).is_dir():
         raise _not_prepared(name, dirs, " (that directory does not exist)")
     try:
@@ -316,24 +312,19 @@ class TfdsSource(OrderedSource):
         """This process's rows of the global train batch at `step`: {'x': (B/P, H, W, C) uint8, 'y'}, plus
         'crop' and 'flip' for augmented small images; `device_input` makes the model's input from it."""
         rows = self._order.train_rows(step)
+        params = self._augment_params(step) if self._augment else None
         if self._small:
             pixels, labels = self._read_small(self._train, self._train_cache, rows)
-            if not self._augment:
-                return {"x": pixels, "y": labels}
-            params = self._augment_params(step)
-            return {"x": pixels, "y": labels, "crop": params.offsets.astype(np.int32), "flip": params.flips}
-        if not self._augment:
-            pixels, labels = self._read(self._train, rows, self._center_crop, self.input_shape)
-            return {"x": pixels, "y": labels}
-        params = self._augment_params(step)
-        size = self.input_shape[0]
+            crop = {} if params is None else {"crop": params.offsets.astype(np.int32), "flip": params.flips}
+            return {"x": pixels, "y": labels, **crop}
 
-        def transform(image: bytes | np.ndarray, i: int) -> np.ndarray:
+        def random_crop(image: bytes | np.ndarray, i: int) -> np.ndarray:
             return augment.decode_crop(image, self._channels,
                                        functools.partial(augment.random_resized_box, uniforms=params.uniforms[i]),
-                                       size, bool(params.flips[i]))
+                                       self.input_shape[0], bool(params.flips[i]))
 
-        pixels, labels = self._read(self._train, rows, transform, self.input_shape)
+        pixels, labels = self._read(self._train, rows, self._center_crop if params is None else random_crop,
+                                    self.input_shape)
         return {"x": pixels, "y": labels}
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:

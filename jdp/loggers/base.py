@@ -15,7 +15,6 @@ import math
 import queue
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -319,7 +318,3 @@ class _ClientLogs(logging.Filter):
     def __exit__(self, *exc: object) -> None:
         for name in self.LOGGERS:
             logging.getLogger(name).removeFilter(self)
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)

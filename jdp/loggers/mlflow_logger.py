@@ -4,11 +4,12 @@ client: a local `file:` store or a tracking server; `sqlite:` stores need the fu
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
 from jdp.errors import UsageError
-from jdp.loggers.base import CLOSE_TIMEOUT_S, Tracker, flatten, now_ms, numbers
+from jdp.loggers.base import CLOSE_TIMEOUT_S, Tracker, flatten, numbers
 
 MAX_KEY, MAX_VALUE = 250, 6000  # MLflow's limits on a param's key and value
 
@@ -53,42 +54,39 @@ class MLflow(Tracker):
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.uri = uri
 
-    def _logged(self) -> dict[str, int]:
-        # What the run holds, as MLflow answers: the marks written before each line was sent say one step more
-        # when a kill came before MLflow had it. `loss` is in every train and eval line.
+    def _stored_run(self, run_id: str | None) -> Any:
+        """The MLflow run `run_id` (a new client on the store), or None when the store has none by that id (deleted,
+        or another tracking URI): a new run then, which gets every line."""
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
-        run_id = self.state.get("run_id")
-        if run_id is None:
-            return {}
         self.client = MlflowClient(self.uri)
         try:
-            self.client.get_run(run_id)
+            return None if run_id is None else self.client.get_run(run_id)
         except MlflowException:
-            return {}  # not in this store: a new run, which gets every line
+            return None
+
+    def _logged(self) -> dict[str, int]:
+        # What the run holds, as MLflow answers: the marks written before each line was sent say one step more
+        # when a kill came before MLflow had it. `loss` is in every train and eval line.
+        run_id = self.state.get("run_id")
+        if self._stored_run(run_id) is None:
+            return {}
         marks = super()._logged()
         for split, key in (("train", "loss"), ("eval", "eval_loss")):
             marks[split] = max((m.step for m in self.client.get_metric_history(run_id, key)), default=-1)
         return marks
 
     def _open(self, run_id: str | None) -> str:
-        from mlflow.exceptions import MlflowException
-        from mlflow.tracking import MlflowClient
-
-        self.client = MlflowClient(self.uri)
         params = {key[:MAX_KEY]: str(value)[:MAX_VALUE] for key, value in flatten(self.params()).items()}
-        if run_id is not None:
-            try:
-                logged = self.client.get_run(run_id).data.params
-            except MlflowException:
-                logged = None  # not in this store (deleted, or another tracking URI): a new run
-            if logged is not None:
-                self.run_id = run_id
-                self.client.update_run(run_id, status="RUNNING")
-                self._log_params({key if key not in logged else f"resume_{self.start}.{key}"[:MAX_KEY]: value
-                                  for key, value in params.items() if logged.get(key) != value})
-                return run_id
+        stored = self._stored_run(run_id)
+        if stored is not None:
+            logged = stored.data.params
+            self.run_id = run_id
+            self.client.update_run(run_id, status="RUNNING")
+            self._log_params({key if key not in logged else f"resume_{self.start}.{key}"[:MAX_KEY]: value
+                              for key, value in params.items() if logged.get(key) != value})
+            return run_id
         name = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
         experiment_id = "0" if not name else self._experiment_id(name)
         tags = {"jdp.workdir": str(self.workdir)} if self.workdir is not None else {}
@@ -118,7 +116,7 @@ class MLflow(Tracker):
         from mlflow.entities import Metric
 
         prefix = {"train": "", "eval": "eval_", "summary": "summary/"}[split]
-        stamp = now_ms()
+        stamp = int(time.time() * 1000)
         metrics = [Metric(key, value, stamp, step) for key, value in numbers(line, prefix).items()]
         if metrics:
             self.client.log_batch(self.run_id, metrics=metrics)

@@ -138,7 +138,7 @@ class GPT(nnx.Module):
         self.ln_f = nnx.LayerNorm(embed_dim, epsilon=1e-5, use_bias=bias, dtype=dtype, rngs=rngs)
 
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
-        return self._forward(tokens_BxT, None, 0)[0]
+        return self.decode(tokens_BxT, None, 0)[0]
 
     @property
     def scanned(self) -> bool:
@@ -161,13 +161,9 @@ class GPT(nnx.Module):
             return jnp.zeros((self.num_layers, *shape), dtype), jnp.zeros((self.num_layers, *shape), dtype)
         return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in self.blocks]
 
-    def decode(self, tokens_BxT: jax.Array, cache: Cache, start: jax.Array | int) -> tuple[jax.Array, Cache]:
-        """Logits of tokens at positions start..start+T-1, attending to the cache before them; the new cache.
-        start + T must not pass block_size (the caller crops the context and starts again)."""
-        return self._forward(tokens_BxT, cache, start)
-
-    def _forward(self, tokens_BxT: jax.Array, cache: Cache | None, start: jax.Array | int
-                 ) -> tuple[jax.Array, Cache]:
+    def decode(self, tokens_BxT: jax.Array, cache: Cache | None, start: jax.Array | int) -> tuple[jax.Array, Cache]:
+        """Logits of tokens at positions start..start+T-1, attending to the cache before them (None: a plain forward
+        pass); the new cache. start + T must not pass block_size (the caller crops the context and starts again)."""
         t = tokens_BxT.shape[1]
         if t > self.block_size:
             raise ValueError(f"gpt: a sequence of {t} tokens is longer than block_size {self.block_size}")

@@ -3,7 +3,7 @@
 Its BatchNorms know nothing of devices: `jdp.fit` points them at the `data` axis when BatchNorm is synced.
 """
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -166,22 +166,16 @@ class ResNet(nnx.Module):
         return self.head(x.mean(axis=(1, 2))).astype(jnp.float32)
 
 
-def _standard(name: str, num_classes: int, kwargs: dict[str, Any]) -> ResNet:
-    block, stage_sizes = ARCHS[name]
-    kwargs = {"width": 64, "stem": "imagenet", "in_channels": 3, **kwargs}
-    return ResNet(stage_sizes, block, num_classes=num_classes, **kwargs)
+def _standard(name: str) -> Callable[..., ResNet]:
+    def build(num_classes: int, **kwargs: Any) -> ResNet:
+        block, stage_sizes = ARCHS[name]
+        kwargs = {"width": 64, "stem": "imagenet", "in_channels": 3, **kwargs}
+        return ResNet(stage_sizes, block, num_classes=num_classes, **kwargs)
+
+    build.__name__ = build.__qualname__ = name
+    build.__doc__ = (f"ResNet-{name[6:]}; keyword arguments as ResNet's (width 64, ImageNet stem, 3 input channels by "
+                     "default).")
+    return build
 
 
-def resnet18(num_classes: int, **kwargs: Any) -> ResNet:
-    """ResNet-18; keyword arguments as ResNet's (width 64, ImageNet stem, 3 input channels by default)."""
-    return _standard("resnet18", num_classes, kwargs)
-
-
-def resnet34(num_classes: int, **kwargs: Any) -> ResNet:
-    """ResNet-34; keyword arguments as ResNet's (width 64, ImageNet stem, 3 input channels by default)."""
-    return _standard("resnet34", num_classes, kwargs)
-
-
-def resnet50(num_classes: int, **kwargs: Any) -> ResNet:
-    """ResNet-50; keyword arguments as ResNet's (width 64, ImageNet stem, 3 input channels by default)."""
-    return _standard("resnet50", num_classes, kwargs)
+resnet18, resnet34, resnet50 = (_standard(name) for name in ARCHS)

@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -42,6 +41,7 @@ import jax
 
 from jdp import precision
 from jdp.cli import config as config_lib
+from jdp.cli.train import enable_compilation_cache
 from jdp.layers import REMAT_POLICIES
 from jdp.mesh import simulate_cpu_devices
 from jdp.models import settings
@@ -152,12 +152,11 @@ def to_markdown(cfg, rows: list[dict]) -> str:
              "| first step s | efficiency | params MB/dev | grads MB/dev | opt state MB/dev | XLA temp MB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        eff = "n/a" if r["efficiency"] is None else f"{r['efficiency']:.2f}"
         lines.append(
             f"| {r['devices']} | {r['examples_per_sec']:,.0f} | {ratio(r['vs_single_device_jit'])} | "
             f"{ms(r['step_s'])} | "
             f"{ms(r['compute_s'])} | "
-            f"{ms(r['allreduce_s'])} | {ms(r['input_s'])} | {r['first_step_s']:.2f} | {eff} | "
+            f"{ms(r['allreduce_s'])} | {ms(r['input_s'])} | {r['first_step_s']:.2f} | {ratio(r['efficiency'])} | "
             f"{r['params_bytes'] / 2**20:.2f} | {r['grads_bytes'] / 2**20:.2f} | {r['opt_state_bytes'] / 2**20:.2f} | "
             f"{r.get('temp_bytes', 0) / 2**20:.2f} |")
     matmuls = rows[0].get("matmul_dtypes")
@@ -213,13 +212,6 @@ def remat_settings(cfg) -> tuple[str, ...]:
     return tuple(REMAT_POLICIES) if "remat" in settings(cfg.model.name, cfg.model.kwargs.to_dict()) else ("",)
 
 
-def with_remat(cfg, remat: str):
-    cfg = cfg.copy_and_resolve_references()
-    if remat:
-        cfg.model.kwargs.remat = remat
-    return cfg
-
-
 def _fits(args) -> int:
     try:
         devices = int(args.devices)
@@ -244,13 +236,6 @@ def warnings_for(rows: list[dict]) -> list[str]:
                        f"{r['allreduce_s'] / r['step_s']:.0%} of the step: communication dominates compute, so data "
                        "parallelism will not pay at this model and batch size (try a larger batch or fewer devices)")
     return out
-
-
-def enable_compilation_cache(cache_dir: str) -> None:
-    """Persistent XLA cache, unless disabled or already set through JAX's own JAX_COMPILATION_CACHE_DIR (as
-    `python -m jdp.train` does)."""
-    if cache_dir and not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -294,14 +279,13 @@ def main(argv: list[str] | None = None) -> int:
         simulate_cpu_devices(cfg.parallel.cpu_devices or max(devices))
     except RuntimeError:  # called from Python after JAX started: the devices are already fixed
         pass
-    if args.compile_only and cfg.parallel.backend == "pmap":
-        print("jdp.bench: --compile_only compiles the shard_map or jit step; use --config.parallel.backend=shard_map",
-              file=sys.stderr)
-        return 2
     enable_compilation_cache(cfg.compile_cache_dir)
     try:
+        if args.compile_only and cfg.parallel.backend == "pmap":
+            raise config_lib.ConfigError("--compile_only compiles the shard_map or jit step; use "
+                                         "--config.parallel.backend=shard_map")
         if args.compile_only:
-            rows = [{**compiled_memory(with_remat(cfg, remat), n, sharding), "remat": remat or "-"}
+            rows = [{**compiled_memory(cfg, n, sharding, remat), "remat": remat or "-"}
                     for n in devices for sharding in SHARDINGS
                     for remat in (args.remat.split(",") if args.remat else remat_settings(cfg))
                     if not (sharding == "zero1" and cfg.parallel.backend == "jit")]  # ZeRO-1 is shard_map's

@@ -20,12 +20,14 @@ from jdp.sync.flags import FLAGS
 SHARDINGS = {"plain": "allreduce", "zero1": "zero1", "zero3": "zero3"}
 
 
-def compiled_memory(cfg, num_devices: int, sharding: str) -> dict:
-    """The config's train step on `num_devices` with the state sharded as `sharding` (a SHARDINGS name) compiled
-    from shapes alone, nothing put on the devices or run: its per-device memory and the compile time. For models
-    too big to run here."""
+def compiled_memory(cfg, num_devices: int, sharding: str, remat: str = "") -> dict:
+    """The config's train step on `num_devices` with the state sharded as `sharding` (a SHARDINGS name), and the
+    model's `remat` if given, compiled from shapes alone, nothing put on the devices or run: its per-device memory
+    and the compile time. For models too big to run here."""
     cfg = cfg.copy_and_resolve_references()
     cfg.parallel.num_devices = num_devices
+    if remat:
+        cfg.model.kwargs.remat = remat
     for flag in FLAGS:  # the strategy named alone, whatever the config's flags chose
         cfg.parallel[flag] = BY_NAME[flag].default
     cfg.parallel.sync = SHARDINGS[sharding]
