@@ -11,7 +11,8 @@ import re
 import sys
 from pathlib import Path
 
-STRATEGY_NAMES = re.compile(r"\b(AllReduce|ZeRO1|ZeRO3|LocalSGD|DiLoCo|PowerSGD|ShardedOptimizer|FullySharded|"
+STRATEGY_NAMES = re.compile(r"\b(AllReduce|ZeRO1|ZeRO3|LocalSGD|DiLoCo|PowerSGD|QuantizedAllReduce|HybridShard|"
+                            r"ShardedOptimizer|FullySharded|shard_group|"
                             r"shard_optimizer|shard_params|sync_every|allreduce_dtype|powersgd_rank|"
                             r"powersgd_start_step|outer_optimizer|outer_lr|outer_momentum)\b")
 CORE = {"mesh.py", "step.py", "gradients.py", "update.py", "loss.py", "modeldef.py", "parallel.py", "zero.py"}

@@ -206,7 +206,7 @@ def test_parity_powersgd_against_ddps_hook(tmp_path):
     assert max(max(r["loss_rel"], r["grad_rel"]) for r in result["steps"][:3]) < 1e-5
     jdp_bytes, ddp_bytes = result["meta"]["comm_bytes_jdp"], result["meta"]["comm_bytes_ddp"]
     assert 0 < jdp_bytes - ddp_bytes <= 8 * 4 and ddp_bytes > 0  # jdp's compiled step also sends its loss sums
-    assert "Sync: PowerSGD, both sides" in (tmp_path / "parity.md").read_text()
+    assert "Sync: low-rank compression on both sides (DDP: `powerSGD_hook`)" in (tmp_path / "parity.md").read_text()
 
 
 def test_parity_gpt(tmp_path):

@@ -51,6 +51,7 @@ COMPARE_USES = {
     "jdp.data": "build_source: the DDP workers read the same batches through jdp's numpy-only data code",
     "jdp.data.text": "is_text: whether a config's data is a language model's",
     "jdp.models": "settings: the jdp model's settings, for its PyTorch twin",
+    "jdp.sync.base": "DDPTwin: the DDP hook that computes what the run's sync strategy computes (Sync.ddp_twin)",
 }
 
 # Violations waiting on files this change could not edit: key (as the checks below make it) -> the fix.

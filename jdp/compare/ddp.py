@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from jdp.compare import torch_models, weights
+from jdp.sync.base import DDPTwin
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adamw")
 
@@ -105,17 +106,26 @@ def _evaluate(model: torch.nn.Module, cfg, device: torch.device) -> tuple[float,
     return loss_sum / count, correct / count
 
 
-def _powersgd(ddp: DDP, cfg) -> float:
-    """DDP's own PowerSGD hook at jdp's rank and start step (torch wants the start at >= 2 with error feedback),
-    deciding as jdp does which matrices to compress (min_compression_rate 1: r (n + m) < n m), with jdp's
-    Gram-Schmidt epsilon; returns the float32 bytes the hook sends per step after the start, by its own rule:
-    a tensor of 2 or more dimensions is the matrix (shape[0], the rest)."""
+def ddp_twin(cfg) -> DDPTwin:
+    """How DDP computes what the config's sync strategy computes; ValueError in one line where it cannot."""
+    from jdp.cli import config as config_lib
+
+    strategy = config_lib.sync_strategy(config_lib.fit_values(cfg))[0]
+    twin = strategy.ddp_twin()
+    if twin is None:
+        raise ValueError(f"sync {strategy!r}: the DDP twin mirrors the float32 mean all-reduce and DDP's "
+                         "powerSGD_hook only; choose one of those")
+    return twin
+
+
+def _low_rank(ddp: DDP, settings: dict, seed: int) -> float:
+    """DDP's own `powerSGD_hook` with the settings jdp's strategy gives (`Sync.ddp_twin`); returns the float32
+    bytes the hook sends per step after the start, by its own rule: a tensor of 2 or more dimensions is the matrix
+    (shape[0], the rest)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    rank, start = cfg.parallel.powersgd_rank, max(2, cfg.parallel.powersgd_start_step)
-    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
-                                        start_powerSGD_iter=start, min_compression_rate=1,
-                                        orthogonalization_epsilon=1e-8, random_seed=cfg.seed)
+    rank = settings["matrix_approximation_rank"]
+    state = powerSGD_hook.PowerSGDState(process_group=None, random_seed=seed, **settings)
     ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     floats = 0
     for p in ddp.module.parameters():
@@ -146,7 +156,8 @@ def train(rank: int, spec: dict) -> dict:
     with warnings.catch_warnings():  # torch 2.13 deprecates it, but advises it for rank-local buffers
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
         ddp = DDP(compiled, device_ids=[rank] if device.type == "cuda" else None, broadcast_buffers=False)
-    comm_bytes = _powersgd(ddp, cfg) if cfg.parallel.get("sync", "allreduce") == "powersgd" else None
+    twin = ddp_twin(cfg)
+    comm_bytes = _low_rank(ddp, twin.settings, cfg.seed) if twin.hook == "powerSGD_hook" else None
     optimizer = make_optimizer(cfg.optim, model)
     params = [p for p in model.parameters()]
     bn_stats = [] if (cfg.model.bn_sync and world > 1) else torch_models.bn_buffers(model)

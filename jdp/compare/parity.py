@@ -50,29 +50,30 @@ TOLERANCES = {(model, optimizer): _RESNET if model == "resnet" else tolerance
               for optimizer, tolerance in (("sgd", _SGD), ("momentum", _MOMENTUM), ("adamw", _ADAM))}
 
 
-# PowerSGD: both sides compress the same matrices at the same rank from the same start step, but from other
-# random Q's and with other orthonormal bases, so only the steps before the start agree to round-off (step 1
-# here); after it the two are two draws of one algorithm, and the bound is on their loss curves' distance.
-_POWERSGD = Tolerance(0.05, 1.0, 1e-5)
+# Low-rank compression: both sides compress the same matrices at the same rank from the same start step, but
+# from other random Q's and with other orthonormal bases, so only the steps before the start agree to round-off
+# (step 1 here); after it the two are two draws of one algorithm, and the bound is on their loss curves' distance.
+_LOW_RANK = Tolerance(0.05, 1.0, 1e-5)
 
 
 def default_tolerance(cfg) -> Tolerance:
-    if cfg.parallel.get("sync", "allreduce") == "powersgd":
-        return _POWERSGD
+    from jdp.compare.ddp import ddp_twin
+
+    if ddp_twin(cfg).hook == "powerSGD_hook":
+        return _LOW_RANK
     model = "resnet" if cfg.model.name.startswith("resnet") else cfg.model.name
     optimizer = {"nesterov": "momentum"}.get(cfg.optim.name, cfg.optim.name)
     return TOLERANCES[(model, optimizer)]
 
 
 # Settings the twin does not mirror, and the value it needs (absent keys are fine: an older config).
-_FP32_PLAIN = {"precision": "fp32", "train.grad_accum_steps": 1, "parallel.allreduce_dtype": "fp32",
-               "parallel.sync_every": 1}
+_FP32_PLAIN = {"precision": "fp32", "train.grad_accum_steps": 1}
 
 
 def check_supported(cfg, workers: int, *, bf16: bool = False) -> None:
     """Raises ValueError naming the first setting the DDP twin cannot reproduce. `bf16`: precision=bf16 is
     allowed too (speed on a GPU: the twin then runs under bf16 autocast)."""
-    from jdp.compare.ddp import OPTIMIZERS
+    from jdp.compare.ddp import OPTIMIZERS, ddp_twin
     from jdp.compare.torch_models import MODEL_NAMES
 
     if cfg.optim.name not in OPTIMIZERS:
@@ -93,6 +94,7 @@ def check_supported(cfg, workers: int, *, bf16: bool = False) -> None:
         if node != wanted:
             raise ValueError(f"{key}={node!r}: the DDP twin is plain float32 data parallelism; set "
                              f"--config.{key}={wanted}")
+    ddp_twin(cfg)
     if cfg.train.global_batch_size % workers:
         raise ValueError(f"train.global_batch_size={cfg.train.global_batch_size} is not divisible by "
                          f"--workers {workers}")
@@ -118,8 +120,6 @@ def prepare_config(cfg, *, workers: int, steps: int, device: str = "cpu"):
     if cfg.model.kwargs.get("dropout", 0.0):
         raise ValueError(f"model.dropout={cfg.model.kwargs.dropout}: the two sides draw different dropout "
                          "masks; compare with --config.model.dropout=0")
-    if cfg.parallel.get("sync", "allreduce") == "powersgd":  # torch's hook starts at step 2 at the earliest
-        cfg.parallel.powersgd_start_step = max(2, cfg.parallel.powersgd_start_step)
     cfg.train.update(log_every=1, eval_every=steps, log_grad_norm=True)
     cfg.init_from = ""
     return cfg
@@ -197,6 +197,7 @@ def report_workdir(workdir: Path, tolerance: Tolerance | None = None) -> Parity:
     tolerance = tolerance or default_tolerance(cfg)
     jdp = json.loads((workdir / "jdp_result.json").read_text())
     ddp = json.loads((workdir / "ddp_result.json").read_text())
+    from jdp.compare.ddp import ddp_twin
     from jdp.compare.weights import unstacked  # torch: imported only where parity is reported
 
     with np.load(workdir / "jdp_final.npz") as a, np.load(workdir / "ddp_final.npz") as b:
@@ -205,7 +206,7 @@ def report_workdir(workdir: Path, tolerance: Tolerance | None = None) -> Parity:
             "workers": sides["workers"], "steps": cfg.train.steps, "global_batch_size": cfg.train.global_batch_size,
             "bn_sync": cfg.model.bn_sync, "jdp_backend": cfg.parallel.backend, "ddp_backend": ddp["backend"],
             "device": sides["device"], "jdp_seconds": sides["jdp_seconds"], "ddp_seconds": sides["ddp_seconds"],
-            "torch": ddp["torch"], "sync": cfg.parallel.get("sync", "allreduce"),
+            "torch": ddp["torch"], "hook": ddp_twin(cfg).hook,
             "comm_bytes_jdp": jdp.get("comm_bytes_per_step"), "comm_bytes_ddp": ddp.get("comm_bytes_per_step")}
     result = compare(sides["name"], jdp, ddp, jdp_final, ddp_final, tolerance, meta)
     report.write_parity(result, workdir)

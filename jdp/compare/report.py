@@ -117,9 +117,10 @@ def write_parity(p: Parity, workdir: Path) -> None:
         f"{p.eval['loss_jdp']:.6f} vs DDP {p.eval['loss_ddp']:.6f} ({p.eval['loss_rel']:.1e} relative), "
         f"accuracy {p.eval['accuracy_jdp']:.4f} vs {p.eval['accuracy_ddp']:.4f}.",
         "",
-        *([f"Sync: PowerSGD, both sides (DDP: `powerSGD_hook`); bytes per step after the start: jdp "
+        *([f"Sync: low-rank compression on both sides (DDP: `powerSGD_hook`); bytes per step after the start: jdp "
            f"{m['comm_bytes_jdp']:,.0f} (its compiled step's collectives, the loss sums included), DDP "
-           f"{m['comm_bytes_ddp']:,.0f} (the hook's gradient payload).", ""] if m.get("sync") == "powersgd" else []),
+           f"{m['comm_bytes_ddp']:,.0f} (the hook's gradient payload).", ""]
+          if m.get("hook") == "powerSGD_hook" else []),
         "Loss: mean cross-entropy over the global batch at each step (jdp: metrics.jsonl; DDP: all-reduced). "
         "Gradient norm: global L2 norm of the gradient averaged over workers, before clipping (jdp: the "
         "train step's own grad_norm, train.log_grad_norm=True; DDP: the .grad tensors after backward). "

@@ -67,6 +67,13 @@ def spec_on(axis: int | None, ndim: int) -> P:
     return P() if axis is None else P(*[DATA_AXIS if a == axis else None for a in range(ndim)])
 
 
+class DDPTwin(NamedTuple):
+    """How PyTorch DDP computes what a strategy computes (`Sync.ddp_twin`), for `jdp.compare`'s twin."""
+
+    hook: str  # "allreduce" (DDP's own mean) or a hook of torch's ddp_comm_hooks, e.g. "powerSGD_hook"
+    settings: dict[str, Any]  # the hook's state, as torch's keywords (PowerSGDState's)
+
+
 class Local(NamedTuple):
     """One device's step-2 result (`jdp.gradients`)."""
 
@@ -175,6 +182,11 @@ class Sync:
                     "(XLA:CPU widens bfloat16); fp32 sends as many bytes, without the casts")
         return None
 
+    def ddp_twin(self) -> DDPTwin | None:
+        """How DDP computes the same, for the PyTorch twin (`jdp.compare`); None: it has no such hook. ValueError
+        in one line for settings torch's hook refuses."""
+        return None
+
     def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
                         backend: str, what: str) -> None:
         """Refuses (FitError) an optimizer the strategy cannot run."""
@@ -258,3 +270,6 @@ class Sync:
 class AllReduce(Sync):
     """Data parallelism's mean all-reduce, the default strategy: `AllReduce(dtype="bf16")` sends bfloat16, as DDP's
     `bf16_compress_hook`. (`Sync` is the interface every strategy implements, with this one's behaviour.)"""
+
+    def ddp_twin(self) -> DDPTwin | None:
+        return DDPTwin("allreduce", {}) if self.dtype_name == "fp32" else None

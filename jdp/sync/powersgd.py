@@ -26,7 +26,17 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdp.errors import FitError
-from jdp.sync.base import PER_DEVICE, Local, Reduced, Sync, Tree, all_reduce_mean, floating, merge_floating
+from jdp.sync.base import (
+    PER_DEVICE,
+    DDPTwin,
+    Local,
+    Reduced,
+    Sync,
+    Tree,
+    all_reduce_mean,
+    floating,
+    merge_floating,
+)
 
 EPSILON = 1e-8  # Gram-Schmidt's guard against a zero column (a rank-deficient P), as torch's hook uses
 
@@ -123,6 +133,15 @@ class PowerSGD(Sync):
 
     def params(self) -> dict[str, Any]:
         return {"rank": self.rank, "start_step": self.start_step}
+
+    def ddp_twin(self) -> DDPTwin:
+        """torch's `powerSGD_hook` at this rank and start, deciding as jdp does which matrices to compress
+        (min_compression_rate 1: r (n + m) < n m), with jdp's Gram-Schmidt epsilon."""
+        if self.start_step < 2:
+            raise ValueError(f"{self!r}: DDP's powerSGD_hook starts compressing at step 2 at the earliest (its error "
+                             "feedback needs a step before); start at step 2 or later")
+        return DDPTwin("powerSGD_hook", {"matrix_approximation_rank": self.rank, "start_powerSGD_iter": self.start_step,
+                                         "min_compression_rate": 1, "orthogonalization_epsilon": EPSILON})
 
     def bind(self, model: nnx.Module, seed: int) -> PowerSGD:
         bound = copy.copy(self)

@@ -20,6 +20,7 @@ import optax
 from jdp.errors import FitError
 from jdp.sync.base import (
     AllReduce,
+    DDPTwin,
     Local,
     Reduced,
     Sync,
@@ -97,6 +98,9 @@ class ZeRO1(Sync):
         # Sharding changes where the state lives, not what is computed: the mean all-reduce's numerics, so a run
         # resumes sharded or not, on any device count (the state restores resharded).
         return AllReduce(self.dtype_name).record()
+
+    def ddp_twin(self) -> DDPTwin | None:
+        return AllReduce(self.dtype_name).ddp_twin()
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
         require(options["backend"] == "shard_map", f"{what} needs {view.use('backend', 'shard_map')}")
