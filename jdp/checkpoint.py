@@ -1,4 +1,5 @@
-"""Orbax checkpoints in WORKDIR/checkpoints: the full train state plus the data position and a digest of every leaf.
+"""Orbax checkpoints in WORKDIR/checkpoints: the full train state plus the data position, a digest of every leaf and
+the fingerprint of the run's settings (`jdp.guard`).
 
 Saves are asynchronous (the devices wait only for the device-to-host copy) and atomic (orbax writes to a
 temporary directory and renames it when complete), so a kill at any moment leaves the previous checkpoints
@@ -121,6 +122,7 @@ if not isinstance(sys.unraisablehook, _QuietAbandonedReads):
 # _UNSEALED_KEYS and format 2 unless damaged.
 FORMAT = 2
 _UNSEALED_KEYS = {"step", "epoch", "format", "digests"}
+_NOT_POSITION = ("format", "digests", "fingerprint", "checksum")  # what a data item holds beside the data position
 REJECTED = "rejected"  # WORKDIR/rejected: checkpoints that failed their integrity check
 
 
@@ -284,9 +286,11 @@ def _as_saved(abstract_state: Any, per_device: Any, digests: dict) -> tuple[Any,
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, *, keep: int, every_steps: int) -> None:
+    def __init__(self, directory: Path, *, keep: int, every_steps: int, fingerprint: dict | None = None) -> None:
+        """`fingerprint`: what every checkpoint saved carries of the run's settings (`jdp.guard`), in its data item."""
         self.directory = directory.absolute()
         self.every_steps = every_steps
+        self.fingerprint = fingerprint
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
@@ -316,7 +320,7 @@ class Checkpointer:
             return
         if (gone := self.vanished()) is not None:
             raise FileNotFoundError(errno.ENOENT, "deleted or moved during the run", str(gone))
-        data = {**data_position, "format": FORMAT}
+        data = {**data_position, "format": FORMAT, **({"fingerprint": self.fingerprint} if self.fingerprint else {})}
         # Process 0 writes the JSON item; its digests are completed on the save thread.
         digests = digest.pending(state, host=jax.process_index() == 0)
 
@@ -332,8 +336,8 @@ class Checkpointer:
         self._manager.wait_until_finished()
 
     def restore_latest(self, abstract_state: Any, warn: Callable[[str], None] | None = None, *,
-                       reject_damaged: bool = True, timeout_s: float = 120.0, per_device: Any = None
-                       ) -> tuple[int, Any, dict[str, int]] | None:
+                       reject_damaged: bool = True, timeout_s: float = 120.0, per_device: Any = None,
+                       check: Callable[[int, dict], None] | None = None) -> tuple[int, Any, dict[str, int]] | None:
         """The newest checkpoint that restores into `abstract_state` (shapes, dtypes, shardings) and matches its
         digests, its checksum and its directory's step, falling back past damaged ones; None when there is no
         checkpoint at all. With `reject_damaged`, damaged checkpoints newer than the one restored are moved to
@@ -341,7 +345,8 @@ class Checkpointer:
         (default: `jdp: warning: ...` on stderr, from process 0). `per_device` (a tree of bools like the state):
         leaves saved with one row per device; saved on another device count, they come back as None (the caller
         starts them afresh). A checkpoint that cannot be read for a reason other than its content raises
-        DiskError, and nothing is moved."""
+        DiskError, and nothing is moved. `check(step, data item)` is called with each checkpoint's data item once it
+        is found intact, before its arrays are read: what it raises (the resume guard's refusal) stops the restore."""
         warn = warn or _warn
         signal_if_requested("restore")
         if not_checkpoints := self._not_directories():  # orbax skips them, then fails to save those steps
@@ -352,10 +357,10 @@ class Checkpointer:
                 self._reject(list(not_checkpoints), warn, timeout_s)
         problems, damaged = [], []
         for step in reversed(self.steps()):
-            state, data, problem = self._restore(step, abstract_state, per_device)
+            state, data, problem = self._restore(step, abstract_state, per_device, check)
             if problem is None:
                 self._reject(damaged, warn, timeout_s)
-                return step, state, {k: v for k, v in data.items() if k not in ("format", "digests", "checksum")}
+                return step, state, {k: v for k, v in data.items() if k not in _NOT_POSITION}
             problem = f"checkpoint {self.directory / str(step)} is unusable: {problem}"
             problems.append(problem)
             warn(f"{problem}; trying the previous one")
@@ -376,7 +381,8 @@ class Checkpointer:
         found = {int(path.name): storage.not_a_directory(path) for path in entries}
         return {step: problem for step, problem in sorted(found.items()) if problem}
 
-    def _restore(self, step: int, abstract_state: Any, per_device: Any) -> tuple[Any, dict | None, str | None]:
+    def _restore(self, step: int, abstract_state: Any, per_device: Any,
+                 check: Callable[[int, dict], None] | None) -> tuple[Any, dict | None, str | None]:
         """(state, data item, None), or what is wrong with checkpoint `step`: (None, data item or None if it is
         unreadable, the problem). Raises CheckpointError for a checkpoint that is intact but does not fit."""
         where = self.directory / str(step)
@@ -384,6 +390,8 @@ class Checkpointer:
             data=_DataRestore()))["data"], where)
         if problem is None:
             problem = _data_problem(self.directory, step, data)
+        if problem is None and check is not None:
+            check(step, data)
         if problem is None:
             metadata, problem = _read(lambda: ocp.StandardCheckpointHandler().metadata(where / "state"), where)
         if problem is not None:

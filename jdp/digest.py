@@ -1,7 +1,7 @@
 """A digest of every leaf of a train state (path, dtype, shape and a BLAKE2b hash of its bytes), stored with each
 checkpoint and compared with the restored arrays, so that bytes damaged on disk are found instead of trained on; and
-a checksum of the JSON item that holds them, so that damage to the digests, the format or the data position is
-found too.
+a checksum of the JSON item that holds them, so that damage to the digests, the format, the data position or the
+settings' fingerprint (`jdp.guard`) is found too.
 
 A leaf split across devices (a sharded or per-device one) is not fetched whole to be hashed: its digest is two sums
 of its 32-bit words, plain and weighted by position, mod 2**32 ("words:" + hex), computed on the devices where its

@@ -15,11 +15,12 @@ import jax
 
 from jdp import callbacks as callbacks_lib
 from jdp import distributed as distributed_lib
+from jdp import guard as guard_lib
 from jdp import memory, noise_scale, precision, runinfo, storage, workdir_lock
 from jdp import record as record_lib
 from jdp.checkpoint import Checkpointer
 from jdp.data.batching import Source, optional
-from jdp.errors import FitError, NonFiniteLossError, Preempted, ReplicaMismatchError
+from jdp.errors import NonFiniteLossError, Preempted, ReplicaMismatchError
 from jdp.metrics import MetricsWriter, ThroughputClock
 from jdp.modeldef import ModelDef
 from jdp.options import FitOptions
@@ -56,8 +57,9 @@ class Outcome:
 def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int, fit_record: dict | None = None,
           on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None) -> Outcome:
     """Runs `engine` to `steps` with `options`, holding the workdir's lock (`jdp.workdir_lock`) throughout. A
-    resumed run calls `on_resume()`, then is checked against the workdir's record (`jdp.record`); `fit_record` is
-    written as its record. `on_start(step)` is called with the step the run starts (or resumed) from, before the
+    resumed run calls `on_resume()`, then is checked by the resume guard (`jdp.guard`: against run.json and the
+    fingerprint its checkpoint carries); `fit_record` is written as its record, and its fingerprint into every
+    checkpoint. `on_start(step)` is called with the step the run starts (or resumed) from, before the
     loop writes anything else to the workdir; a run already at `steps` writes no more than a final eval or summary
     line it lacks. A full disk or an I/O error raises `DiskError`."""
     workdir = Path(options.workdir) if options.workdir is not None else None
@@ -66,8 +68,11 @@ def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: in
         try:
             if workdir is not None and jax.process_index() == 0:
                 workdir.mkdir(parents=True, exist_ok=True)
+            # Every checkpoint carries the fingerprint of this run's settings (`jdp.guard`).
             checkpointer = (Checkpointer(workdir / "checkpoints", keep=options.keep_checkpoints,
-                                         every_steps=options.checkpoint_every) if workdir is not None else None)
+                                         every_steps=options.checkpoint_every,
+                                         fingerprint=guard_lib.fingerprint(fit_record) if fit_record else None)
+                            if workdir is not None else None)
             return _train(engine, options, steps, global_batch_size, workdir, checkpointer, fit_record,
                           on_resume or (lambda: None), on_start or (lambda start: None))
         except Exception as e:
@@ -156,17 +161,19 @@ def _begin(engine: Engine, options: FitOptions, steps: int, workdir: Path | None
     """(the start step, the logical state to start from, the record as written to run.json or None): a resumed
     run checked and restored, a new one initialised, and the record written where there is something to train."""
     resuming = checkpointer is not None and bool(checkpointer.steps())
+    guard = guard_lib.Guard(fit_record, workdir, options.allow_config_change, echo) if fit_record and resuming else None
     try:
         if resuming:
             on_resume()
-        # Before the restore, which would refuse an optimizer of another state tree without naming the change.
-        old_steps = _check_resume(fit_record, workdir, options.allow_config_change, echo) if fit_record and resuming \
-            else steps
-        start, logical = _restore_or_init(engine, checkpointer, echo)
+        if guard is not None:  # before the restore, which would refuse an optimizer of another state tree without
+            guard.check_record()  # naming the change
+        start, logical = _restore_or_init(engine, checkpointer, echo,
+                                          guard.check_checkpoint if guard is not None else None)
     except BaseException:
         if checkpointer is not None and jax.process_count() == 1:  # a refused rerun in a notebook leaks nothing
             checkpointer.close()
         raise
+    old_steps = guard.restored(start) if guard is not None else steps
     record = None  # as written to run.json, for the callbacks' `on_start`
     if fit_record is not None and start < steps:  # a finished run's rerun records nothing
         if start and old_steps != steps:
@@ -177,22 +184,6 @@ def _begin(engine: Engine, options: FitOptions, steps: int, workdir: Path | None
             record_lib.write(workdir, fit_record, metadata)
             record = json.loads(json.dumps({**metadata, "fit": fit_record}, default=str))
     return start, logical, record
-
-
-def _check_resume(fit_record: dict, workdir: Path, allow_change: bool, echo: Callable[[str], None]) -> int:
-    """Refuses (FitError) to resume a workdir whose record differs from this run's where it changes the numerics
-    or the data order, unless `allow_change`; returns the steps the workdir's run was given. Process 0 reads the
-    file and every process gets its answer."""
-    old = record_lib.read(workdir) if jax.process_index() == 0 else None
-    found = (record_lib.changes(old, fit_record), old["steps"]) if old is not None else ([], fit_record["steps"])
-    changed, old_steps = json.loads(distributed_lib.broadcast("record checked", json.dumps(found), RESULTS_TIMEOUT_S))
-    if changed and not allow_change:
-        raise FitError(f"{workdir} holds a run with other settings that change the numerics or the data order "
-                       f"({'; '.join(changed)}); use a new workdir, or pass allow_config_change=True "
-                       "(--config.checkpoint.allow_config_change=True)")
-    if changed:
-        echo(f"warning: resuming {workdir} with other settings (allow_config_change): {'; '.join(changed)}")
-    return old_steps
 
 
 def _missing_results(run: callbacks_lib.Run, eval_every: int) -> tuple[bool, bool]:
@@ -250,10 +241,13 @@ def _compile(run: callbacks_lib.Run, batch: dict) -> None:
         run.writer.echo(f"warning: {parallel.compiled_warning}")
 
 
-def _restore_or_init(engine: Engine, checkpointer: Checkpointer | None, echo) -> tuple[int, Any]:
-    """The latest usable checkpoint of the workdir, else a fresh state; logical layout."""
+def _restore_or_init(engine: Engine, checkpointer: Checkpointer | None, echo,
+                     check: Callable[[int, dict], None] | None = None) -> tuple[int, Any]:
+    """The latest usable checkpoint of the workdir (`check` called with each one's step and intact data item before
+    its arrays are read: the resume guard), else a fresh state; logical layout."""
     if checkpointer is not None:
-        restored = checkpointer.restore_latest(engine.abstract_state, per_device=engine.parallel.per_device)
+        restored = checkpointer.restore_latest(engine.abstract_state, per_device=engine.parallel.per_device,
+                                               check=check)
         if restored is not None:
             step, state, position = restored
             echo(f"resumed from {checkpointer.directory / str(step)} (data position {position})")

@@ -88,7 +88,8 @@ def _rounded(x: Any) -> list:
     return [float(f"{v:.5g}") + 0.0 for v in np.ravel(np.asarray(x, np.float64))]
 
 
-def _digest(value: Any) -> str:
+def hashed(value: Any) -> str:
+    """BLAKE2b (12 bytes, hex) of a JSON-able value, as canonical JSON."""
     return hashlib.blake2b(json.dumps(value, sort_keys=True).encode(), digest_size=12).hexdigest()
 
 
@@ -116,7 +117,7 @@ def describe_data(source: Any, factory: Any = None) -> dict[str, Any]:
             for k, v in sorted(sample.items())}
     return {"keys": sorted(first), "shapes": {k: list(v.shape[1:]) for k, v in first.items()},
             "dtypes": {k: np.dtype(v.dtype).name for k, v in first.items()}, "length": int(source.num_train),
-            "sample_hash": _digest(rows), "factory": None if factory is None else import_path(factory)}
+            "sample_hash": hashed(rows), "factory": None if factory is None else import_path(factory)}
 
 
 def describe_optimizer(tx: optax.GradientTransformation, abstract_params: Any) -> dict[str, list[float]]:
@@ -209,14 +210,21 @@ def write(workdir: Path, fit_record: dict[str, Any], metadata: dict[str, Any]) -
     write_atomic(workdir / RECORD_FILE, json.dumps({**metadata, "fit": fit_record}, indent=2, default=str) + "\n")
 
 
-def _guarded(fit_record: dict[str, Any]) -> dict[str, Any]:
-    """The parts of a record a resume must keep, by the name a refusal gives them."""
+FIRST, LATER = "optimizer (its first update)", "schedule (the optimizer's later updates)"
+# The parts of a record a refusal names without their values (fingerprints, shapes, hashes).
+_BY_NAME = ("model parameter shapes", "train data (keys, shapes, dtypes, length or sampled rows)", FIRST, LATER)
+BY_HASH = " (by fingerprint)"  # ends the name of a part compared by its hash alone (`jdp.guard`)
+
+
+def guarded(fit_record: dict[str, Any], with_settings: bool = True) -> dict[str, Any]:
+    """The parts of a record a resume must keep, by the name a refusal gives them: the caller's settings (a config's
+    keys, where the record holds them and `with_settings`), then fit's own."""
     model, data = fit_record["model"], fit_record["data"]["train"]
-    return {"model": model["class"], "model parameter shapes": model["shapes"], "loss_fn": fit_record["loss_fn"],
-            "optimizer (its first update)": fit_record["optimizer"]["optimizer"],
-            "schedule (the optimizer's later updates)": fit_record["optimizer"]["schedule"],
-            "train data (keys, shapes, dtypes, length or sampled rows)": {k: data[k] for k in (
-                "keys", "shapes", "dtypes", "length", "sample_hash")},
+    settings = (fit_record.get("settings") or {}) if with_settings else {}
+    return {**settings, "model": model["class"], "model parameter shapes": model["shapes"],
+            "loss_fn": fit_record["loss_fn"], FIRST: fit_record["optimizer"]["optimizer"],
+            LATER: fit_record["optimizer"]["schedule"],
+            _BY_NAME[1]: {k: data[k] for k in ("keys", "shapes", "dtypes", "length", "sample_hash")},
             "global_batch_size": fit_record["global_batch_size"],
             "sync strategy": fit_record.get("strategy") or _strategy_of(fit_record["options"]),
             # An option newer than the record's jdp had its default there.
@@ -237,29 +245,38 @@ def _strategy_of(options: dict[str, Any]) -> dict[str, Any]:
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """What differs between two records where a resume must not change it: `key: old -> new` (fingerprints by
-    name only). A changed schedule is not listed when `steps` changed too: a schedule built from `steps` moves
-    with it, and extending a run is allowed; nor when the first update differs: the later ones then differ with
-    it. Every update scaled alike is listed as the learning rate."""
-    before, after = _guarded(old), _guarded(new)
-    first, later = "optimizer (its first update)", "schedule (the optimizer's later updates)"
-    first_differs = not same_fingerprint(before.get(first) or [], after[first])
+    name only). The caller's settings (`fit_record`'s `settings`) are compared where both records hold them."""
+    both = bool(old.get("settings")) and bool(new.get("settings"))
+    return listed_changes(guarded(old, both), guarded(new, both), old["steps"] != new["steps"])
+
+
+def listed_changes(before: dict[str, Any], after: dict[str, Any], steps_changed: bool) -> list[str]:
+    """The keys of `after` (guarded parts, by name) whose values differ in `before`. A changed schedule is not
+    listed when `steps` changed too: a schedule built from `steps` moves with it, and extending a run is allowed;
+    nor when the first update differs: the later ones then differ with it. Every update scaled alike is listed as
+    the learning rate."""
+    first_differs = not same_fingerprint(before.get(FIRST) or [], after.get(FIRST) or [])
     listed = []
     for key in after:
-        fingerprint = key.startswith(("optimizer", "schedule"))
+        fingerprint = key in (FIRST, LATER)
         if (same_fingerprint(before.get(key) or [], after[key]) if fingerprint else before.get(key) == after[key]):
             continue
-        if key == later and (old["steps"] != new["steps"] or first_differs):
+        if key == LATER and (steps_changed or first_differs):
             continue  # later updates that differ after a first that differs say nothing more about a schedule
-        if key == first:  # every update scaled alike (optax.adam(1e-3) -> adam(1e-2)): name the learning rate
-            parts = (first,) if old["steps"] != new["steps"] else (first, later)
+        if key == FIRST:  # every update scaled alike (optax.adam(1e-3) -> adam(1e-2)): name the learning rate
+            parts = (FIRST,) if steps_changed else (FIRST, LATER)
             scale = _scale([v for p in parts for v in before.get(p) or []], [v for p in parts for v in after[p]])
             if scale is not None:
                 listed.append(f"learning rate: every update is {scale:.3g}x the recorded run's")
                 continue
-        # the rest are fingerprints
-        shown = key in ("model", "loss_fn", "global_batch_size", "sync strategy", *GUARDED_OPTIONS)
-        listed.append(f"{key}: {before.get(key)!r} -> {after[key]!r}" if shown else key)
+        hidden = key in _BY_NAME or key.endswith(BY_HASH)
+        listed.append(key if hidden else f"{key}: {_shown(before.get(key))} -> {_shown(after[key])}")
     return listed
+
+
+def _shown(value: Any) -> str:
+    """A recorded value as it was given: a list (JSON's tuple) as a tuple."""
+    return repr(tuple(value) if isinstance(value, list) else value)
 
 
 def _scale(before: list[float], after: list[float]) -> float | None:
@@ -273,11 +290,14 @@ def _scale(before: list[float], after: list[float]) -> float | None:
 
 def fit_record(*, model: Any, loss_fn: Callable, optimizer: optax.GradientTransformation, source: Any,
                abstract_params: Any, steps: int, global_batch_size: int, options: Any,
-               data_factories: tuple[Any, Any]) -> dict[str, Any]:
+               data_factories: tuple[Any, Any], settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The `fit` section of a run's record. `data_factories`: the zero-argument functions the train and eval
-    data came from, where they were given so (None otherwise)."""
+    data came from, where they were given so (None otherwise). `settings`: the caller's own settings that define
+    the run ({name: JSON-able value}: `python -m jdp.train`'s config keys that change the numerics or the data
+    order), guarded with fit's."""
     train_factory, eval_factory = data_factories
     return {"format": FORMAT, "steps": steps, "global_batch_size": global_batch_size,
+            "settings": json.loads(json.dumps(dict(settings), default=list)) if settings else None,
             "options": options_record(options), "strategy": _strategy(options).record(),
             "model": describe_model(model, abstract_params),
             "loss_fn": _name(loss_fn),

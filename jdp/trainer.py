@@ -280,18 +280,22 @@ def fit(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
 
 def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
         optimizer: optax.GradientTransformation, steps: int, global_batch_size: int, options: FitOptions,
-        on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None) -> FitResult:
+        on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None,
+        settings: dict[str, Any] | None = None) -> FitResult:
     """`fit` with its options already gathered (what `python -m jdp.train` calls). `on_resume()`: called when the
     workdir holds checkpoints, under its lock and before fit's own resume check; `on_start(step)`: with the step the
-    run starts or resumes from, before anything is written to the workdir."""
+    run starts or resumes from, before anything is written to the workdir. `settings`: the caller's own settings
+    that define the run ({name: JSON-able value}, e.g. a config's keys), recorded in run.json and in each
+    checkpoint's fingerprint and guarded with fit's own (a resume that changes one is refused, naming it)."""
     with preemption.during_fit():  # a signal in a script ends it with exit 75, as in the CLI
         return _run(model, loss_fn, train_data, optimizer=optimizer, steps=steps, global_batch_size=global_batch_size,
-                    options=options, on_resume=on_resume, on_start=on_start)
+                    options=options, on_resume=on_resume, on_start=on_start, settings=settings)
 
 
 def _run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
          optimizer: optax.GradientTransformation, steps: int, global_batch_size: int, options: FitOptions,
-         on_resume: Callable[[], None] | None, on_start: Callable[[int], None] | None) -> FitResult:
+         on_resume: Callable[[], None] | None, on_start: Callable[[int], None] | None,
+         settings: dict[str, Any] | None) -> FitResult:
     o = options
     _check_joined()
     strategy, what = sync_lib.strategy(o)  # a periodic strategy's replicas agree only at sync points
@@ -309,7 +313,8 @@ def _run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_da
         fit_record = None if o.workdir is None else record_lib.fit_record(
             model=model, loss_fn=loss_fn, optimizer=optimizer, source=engine.source,
             abstract_params=engine.abstract_state.params, steps=steps, global_batch_size=global_batch_size,
-            options=o, data_factories=tuple(d if is_factory(d) else None for d in (train_data, o.eval_data)))
+            options=o, data_factories=tuple(d if is_factory(d) else None for d in (train_data, o.eval_data)),
+            settings=settings)
         outcome = loop.train(engine, o, steps, global_batch_size, fit_record, on_resume, on_start)
     finally:
         engine.source.close()

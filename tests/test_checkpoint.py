@@ -127,7 +127,7 @@ def test_sigterm_checkpoints_and_exits_75(tmp_path):
     out = train(tmp_path, f"--config.train.steps={step + 2}")
     assert out.returncode == 0, out.stderr
     assert f"resumed from {tmp_path / 'checkpoints' / str(step)}" in out.stdout
-    assert "warning: train.steps changed from 100000" in out.stdout
+    assert "warning: steps changed from 100000" in out.stdout
     assert [s for s, _ in train_losses(tmp_path)][-3:] == [step, step + 1, step + 2]
 
 
@@ -220,10 +220,15 @@ def _restore_latest(checkpoints, abstract_state):
     return restored[0], warnings
 
 
+# What a data item written before digests lacks (the checksum and the settings' fingerprint came after them).
+BEFORE_DIGESTS_LACKS = ("checksum", "digests", "fingerprint")
+
+
 def _unsealed(metadata):
-    """The data item as jdp wrote it before data items carried a checksum (format 2 all the same)."""
+    """The data item as jdp wrote it before data items carried a checksum (format 2 all the same), and so before
+    they carried the settings' fingerprint."""
     item = json.loads(metadata.read_text())
-    del item["checksum"]
+    del item["checksum"], item["fingerprint"]
     metadata.write_text(json.dumps(item))
 
 
@@ -272,7 +277,7 @@ def test_an_intact_checkpoint_of_another_format_or_model_is_refused_not_moved(re
     with pytest.raises(CheckpointError, match=f"checkpoint {checkpoints / '12'} has format 3, this jdp reads format 2"):
         _restore_latest(checkpoints, reference_state)
     item = json.loads(metadata.read_text())
-    metadata.write_text(json.dumps({k: v for k, v in item.items() if k not in ("checksum", "digests")} | {"format": 2}))
+    metadata.write_text(json.dumps({k: v for k, v in item.items() if k not in BEFORE_DIGESTS_LACKS} | {"format": 2}))
     wider = jax.tree_util.tree_map_with_path(  # the model with 64 hidden units, as --config.model.kwargs gives it
         lambda path, leaf: jax.ShapeDtypeStruct((64,), leaf.dtype, sharding=leaf.sharding)
         if jax.tree_util.keystr(path) == ".params['layers'][0]['bias']" else leaf, reference_state)
@@ -290,7 +295,7 @@ def test_a_checkpoint_without_digests_that_fails_to_read_is_moved_aside(referenc
     checkpoints = _tamper(reference, tmp_path)
     metadata = checkpoints / "12" / "data" / "metadata"
     item = json.loads(metadata.read_text())
-    metadata.write_text(json.dumps({k: v for k, v in item.items() if k not in ("checksum", "digests")}))
+    metadata.write_text(json.dumps({k: v for k, v in item.items() if k not in BEFORE_DIGESTS_LACKS}))
     data = max((checkpoints / "12" / "state" / "d").iterdir(), key=lambda p: p.stat().st_size)
     damaged = bytearray(data.read_bytes())
     damaged[len(damaged) // 2] ^= 1

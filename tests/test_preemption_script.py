@@ -153,7 +153,7 @@ def test_the_hook_ends_a_script_on_a_fit_error_in_one_line_with_exit_2(monkeypat
 
 
 # Trains 4 steps into argv[1]; a rerun with a 10x learning rate is caught (FitError stays an exception); then run.json
-# is random bytes and the rerun's refusal is left uncaught.
+# is random bytes, and the rerun's refusal (by the checkpoint's fingerprint of its settings) is left uncaught.
 REFUSED = textwrap.dedent("""
     import os, sys
     from pathlib import Path
@@ -179,7 +179,7 @@ REFUSED = textwrap.dedent("""
     except jdp.FitError as e:
         print("caught:", e)
     Path(sys.argv[1], "run.json").write_bytes(os.urandom(64))
-    run(0.05)
+    run(0.5)
     print("not reached")
 """)
 
@@ -193,7 +193,8 @@ def test_a_refusal_left_uncaught_in_a_script_is_one_line_and_exit_2(tmp_path):
     assert "caught: " in out.stdout and "learning rate" in out.stdout and "not reached" not in out.stdout
     assert "Traceback" not in out.stderr, out.stderr
     errors = [line for line in out.stderr.splitlines() if line.startswith("jdp: error")]
-    assert len(errors) == 1 and f"{tmp_path / 'run' / 'run.json'} cannot be read" in errors[0], out.stderr
+    assert len(errors) == 1 and (f"the settings differ from those checkpoint {tmp_path / 'run' / 'checkpoints' / '4'} "
+                                 "was saved under") in errors[0], out.stderr
 
 
 def test_fit_puts_the_signal_handlers_back(monkeypatch):

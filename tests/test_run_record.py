@@ -21,8 +21,10 @@ import pytest
 from flax import nnx
 
 import jdp
+from jdp import digest, reopen
+from jdp import guard as guard_lib
 from jdp import record as record_lib
-from jdp import reopen
+from jdp.cli import train as train_cli
 from tests import user_models
 from tests.helpers import max_abs_diff, records
 
@@ -332,6 +334,200 @@ def test_a_finished_run_rerun_with_other_settings_is_refused_too(finished, tmp_p
     with pytest.raises(jdp.FitError, match="seed: 0 -> 3"):
         fit(workdir, 4, seed=3)
     assert (workdir / "run.json").read_text() == before
+
+
+# 2b. The guard inside every checkpoint: its fingerprint of the settings, whatever happened to run.json ----------
+
+FIT_PARTS = guard_lib._FIT_PARTS  # the fingerprint's hash of fit's guarded parts, as a refusal names it
+RUN_JSON_DAMAGE = {  # what a run.json may suffer: without the checkpoint's fingerprint each resumed unchecked
+    "deleted": lambda path: path.unlink(),
+    "emptied to {}": lambda path: path.write_text("{}"),
+    "fit section removed": lambda path: path.write_text(json.dumps(
+        {k: v for k, v in json.loads(path.read_text()).items() if k != "fit"})),
+    "fit.format 2": lambda path: path.write_text(json.dumps(
+        (lambda saved: saved | {"fit": saved["fit"] | {"format": 2}})(json.loads(path.read_text())))),
+    "random bytes": lambda path: path.write_bytes(os.urandom(64)),
+}
+
+
+def against_checkpoint(message: str, checkpoint: Path) -> set[str]:
+    """What a refusal decided by a checkpoint's fingerprint lists (one line, naming the checkpoint and the fix)."""
+    assert "\n" not in message and "allow_config_change=True" in message, message
+    head = f"(the settings differ from those checkpoint {checkpoint} was saved under: "
+    assert head in message, message
+    inside = message.split(head, 1)[1].rsplit("); use a new workdir", 1)[0]
+    items = inside.split("; ")
+    assert all(" -> " not in item for item in items), message  # a hash is named, never shown
+    return {item.split(": ", 1)[0] for item in items}
+
+
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory):
+    """The run `stopped` belongs to, uninterrupted: 8 steps."""
+    return fit(tmp_path_factory.mktemp("whole") / "run", 8)
+
+
+@pytest.mark.parametrize("damage", list(RUN_JSON_DAMAGE))
+def test_a_damaged_run_json_leaves_the_checkpoint_to_refuse_a_changed_lr(damage, stopped, whole, tmp_path, capsys):
+    """run.json gone, emptied, without its fit section, of another format or unreadable: the checkpoint's own
+    fingerprint refuses the resume at another learning rate in one line, before anything is trained or written; at
+    the same settings the run resumes, bitwise, with no warning."""
+    workdir = copy_of(stopped, tmp_path)
+    RUN_JSON_DAMAGE[damage](workdir / "run.json")
+    with pytest.raises(jdp.FitError) as refused:
+        fit(workdir, 8, optimizer=sgd(0.2))
+    assert against_checkpoint(str(refused.value), workdir / "checkpoints" / "4") == {LR}
+    assert f"{LR}: every update is 2x the recorded run's" in str(refused.value)
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["2", "4"]
+    assert max(r["step"] for r in records(workdir, "train")) == 4  # nothing trained
+    capsys.readouterr()
+    result = fit(workdir, 8)
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "warning" not in out, out
+    assert result.losses == whole.losses[4:] and max_abs_diff(result.params, whole.params) == 0
+    assert saved_record(workdir)["fit"]["steps"] == 8  # written anew
+
+
+@pytest.mark.parametrize("change", list(CHANGES))
+def test_every_guarded_change_is_refused_by_the_checkpoint_alone(change, stopped, tmp_path):
+    """With run.json deleted, each change the record names is still refused: the optimizer's by its probe (the
+    learning rate named), the others by the fingerprint's hash."""
+    workdir = copy_of(stopped, tmp_path)
+    (workdir / "run.json").unlink()
+    arguments, expected, _ = CHANGES[change]
+    with pytest.raises(jdp.FitError) as refused:
+        fit(workdir, 8, **arguments)
+    named = {key if key in (LR, OPTIMIZER, SCHEDULE) else FIT_PARTS for key in expected}
+    assert against_checkpoint(str(refused.value), workdir / "checkpoints" / "4") == named
+
+
+@pytest.mark.parametrize("part", ["fit", "optimizer"])
+def test_a_flipped_byte_of_the_stored_fingerprint_is_checkpoint_damage(part, finished, tmp_path, capsys):
+    """The fingerprint lives in the checkpoint's data item, under its checksum: one changed character of it (its hash,
+    or a number of the optimizer's probe) is damage like any other, so the run falls back to the checkpoint before,
+    moves the damaged one aside and saves that step anew, rather than trusting or refusing on a damaged record."""
+    workdir = copy_of(finished[0], tmp_path)
+    damaged = workdir / "checkpoints" / "4"
+    metadata = damaged / "data" / "metadata"
+    text = metadata.read_text()
+    stored = json.loads(text)["fingerprint"][part]
+    value = f'"{part}": ' + json.dumps(stored if part == "fit" else [stored[0]])[:-1]  # the hash; the first number
+    assert text.count(value) == 1, value
+    flipped = value[:-2] + ("1" if value[-2] != "1" else "2") + value[-1:]
+    metadata.write_text(text.replace(value, flipped))
+    capsys.readouterr()
+    result = fit(workdir, 4)
+    out, err = capsys.readouterr()
+    assert err.splitlines() == [
+        f"jdp: warning: checkpoint {damaged} is unusable: its data item (data/metadata) does not match its checksum "
+        "(damaged bytes); trying the previous one",
+        f"jdp: warning: moved the damaged checkpoint {damaged} to {workdir / 'rejected' / '4'}"]
+    assert f"resumed from {workdir / 'checkpoints' / '2'}" in out
+    assert result.step == 4 and result.losses == finished[1].losses[2:]
+    assert json.loads(metadata.read_text())["fingerprint"][part] == stored  # saved anew
+
+
+def as_before_fingerprints(workdir: Path) -> None:
+    """Every checkpoint's data item as a jdp from before fingerprints wrote it: sealed, without one."""
+    for metadata in (workdir / "checkpoints").glob("*/data/metadata"):
+        item = json.loads(metadata.read_text())
+        metadata.write_text(json.dumps(digest.sealed(
+            {k: v for k, v in item.items() if k not in ("fingerprint", "checksum")})))
+
+
+def test_a_checkpoint_from_before_fingerprints_resumes_unchecked_with_one_warning(finished, tmp_path, capsys):
+    """Without a fingerprint, run.json guards the resume as before; without a usable run.json either, the resume goes
+    on with one warning that it is unchecked, and the checkpoints it saves carry the new run's fingerprint."""
+    workdir = copy_of(finished[0], tmp_path)
+    as_before_fingerprints(workdir)
+    with pytest.raises(jdp.FitError, match=f"{LR}: every update is 2x"):  # run.json: checked, as before
+        fit(workdir, 8, optimizer=sgd(0.2))
+    record = (workdir / "run.json").read_bytes()
+    (workdir / "run.json").write_bytes(os.urandom(64))  # unreadable: refused, as before (nothing to check against)
+    with pytest.raises(jdp.FitError, match=re.escape(f"{workdir / 'run.json'} cannot be read")):
+        fit(workdir, 4)
+    (workdir / "run.json").write_bytes(record)
+    (workdir / "run.json").unlink()
+    capsys.readouterr()
+    assert fit(workdir, 6, optimizer=sgd(0.2)).step == 6
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert warnings == [f"warning: checkpoint {workdir / 'checkpoints' / '4'} carries no fingerprint of its settings "
+                        f"(a jdp from before them saved it) and {workdir / 'run.json'} holds no usable record: the "
+                        "resume is unchecked"]
+    (workdir / "run.json").unlink()
+    with pytest.raises(jdp.FitError) as refused:  # checkpoint 6 carries lr 0.2's fingerprint
+        fit(workdir, 8)
+    assert against_checkpoint(str(refused.value), workdir / "checkpoints" / "6") == {LR}
+
+
+def test_allow_config_change_without_run_json_warns_once_and_saves_the_new_fingerprint(stopped, tmp_path, capsys):
+    """A deliberate change to a checkpoint whose run.json is gone: one warning line, and the checkpoints saved from
+    then on carry the new settings, so the old ones are refused against them."""
+    workdir = copy_of(stopped, tmp_path)
+    (workdir / "run.json").unlink()
+    capsys.readouterr()
+    assert fit(workdir, 8, optimizer=sgd(0.2), allow_config_change=True).step == 8
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
+    assert warnings == [f"warning: resuming {workdir} with other settings (allow_config_change): the settings differ "
+                        f"from those checkpoint {workdir / 'checkpoints' / '4'} was saved under: {LR}: every update "
+                        "is 2x the recorded run's"]
+    (workdir / "run.json").unlink()
+    with pytest.raises(jdp.FitError) as refused:
+        fit(workdir, 8)
+    assert against_checkpoint(str(refused.value), workdir / "checkpoints" / "8") == {LR}
+    assert fit(workdir, 8, optimizer=sgd(0.2)).step == 8  # the new settings are the checkpoint's now
+
+
+# The CLI's guard is fit's, given the config's settings that change the numerics or the data order.
+CLI = ["--config", "digits_mlp", "--config.model.kwargs.hidden_sizes=(16,)", "--config.parallel.num_devices=2",
+       "--config.train.global_batch_size=32", "--config.train.log_every=1", "--config.train.eval_every=0",
+       "--config.checkpoint.every_steps=2"]
+
+
+@pytest.fixture(scope="module")
+def cli_run(tmp_path_factory):
+    """`python -m jdp.train` (in this process) for 4 steps: checkpoints 2 and 4, config.json and run.json."""
+    workdir = tmp_path_factory.mktemp("cli") / "run"
+    assert train_cli.main([*CLI, "--config.train.steps=4", "--workdir", str(workdir)]) == 0
+    return workdir
+
+
+def test_the_cli_refuses_a_changed_lr_with_config_json_and_run_json_deleted(cli_run, tmp_path, capsys):
+    workdir = copy_of(cli_run, tmp_path)
+    (workdir / "config.json").unlink()
+    (workdir / "run.json").unlink()
+    capsys.readouterr()
+    assert train_cli.main([*CLI, "--config.train.steps=4", "--config.optim.lr=0.03", "--workdir", str(workdir)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("jdp: error: "), err
+    assert "--config.checkpoint.allow_config_change=True" in err
+    assert against_checkpoint(err.strip(), workdir / "checkpoints" / "4") == {guard_lib._SETTINGS, LR}
+
+
+def test_a_changed_step_count_on_the_cli_is_one_warning_line(cli_run, tmp_path, capsys):
+    workdir = copy_of(cli_run, tmp_path)
+    capsys.readouterr()
+    assert train_cli.main([*CLI, "--config.train.steps=6", "--workdir", str(workdir)]) == 0
+    out, err = capsys.readouterr()
+    assert [line for line in (out + err).splitlines() if "warning" in line] == [
+        "warning: steps changed from 4 to 6: the run goes on from step 4; a learning-rate schedule built from steps "
+        "changes from here on (it is not compared)"]
+
+
+def test_a_config_setting_fit_cannot_see_is_refused_by_its_key(cli_run, tmp_path, capsys):
+    """Extended to 6 steps under another decay: the optimizer's first update is the same, and a schedule is not
+    compared when steps change, but the config's optim.schedule is guarded: named from run.json, and by the
+    checkpoint's fingerprint of the config's settings once run.json is gone."""
+    workdir = copy_of(cli_run, tmp_path)
+    args = [*CLI, "--config.train.steps=6", "--config.optim.schedule=linear", "--workdir", str(workdir)]
+    capsys.readouterr()
+    assert train_cli.main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and listed(err.strip()) == {"optim.schedule"}, err
+    assert "optim.schedule: 'cosine' -> 'linear'" in err
+    (workdir / "run.json").unlink()
+    assert train_cli.main(args) == 2
+    assert against_checkpoint(capsys.readouterr().err.strip(), workdir / "checkpoints" / "4") == {guard_lib._SETTINGS}
 
 
 # 3. Reopened from Python ----------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ disk-full run."""
 from __future__ import annotations
 
 import errno
+import json
 import os
 import resource
 import signal
@@ -165,13 +166,20 @@ def test_a_read_only_filesystem_is_not_told_to_free_space(tmp_path, capsys, monk
 
 
 def test_a_corrupt_config_json_does_not_suggest_the_config_already_passed(tmp_path, capsys):
-    (tmp_path / "checkpoints" / "4").mkdir(parents=True)  # a run to resume: config.json is its settings
-    (tmp_path / "checkpoints" / "4" / "_CHECKPOINT_METADATA").write_text("{}")
+    """config.json is the CLI's record of its settings, not its guard (jdp.fit's guard checks a resume): a run to
+    resume with a config.json that does not read resumes and writes it anew; a finished run's rerun, which compares
+    its settings with config.json's to say which differ, names the file and a fix other than passing --config."""
+    args = [*TINY, "--config.train.eval_every=0", "--workdir", str(tmp_path)]
+    assert main([*args, "--config.train.steps=2"]) == 0
     (tmp_path / "config.json").write_text("{not json")
-    err = one_line(capsys, 2, main([*TINY, "--workdir", str(tmp_path)]),
+    assert main([*args, "--config.train.steps=3"]) == 0
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["steps"] == 3
+    capsys.readouterr()
+    (tmp_path / "config.json").write_text("{not json")
+    err = one_line(capsys, 2, main([*args, "--config.train.steps=3"]),
                    f"{tmp_path / 'config.json'} is not a readable jdp config",
-                   "a resume is checked against: restore it (config_history.jsonl holds each run segment's config), "
-                   "or move it away to resume unchecked")
+                   "which a finished run's rerun is compared with: restore it (config_history.jsonl holds each run "
+                   "segment's config), or move it away")
     assert "pass --config" not in err
 
 

@@ -25,9 +25,10 @@ import numpy as np
 import pytest
 
 from jdp import digest, workdir_lock
+from jdp import guard as guard_lib
 from jdp import metrics as metrics_lib
+from jdp import record as record_lib
 from jdp.cli import config as config_lib
-from jdp.cli.resume import check_workdir_config
 from jdp.configs import base
 from jdp.metrics import MetricsWriter, read_metrics
 
@@ -188,26 +189,25 @@ def test_tensorboard_holds_each_step_once_after_a_kill_and_resume(tmp_path):
     assert [r["step"] for r in read_metrics(tmp_path) if r["split"] == "train"] == list(range(1, 101))
 
 
-def test_resume_refuses_settings_that_change_the_data_order_or_the_numerics(tmp_path):
+def test_the_settings_a_resume_may_not_change_are_named_by_their_keys():
+    """The config's settings that change the data order or the numerics go to jdp.fit's resume guard
+    (`trainer.run(settings=)`), which names each one that differs; paths, caches and periods are not among them."""
     saved = base.get_config()
-    config_lib.save_config(saved, tmp_path / "config.json")
     changed = base.get_config()
     changed.seed, changed.train.global_batch_size, changed.precision = 1, 64, "bf16"
     changed.data.normalize, changed.train.grad_accum_steps, changed.data.train_split = False, 2, "train[:90%]"
-    with pytest.raises(config_lib.ConfigError) as refused:
-        check_workdir_config(changed, tmp_path, print)
-    assert str(refused.value) == (
-        f"{tmp_path} holds a run with other settings that change the data order or the numerics (data.normalize: "
-        "True -> False; data.train_split: 'train' -> 'train[:90%]'; precision: 'fp32' -> 'bf16'; seed: 0 -> 1; "
-        "train.global_batch_size: 128 -> 64; train.grad_accum_steps: 1 -> 2); use a new --workdir, or pass "
-        "--config.checkpoint.allow_config_change=True")
-    changed.checkpoint.allow_config_change = True
-    check_workdir_config(changed, tmp_path, print)
-    # Paths, caches and periods change nothing the run computes.
+    guarded = config_lib.guarded_settings
+    assert record_lib.listed_changes(guarded(saved), guarded(changed), steps_changed=False) == [
+        "data.normalize: True -> False", "data.train_split: 'train' -> 'train[:90%]'", "precision: 'fp32' -> 'bf16'",
+        "seed: 0 -> 1", "train.global_batch_size: 128 -> 64", "train.grad_accum_steps: 1 -> 2"]
+    assert str(guard_lib.refusal(Path("/w"), ["seed: 0 -> 1"])) == (
+        "/w holds a run with other settings that change the numerics or the data order (seed: 0 -> 1); use a new "
+        "workdir, or pass allow_config_change=True (--config.checkpoint.allow_config_change=True)")
+    # Paths, caches, periods and the way out of a refusal change nothing the run computes.
     moved = base.get_config()
     moved.data.data_dir, moved.data.cache_decoded_mb, moved.compile_cache_dir = "/elsewhere", 0, ""
-    moved.train.log_every, moved.checkpoint.every_steps = 7, 5
-    check_workdir_config(moved, tmp_path, print)
+    moved.train.log_every, moved.checkpoint.every_steps, moved.checkpoint.allow_config_change = 7, 5, True
+    assert guarded(moved) == guarded(saved)
 
 
 def test_digests_name_the_damaged_leaf_and_a_changed_layout():

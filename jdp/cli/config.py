@@ -16,7 +16,7 @@ from typing import Any
 import ml_collections
 
 from jdp import configs, errors, loggers
-from jdp.distributed import check_bind_address, differences, flatten
+from jdp.distributed import check_bind_address, flatten
 from jdp.environment import MAX_CPU_DEVICES
 from jdp.errors import UsageError, one_line
 from jdp.files import write_atomic
@@ -413,14 +413,15 @@ def load_saved_config(path: Path, fix: str = "move it away, or pass --config") -
     return cfg
 
 
-def state_changes(old: ml_collections.ConfigDict, new: ml_collections.ConfigDict) -> list[str]:
-    """`key: old -> new` for each setting that changes the data order or the numerics (STATE_DEFINING, and the sync
-    strategy's flags)."""
+def guarded_settings(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
+    """{dotted key: value} of each setting that changes the data order or the numerics (STATE_DEFINING, and the sync
+    strategy's flags): what `jdp.fit`'s resume guard compares beside its own record (`trainer.run(settings=)`), so
+    that a resume that changes one is refused naming it."""
     from jdp.sync.flags import FLAGS
 
     guarded = (*STATE_DEFINING, *(f"parallel.{flag}" for flag in FLAGS))
-    return [f"{k}: {before!r} -> {after!r}" for k, before, after in differences(old.to_dict(), new.to_dict())
-            if any(k == key or (key.endswith(".") and k.startswith(key)) for key in guarded)]
+    return {k: v for k, v in sorted(flatten(cfg.to_dict()).items())
+            if any(k == key or (key.endswith(".") and k.startswith(key)) for key in guarded)}
 
 
 def logger_names(spec: str) -> list[str]:

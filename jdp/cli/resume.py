@@ -1,5 +1,6 @@
-"""What a workdir holds: refusing a config that no longer fits it, restoring its latest checkpoint for
-evaluation or export, and starting a new run from an exported parameter file (`init_from`)."""
+"""What a workdir holds: its config record (config.json, config_history.jsonl), restoring its latest checkpoint for
+evaluation or export, and starting a new run from an exported parameter file (`init_from`). A resume is checked by
+`jdp.fit`'s guard (`jdp.guard`), given the config's settings that change the numerics or the data order."""
 
 from __future__ import annotations
 
@@ -34,32 +35,14 @@ def initialised_from(path: str, model: nnx.Module) -> nnx.Module:
     return model
 
 
-# A run given --config that meets a config.json it cannot read: passing --config again does not help.
-SAVED_CONFIG_FIX = ("it records the settings of the run this workdir holds, which a resume is checked against: "
-                    "restore it (config_history.jsonl holds each run segment's config), or move it away to resume "
-                    "unchecked")
+# A finished run given --config that meets a config.json it cannot read: passing --config again does not help.
+SAVED_CONFIG_FIX = ("it records the settings of the run this workdir holds, which a finished run's rerun is compared "
+                    "with: restore it (config_history.jsonl holds each run segment's config), or move it away")
 
 
 def committed_steps(workdir: Path) -> list[int]:
     """The steps of WORKDIR/checkpoints that orbax committed (renamed from their temporary names), ascending."""
     return sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
-
-
-def check_workdir_config(cfg: ml_collections.ConfigDict, workdir: Path, echo) -> None:
-    """Refuses to resume `workdir` with settings that change the data order or the numerics (ConfigError),
-    unless checkpoint.allow_config_change is set."""
-    saved = workdir / "config.json"
-    if not saved.exists():
-        return
-    old = config_lib.load_saved_config(saved, fix=SAVED_CONFIG_FIX)
-    changes = config_lib.state_changes(old, cfg)
-    if changes and not cfg.checkpoint.allow_config_change:
-        raise config_lib.ConfigError(
-            f"{workdir} holds a run with other settings that change the data order or the numerics "
-            f"({'; '.join(changes)}); use a new --workdir, or pass --config.checkpoint.allow_config_change=True")
-    if cfg.train.steps != old.train.steps:
-        echo(f"warning: train.steps changed from {old.train.steps} to {cfg.train.steps}: the learning-rate "
-             "schedule changes from here on")
 
 
 def record_config(cfg: ml_collections.ConfigDict, workdir: Path) -> None:

@@ -21,7 +21,6 @@ from jdp.checkpoint import CheckpointError
 from jdp.cli import config as config_lib
 from jdp.cli.build import build, build_task  # noqa: F401 - build is part of jdp.train's API
 from jdp.cli.resume import (
-    check_workdir_config,
     committed_steps,
     initialised_from,
     record_config,
@@ -45,20 +44,16 @@ EXIT_PREEMPTED = preemption.EXIT_PREEMPTED
 def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
     """Trains `cfg` into `workdir` with `jdp.fit`, resuming from its latest checkpoint if there is one.
 
-    Raises ConfigError before compiling anything if the config is bad. A run with nothing left to train writes
-    nothing to its workdir but a final eval or summary line it lacks."""
+    Raises ConfigError before compiling anything if the config is bad. A resume is checked by `jdp.fit`'s guard,
+    which compares the config's settings that change the numerics or the data order too. A run with nothing left
+    to train writes nothing to its workdir but a final eval or summary line it lacks."""
     workdir = Path(workdir)
     storage.check_writable(workdir)
     task = build_task(cfg, workdir)
-    timeout_s = cfg.distributed.init_timeout_s
     echo = print if jax.process_index() == 0 else lambda *_: None
     model = task.make_model
     if cfg.init_from and not committed_steps(workdir):  # read before fit makes the workdir: a bad file
         model = initialised_from(cfg.init_from, task.make_model())  # leaves nothing behind
-
-    def on_resume() -> None:  # under the workdir's lock, before the restore
-        check_workdir_config(cfg, workdir, echo)
-        distributed_lib.barrier("config checked", timeout_s)  # every process has read config.json: rewrite it
 
     def on_start(start: int) -> None:
         if start >= cfg.train.steps:  # a rerun of a finished run records nothing
@@ -71,8 +66,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
     result = trainer.run(model, task.loss_fn, task.source, optimizer=task.optimizer, steps=task.steps,
                          global_batch_size=task.global_batch_size,
                          options=dataclasses.replace(task.options, workdir=workdir, callbacks=(
-                             *task.options.callbacks, *config_lib.make_loggers(cfg.metrics))), on_resume=on_resume,
-                         on_start=on_start)
+                             *task.options.callbacks, *config_lib.make_loggers(cfg.metrics))), on_start=on_start,
+                         settings=config_lib.guarded_settings(cfg))
     vocab = getattr(task.source, "vocabulary", None)
     if cfg.sample.tokens and vocab is not None and jax.process_index() == 0:
         _print_sample(cfg, task.make_model(), result, vocab)

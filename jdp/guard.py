@@ -1,0 +1,143 @@
+"""The resume guard of `jdp.fit` (and so of `python -m jdp.train`): a resumed run is refused (FitError, one line)
+when its settings differ, where they change the numerics or the data order, from those of the run its workdir
+holds, unless `allow_config_change`.
+
+Two records say what those were. WORKDIR/run.json (`jdp.record`) names each differing setting. The checkpoint
+itself carries a fingerprint of the same settings in its data item, under the item's checksum, so a checkpoint
+cannot be resumed under other settings whatever happened to run.json (deleted, emptied, of another format), and
+damage to the fingerprint is damage to the checkpoint. The fingerprint is a hash of every guarded part compared
+exactly (the model, its shapes, the loss, the data, the global batch, the sync strategy's record, the guarded
+options; the caller's settings, hashed apart, since they are compared only where both runs have them), beside
+the optimizer's probe (`jdp.record.describe_optimizer`: a few dozen numbers, compared to a relative tolerance
+like run.json's, never hashed, so that a run resumes on another machine or XLA version) and the steps the run was
+given. A checkpoint saved before fingerprints resumes as before: checked against run.json, or, with no usable
+record, unchecked with a warning.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+
+from jdp import distributed as distributed_lib
+from jdp import record as record_lib
+from jdp.errors import FitError
+
+VERSION = 1  # of the fingerprint: one of another version is not compared
+RESULTS_TIMEOUT_S = 120.0  # process 0 reads run.json and compares; the others wait for its answer
+_FIT_PARTS = "model, loss, data, global batch, sync strategy or guarded options" + record_lib.BY_HASH
+_SETTINGS = "the config's guarded keys" + record_lib.BY_HASH  # trainer.run's `settings` (the CLI's)
+
+
+def fingerprint(fit_record: dict[str, Any]) -> dict[str, Any]:
+    """What a checkpoint carries of the settings its run was saved under (JSON)."""
+    guarded = record_lib.guarded(fit_record, with_settings=False)
+    settings = fit_record.get("settings")
+    return {"version": VERSION, "steps": fit_record["steps"],
+            "fit": record_lib.hashed({k: v for k, v in guarded.items() if k not in (record_lib.FIRST,
+                                                                                       record_lib.LATER)}),
+            "settings": record_lib.hashed(settings) if settings else None,
+            "optimizer": guarded[record_lib.FIRST], "schedule": guarded[record_lib.LATER]}
+
+
+def fingerprint_changes(saved: Any, new: dict[str, Any]) -> list[str] | None:
+    """What differs between a checkpoint's fingerprint and this run's (the optimizer's probe as `jdp.record.changes`
+    names it, the hashes by name); None for a fingerprint this jdp cannot compare (none, or another version)."""
+    if not isinstance(saved, dict) or saved.get("version") != VERSION:
+        return None
+
+    def parts(fp: dict[str, Any], settings: bool) -> dict[str, Any]:
+        return {**({_SETTINGS: fp["settings"]} if settings else {}), _FIT_PARTS: fp["fit"],
+                record_lib.FIRST: fp["optimizer"], record_lib.LATER: fp["schedule"]}
+
+    both = bool(saved.get("settings")) and bool(new["settings"])
+    return record_lib.listed_changes(parts(saved, both), parts(new, both), saved.get("steps") != new["steps"])
+
+
+def refusal(workdir: Path, listed: list[str]) -> FitError:
+    return FitError(f"{workdir} holds a run with other settings that change the numerics or the data order "
+                    f"({'; '.join(listed)}); use a new workdir, or pass allow_config_change=True "
+                    "(--config.checkpoint.allow_config_change=True)")
+
+
+class Guard:
+    """One resume's check, in two parts: `check_record` before the restore (run.json), `check_checkpoint` on each
+    checkpoint the restore reads (its fingerprint), then `restored(step)`, which says what is left to say and
+    returns the steps the workdir's run was given. Every process calls each together; process 0 reads and compares,
+    and every process gets its answer."""
+
+    def __init__(self, fit_record: dict[str, Any], workdir: Path, allow_change: bool,
+                 echo: Callable[[str], None]) -> None:
+        self.fit_record, self.workdir, self.allow_change, self.echo = fit_record, workdir, allow_change, echo
+        self.fingerprint = fingerprint(fit_record)
+        self.record_steps: int | None = None  # run.json's steps, where it holds a usable record
+        self.unreadable: str | None = None  # why run.json cannot be read
+        self.warned = False  # a change allowed has been said
+        self._after: dict[int, dict[str, Any]] = {}  # step -> what `_compare` found of its checkpoint
+
+    def check_record(self) -> None:
+        """Refuses a resume whose settings differ from run.json's (each differing setting named)."""
+        found: tuple[list[str], int | None, str | None] = ([], None, None)
+        if jax.process_index() == 0:
+            try:
+                old = record_lib.read(self.workdir)
+            except FitError as e:  # decided by the checkpoint's fingerprint; without one, refused (below)
+                found = ([], None, str(e))
+            else:
+                if old is not None:
+                    found = (record_lib.changes(old, self.fit_record), old["steps"], None)
+        changed, self.record_steps, self.unreadable = json.loads(
+            distributed_lib.broadcast("record checked", json.dumps(found), RESULTS_TIMEOUT_S))
+        if changed and not self.allow_change:
+            raise refusal(self.workdir, changed)
+        if changed:
+            self._allowed(changed)
+
+    def check_checkpoint(self, step: int, data: dict[str, Any]) -> None:
+        """Refuses to resume checkpoint `step` (its data item `data`, intact) under other settings than its
+        fingerprint's; without a fingerprint, under a run.json that cannot be read."""
+        answer: dict[str, Any] = {}
+        if jax.process_index() == 0:
+            answer = self._compare(step, data.get("fingerprint"))
+        answer = json.loads(distributed_lib.broadcast("checkpoint settings checked", json.dumps(answer),
+                                                      RESULTS_TIMEOUT_S))
+        if answer.get("refuse"):
+            raise FitError(answer["refuse"])
+        self._after[step] = answer
+
+    def _compare(self, step: int, saved: Any) -> dict[str, Any]:
+        where = self.workdir / "checkpoints" / str(step)
+        changed = fingerprint_changes(saved, self.fingerprint)
+        if changed is None:
+            if self.unreadable:  # nothing left to check the resume against
+                return {"refuse": self.unreadable}
+            if self.record_steps is None:
+                what = ("no fingerprint of its settings (a jdp from before them saved it)" if saved is None else
+                        f"a fingerprint of its settings of another version ({saved.get('version')!r}) than this "
+                        f"jdp's ({VERSION})" if isinstance(saved, dict) else "no fingerprint this jdp reads")
+                return {"warn": f"checkpoint {where} carries {what} and {self.workdir / record_lib.RECORD_FILE} "
+                                "holds no usable record: the resume is unchecked"}
+            return {}
+        differ = [f"the settings differ from those checkpoint {where} was saved under: {'; '.join(changed)}"]
+        if changed and not self.allow_change:
+            return {"refuse": str(refusal(self.workdir, differ))}
+        return {"steps": saved.get("steps"), "allowed": differ if changed else None}
+
+    def restored(self, step: int) -> int:
+        """After the restore of checkpoint `step`: its warning, if any; the steps the workdir's run was given."""
+        found = self._after.get(step, {})
+        if found.get("warn"):
+            self.echo(f"warning: {found['warn']}")
+        if found.get("allowed"):
+            self._allowed(found["allowed"])
+        return self.record_steps or found.get("steps") or self.fit_record["steps"]
+
+    def _allowed(self, changed: list[str]) -> None:
+        if not self.warned:  # run.json and the checkpoint name one change: one line
+            self.echo(f"warning: resuming {self.workdir} with other settings (allow_config_change): "
+                      f"{'; '.join(changed)}")
+            self.warned = True
