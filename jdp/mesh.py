@@ -15,7 +15,7 @@ from jdp.environment import MAX_CPU_DEVICES
 from jdp.errors import UsageError
 
 DATA_AXIS = "data"
-# Hybrid sharding's outer axis (`jdp.sync.HybridShard`): its mesh is groups x `data`, a group's devices consecutive
+# Hybrid sharding's outer axis (`jdp.sync.hybrid`): its mesh is groups x `data`, a group's devices consecutive
 # along `data` (the axis its state is split on), the groups along this one (across which it is replicated).
 GROUPS_AXIS = "groups"
 
