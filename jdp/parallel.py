@@ -1,8 +1,10 @@
 """Runs the one step of `jdp.step` under the chosen backend: shard_map, pmap or jit.
 
 shard_map and pmap call the step once per device with `axis_name="data"`, so the explicit
-`lax.pmean` in the step is the all-reduce. jit calls it once on the global batch with
-`axis_name=None`, and XLA partitions it and inserts the all-reduce itself.
+`lax.pmean` in the step is the all-reduce. On a strategy's mesh of more axes (hybrid sharding's groups x `data`,
+`Sync.mesh_shape`; shard_map only) the axis name is the tuple of them, and the batch is split over all of them.
+jit calls it once on the global batch with `axis_name=None`, and XLA partitions it and inserts the all-reduce
+itself.
 
 Outside the step, the state is always "logical": every leaf at its own shape, the same for every backend and
 device count (what checkpoints hold), laid out as the sync strategy declares each leaf (`jdp.sync.base`): one
