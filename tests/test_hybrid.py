@@ -23,7 +23,7 @@ from jdp.errors import FitError
 from jdp.mesh import DATA_AXIS, GROUPS_AXIS
 from jdp.sync.base import padded, shard_axis
 from jdp.trainer import FitOptions, prepare
-from tests.helpers import max_abs_diff
+from tests.helpers import max_abs_diff, records, train_losses
 from tests.test_fit import CASES, Regressor, _fit, mse, regression_data
 from tests.test_zero3 import OPTIMIZERS, _assert_same, reference
 
@@ -47,12 +47,14 @@ def test_2_groups_of_4_devices_train_as_one_device(stage, optimizer):
     assert result.eval_metrics == pytest.approx(expected.eval_metrics, rel=1e-5)
 
 
-def test_batchnorm_and_dropout_span_every_device_as_on_the_flat_mesh():
-    """Synced BatchNorm averages over both axes (2 x 4 == 1 device), and the device index folded into dropout's
-    keys is the 1-D mesh's (2 x 4 == plain data parallelism on the same 8 devices)."""
+def test_batchnorm_accumulation_and_dropout_span_every_device_as_on_the_flat_mesh():
+    """Synced BatchNorm averages over both axes, with two micro-batches a step each gathering and reduce-scattering
+    in the group (2 x 4 == 1 device), and the device index folded into dropout's keys is the 1-D mesh's (2 x 4 ==
+    plain data parallelism on the same 8 devices)."""
     model_cls, loss, data = CASES["batchnorm"]
-    _assert_same(_fit(model_cls, loss, data, num_devices=8, sync=HYBRID),
-                 _fit(model_cls, loss, data, backend="jit", num_devices=1))
+    accumulated = dict(grad_accum_steps=2, global_batch_size=64)
+    _assert_same(_fit(model_cls, loss, data, num_devices=8, sync=HYBRID, **accumulated),
+                 _fit(model_cls, loss, data, backend="jit", num_devices=1, **accumulated))
     dropout = functools.partial(Regressor, dropout=0.3)
     result = _fit(dropout, mse, regression_data(), num_devices=8, sync=HYBRID)
     expected = _fit(dropout, mse, regression_data(), num_devices=8)
@@ -92,8 +94,6 @@ def test_the_bytes_across_groups_are_one_kth_of_the_gradient_plus_the_sums(stage
 
 
 def test_the_train_lines_and_summary_carry_the_cross_group_bytes(tmp_path):
-    from tests.helpers import records
-
     _fit(Regressor, mse, regression_data(), num_devices=8, sync=HYBRID, steps=2, workdir=tmp_path)
     (summary,) = records(tmp_path, "summary")
     train = records(tmp_path, "train")
@@ -172,7 +172,6 @@ def test_two_processes_of_two_devices_a_group_each_train_as_one_process_of_four(
     """`HybridShard()` with no group size: a group is one process's devices (2), the mesh 2 x 2 across the two
     processes; the run equals plain data parallelism on 1 process x 4 devices, and its summary reports what
     crossed between the processes."""
-    from tests.helpers import records, train_losses
     from tests.test_distributed import ARGS, TRAIN, run
 
     one, two = tmp_path / "one", tmp_path / "two"
