@@ -81,7 +81,7 @@ class HybridShard(ZeRO3):
             k = jax.local_device_count()
         if num_devices % k:
             raise FitError(f"{self!r}: a group of {k} devices does not divide the {num_devices} devices; give a "
-                           f"group_size that divides {num_devices}")
+                           f"group size (group_size, parallel.shard_group) that divides {num_devices}")
         return k
 
     def mesh_shape(self, num_devices: int) -> dict[str, int]:
