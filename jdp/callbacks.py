@@ -151,6 +151,8 @@ class TrainLog(Callback):
                 line["tokens_per_sec"] = line["examples_per_sec"] * run.tokens_per_example
             line["skipped_steps"] = int(metrics["skipped_steps"])
             line["comm_bytes_per_step"] = run.parallel.comm_bytes_per_step
+            if run.parallel.comm_cross_group_bytes_per_step is not None:  # a hybrid mesh: what crosses its groups
+                line["comm_cross_group_bytes_per_step"] = run.parallel.comm_cross_group_bytes_per_step
             if self.precision == "fp16":  # loss-scale overflows skip an update but are not failures
                 line.update(loss_scale=metrics["loss_scale"], overflow_steps=int(metrics["overflow_steps"]))
             run.writer.train(step, line)

@@ -278,6 +278,12 @@ def _header(run: callbacks_lib.Run, engine: Engine, options: FitOptions) -> None
         run.writer.echo(f"warning: {slower}")
 
 
+def _cross_group(run: callbacks_lib.Run) -> dict[str, float]:
+    """The bytes of the step's collectives across a hybrid mesh's groups ({} on the 1-D mesh)."""
+    sent = run.parallel.comm_cross_group_bytes_per_step
+    return {} if sent is None else {"comm_cross_group_bytes_per_step": sent}
+
+
 def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: callbacks_lib.Evaluation,
              checkpoints: callbacks_lib.Checkpoints | None, total_time_s: float) -> None:
     stall = checkpoints.mean_stall() if checkpoints else 0.0
@@ -289,7 +295,7 @@ def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: ca
     run.writer.summary(**{f"eval_{k}": v for k, v in evaluation.metrics.items()}, examples_per_sec=rate, **tokens,
                        compile_time_s=log.compile_time, total_time_s=total_time_s, checkpoint_stall_s=stall,
                        final_checkpoint_s=final_save,
-                       comm_bytes_per_step=run.parallel.comm_bytes_per_step,
+                       comm_bytes_per_step=run.parallel.comm_bytes_per_step, **_cross_group(run),
                        first_step_end_unix=log.first_step_end, **memory.summary_fields(run.parallel.memory or {}),
                        **noise)
     evaluated = "  ".join(f"eval {k} {v:.4f}" for k, v in evaluation.metrics.items())
@@ -299,6 +305,7 @@ def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: ca
     per_sec = f"{rate:,.0f} examples/s" + (f" ({tokens['tokens_per_sec']:,.0f} tokens/s)" if tokens else "")
     sent = run.parallel.comm_bytes_per_step
     per_sec += f", comm_bytes_per_step {sent:,.0f}" if sent is not None else ""
+    per_sec += "".join(f" ({v:,.0f} across groups)" for v in _cross_group(run).values())
     run.writer.echo(f"done: {evaluated + ', ' if evaluated else ''}{per_sec}, first step (compile) "
                     f"{log.compile_time:.1f}s, checkpoint stall {stall * 1e3:.0f} ms/save, final save "
                     f"{final_save:.2f}s{where}")

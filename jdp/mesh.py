@@ -1,4 +1,5 @@
-"""Devices -> a 1-D mesh over the `data` axis, its shardings, and host batches -> global arrays."""
+"""Devices -> the mesh (the 1-D `data` mesh, or a sync strategy's groups x `data`), its shardings, and host batches
+-> global arrays."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ from jdp.environment import MAX_CPU_DEVICES
 from jdp.errors import UsageError
 
 DATA_AXIS = "data"
+# Hybrid sharding's outer axis (`jdp.sync.hybrid`): its mesh is groups x `data`, a group's devices consecutive
+# along `data` (the axis its state is split on), the groups along this one (across which it is replicated).
+GROUPS_AXIS = "groups"
 
 
 ONE_THREAD_PER_DEVICE = "--xla_cpu_multi_thread_eigen=false"
@@ -48,9 +52,26 @@ def mesh_devices(num_devices: int = 0) -> list[jax.Device]:
     return devices[:num_devices] if num_devices else devices
 
 
-def make_mesh(num_devices: int = 0) -> Mesh:
-    """The 1-D `data` mesh over `mesh_devices(num_devices)`."""
-    return Mesh(np.array(mesh_devices(num_devices)), (DATA_AXIS,), axis_types=(AxisType.Auto,))
+def make_mesh(num_devices: int = 0, shape: dict[str, int] | None = None) -> Mesh:
+    """The 1-D `data` mesh over `mesh_devices(num_devices)`, or with `shape` (axis name -> size, in order, the
+    sizes' product the device count: a sync strategy's `mesh_shape`) the same devices in the same order, reshaped:
+    flattened row-major, the mesh is the 1-D one's device order."""
+    devices = np.array(mesh_devices(num_devices))
+    if shape is None or tuple(shape) == (DATA_AXIS,):
+        return Mesh(devices, (DATA_AXIS,), axis_types=(AxisType.Auto,))
+    return Mesh(devices.reshape(tuple(shape.values())), tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
+
+
+def device_axes(mesh: Mesh) -> str | tuple[str, ...]:
+    """The axis name of all the mesh's devices, as the step's collectives and the batch's split take it: `data` on
+    the 1-D mesh, the tuple of every axis otherwise (its index over the tuple is the 1-D mesh's device index)."""
+    return DATA_AXIS if mesh.axis_names == (DATA_AXIS,) else tuple(mesh.axis_names)
+
+
+def shard_count(mesh: Mesh) -> int:
+    """The devices a sharded leaf of the train state is split over, along `data`: all of them on the 1-D mesh, one
+    group's on a hybrid one."""
+    return mesh.shape[DATA_AXIS]
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
@@ -58,8 +79,9 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def data_sharded(mesh: Mesh) -> NamedSharding:
-    """Leading axis split across devices: step 1 of data parallelism."""
-    return NamedSharding(mesh, P(DATA_AXIS))
+    """Leading axis split across devices: step 1 of data parallelism (on a hybrid mesh, over all its axes, in the
+    1-D mesh's device order)."""
+    return NamedSharding(mesh, P(device_axes(mesh)))
 
 
 def to_numpy(x: jax.Array | np.ndarray) -> np.ndarray:

@@ -1,8 +1,10 @@
 """Runs the one step of `jdp.step` under the chosen backend: shard_map, pmap or jit.
 
 shard_map and pmap call the step once per device with `axis_name="data"`, so the explicit
-`lax.pmean` in the step is the all-reduce. jit calls it once on the global batch with
-`axis_name=None`, and XLA partitions it and inserts the all-reduce itself.
+`lax.pmean` in the step is the all-reduce. On a strategy's mesh of more axes (hybrid sharding's groups x `data`,
+`Sync.mesh_shape`; shard_map only) the axis name is the tuple of them, and the batch is split over all of them.
+jit calls it once on the global batch with `axis_name=None`, and XLA partitions it and inserts the all-reduce
+itself.
 
 Outside the step, the state is always "logical": every leaf at its own shape, the same for every backend and
 device count (what checkpoints hold), laid out as the sync strategy declares each leaf (`jdp.sync.base`): one
@@ -28,7 +30,7 @@ from jax.sharding import PartitionSpec as P
 from jdp import hlo
 from jdp import memory as memory_lib
 from jdp import step as step_lib
-from jdp.mesh import DATA_AXIS, data_sharded, replicated, split_whole, to_numpy
+from jdp.mesh import DATA_AXIS, data_sharded, device_axes, replicated, shard_count, split_whole, to_numpy
 from jdp.modeldef import LossFn, ModelDef
 from jdp.split import batch_sharding, shard_batch
 from jdp.sync import Sync
@@ -56,7 +58,10 @@ def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callab
     `data`) reaches the step without its device axis of one, as under pmap.
 
     check_vma=False: with it on, the gradient of a replicated parameter is already summed over devices,
-    and the classic pmean of the step would leave it N times too large."""
+    and the classic pmean of the step would leave it N times too large. On a mesh of several axes (hybrid sharding)
+    the step's axis name is their tuple, and the batch is split over all of them."""
+    axes = device_axes(mesh)
+
     def each_device(fn: Callable) -> Callable:
         def step(state: Tree, batch: Tree) -> tuple[Tree, Tree]:
             state = jax.tree.map(lambda x, p: x[0] if p else x, state, per_device)
@@ -65,13 +70,13 @@ def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callab
         return step
 
     def on_each_device(fn: Callable, out_specs: object) -> Callable:
-        return jax.shard_map(fn, mesh=mesh, in_specs=(state_specs, P(DATA_AXIS)), out_specs=out_specs,
+        return jax.shard_map(fn, mesh=mesh, in_specs=(state_specs, P(axes)), out_specs=out_specs,
                              check_vma=False)
 
     batch_in = (None, batch_sharding(mesh))  # host rows are split as the step is called (`jdp.split`)
-    return (jax.jit(on_each_device(each_device(step_for(DATA_AXIS)), (state_specs, P())), in_shardings=batch_in,
+    return (jax.jit(on_each_device(each_device(step_for(axes)), (state_specs, P())), in_shardings=batch_in,
                     donate_argnums=0),
-            jax.jit(on_each_device(eval_for(DATA_AXIS), P()), in_shardings=batch_in))
+            jax.jit(on_each_device(eval_for(axes), P()), in_shardings=batch_in))
 
 
 def _pmap(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
@@ -106,8 +111,13 @@ class DataParallel:
         self._eval_derived = eval_derived
         options = options or step_lib.StepOptions()
         self.comm_bytes_per_step: float | None = None  # read from the compiled step by `read_collectives`
+        # Of those, the bytes of collectives that cross the mesh's groups (a hybrid mesh's; None on the 1-D mesh).
+        self.comm_cross_group_bytes_per_step: float | None = None
         self.compiled_warning: str | None = None  # the strategy's word on the compiled program (`Sync`)
-        self._state_specs = sync.state_specs(abstract_state, mesh.size)
+        if device_axes(mesh) != DATA_AXIS and backend != "shard_map":
+            raise ValueError(f"a mesh of axes {mesh.axis_names} needs shard_map, not {backend}")
+        shards = shard_count(mesh)  # the devices a sharded leaf is split over: all, or one group's
+        self._state_specs = sync.state_specs(abstract_state, shards)
         self._layouts = layouts = sync.layouts(abstract_state)
         self.per_device = jax.tree.map(lambda layout: layout == PER_DEVICE, layouts)
         if backend == "jit" and any(jax.tree.leaves(self.per_device)):
@@ -120,12 +130,12 @@ class DataParallel:
         def logical(layout: str, x: Any, axis: int | None) -> NamedSharding:
             if layout != SHARDED:
                 return {REPLICATED: replicated(mesh), PER_DEVICE: data_sharded(mesh)}[layout]
-            if axis is not None and x.shape[axis] % mesh.size == 0:
+            if axis is not None and x.shape[axis] % shards == 0:
                 return NamedSharding(mesh, spec_on(axis, x.ndim))
             return split_whole(mesh, x.shape)
 
         self.logical_shardings = jax.tree.map(logical, layouts, abstract_state,
-                                              sync.shard_axes(abstract_state, mesh.size))
+                                              sync.shard_axes(abstract_state, shards))
         self._relayout = any(spec != P() for spec in jax.tree.leaves(self._state_specs))  # else the layout is logical
         split = data_sharded(mesh)
 
@@ -149,14 +159,15 @@ class DataParallel:
                                                      self.per_device), out_shardings=split)
         self._unstack = jax.jit(lambda t: jax.tree.map(lambda x, p: x if p else x[0], t, self.per_device),
                                 out_shardings=self.logical_shardings)
-        self._to_step_layout = jax.jit(lambda t: sync.to_step_layout(t, n),
+        self._to_step_layout = jax.jit(lambda t: sync.to_step_layout(t, shards),
                                        out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec),
                                                                   self._state_specs))
         self._to_logical = jax.jit(lambda t: sync.to_logical(t, abstract_state), out_shardings=self.logical_shardings)
         # Each device checksums the bits of its own copy; pmax != pmin flags a leaf that differs.
         state_spec = P(DATA_AXIS) if backend == "pmap" else P()
-        self._differing_leaves = jax.jit(jax.shard_map(
-            _differing_leaves, mesh=mesh, in_specs=(state_spec,), out_specs=P(), check_vma=False))
+        self._differing_leaves = jax.jit(jax.shard_map(partial(_differing_leaves, axis_name=device_axes(mesh)),
+                                                       mesh=mesh, in_specs=(state_spec,), out_specs=P(),
+                                                       check_vma=False))
 
     def _packed(self, step: Callable) -> Callable:
         """The step with its scalar metrics as one float32 vector: the host fetches a step's metrics in one
@@ -262,7 +273,11 @@ class DataParallel:
         return self.comm_bytes_per_step
 
     def _read_collectives(self, text: str) -> None:
-        self.comm_bytes_per_step = hlo.collective_bytes(text, self.mesh.size, self.sync.every)
+        if device_axes(self.mesh) == DATA_AXIS:
+            self.comm_bytes_per_step = hlo.collective_bytes(text, self.mesh.size, self.sync.every)
+        else:  # a hybrid mesh: a group is `shard_count` consecutive devices along `data`
+            sent = hlo.collectives(text, self.mesh.size, self.sync.every, group_size=shard_count(self.mesh))
+            self.comm_bytes_per_step, self.comm_cross_group_bytes_per_step = sent.total, sent.cross_group
         self.compiled_warning = self.sync.compiled_warning(text, self.mesh.size)
 
     def to_host(self, tree: Tree) -> Tree:
@@ -298,11 +313,11 @@ class DataParallel:
         return next((path for path, d in zip(paths, differs, strict=True) if d), None)
 
 
-def _differing_leaves(tree: Tree) -> jax.Array:
+def _differing_leaves(tree: Tree, axis_name: str | tuple[str, ...] = DATA_AXIS) -> jax.Array:
     sums = []
     for x in jax.tree.leaves(tree):
         x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x  # bitcast takes no booleans
         bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}")).astype(jnp.uint32)
         sums.append(jnp.sum(bits * (jnp.arange(bits.size, dtype=jnp.uint32).reshape(bits.shape) + 1)))
     sums = jnp.stack(sums)
-    return jax.lax.pmax(sums, DATA_AXIS) != jax.lax.pmin(sums, DATA_AXIS)
+    return jax.lax.pmax(sums, axis_name) != jax.lax.pmin(sums, axis_name)

@@ -49,7 +49,8 @@ class StepOptions:
     from them, the backend and the mesh. Every field has the plain data-parallel default."""
 
     fit: FitOptions = FitOptions()
-    axis_name: str | None = None  # "data" under shard_map/pmap, None under jit
+    # "data" under shard_map/pmap (a hybrid mesh's tuple of axes, ("groups", "data")), None under jit
+    axis_name: str | tuple[str, ...] | None = None
     mesh: Any = None  # under jit, the devices (for the sharding constraints of a sync strategy's layer view)
     bn_groups: int = 1  # jit with per-device BatchNorm: normalise the global batch in this many groups of rows
     # jit with grad_accum_steps > 1: the device count. The micro-batch loop then runs one lane per device

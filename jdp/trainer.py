@@ -27,7 +27,7 @@ from jdp import sync as sync_lib
 from jdp.data.batching import Batcher, Source, optional
 from jdp.errors import FitError, UsageError, one_line
 from jdp.loop import Engine
-from jdp.mesh import DATA_AXIS, make_mesh
+from jdp.mesh import DATA_AXIS, device_axes, make_mesh, mesh_devices
 from jdp.modeldef import LossFn, ModelDef
 from jdp.options import FitOptions
 from jdp.parallel import DataParallel
@@ -103,8 +103,9 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     """The compiled steps, the data and the state factory of a run; raises FitError on bad input."""
     o = options or FitOptions()
     _check_model_and_optimizer(model, optimizer)
-    try:
-        mesh = make_mesh(o.num_devices)
+    sync, what = sync_lib.strategy(o)
+    try:  # the strategy lays out the mesh: the 1-D `data` mesh, or hybrid sharding's groups x `data`
+        mesh = make_mesh(o.num_devices, sync.mesh_shape(len(mesh_devices(o.num_devices))))
     except UsageError as e:
         raise FitError(str(e)) from None
     n = mesh.size
@@ -121,16 +122,15 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     if o.eval_batch_size > largest:
         raise FitError(f"eval_batch_size={o.eval_batch_size} is larger than the eval data needs ({source.num_eval} "
                        f"examples on {n} device(s)); use at most {largest}, or 0 (= global_batch_size)")
-    # Synced BatchNorm reduces over the devices' `data` axis; jit without accumulation sees the global batch
-    # whole, jit with it runs one lane per device on that axis (jdp.step's `accum_lanes`).
-    bn_axis = DATA_AXIS if o.bn_sync and (o.backend != "jit" or o.grad_accum_steps > 1) else None
+    # Synced BatchNorm reduces over the devices' `data` axis (a hybrid mesh's every axis); jit without accumulation
+    # sees the global batch whole, jit with it runs one lane per device on that axis (jdp.step's `accum_lanes`).
+    bn_axis = device_axes(mesh) if o.bn_sync and (o.backend != "jit" or o.grad_accum_steps > 1) else None
     make = model if callable(model) and not isinstance(model, nnx.Module) else None
     module = _abstract_model(make) if make else model
     try:
         model_def = ModelDef.of(module, bn_axis, o.seed)
     except ValueError as e:
         raise FitError(str(e)) from None
-    sync, what = sync_lib.strategy(o)
     sync = sync.bind(module, o.seed)
     # A module's state goes in as host copies (an argument, not constants baked into the program); the
     # devices' replicated buffers then never alias the caller's.
@@ -145,7 +145,8 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
 
     abstract = jax.eval_shape(init_state, *initial)
     device_input = optional(source, "device_input")
-    _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, device_input, n, global_batch_size, o)
+    _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, device_input, n, global_batch_size, o,
+                device_axes(mesh))
     sync.check_optimizer(optimizer, abstract.params, n, o.backend, what)
     step_options = StepOptions(
         o, bn_groups=1 if o.bn_sync else n, all_reduce=all_reduce, device_input=device_input,
@@ -208,7 +209,8 @@ def eval_batch_limit(num_eval: int, num_devices: int) -> float:
 
 
 def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract: TrainState, source: Source,
-                device_input: Callable, n: int, global_batch_size: int, options: FitOptions) -> None:
+                device_input: Callable, n: int, global_batch_size: int, options: FitOptions,
+                axes: str | tuple[str, ...] = DATA_AXIS) -> None:
     """The loss contract, checked on shapes alone: a dict with a per-example `"loss"`, every value (and the
     optional `"weight"`) of one shape whose leading axis is the batch. Under bf16 or fp16, the train trace
     casts as the step does, and a model whose dots and convolutions all stay float32 is warned about."""
@@ -220,6 +222,8 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
     local = {k: jax.ShapeDtypeStruct((v.shape[0] // max(1, n // jax.process_count()), *v.shape[1:]), v.dtype)
              for k, v in rows.items()}
     compute_dtype = COMPUTE_DTYPES[options.precision]
+    names = (axes,) if isinstance(axes, str) else axes
+    ones = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,) * len(names) + x.shape, x.dtype), local)
     for name, fn, train in (("loss_fn", loss_fn, True), ("eval_fn", eval_fn, False)):
         def call(state, batch, fn=fn, train=train):
             params, batch = state.params, device_input(batch)
@@ -227,10 +231,12 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
                 params = cast_floating(params, compute_dtype)
                 batch = {k: v if k in options.keep_fp32 else cast_floating(v, compute_dtype) for k, v in batch.items()}
             return run_loss(model_def, fn, params, state.model_state, state.rng_state, batch, train=train)[0]
-        try:  # vmapped over a `data` axis of one, which synced BatchNorm reduces over
-            per_device = jax.vmap(call, in_axes=(None, 0), axis_name=DATA_AXIS)
-            jaxpr, outputs = jax.make_jaxpr(per_device, return_shape=True)(abstract, jax.tree.map(_one_device, local))
-            outputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), outputs)
+        try:  # vmapped over a `data` axis of one (each of `axes`), which synced BatchNorm reduces over
+            per_device = call
+            for axis in names:
+                per_device = jax.vmap(per_device, in_axes=(None, 0), axis_name=axis)
+            jaxpr, outputs = jax.make_jaxpr(per_device, return_shape=True)(abstract, ones)
+            outputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[len(names):], x.dtype), outputs)
         except Exception as e:  # noqa: BLE001 - the user's code failed on the batch: say where, in one line
             raise FitError(f"{name}(model, batch) failed on a batch with keys {sorted(rows)}: "
                            f"{one_line(e)}") from e
@@ -257,10 +263,6 @@ def _warn_if_float32(matmuls: collections.Counter[str], precision: str) -> None:
         warnings.warn(f"precision={precision}, but all {sum(matmuls.values())} dots/convolutions of the model's "
                       "forward compute in float32: build its layers with dtype=None (Flax's default, which follows "
                       "the inputs and parameters jdp casts) rather than dtype=jnp.float32", stacklevel=4)
-
-
-def _one_device(x: jax.ShapeDtypeStruct) -> jax.ShapeDtypeStruct:
-    return jax.ShapeDtypeStruct((1, *x.shape), x.dtype)
 
 
 def fit(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,

@@ -3,6 +3,8 @@ communication hooks. The built-ins, each a public class with its own parameters:
 - `AllReduce(dtype="fp32")`: the mean all-reduce (the default; "bf16" as DDP's bf16 compression hook);
 - `ZeRO1(dtype="fp32")`: the optimizer state sharded, the gradient reduce-scattered;
 - `ZeRO3()`: parameters, gradients and optimizer state sharded (FSDP), a scanned model gathered layer by layer;
+- `HybridShard(group_size=k, stage=3)`: ZeRO-3 (or ZeRO-1) inside groups of k devices (a node's: by default one
+  process's), data parallelism across the groups (HSDP), on a groups x `data` mesh;
 - `LocalSGD(every=H)` and `DiLoCo(every=H, outer_lr=0.7, outer_momentum=0.9)`: H local steps, then a sync;
 - `PowerSGD(rank=4, start_step=10)`: low-rank compression with error feedback;
 - `QuantizedAllReduce(bits=8, block=256)`: int8 or int4 gradients through an all-to-all and an all-gather (qgZ).
@@ -17,14 +19,15 @@ from typing import Any
 from jdp.sync.base import AllReduce, Local, Reduced, Sync
 from jdp.sync.diloco import DiLoCo
 from jdp.sync.flags import NAMES, chosen
+from jdp.sync.hybrid import HybridShard
 from jdp.sync.local_sgd import LocalSGD
 from jdp.sync.powersgd import PowerSGD
 from jdp.sync.quantized import QuantizedAllReduce
 from jdp.sync.zero1 import ZeRO1
 from jdp.sync.zero3 import ZeRO3
 
-__all__ = ["NAMES", "AllReduce", "DiLoCo", "Local", "LocalSGD", "PowerSGD", "QuantizedAllReduce", "Reduced", "Sync",
-           "ZeRO1", "ZeRO3", "strategy"]
+__all__ = ["NAMES", "AllReduce", "DiLoCo", "HybridShard", "Local", "LocalSGD", "PowerSGD", "QuantizedAllReduce",
+           "Reduced", "Sync", "ZeRO1", "ZeRO3", "strategy"]
 
 
 def strategy(options: Any) -> tuple[Sync, str]:

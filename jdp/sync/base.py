@@ -1,7 +1,9 @@
 """The sync-strategy interface: how each device's local gradient becomes the update's input (step 3), like DDP's
 communication hooks. The default, `Sync`, is data parallelism's mean all-reduce; a strategy overrides only what
 it changes. Every method runs inside the compiled step, on one device's slice (`axis_name` "data"), or once on
-the global batch under jit (`axis_name` None: the arrays are global and XLA inserts the collectives).
+the global batch under jit (`axis_name` None: the arrays are global and XLA inserts the collectives). A strategy
+whose mesh has more axes than `data` (`mesh_shape`: hybrid sharding's groups x `data`) gets the tuple of its axis
+names, over which a collective spans every device; its sharded leaves are split on `data`.
 """
 
 from __future__ import annotations
@@ -186,6 +188,12 @@ class Sync:
         """How DDP computes the same, for the PyTorch twin (`jdp.compare`); None: it has no such hook. ValueError
         in one line for settings torch's hook refuses."""
         return None
+
+    def mesh_shape(self, num_devices: int) -> dict[str, int]:
+        """The mesh the step runs on, axis name -> size (`jdp.mesh.make_mesh`): the 1-D `data` mesh. A strategy
+        with more axes keeps `data` last (its sharded leaves split on it); flattened, the mesh is the 1-D one's
+        device order. Raises FitError in one line on a device count it cannot lay out."""
+        return {DATA_AXIS: num_devices}
 
     def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
                         backend: str, what: str) -> None:

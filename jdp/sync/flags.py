@@ -1,10 +1,11 @@
 """The one mapping from the strategy flags of `fit` and the config to a strategy object.
 
-The flags (`sync`, `shard_optimizer`, `shard_params`, `sync_every`, `allreduce_dtype`, `powersgd_rank`,
-`powersgd_start_step`, `outer_optimizer`, `outer_lr`, `outer_momentum`) keep their meaning: `sync` names a strategy
-(`allreduce`, `zero1`, `zero3`, `local_sgd`, `diloco`, `powersgd`), and under `allreduce` the others pick one as
-they always did. `sync` may instead be a strategy object (`jdp.sync.ZeRO3()`, or a class of your own): then every
-other flag must stay at its default.
+The flags (`sync`, `shard_optimizer`, `shard_params`, `shard_group`, `sync_every`, `allreduce_dtype`,
+`powersgd_rank`, `powersgd_start_step`, `outer_optimizer`, `outer_lr`, `outer_momentum`) keep their meaning: `sync`
+names a strategy (`allreduce`, `zero1`, `zero3`, `local_sgd`, `diloco`, `powersgd`), and under `allreduce` the
+others pick one as they always did; `shard_group=k` makes ZeRO-3 (or ZeRO-1) hybrid, sharded inside groups of k
+devices. `sync` may instead be a strategy object (`jdp.sync.ZeRO3()`, or a class of your own): then every other flag
+must stay at its default.
 """
 
 from __future__ import annotations
@@ -15,14 +16,15 @@ from typing import Any
 
 from jdp.sync.base import AllReduce, Sync
 from jdp.sync.diloco import DiLoCo
+from jdp.sync.hybrid import HybridShard
 from jdp.sync.local_sgd import LocalSGD
 from jdp.sync.powersgd import NEEDS, PowerSGD
 from jdp.sync.quantized import QuantizedAllReduce
 from jdp.sync.zero1 import ZeRO1
 from jdp.sync.zero3 import ZeRO3
 
-FLAGS = ("shard_optimizer", "shard_params", "sync_every", "allreduce_dtype", "powersgd_rank", "powersgd_start_step",
-         "outer_optimizer", "outer_lr", "outer_momentum")
+FLAGS = ("shard_optimizer", "shard_params", "shard_group", "sync_every", "allreduce_dtype", "powersgd_rank",
+         "powersgd_start_step", "outer_optimizer", "outer_lr", "outer_momentum")
 NAMES = ("allreduce", "zero1", "zero3", "local_sgd", "diloco", "powersgd")
 
 
@@ -52,6 +54,15 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None], d
                 f"{n('sync_every')} > 1 (local SGD, DiLoCo) or {n('sync')}=powersgd; set {n('shard_params')}=False")
         require(dtype == "fp32", f"{n('shard_params')}=True reduce-scatters the gradient in the parameters' dtype "
                                  f"(the gather's transpose); use {view.use('allreduce_dtype', 'fp32')}")
+    if k := o["shard_group"]:
+        require(h == 1 and sync in ("allreduce", "zero1", "zero3"),
+                f"{n('shard_group')}={k} (hybrid sharding) reduce-scatters each step's gradient inside its groups, so "
+                f"it cannot be combined with {n('sync_every')} > 1 (local SGD, DiLoCo) or {n('sync')}={sync}; set "
+                f"{n('shard_group')}=0")
+        require(dtype == "fp32", f"{n('shard_group')}={k} (hybrid sharding) sends the gradient in float32; use "
+                                 f"{view.use('allreduce_dtype', 'fp32')}")
+        stage = 1 if o["shard_optimizer"] or sync == "zero1" else 3
+        return HybridShard(k, stage), f"{n('shard_group')}={k}"
     if sync == "powersgd":
         require(h == 1 and not o["shard_optimizer"] and dtype == "fp32", NEEDS.format(
             what=f"{n('sync')}=powersgd", backend=view.use("backend", "shard_map"),
