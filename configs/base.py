@@ -55,7 +55,6 @@ def get_config() -> ml_collections.ConfigDict:
     c.parallel.allreduce_combine_threshold_bytes = 0  # XLA's all-reduce bucket size on GPU; 0 = XLA default
     c.parallel.latency_hiding_scheduler = True  # GPU: overlap the all-reduce with the backward pass
     c.parallel.sync_kwargs = ml_collections.ConfigDict()  # parallel.sync as an import path: its keyword arguments
-    c.parallel.sync_kwargs = ml_collections.ConfigDict()  # parallel.sync as an import path: its keyword arguments
 
     c.checkpoint = ml_collections.ConfigDict()
 

@@ -132,3 +132,26 @@ def test_a_killed_int8_run_resumes_bitwise(tmp_path):
 def test_where_it_cannot_run_it_is_refused_in_one_line(options, message):
     with pytest.raises(FitError, match=message):
         jdp.FitOptions(**options)
+
+
+def test_zero3_with_int8_weights_gathers_integers_and_trains_near_float32():
+    """`ZeRO3(weight_bits=8)` (ZeRO++'s qwZ): the forward's all-gather sends int8 blocks with their scales, its
+    gradient is the float32 reduce-scatter, and each device updates float32 slices: the run stays within the
+    weights' quantization of the plain ZeRO-3 run, without equalling it. Breaks if the gradient went through the
+    rounding (it would be 0: nothing would train) or the gathered blocks were put back out of order."""
+    from jdp.sync import ZeRO3
+
+    plain = _fit(sync=ZeRO3())
+    quantized = _fit(sync=ZeRO3(weight_bits=8))
+    np.testing.assert_allclose(quantized.losses, plain.losses, rtol=0.02)
+    assert quantized.losses != plain.losses
+    from jdp.trainer import FitOptions, prepare
+
+    engine = prepare(lambda: Regressor(nnx.Rngs(0)), mse, regression_data(), optimizer=optax.sgd(0.1),
+                     global_batch_size=32, options=FitOptions(num_devices=8, sync=ZeRO3(weight_bits=8)))
+    state = engine.parallel.to_devices(engine.init_state())
+    text = engine.parallel.lower_train(state, engine.parallel.shard_batch(engine.source.train_batch(0))).compile(
+        ).as_text()
+    assert re.search(r"s8\[[\d,]*\][^\n]* all-gather", text) and "reduce-scatter" in text
+    with pytest.raises(FitError, match="quantizes the weights it gathers"):
+        jdp.FitOptions(sync=ZeRO3(weight_bits=8), backend="jit")

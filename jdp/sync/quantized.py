@@ -17,6 +17,7 @@ gradient (per-device state, as PowerSGD's error); the mean's quantization error 
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from typing import Any
@@ -43,6 +44,30 @@ def dequantize(q: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
     if bits == 4:
         q = jnp.stack([q & 15, q >> 4], axis=-1).reshape(*q.shape[:-1], -1).astype(jnp.int8) - 8
     return q.astype(jnp.float32) * scale[..., None]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def quantized_all_gather(x: jax.Array, axis_name: Any, axis: int, bits: int, block: int) -> jax.Array:
+    """`lax.all_gather(x, axis_name, axis=axis, tiled=True)` sending `x` block-quantized (ZeRO++'s qwZ: ZeRO-3's
+    weights gathered as int8); its gradient is the float32 reduce-scatter an all-gather's is."""
+    moved = jnp.moveaxis(x, axis, 0)
+    flat = moved.reshape(-1)
+    blocks = jnp.pad(flat, (0, -flat.size % block)).reshape(-1, block)
+    q, scale = (jax.lax.all_gather(part, axis_name) for part in quantize(blocks.astype(jnp.float32), bits))
+    whole = dequantize(q, scale, bits).reshape(q.shape[0], -1)[:, :flat.size].astype(x.dtype)
+    return jnp.moveaxis(whole.reshape(-1, *moved.shape[1:]), 0, axis)
+
+
+def _gather_forward(x: jax.Array, axis_name: Any, axis: int, bits: int, block: int) -> tuple[jax.Array, None]:
+    return quantized_all_gather(x, axis_name, axis, bits, block), None
+
+
+def _gather_backward(axis_name: Any, axis: int, bits: int, block: int, _: None, cotangent: jax.Array
+                     ) -> tuple[jax.Array]:
+    return (jax.lax.psum_scatter(cotangent, axis_name, scatter_dimension=axis, tiled=True),)
+
+
+quantized_all_gather.defvjp(_gather_forward, _gather_backward)
 
 
 def quantized_mean(tree: Tree, axis_name: str | None, bits: int, block: int) -> tuple[Tree, Tree]:

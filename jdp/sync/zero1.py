@@ -10,6 +10,7 @@ all-gathered. Outside the step the optimizer state keeps its shapes, split acros
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -66,16 +67,18 @@ def local_slice(tree: Tree, axis_name: str) -> Tree:
     return jax.tree.map(cut, tree)
 
 
-def all_gather_like(slices: Tree, like: Tree, axis_name: str, axes: Tree = None) -> Tree:
+def all_gather_like(slices: Tree, like: Tree, axis_name: str, axes: Tree = None,
+                    all_gather: Callable = jax.lax.all_gather) -> Tree:
     """Reassemble full leaves shaped like `like` from every device's slice (a scalar every device updated whole);
-    `axes`: the axis each leaf is split on (default: `shard_axis` of its shape)."""
+    `axes`: the axis each leaf is split on (default: `shard_axis` of its shape); `all_gather`: lax's, or one of
+    its signature (axis_name, axis=, tiled=True) that sends less."""
     n = jax.lax.psum(1, axis_name)
 
     def gather(s: jax.Array, x: Any, axis: int | None) -> jax.Array:
         if not is_sharded(x):
             return s
         axis = shard_axis(x.shape, n) if axis is None else axis
-        return unpadded(jax.lax.all_gather(s, axis_name, axis=axis, tiled=True), x)
+        return unpadded(all_gather(s, axis_name, axis=axis, tiled=True), x)
 
     return jax.tree.map(gather, slices, like, jax.tree.map(lambda _: None, like) if axes is None else axes)
 

@@ -27,6 +27,7 @@ A scanned model's layers are gathered twice per micro-batch (forward and backwar
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -37,6 +38,7 @@ from jax.sharding import Mesh
 from jdp.layers import LayerView, Stack
 from jdp.mesh import data_sharded
 from jdp.sync.base import Sync, Tree, is_sharded, shard_axis, sharded_where, unpadded
+from jdp.sync.quantized import LARGEST, quantized_all_gather
 from jdp.sync.zero1 import ZeRO1, all_gather_like
 
 
@@ -57,11 +59,25 @@ class ZeRO3(ZeRO1):
     abstract_params: Tree = None
     per_layer: Tree = None
 
-    def __init__(self) -> None:
+    def __init__(self, weight_bits: int = 32, block: int = 256) -> None:
         super().__init__()  # the reduce-scatter is the gather's transpose: it sends the parameters' dtype
+        if weight_bits != 32 and weight_bits not in LARGEST:
+            raise ValueError(f"weight_bits={weight_bits!r}: choose 32 (the parameters as they are), 8 or 4")
+        self.weight_bits, self.block = weight_bits, block
 
     def params(self) -> dict[str, Any]:
-        return {}
+        return {} if self.weight_bits == 32 else {"weight_bits": self.weight_bits, "block": self.block}
+
+    def record(self) -> dict[str, Any]:  # quantized weights change the numerics
+        return super().record() if self.weight_bits == 32 else Sync.record(self)
+
+    def _all_gather(self) -> Callable:
+        """The parameters' all-gather: lax's, or (`weight_bits` 8 or 4) block-quantized as ZeRO++'s qwZ, its
+        gradient the float32 reduce-scatter all the same."""
+        if self.weight_bits == 32:
+            return jax.lax.all_gather
+        return lambda x, axis_name, axis, tiled: quantized_all_gather(x, axis_name, axis, self.weight_bits,
+                                                                      self.block)
 
     def bind(self, model: Any, seed: int) -> ZeRO3:
         bound = copy.copy(self)
@@ -78,6 +94,8 @@ class ZeRO3(ZeRO1):
                                               "a whole copy of the state on every device")
         require(not options["log_noise_scale"], f"{view('log_noise_scale')} needs each device's whole gradient, "
                 f"which {what} never holds; set {view.use('log_noise_scale', False)}")
+        require(self.weight_bits == 32 or options["backend"] == "shard_map", f"{what} quantizes the weights it "
+                f"gathers, which it gathers itself under shard_map only; use {view.use('backend', 'shard_map')}")
 
     def optimizer_sees_slices(self, backend: str) -> bool:
         return backend != "jit"  # under jit the optimizer updates global arrays
@@ -110,7 +128,7 @@ class ZeRO3(ZeRO1):
             return jax.tree.map(lambda x, like: unpadded(x, like) if is_sharded(like) else x, params,
                                 self.abstract_params)
         n = jax.lax.psum(1, axis_name)
-        whole = all_gather_like(params, self.abstract_params, axis_name, self._param_axes(n))
+        whole = all_gather_like(params, self.abstract_params, axis_name, self._param_axes(n), self._all_gather())
         # A scanned model's stacked layers stay split: `layer_view` gathers them inside the scan.
         return jax.tree.map(lambda w, s, layer: s if layer else w, whole, params, self.per_layer)
 
@@ -119,12 +137,14 @@ class ZeRO3(ZeRO1):
             return None if mesh is None else LayerView(carry=lambda x: jax.lax.with_sharding_constraint(
                 x, data_sharded(mesh)))
 
+        all_gather = self._all_gather()
+
         def gather(leaves: list[jax.Array], shapes: tuple[tuple[int, ...], ...]) -> list[jax.Array]:
             def whole(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
                 if x.shape == shape:
                     return x
                 axis = next(a for a, (held, size) in enumerate(zip(x.shape, shape, strict=True)) if held != size)
-                return unpadded(jax.lax.all_gather(x, axis_name, axis=axis, tiled=True), jax.ShapeDtypeStruct(
+                return unpadded(all_gather(x, axis_name, axis=axis, tiled=True), jax.ShapeDtypeStruct(
                     shape, x.dtype))
             return [whole(x, shape) for x, shape in zip(leaves, shapes, strict=True)]
 

@@ -1,0 +1,171 @@
+"""Bytes between nodes against validation loss, for every way jdp has to send fewer: one Pareto plot.
+
+    python benchmarks/comm_pareto.py [--out docs/comm_pareto] [--steps 1000] [--devices 8] [--only NAME,...]
+
+Fixed in advance: the CPU GPT recipe (configs/shakespeare_char_cpu.py: 4 layers, width 128, block 64, global batch
+12, AdamW with a cosine schedule over the run), `--steps` steps on `--devices` simulated CPU devices, evals every 200
+steps (a multiple of every period H below), no checkpoints. A "node" is a group of 4 devices, so 8 devices are 2
+nodes: cross-group bytes are those of collectives whose replica groups span both (`jdp.hlo.collectives`; for every
+flat strategy that is all of them, for hybrid sharding the all-reduce across the groups).
+
+Every method runs at seed 0; fp32 and the best of each family (lowest validation loss) run at seeds 1 and 2 too.
+Writes OUT.csv (method, family, settings, bytes per step all and cross-group, their ratio to fp32's, validation loss
+mean and spread over seeds) and OUT.png (cross-group bytes, log, against validation loss; beside it the validation
+loss against tokens for fp32 and the frontier), and prints the CSV.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EVAL_EVERY = 200
+GROUP = 4  # devices a node
+TOKENS_PER_STEP = 12 * 64  # the recipe's global batch x block
+
+# name -> (family, config settings). `sync` / `sync_kwargs` name a strategy object by import path.
+METHODS: dict[str, tuple[str, dict]] = {
+    "fp32": ("all-reduce", {}),
+    "bf16": ("all-reduce", {"parallel.allreduce_dtype": "bf16"}),
+    "int8": ("quantized all-reduce", {"parallel.allreduce_dtype": "int8"}),
+    "int4": ("quantized all-reduce", {"parallel.allreduce_dtype": "int4"}),
+    **{f"powersgd_r{r}": ("PowerSGD", {"parallel.sync": "powersgd", "parallel.powersgd_rank": r}) for r in (1, 2, 4)},
+    **{f"local_sgd_h{h}": ("local SGD", {"parallel.sync_every": h}) for h in (10, 50, 200)},
+    **{f"diloco_h{h}": ("DiLoCo", {"parallel.sync_every": h, "parallel.outer_optimizer": "nesterov"})
+       for h in (10, 50, 200)},
+    **{f"diloco_h{h}_{bits}": ("DiLoCo, quantized", {"parallel.sync_every": h, "parallel.outer_optimizer": "nesterov",
+                                                     "parallel.allreduce_dtype": bits})
+       for h in (50, 200) for bits in ("int8", "int4")},
+    "zero3_int8_weights": ("ZeRO-3", {"parallel.sync": "jdp.sync.zero3:ZeRO3",
+                                      "parallel.sync_kwargs": {"weight_bits": 8}}),
+    "hybrid_2x4": ("hybrid sharding", {"parallel.shard_group": GROUP}),
+}
+
+
+def config_file(name: str, steps: int, seed: int, folder: Path) -> Path:
+    lines = ["from jdp.configs import shakespeare_char_cpu", "", "", "def get_config():",
+             "    c = shakespeare_char_cpu.get_config()",
+             f"    c.train.steps = {steps}", f"    c.train.eval_every = {EVAL_EVERY}", f"    c.seed = {seed}",
+             "    c.checkpoint.every_steps = 0", "    c.sample.tokens = 0", "    c.parallel.check_replicas_every = 0"]
+    lines += [f"    c.{key} = {value!r}" for key, value in METHODS[name][1].items()]
+    path = folder / f"{name}_s{seed}.py"
+    path.write_text("\n".join([*lines, "    return c", ""]))
+    return path
+
+
+def run(name: str, seed: int, args: argparse.Namespace, folder: Path) -> dict:
+    """One training run; its summary, eval curve and wall time."""
+    workdir = args.runs / f"{name}-s{seed}"
+    if not (workdir / "metrics.jsonl").exists() or "summary" not in (workdir / "metrics.jsonl").read_text():
+        config = config_file(name, args.steps, seed, folder)
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "-m", "jdp.train", "--config", str(config), "--workdir", str(workdir),
+                               "--cpu_devices", str(args.devices)], capture_output=True, text=True, cwd=ROOT,
+                              timeout=3600)
+        if done.returncode:
+            raise SystemExit(f"{name} seed {seed} failed (exit {done.returncode}): {done.stderr.strip()[-400:]}")
+        print(f"{name} seed {seed}: {time.monotonic() - started:.0f} s", file=sys.stderr, flush=True)
+    records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    summary = next(r for r in reversed(records) if r.get("split") == "summary")
+    curve = [(r["step"], r["loss"]) for r in records if r.get("split") == "eval"]
+    return {"summary": summary, "curve": curve}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "comm_pareto")
+    parser.add_argument("--runs", type=Path, default=ROOT / "runs" / "comm_pareto")
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--devices", type=int, default=8)
+    parser.add_argument("--only", default="", help="comma-separated method names (default: all)")
+    args = parser.parse_args()
+    names = [n for n in METHODS if not args.only or n in args.only.split(",")]
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory() as folder:
+        results = {name: {0: run(name, 0, args, Path(folder))} for name in names}
+        best = {}
+        for name in names:
+            family = METHODS[name][0]
+            loss = results[name][0]["summary"]["eval_loss"]
+            if family not in best or loss < results[best[family]][0]["summary"]["eval_loss"]:
+                best[family] = name
+        for name in sorted({"fp32", *best.values()} & set(names), key=names.index):
+            for seed in (1, 2):
+                results[name][seed] = run(name, seed, args, Path(folder))
+    rows = table(results)
+    write(rows, results, args.out)
+    print(f"{len(names)} methods, {sum(len(r) for r in results.values())} runs, "
+          f"{(time.monotonic() - started) / 60:.0f} min", file=sys.stderr)
+
+
+def table(results: dict) -> list[dict]:
+    fp32 = results.get("fp32", {}).get(0, {}).get("summary", {})
+    rows = []
+    for name, runs in results.items():
+        summary = runs[0]["summary"]
+        all_bytes = summary["comm_bytes_per_step"]
+        cross = summary.get("comm_cross_group_bytes_per_step", all_bytes)
+        losses = [r["summary"]["eval_loss"] for r in runs.values()]
+        rows.append({"method": name, "family": METHODS[name][0], "settings": json.dumps(METHODS[name][1]),
+                     "bytes_per_step": round(all_bytes), "cross_group_bytes_per_step": round(cross),
+                     "cross_group_vs_fp32": round(cross / fp32["comm_bytes_per_step"], 6) if fp32 else "",
+                     "val_loss_mean": round(statistics.mean(losses), 4),
+                     "val_loss_spread": round(max(losses) - min(losses), 4), "seeds": len(losses)})
+    return rows
+
+
+def frontier(rows: list[dict]) -> list[dict]:
+    """The rows no other row beats at once on cross-group bytes and loss."""
+    ordered = sorted(rows, key=lambda r: (r["cross_group_bytes_per_step"], r["val_loss_mean"]))
+    kept, lowest = [], float("inf")
+    for row in ordered:
+        if row["val_loss_mean"] < lowest:
+            kept.append(row)
+            lowest = row["val_loss_mean"]
+    return kept
+
+
+def write(rows: list[dict], results: dict, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".csv"), "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(out.with_suffix(".csv").read_text())
+    best = frontier(rows)
+    fig, (pareto, curves) = plt.subplots(1, 2, figsize=(13, 5))
+    for family in dict.fromkeys(r["family"] for r in rows):
+        mine = [r for r in rows if r["family"] == family]
+        pareto.scatter([max(r["cross_group_bytes_per_step"], 1) for r in mine], [r["val_loss_mean"] for r in mine],
+                       label=family)
+        for r in mine:
+            pareto.annotate(r["method"], (max(r["cross_group_bytes_per_step"], 1), r["val_loss_mean"]), fontsize=7)
+    pareto.plot([r["cross_group_bytes_per_step"] for r in best], [r["val_loss_mean"] for r in best], "k--", lw=0.8)
+    pareto.set(xscale="log", xlabel="cross-group bytes per step per device (log)", ylabel="validation loss",
+               title="bytes between nodes against loss (dashed: the frontier)")
+    pareto.legend(fontsize=7)
+    for name in dict.fromkeys(["fp32", *(r["method"] for r in best)]):
+        if name in results:
+            steps, losses = zip(*results[name][0]["curve"], strict=True)
+            curves.plot([s * TOKENS_PER_STEP for s in steps], losses, label=name)
+    curves.set(xlabel="tokens", ylabel="validation loss", title="fp32 and the frontier, seed 0")
+    curves.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=120)
+
+
+if __name__ == "__main__":
+    main()
