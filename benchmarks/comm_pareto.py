@@ -2,9 +2,10 @@
 
     python benchmarks/comm_pareto.py [--out docs/comm_pareto] [--steps 1000] [--devices 8] [--only NAME,...]
 
-Fixed in advance: the CPU GPT recipe (configs/shakespeare_char_cpu.py: 4 layers, width 128, block 64, global batch
-12, AdamW with a cosine schedule over the run), `--steps` steps on `--devices` simulated CPU devices, evals every 200
-steps (a multiple of every period H below), no checkpoints. A "node" is a group of 4 devices, so 8 devices are 2
+Fixed in advance: the CPU GPT recipe (configs/shakespeare_char_cpu.py: 4 layers, width 128, block 64, AdamW with a
+cosine schedule over the run) at a global batch of 16 (the recipe's 12 does not split over 8 devices), `--steps`
+steps on `--devices` simulated CPU devices, evals every 200 steps (a multiple of every period H below), no
+checkpoints. A "node" is a group of 4 devices, so 8 devices are 2
 nodes: cross-group bytes are those of collectives whose replica groups span both (`jdp.hlo.collectives`; for every
 flat strategy that is all of them, for hybrid sharding the all-reduce across the groups).
 
@@ -29,7 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 EVAL_EVERY = 200
 GROUP = 4  # devices a node
-TOKENS_PER_STEP = 12 * 64  # the recipe's global batch x block
+BATCH = 16
+TOKENS_PER_STEP = BATCH * 64  # x the recipe's block
 
 # name -> (family, config settings). `sync` / `sync_kwargs` name a strategy object by import path.
 METHODS: dict[str, tuple[str, dict]] = {
@@ -53,7 +55,8 @@ METHODS: dict[str, tuple[str, dict]] = {
 def config_file(name: str, steps: int, seed: int, folder: Path) -> Path:
     lines = ["from jdp.configs import shakespeare_char_cpu", "", "", "def get_config():",
              "    c = shakespeare_char_cpu.get_config()",
-             f"    c.train.steps = {steps}", f"    c.train.eval_every = {EVAL_EVERY}", f"    c.seed = {seed}",
+             f"    c.train.steps = {steps}", f"    c.train.global_batch_size = {BATCH}",
+             f"    c.train.eval_every = {EVAL_EVERY}", f"    c.seed = {seed}",
              "    c.checkpoint.every_steps = 0", "    c.sample.tokens = 0", "    c.parallel.check_replicas_every = 0"]
     lines += [f"    c.{key} = {value!r}" for key, value in METHODS[name][1].items()]
     path = folder / f"{name}_s{seed}.py"
