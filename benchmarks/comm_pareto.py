@@ -46,6 +46,11 @@ METHODS: dict[str, tuple[str, dict]] = {
     **{f"diloco_h{h}_{bits}": ("DiLoCo, quantized", {"parallel.sync_every": h, "parallel.outer_optimizer": "nesterov",
                                                      "parallel.allreduce_dtype": bits})
        for h in (50, 200) for bits in ("int8", "int4")},
+    **{f"streaming_diloco_h{h}_f{f}{'_' + bits if bits else ''}": (
+        "Streaming DiLoCo", {"parallel.sync": "jdp.sync.streaming:StreamingDiLoCo",
+                             "parallel.sync_kwargs": {"every": h, "fragments": f, **({"bits": int(bits[3:])} if bits
+                                                                                     else {})}})
+       for h, f, bits in ((50, 5, ""), (200, 4, "int4"))},
     "zero3_int8_weights": ("ZeRO-3", {"parallel.sync": "jdp.sync.zero3:ZeRO3",
                                       "parallel.sync_kwargs": {"weight_bits": 8}}),
     "hybrid_2x4": ("hybrid sharding", {"parallel.shard_group": GROUP}),

@@ -254,8 +254,7 @@ def _restore_or_init(engine: Engine, checkpointer: Checkpointer | None, echo,
             if any(x is None for x in jax.tree.leaves(state, is_leaf=lambda x: x is None)):
                 echo(f"warning: the per-device state ({', '.join(_none_paths(state))}) was saved on another device "
                      "count: it starts afresh")
-                state = jax.tree.map(lambda x, fresh: fresh if x is None else x, state, engine.init_state(),
-                                     is_leaf=lambda x: x is None)
+                state = engine.parallel.sync.restart(state, engine.init_state())
             return step, state._replace(halted=state.halted * 0)  # a halted run may go on (e.g. at a lower lr)
     return 0, engine.init_state()
 

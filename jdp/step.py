@@ -80,6 +80,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     """
     o, axis = options, options.axis_name
     collective = axis if o.all_reduce else None  # None: jdp.bench's step compiled without its collectives
+    state = sync.forward_state(state)
     # 2. compute: forward and backward on the local slice, in `grad_accum_steps` micro-batches.
     local = local_gradients(state, batch, model=model, loss_fn=loss_fn, options=o,
                             params_view=lambda params: sync.params_view(params, axis),

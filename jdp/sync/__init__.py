@@ -6,6 +6,7 @@ communication hooks. The built-ins, each a public class with its own parameters:
 - `HybridShard(group_size=k, stage=3)`: ZeRO-3 (or ZeRO-1) inside groups of k devices (a node's: by default one
   process's), data parallelism across the groups (HSDP), on a groups x `data` mesh;
 - `LocalSGD(every=H)` and `DiLoCo(every=H, outer_lr=0.7, outer_momentum=0.9)`: H local steps, then a sync;
+  `StreamingDiLoCo(every=H, fragments=F)`: DiLoCo syncing F fragments of the model in turn;
 - `PowerSGD(rank=4, start_step=10)`: low-rank compression with error feedback;
 - `QuantizedAllReduce(bits=8, block=256)`: int8 or int4 gradients through an all-to-all and an all-gather (qgZ).
 
@@ -23,11 +24,12 @@ from jdp.sync.hybrid import HybridShard
 from jdp.sync.local_sgd import LocalSGD
 from jdp.sync.powersgd import PowerSGD
 from jdp.sync.quantized import QuantizedAllReduce
+from jdp.sync.streaming import StreamingDiLoCo
 from jdp.sync.zero1 import ZeRO1
 from jdp.sync.zero3 import ZeRO3
 
 __all__ = ["NAMES", "AllReduce", "DiLoCo", "HybridShard", "Local", "LocalSGD", "PowerSGD", "QuantizedAllReduce",
-           "Reduced", "Sync", "ZeRO1", "ZeRO3", "strategy"]
+           "Reduced", "StreamingDiLoCo", "Sync", "ZeRO1", "ZeRO3", "strategy"]
 
 
 def strategy(options: Any) -> tuple[Sync, str]:

@@ -265,6 +265,16 @@ class Sync:
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         return optax.apply_updates(state.params, updates), opt_state
 
+    def restart(self, restored: Any, fresh: Any) -> Any:
+        """A restored train state whose per-device leaves (None) were saved on another device count, completed:
+        they start afresh, from `fresh` (the run's initial state)."""
+        return jax.tree.map(lambda x, new: new if x is None else x, restored, fresh, is_leaf=lambda x: x is None)
+
+    def forward_state(self, state: Any) -> Any:
+        """The train state the step computes on, from the one it is given (Streaming DiLoCo: each device's own
+        parameters in place of the global ones); `after_update` hands back the stored one."""
+        return state
+
     def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
         """After the guard has chosen the state every replica keeps (`previous`: the state the step began with;
         local SGD averages here)."""
