@@ -103,6 +103,7 @@ class QuantizedAllReduce(Sync):
         if block < 2 or block % 2:
             raise ValueError(f"block={block!r}: give an even block size of at least 2")
         self.bits, self.block, self.error_feedback = bits, block, error_feedback
+        self.dtype_name = f"int{bits}"  # what it sends (`jdp.bench --predict`); its collectives carry integers
 
     def params(self) -> dict[str, Any]:
         return {"bits": self.bits, "block": self.block, "error_feedback": self.error_feedback}
