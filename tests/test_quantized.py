@@ -155,3 +155,29 @@ def test_zero3_with_int8_weights_gathers_integers_and_trains_near_float32():
     assert re.search(r"s8\[[\d,]*\][^\n]* all-gather", text) and "reduce-scatter" in text
     with pytest.raises(FitError, match="quantizes the weights it gathers"):
         jdp.FitOptions(sync=ZeRO3(weight_bits=8), backend="jit")
+
+
+KILLED = {  # each new strategy through the CLI, as a config file sets it (an object and its settings by path)
+    "diloco_int8": {"parallel.sync_every": 4, "parallel.outer_optimizer": "nesterov",
+                    "parallel.allreduce_dtype": "int8"},
+    "streaming_diloco": {"parallel.sync": "jdp.sync.streaming:StreamingDiLoCo",
+                         "parallel.sync_kwargs": {"every": 4, "fragments": 2}},
+    "zero3_int8_weights": {"parallel.sync": "jdp.sync.zero3:ZeRO3", "parallel.sync_kwargs": {"weight_bits": 8}},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(KILLED))
+def test_a_killed_run_of_each_new_strategy_resumes_bitwise(name, tmp_path):
+    """SIGKILL after step 7 (checkpoints every 4): the rerun resumes from step 4 and ends as the uninterrupted run,
+    train losses bit for bit."""
+    config = tmp_path / "config.py"
+    config.write_text("from jdp.configs import mnist1d_mlp\n\n\ndef get_config():\n    c = mnist1d_mlp.get_config()\n"
+                      + "".join(f"    c.{k} = {v!r}\n" for k, v in KILLED[name].items()) + "    return c\n")
+    args = ["--config", str(config), *RUN[2:], "--config.train.eval_every=4"]
+    assert train(tmp_path / "straight", *args).returncode == 0
+    assert train(tmp_path / "run", *args, env={"JDP_KILL_AT": "step:7"}).returncode == -signal.SIGKILL
+    out = train(tmp_path / "run")
+    assert out.returncode == 0, out.stderr
+    assert "checkpoints/4" in out.stdout
+    assert train_losses(tmp_path / "run") == train_losses(tmp_path / "straight")
