@@ -90,7 +90,7 @@ def _rounded(x: Any) -> list:
 
 def hashed(value: Any) -> str:
     """BLAKE2b (12 bytes, hex) of a JSON-able value, as canonical JSON."""
-    return hashlib.blake2b(json.dumps(value, sort_keys=True).encode(), digest_size=12).hexdigest()
+    return hashlib.blake2b(json.dumps(value, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
 
 
 def describe_model(model: Any, abstract_params: Any) -> dict[str, Any]:

@@ -655,12 +655,17 @@ def test_export_eval_only_and_init_from_work_whatever_device_count_the_run_used(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sync", [{"sync": "powersgd", "powersgd_rank": 2, "powersgd_start_step": 0},
-                                  {"sync_every": 2, "outer_optimizer": "nesterov"}], ids=["powersgd", "diloco"])
+@pytest.mark.parametrize("sync", [
+    {"sync": "powersgd", "powersgd_rank": 2, "powersgd_start_step": 0},
+    {"sync_every": 2, "outer_optimizer": "nesterov"},
+    {"sync": "jdp.sync.streaming:StreamingDiLoCo", "sync_kwargs": {"every": 2, "fragments": 2}},
+    {"shard_group": 2},
+], ids=["powersgd", "diloco", "streaming_diloco", "hybrid"])
 def test_export_and_eval_only_of_a_run_with_per_device_state_work_on_fewer_devices(monkeypatch, tmp_path, sync):
-    """PowerSGD's error feedback and DiLoCo's inner optimizer state hold one row per device (4 here); export and
-    --eval_only on 1 device read none of it. Breaks if they restore it at the model's shape (a config change,
-    exit 2)."""
+    """PowerSGD's error feedback, DiLoCo's inner optimizer state and Streaming DiLoCo's parameters hold one row per
+    device (4 here), and hybrid sharding needs its groups of 2; export and --eval_only on 1 device read none of it.
+    Breaks if they restore the rows at the model's shape (a config change, exit 2), or keep hybrid's groups (a
+    group of 2 does not divide 1 device)."""
     first = run(small_config("mlp", steps=2, num_devices=4, parallel={"num_devices": 4, **sync}), tmp_path)
     monkeypatch.setattr(resume, "inference_devices", lambda cfg: 1)  # what a machine with 1 device gets
     assert export.main(["--workdir", str(tmp_path), "--out", str(tmp_path / "p.npz")]) == 0

@@ -68,6 +68,8 @@ def test_a_built_in_object_runs_as_its_flags(name):
     (dict(sync="zero9"), "sync='zero9' is unknown; choose one of allreduce, zero1, zero3, local_sgd, diloco, "
                          "powersgd"),
     (dict(sync="local_sgd"), "sync=local_sgd averages every sync_every steps; set sync_every > 1"),
+    (dict(sync="zero1", allreduce_dtype="int8"), "sync=zero1 reduce-scatters the gradient in fp32 or bf16, not int8"),
+    (dict(sync="zero3", allreduce_dtype="bf16"), "sync=zero3 reduce-scatters the gradient in the parameters' dtype"),
 ])
 def test_strategies_that_cannot_be_are_refused_in_one_line(options, message):
     with pytest.raises(FitError, match=message):

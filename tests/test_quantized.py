@@ -134,6 +134,15 @@ def test_where_it_cannot_run_it_is_refused_in_one_line(options, message):
         jdp.FitOptions(**options)
 
 
+@pytest.mark.parametrize("make", [lambda: QuantizedAllReduce(bits=3), lambda: QuantizedAllReduce(block=7),
+                                  lambda: jdp.sync.DiLoCo(every=4, bits=4, block=3),
+                                  lambda: jdp.sync.ZeRO3(weight_bits=4, block=0)])
+def test_a_quantizer_it_cannot_run_is_refused_at_construction(make):
+    """An odd block cannot pack int4 two to a byte, and a block of 0 divides by zero at trace time."""
+    with pytest.raises(ValueError, match="choose 8 or 4|even block size"):
+        make()
+
+
 def test_zero3_with_int8_weights_gathers_integers_and_trains_near_float32():
     """`ZeRO3(weight_bits=8)` (ZeRO++'s qwZ): the forward's all-gather sends int8 blocks with their scales, its
     gradient is the float32 reduce-scatter, and each device updates float32 slices: the run stays within the

@@ -23,6 +23,7 @@ from jdp.cli.optim import OPTIMIZERS, build_optimizer
 from jdp.errors import UsageError, one_line
 from jdp.mesh import DATA_AXIS, mesh_devices
 from jdp.modeldef import LossFn
+from jdp.sync import for_inference
 from jdp.task import DERIVED_EVAL_METRICS, LOSSES
 
 
@@ -127,9 +128,11 @@ def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None
     return Task(make_model, LOSSES.get(cfg.task.loss), source, tx, options, cfg.train.steps, batch_size)
 
 
-def build(cfg: ml_collections.ConfigDict, *, all_reduce: bool = True, workdir: str | Path | None = None
-          ) -> trainer.Engine:
-    """The compiled steps, data and state factory of `cfg`'s run, for tools that drive the step themselves."""
+def build(cfg: ml_collections.ConfigDict, *, all_reduce: bool = True, workdir: str | Path | None = None,
+          inference: bool = False) -> trainer.Engine:
+    """The compiled steps, data and state factory of `cfg`'s run, for tools that drive the step themselves;
+    `inference`: with a strategy that restores its checkpoints on any device count (`Sync.for_inference`)."""
     task = build_task(cfg, workdir)
+    options = for_inference(task.options) if inference else task.options
     return trainer.prepare(task.make_model, task.loss_fn, task.source, optimizer=task.optimizer,
-                           global_batch_size=task.global_batch_size, options=task.options, all_reduce=all_reduce)
+                           global_batch_size=task.global_batch_size, options=options, all_reduce=all_reduce)

@@ -88,7 +88,7 @@ def restore_for_inference(workdir: Path) -> tuple[int, Engine, TrainState]:
     cfg = config_lib.load_saved_config(saved, fix="restore it (config_history.jsonl holds each run segment's "
                                                    "config): the run is rebuilt from it")
     cfg.parallel.num_devices = inference_devices(cfg)  # the state is replicated: any count restores it
-    engine = build(cfg, workdir=workdir)
+    engine = build(cfg, workdir=workdir, inference=True)
     checkpointer = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0)
     try:
         restored = checkpointer.restore_latest(engine.abstract_state, reject_damaged=False,
@@ -101,6 +101,5 @@ def restore_for_inference(workdir: Path) -> tuple[int, Engine, TrainState]:
     # Saved on more devices than restore it here, the per-device state (a strategy's error feedback, an inner
     # optimizer's state) comes back as None; inference reads only the parameters and model state, so it stays fresh.
     if any(x is None for x in jax.tree.leaves(state, is_leaf=lambda x: x is None)):
-        state = jax.tree.map(lambda x, fresh: fresh if x is None else x, state, engine.init_state(),
-                             is_leaf=lambda x: x is None)
+        state = engine.parallel.sync.restart(state, engine.init_state())
     return step, engine, state

@@ -17,7 +17,7 @@ import dataclasses
 
 BACKWARD_SHARE = 2 / 3  # the overlap: backward FLOPs are 2x the forward's (Kaplan et al. 2020, C ~ 6N per token)
 # A strategy's dtype -> bytes per gradient element sent. int8 and int4 add a float32 scale per 256 values
-# (jdp.sync.QuantizedAllReduce's default block); their all-to-all and all-gather move, per device, what a ring
+# (the int8/int4 all-reduce's default block); their all-to-all and all-gather move, per device, what a ring
 # all-reduce of as many bytes moves: 2 (N - 1) / N of them.
 ALLREDUCE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1 + 4 / 256, "int4": 0.5 + 4 / 256}
 DEFAULT_DEVICES = (1, 8, 64, 512)

@@ -15,11 +15,12 @@ older flags map onto them in `jdp.sync.flags`. docs/communication.md shows a str
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from jdp.sync.base import AllReduce, Local, Reduced, Sync
 from jdp.sync.diloco import DiLoCo
-from jdp.sync.flags import NAMES, chosen
+from jdp.sync.flags import FLAGS, NAMES, chosen
 from jdp.sync.hybrid import HybridShard
 from jdp.sync.local_sgd import LocalSGD
 from jdp.sync.powersgd import PowerSGD
@@ -29,7 +30,16 @@ from jdp.sync.zero1 import ZeRO1
 from jdp.sync.zero3 import ZeRO3
 
 __all__ = ["NAMES", "AllReduce", "DiLoCo", "HybridShard", "Local", "LocalSGD", "PowerSGD", "QuantizedAllReduce",
-           "Reduced", "StreamingDiLoCo", "Sync", "ZeRO1", "ZeRO3", "strategy"]
+           "Reduced", "StreamingDiLoCo", "Sync", "ZeRO1", "ZeRO3", "for_inference", "strategy"]
+
+
+def for_inference(options: Any) -> Any:
+    """`fit`'s options (checked) with the strategy that restores the run's checkpoints on any device count
+    (`Sync.for_inference`) given as an object, every strategy flag at its default."""
+    from jdp.options import BY_NAME
+
+    return dataclasses.replace(options, sync=strategy(options)[0].for_inference(),
+                               **{flag: BY_NAME[flag].default for flag in FLAGS})
 
 
 def strategy(options: Any) -> tuple[Sync, str]:

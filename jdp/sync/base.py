@@ -265,6 +265,11 @@ class Sync:
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         return optax.apply_updates(state.params, updates), opt_state
 
+    def for_inference(self) -> Sync:
+        """The strategy that restores this one's checkpoints to evaluate or export them on any device count:
+        itself, or one with the same logical state and no rule on the device count."""
+        return self
+
     def restart(self, restored: Any, fresh: Any) -> Any:
         """A restored train state whose per-device leaves (None) were saved on another device count, completed:
         they start afresh, from `fresh` (the run's initial state)."""

@@ -24,7 +24,7 @@ import optax
 
 from jdp.sync.base import PER_DEVICE, Tree, all_reduce_mean
 from jdp.sync.local_sgd import LocalSGD
-from jdp.sync.quantized import LARGEST, quantized_mean
+from jdp.sync.quantized import check_block, quantized_mean
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd")
 
@@ -37,8 +37,8 @@ class DiLoCo(LocalSGD):
     def __init__(self, every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9, outer: str = "nesterov",
                  bits: int = 32, block: int = 256) -> None:
         super().__init__(every)
-        if bits != 32 and bits not in LARGEST:
-            raise ValueError(f"bits={bits!r}: choose 32 (float32), 8 or 4")
+        if bits != 32:
+            check_block(bits, block)
         self.bits, self.block = bits, block
         if outer not in OUTER_OPTIMIZERS:
             raise ValueError(f"outer={outer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")

@@ -46,8 +46,13 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None], d
             f"optimizer state; set {n('shard_optimizer')}=False")
     if o["shard_optimizer"]:
         require(h == 1, f"{n('shard_optimizer')}=True and {n('sync_every')} > 1 (local SGD) cannot be combined")
-        require(dtype in ("fp32", "bf16"), f"{n('shard_optimizer')}=True reduce-scatters the gradient in fp32 or "
-                f"bf16, not {dtype}; use {view.use('allreduce_dtype', 'fp32')}")
+    if o["shard_optimizer"] or sync == "zero1":
+        what = f"{n('shard_optimizer')}=True" if o["shard_optimizer"] else f"{n('sync')}=zero1"
+        require(dtype in ("fp32", "bf16"), f"{what} reduce-scatters the gradient in fp32 or bf16, not {dtype}; use "
+                f"{view.use('allreduce_dtype', 'fp32')}")
+    if sync == "zero3":
+        require(dtype == "fp32", f"{n('sync')}=zero3 reduce-scatters the gradient in the parameters' dtype (the "
+                f"gather's transpose); use {view.use('allreduce_dtype', 'fp32')}")
     if o["shard_params"]:
         require(h == 1 and sync == "allreduce",
                 f"{n('shard_params')}=True reduce-scatters each step's gradient, so it cannot be combined with "

@@ -84,6 +84,9 @@ class HybridShard(ZeRO3):
                            f"group size (group_size, parallel.shard_group) that divides {num_devices}")
         return k
 
+    def for_inference(self) -> Sync:
+        return ZeRO3() if self.stage == 3 else ZeRO1()  # the same logical state, on any device count
+
     def mesh_shape(self, num_devices: int) -> dict[str, int]:
         k = self.group(num_devices)
         return {GROUPS_AXIS: num_devices // k, DATA_AXIS: k}

@@ -30,6 +30,14 @@ from jdp.sync.base import PER_DEVICE, Local, Reduced, Sync, Tree, all_reduce_mea
 LARGEST = {8: 127, 4: 7}  # the largest integer a value is quantized to, symmetric around 0
 
 
+def check_block(bits: int, block: int) -> None:
+    """ValueError in one line for settings the quantizer cannot run."""
+    if bits not in LARGEST:
+        raise ValueError(f"bits={bits!r}: choose 8 or 4")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block % 2:
+        raise ValueError(f"block={block!r}: give an even block size of at least 2 (int4 packs two values a byte)")
+
+
 def quantize(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
     """x (..., block) float32 -> (integers, int8 or int4 packed two to a uint8; one float32 scale per block)."""
     scale = jnp.max(jnp.abs(x), axis=-1) / LARGEST[bits]
@@ -98,10 +106,7 @@ class QuantizedAllReduce(Sync):
 
     def __init__(self, bits: int = 8, block: int = 256, error_feedback: bool = False) -> None:
         super().__init__()
-        if bits not in LARGEST:
-            raise ValueError(f"bits={bits!r}: choose 8 or 4")
-        if block < 2 or block % 2:
-            raise ValueError(f"block={block!r}: give an even block size of at least 2")
+        check_block(bits, block)
         self.bits, self.block, self.error_feedback = bits, block, error_feedback
         self.dtype_name = f"int{bits}"  # what it sends (`jdp.bench --predict`); its collectives carry integers
 

@@ -37,8 +37,8 @@ from jax.sharding import Mesh
 
 from jdp.layers import LayerView, Stack
 from jdp.mesh import data_sharded
-from jdp.sync.base import Sync, Tree, is_sharded, shard_axis, sharded_where, unpadded
-from jdp.sync.quantized import LARGEST, quantized_all_gather
+from jdp.sync.base import DDPTwin, Sync, Tree, is_sharded, shard_axis, sharded_where, unpadded
+from jdp.sync.quantized import check_block, quantized_all_gather
 from jdp.sync.zero1 import ZeRO1, all_gather_like
 
 
@@ -61,8 +61,8 @@ class ZeRO3(ZeRO1):
 
     def __init__(self, weight_bits: int = 32, block: int = 256) -> None:
         super().__init__()  # the reduce-scatter is the gather's transpose: it sends the parameters' dtype
-        if weight_bits != 32 and weight_bits not in LARGEST:
-            raise ValueError(f"weight_bits={weight_bits!r}: choose 32 (the parameters as they are), 8 or 4")
+        if weight_bits != 32:
+            check_block(weight_bits, block)
         self.weight_bits, self.block = weight_bits, block
 
     def params(self) -> dict[str, Any]:
@@ -70,6 +70,9 @@ class ZeRO3(ZeRO1):
 
     def record(self) -> dict[str, Any]:  # quantized weights change the numerics
         return super().record() if self.weight_bits == 32 else Sync.record(self)
+
+    def ddp_twin(self) -> DDPTwin | None:
+        return super().ddp_twin() if self.weight_bits == 32 else None
 
     def _all_gather(self) -> Callable:
         """The parameters' all-gather: lax's, or (`weight_bits` 8 or 4) block-quantized as ZeRO++'s qwZ, its
