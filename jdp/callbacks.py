@@ -169,7 +169,7 @@ class NonFiniteGuard(Callback):
 
     def __init__(self, run: Run, policy: str, max_skipped_fraction: float, sync_period: int, precision: str) -> None:
         self.run, self.policy, self.max_skipped_fraction = run, policy, max_skipped_fraction
-        self.sync_period, self.precision = sync_period, precision  # the sync strategy's `every`
+        self.sync_period, self.precision = sync_period, precision  # the sync strategy's `agrees_every`
         self.recent: collections.deque[bool] = collections.deque(maxlen=self.WINDOW)
         self.warned = False
 
@@ -369,9 +369,9 @@ class KillAfterStep(Callback):
 def builtin(run: Run, options: Any, checkpoints: Checkpoints | None, preemption: PreemptionRequest,
             log: TrainLog, evaluation: Evaluation) -> list[Callback]:
     """jdp's own callbacks with their periods from `options` (`jdp.FitOptions`) and the sync strategy's (its
-    replicas agree every `every` steps), in the order they run."""
+    state can be saved every `agrees_every` steps), in the order they run."""
     kill_at = faults.requested_step()
-    every = run.parallel.sync.every
+    every = run.parallel.sync.agrees_every
     return [log, NonFiniteGuard(run, options.on_nonfinite, options.max_skipped_fraction, every, options.precision),
             StopOnSignal(run, preemption, checkpoints, every),
             ReplicaCheck(run, options.check_replicas_every),

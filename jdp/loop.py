@@ -132,7 +132,7 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
         # replicas agree on it (under local SGD they do at sync points only).
         logical = parallel.to_logical(run.state)
         halted = int(logical.step.addressable_data(0))
-        if checkpoints is not None and halted % parallel.sync.every == 0:
+        if checkpoints is not None and halted % parallel.sync.agrees_every == 0:
             checkpoints.save(halted, logical)
         raise
     except BaseException as e:

@@ -139,6 +139,12 @@ class Sync:
 
     per_device_update = False  # True: each device updates from its own gradient (the guard then decides alike)
     every = 1  # steps between two runs of a periodic sync's collectives (local SGD, DiLoCo)
+
+    @property
+    def agrees_every(self) -> int:
+        """Steps between two states a checkpoint can hold whole (the replicas agree, or each keeps its own): the
+        points a signal or a halt saves at. `every` unless a strategy keeps every step's state whole."""
+        return self.every
     noise_scale = True  # each device holds its whole gradient and the all-reduced one (`log_noise_scale`)
     shards_optimizer = False  # the optimizer updates slices of the leaves (the CLI refuses LAMB and LARS)
 

@@ -53,6 +53,8 @@ class StreamingDiLoCo(DiLoCo):
             raise ValueError(f"fragments={fragments!r} must be a positive int that divides every={every}")
         self.fragments = fragments
 
+    agrees_every = 1  # each step's state is whole: a signal or a halt saves at once
+
     def params(self) -> dict[str, Any]:
         return {**super().params(), "fragments": self.fragments}
 
