@@ -251,15 +251,16 @@ def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def listed_changes(before: dict[str, Any], after: dict[str, Any], steps_changed: bool) -> list[str]:
-    """The keys of `after` (guarded parts, by name) whose values differ in `before`. A changed schedule is not
+    """The keys of either (guarded parts, by name) whose values differ in the other. A changed schedule is not
     listed when `steps` changed too: a schedule built from `steps` moves with it, and extending a run is allowed;
     nor when the first update differs: the later ones then differ with it. Every update scaled alike is listed as
     the learning rate."""
     first_differs = not same_fingerprint(before.get(FIRST) or [], after.get(FIRST) or [])
     listed = []
-    for key in after:
+    for key in dict.fromkeys([*after, *before]):
         fingerprint = key in (FIRST, LATER)
-        if (same_fingerprint(before.get(key) or [], after[key]) if fingerprint else before.get(key) == after[key]):
+        if (same_fingerprint(before.get(key) or [], after.get(key) or []) if fingerprint
+                else before.get(key) == after.get(key)):
             continue
         if key == LATER and (steps_changed or first_differs):
             continue  # later updates that differ after a first that differs say nothing more about a schedule
@@ -270,7 +271,7 @@ def listed_changes(before: dict[str, Any], after: dict[str, Any], steps_changed:
                 listed.append(f"learning rate: every update is {scale:.3g}x the recorded run's")
                 continue
         hidden = key in _BY_NAME or key.endswith(BY_HASH)
-        listed.append(key if hidden else f"{key}: {_shown(before.get(key))} -> {_shown(after[key])}")
+        listed.append(key if hidden else f"{key}: {_shown(before.get(key))} -> {_shown(after.get(key))}")
     return listed
 
 

@@ -33,7 +33,7 @@ MODEL_FIELDS = ("name", "kwargs", "bn_sync")  # configs/base.py's model section;
 # Settings that change what a run computes (its data order or its numerics): changing them when resuming a
 # workdir is refused by default. Paths, caches, lengths and periods are not among them.
 STATE_DEFINING = ("model.", "optim.", "task.", "loss_scale.", "seed", "precision", "train.global_batch_size",
-                  "train.grad_accum_steps", "parallel.sync", "parallel.sync_kwargs", "data.name",
+                  "train.grad_accum_steps", "parallel.sync", "parallel.sync_kwargs.", "data.name",
                   "data.shape", "data.num_classes", "data.num_examples", "data.normalize", "data.augment",
                   "data.image_size", "data.train_split", "data.block_size", "data.tokenizer")
 
