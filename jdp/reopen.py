@@ -1,5 +1,5 @@
 """A run reopened from Python: `jdp.restore` (its model, with a checkpoint's state), `jdp.evaluate` (exact
-data-parallel evaluation of any model) and `jdp.export` (the parameter file of `python -m jdp.export`).
+data-parallel evaluation of any model) and `jdp.export_params` (the parameter file of `python -m jdp.export`).
 
 A run's model is rebuilt from its record (`jdp.record`) when `fit` was given an importable factory: a class or
 function by import path, or a `functools.partial` of one with JSON-able keyword arguments. A class defined in
