@@ -143,27 +143,32 @@ def test_a_quantizer_it_cannot_run_is_refused_at_construction(make):
         make()
 
 
-def test_zero3_with_int8_weights_gathers_integers_and_trains_near_float32():
-    """`ZeRO3(weight_bits=8)` (ZeRO++'s qwZ): the forward's all-gather sends int8 blocks with their scales, its
-    gradient is the float32 reduce-scatter, and each device updates float32 slices: the run stays within the
-    weights' quantization of the plain ZeRO-3 run, without equalling it. Breaks if the gradient went through the
-    rounding (it would be 0: nothing would train) or the gathered blocks were put back out of order."""
+@pytest.mark.parametrize("bits, sent", [
+    (dict(weight_bits=8), r"s8\[[\d,]*\][^\n]* all-gather"),
+    (dict(grad_bits=8), r"s8\[[\d,]*\][^\n]* all-to-all\("),
+    (dict(weight_bits=8, grad_bits=4), r"u8\[[\d,]*\][^\n]* all-to-all\("),
+], ids=["qwZ", "qgZ", "both"])
+def test_zero3_with_quantized_weights_or_gradients_trains_near_float32(bits, sent):
+    """`ZeRO3(weight_bits=8)` (ZeRO++'s qwZ) all-gathers int8 blocks with their scales, `grad_bits` (qgZ)
+    reduce-scatters the gradient as integers through an all-to-all, each device summing its part in float32, and
+    each device updates float32 slices: the run stays near plain ZeRO-3's without equalling it. Breaks if the
+    gradient went through the rounding (it would be 0: nothing would train), a device summed another's part, or
+    the gathered blocks were put back out of order."""
     from jdp.sync import ZeRO3
-
-    plain = _fit(sync=ZeRO3())
-    quantized = _fit(sync=ZeRO3(weight_bits=8))
-    np.testing.assert_allclose(quantized.losses, plain.losses, rtol=0.02)
-    assert quantized.losses != plain.losses
     from jdp.trainer import FitOptions, prepare
 
+    plain = _fit(sync=ZeRO3())
+    quantized = _fit(sync=ZeRO3(**bits))
+    np.testing.assert_allclose(quantized.losses, plain.losses, rtol=0.02)
+    assert quantized.losses != plain.losses
     engine = prepare(lambda: Regressor(nnx.Rngs(0)), mse, regression_data(), optimizer=optax.sgd(0.1),
-                     global_batch_size=32, options=FitOptions(num_devices=8, sync=ZeRO3(weight_bits=8)))
+                     global_batch_size=32, options=FitOptions(num_devices=8, sync=ZeRO3(**bits)))
     state = engine.parallel.to_devices(engine.init_state())
     text = engine.parallel.lower_train(state, engine.parallel.shard_batch(engine.source.train_batch(0))).compile(
         ).as_text()
-    assert re.search(r"s8\[[\d,]*\][^\n]* all-gather", text) and "reduce-scatter" in text
-    with pytest.raises(FitError, match="quantizes the weights it gathers"):
-        jdp.FitOptions(sync=ZeRO3(weight_bits=8), backend="jit")
+    assert re.search(sent, text)
+    with pytest.raises(FitError, match="quantizes what it gathers and reduce-scatters"):
+        jdp.FitOptions(sync=ZeRO3(**bits), backend="jit")
 
 
 KILLED = {  # each new strategy through the CLI, as a config file sets it (an object and its settings by path)
@@ -171,7 +176,8 @@ KILLED = {  # each new strategy through the CLI, as a config file sets it (an ob
                     "parallel.allreduce_dtype": "int8"},
     "streaming_diloco": {"parallel.sync": "jdp.sync.streaming:StreamingDiLoCo",
                          "parallel.sync_kwargs": {"every": 4, "fragments": 2}},
-    "zero3_int8_weights": {"parallel.sync": "jdp.sync.zero3:ZeRO3", "parallel.sync_kwargs": {"weight_bits": 8}},
+    "zero3_int8": {"parallel.sync": "jdp.sync.zero3:ZeRO3", "parallel.sync_kwargs": {"weight_bits": 8,
+                                                                                  "grad_bits": 8}},
 }
 
 

@@ -54,10 +54,15 @@ def dequantize(q: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
     return q.astype(jnp.float32) * scale[..., None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def quantized_all_gather(x: jax.Array, axis_name: Any, axis: int, bits: int, block: int) -> jax.Array:
-    """`lax.all_gather(x, axis_name, axis=axis, tiled=True)` sending `x` block-quantized (ZeRO++'s qwZ: ZeRO-3's
-    weights gathered as int8); its gradient is the float32 reduce-scatter an all-gather's is."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
+def quantized_all_gather(x: jax.Array, axis_name: Any, axis: int, bits: int, grad_bits: int, block: int
+                         ) -> jax.Array:
+    """`lax.all_gather(x, axis_name, axis=axis, tiled=True)` sending `x` block-quantized at `bits` (ZeRO++'s qwZ:
+    ZeRO-3's weights gathered as int8; 32: as they are); its gradient is an all-gather's, the reduce-scatter,
+    sent at `grad_bits` (32: float32; 8 or 4: quantized through an all-to-all, each device summing its part in
+    float32, as ZeRO++'s qgZ)."""
+    if bits == 32:
+        return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
     moved = jnp.moveaxis(x, axis, 0)
     flat = moved.reshape(-1)
     blocks = jnp.pad(flat, (0, -flat.size % block)).reshape(-1, block)
@@ -66,13 +71,23 @@ def quantized_all_gather(x: jax.Array, axis_name: Any, axis: int, bits: int, blo
     return jnp.moveaxis(whole.reshape(-1, *moved.shape[1:]), 0, axis)
 
 
-def _gather_forward(x: jax.Array, axis_name: Any, axis: int, bits: int, block: int) -> tuple[jax.Array, None]:
-    return quantized_all_gather(x, axis_name, axis, bits, block), None
+def _gather_forward(x: jax.Array, axis_name: Any, axis: int, bits: int, grad_bits: int, block: int
+                    ) -> tuple[jax.Array, None]:
+    return quantized_all_gather(x, axis_name, axis, bits, grad_bits, block), None
 
 
-def _gather_backward(axis_name: Any, axis: int, bits: int, block: int, _: None, cotangent: jax.Array
-                     ) -> tuple[jax.Array]:
-    return (jax.lax.psum_scatter(cotangent, axis_name, scatter_dimension=axis, tiled=True),)
+def _gather_backward(axis_name: Any, axis: int, bits: int, grad_bits: int, block: int, _: None,
+                     cotangent: jax.Array) -> tuple[jax.Array]:
+    if grad_bits == 32:
+        return (jax.lax.psum_scatter(cotangent, axis_name, scatter_dimension=axis, tiled=True),)
+    n = jax.lax.psum(1, axis_name)
+    moved = jnp.moveaxis(cotangent, axis, 0)  # device i's part: rows i*a .. (i+1)*a - 1
+    parts = moved.reshape(n, -1)
+    blocks = jnp.pad(parts, ((0, 0), (0, -parts.shape[1] % block))).reshape(n, -1, block)
+    q, scale = (jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True) for x in quantize(blocks.astype(jnp.float32),
+                                                                                     grad_bits))
+    mine = jnp.sum(dequantize(q, scale, grad_bits), axis=0).reshape(-1)[:parts.shape[1]]
+    return (jnp.moveaxis(mine.reshape(-1, *moved.shape[1:]), 0, axis).astype(cotangent.dtype),)
 
 
 quantized_all_gather.defvjp(_gather_forward, _gather_backward)

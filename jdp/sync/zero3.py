@@ -59,28 +59,34 @@ class ZeRO3(ZeRO1):
     abstract_params: Tree = None
     per_layer: Tree = None
 
-    def __init__(self, weight_bits: int = 32, block: int = 256) -> None:
+    def __init__(self, weight_bits: int = 32, grad_bits: int = 32, block: int = 256) -> None:
         super().__init__()  # the reduce-scatter is the gather's transpose: it sends the parameters' dtype
-        if weight_bits != 32:
-            check_block(weight_bits, block)
-        self.weight_bits, self.block = weight_bits, block
+        for bits in (weight_bits, grad_bits):
+            if bits != 32:
+                check_block(bits, block)
+        self.weight_bits, self.grad_bits, self.block = weight_bits, grad_bits, block
+
+    @property
+    def quantized(self) -> bool:
+        return (self.weight_bits, self.grad_bits) != (32, 32)
 
     def params(self) -> dict[str, Any]:
-        return {} if self.weight_bits == 32 else {"weight_bits": self.weight_bits, "block": self.block}
+        return {"weight_bits": self.weight_bits, "grad_bits": self.grad_bits, "block": self.block} if (
+            self.quantized) else {}
 
-    def record(self) -> dict[str, Any]:  # quantized weights change the numerics
-        return super().record() if self.weight_bits == 32 else Sync.record(self)
+    def record(self) -> dict[str, Any]:  # quantized collectives change the numerics
+        return Sync.record(self) if self.quantized else super().record()
 
     def ddp_twin(self) -> DDPTwin | None:
-        return super().ddp_twin() if self.weight_bits == 32 else None
+        return None if self.quantized else super().ddp_twin()
 
     def _all_gather(self) -> Callable:
-        """The parameters' all-gather: lax's, or (`weight_bits` 8 or 4) block-quantized as ZeRO++'s qwZ, its
-        gradient the float32 reduce-scatter all the same."""
-        if self.weight_bits == 32:
+        """The parameters' all-gather: lax's, or with `weight_bits` and `grad_bits` (8 or 4) its weights and its
+        gradient's reduce-scatter block-quantized, as ZeRO++'s qwZ and qgZ."""
+        if not self.quantized:
             return jax.lax.all_gather
         return lambda x, axis_name, axis, tiled: quantized_all_gather(x, axis_name, axis, self.weight_bits,
-                                                                      self.block)
+                                                                      self.grad_bits, self.block)
 
     def bind(self, model: Any, seed: int) -> ZeRO3:
         bound = copy.copy(self)
@@ -97,8 +103,8 @@ class ZeRO3(ZeRO1):
                                               "a whole copy of the state on every device")
         require(not options["log_noise_scale"], f"{view('log_noise_scale')} needs each device's whole gradient, "
                 f"which {what} never holds; set {view.use('log_noise_scale', False)}")
-        require(self.weight_bits == 32 or options["backend"] == "shard_map", f"{what} quantizes the weights it "
-                f"gathers, which it gathers itself under shard_map only; use {view.use('backend', 'shard_map')}")
+        require(not self.quantized or options["backend"] == "shard_map", f"{what} quantizes what it gathers and "
+                f"reduce-scatters, which it does itself under shard_map only; use {view.use('backend', 'shard_map')}")
 
     def optimizer_sees_slices(self, backend: str) -> bool:
         return backend != "jit"  # under jit the optimizer updates global arrays
