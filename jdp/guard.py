@@ -81,17 +81,22 @@ class Guard:
 
     def check_record(self) -> None:
         """Refuses a resume whose settings differ from run.json's (each differing setting named)."""
-        found: tuple[list[str], int | None, str | None] = ([], None, None)
+        found: tuple[list[str], int | None, str | None, bool] = ([], None, None, False)
         if jax.process_index() == 0:
             try:
                 old = record_lib.read(self.workdir)
             except FitError as e:  # decided by the checkpoint's fingerprint; without one, refused (below)
-                found = ([], None, str(e))
+                found = ([], None, str(e), False)
             else:
                 if old is not None:
-                    found = (record_lib.changes(old, self.fit_record), old["steps"], None)
-        changed, self.record_steps, self.unreadable = json.loads(
+                    unrecorded = bool(self.fit_record.get("settings")) and not old.get("settings")
+                    found = (record_lib.changes(old, self.fit_record), old["steps"], None, unrecorded)
+        changed, self.record_steps, self.unreadable, unrecorded = json.loads(
             distributed_lib.broadcast("record checked", json.dumps(found), RESULTS_TIMEOUT_S))
+        if unrecorded:  # a workdir of a jdp from before run.json held the caller's settings
+            self.echo(f"warning: {self.workdir / record_lib.RECORD_FILE} holds no record of the config's keys (an "
+                      "older jdp wrote it): this resume checks fit's own settings only, and records the keys for "
+                      "the next")
         if changed and not self.allow_change:
             raise refusal(self.workdir, changed)
         if changed:

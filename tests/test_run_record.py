@@ -530,6 +530,21 @@ def test_a_config_setting_fit_cannot_see_is_refused_by_its_key(cli_run, tmp_path
     assert against_checkpoint(capsys.readouterr().err.strip(), workdir / "checkpoints" / "4") == {guard_lib._SETTINGS}
 
 
+def test_a_workdir_whose_record_lacks_the_configs_keys_says_what_its_resume_checks(cli_run, tmp_path, capsys):
+    """A workdir of a jdp from before run.json held the config's keys (and before fingerprints): its resume checks
+    fit's own settings, says in one line that the config's keys were not checked, and records them for the next."""
+    workdir = copy_of(cli_run, tmp_path)
+    as_before_fingerprints(workdir)
+    record = json.loads((workdir / "run.json").read_text())
+    record["fit"]["settings"] = None
+    (workdir / "run.json").write_text(json.dumps(record))
+    capsys.readouterr()
+    assert train_cli.main([*CLI, "--config.train.steps=6", "--workdir", str(workdir)]) == 0
+    warnings = [line for line in capsys.readouterr().out.splitlines() if "holds no record of the config's keys" in line]
+    assert len(warnings) == 1
+    assert json.loads((workdir / "run.json").read_text())["fit"]["settings"]
+
+
 # 3. Reopened from Python ----------------------------------------------------------------------------------
 
 
