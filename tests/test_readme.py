@@ -37,6 +37,7 @@ RUN_BY = {
     "python -m jdp.compare parity --config configs/mnist1d_mlp.py --workers 2 --steps 30 "
     "--config.parallel.sync=powersgd": "test_compare::test_parity_powersgd_against_ddps_hook",
     "WANDB_MODE=offline python -m jdp.train": "test_loggers::test_the_docs_tracker_command_runs",
+    "python benchmarks/comm_pareto.py": "test_comm_pareto::test_the_pareto_harness_runs_and_writes_its_table_and_plot",
 }
 
 
