@@ -63,17 +63,21 @@ class DiLoCo(LocalSGD):
         layouts = super().layouts(abstract_state)
         return layouts._replace(opt_state=jax.tree.map(lambda _: PER_DEVICE, abstract_state.opt_state))
 
+    def outer_step(self, anchor: Tree, params: Tree, outer_state: Any, axis_name: str | None) -> tuple[Tree, Any]:
+        """(the new anchor, the outer optimizer's state) from the devices' `params` after a round: the outer
+        gradient anchor - mean(params), in float32 or quantized at `bits`."""
+        if self.bits == 32:
+            gradient = jax.tree.map(lambda a, p: a - p, anchor, all_reduce_mean(params, axis_name))
+        else:
+            gradient, _ = quantized_mean(jax.tree.map(lambda a, p: (a - p).astype(jnp.float32), anchor, params),
+                                         axis_name, self.bits, self.block)
+        updates, outer_state = self.outer.update(gradient, outer_state, anchor)
+        return optax.apply_updates(anchor, updates), outer_state
+
     def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
         """At a round's end (counted from the step before, whatever the guard kept): the outer step."""
         def outer_step(state: Any) -> Any:
-            anchor = state.sync["anchor"]
-            if self.bits == 32:
-                gradient = jax.tree.map(lambda a, p: a - p, anchor, all_reduce_mean(state.params, axis_name))
-            else:
-                gradient, _ = quantized_mean(jax.tree.map(lambda a, p: (a - p).astype(jnp.float32), anchor,
-                                                          state.params), axis_name, self.bits, self.block)
-            updates, outer = self.outer.update(gradient, state.sync["outer"], anchor)
-            anchor = optax.apply_updates(anchor, updates)
+            anchor, outer = self.outer_step(state.sync["anchor"], state.params, state.sync["outer"], axis_name)
             return state._replace(params=anchor, sync={"anchor": anchor, "outer": outer})
 
         return jax.lax.cond((previous.step + 1) % self.every == 0, outer_step, lambda s: s, state)

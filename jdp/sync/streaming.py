@@ -25,11 +25,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from jdp.sync.base import PER_DEVICE, REPLICATED, Tree, all_reduce_mean
+from jdp.sync.base import PER_DEVICE, REPLICATED, Tree
 from jdp.sync.diloco import DiLoCo
-from jdp.sync.quantized import quantized_mean
 
 
 def fragments_of(tree: Tree, count: int) -> list[list[int]]:
@@ -92,14 +90,8 @@ class StreamingDiLoCo(DiLoCo):
         local_leaves, outers = jax.tree.leaves(state.params), list(state.sync["outer"])
 
         def sync_fragment(carry: tuple) -> tuple:
-            anchor, local, outer_state = carry
-            if self.bits == 32:  # as DiLoCo computes it, so that one fragment is DiLoCo bit for bit
-                gradient = jax.tree.map(lambda a, p: a - p, anchor, all_reduce_mean(local, axis_name))
-            else:
-                gradient, _ = quantized_mean(jax.tree.map(lambda a, p: (a - p).astype(jnp.float32), anchor,
-                                                          local), axis_name, self.bits, self.block)
-            updates, outer_state = self.outer.update(gradient, outer_state, anchor)
-            anchor = optax.apply_updates(anchor, updates)
+            anchor, local, outer_state = carry  # DiLoCo's outer step: one fragment is DiLoCo bit for bit
+            anchor, outer_state = self.outer_step(anchor, local, outer_state, axis_name)
             return anchor, anchor, outer_state
 
         done = previous.step + 1
