@@ -12,6 +12,7 @@ import pytest
 from flax import nnx
 
 import jdp
+from jdp import hlo
 from jdp.errors import FitError
 from jdp.trainer import FitOptions, prepare
 from tests.test_powersgd import BATCH, N, Net, _data, mse
@@ -25,9 +26,9 @@ def _fit(optimizer, steps=H * ROUNDS, **options):
                    num_devices=N, sync_every=H, eval_every=0, **options)
 
 
-def _reference(params0, batches, lr=0.7, momentum=0.9):
-    """4 learners, each with its own AdamW state over the rounds; after every H inner steps the outer gradient
-    anchor - mean(params) takes a Nesterov step: v = m v + g; anchor -= lr (g + m v)."""
+def _reference(params0, batches, lr=0.7, momentum=0.9, learners=N):
+    """4 learners (each on its devices' rows), each with its own AdamW state over the rounds; after every H inner
+    steps the outer gradient anchor - mean(params) takes a Nesterov step: v = m v + g; anchor -= lr (g + m v)."""
     def loss(p, x, y):
         h = jnp.tanh(x @ p["l1"]["kernel"] + p["l1"]["bias"])
         return jnp.mean(jnp.mean((h @ p["l2"]["kernel"] + p["l2"]["bias"] - y) ** 2, axis=-1))
@@ -35,11 +36,11 @@ def _reference(params0, batches, lr=0.7, momentum=0.9):
     grad = jax.jit(jax.grad(loss))
     anchor = jax.tree.map(np.asarray, params0)
     velocity = jax.tree.map(np.zeros_like, anchor)
-    learners = [anchor] * N
-    inner = [INNER.init(anchor) for _ in range(N)]
-    rows = np.split(np.arange(BATCH), N)
+    count, learners = learners, [anchor] * learners
+    inner = [INNER.init(anchor) for _ in range(count)]
+    rows = np.split(np.arange(BATCH), count)
     for step, batch in enumerate(batches):
-        for i in range(N):
+        for i in range(count):
             g = grad(learners[i], batch["x"][rows[i]], batch["y"][rows[i]])
             updates, inner[i] = INNER.update(g, inner[i], learners[i])
             learners[i] = optax.apply_updates(learners[i], updates)
@@ -47,7 +48,7 @@ def _reference(params0, batches, lr=0.7, momentum=0.9):
             g = jax.tree.map(lambda a, *p: a - np.mean(p, axis=0), anchor, *learners)
             velocity = jax.tree.map(lambda v, g: momentum * v + g, velocity, g)
             anchor = jax.tree.map(lambda a, g, v: a - lr * (g + momentum * v), anchor, g, velocity)
-            learners = [anchor] * N
+            learners = [anchor] * count
     return anchor
 
 
@@ -118,3 +119,58 @@ def test_a_quantized_outer_gradient_sends_integers_and_resumes_bitwise(tmp_path)
     text = engine.parallel.lower_train(state, engine.parallel.shard_batch(engine.source.train_batch(0))).compile(
         ).as_text()
     assert any(" all-to-all(" in line and "s8[" in line for line in text.splitlines())
+
+
+GROUPED = jdp.sync.DiLoCo(every=H, group_size=2)  # 2 groups of 2 devices on N = 4
+
+
+def _grouped(strategy=GROUPED, steps=H * ROUNDS, **options):
+    return jdp.fit(lambda: Net(nnx.Rngs(0)), mse, _data(), optimizer=INNER, steps=steps, global_batch_size=BATCH,
+                   num_devices=N, sync=strategy, eval_every=0, **options)
+
+
+def test_a_group_of_devices_is_one_learner_whose_inner_steps_are_data_parallel():
+    """DiLoCo across 2 groups of 2 devices is the reference's 2 learners, each on its group's rows; the replica
+    check after every round compares the parameters on all 4 devices. Breaks if the gradient is not averaged in
+    the group (4 learners), or if a device's slice of the outer gradient lands at another's place."""
+    engine = prepare(lambda: Net(nnx.Rngs(0)), mse, _data(), optimizer=INNER, global_batch_size=BATCH,
+                     options=FitOptions(num_devices=N, sync=GROUPED, eval_every=0))
+    assert dict(engine.parallel.mesh.shape) == {"groups": 2, "data": 2}
+    params0 = engine.parallel.to_host(engine.init_state()).params
+    expected = _reference(params0, [engine.source.train_batch(s) for s in range(H * ROUNDS)], learners=2)
+    got = _grouped(check_replicas_every=H).params
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+def test_across_groups_each_device_sends_its_slice_of_the_outer_gradient(bits):
+    """The hand count, per device and step: across the groups, its 1/k slice of the outer gradient once a round
+    (Net's P = 212 float32 parameters, k = 2: 106 values; at int8 through `quantized_mean`'s all-to-all of 2 padded
+    chunks of one block of 256 and the all-gather of one, each with a float32 scale per block), plus the loss sums'
+    and weight's all-reduce (8 bytes) and the guard's pmin (4) every step; in the group, the gradient's and weight's
+    all-reduce every step (4 P + 4) and the all-gather of the slices once a round (4 P / k). Breaks if every device
+    sends the whole outer gradient across (k times the bytes)."""
+    engine = prepare(lambda: Net(nnx.Rngs(0)), mse, _data(), optimizer=INNER, global_batch_size=BATCH,
+                     options=FitOptions(num_devices=N, sync=jdp.sync.DiLoCo(every=H, group_size=2, bits=bits),
+                                        eval_every=0))
+    parallel = engine.parallel
+    state = parallel.to_devices(engine.init_state())
+    text = parallel.lower_train(state, parallel.shard_batch(engine.source.train_batch(0))).compile().as_text()
+    sent = hlo.collectives(text, N, period=H, group_size=2)
+    across = 4 * 106 if bits == 32 else (2 * 256 + 2 * 4) + (256 + 4)
+    assert sent.cross_group == pytest.approx(across / H + 8 + 4)
+    assert sent.in_group == pytest.approx(4 * 212 + 4 + 4 * 106 / H)
+
+
+def test_diloco_across_groups_resumes_bitwise_and_is_refused_where_it_cannot_run(tmp_path):
+    straight = _grouped(steps=2 * H, workdir=tmp_path / "a", checkpoint_every=H)
+    _grouped(steps=H, workdir=tmp_path / "b", checkpoint_every=H)
+    resumed = _grouped(steps=2 * H, workdir=tmp_path / "b", checkpoint_every=H)
+    assert resumed.losses == straight.losses[H:]
+    for a, b in zip(jax.tree.leaves(resumed.params), jax.tree.leaves(straight.params), strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(FitError, match="shard_map only; use backend='shard_map'"):
+        _grouped(backend="pmap")
+    with pytest.raises(FitError, match="a group of 3 devices does not divide the 4 devices"):
+        _grouped(jdp.sync.DiLoCo(every=H, group_size=3))

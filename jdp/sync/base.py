@@ -18,8 +18,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from jdp import hlo
+from jdp.errors import FitError
 from jdp.layers import LayerView
-from jdp.mesh import DATA_AXIS
+from jdp.mesh import DATA_AXIS, GROUPS_AXIS
 
 Tree = Any
 
@@ -67,6 +68,28 @@ def sharded_where(tree: Tree) -> Tree:
 def spec_on(axis: int | None, ndim: int) -> P:
     """A PartitionSpec splitting `axis` (None: none) on `data`."""
     return P() if axis is None else P(*[DATA_AXIS if a == axis else None for a in range(ndim)])
+
+
+def check_group_size(group_size: int | None) -> None:
+    """ValueError in one line unless `group_size` (the devices of a group, a node's) is a positive int or None."""
+    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
+        raise ValueError(f"group_size={group_size!r} must be a positive int (devices in a group), or None for one "
+                         "process's devices")
+
+
+def group_mesh(strategy: Sync, group_size: int | None, num_devices: int) -> dict[str, int]:
+    """The groups x `data` mesh (`Sync.mesh_shape`) of `num_devices` in groups of `group_size` consecutive devices
+    (None: one process's, a node's, in a multi-process run); FitError in one line where there is none."""
+    k = group_size
+    if k is None:
+        if jax.process_count() == 1:
+            raise FitError(f"{strategy!r} groups one process's devices by default, and this run is one process: "
+                           "give the group's size (group_size=k, parallel.shard_group=k)")
+        k = jax.local_device_count()
+    if num_devices % k:
+        raise FitError(f"{strategy!r}: a group of {k} devices does not divide the {num_devices} devices; give a "
+                       f"group size (group_size, parallel.shard_group) that divides {num_devices}")
+    return {GROUPS_AXIS: num_devices // k, DATA_AXIS: k}
 
 
 class DDPTwin(NamedTuple):

@@ -12,17 +12,25 @@ rate 1 and a stateless inner optimizer it is local SGD.
 `bits` 8 or 4 sends the outer gradient block-quantized, as INTELLECT-1 sends int8 pseudo-gradients: each device's
 anchor - parameters through `jdp.sync.quantized.quantized_mean` (an all-to-all and an all-gather of integers with
 a float32 scale per `block` values) instead of the float32 all-reduce of the parameters.
+
+`group_size` k > 1 is DiLoCo across nodes, as INTELLECT-1 runs it: each group of k devices (a node's) is one
+replica, whose inner steps are data parallel (the group's mean gradient, an all-reduce inside the group), on a
+groups x `data` mesh (`jdp.sync.base.group_mesh`). The devices of a group hold the same parameters, so each sends
+across the groups only its 1/k slice of the outer gradient, and the group all-gathers the mean: 4 P / k bytes a
+device a round for P float32 parameters (less at `bits`), 1/k of what a device of flat DiLoCo sends. shard_map only.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import optax
+from jax.flatten_util import ravel_pytree
 
-from jdp.sync.base import PER_DEVICE, Tree, all_reduce_mean
+from jdp.sync.base import PER_DEVICE, Local, Reduced, Tree, all_reduce_mean, check_group_size, group_mesh
 from jdp.sync.local_sgd import LocalSGD
 from jdp.sync.quantized import check_block, quantized_mean
 
@@ -30,13 +38,16 @@ OUTER_OPTIMIZERS = ("nesterov", "sgd")
 
 
 class DiLoCo(LocalSGD):
-    """`DiLoCo(every=H, outer_lr=0.7, outer_momentum=0.9, outer="nesterov", bits=32, block=256)`; `outer` "sgd":
-    anchor - lr * g, "nesterov": the paper's outer Nesterov momentum (optax's); `bits` 8 or 4: the outer gradient
-    quantized. Its state: `{"anchor": the parameters at the round's start, "outer": the outer optimizer's state}`."""
+    """`DiLoCo(every=H, outer_lr=0.7, outer_momentum=0.9, outer="nesterov", bits=32, block=256, group_size=1)`;
+    `outer` "sgd": anchor - lr * g, "nesterov": the paper's outer Nesterov momentum (optax's); `bits` 8 or 4: the
+    outer gradient quantized; `group_size` k: a replica is a group of k devices (None: one process's). Its state:
+    `{"anchor": the parameters at the round's start, "outer": the outer optimizer's state}`."""
 
     def __init__(self, every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9, outer: str = "nesterov",
-                 bits: int = 32, block: int = 256) -> None:
+                 bits: int = 32, block: int = 256, group_size: int | None = 1) -> None:
         super().__init__(every)
+        check_group_size(group_size)
+        self.group_size = group_size
         if bits != 32:
             check_block(bits, block)
         self.bits, self.block = bits, block
@@ -49,9 +60,28 @@ class DiLoCo(LocalSGD):
                       else optax.sgd(outer_lr))
 
     def params(self) -> dict[str, Any]:
-        quantized = {"bits": self.bits, "block": self.block} if self.bits != 32 else {}  # float32 runs' records
+        # Only what differs from the first DiLoCo's parameters, so that its runs' records stay as they were.
+        quantized = {"bits": self.bits, "block": self.block} if self.bits != 32 else {}
+        grouped = {"group_size": self.group_size} if self.group_size != 1 else {}
         return {"every": self.every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
-                "outer": self.outer_name, **quantized}
+                "outer": self.outer_name, **quantized, **grouped}
+
+    def mesh_shape(self, num_devices: int) -> dict[str, int]:
+        return super().mesh_shape(num_devices) if self.group_size == 1 else group_mesh(self, self.group_size,
+                                                                                       num_devices)
+
+    def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
+        super().check(options, view, what, require)
+        require(self.group_size == 1 or options["backend"] == "shard_map", f"{what} (DiLoCo across groups) runs on "
+                f"a two-axis mesh under shard_map only; use {view.use('backend', 'shard_map')}")
+
+    def reduce(self, local: Local, state: Any, axis_name: Any, collective: bool = True) -> Reduced:
+        """Local SGD's, but on a groups x `data` mesh the gradient is the group's mean (an all-reduce in it)."""
+        reduced = super().reduce(local, state, axis_name, collective)
+        if not isinstance(axis_name, tuple):  # every device is its own replica
+            return reduced
+        group = all_reduce_mean({"grads": local.grads, "weight": local.weight}, axis_name[-1] if collective else None)
+        return reduced._replace(grads=self._of_mean(group["grads"], local.rows, group["weight"]))
 
     def init_state(self, params: Tree, num_devices: int) -> Tree:
         return {"anchor": params, "outer": self.outer.init(params)}
@@ -66,13 +96,27 @@ class DiLoCo(LocalSGD):
     def outer_step(self, anchor: Tree, params: Tree, outer_state: Any, axis_name: str | None) -> tuple[Tree, Any]:
         """(the new anchor, the outer optimizer's state) from the devices' `params` after a round: the outer
         gradient anchor - mean(params), in float32 or quantized at `bits`."""
-        if self.bits == 32:
+        if isinstance(axis_name, tuple):  # groups x data
+            gradient = self._mean_across_groups(jax.tree.map(lambda a, p: a - p, anchor, params), *axis_name)
+        elif self.bits == 32:
             gradient = jax.tree.map(lambda a, p: a - p, anchor, all_reduce_mean(params, axis_name))
         else:
             gradient, _ = quantized_mean(jax.tree.map(lambda a, p: (a - p).astype(jnp.float32), anchor, params),
                                          axis_name, self.bits, self.block)
         updates, outer_state = self.outer.update(gradient, outer_state, anchor)
         return optax.apply_updates(anchor, updates), outer_state
+
+    def _mean_across_groups(self, tree: Tree, groups: str, inner: str) -> Tree:
+        """The mean over the groups of `tree` (the same on every device of a group), each device sending across
+        the groups only its 1/k slice of it (at `bits`), then all-gathering the group's slices."""
+        flat, unravel = ravel_pytree(tree)
+        k = jax.lax.psum(1, inner)
+        size = math.ceil(flat.size / k)
+        mine = jax.lax.dynamic_slice_in_dim(jnp.pad(flat, (0, size * k - flat.size)),
+                                            jax.lax.axis_index(inner) * size, size)
+        mean = (all_reduce_mean(mine, groups) if self.bits == 32
+                else quantized_mean([mine], groups, self.bits, self.block)[0][0])
+        return unravel(jax.lax.all_gather(mean, inner, tiled=True)[:flat.size])
 
     def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
         """At a round's end (counted from the step before, whatever the guard kept): the outer step."""

@@ -33,10 +33,19 @@ import jax
 import optax
 from jax.sharding import Mesh
 
-from jdp.errors import FitError
 from jdp.layers import LayerView
-from jdp.mesh import DATA_AXIS, GROUPS_AXIS
-from jdp.sync.base import Local, Reduced, Sync, Tree, all_reduce_mean, floating, merge_floating
+from jdp.mesh import DATA_AXIS
+from jdp.sync.base import (
+    Local,
+    Reduced,
+    Sync,
+    Tree,
+    all_reduce_mean,
+    check_group_size,
+    floating,
+    group_mesh,
+    merge_floating,
+)
 from jdp.sync.zero1 import ZeRO1, check_sliceable, global_norm
 from jdp.sync.zero3 import ZeRO3
 
@@ -57,10 +66,7 @@ class HybridShard(ZeRO3):
 
     def __init__(self, group_size: int | None = None, stage: int = 3) -> None:
         super().__init__()
-        if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int)
-                                       or group_size < 1):
-            raise ValueError(f"group_size={group_size!r} must be a positive int (devices in a group), or None for "
-                             "one process's devices")
+        check_group_size(group_size)
         if stage not in STAGES:
             raise ValueError(f"stage={stage!r} is not one of {', '.join(map(str, STAGES))} (ZeRO-1 or ZeRO-3 in a "
                              "group)")
@@ -73,23 +79,13 @@ class HybridShard(ZeRO3):
 
     def group(self, num_devices: int) -> int:
         """The devices of one group on `num_devices`; FitError in one line where there is none."""
-        k = self.group_size
-        if k is None:
-            if jax.process_count() == 1:
-                raise FitError(f"{self!r} groups one process's devices by default, and this run is one process: "
-                               "give the group's size, HybridShard(group_size=k) (parallel.shard_group=k)")
-            k = jax.local_device_count()
-        if num_devices % k:
-            raise FitError(f"{self!r}: a group of {k} devices does not divide the {num_devices} devices; give a "
-                           f"group size (group_size, parallel.shard_group) that divides {num_devices}")
-        return k
+        return group_mesh(self, self.group_size, num_devices)[DATA_AXIS]
 
     def for_inference(self) -> Sync:
         return ZeRO3() if self.stage == 3 else ZeRO1()  # the same logical state, on any device count
 
     def mesh_shape(self, num_devices: int) -> dict[str, int]:
-        k = self.group(num_devices)
-        return {GROUPS_AXIS: num_devices // k, DATA_AXIS: k}
+        return group_mesh(self, self.group_size, num_devices)
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
         require(options["backend"] == "shard_map", f"{what} (hybrid sharding) runs on a two-axis mesh under "
