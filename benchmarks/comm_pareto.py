@@ -10,7 +10,9 @@ nodes: cross-group bytes are those of collectives whose replica groups span both
 flat strategy that is all of them, for hybrid sharding the all-reduce across the groups).
 
 Every method runs at seed 0; fp32 and the best of each family (lowest validation loss) run at seeds 1 and 2 too,
-but for hybrid sharding, whose numerics are fp32's (the same mean, the state laid out otherwise).
+but for hybrid sharding, whose numerics are fp32's (the same mean, the state laid out otherwise), and so does every
+method that meets the goal at seed 0 (GOAL_RATIO times fewer cross-group bytes than fp32, a loss within GOAL_LOSS of
+fp32's), so that the goal is judged on 3 seeds.
 Writes OUT.csv (method, family, settings, bytes per step all and cross-group, their ratio to fp32's, validation loss
 mean and spread over seeds) and OUT.png (cross-group bytes, log, against validation loss; beside it the validation
 loss against tokens for fp32 and the frontier), and prints the CSV.
@@ -34,6 +36,7 @@ EVAL_EVERY = 200
 GROUP = 4  # devices a node
 BATCH = 16
 TOKENS_PER_STEP = BATCH * 64  # x the recipe's block
+GOAL_RATIO, GOAL_LOSS = 1000, 0.02  # the goal: 1000x fewer cross-group bytes than fp32, within 2% of its loss
 
 # name -> (family, config settings). `sync` / `sync_kwargs` name a strategy object by import path.
 METHODS: dict[str, tuple[str, dict]] = {
@@ -53,6 +56,13 @@ METHODS: dict[str, tuple[str, dict]] = {
                              "parallel.sync_kwargs": {"every": h, "fragments": f, **({"bits": int(bits[3:])} if bits
                                                                                      else {})}})
        for h, f, bits in ((50, 5, ""), (200, 4, "int4"))},
+    # DiLoCo across the nodes, data parallel inside each (INTELLECT-1's layout): its outer learning rate, 1.0, is
+    # the best of 0.5, 0.7, 1.0 and 1.4 at H = 50 on 2 learners (docs/communication.md).
+    **{f"diloco_nodes_h{h}{'_' + bits if bits else ''}": (
+        "DiLoCo across nodes", {"parallel.sync": "jdp.sync.diloco:DiLoCo",
+                                "parallel.sync_kwargs": {"every": h, "outer_lr": 1.0, "group_size": GROUP,
+                                                         **({"bits": int(bits[3:])} if bits else {})}})
+       for h, bits in ((50, ""), (50, "int4"), (100, "int4"))},
     "zero3_int8_weights": ("ZeRO-3", {"parallel.sync": "jdp.sync.zero3:ZeRO3",
                                       "parallel.sync_kwargs": {"weight_bits": 8}}),
     "hybrid_2x4": ("hybrid sharding", {"parallel.shard_group": GROUP}),
@@ -110,7 +120,9 @@ def main() -> None:
             loss = results[name][0]["summary"]["eval_loss"]
             if family not in best or loss < results[best[family]][0]["summary"]["eval_loss"]:
                 best[family] = name
-        for name in sorted({"fp32", *best.values()} & set(names), key=names.index):
+        fp32 = results["fp32"][0]["summary"] if "fp32" in results else None
+        goal = {name for name in names if fp32 and meets_goal(results[name][0]["summary"], fp32)}
+        for name in sorted({"fp32", *best.values(), *goal} & set(names), key=names.index):
             for seed in (1, 2):
                 results[name][seed] = run(name, seed, args, Path(folder))
     rows = table(results)
@@ -119,13 +131,21 @@ def main() -> None:
           f"{(time.monotonic() - started) / 60:.0f} min", file=sys.stderr)
 
 
+def cross_group_bytes(summary: dict) -> float:
+    return summary.get("comm_cross_group_bytes_per_step", summary["comm_bytes_per_step"])
+
+
+def meets_goal(summary: dict, fp32: dict) -> bool:
+    return (cross_group_bytes(summary) * GOAL_RATIO <= fp32["comm_bytes_per_step"]
+            and summary["eval_loss"] <= fp32["eval_loss"] * (1 + GOAL_LOSS))
+
+
 def table(results: dict) -> list[dict]:
     fp32 = results.get("fp32", {}).get(0, {}).get("summary", {})
     rows = []
     for name, runs in results.items():
         summary = runs[0]["summary"]
-        all_bytes = summary["comm_bytes_per_step"]
-        cross = summary.get("comm_cross_group_bytes_per_step", all_bytes)
+        all_bytes, cross = summary["comm_bytes_per_step"], cross_group_bytes(summary)
         losses = [r["summary"]["eval_loss"] for r in runs.values()]
         rows.append({"method": name, "family": METHODS[name][0], "settings": json.dumps(METHODS[name][1]),
                      "bytes_per_step": round(all_bytes), "cross_group_bytes_per_step": round(cross),

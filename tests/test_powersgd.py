@@ -167,6 +167,9 @@ def test_which_leaves_are_compressed():
     assert found == {"conv.kernel": powersgd.Matrix(1, 27, 32, 4), "layers.kernel": powersgd.Matrix(5, 32, 32, 4)}
     assert powersgd.matrices(model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), 1)["head.kernel"] == \
         powersgd.Matrix(1, 32, 2, 1)  # 1 (32 + 2) < 64
+    # torch's min_compression_rate: the conv kernel shrinks 864 / 236 = 3.7 times, the layers' 1024 / 256 = 4.
+    assert list(powersgd.matrices(model, nnx.to_pure_dict(nnx.state(model, nnx.Param)), 4, 3.8)) == ["layers.kernel"]
+    assert powersgd.PowerSGD(4, 10, 3.8).ddp_twin().settings["min_compression_rate"] == 3.8
     p = powersgd.orthonormal(jnp.zeros((1, 5, 2)))
     assert bool(jnp.isfinite(p).all())  # a rank-deficient P divides by no zero
 

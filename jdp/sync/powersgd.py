@@ -81,11 +81,11 @@ def _candidates(model: nnx.Module, params: Tree) -> dict[str, tuple[int, int, in
     return found
 
 
-def matrices(model: nnx.Module, params: Tree, rank: int) -> dict[str, Matrix]:
+def matrices(model: nnx.Module, params: Tree, rank: int, min_compression_rate: float = 1) -> dict[str, Matrix]:
     """The parameters PowerSGD compresses ("a.b.kernel" -> its Matrix, at rank min(rank, n, m)): those for which
-    r (n + m) < n m, as torch decides; the others go whole."""
+    r (n + m) min_compression_rate < n m, as torch decides; the others go whole."""
     return {name: Matrix(layers, n, m, min(rank, n, m)) for name, (layers, n, m) in _candidates(model, params).items()
-            if min(rank, n, m) * (n + m) < n * m}
+            if min(rank, n, m) * (n + m) * min_compression_rate < n * m}
 
 
 def largest_useful_rank(model: nnx.Module, params: Tree) -> int:
@@ -115,7 +115,9 @@ NEEDS = ("{what} compresses each device's gradient before its all-reduce: it nee
 
 
 class PowerSGD(Sync):
-    """`PowerSGD(rank=4, start_step=10)`: every gradient goes whole before `start_step`. shard_map or pmap. Bound
+    """`PowerSGD(rank=4, start_step=10, min_compression_rate=1)`: every gradient goes whole before `start_step`, and
+    a matrix that r (n + m) floats do not shrink by `min_compression_rate` always (torch's PowerSGDState knobs:
+    `start_powerSGD_iter`, `min_compression_rate`; torch's default rate is 2). shard_map or pmap. Bound
     to a model (`bind`), it holds the matrices it compresses. Its state: `{"q": {name: (layers, m, r)}, "error":
     {name: (devices, layers, n, m)}}`; Q is replicated, the error feedback per device (it restores on the same
     device count only)."""
@@ -124,29 +126,33 @@ class PowerSGD(Sync):
     matrices: dict[str, Matrix] = {}
     seed = 0
 
-    def __init__(self, rank: int = 4, start_step: int = 10) -> None:
+    def __init__(self, rank: int = 4, start_step: int = 10, min_compression_rate: float = 1) -> None:
         super().__init__()
         for name, value, low in (("rank", rank, 1), ("start_step", start_step, 0)):
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
                 raise ValueError(f"{name}={value!r} must be an int of at least {low}")
-        self.rank, self.start_step = rank, start_step
+        if not min_compression_rate >= 1:
+            raise ValueError(f"min_compression_rate={min_compression_rate!r} must be at least 1")
+        self.rank, self.start_step, self.min_compression_rate = rank, start_step, min_compression_rate
 
     def params(self) -> dict[str, Any]:
-        return {"rank": self.rank, "start_step": self.start_step}
+        rate = {"min_compression_rate": self.min_compression_rate} if self.min_compression_rate != 1 else {}
+        return {"rank": self.rank, "start_step": self.start_step, **rate}  # a rate of 1: the record from before it
 
     def ddp_twin(self) -> DDPTwin:
         """torch's `powerSGD_hook` at this rank and start, deciding as jdp does which matrices to compress
-        (min_compression_rate 1: r (n + m) < n m), with jdp's Gram-Schmidt epsilon."""
+        (r (n + m) min_compression_rate < n m), with jdp's Gram-Schmidt epsilon."""
         if self.start_step < 2:
             raise ValueError(f"{self!r}: DDP's powerSGD_hook starts compressing at step 2 at the earliest (its error "
                              "feedback needs a step before); start at step 2 or later")
         return DDPTwin("powerSGD_hook", {"matrix_approximation_rank": self.rank, "start_powerSGD_iter": self.start_step,
-                                         "min_compression_rate": 1, "orthogonalization_epsilon": EPSILON})
+                                         "min_compression_rate": self.min_compression_rate,
+                                         "orthogonalization_epsilon": EPSILON})
 
     def bind(self, model: nnx.Module, seed: int) -> PowerSGD:
         bound = copy.copy(self)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        bound.matrices, bound.seed = matrices(model, params, self.rank), seed
+        bound.matrices, bound.seed = matrices(model, params, self.rank, self.min_compression_rate), seed
         if not bound.matrices:
             useful = largest_useful_rank(model, params)
             raise FitError(f"{self!r} compresses none of this model's gradient matrices: at rank {self.rank} each "

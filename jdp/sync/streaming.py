@@ -14,9 +14,13 @@ see the global ones; the replica check covers them and the outer optimizer state
 checkpoints may come at any step and resume bitwise, on the same device count; on another, the inner optimizer
 state starts afresh and every device's parameters from the global ones.
 
-Built from the paper: fragments, their schedule, the per-fragment outer step, quantized outer gradients (`bits`).
-Not built: the overlap (a fragment's all-reduce here depends on its sync step's update and is applied at once,
-tau = 0) and the merge of the arriving global fragment with the local one (alpha = 1 here).
+The overlap (`overlap` tau >= 1): the paper's outer gradient of fragment f is taken from the parameters the step
+after its round's end begins with, so its collectives depend on no part of that step's forward and backward (XLA
+may run them beside it), and the new global fragment, stored at once in `params`, is merged into each device's own
+tau steps later, after the inner steps it overlapped: local_f = local_weight local_f + (1 - local_weight) global_f
+(the paper's alpha). tau = 0 (the default) syncs after the round's last update and takes the global fragment whole.
+Each step is its own executable, so a sync overlaps at most the compute of the step it is issued in; over several
+steps it is the arithmetic of the paper's delay, not its wall-clock overlap.
 """
 
 from __future__ import annotations
@@ -41,20 +45,27 @@ def fragments_of(tree: Tree, count: int) -> list[list[int]]:
 
 
 class StreamingDiLoCo(DiLoCo):
-    """`StreamingDiLoCo(every=H, fragments=F, outer_lr=0.7, outer_momentum=0.9, outer="nesterov", bits=32)`: F must
-    divide H. Its state: `{"local": each device's parameters, "outer": each fragment's outer optimizer state}`."""
+    """`StreamingDiLoCo(every=H, fragments=F, outer_lr=0.7, outer_momentum=0.9, outer="nesterov", bits=32,
+    overlap=0, local_weight=0.0)`: F must divide H, and the overlap tau is below H. Its state: `{"local": each
+    device's parameters, "outer": each fragment's outer optimizer state}`."""
 
     def __init__(self, every: int, fragments: int = 2, outer_lr: float = 0.7, outer_momentum: float = 0.9,
-                 outer: str = "nesterov", bits: int = 32, block: int = 256) -> None:
+                 outer: str = "nesterov", bits: int = 32, block: int = 256, overlap: int = 0,
+                 local_weight: float = 0.0) -> None:
         super().__init__(every, outer_lr, outer_momentum, outer, bits, block)
         if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1 or every % fragments:
             raise ValueError(f"fragments={fragments!r} must be a positive int that divides every={every}")
-        self.fragments = fragments
+        if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap < every:
+            raise ValueError(f"overlap={overlap!r} must be an int from 0 to every - 1 = {every - 1} (steps)")
+        if not 0 <= local_weight < 1 or (local_weight and not overlap):
+            raise ValueError(f"local_weight={local_weight!r} must be in [0, 1), and 0 without an overlap")
+        self.fragments, self.overlap, self.local_weight = fragments, overlap, float(local_weight)
 
     agrees_every = 1  # each step's state is whole: a signal or a halt saves at once
 
     def params(self) -> dict[str, Any]:
-        return {**super().params(), "fragments": self.fragments}
+        overlap = {"overlap": self.overlap, "local_weight": self.local_weight} if self.overlap else {}
+        return {**super().params(), "fragments": self.fragments, **overlap}
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
         # The state is whole at every step: evals, checkpoints and replica checks may come at any.
@@ -84,22 +95,35 @@ class StreamingDiLoCo(DiLoCo):
         return state._replace(params=state.sync["local"], sync={**state.sync, "global": state.params})
 
     def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
-        """Fragment f's outer step at the steps f H/F + k H (counted from the step before, whatever the guard
-        kept); then back to the stored layout: the global parameters in `params`."""
-        global_leaves, treedef = jax.tree.flatten(state.sync["global"])
-        local_leaves, outers = jax.tree.leaves(state.params), list(state.sync["outer"])
+        """Fragment f's outer step once its round ends at step f H/F + k H (counted from the step before, whatever
+        the guard kept): after that step's update, or with an overlap from the parameters the next step begins
+        with, merged tau steps later; then back to the stored layout: the global parameters in `params`."""
+        # The global parameters and outer states as the step began (the guard's choice leaves them as they were, but
+        # it depends on the step's gradient): an overlapped sync reads nothing the step computed.
+        global_leaves, treedef = jax.tree.flatten(previous.sync["global"])
+        local_leaves, outers = jax.tree.leaves(state.params), list(previous.sync["outer"])
+        began = jax.tree.leaves(previous.params)  # each device's own, as this step began
 
-        def sync_fragment(carry: tuple) -> tuple:
+        def outer_step(carry: tuple) -> tuple:
             anchor, local, outer_state = carry  # DiLoCo's outer step: one fragment is DiLoCo bit for bit
-            anchor, outer_state = self.outer_step(anchor, local, outer_state, axis_name)
-            return anchor, anchor, outer_state
+            return (*self.outer_step(anchor, local, outer_state, axis_name),)
 
-        done = previous.step + 1
+        def merge(carry: tuple) -> list:
+            anchor, local = carry
+            w = self.local_weight
+            return [a if not w else w * x + (1 - w) * a for a, x in zip(anchor, local, strict=True)]
+
+        done, tau = previous.step + 1, self.overlap
         for f, fragment in enumerate(fragments_of(state.params, self.fragments)):
-            at = done % self.every == f * (self.every // self.fragments)
-            carry = ([global_leaves[i] for i in fragment], [local_leaves[i] for i in fragment], outers[f])
-            anchor, local, outers[f] = jax.lax.cond(at, sync_fragment, lambda carry: carry, carry)
-            for i, new_global, new_local in zip(fragment, anchor, local, strict=True):
+            end = f * (self.every // self.fragments)  # fragment f's rounds end at steps end + k H
+            ended = done - 1 if tau else done  # the steps done when the parameters sent were
+            sent = [(began if tau else local_leaves)[i] for i in fragment]
+            carry = ([global_leaves[i] for i in fragment], sent, outers[f])
+            anchor, outers[f] = jax.lax.cond((ended % self.every == end) & (ended > 0), outer_step,
+                                             lambda carry: carry[::2], carry)
+            merged = jax.lax.cond(((done - tau) % self.every == end) & (done > tau), merge, lambda carry: carry[1],
+                                  (anchor, [local_leaves[i] for i in fragment]))
+            for i, new_global, new_local in zip(fragment, anchor, merged, strict=True):
                 global_leaves[i], local_leaves[i] = new_global, new_local
         return state._replace(params=jax.tree.unflatten(treedef, global_leaves),
                               sync={"local": jax.tree.unflatten(treedef, local_leaves), "outer": tuple(outers)})
