@@ -143,7 +143,7 @@ def _dot_free(text: str) -> list[bool]:
 
     names = bodies[entry]
     results = []
-    for name, line in names.items():
+    for line in names.values():
         if " conditional(" in line and any(holds(c, ("all-reduce", "all-to-all")) for c in refs(line, bodies)):
             reached, todo = set(), list(refs(line, names))
             while todo:
