@@ -5,9 +5,10 @@ communication hooks. The built-ins, each a public class with its own parameters:
 - `ZeRO3()`: parameters, gradients and optimizer state sharded (FSDP), a scanned model gathered layer by layer;
 - `HybridShard(group_size=k, stage=3)`: ZeRO-3 (or ZeRO-1) inside groups of k devices (a node's: by default one
   process's), data parallelism across the groups (HSDP), on a groups x `data` mesh;
-- `LocalSGD(every=H)` and `DiLoCo(every=H, outer_lr=0.7, outer_momentum=0.9)`: H local steps, then a sync;
-  `StreamingDiLoCo(every=H, fragments=F)`: DiLoCo syncing F fragments of the model in turn;
-- `PowerSGD(rank=4, start_step=10)`: low-rank compression with error feedback;
+- `LocalSGD(every=H)` and `DiLoCo(every=H, outer_lr=0.7, outer_momentum=0.9)`: H local steps, then a sync
+  (`DiLoCo(..., group_size=k)`: a learner a group of k devices, data parallel inside);
+  `StreamingDiLoCo(every=H, fragments=F, overlap=0)`: DiLoCo syncing F fragments of the model in turn;
+- `PowerSGD(rank=4, start_step=10, min_compression_rate=1)`: low-rank compression with error feedback;
 - `QuantizedAllReduce(bits=8, block=256)`: int8 or int4 gradients through an all-to-all and an all-gather (qgZ).
 
 `fit(sync=...)` takes one of them, a strategy of your own (a subclass of `Sync`, in your file), or a name; the
