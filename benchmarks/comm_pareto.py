@@ -180,15 +180,18 @@ def write(rows: list[dict], results: dict, out: Path) -> None:
     print(out.with_suffix(".csv").read_text())
     best = frontier(rows)
     fig, (pareto, curves) = plt.subplots(1, 2, figsize=(13, 5))
-    for family in dict.fromkeys(r["family"] for r in rows):
+    for i, family in enumerate(dict.fromkeys(r["family"] for r in rows)):
         mine = [r for r in rows if r["family"] == family]
         pareto.scatter([max(r["cross_group_bytes_per_step"], 1) for r in mine], [r["val_loss_mean"] for r in mine],
-                       label=family)
+                       label=family, marker="os^vD<>phX*"[i % 11])  # more families than colours
         for r in mine:
             pareto.annotate(r["method"], (max(r["cross_group_bytes_per_step"], 1), r["val_loss_mean"]), fontsize=7)
     pareto.plot([r["cross_group_bytes_per_step"] for r in best], [r["val_loss_mean"] for r in best], "k--", lw=0.8)
+    if fp32 := next((r for r in rows if r["method"] == "fp32"), None):  # the goal: left of and below the dots
+        pareto.axvline(fp32["cross_group_bytes_per_step"] / GOAL_RATIO, color="grey", ls=":", lw=0.8)
+        pareto.axhline(fp32["val_loss_mean"] * (1 + GOAL_LOSS), color="grey", ls=":", lw=0.8)
     pareto.set(xscale="log", xlabel="cross-group bytes per step per device (log)", ylabel="validation loss",
-               title="bytes between nodes against loss (dashed: the frontier)")
+               title="bytes between nodes against loss (dashed: the frontier; dotted: the goal)")
     pareto.legend(fontsize=7)
     for name in dict.fromkeys(["fp32", *(r["method"] for r in best)]):
         if name in results:
