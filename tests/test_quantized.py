@@ -178,6 +178,11 @@ KILLED = {  # each new strategy through the CLI, as a config file sets it (an ob
                          "parallel.sync_kwargs": {"every": 4, "fragments": 2}},
     "zero3_int8": {"parallel.sync": "jdp.sync.zero3:ZeRO3", "parallel.sync_kwargs": {"weight_bits": 8,
                                                                                   "grad_bits": 8}},
+    "diloco_across_nodes_int4": {"parallel.sync": "jdp.sync.diloco:DiLoCo",
+                                 "parallel.sync_kwargs": {"every": 4, "group_size": 2, "bits": 4}},
+    "streaming_diloco_overlapped": {"parallel.sync": "jdp.sync.streaming:StreamingDiLoCo",
+                                    "parallel.sync_kwargs": {"every": 4, "fragments": 2, "overlap": 1,
+                                                             "local_weight": 0.5}},
 }
 
 
