@@ -111,8 +111,8 @@ OPTIONS: tuple[Option, ...] = (
            "element-wise optimizers only)"),
     Option("shard_group", "parallel.shard_group", int, 0, "hybrid sharding (HSDP, jdp.sync.HybridShard): ZeRO-3 "
            "(ZeRO-1 with shard_optimizer) inside groups of this many devices, which must divide the device count, "
-           "the mean all-reduce of each device's 1/k gradient slice across the groups (shard_map only); 0 = not "
-           "hybrid", NON_NEGATIVE),
+           "the mean all-reduce of each device's 1/k gradient slice across the groups (shard_map only); with "
+           "DiLoCo, a learner a group of this many devices; 0 = not hybrid", NON_NEGATIVE),
     Option("sync_every", "parallel.sync_every", int, 1, "local SGD: > 1 averages parameters every H steps instead "
            "of gradients every step", AT_LEAST_1),
     Option("allreduce_dtype", "parallel.allreduce_dtype", str, "fp32", "what the gradient all-reduce sends "

@@ -49,6 +49,8 @@ BUILT_INS = {
     "diloco_int4": ({"sync_every": 2, "outer_optimizer": "nesterov", "allreduce_dtype": "int4"},
                     sync.DiLoCo(every=2, bits=4)),
     "int4": ({"allreduce_dtype": "int4"}, sync.QuantizedAllReduce(bits=4)),
+    "diloco_across_groups": ({"sync_every": 2, "outer_optimizer": "nesterov", "shard_group": 2},
+                             sync.DiLoCo(every=2, group_size=2)),
 }
 
 

@@ -4,8 +4,8 @@ The flags (`sync`, `shard_optimizer`, `shard_params`, `shard_group`, `sync_every
 `powersgd_rank`, `powersgd_start_step`, `outer_optimizer`, `outer_lr`, `outer_momentum`) keep their meaning: `sync`
 names a strategy (`allreduce`, `zero1`, `zero3`, `local_sgd`, `diloco`, `powersgd`), and under `allreduce` the
 others pick one as they always did; `shard_group=k` makes ZeRO-3 (or ZeRO-1) hybrid, sharded inside groups of k
-devices. `sync` may instead be a strategy object (`jdp.sync.ZeRO3()`, or a class of your own): then every other flag
-must stay at its default.
+devices, and DiLoCo a learner a group of k devices. `sync` may instead be a strategy object (`jdp.sync.ZeRO3()`,
+or a class of your own): then every other flag must stay at its default.
 """
 
 from __future__ import annotations
@@ -59,11 +59,12 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None], d
                 f"{n('sync_every')} > 1 (local SGD, DiLoCo) or {n('sync')}=powersgd; set {n('shard_params')}=False")
         require(dtype == "fp32", f"{n('shard_params')}=True reduce-scatters the gradient in the parameters' dtype "
                                  f"(the gather's transpose); use {view.use('allreduce_dtype', 'fp32')}")
-    if k := o["shard_group"]:
+    diloco = h > 1 and (sync == "diloco" or o["outer_optimizer"] != "none")
+    if (k := o["shard_group"]) and not diloco:
         require(h == 1 and sync in ("allreduce", "zero1", "zero3"),
                 f"{n('shard_group')}={k} (hybrid sharding) reduce-scatters each step's gradient inside its groups, so "
-                f"it cannot be combined with {n('sync_every')} > 1 (local SGD, DiLoCo) or {n('sync')}={sync}; set "
-                f"{n('shard_group')}=0")
+                f"it cannot be combined with {n('sync_every')} > 1 (local SGD; DiLoCo takes it, with an "
+                f"{n('outer_optimizer')}) or {n('sync')}={sync}; set {n('shard_group')}=0")
         require(dtype == "fp32", f"{n('shard_group')}={k} (hybrid sharding) sends the gradient in float32; use "
                                  f"{view.use('allreduce_dtype', 'fp32')}")
         stage = 1 if o["shard_optimizer"] or sync == "zero1" else 3
@@ -80,14 +81,14 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None], d
     require(h > 1 or sync not in ("local_sgd", "diloco"), f"{n('sync')}={sync} averages every {n('sync_every')} "
             f"steps; set {n('sync_every')} > 1")
     if h > 1:
-        diloco = sync == "diloco" or o["outer_optimizer"] != "none"
         require(dtype == "fp32" or (diloco and dtype in ("int8", "int4")), f"{n('allreduce_dtype')}={dtype} "
                 f"compresses gradients, and local SGD ({n('sync_every')} > 1) averages parameters instead (DiLoCo "
                 f"sends its outer gradient in int8 or int4); use {view.use('allreduce_dtype', 'fp32')}")
         if diloco:
             outer = "nesterov" if o["outer_optimizer"] == "none" else o["outer_optimizer"]
             bits = 32 if dtype == "fp32" else int(dtype[3:])
-            return DiLoCo(h, o["outer_lr"], o["outer_momentum"], outer, bits), f"{n('sync_every')}={h}"
+            return (DiLoCo(h, o["outer_lr"], o["outer_momentum"], outer, bits, group_size=k or 1),
+                    f"{n('sync_every')}={h}" + (f", {n('shard_group')}={k}" if k else ""))
         return LocalSGD(h), f"{n('sync_every')}={h}"
     if o["shard_params"] or sync == "zero3":
         return ZeRO3(), f"{n('shard_params')}=True" if o["shard_params"] else f"{n('sync')}=zero3"
