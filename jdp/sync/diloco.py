@@ -112,7 +112,7 @@ class DiLoCo(LocalSGD):
         flat, unravel = ravel_pytree(tree)
         k = jax.lax.psum(1, inner)
         size = math.ceil(flat.size / k)
-        mine = jax.lax.dynamic_slice_in_dim(jnp.pad(flat, (0, size * k - flat.size)),
+        mine = jax.lax.dynamic_slice_in_dim(jnp.pad(flat.astype(jnp.float32), (0, size * k - flat.size)),
                                             jax.lax.axis_index(inner) * size, size)
         mean = (all_reduce_mean(mine, groups) if self.bits == 32
                 else quantized_mean([mine], groups, self.bits, self.block)[0][0])
