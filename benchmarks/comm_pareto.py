@@ -1,6 +1,7 @@
 """Bytes between nodes against validation loss, for every way jdp has to send fewer: one Pareto plot.
 
     python benchmarks/comm_pareto.py [--out docs/comm_pareto] [--steps 1000] [--devices 8] [--only NAME,...]
+                                     [--runs DIR] [--set KEY=VALUE ...]
 
 Fixed in advance: the CPU GPT recipe (configs/shakespeare_char_cpu.py: 4 layers, width 128, block 64, AdamW with a
 cosine schedule over the run) at a global batch of 16 (the recipe's 12 does not split over 8 devices), `--steps`
@@ -74,13 +75,14 @@ METHODS: dict[str, tuple[str, dict]] = {
 }
 
 
-def config_file(name: str, steps: int, seed: int, folder: Path) -> Path:
+def config_file(name: str, steps: int, seed: int, folder: Path, overrides: tuple[str, ...] = ()) -> Path:
     lines = ["from jdp.configs import shakespeare_char_cpu", "", "", "def get_config():",
              "    c = shakespeare_char_cpu.get_config()",
              f"    c.train.steps = {steps}", f"    c.train.global_batch_size = {BATCH}",
              f"    c.train.eval_every = {EVAL_EVERY}", f"    c.seed = {seed}",
              "    c.checkpoint.every_steps = 0", "    c.sample.tokens = 0", "    c.parallel.check_replicas_every = 0"]
     lines += [f"    c.{key} = {value!r}" for key, value in METHODS[name][1].items()]
+    lines += [f"    c.{key} = {value}" for key, _, value in (o.partition("=") for o in overrides)]  # Python literals
     path = folder / f"{name}_s{seed}.py"
     path.write_text("\n".join([*lines, "    return c", ""]))
     return path
@@ -91,7 +93,7 @@ def run(name: str, seed: int, args: argparse.Namespace, folder: Path) -> dict:
     workdir = args.runs / f"{name}-s{seed}"
     if not (workdir / "metrics.jsonl").exists() or "summary" not in (workdir / "metrics.jsonl").read_text():
         shutil.rmtree(workdir, ignore_errors=True)  # an interrupted run starts over
-        config = config_file(name, args.steps, seed, folder)
+        config = config_file(name, args.steps, seed, folder, tuple(args.set))
         started = time.monotonic()
         done = subprocess.run([sys.executable, "-m", "jdp.train", "--config", str(config), "--workdir", str(workdir),
                                "--cpu_devices", str(args.devices)], capture_output=True, text=True, cwd=ROOT,
@@ -102,7 +104,8 @@ def run(name: str, seed: int, args: argparse.Namespace, folder: Path) -> dict:
     records = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines() if line.strip()]
     summary = next(r for r in reversed(records) if r.get("split") == "summary")
     curve = [(r["step"], r["loss"]) for r in records if r.get("split") == "eval"]
-    return {"summary": summary, "curve": curve}
+    strategy = json.loads((workdir / "run.json").read_text())["fit"]["strategy"]  # its record: class, parameters
+    return {"summary": summary, "curve": curve, "strategy": strategy}
 
 
 def main() -> None:
@@ -112,6 +115,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1000)
     parser.add_argument("--devices", type=int, default=8)
     parser.add_argument("--only", default="", help="comma-separated method names (default: all)")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for every run, VALUE a Python literal (e.g. optim.lr=0.3); give "
+                             "such runs their own --runs and --out")
     args = parser.parse_args()
     names = [n for n in METHODS if not args.only or n in args.only.split(",")]
     started = time.monotonic()
@@ -140,11 +146,10 @@ def cross_group_bytes(summary: dict) -> float:
     return summary.get("comm_cross_group_bytes_per_step", summary["comm_bytes_per_step"])
 
 
-def over_the_run(name: str, steady: float, fp32: float, steps: int) -> float:
-    """Bytes per step averaged over the run: `comm_bytes_per_step` is a strategy's steady state, and PowerSGD sends
-    the whole gradient (fp32's bytes) before its start step."""
-    settings = METHODS[name][1]
-    start = settings.get("parallel.powersgd_start_step", 10) if settings.get("parallel.sync") == "powersgd" else 0
+def over_the_run(strategy: dict, steady: float, fp32: float, steps: int) -> float:
+    """Bytes per step averaged over the run: `comm_bytes_per_step` is a strategy's steady state, and a strategy
+    with a start step in its record (PowerSGD) sends the whole gradient (fp32's bytes) before it."""
+    start = strategy.get("start_step", 0)
     return (min(start, steps) * fp32 + max(steps - start, 0) * steady) / steps
 
 
@@ -159,12 +164,12 @@ def table(results: dict, steps: int) -> list[dict]:
     for name, runs in results.items():
         summary = runs[0]["summary"]
         all_bytes, cross = summary["comm_bytes_per_step"], cross_group_bytes(summary)
+        over_run = round(over_the_run(runs[0]["strategy"], cross, fp32["comm_bytes_per_step"], steps)) if fp32 else ""
         losses = [r["summary"]["eval_loss"] for r in runs.values()]
         rows.append({"method": name, "family": METHODS[name][0], "settings": json.dumps(METHODS[name][1]),
                      "bytes_per_step": round(all_bytes), "cross_group_bytes_per_step": round(cross),
                      "cross_group_vs_fp32": round(cross / fp32["comm_bytes_per_step"], 6) if fp32 else "",
-                     "cross_group_bytes_over_run": round(over_the_run(name, cross, fp32["comm_bytes_per_step"], steps))
-                     if fp32 else "",
+                     "cross_group_bytes_over_run": over_run,
                      "val_loss_mean": round(statistics.mean(losses), 4),
                      "val_loss_spread": round(max(losses) - min(losses), 4), "seeds": len(losses)})
     return rows

@@ -118,9 +118,7 @@ class DataParallel:
             raise ValueError(f"a mesh of axes {mesh.axis_names} needs shard_map, not {backend}")
         shards = shard_count(mesh)  # the devices a sharded leaf is split over: all, or one group's
         self._layouts = layouts = sync.layouts(abstract_state)
-        # A per-device leaf's rows are split over every axis of the mesh, as the batch is.
-        self._state_specs = jax.tree.map(lambda spec, layout: P(device_axes(mesh)) if layout == PER_DEVICE else spec,
-                                         sync.state_specs(abstract_state, shards), layouts)
+        self._state_specs = sync.state_specs(abstract_state, shards, device_axes(mesh))
         self.per_device = jax.tree.map(lambda layout: layout == PER_DEVICE, layouts)
         if backend == "jit" and any(jax.tree.leaves(self.per_device)):
             raise ValueError("per-device state needs a per-device step (shard_map or pmap), not jit")

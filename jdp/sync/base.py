@@ -247,9 +247,11 @@ class Sync:
         return jax.tree.map(lambda layout, x: shard_axis(x.shape, num_devices) if layout == SHARDED else None,
                             self.layouts(abstract_state), abstract_state)
 
-    def state_specs(self, abstract_state: Any, num_devices: int) -> Any:
+    def state_specs(self, abstract_state: Any, num_devices: int, devices: Any = DATA_AXIS) -> Any:
+        """The PartitionSpec of each leaf inside the step: a per-device leaf's rows split over `devices` (the axis
+        name of every device, as the batch's), a sharded leaf on its axis over `data`."""
         # A tree of axes has None where a leaf has no axis: it goes after a tree whose leaves are all there.
-        return jax.tree.map(lambda layout, x, axis: P(DATA_AXIS) if layout == PER_DEVICE else spec_on(axis, x.ndim),
+        return jax.tree.map(lambda layout, x, axis: P(devices) if layout == PER_DEVICE else spec_on(axis, x.ndim),
                             self.layouts(abstract_state), abstract_state, self.shard_axes(abstract_state, num_devices))
 
     def to_step_layout(self, state: Any, num_devices: int) -> Any:

@@ -114,11 +114,10 @@ class StreamingDiLoCo(DiLoCo):
             return [a if not w else w * x + (1 - w) * a for a, x in zip(anchor, local, strict=True)]
 
         done, tau = previous.step + 1, self.overlap
+        ended, sent = (done - 1, began) if tau else (done, local_leaves)  # the steps done when `sent` was
         for f, fragment in enumerate(fragments_of(state.params, self.fragments)):
             end = f * (self.every // self.fragments)  # fragment f's rounds end at steps end + k H
-            ended = done - 1 if tau else done  # the steps done when the parameters sent were
-            sent = [(began if tau else local_leaves)[i] for i in fragment]
-            carry = ([global_leaves[i] for i in fragment], sent, outers[f])
+            carry = ([global_leaves[i] for i in fragment], [sent[i] for i in fragment], outers[f])
             anchor, outers[f] = jax.lax.cond((ended % self.every == end) & (ended > 0), outer_step,
                                              lambda carry: carry[::2], carry)
             merged = jax.lax.cond(((done - tau) % self.every == end) & (done > tau), merge, lambda carry: carry[1],
