@@ -10,8 +10,9 @@ summary line.
 
 Then the finished uninterrupted run's last checkpoint is tampered with, one way per case, as files are on disk:
 copied from the previous checkpoint's files, renamed to a later step, and one flipped bit in its metadata
-(`data/metadata`: a shape, a dtype, the format). Each copy is rerun, and survives when the rerun exits 0, names the
-checkpoint, moves it to WORKDIR/rejected and trains the lost steps again to the same outcome as above.
+(`data/metadata`: a shape, a dtype, the format, the fingerprint of the run's settings that the resume guard
+compares). Each copy is rerun, and survives when the rerun exits 0, names the checkpoint, moves it to
+WORKDIR/rejected and trains the lost steps again to the same outcome as above.
 
     python benchmarks/crash_campaign.py --kills 45 --seed 0
 
@@ -93,8 +94,15 @@ def _format(checkpoints: Path, last: int, previous: int) -> str:  # 2 -> 3: one 
     return str(last)
 
 
+def _fingerprint(checkpoints: Path, last: int, previous: int) -> str:  # the run's settings' hash: one bit
+    _flip_metadata(checkpoints / str(last), r'"fit": "[0-9a-f]', lambda m: m[:-1] + format(
+        int(m[-1], 16) ^ 1, "x"))
+    return str(last)
+
+
 # Each tampers with the last checkpoint of a finished run and returns the name it is found under.
-TAMPERS = {"copied": _copied, "renamed": _renamed, "shape": _shape, "dtype": _dtype, "format": _format}
+TAMPERS = {"copied": _copied, "renamed": _renamed, "shape": _shape, "dtype": _dtype, "format": _format,
+           "fingerprint": _fingerprint}
 
 
 def tampered(root: Path, steps: int, env: dict[str, str], expected: dict, names: list[str]) -> int:

@@ -96,14 +96,15 @@ def test_a_real_kill_at_an_arbitrary_moment(tmp_path):
 @pytest.mark.slow
 def test_a_crash_campaign_of_three_kills():
     """benchmarks/crash_campaign.py, small: one run killed three times at seeded moments (seed 1: twice during a save,
-    once from outside), then rerun and compared bitwise with an uninterrupted run; and one of its tampered-checkpoint
-    cases (the others are the tests above)."""
+    once from outside), then rerun and compared bitwise with an uninterrupted run; and two of its tampered-checkpoint
+    cases: a later step's name, and a flipped bit in the settings' fingerprint (the others are the tests above)."""
     out = subprocess.run([sys.executable, "benchmarks/crash_campaign.py", "--kills", "3", "--kills_per_run", "3",
-                          "--seed", "1", "--steps", "12", "--tampers", "renamed"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300, env=ENV)
+                          "--seed", "1", "--steps", "12", "--tampers", "renamed,fingerprint"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=300, env=ENV)
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
-    assert out.stdout.splitlines()[-3:] == ["survived 3 / tried 3", "tampered checkpoint 99 (renamed): survived",
-                                            "tampered: survived 1 / tried 1"]
+    assert out.stdout.splitlines()[-4:] == ["survived 3 / tried 3", "tampered checkpoint 99 (renamed): survived",
+                                            "tampered checkpoint 12 (fingerprint): survived",
+                                            "tampered: survived 2 / tried 2"]
 
 
 @pytest.mark.slow
