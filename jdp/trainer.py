@@ -95,8 +95,6 @@ def _source(train_data: Any, eval_data: Any, options: FitOptions, global_batch_s
         raise FitError(str(e)) from None
 
 
-
-
 def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
             optimizer: optax.GradientTransformation, global_batch_size: int,
             options: FitOptions | None = None, all_reduce: bool = True) -> Engine:
@@ -290,41 +288,33 @@ def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
     that define the run ({name: JSON-able value}, e.g. a config's keys), recorded in run.json and in each
     checkpoint's fingerprint and guarded with fit's own (a resume that changes one is refused, naming it)."""
     with preemption.during_fit():  # a signal in a script ends it with exit 75, as in the CLI
-        return _run(model, loss_fn, train_data, optimizer=optimizer, steps=steps, global_batch_size=global_batch_size,
-                    options=options, on_resume=on_resume, on_start=on_start, settings=settings)
-
-
-def _run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
-         optimizer: optax.GradientTransformation, steps: int, global_batch_size: int, options: FitOptions,
-         on_resume: Callable[[], None] | None, on_start: Callable[[int], None] | None,
-         settings: dict[str, Any] | None) -> FitResult:
-    o = options
-    _check_joined()
-    strategy, what = sync_lib.strategy(o)  # a periodic strategy's replicas agree only at sync points
-    if not 0 < steps < 2**31 or steps % strategy.every:  # the state counts steps in int32
-        raise FitError(f"steps={steps} must be positive, below 2**31, and a multiple of the sync strategy's period "
-                       f"{strategy.every} ({what})")
-    if o.workdir is not None:
+        o = options
+        _check_joined()
+        strategy, what = sync_lib.strategy(o)  # a periodic strategy's replicas agree only at sync points
+        if not 0 < steps < 2**31 or steps % strategy.every:  # the state counts steps in int32
+            raise FitError(f"steps={steps} must be positive, below 2**31, and a multiple of the sync strategy's period "
+                           f"{strategy.every} ({what})")
+        if o.workdir is not None:
+            try:
+                storage.check_writable(o.workdir, "workdir")
+            except UsageError as e:
+                raise FitError(str(e)) from None
+        engine = prepare(model, loss_fn, train_data, optimizer=optimizer, global_batch_size=global_batch_size,
+                         options=o)
         try:
-            storage.check_writable(o.workdir, "workdir")
-        except UsageError as e:
-            raise FitError(str(e)) from None
-    engine = prepare(model, loss_fn, train_data, optimizer=optimizer, global_batch_size=global_batch_size,
-                     options=o)
-    try:
-        fit_record = None if o.workdir is None else record_lib.fit_record(
-            model=model, loss_fn=loss_fn, optimizer=optimizer, source=engine.source,
-            abstract_params=engine.abstract_state.params, steps=steps, global_batch_size=global_batch_size,
-            options=o, data_factories=tuple(d if is_factory(d) else None for d in (train_data, o.eval_data)),
-            settings=settings)
-        outcome = loop.train(engine, o, steps, global_batch_size, fit_record, on_resume, on_start)
-    finally:
-        engine.source.close()
-    final = outcome.final
-    if isinstance(model, nnx.Module):
-        engine.model.load_into(model, final.params, final.model_state, final.rng_state)
-    result = FitResult(outcome.losses, outcome.eval_metrics, final.params, final.model_state, outcome.step,
-                       outcome.examples_per_sec)
-    for callback in outcome.callbacks:
-        callback.on_end(result)
-    return result
+            fit_record = None if o.workdir is None else record_lib.fit_record(
+                model=model, loss_fn=loss_fn, optimizer=optimizer, source=engine.source,
+                abstract_params=engine.abstract_state.params, steps=steps, global_batch_size=global_batch_size,
+                options=o, data_factories=tuple(d if is_factory(d) else None for d in (train_data, o.eval_data)),
+                settings=settings)
+            outcome = loop.train(engine, o, steps, global_batch_size, fit_record, on_resume, on_start)
+        finally:
+            engine.source.close()
+        final = outcome.final
+        if isinstance(model, nnx.Module):
+            engine.model.load_into(model, final.params, final.model_state, final.rng_state)
+        result = FitResult(outcome.losses, outcome.eval_metrics, final.params, final.model_state, outcome.step,
+                           outcome.examples_per_sec)
+        for callback in outcome.callbacks:
+            callback.on_end(result)
+        return result
