@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import difflib
 import importlib.util
@@ -40,6 +41,11 @@ STATE_DEFINING = ("model.", "optim.", "task.", "loss_scale.", "seed", "precision
 
 class ConfigError(UsageError):
     """A bad config or command line: the message is one line naming the field and the fix."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, like every other usage error
+        raise ConfigError(f"{message}; see {self.prog} --help")
 
 
 # The valid range of every numeric field of configs/base.py (a test holds this table to the file): the training
