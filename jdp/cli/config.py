@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import ast
 import difflib
+import functools
 import importlib.util
 import json
+import operator
 import re
 import sys
 import traceback
@@ -215,10 +217,7 @@ def _model_setting(key: str) -> str:
 
 def _parent(cfg: ml_collections.ConfigDict, key: str) -> tuple[ml_collections.ConfigDict, str]:
     *parents, leaf = key.split(".")
-    node = cfg
-    for part in parents:
-        node = node[part]
-    return node, leaf
+    return functools.reduce(operator.getitem, parents, cfg), leaf
 
 
 def _importable(folder: str) -> None:
