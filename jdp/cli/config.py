@@ -346,11 +346,9 @@ def sync_strategy(values: dict[str, Any]) -> tuple[Any, str]:
 
 def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
     """Check the config before anything compiles. `num_devices` is the device count the run will use."""
-    def choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-        _require(value in choices, f"{key}={value!r} is unknown; choose one of {', '.join(choices)}")
-
     check_ranges(cfg)
-    choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
+    _require(cfg.optim.schedule in SCHEDULES,
+             f"optim.schedule={cfg.optim.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
     values = fit_values(cfg)
     check(values, CONFIG_NAMES, ConfigError)
     strategy, what = sync_strategy(values)
