@@ -46,7 +46,8 @@ PROBE_COUNTS = {"optimizer": (0,), "schedule": (1, 10, 100, 1000, 10000)}
 
 def import_path(obj: Any) -> dict[str, Any] | None:
     """{"path": "module:qualname", "kwargs": {...}} of a module-level class or function, or of a
-    `functools.partial` of one with JSON-able keyword arguments only; None when it cannot be imported back."""
+    `functools.partial` of one with JSON-able keyword arguments only; None when it cannot be imported back (None
+    itself among them)."""
     kwargs: dict[str, Any] = {}
     if isinstance(obj, functools.partial):
         if obj.args:
@@ -117,7 +118,7 @@ def describe_data(source: Any, factory: Any = None) -> dict[str, Any]:
             for k, v in sorted(sample.items())}
     return {"keys": sorted(first), "shapes": {k: list(v.shape[1:]) for k, v in first.items()},
             "dtypes": {k: np.dtype(v.dtype).name for k, v in first.items()}, "length": int(source.num_train),
-            "sample_hash": hashed(rows), "factory": None if factory is None else import_path(factory)}
+            "sample_hash": hashed(rows), "factory": import_path(factory)}
 
 
 def describe_optimizer(tx: optax.GradientTransformation, abstract_params: Any) -> dict[str, list[float]]:
@@ -302,11 +303,9 @@ def fit_record(*, model: Any, loss_fn: Callable, optimizer: optax.GradientTransf
             "options": options_record(options), "strategy": _strategy(options).record(),
             "model": describe_model(model, abstract_params),
             "loss_fn": _name(loss_fn),
-            "imports": {"loss_fn": import_path(loss_fn),
-                        "eval_fn": import_path(options.eval_fn) if options.eval_fn is not None else None,
-                        "eval_derived": import_path(options.eval_derived) if options.eval_derived else None},
+            "imports": {"loss_fn": import_path(loss_fn), "eval_fn": import_path(options.eval_fn),
+                        "eval_derived": import_path(options.eval_derived)},
             "optimizer": describe_optimizer(optimizer, abstract_params),
             "data": {"train": describe_data(source, train_factory),
-                     "eval": {"length": int(optional(source, "num_eval")),
-                              "factory": None if eval_factory is None else import_path(eval_factory)}}}
+                     "eval": {"length": int(optional(source, "num_eval")), "factory": import_path(eval_factory)}}}
 
