@@ -227,21 +227,18 @@ def guarded(fit_record: dict[str, Any], with_settings: bool = True) -> dict[str,
             LATER: fit_record["optimizer"]["schedule"],
             _BY_NAME[1]: {k: data[k] for k in ("keys", "shapes", "dtypes", "length", "sample_hash")},
             "global_batch_size": fit_record["global_batch_size"],
-            "sync strategy": fit_record.get("strategy") or _strategy_of(fit_record["options"]),
+            # A record written before records held the strategy's: the strategy its options name by flags.
+            "sync strategy": fit_record.get("strategy") or _strategy(types.SimpleNamespace(
+                **{name: fit_record["options"].get(name, option.default) for name, option in BY_NAME.items()})),
             # An option newer than the record's jdp had its default there.
             **{key: fit_record["options"].get(key, BY_NAME[key].default) for key in GUARDED_OPTIONS}}
 
 
-def _strategy(options: Any) -> Any:
+def _strategy(options: Any) -> dict[str, Any]:
+    """The record of the sync strategy `options` (fit's, or an object with their names) name."""
     from jdp import sync
 
-    return sync.strategy(options)[0]
-
-
-def _strategy_of(options: dict[str, Any]) -> dict[str, Any]:
-    """The record of the strategy a record's options name by flags: of a record written before records held it."""
-    return _strategy(types.SimpleNamespace(**{name: options.get(name, option.default)
-                                              for name, option in BY_NAME.items()})).record()
+    return sync.strategy(options)[0].record()
 
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -300,7 +297,7 @@ def fit_record(*, model: Any, loss_fn: Callable, optimizer: optax.GradientTransf
     train_factory, eval_factory = data_factories
     return {"format": FORMAT, "steps": steps, "global_batch_size": global_batch_size,
             "settings": json.loads(json.dumps(dict(settings), default=list)) if settings else None,
-            "options": options_record(options), "strategy": _strategy(options).record(),
+            "options": options_record(options), "strategy": _strategy(options),
             "model": describe_model(model, abstract_params),
             "loss_fn": _name(loss_fn),
             "imports": {"loss_fn": import_path(loss_fn), "eval_fn": import_path(options.eval_fn),
