@@ -356,9 +356,8 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
                                                     "local SGD the replicas agree only at sync points; use a multiple")
     profile_steps(cfg.profile.steps)
     logger_names(cfg.metrics.loggers)
-    uri = cfg.metrics.mlflow_tracking_uri
-    _require(not uri or tracking_uri_problem(uri) is None,
-             f"metrics.mlflow_tracking_uri={uri!r} {tracking_uri_problem(uri)}")
+    uri_problem = tracking_uri_problem(cfg.metrics.mlflow_tracking_uri)  # None for "", no MLflow
+    _require(uri_problem is None, f"metrics.mlflow_tracking_uri={cfg.metrics.mlflow_tracking_uri!r} {uri_problem}")
     if cfg.distributed.bind_address:  # a single-process run never listens: a typo would wait for the cluster
         check_bind_address(cfg.distributed.bind_address)
     _require(not strategy.shards_optimizer or cfg.optim.name not in ("lamb", "lars"), f"optim.name={cfg.optim.name} "
