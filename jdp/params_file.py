@@ -39,10 +39,8 @@ def load_into(path: str | Path, params: Any, model_state: Any) -> tuple[Any, Any
         return None
 
     def fill(tree: Any, prefix: str) -> Any:
-        keys = list(flatten(tree, prefix))
-        leaves = jax.tree.leaves(tree)
         filled = []
-        for key, leaf in zip(keys, leaves, strict=True):
+        for key, leaf in flatten(tree, prefix).items():
             if key not in values and (converted := other_layout(key)) is not None:
                 values[key] = converted
             if key not in values:

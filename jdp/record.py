@@ -46,7 +46,8 @@ PROBE_COUNTS = {"optimizer": (0,), "schedule": (1, 10, 100, 1000, 10000)}
 
 def import_path(obj: Any) -> dict[str, Any] | None:
     """{"path": "module:qualname", "kwargs": {...}} of a module-level class or function, or of a
-    `functools.partial` of one with JSON-able keyword arguments only; None when it cannot be imported back."""
+    `functools.partial` of one with JSON-able keyword arguments only; None when it cannot be imported back (None
+    itself among them)."""
     kwargs: dict[str, Any] = {}
     if isinstance(obj, functools.partial):
         if obj.args:
@@ -117,7 +118,7 @@ def describe_data(source: Any, factory: Any = None) -> dict[str, Any]:
             for k, v in sorted(sample.items())}
     return {"keys": sorted(first), "shapes": {k: list(v.shape[1:]) for k, v in first.items()},
             "dtypes": {k: np.dtype(v.dtype).name for k, v in first.items()}, "length": int(source.num_train),
-            "sample_hash": hashed(rows), "factory": None if factory is None else import_path(factory)}
+            "sample_hash": hashed(rows), "factory": import_path(factory)}
 
 
 def describe_optimizer(tx: optax.GradientTransformation, abstract_params: Any) -> dict[str, list[float]]:
@@ -226,21 +227,18 @@ def guarded(fit_record: dict[str, Any], with_settings: bool = True) -> dict[str,
             LATER: fit_record["optimizer"]["schedule"],
             _BY_NAME[1]: {k: data[k] for k in ("keys", "shapes", "dtypes", "length", "sample_hash")},
             "global_batch_size": fit_record["global_batch_size"],
-            "sync strategy": fit_record.get("strategy") or _strategy_of(fit_record["options"]),
+            # A record written before records held the strategy's: the strategy its options name by flags.
+            "sync strategy": fit_record.get("strategy") or _strategy(types.SimpleNamespace(
+                **{name: fit_record["options"].get(name, option.default) for name, option in BY_NAME.items()})),
             # An option newer than the record's jdp had its default there.
             **{key: fit_record["options"].get(key, BY_NAME[key].default) for key in GUARDED_OPTIONS}}
 
 
-def _strategy(options: Any) -> Any:
+def _strategy(options: Any) -> dict[str, Any]:
+    """The record of the sync strategy `options` (fit's, or an object with their names) name."""
     from jdp import sync
 
-    return sync.strategy(options)[0]
-
-
-def _strategy_of(options: dict[str, Any]) -> dict[str, Any]:
-    """The record of the strategy a record's options name by flags: of a record written before records held it."""
-    return _strategy(types.SimpleNamespace(**{name: options.get(name, option.default)
-                                              for name, option in BY_NAME.items()})).record()
+    return sync.strategy(options)[0].record()
 
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -299,14 +297,12 @@ def fit_record(*, model: Any, loss_fn: Callable, optimizer: optax.GradientTransf
     train_factory, eval_factory = data_factories
     return {"format": FORMAT, "steps": steps, "global_batch_size": global_batch_size,
             "settings": json.loads(json.dumps(dict(settings), default=list)) if settings else None,
-            "options": options_record(options), "strategy": _strategy(options).record(),
+            "options": options_record(options), "strategy": _strategy(options),
             "model": describe_model(model, abstract_params),
             "loss_fn": _name(loss_fn),
-            "imports": {"loss_fn": import_path(loss_fn),
-                        "eval_fn": import_path(options.eval_fn) if options.eval_fn is not None else None,
-                        "eval_derived": import_path(options.eval_derived) if options.eval_derived else None},
+            "imports": {"loss_fn": import_path(loss_fn), "eval_fn": import_path(options.eval_fn),
+                        "eval_derived": import_path(options.eval_derived)},
             "optimizer": describe_optimizer(optimizer, abstract_params),
             "data": {"train": describe_data(source, train_factory),
-                     "eval": {"length": int(optional(source, "num_eval")),
-                              "factory": None if eval_factory is None else import_path(eval_factory)}}}
+                     "eval": {"length": int(optional(source, "num_eval")), "factory": import_path(eval_factory)}}}
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 import importlib
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
@@ -22,12 +23,9 @@ def import_object(path: str, what: str) -> Any:
         raise UsageError(f"{what}={path!r}: cannot import {module_name!r} ({e}); put the module beside the config "
                          "file or on PYTHONPATH") from None
     try:
-        obj = module
-        for part in attribute.split("."):
-            obj = getattr(obj, part)
+        return functools.reduce(getattr, attribute.split("."), module)
     except AttributeError:
         raise UsageError(f"{what}={path!r}: {module_name} has no {attribute!r}") from None
-    return obj
 
 
 class Registry(Generic[T]):

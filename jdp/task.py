@@ -28,11 +28,10 @@ def classification_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[
 
 @LOSSES.register("lm")
 def language_model_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Next-token cross-entropy and accuracy per token (B, T): jdp's weighted mean makes them token means
-    over the global batch. The softmax runs in float32 whatever the compute dtype."""
-    logits_BxTxV = model(batch["x"]).astype(jnp.float32)
-    return {"loss": optax.softmax_cross_entropy_with_integer_labels(logits_BxTxV, batch["y"]),
-            "accuracy": (jnp.argmax(logits_BxTxV, -1) == batch["y"]).astype(jnp.float32)}
+    """Next-token cross-entropy and accuracy per token (B, T), the classification loss over the vocabulary: jdp's
+    weighted mean makes them token means over the global batch. The softmax runs in float32 whatever the compute
+    dtype."""
+    return classification_loss(model, batch)
 
 
 def perplexity(metrics: dict[str, float]) -> dict[str, float]:

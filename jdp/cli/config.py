@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import difflib
+import functools
 import importlib.util
 import json
+import operator
 import re
 import sys
 import traceback
@@ -40,6 +43,11 @@ STATE_DEFINING = ("model.", "optim.", "task.", "loss_scale.", "seed", "precision
 
 class ConfigError(UsageError):
     """A bad config or command line: the message is one line naming the field and the fix."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line and exit 2, like every other usage error
+        raise ConfigError(f"{message}; see {self.prog} --help")
 
 
 # The valid range of every numeric field of configs/base.py (a test holds this table to the file): the training
@@ -209,10 +217,7 @@ def _model_setting(key: str) -> str:
 
 def _parent(cfg: ml_collections.ConfigDict, key: str) -> tuple[ml_collections.ConfigDict, str]:
     *parents, leaf = key.split(".")
-    node = cfg
-    for part in parents:
-        node = node[part]
-    return node, leaf
+    return functools.reduce(operator.getitem, parents, cfg), leaf
 
 
 def _importable(folder: str) -> None:
@@ -341,11 +346,9 @@ def sync_strategy(values: dict[str, Any]) -> tuple[Any, str]:
 
 def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
     """Check the config before anything compiles. `num_devices` is the device count the run will use."""
-    def choice(key: str, value: str, choices: tuple[str, ...]) -> None:
-        _require(value in choices, f"{key}={value!r} is unknown; choose one of {', '.join(choices)}")
-
     check_ranges(cfg)
-    choice("optim.schedule", cfg.optim.schedule, SCHEDULES)
+    _require(cfg.optim.schedule in SCHEDULES,
+             f"optim.schedule={cfg.optim.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
     values = fit_values(cfg)
     check(values, CONFIG_NAMES, ConfigError)
     strategy, what = sync_strategy(values)
@@ -353,9 +356,8 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
                                                     "local SGD the replicas agree only at sync points; use a multiple")
     profile_steps(cfg.profile.steps)
     logger_names(cfg.metrics.loggers)
-    uri = cfg.metrics.mlflow_tracking_uri
-    _require(not uri or tracking_uri_problem(uri) is None,
-             f"metrics.mlflow_tracking_uri={uri!r} {tracking_uri_problem(uri)}")
+    uri_problem = tracking_uri_problem(cfg.metrics.mlflow_tracking_uri)  # None for "", no MLflow
+    _require(uri_problem is None, f"metrics.mlflow_tracking_uri={cfg.metrics.mlflow_tracking_uri!r} {uri_problem}")
     if cfg.distributed.bind_address:  # a single-process run never listens: a typo would wait for the cluster
         check_bind_address(cfg.distributed.bind_address)
     _require(not strategy.shards_optimizer or cfg.optim.name not in ("lamb", "lars"), f"optim.name={cfg.optim.name} "

@@ -36,11 +36,9 @@ def main(argv: list[str] | None = None) -> int:
             write_params_file(args.out, host.params, host.model_state, step)
         else:  # a jdp.fit run whose record names an importable model
             step, _ = reopen.export_params(args.workdir, args.out)
-    except (config_lib.ConfigError, CheckpointError, FitError) as e:
+    except (config_lib.ConfigError, CheckpointError, FitError, DiskError) as e:
         print(f"jdp.export: {e}", file=sys.stderr)
-        return 2
-    except DiskError as e:  # a checkpoint that cannot be read for a reason other than its content
-        print(f"jdp.export: {e}", file=sys.stderr)
-        return 6
+        # A DiskError: a checkpoint that cannot be read for a reason other than its content.
+        return 6 if isinstance(e, DiskError) else 2
     print(f"wrote {args.out}: the parameters and model state of step {step} of {args.workdir}")
     return 0

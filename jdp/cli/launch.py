@@ -306,7 +306,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workdir", type=Path, help="the run's workdir, whose last checkpoint each restart's line "
                                                      "names (default: the command's --workdir)")
     parser.add_argument("command", nargs=argparse.REMAINDER, help="-- then the command each process runs")
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command; e.g. python -m jdp.launch --nprocs 2 -- python -m jdp.train")

@@ -10,7 +10,6 @@ with the key fold_in(key(seed), i), so a sample is reproducible, and equal with 
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from jdp.checkpoint import CheckpointError
-from jdp.cli.config import ConfigError
+from jdp.cli.config import ArgumentParser, ConfigError
 from jdp.data.text import VOCAB_FILE, Vocabulary
 from jdp.errors import DiskError, UsageError
 
@@ -126,13 +125,8 @@ def sample_workdir(workdir: Path, prompt: str, num_tokens: int, *, temperature: 
     return sample_text(model, vocab, prompt, num_tokens, temperature=temperature, top_k=top_k, seed=seed)
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:
-        raise ConfigError(f"{message}; see python -m jdp.sample --help")
-
-
 def main(argv: list[str] | None = None) -> int:
-    parser = _ArgumentParser(prog="python -m jdp.sample", description="Generate text from a trained language model.")
+    parser = ArgumentParser(prog="python -m jdp.sample", description="Generate text from a trained language model.")
     parser.add_argument("--workdir", required=True, help="a python -m jdp.train run of a language model")
     parser.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
     parser.add_argument("--tokens", type=int, default=300, help="how many tokens to generate")
@@ -140,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top_k", type=int, default=200, help="draw from the k most likely tokens (0 = all)")
     parser.add_argument("--seed", type=int, default=0)
     try:
-        args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+        args = parser.parse_args(argv)
         if args.tokens < 1 or args.top_k < 0:
             raise ConfigError("--tokens must be at least 1 and --top_k at least 0")
         text = sample_workdir(Path(args.workdir), args.prompt, args.tokens, temperature=args.temperature,

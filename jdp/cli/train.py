@@ -3,7 +3,6 @@ with `jdp.fit`."""
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import errno
 import os
@@ -99,11 +98,6 @@ def evaluate_checkpoint(workdir: Path) -> dict[str, float]:
     return metrics
 
 
-class _ArgumentParser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line and exit 2, like every other usage error
-        raise config_lib.ConfigError(f"{message}; see python -m jdp.train --help")
-
-
 @dataclasses.dataclass
 class CommandLine:
     cfg: ml_collections.ConfigDict
@@ -112,7 +106,7 @@ class CommandLine:
 
 
 def parse_command_line(argv: list[str]) -> CommandLine:
-    parser = _ArgumentParser(prog="python -m jdp.train", allow_abbrev=False,
+    parser = config_lib.ArgumentParser(prog="python -m jdp.train", allow_abbrev=False,
                              description="Data-parallel training. Override any config field with "
                                          "--config.SECTION.KEY=VALUE, e.g. --config.train.steps=500.")
     parser.add_argument("--config", help=f"config file (default: WORKDIR/config.json if it exists, else "
