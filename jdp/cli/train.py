@@ -107,8 +107,8 @@ class CommandLine:
 
 def parse_command_line(argv: list[str]) -> CommandLine:
     parser = config_lib.ArgumentParser(prog="python -m jdp.train", allow_abbrev=False,
-                             description="Data-parallel training. Override any config field with "
-                                         "--config.SECTION.KEY=VALUE, e.g. --config.train.steps=500.")
+                                       description="Data-parallel training. Override any config field with "
+                                                   "--config.SECTION.KEY=VALUE, e.g. --config.train.steps=500.")
     parser.add_argument("--config", help=f"config file (default: WORKDIR/config.json if it exists, else "
                                          f"{config_lib.DEFAULT_CONFIG})")
     parser.add_argument("--workdir", help="output directory; rerun on it to resume (default: runs/CONFIG_NAME)")
