@@ -30,9 +30,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jdp import digest, storage
+from jdp import digest, errors, storage
 from jdp import distributed as distributed_lib
-from jdp.errors import DiskError, one_line, warn
+from jdp.errors import DiskError, one_line
 from jdp.faults import kill_if_requested, signal_if_requested
 from jdp.storage import QuietDiskFailures
 from jdp.workdir_lock import LOCK_NAME
@@ -457,7 +457,7 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 def _warn(line: str) -> None:
     if jax.process_index() == 0:
-        warn(line)
+        errors.warn(line)
 
 
 def _move_aside(checkpoint: Path, rejected: Path) -> Path:
