@@ -84,13 +84,13 @@ class Callback:
 
 
 class Every(Callback):
-    """Due every `every` steps (0 = never) and at the last step."""
+    """Due every `every` steps (0 = never) and at the run's last step."""
 
-    def __init__(self, every: int, last: int) -> None:
-        self.every, self.last = every, last
+    def __init__(self, run: Run, every: int) -> None:
+        self.run, self.every = run, every
 
     def due(self, step: int) -> bool:
-        return step == self.last or bool(self.every and step % self.every == 0)
+        return step == self.run.steps or bool(self.every and step % self.every == 0)
 
 
 class _Given(Callback):
@@ -221,10 +221,6 @@ class ReplicaCheck(Every):
 
     reads_devices = True  # `run.state`, not the logical state
 
-    def __init__(self, run: Run, every: int) -> None:
-        super().__init__(every, run.steps)
-        self.run = run
-
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
         copies = self.run.parallel.replicated(self.run.state)  # each device's own copy of the replicated leaves
         with self.run.clock.paused():  # the first check also compiles the checksum program
@@ -238,8 +234,8 @@ class Checkpoints(Every):
     """Asynchronous orbax saves of the whole train state and the data position; the clock stops meanwhile."""
 
     def __init__(self, run: Run, checkpointer: Checkpointer) -> None:
-        super().__init__(checkpointer.every_steps, run.steps)
-        self.run, self.checkpointer = run, checkpointer
+        super().__init__(run, checkpointer.every_steps)
+        self.checkpointer = checkpointer
         self.stalls: list[float] = []  # the blocking time of each save made during training
         self.final_call_s: float | None = None  # the final save's: nothing trains behind it, so not a stall
 
@@ -280,8 +276,7 @@ class Evaluation(Every):
     reads_devices = True
 
     def __init__(self, run: Run, every: int) -> None:
-        super().__init__(every, run.steps)
-        self.run = run
+        super().__init__(run, every)
         self.metrics: dict[str, float] = {}
         self.warned = False
 

@@ -30,7 +30,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jdp import digest, storage
+from jdp import digest, errors, storage
 from jdp import distributed as distributed_lib
 from jdp.errors import DiskError, one_line
 from jdp.faults import kill_if_requested, signal_if_requested
@@ -65,31 +65,27 @@ class _QuietStepMetadata(logging.Filter):
 logging.getLogger("absl").addFilter(_QuietStepMetadata())
 
 
-class _QuietWhileVanished(logging.Filter):
+def _quiet_while_vanished(record: logging.LogRecord) -> bool:
     """orbax's threads log each write that fails once the workdir (or its checkpoints directory) was deleted or moved,
     a traceback each, in words that name no errno (`No ArrayMetadata found ...`), and warn of the steps they no
     longer find; jdp reports that once, itself (`Checkpointer.vanished`). Once it holds for an open Checkpointer,
     orbax's warnings and errors are dropped."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno < logging.WARNING or not (_VANISHED or any(c.vanished() for c in list(_OPEN)))
+    return record.levelno < logging.WARNING or not (_VANISHED or any(c.vanished() for c in list(_OPEN)))
 
 
-class _QuietSaveWaits(logging.Filter):
+def _quiet_save_waits(record: logging.LogRecord) -> bool:
     """orbax's `WARNING:absl:Waiting for previous save to complete took 1.02 seconds ...` when a save waits for the
     one before (a loaded machine, checkpoints a few steps apart): jdp reports that time itself, as the checkpoint
     stall of its summary line, and the extra line broke the promise of one line on stderr for a failed run."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("Waiting for previous save to complete")
+    return not str(record.msg).startswith("Waiting for previous save to complete")
 
 
-logging.getLogger("absl").addFilter(_QuietSaveWaits())
+logging.getLogger("absl").addFilter(_quiet_save_waits)
 _OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # the Checkpointers not closed yet
 _VANISHED: list[Path] = []  # what `Checkpointer.vanished` found gone (until the next Checkpointer): what orbax
 # logs late, once the Checkpointer is closed (a task's exception when it is collected), is quieted too
-logging.getLogger("absl").addFilter(_QuietWhileVanished())
-logging.getLogger("asyncio").addFilter(_QuietWhileVanished())
+logging.getLogger("absl").addFilter(_quiet_while_vanished)
+logging.getLogger("asyncio").addFilter(_quiet_while_vanished)
 
 
 class _QuietAbandonedReads:
@@ -222,7 +218,11 @@ def _data_problem(directory: Path, step: int, data: Any) -> str | None:
             return "its data item's digests are not a JSON object (damaged bytes)"
         if "format" in data and data["format"] != FORMAT:
             return f"its data item says format {data['format']!r} without a checksum: no jdp wrote that (damaged bytes)"
-    _check_format(directory, step, data)
+    if data.get("format", 1) != FORMAT:
+        raise CheckpointError(
+            f"checkpoint {directory / str(step)} has format {data.get('format', 1)}, this jdp reads "
+            f"format {FORMAT} (the model's RNG state was added); resume it with the jdp that wrote it, "
+            "or start afresh in a new workdir")
     return _step_problem(step, data.get("step", step))
 
 
@@ -258,14 +258,6 @@ def _read_error(error: BaseException) -> str:
     while type(error) is Exception and error.__cause__ is not None:
         error = error.__cause__
     return one_line(error)
-
-
-def _check_format(directory: Path, step: int, data: dict) -> None:
-    if data.get("format", 1) != FORMAT:
-        raise CheckpointError(
-            f"checkpoint {directory / str(step)} has format {data.get('format', 1)}, this jdp reads "
-            f"format {FORMAT} (the model's RNG state was added); resume it with the jdp that wrote it, "
-            "or start afresh in a new workdir")
 
 
 def _as_saved(abstract_state: Any, per_device: Any, digests: dict) -> tuple[Any, set[str]]:
@@ -388,8 +380,7 @@ class Checkpointer:
         where = self.directory / str(step)
         data, problem = _read(lambda: self._manager.restore(step, args=ocp.args.Composite(
             data=_DataRestore()))["data"], where)
-        if problem is None:
-            problem = _data_problem(self.directory, step, data)
+        problem = problem or _data_problem(self.directory, step, data)
         if problem is None and check is not None:
             check(step, data)
         if problem is None:
@@ -411,7 +402,11 @@ class Checkpointer:
         resized = set()
         if per_device is not None:
             abstract_state, resized = _as_saved(abstract_state, per_device, layout)
-        self._check_layout(step, layout, abstract_state)
+        # Leaves, dtypes and shapes that differ from the model's are a config change (exit 2), not damage.
+        if difference := digest.layout_difference(layout, abstract_state):
+            raise CheckpointError(
+                f"checkpoint {self.directory / str(step)} does not fit this model ({difference}); the model or "
+                "optimizer settings changed: resume with the settings that wrote it, or use a new --workdir")
         state, problem = _read(lambda: self._restore_state(step, abstract_state, metadata.keys()),
                                self.directory / str(step))
         if problem is not None:
@@ -432,14 +427,6 @@ class Checkpointer:
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target)))["state"]
         return type(abstract_state)(**restored, **missing)
-
-    def _check_layout(self, step: int, digests: dict, abstract_state: Any) -> None:
-        """Leaves, dtypes and shapes that differ from the model's are a config change (exit 2), not damage."""
-        difference = digest.layout_difference(digests, abstract_state)
-        if difference:
-            raise CheckpointError(
-                f"checkpoint {self.directory / str(step)} does not fit this model ({difference}); the model or "
-                "optimizer settings changed: resume with the settings that wrote it, or use a new --workdir")
 
     def _reject(self, steps: list[int], warn, timeout_s: float) -> None:
         """Moves damaged checkpoints aside (process 0, once every process has read them), so that those steps are
@@ -470,7 +457,7 @@ def _identity(path: Path) -> tuple[int, int] | None:
 
 def _warn(line: str) -> None:
     if jax.process_index() == 0:
-        print(f"jdp: warning: {line}", file=sys.stderr, flush=True)
+        errors.warn(line)
 
 
 def _move_aside(checkpoint: Path, rejected: Path) -> Path:

@@ -157,9 +157,8 @@ def _plain(path: str) -> str:
 
 def stored_layout(metadata: Any) -> dict[str, list]:
     """{plain path: [dtype, shape]} of the arrays orbax's metadata of a saved tree describes."""
-    leaves = jax.tree_util.tree_flatten_with_path(metadata)[0]
-    return {_plain(jax.tree_util.keystr(path)): [np.dtype(leaf.dtype).name, list(leaf.shape)]
-            for path, leaf in leaves if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
+    return {_plain(path): [np.dtype(leaf.dtype).name, list(leaf.shape)]
+            for path, leaf in _leaves(metadata) if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
 
 
 def layout_disagreement(digests: dict[str, list], stored: dict[str, list]) -> str | None:

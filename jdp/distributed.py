@@ -92,7 +92,7 @@ def flags_from_argv(argv: list[str]) -> dict[str, object]:
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_arguments(parser)
     args, _ = parser.parse_known_args(argv)
-    return {"coordinator": args.coordinator, "num_processes": args.num_processes, "process_id": args.process_id}
+    return vars(args)
 
 
 def _integer(name: str, raw: object, minimum: int) -> int:
@@ -306,7 +306,7 @@ def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, b
     coordinator address's host (see `listen_address`), and says where in one line before it waits."""
     check_timeouts(init_timeout_s, heartbeat_timeout_s)
     if bind_address:
-        _address("distributed.bind_address", bind_address)
+        check_bind_address(bind_address)
     # The SLURM address by JAX's rule, given to JAX too: the address bound and the one connected to are one.
     coordinator = job.coordinator or slurm_coordinator(os.environ)
     listen = listen_address(job, bind_address) if job.process_id == 0 else None

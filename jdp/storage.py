@@ -219,28 +219,20 @@ def read_failure(error: BaseException) -> tuple[int, str | None] | None:
 def read_retrying(read: Callable[[], T], what: Path) -> T:
     """`read()`, retried after each failure that `read_failure` names (READ_RETRY_DELAYS_S); a last one is a
     DiskError naming `what`, the file and the error. Any other failure is raised as it is."""
-    for delay in READ_RETRY_DELAYS_S:
+    for delay in (*READ_RETRY_DELAYS_S, None):
         try:
             return read()
         except Exception as e:
-            if read_failure(e) is None:
+            failure = read_failure(e)
+            if failure is None:
                 raise
+            if delay is None:
+                code, path = failure
+                raise DiskError(f"cannot read {what}: {os.strerror(code).lower()} ({errno.errorcode.get(code, code)})"
+                                f"{f' on {path}' if path else ''}, {len(READ_RETRY_DELAYS_S) + 1} tries over "
+                                f"{sum(READ_RETRY_DELAYS_S):g} s; it is left in place, since this error is not about "
+                                "its content: make it readable and rerun") from None
         time.sleep(delay)
-    try:
-        return read()
-    except Exception as e:
-        failure = read_failure(e)
-        if failure is None:
-            raise
-        raise _read_error(failure, what) from None
-
-
-def _read_error(failure: tuple[int, str | None], what: Path) -> DiskError:
-    code, path = failure
-    return DiskError(f"cannot read {what}: {os.strerror(code).lower()} ({errno.errorcode.get(code, code)})"
-                     f"{f' on {path}' if path else ''}, {len(READ_RETRY_DELAYS_S) + 1} tries over "
-                     f"{sum(READ_RETRY_DELAYS_S):g} s; it is left in place, since this error is not about its "
-                     "content: make it readable and rerun")
 
 
 def describe(failure: tuple[int, str | None], fallback: Path) -> str:

@@ -53,12 +53,11 @@ def _acquire(path: Path) -> tuple[int | None, str]:
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None, (f"{path.parent} is in use by another run: {path} is locked by {_holder(path)}; wait for that "
-                      "run to end or stop it, or use another --workdir")
     except OSError as e:
         os.close(fd)
+        if isinstance(e, BlockingIOError):
+            return None, (f"{path.parent} is in use by another run: {path} is locked by {_holder(path)}; wait for "
+                          "that run to end or stop it, or use another --workdir")
         if e.errno not in _UNSUPPORTED:
             raise
         warn(f"the filesystem refuses locks on {path} ({os.strerror(e.errno)}); going on without protection "

@@ -102,7 +102,7 @@ class Tracker(Callback):
         # the first line to log, so a rerun with nothing to log opens none.
         self._thread = threading.Thread(target=self._work, name=f"jdp-{self.name}-logger", daemon=True)
         self._thread.start()
-        atexit.register(self._at_exit)
+        atexit.register(self.close)
 
     def on_line(self, line: dict[str, Any]) -> None:
         if not self.active:
@@ -127,7 +127,7 @@ class Tracker(Callback):
         thread, self._thread = self._thread, None
         if thread is None:
             return
-        atexit.unregister(self._at_exit)
+        atexit.unregister(self.close)
         self._queue.put((_END, ok, None))
         thread.join(self.close_timeout_s)
         if ok:
@@ -136,9 +136,6 @@ class Tracker(Callback):
             self._abandoned = True  # silent from now on: the tracker may answer long after
             warn(f"the {self.name} tracker did not finish within {self.close_timeout_s:g} s of the run's end "
                  f"(close_timeout_s); going on without it, with {max(0, self._queue.qsize() - 1)} more line(s) waiting")
-
-    def _at_exit(self) -> None:
-        self.close(ok=False)
 
     def _raise_write_failure(self) -> None:
         """A write to the workdir that failed on the worker (a full disk, the workdir deleted) stops the run, as
