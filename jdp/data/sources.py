@@ -149,17 +149,16 @@ def build_source(
     `seed` (the run seed) orders the train split; the data itself does not depend on it. A text source keeps
     its vocabulary in `workdir` (None: built from the text, not saved).
     """
+    layout = {"seed": seed, "global_batch_size": global_batch_size, "eval_batch_size": eval_batch_size,
+              "process_index": process_index, "process_count": process_count}
     if is_text(cfg.name):
-        return text_source(cfg, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
-                           process_index=process_index, process_count=process_count, workdir=workdir)
+        return text_source(cfg, **layout, workdir=workdir)
     if cfg.name.startswith(TFDS_PREFIX):
-        return TfdsSource(cfg, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
-                          process_index=process_index, process_count=process_count)
+        return TfdsSource(cfg, **layout)
     train, eval = DATASETS.get(cfg.name)(cfg)
     if cfg.normalize:
         train, eval = _normalize(train, eval)
-    source = Batcher(train, eval, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
-                     process_index=process_index, process_count=process_count)
+    source = Batcher(train, eval, **layout)
     source.input_shape = tuple(train["x"].shape[1:])
     source.num_classes = _num_classes(train["y"], eval["y"], cfg.num_classes)
     return source
