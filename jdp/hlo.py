@@ -124,7 +124,7 @@ def collectives(hlo_text: str, num_devices: int, period: int = 1, group_size: in
                     "all-gather": 1 / size, "reduce-scatter": size}.get(op, 1)
         if " conditional(" in line:
             listed = _BRANCHES.search(line)
-            named = dict((kind, name) for kind, name in _TRUE_FALSE.findall(line))
+            named = dict(_TRUE_FALSE.findall(line))
             branches = ([b.strip().lstrip("%") for b in listed.group(1).split(",")] if listed
                         else [named["false"], named["true"]])
             calls[computation] += ([(branches[0], 0.0), (branches[1], 1 / period)] if len(branches) == 2
@@ -138,9 +138,7 @@ def collectives(hlo_text: str, num_devices: int, period: int = 1, group_size: in
     @functools.cache
     def total(computation: str) -> tuple[float, float]:
         called = [(runs, total(callee)) for callee, runs in calls[computation] if runs]
-        in_group, cross_group = (sent[computation][i] + sum(runs * counted[i] for runs, counted in called)
-                                 for i in (0, 1))
-        return in_group, cross_group
+        return tuple(sent[computation][i] + sum(runs * counted[i] for runs, counted in called) for i in (0, 1))
 
     if entry is None:
         raise ValueError("no ENTRY computation in this HLO text")

@@ -66,9 +66,7 @@ def never_saving_gathers(policy: Callable[..., bool] | None) -> Callable[..., bo
     """`policy` (None: save everything), except that the all-gathers and slices (a padding cut off) are never
     saved for the backward: a gathered layer parameter is recomputed from its slice, never kept whole."""
     def saveable(prim: Any, *avals: Any, **params: Any) -> bool:
-        if prim.name in ("all_gather", "slice"):
-            return False
-        return True if policy is None else policy(prim, *avals, **params)
+        return prim.name not in ("all_gather", "slice") and (policy is None or policy(prim, *avals, **params))
 
     return saveable
 

@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.torch_threads < 1 or (args.jdp_devices is not None and args.jdp_devices < 1):
             raise config_lib.ConfigError("--torch_threads and --jdp_devices must be at least 1")
         backends = tuple(b for b in args.backends.split(",") if b)
-        unknown = set(backends) - set(BACKENDS)
-        if unknown:
+        if unknown := set(backends) - set(BACKENDS):
             raise config_lib.ConfigError(f"unknown backend(s) {', '.join(sorted(unknown))}; use "
                                          f"{','.join(BACKENDS)}")
         result = speed(cfg, name=name, workers=args.workers, workdir=workdir, steps=args.steps,

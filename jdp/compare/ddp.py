@@ -159,7 +159,7 @@ def train(rank: int, spec: dict) -> dict:
     twin = ddp_twin(cfg)
     comm_bytes = _low_rank(ddp, twin.settings, cfg.seed) if twin.hook == "powerSGD_hook" else None
     optimizer = make_optimizer(cfg.optim, model)
-    params = [p for p in model.parameters()]
+    params = list(model.parameters())
     bn_stats = [] if (cfg.model.bn_sync and world > 1) else torch_models.bn_buffers(model)
     lrs, clip = spec["lrs"], cfg.optim.grad_clip_norm
     losses, grad_norms = [], []

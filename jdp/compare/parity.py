@@ -133,11 +133,10 @@ def compare(name: str, jdp: dict, ddp: dict, jdp_final: dict, ddp_final: dict, t
             meta: dict | None = None) -> Parity:
     """Per-step differences and the verdict: every step's loss and gradient-norm differences within
     `tolerance`, and step 1's within `tolerance.step1`."""
-    rows = []
-    for i, (lj, ld, gj, gd) in enumerate(zip(jdp["losses"], ddp["losses"], jdp["grad_norms"], ddp["grad_norms"],
-                                             strict=True)):
-        rows.append({"step": i + 1, "loss_jdp": lj, "loss_ddp": ld, "loss_rel": _rel(lj, ld),
-                     "grad_norm_jdp": gj, "grad_norm_ddp": gd, "grad_rel": _rel(gj, gd)})
+    sides = zip(jdp["losses"], ddp["losses"], jdp["grad_norms"], ddp["grad_norms"], strict=True)
+    rows = [{"step": step, "loss_jdp": lj, "loss_ddp": ld, "loss_rel": _rel(lj, ld),
+             "grad_norm_jdp": gj, "grad_norm_ddp": gd, "grad_rel": _rel(gj, gd)}
+            for step, (lj, ld, gj, gd) in enumerate(sides, 1)]
     worst_loss = max((r["loss_rel"], r["step"]) for r in rows)
     worst_grad = max((r["grad_rel"], r["step"]) for r in rows)
     finals = {k: float(np.max(np.abs(jdp_final[k] - ddp_final[k]))) / max(float(np.max(np.abs(jdp_final[k]))), 1e-30)

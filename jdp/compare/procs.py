@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import signal
@@ -54,10 +55,8 @@ def run(args: list[str], *, log: Path, timeout_s: float, env: dict[str, str] | N
                 return Finished(124, time.monotonic() - t0, usage.ru_maxrss / 1024, launch, log)
             time.sleep(0.05)
     proc.returncode = os.waitstatus_to_exitcode(status)
-    try:  # leftovers of the child's own children (spawned DDP workers), if any survived it
+    with contextlib.suppress(ProcessLookupError):  # leftovers of the child's own children (spawned DDP workers)
         os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     return Finished(proc.returncode, time.monotonic() - t0, usage.ru_maxrss / 1024, launch, log)
 
 

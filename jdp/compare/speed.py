@@ -133,9 +133,8 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
         rows.append({"run": kind, "examples_per_sec": rate, "ratio_vs_ddp": rate / ddp_rate,
                      **({"tokens_per_sec": rate * tokens} if tokens else {}),
                      "step_time_ms": 1000 * batch / rate,
-                     "time_to_first_step_s": _median([r["time_to_first_step_s"] for r in mine]),
-                     "peak_rss_mib_per_worker": _median([r["peak_rss_mib_per_worker"] for r in mine]),
-                     "peak_rss_mib_total": _median([r["peak_rss_mib_total"] for r in mine])})
+                     **{key: _median([r[key] for r in mine])
+                        for key in ("time_to_first_step_s", "peak_rss_mib_per_worker", "peak_rss_mib_total")}})
     loads = [load for r in runs for load in r["load_avg_1min"]]
     meta = {"config": name, "model": cfg.model.name, "workers": workers, "steps": cfg.train.steps,
             "torch_threads": torch_threads, "jdp_devices": cfg.parallel.cpu_devices or cfg.parallel.num_devices,

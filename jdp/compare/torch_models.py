@@ -74,7 +74,7 @@ class BatchNorm(nn.BatchNorm2d):
             import torch.distributed.nn.functional as dist_fn
 
             stats = dist_fn.all_reduce(torch.stack([x.mean(dims), (x * x).mean(dims)])) / world
-            mean, mean2 = stats[0], stats[1]
+            mean, mean2 = stats
             var = (mean2 - mean * mean).clamp_min(0.0)
             # Flax's order of operations: (x - mean) * (rsqrt(var + eps) * scale) + bias.
             y = (x - mean.view(shape)) * (torch.rsqrt(var + self.eps) * self.weight).view(shape) + self.bias.view(shape)
@@ -102,10 +102,8 @@ def average_bn_buffers(buffers: list[torch.Tensor], world: int) -> None:
     flat = torch.cat([b.reshape(-1) for b in buffers])
     dist.all_reduce(flat)
     flat /= world
-    offset = 0
-    for b in buffers:
-        b.copy_(flat[offset:offset + b.numel()].view_as(b))
-        offset += b.numel()
+    for b, averaged in zip(buffers, flat.split([b.numel() for b in buffers]), strict=True):
+        b.copy_(averaged.view_as(b))
 
 
 class MLP(nn.Module):

@@ -51,7 +51,6 @@ def optional(source: Source, name: str) -> Any:
     return getattr(source, name, SOURCE_OPTIONAL[name])
 
 
-
 class RowOrder:
     """Which rows of the train and eval splits this process reads, by step: the contract every source shares.
 
@@ -91,9 +90,6 @@ class RowOrder:
         start = index * self.global_batch_size
         return self._permutation(epoch)[start : start + self.global_batch_size][self.train_block]
 
-    def num_eval_batches(self) -> int:
-        return math.ceil(self.num_eval / self.eval_batch_size)
-
     def eval_rows(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(row ids, real) of this process's block of eval batch `i`; ids past the split are padding."""
         ids = np.arange(i * self.eval_batch_size, (i + 1) * self.eval_batch_size)[self._eval_block]
@@ -109,7 +105,7 @@ class OrderedSource:
         self.steps_per_epoch: int = order.steps_per_epoch
 
     def num_eval_batches(self) -> int:
-        return self._order.num_eval_batches()
+        return math.ceil(self.num_eval / self._order.eval_batch_size)
 
 
 class DataError(UsageError):

@@ -46,7 +46,9 @@ def _mnist1d() -> tuple[Split, Split]:
             d = {k: stored[k] for k in ("x", "y", "x_test", "y_test")}
     except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile):  # absent, or damaged: make it anew
         d = _generate_mnist1d()
-        _write_arrays(path, d)
+        buffer = io.BytesIO()
+        np.savez(buffer, **d)
+        write_atomically(path, buffer.getvalue())
     x, x_test = d["x"].astype(np.float32), d["x_test"].astype(np.float32)
     y, y_test = d["y"].astype(np.int32), d["y_test"].astype(np.int32)
     _read_only(x, y, x_test, y_test)
@@ -64,12 +66,6 @@ def _generate_mnist1d() -> dict[str, np.ndarray]:
         np.random.set_state(np_state)
         random.setstate(py_state)
     return {k: np.asarray(d[k]) for k in ("x", "y", "x_test", "y_test")}
-
-
-def _write_arrays(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    buffer = io.BytesIO()
-    np.savez(buffer, **arrays)
-    write_atomically(path, buffer.getvalue())
 
 
 @functools.cache
@@ -153,17 +149,16 @@ def build_source(
     `seed` (the run seed) orders the train split; the data itself does not depend on it. A text source keeps
     its vocabulary in `workdir` (None: built from the text, not saved).
     """
+    layout = {"seed": seed, "global_batch_size": global_batch_size, "eval_batch_size": eval_batch_size,
+              "process_index": process_index, "process_count": process_count}
     if is_text(cfg.name):
-        return text_source(cfg, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
-                           process_index=process_index, process_count=process_count, workdir=workdir)
+        return text_source(cfg, **layout, workdir=workdir)
     if cfg.name.startswith(TFDS_PREFIX):
-        return TfdsSource(cfg, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
-                          process_index=process_index, process_count=process_count)
+        return TfdsSource(cfg, **layout)
     train, eval = DATASETS.get(cfg.name)(cfg)
     if cfg.normalize:
         train, eval = _normalize(train, eval)
-    source = Batcher(train, eval, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
-                     process_index=process_index, process_count=process_count)
+    source = Batcher(train, eval, **layout)
     source.input_shape = tuple(train["x"].shape[1:])
     source.num_classes = _num_classes(train["y"], eval["y"], cfg.num_classes)
     return source

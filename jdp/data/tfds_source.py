@@ -156,11 +156,8 @@ class _Records:
         records = [self._source[int(r)] for r in rows]
         if not self._fast:
             return [(d[self._image_key], d[self._label_key]) for d in map(self._decode, records)]
-        pairs = []
-        for record in records:
-            feature = self._parse(record).features.feature
-            pairs.append((feature[self._image_key].bytes_list.value[0], feature[self._label_key].int64_list.value[0]))
-        return pairs
+        features = (self._parse(record).features.feature for record in records)
+        return [(f[self._image_key].bytes_list.value[0], f[self._label_key].int64_list.value[0]) for f in features]
 
 
 class _DecodedCache:
@@ -254,9 +251,9 @@ class TfdsSource(OrderedSource):
 
     # -- reading ---------------------------------------------------------------------------------------
 
-    def _read(self, source: _Records, rows: np.ndarray, transform: Callable[[bytes | np.ndarray, int], np.ndarray],
-              shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of `source` -> (pixels uint8 (n, *shape), labels int32), `transform(stored image, i)` (which
+    def _read(self, source: _Records, rows: np.ndarray, transform: Callable[[bytes | np.ndarray, int], np.ndarray]
+              ) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of `source` -> (pixels uint8 (n, *input_shape), labels int32), `transform(stored image, i)` (which
         decodes it) per row i.
 
         The rows are cut into contiguous chunks, one task per worker thread (one task in all for small
@@ -264,7 +261,7 @@ class TfdsSource(OrderedSource):
         depend on the schedule. Labels outside [0, num_classes) are refused.
         """
         n = len(rows)
-        pixels = np.empty((n, *shape), np.uint8)
+        pixels = np.empty((n, *self.input_shape), np.uint8)
         labels = np.empty(n, np.int32)
 
         def task(lo: int, hi: int) -> None:
@@ -277,8 +274,7 @@ class TfdsSource(OrderedSource):
         if tasks == 1:
             task(0, n)
         else:
-            for f in [self._workers.submit(task, lo, hi) for lo, hi in zip(bounds[:-1], bounds[1:], strict=True)]:
-                f.result()
+            list(self._workers.map(task, bounds[:-1], bounds[1:]))  # waits for every task, raises the first error
         if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
             bad = labels[(labels < 0) | (labels >= self.num_classes)][0]
             raise DataError(f"split {source.split!r} of {self.name} has label {bad}, outside [0, {self.num_classes}) "
@@ -290,15 +286,11 @@ class TfdsSource(OrderedSource):
                     ) -> tuple[np.ndarray, np.ndarray]:
         """Small images as stored: decoded once, then served from `cache` if there is one."""
         if cache is None:
-            return self._read(source, rows, self._as_stored, self.input_shape)
+            return self._read(source, rows, self._as_stored)
         missing = np.unique(rows[~cache.filled[rows]])
         if len(missing):
-            cache.store(missing, *self._read(source, missing, self._as_stored, self.input_shape))
+            cache.store(missing, *self._read(source, missing, self._as_stored))
         return cache.pixels[rows], cache.labels[rows]
-
-    def _augment_params(self, step: int) -> augment.BatchParams:
-        """This process's rows of the random numbers drawn for the whole global batch at `step`."""
-        return augment.batch_params(self._seed, step, self._order.global_batch_size).rows(self._order.train_block)
 
     def _as_stored(self, image: bytes | np.ndarray, i: int) -> np.ndarray:
         return augment.decode(image, self._channels)
@@ -312,7 +304,9 @@ class TfdsSource(OrderedSource):
         """This process's rows of the global train batch at `step`: {'x': (B/P, H, W, C) uint8, 'y'}, plus
         'crop' and 'flip' for augmented small images; `device_input` makes the model's input from it."""
         rows = self._order.train_rows(step)
-        params = self._augment_params(step) if self._augment else None
+        # This process's rows of the random numbers drawn for the whole global batch at `step`.
+        params = (augment.batch_params(self._seed, step, self._order.global_batch_size).rows(self._order.train_block)
+                  if self._augment else None)
         if self._small:
             pixels, labels = self._read_small(self._train, self._train_cache, rows)
             crop = {} if params is None else {"crop": params.offsets.astype(np.int32), "flip": params.flips}
@@ -323,8 +317,7 @@ class TfdsSource(OrderedSource):
                                        functools.partial(augment.random_resized_box, uniforms=params.uniforms[i]),
                                        self.input_shape[0], bool(params.flips[i]))
 
-        pixels, labels = self._read(self._train, rows, self._center_crop if params is None else random_crop,
-                                    self.input_shape)
+        pixels, labels = self._read(self._train, rows, self._center_crop if params is None else random_crop)
         return {"x": pixels, "y": labels}
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
@@ -340,7 +333,7 @@ class TfdsSource(OrderedSource):
             if n and self._small:
                 pixels[:n], labels[:n] = self._read_small(self._eval, self._eval_cache, ids[:n])
             elif n:
-                pixels[:n], labels[:n] = self._read(self._eval, ids[:n], self._center_crop, self.input_shape)
+                pixels[:n], labels[:n] = self._read(self._eval, ids[:n], self._center_crop)
             yield {"x": pixels, "y": labels, "mask": real.astype(np.float32)}
 
     def close(self) -> None:

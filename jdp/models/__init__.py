@@ -4,7 +4,7 @@
 
 import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -108,42 +108,35 @@ def build_model(name: str, kwargs: dict[str, Any], input_shape: tuple[int, ...],
     """The model `name` names (registered, or an import path), built with `kwargs` for inputs of
     `input_shape` (no batch axis) and `num_classes` outputs."""
     factory = MODELS.get(name)
-    parameters = _parameters(factory)
+    signature = _signature(factory)
+    parameters = signature.parameters if signature is not None else {}  # none to read: pass only what was asked for
     given = {key: value for key, value in (("input_shape", tuple(input_shape)), ("num_classes", num_classes))
              if key in parameters and key not in kwargs}
     call = {**kwargs, **given, "rngs": nnx.Rngs(seed)}
-    mismatch = _mismatch(factory, call)
-    if mismatch is not None:
-        raise ValueError(f"model.name={name!r} with model.kwargs {sorted(kwargs)}: {mismatch}")
-    return factory(**call)
-
-
-def _mismatch(factory: Callable[..., nnx.Module], call: dict[str, Any]) -> str | None:
-    """Why `factory(**call)` does not fit its signature, or None. Checked before the call, since a TypeError raised
-    inside the constructor (a JAX shape error, say) is the model's own failure, not a wrong setting."""
+    # Checked before the call, since a TypeError raised inside the constructor (a JAX shape error, say) is the
+    # model's own failure, not a wrong setting. No signature to read: the call reports a mismatch itself.
     try:
-        signature = inspect.signature(factory.__init__ if isinstance(factory, type) else factory)
-    except (TypeError, ValueError):  # no signature to read (a C extension): the call reports a mismatch itself
-        return None
-    try:
-        signature.bind(*((None,) if isinstance(factory, type) else ()), **call)  # None stands for self
+        if signature is not None:
+            signature.bind(*((None,) if isinstance(factory, type) else ()), **call)  # None stands for self
     except TypeError as e:
-        return str(e)
-    return None
+        raise ValueError(f"model.name={name!r} with model.kwargs {sorted(kwargs)}: {e}") from None
+    return factory(**call)
 
 
 def settings(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments model `name` is built with: its own defaults, overridden by `kwargs`."""
-    parameters = _parameters(MODELS.get(name)).values()
+    signature = _signature(MODELS.get(name))
+    parameters = signature.parameters.values() if signature is not None else ()
     return {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty} | dict(kwargs)
 
 
-def _parameters(factory: Callable[..., nnx.Module]) -> Mapping[str, inspect.Parameter]:
-    """What a model factory takes: a class's own __init__ (NNX's metaclass hides the class's signature)."""
+def _signature(factory: Callable[..., nnx.Module]) -> inspect.Signature | None:
+    """What a model factory takes: a class's own __init__ (NNX's metaclass hides the class's signature); None
+    where there is no signature to read (a C extension)."""
     try:
-        return inspect.signature(factory.__init__ if isinstance(factory, type) else factory).parameters
-    except (TypeError, ValueError):  # no signature to read (a C extension): pass only what was asked for
-        return {}
+        return inspect.signature(factory.__init__ if isinstance(factory, type) else factory)
+    except (TypeError, ValueError):
+        return None
 
 
 def count_params(params: Any) -> int:

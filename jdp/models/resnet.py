@@ -68,9 +68,7 @@ class _Shortcut(nnx.Module):
         self.bn = layers.bn(c_out) if project else None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        if self.proj is None:
-            return x
-        return self.bn(self.proj(x))
+        return x if self.proj is None else self.bn(self.proj(x))
 
 
 class BasicBlock(nnx.Module):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import statistics
 import sys
@@ -229,13 +230,10 @@ def _fits(args) -> int:
 
 
 def warnings_for(rows: list[dict]) -> list[str]:
-    out = []
-    for r in rows:
-        if r.get("allreduce_s") and r["allreduce_s"] > COMM_DOMINATES * r["step_s"]:
-            out.append(f"warning: on {r['devices']} devices the gradient all-reduce takes "
-                       f"{r['allreduce_s'] / r['step_s']:.0%} of the step: communication dominates compute, so data "
-                       "parallelism will not pay at this model and batch size (try a larger batch or fewer devices)")
-    return out
+    return [f"warning: on {r['devices']} devices the gradient all-reduce takes {r['allreduce_s'] / r['step_s']:.0%} "
+            "of the step: communication dominates compute, so data parallelism will not pay at this model and batch "
+            "size (try a larger batch or fewer devices)"
+            for r in rows if r.get("allreduce_s") and r["allreduce_s"] > COMM_DOMINATES * r["step_s"]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -275,10 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     except (config_lib.ConfigError, ValueError) as e:
         print(f"jdp.bench: {e}", file=sys.stderr)
         return 2
-    try:  # on a CPU-only machine; ignored by accelerators
-        simulate_cpu_devices(cfg.parallel.cpu_devices or max(devices))
-    except RuntimeError:  # called from Python after JAX started: the devices are already fixed
-        pass
+    with contextlib.suppress(RuntimeError):  # called from Python after JAX started: the devices are already fixed
+        simulate_cpu_devices(cfg.parallel.cpu_devices or max(devices))  # a CPU-only machine's; accelerators ignore it
     enable_compilation_cache(cfg.compile_cache_dir)
     try:
         if args.compile_only and cfg.parallel.backend == "pmap":

@@ -13,6 +13,7 @@ ZeRO-1 and ZeRO-3 (the baseline), larger ones scanned (an unrolled compile grows
 
 from __future__ import annotations
 
+import contextlib
 import json
 import resource
 import subprocess
@@ -51,10 +52,8 @@ def measure_one(shape: str, strategy: str, devices: int) -> dict:
     from jdp.mesh import simulate_cpu_devices
     from jdp.perf.measure import compiled_memory
 
-    try:
+    with contextlib.suppress(RuntimeError):  # JAX already started (called in-process): its devices stand
         simulate_cpu_devices(devices)
-    except RuntimeError:  # JAX already started (called in-process): its devices stand
-        pass
     sharding, remat, scanned = STRATEGIES[strategy]
     layers, heads, width = shape_of(shape)
     large = shape not in SHAPES or list(SHAPES).index(shape) > list(SHAPES).index(UNROLLED_UP_TO)
