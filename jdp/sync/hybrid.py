@@ -77,10 +77,6 @@ class HybridShard(ZeRO3):
 
     # The record (what a resume compares) is ZeRO's: the mean all-reduce's, so a run resumes under any strategy.
 
-    def group(self, num_devices: int) -> int:
-        """The devices of one group on `num_devices`; FitError in one line where there is none."""
-        return group_mesh(self, self.group_size, num_devices)[DATA_AXIS]
-
     def for_inference(self) -> Sync:
         return ZeRO3() if self.stage == 3 else ZeRO1()  # the same logical state, on any device count
 
@@ -98,7 +94,7 @@ class HybridShard(ZeRO3):
 
     def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
                         backend: str, what: str) -> None:
-        check_sliceable(tx, abstract_params, self.group(num_devices), what)
+        check_sliceable(tx, abstract_params, self.mesh_shape(num_devices)[DATA_AXIS], what)
 
     def layouts(self, abstract_state: Any) -> Any:
         return (ZeRO3 if self.stage == 3 else ZeRO1).layouts(self, abstract_state)
