@@ -63,18 +63,13 @@ def fold_in(key: jax.Array, value: jax.Array | int) -> jax.Array:
 
 def set_batchnorm_axis(model: nnx.Module, axis_name: str | None) -> dict[nnx.BatchNorm, str | None]:
     """Point every `nnx.BatchNorm` of `model` at `axis_name` (like torch's `convert_sync_batchnorm`);
-    returns what they had, for `restore_batchnorm_axis`."""
+    returns what they had."""
     before = {}
     for _, module in nnx.iter_modules(model):
         if isinstance(module, nnx.BatchNorm):
             before[module] = module.axis_name
             module.axis_name = axis_name
     return before
-
-
-def restore_batchnorm_axis(before: dict[nnx.BatchNorm, str | None]) -> None:
-    for module, axis_name in before.items():
-        module.axis_name = axis_name
 
 
 def _key_impl(key: Any) -> Any:
@@ -111,7 +106,8 @@ class ModelDef:
             model.eval()
             eval_graph = nnx.graphdef(model)
         finally:
-            restore_batchnorm_axis(before)
+            for module, axis_name in before.items():
+                module.axis_name = axis_name
             for (module, name), value in modes.items():  # the caller's model keeps its mode
                 setattr(module, name, value)
         keys = jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.RngKey)))
