@@ -44,7 +44,6 @@ from jdp.sync.base import (
     check_group_size,
     floating,
     group_mesh,
-    merge_floating,
 )
 from jdp.sync.zero1 import ZeRO1, check_sliceable, global_norm
 from jdp.sync.zero3 import ZeRO3
@@ -118,9 +117,7 @@ class HybridShard(ZeRO3):
             # Across the groups: one all-reduce of the slices, the group's sums riding in it.
             payload = all_reduce_mean({**payload, "grads": grads}, groups)
             grads = payload.pop("grads")
-        weight = payload["weight"]
-        return Reduced(self._of_mean(grads, local.rows, weight), payload["sums"], weight,
-                       merge_floating(payload["model_state"], local.model_state), None)
+        return self._reduced(grads, local, payload)
 
     def update(self, tx: optax.GradientTransformation, grads: Tree, state: Any, axis_name: Any
                ) -> tuple[Tree, Any]:

@@ -35,7 +35,6 @@ from jdp.sync.base import (
     Tree,
     all_reduce_mean,
     floating,
-    merge_floating,
 )
 
 EPSILON = 1e-8  # Gram-Schmidt's guard against a zero column (a rank-deficient P), as torch's hook uses
@@ -202,7 +201,5 @@ class PowerSGD(Sync):
         approx = {name: jnp.einsum("lnr,lmr->lnm", p[name], new_q[name]) for name in m_of}
         flat_mean = {**averaged["whole"], **{name: approx[name].reshape(grads[name].shape) for name in approx}}
         mean = jax.tree.unflatten(jax.tree.structure(local.grads), [flat_mean[k] for k in grads])
-        weight = averaged["weight"]
         sync_state = {"q": new_q, "error": {name: m_of[name] - approx[name] for name in m_of}}
-        return Reduced(self._of_mean(mean, local.rows, weight), averaged["sums"], weight,
-                       merge_floating(averaged["model_state"], local.model_state), None, sync_state)
+        return self._reduced(mean, local, averaged, None, sync_state)
