@@ -255,8 +255,13 @@ class DataParallel:
         it), or for `lowered` (`lower_train` of those), once: `train_step` runs this executable from then on, and
         `comm_bytes_per_step` (`read_collectives`) and `memory` (`jdp.memory.step_memory`) are read from it."""
         compiled = (lowered if lowered is not None else self.lower_train(state, batch)).compile()
-        self._compiled_train = compiled
-        self._read_collectives(compiled.as_text())
+        self._compiled_train, text = compiled, compiled.as_text()
+        if device_axes(self.mesh) == DATA_AXIS:
+            self.comm_bytes_per_step = hlo.collective_bytes(text, self.mesh.size, self.sync.every)
+        else:  # a hybrid mesh: a group is `shard_count` consecutive devices along `data`
+            sent = hlo.collectives(text, self.mesh.size, self.sync.every, group_size=shard_count(self.mesh))
+            self.comm_bytes_per_step, self.comm_cross_group_bytes_per_step = sent.total, sent.cross_group
+        self.compiled_warning = self.sync.compiled_warning(text, self.mesh.size)
         self.memory = memory_lib.step_memory(state, compiled)
         return compiled
 
@@ -267,14 +272,6 @@ class DataParallel:
         if self._compiled_train is None:
             self.compile_train(state, batch)
         return self.comm_bytes_per_step
-
-    def _read_collectives(self, text: str) -> None:
-        if device_axes(self.mesh) == DATA_AXIS:
-            self.comm_bytes_per_step = hlo.collective_bytes(text, self.mesh.size, self.sync.every)
-        else:  # a hybrid mesh: a group is `shard_count` consecutive devices along `data`
-            sent = hlo.collectives(text, self.mesh.size, self.sync.every, group_size=shard_count(self.mesh))
-            self.comm_bytes_per_step, self.comm_cross_group_bytes_per_step = sent.total, sent.cross_group
-        self.compiled_warning = self.sync.compiled_warning(text, self.mesh.size)
 
     def to_host(self, tree: Tree) -> Tree:
         """A logical tree as numpy: this process's first copy of each replicated leaf; of a train state's per-device
