@@ -57,12 +57,11 @@ def layer_ranks(model: nnx.Module) -> dict[tuple, int]:
             ranks[(*path, "kernel")] = len(node.kernel_size) + 2
         elif isinstance(node, nnx.Linear | nnx.Embed):
             ranks[(*path, "kernel")] = ranks[(*path, "embedding")] = 2
+        elif isinstance(node, nnx.LayerNorm | nnx.BatchNorm | nnx.RMSNorm | nnx.GroupNorm):
+            ranks[(*path, "scale")] = 1
         else:
             continue
         ranks[(*path, "bias")] = 1
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.LayerNorm | nnx.BatchNorm | nnx.RMSNorm | nnx.GroupNorm):
-            ranks[(*path, "scale")] = ranks[(*path, "bias")] = 1
     return ranks
 
 
