@@ -219,9 +219,7 @@ class DataParallel:
                    ) -> tuple[step_lib.TrainState, jax.Array]:
         """Steps 2-4 on the devices: the new state, and the step's metrics packed for `fetch`. Runs the executable
         `compile_train` made, once it has (the jitted step, compiling on its first call, before)."""
-        if self._compiled_train is not None:
-            return self._compiled_train(state, batch)
-        return self._train(state, batch)
+        return (self._compiled_train or self._train)(state, batch)
 
     def evaluate(self, state: step_lib.TrainState, batches: Iterable[dict[str, np.ndarray]]) -> dict[str, float]:
         """Weighted means of the eval function's outputs over `batches` (this process's rows of each eval
