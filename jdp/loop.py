@@ -251,17 +251,13 @@ def _restore_or_init(engine: Engine, checkpointer: Checkpointer | None, echo,
         if restored is not None:
             step, state, position = restored
             echo(f"resumed from {checkpointer.directory / str(step)} (data position {position})")
-            if any(x is None for x in jax.tree.leaves(state, is_leaf=lambda x: x is None)):
-                echo(f"warning: the per-device state ({', '.join(_none_paths(state))}) was saved on another device "
+            leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is None)[0]
+            if missing := [jax.tree_util.keystr(path) for path, x in leaves if x is None]:
+                echo(f"warning: the per-device state ({', '.join(missing)}) was saved on another device "
                      "count: it starts afresh")
                 state = engine.parallel.sync.restart(state, engine.init_state())
             return step, state._replace(halted=state.halted * 0)  # a halted run may go on (e.g. at a lower lr)
     return 0, engine.init_state()
-
-
-def _none_paths(tree: Any) -> list[str]:
-    leaves = jax.tree_util.tree_flatten_with_path(tree, is_leaf=lambda x: x is None)[0]
-    return [jax.tree_util.keystr(path) for path, x in leaves if x is None]
 
 
 def _header(run: callbacks_lib.Run, engine: Engine, options: FitOptions) -> None:

@@ -57,8 +57,7 @@ def make_mesh(num_devices: int = 0, shape: dict[str, int] | None = None) -> Mesh
     sizes' product the device count: a sync strategy's `mesh_shape`) the same devices in the same order, reshaped:
     flattened row-major, the mesh is the 1-D one's device order."""
     devices = np.array(mesh_devices(num_devices))
-    if shape is None or tuple(shape) == (DATA_AXIS,):
-        return Mesh(devices, (DATA_AXIS,), axis_types=(AxisType.Auto,))
+    shape = shape or {DATA_AXIS: devices.size}
     return Mesh(devices.reshape(tuple(shape.values())), tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
 
 

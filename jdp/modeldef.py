@@ -18,6 +18,7 @@ without `rngs`); its key is a function of (seed, step, micro-batch, device or gr
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -63,18 +64,13 @@ def fold_in(key: jax.Array, value: jax.Array | int) -> jax.Array:
 
 def set_batchnorm_axis(model: nnx.Module, axis_name: str | None) -> dict[nnx.BatchNorm, str | None]:
     """Point every `nnx.BatchNorm` of `model` at `axis_name` (like torch's `convert_sync_batchnorm`);
-    returns what they had, for `restore_batchnorm_axis`."""
+    returns what they had."""
     before = {}
     for _, module in nnx.iter_modules(model):
         if isinstance(module, nnx.BatchNorm):
             before[module] = module.axis_name
             module.axis_name = axis_name
     return before
-
-
-def restore_batchnorm_axis(before: dict[nnx.BatchNorm, str | None]) -> None:
-    for module, axis_name in before.items():
-        module.axis_name = axis_name
 
 
 def _key_impl(key: Any) -> Any:
@@ -111,7 +107,8 @@ class ModelDef:
             model.eval()
             eval_graph = nnx.graphdef(model)
         finally:
-            restore_batchnorm_axis(before)
+            for module, axis_name in before.items():
+                module.axis_name = axis_name
             for (module, name), value in modes.items():  # the caller's model keeps its mode
                 setattr(module, name, value)
         keys = jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.RngKey)))
@@ -126,20 +123,12 @@ class ModelDef:
 
     def call_key(self, folds: tuple[jax.Array, ...]) -> jax.Array:
         """The key of a loss's call-time `rngs`: the seed with `folds` (step, micro-batch, device...) folded in."""
-        key = jax.random.key(self.seed)
-        for value in folds:
-            key = jax.random.fold_in(key, value)
-        return key
+        return functools.reduce(jax.random.fold_in, folds, jax.random.key(self.seed))
 
     def _keys(self, key_data: Tree, folds: tuple[jax.Array, ...]) -> Tree:
         leaves, treedef = jax.tree.flatten(key_data)
-        keys = []
-        for data, impl in zip(leaves, self.key_impls, strict=True):
-            key = jax.random.wrap_key_data(data, impl=impl)
-            for value in folds:
-                key = fold_in(key, value)
-            keys.append(key)
-        return jax.tree.unflatten(treedef, keys)
+        return jax.tree.unflatten(treedef, [functools.reduce(fold_in, folds, jax.random.wrap_key_data(data, impl=impl))
+                                            for data, impl in zip(leaves, self.key_impls, strict=True)])
 
     def module(self, params: Tree, model_state: Tree, rng_state: Tree, *, train: bool,
                folds: tuple[jax.Array, ...] = ()) -> nnx.Module:

@@ -32,7 +32,7 @@ from jdp import memory as memory_lib
 from jdp import step as step_lib
 from jdp.mesh import DATA_AXIS, data_sharded, device_axes, replicated, shard_count, split_whole, to_numpy
 from jdp.modeldef import LossFn, ModelDef
-from jdp.split import batch_sharding, shard_batch
+from jdp.split import shard_batch
 from jdp.sync import Sync
 from jdp.sync.base import PER_DEVICE, REPLICATED, SHARDED, spec_on
 
@@ -46,7 +46,7 @@ Tree = step_lib.Tree
 def _jit(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
          ) -> tuple[Callable, Callable]:
     """One call on the global batch; XLA partitions it and inserts the all-reduce (and a sharded state's gathers)."""
-    repl, split = replicated(mesh), batch_sharding(mesh)
+    repl, split = replicated(mesh), data_sharded(mesh)
     state = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs)
     return (jax.jit(step_for(None), in_shardings=(state, split), out_shardings=(state, repl), donate_argnums=0),
             jax.jit(eval_for(None), in_shardings=(state, split), out_shardings=repl))
@@ -73,7 +73,7 @@ def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callab
         return jax.shard_map(fn, mesh=mesh, in_specs=(state_specs, P(axes)), out_specs=out_specs,
                              check_vma=False)
 
-    batch_in = (None, batch_sharding(mesh))  # host rows are split as the step is called (`jdp.split`)
+    batch_in = (None, data_sharded(mesh))  # host rows are split as the step is called (`jdp.split`)
     return (jax.jit(on_each_device(each_device(step_for(axes)), (state_specs, P())), in_shardings=batch_in,
                     donate_argnums=0),
             jax.jit(on_each_device(eval_for(axes), P()), in_shardings=batch_in))
@@ -137,7 +137,6 @@ class DataParallel:
         self.logical_shardings = jax.tree.map(logical, layouts, abstract_state,
                                               sync.shard_axes(abstract_state, shards))
         self._relayout = any(spec != P() for spec in jax.tree.leaves(self._state_specs))  # else the layout is logical
-        split = data_sharded(mesh)
 
         def step_for(axis_name: str | None) -> Callable:
             groups = options.bn_groups if axis_name is None else 1  # per-device rows need no grouping
@@ -153,10 +152,10 @@ class DataParallel:
                            params_view=lambda params: sync.params_view(params, axis_name),
                            layer_view=sync.layer_view(axis_name, mesh if axis_name is None else None))
 
-        self._train, self._eval = BACKENDS[backend](mesh, self._state_specs, self.per_device, step_for, eval_for)
+        self._train, self.eval_step = BACKENDS[backend](mesh, self._state_specs, self.per_device, step_for, eval_for)
         n = mesh.size
         self._stack = jax.jit(lambda t: jax.tree.map(lambda x, p: x if p else jnp.broadcast_to(x, (n, *x.shape)), t,
-                                                     self.per_device), out_shardings=split)
+                                                     self.per_device), out_shardings=data_sharded(mesh))
         self._unstack = jax.jit(lambda t: jax.tree.map(lambda x, p: x if p else x[0], t, self.per_device),
                                 out_shardings=self.logical_shardings)
         self._to_step_layout = jax.jit(lambda t: sync.to_step_layout(t, shards),
@@ -220,12 +219,7 @@ class DataParallel:
                    ) -> tuple[step_lib.TrainState, jax.Array]:
         """Steps 2-4 on the devices: the new state, and the step's metrics packed for `fetch`. Runs the executable
         `compile_train` made, once it has (the jitted step, compiling on its first call, before)."""
-        if self._compiled_train is not None:
-            return self._compiled_train(state, batch)
-        return self._train(state, batch)
-
-    def eval_step(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-        return self._eval(state, batch)
+        return (self._compiled_train or self._train)(state, batch)
 
     def evaluate(self, state: step_lib.TrainState, batches: Iterable[dict[str, np.ndarray]]) -> dict[str, float]:
         """Weighted means of the eval function's outputs over `batches` (this process's rows of each eval
@@ -259,8 +253,13 @@ class DataParallel:
         it), or for `lowered` (`lower_train` of those), once: `train_step` runs this executable from then on, and
         `comm_bytes_per_step` (`read_collectives`) and `memory` (`jdp.memory.step_memory`) are read from it."""
         compiled = (lowered if lowered is not None else self.lower_train(state, batch)).compile()
-        self._compiled_train = compiled
-        self._read_collectives(compiled.as_text())
+        self._compiled_train, text = compiled, compiled.as_text()
+        if device_axes(self.mesh) == DATA_AXIS:
+            self.comm_bytes_per_step = hlo.collective_bytes(text, self.mesh.size, self.sync.every)
+        else:  # a hybrid mesh: a group is `shard_count` consecutive devices along `data`
+            sent = hlo.collectives(text, self.mesh.size, self.sync.every, group_size=shard_count(self.mesh))
+            self.comm_bytes_per_step, self.comm_cross_group_bytes_per_step = sent.total, sent.cross_group
+        self.compiled_warning = self.sync.compiled_warning(text, self.mesh.size)
         self.memory = memory_lib.step_memory(state, compiled)
         return compiled
 
@@ -271,14 +270,6 @@ class DataParallel:
         if self._compiled_train is None:
             self.compile_train(state, batch)
         return self.comm_bytes_per_step
-
-    def _read_collectives(self, text: str) -> None:
-        if device_axes(self.mesh) == DATA_AXIS:
-            self.comm_bytes_per_step = hlo.collective_bytes(text, self.mesh.size, self.sync.every)
-        else:  # a hybrid mesh: a group is `shard_count` consecutive devices along `data`
-            sent = hlo.collectives(text, self.mesh.size, self.sync.every, group_size=shard_count(self.mesh))
-            self.comm_bytes_per_step, self.comm_cross_group_bytes_per_step = sent.total, sent.cross_group
-        self.compiled_warning = self.sync.compiled_warning(text, self.mesh.size)
 
     def to_host(self, tree: Tree) -> Tree:
         """A logical tree as numpy: this process's first copy of each replicated leaf; of a train state's per-device

@@ -2,7 +2,7 @@
 
 - Across processes: process p reads only its contiguous block of every global batch (`process_block`), which
   every source (jdp's own and a `jdp.Source`) hands `fit`.
-- Across a process's devices: those rows become the compiled step's input, split on `data` (`batch_sharding`,
+- Across a process's devices: those rows become the compiled step's input, split on `data` (`data_sharded`,
   the input sharding of the jit and shard_map steps; `shard_batch` for what the step is called with).
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh
 
 from jdp.mesh import data_sharded
 
@@ -23,11 +23,6 @@ def process_block(global_size: int, process_index: int, process_count: int, what
     return slice(process_index * local, (process_index + 1) * local)
 
 
-def batch_sharding(mesh: Mesh) -> NamedSharding:
-    """A global batch's rows split in order across the mesh's devices: device i holds the i-th block."""
-    return data_sharded(mesh)
-
-
 def shard_batch(local_rows: dict[str, np.ndarray], backend: str, mesh: Mesh) -> dict[str, jax.Array | np.ndarray]:
     """This process's rows of the global batch -> what the compiled step takes. In one process, the host rows
     themselves: the step's input sharding splits them across the devices as it is called, which costs a fraction
@@ -38,4 +33,4 @@ def shard_batch(local_rows: dict[str, np.ndarray], backend: str, mesh: Mesh) -> 
         local_rows = {k: v.reshape(local_devices, -1, *v.shape[1:]) for k, v in local_rows.items()}
     if jax.process_count() == 1:
         return local_rows
-    return {k: jax.make_array_from_process_local_data(batch_sharding(mesh), v) for k, v in local_rows.items()}
+    return {k: jax.make_array_from_process_local_data(data_sharded(mesh), v) for k, v in local_rows.items()}

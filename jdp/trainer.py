@@ -163,13 +163,11 @@ def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
                        "arguments that returns one (e.g. lambda: MyNet(nnx.Rngs(0)))")
     if callable(getattr(optimizer, "init", None)) and callable(getattr(optimizer, "update", None)):
         return  # an optax.GradientTransformation, or anything with its two functions
-    if isinstance(optimizer, str):
-        named = callable(getattr(optax, optimizer, None))
-        hint = f"build it, e.g. optax.{optimizer}(1e-3)" if named else "build one, e.g. optax.adamw(1e-3)"
+    hint = "build one, e.g. optax.adamw(1e-3)"
+    if isinstance(optimizer, str) and callable(getattr(optax, optimizer, None)):
+        hint = f"build it, e.g. optax.{optimizer}(1e-3)"
     elif callable(optimizer):  # optax.adam itself, uncalled
         hint = f"call {getattr(optimizer, '__name__', 'it')} with its settings, e.g. optax.adamw(1e-3)"
-    else:
-        hint = "build one, e.g. optax.adamw(1e-3)"
     raise FitError(f"optimizer={_short_repr(optimizer)} is of type {type(optimizer).__name__}, not an "
                    f"optax.GradientTransformation; {hint}")
 

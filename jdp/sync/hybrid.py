@@ -44,7 +44,6 @@ from jdp.sync.base import (
     check_group_size,
     floating,
     group_mesh,
-    merge_floating,
 )
 from jdp.sync.zero1 import ZeRO1, check_sliceable, global_norm
 from jdp.sync.zero3 import ZeRO3
@@ -77,10 +76,6 @@ class HybridShard(ZeRO3):
 
     # The record (what a resume compares) is ZeRO's: the mean all-reduce's, so a run resumes under any strategy.
 
-    def group(self, num_devices: int) -> int:
-        """The devices of one group on `num_devices`; FitError in one line where there is none."""
-        return group_mesh(self, self.group_size, num_devices)[DATA_AXIS]
-
     def for_inference(self) -> Sync:
         return ZeRO3() if self.stage == 3 else ZeRO1()  # the same logical state, on any device count
 
@@ -98,7 +93,7 @@ class HybridShard(ZeRO3):
 
     def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
                         backend: str, what: str) -> None:
-        check_sliceable(tx, abstract_params, self.group(num_devices), what)
+        check_sliceable(tx, abstract_params, self.mesh_shape(num_devices)[DATA_AXIS], what)
 
     def layouts(self, abstract_state: Any) -> Any:
         return (ZeRO3 if self.stage == 3 else ZeRO1).layouts(self, abstract_state)
@@ -122,9 +117,7 @@ class HybridShard(ZeRO3):
             # Across the groups: one all-reduce of the slices, the group's sums riding in it.
             payload = all_reduce_mean({**payload, "grads": grads}, groups)
             grads = payload.pop("grads")
-        weight = payload["weight"]
-        return Reduced(self._of_mean(grads, local.rows, weight), payload["sums"], weight,
-                       merge_floating(payload["model_state"], local.model_state), None)
+        return self._reduced(grads, local, payload)
 
     def update(self, tx: optax.GradientTransformation, grads: Tree, state: Any, axis_name: Any
                ) -> tuple[Tree, Any]:

@@ -35,7 +35,6 @@ from jdp.sync.base import (
     Tree,
     all_reduce_mean,
     floating,
-    merge_floating,
 )
 
 EPSILON = 1e-8  # Gram-Schmidt's guard against a zero column (a rank-deficient P), as torch's hook uses
@@ -58,12 +57,11 @@ def layer_ranks(model: nnx.Module) -> dict[tuple, int]:
             ranks[(*path, "kernel")] = len(node.kernel_size) + 2
         elif isinstance(node, nnx.Linear | nnx.Embed):
             ranks[(*path, "kernel")] = ranks[(*path, "embedding")] = 2
+        elif isinstance(node, nnx.LayerNorm | nnx.BatchNorm | nnx.RMSNorm | nnx.GroupNorm):
+            ranks[(*path, "scale")] = 1
         else:
             continue
         ranks[(*path, "bias")] = 1
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, nnx.LayerNorm | nnx.BatchNorm | nnx.RMSNorm | nnx.GroupNorm):
-            ranks[(*path, "scale")] = ranks[(*path, "bias")] = 1
     return ranks
 
 
@@ -202,7 +200,5 @@ class PowerSGD(Sync):
         approx = {name: jnp.einsum("lnr,lmr->lnm", p[name], new_q[name]) for name in m_of}
         flat_mean = {**averaged["whole"], **{name: approx[name].reshape(grads[name].shape) for name in approx}}
         mean = jax.tree.unflatten(jax.tree.structure(local.grads), [flat_mean[k] for k in grads])
-        weight = averaged["weight"]
         sync_state = {"q": new_q, "error": {name: m_of[name] - approx[name] for name in m_of}}
-        return Reduced(self._of_mean(mean, local.rows, weight), averaged["sums"], weight,
-                       merge_floating(averaged["model_state"], local.model_state), None, sync_state)
+        return self._reduced(mean, local, averaged, None, sync_state)

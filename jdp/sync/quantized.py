@@ -25,7 +25,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdp.sync.base import PER_DEVICE, Local, Reduced, Sync, Tree, all_reduce_mean, floating, merge_floating
+from jdp.sync.base import PER_DEVICE, Local, Reduced, Sync, Tree, all_reduce_mean, floating
 
 LARGEST = {8: 127, 4: 7}  # the largest integer a value is quantized to, symmetric around 0
 
@@ -150,6 +150,5 @@ class QuantizedAllReduce(Sync):
         if local.small_sq is not None:
             payload["small_sq"] = local.small_sq
         averaged = all_reduce_mean(payload, axis_name if collective else None)
-        return Reduced(self._of_mean(mean, local.rows, averaged["weight"]), averaged["sums"], averaged["weight"],
-                       merge_floating(averaged["model_state"], local.model_state), averaged.get("small_sq"),
-                       {"error": lost} if self.error_feedback else None)
+        return self._reduced(mean, local, averaged, averaged.get("small_sq"), {"error": lost} if self.error_feedback
+                             else None)

@@ -30,7 +30,6 @@ from jdp.sync.base import (
     cast,
     floating,
     is_sharded,
-    merge_floating,
     padded,
     shard_axis,
     sharded_where,
@@ -126,10 +125,7 @@ class ZeRO1(Sync):
         # The layout of the update is kept even when the bench compiles the collectives out.
         grads = self.sliced_mean(local.grads, axis_name)
         payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight}
-        averaged = all_reduce_mean(payload, axis_name if collective else None)
-        weight = averaged["weight"]
-        return Reduced(self._of_mean(grads, local.rows, weight), averaged["sums"], weight,
-                       merge_floating(averaged["model_state"], local.model_state), None)
+        return self._reduced(grads, local, all_reduce_mean(payload, axis_name if collective else None))
 
     def update(self, tx: optax.GradientTransformation, grads: Tree, state: Any, axis_name: str | None
                ) -> tuple[Tree, Any]:
