@@ -286,13 +286,13 @@ def _free(path: Path) -> str:
 
 
 class QuietDiskFailures(logging.Filter):
-    """orbax's background threads log each failed write with a traceback; jdp reports a storage failure (or a
-    directory deleted under a write, `lost_directory`) once, itself, so those records are dropped (any other record
-    passes)."""
+    """orbax's background threads log each failed write with a traceback, and asyncio each read task it gave up on;
+    jdp reports a storage failure (a directory deleted under a write, `lost_directory`; a read it retries,
+    `read_failure`) once, itself, so those records are dropped (any other record passes)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:
             return True
         errors = [record.exc_info[1]] if record.exc_info and record.exc_info[1] is not None else []
         errors.append(Exception(record.getMessage()))
-        return not any(disk_failure(e) or lost_directory(e) for e in errors)
+        return not any(disk_failure(e) or lost_directory(e) or read_failure(e) for e in errors)

@@ -305,6 +305,10 @@ def test_orbax_write_failures_are_recognised_and_kept_quiet():
 
     assert not quiet.filter(record("thread failed", (RuntimeError, error, None)))
     assert not quiet.filter(record(text))
+    # asyncio's word on a read task orbax gave up on: jdp retries that read, and reports it if it stays unreadable.
+    unreadable = PermissionError(errno.EACCES, "Permission denied", "/w/c/12/state/d/aa2a")
+    assert not quiet.filter(record("_GatheringFuture exception was never retrieved", (PermissionError, unreadable,
+                                                                                      None)))
     assert quiet.filter(record("something else failed"))
 
 
