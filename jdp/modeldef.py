@@ -127,8 +127,8 @@ class ModelDef:
 
     def _keys(self, key_data: Tree, folds: tuple[jax.Array, ...]) -> Tree:
         leaves, treedef = jax.tree.flatten(key_data)
-        return jax.tree.unflatten(treedef, [functools.reduce(fold_in, folds, jax.random.wrap_key_data(data, impl=impl))
-                                            for data, impl in zip(leaves, self.key_impls, strict=True)])
+        keys = [jax.random.wrap_key_data(data, impl=impl) for data, impl in zip(leaves, self.key_impls, strict=True)]
+        return jax.tree.unflatten(treedef, [functools.reduce(fold_in, folds, key) for key in keys])
 
     def module(self, params: Tree, model_state: Tree, rng_state: Tree, *, train: bool,
                folds: tuple[jax.Array, ...] = ()) -> nnx.Module:

@@ -281,20 +281,20 @@ class Sync:
         if local.small_sq is not None:
             payload["small_sq"] = local.small_sq
         averaged = all_reduce_mean(payload, axis)  # one collective for all of it: each costs a rendezvous
-        return self._reduced(cast(averaged["grads"], jnp.float32), local, averaged, averaged.get("small_sq"))
+        return self._reduced(cast(averaged["grads"], jnp.float32), local, averaged)
 
     @staticmethod
     def _of_mean(grads: Tree, rows: int, weight: jax.Array) -> Tree:
         """d(weighted sum)/rows (averaged over devices) -> d(weighted mean), by the weight total."""
         return jax.tree.map(lambda g: g * (rows / jnp.where(weight > 0, weight, 1.0)), grads)
 
-    def _reduced(self, grads: Tree, local: Local, averaged: dict[str, Any], small_sq: jax.Array | None = None,
-                 sync_state: Tree = None) -> Reduced:
+    def _reduced(self, grads: Tree, local: Local, averaged: dict[str, Any], sync_state: Tree = None) -> Reduced:
         """The update's input from `grads` (d(weighted sum)/rows, averaged over devices) and `averaged`, the
-        all-reduced sums, weight total and floating model state."""
+        all-reduced sums, weight total, floating model state and, where it carried them, the noise scale's squares."""
         weight = averaged["weight"]
         return Reduced(self._of_mean(grads, local.rows, weight), averaged["sums"], weight,
-                       merge_floating(averaged["model_state"], local.model_state), small_sq, sync_state)
+                       merge_floating(averaged["model_state"], local.model_state), averaged.get("small_sq"),
+                       sync_state)
 
     def update(self, tx: optax.GradientTransformation, grads: Tree, state: Any, axis_name: str | None
                ) -> tuple[Tree, Any]:

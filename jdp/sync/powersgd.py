@@ -201,4 +201,4 @@ class PowerSGD(Sync):
         flat_mean = {**averaged["whole"], **{name: approx[name].reshape(grads[name].shape) for name in approx}}
         mean = jax.tree.unflatten(jax.tree.structure(local.grads), [flat_mean[k] for k in grads])
         sync_state = {"q": new_q, "error": {name: m_of[name] - approx[name] for name in m_of}}
-        return self._reduced(mean, local, averaged, None, sync_state)
+        return self._reduced(mean, local, averaged, sync_state)

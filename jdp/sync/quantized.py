@@ -150,5 +150,4 @@ class QuantizedAllReduce(Sync):
         if local.small_sq is not None:
             payload["small_sq"] = local.small_sq
         averaged = all_reduce_mean(payload, axis_name if collective else None)
-        return self._reduced(mean, local, averaged, averaged.get("small_sq"), {"error": lost} if self.error_feedback
-                             else None)
+        return self._reduced(mean, local, averaged, {"error": lost} if self.error_feedback else None)
