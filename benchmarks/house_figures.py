@@ -1,4 +1,5 @@
-"""The redesign's figures of a checkout: lines in jdp/ and in its core (split, step, gradient, sync strategies,
+"""The redesign's figures of a checkout: lines in jdp/ (and how many of them are code, docstrings, comments and
+blank) and in its core (split, step, gradient, sync strategies,
 update, loss, model state, backends), the length of `train_step` and of the longest function, the README's length,
 and the lines outside jdp/sync/ that name a sync strategy's class or one of the strategy flags (the Option rows of
 jdp/options.py aside).
@@ -28,9 +29,27 @@ def main(root: Path) -> None:
                  if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)]
     train_step = next(n for n, where, name in functions if name == "train_step" and "step.py" in where)
     longest = max(functions)
-    print(f"jdp/: {sum(lines.values())} lines; core: {core}; train_step: {train_step} lines; longest function: "
-          f"{longest[1]}, {longest[0]} lines; README: {len((root / 'README.md').read_text().splitlines())} lines; "
+    print(f"jdp/: {sum(lines.values())} lines ({kinds_of_lines(files)}); core: {core}; train_step: {train_step} "
+          f"lines; longest function: {longest[1]}, {longest[0]} lines; "
+          f"README: {len((root / 'README.md').read_text().splitlines())} lines; "
           f"lines naming a strategy or its flags outside jdp/sync/: {strategy_mentions(root, files)}")
+
+
+def kinds_of_lines(files: list[Path]) -> str:
+    """How many of the files' lines are code, docstrings, comments and blank."""
+    counts = dict.fromkeys(("code", "docstrings", "comments", "blank"), 0)
+    for path in files:
+        text = path.read_text()
+        docstrings = {line for node in ast.walk(ast.parse(text))
+                      if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                      and (doc := node.body[:1]) and isinstance(doc[0], ast.Expr)
+                      and isinstance(doc[0].value, ast.Constant) and isinstance(doc[0].value.value, str)
+                      for line in range(doc[0].lineno, doc[0].end_lineno + 1)}
+        for number, line in enumerate(text.splitlines(), 1):
+            kind = ("blank" if not line.strip() else "docstrings" if number in docstrings
+                    else "comments" if line.lstrip().startswith("#") else "code")
+            counts[kind] += 1
+    return ", ".join(f"{kind} {n}" for kind, n in counts.items())
 
 
 def strategy_mentions(root: Path, files: list[Path]) -> int:
