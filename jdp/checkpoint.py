@@ -1,14 +1,7 @@
-"""Orbax checkpoints in WORKDIR/checkpoints: the full train state plus the data position, a digest of every leaf and
-the fingerprint of the run's settings (`jdp.guard`).
-
-Saves are asynchronous (the devices wait only for the device-to-host copy) and atomic (orbax writes to a
-temporary directory and renames it when complete), so a kill at any moment leaves the previous checkpoints
-usable. The digests (`jdp.digest`) are computed on orbax's save thread, before the rename, and checked on
-restore, as are the data item's checksum, the digests' layout against orbax's metadata of the arrays, and the
-step held against the directory's name. Restore falls back past damaged checkpoints with a warning and moves
-them to WORKDIR/rejected, so that the step is saved anew; an intact checkpoint whose shapes no longer fit the
-model is a config change, not damage; one that cannot be read for a reason other than its content (a
-permission, a stale handle) is retried, then a DiskError, and nothing is moved.
+"""Orbax checkpoints in WORKDIR/checkpoints: the full train state, the data position, a digest of every leaf
+(`jdp.digest`) and the fingerprint of the run's settings (`jdp.guard`). Saves are asynchronous and atomic; restore
+checks each checkpoint and falls back past damaged ones. What is damage, a config change or an unreadable
+checkpoint, and what each leads to: docs/checkpoints.md, "Checkpoints, resume and failures".
 """
 
 from __future__ import annotations
@@ -47,10 +40,8 @@ logging.getLogger("asyncio").addFilter(QuietDiskFailures())
 
 
 class _QuietStepMetadata(logging.Filter):
-    """orbax's `ERROR:absl:` / `WARNING:absl:` lines about its own step metadata file (`STEP/_CHECKPOINT_METADATA`:
-    item handler names, timestamps) missing, unreadable or holding keys it does not know. jdp reads nothing from that
-    file (it names the handlers itself) and decides whether a checkpoint is intact by its digests and its data item's
-    checksum, so a checkpoint with that file damaged restores, and the lines only alarm; any other record passes."""
+    """Drops orbax's absl lines about its step metadata file (`STEP/_CHECKPOINT_METADATA`) missing, unreadable or
+    holding unknown keys: jdp reads nothing from it (it names the handlers itself), so those lines only alarm."""
 
     _UNREADABLE = ("Metadata file does not exist", "Failed to read Metadata file", "Failed to json parse Metadata file")
 
@@ -66,17 +57,14 @@ logging.getLogger("absl").addFilter(_QuietStepMetadata())
 
 
 def _quiet_while_vanished(record: logging.LogRecord) -> bool:
-    """orbax's threads log each write that fails once the workdir (or its checkpoints directory) was deleted or moved,
-    a traceback each, in words that name no errno (`No ArrayMetadata found ...`), and warn of the steps they no
-    longer find; jdp reports that once, itself (`Checkpointer.vanished`). Once it holds for an open Checkpointer,
-    orbax's warnings and errors are dropped."""
+    """Drops orbax's warnings and errors once the workdir or its checkpoints directory is gone (a traceback per failed
+    write, naming no errno: `No ArrayMetadata found ...`; steps not found): jdp says so once (`vanished`)."""
     return record.levelno < logging.WARNING or not (_VANISHED or any(c.vanished() for c in list(_OPEN)))
 
 
 def _quiet_save_waits(record: logging.LogRecord) -> bool:
-    """orbax's `WARNING:absl:Waiting for previous save to complete took 1.02 seconds ...` when a save waits for the
-    one before (a loaded machine, checkpoints a few steps apart): jdp reports that time itself, as the checkpoint
-    stall of its summary line, and the extra line broke the promise of one line on stderr for a failed run."""
+    """Drops orbax's `Waiting for previous save to complete took ... seconds` (a loaded machine, close checkpoints):
+    jdp reports that time as the summary's checkpoint stall, and a failed run's stderr must stay one line."""
     return not str(record.msg).startswith("Waiting for previous save to complete")
 
 
@@ -89,11 +77,10 @@ logging.getLogger("asyncio").addFilter(_quiet_while_vanished)
 
 
 class _QuietAbandonedReads:
-    """sys.unraisablehook without what orbax's reads and writes leave behind when it stops awaiting them at the first
-    leaf that fails and closes its event loop: tensorstore callbacks that end later and find the loop closed
-    (`RuntimeError: Event loop is closed`), and coroutines closed mid-read that raise instead of exiting (orbax turns
-    any BaseException, GeneratorExit too, into an Exception). Their results were given up, and the failure that
-    stopped orbax is reported once, by jdp; anything else goes on to the previous hook."""
+    """sys.unraisablehook that drops what orbax leaves when it stops awaiting its reads and writes at the first failed
+    leaf and closes its event loop: tensorstore callbacks that later find the loop closed (`Event loop is closed`),
+    and coroutines closed mid-read that raise (orbax turns GeneratorExit into an Exception). jdp reports the failure
+    once; anything else goes to the previous hook."""
 
     def __init__(self, previous: Callable[[Any], None]) -> None:
         self.previous = previous
@@ -112,10 +99,8 @@ if not isinstance(sys.unraisablehook, _QuietAbandonedReads):
     sys.unraisablehook = _QuietAbandonedReads(sys.unraisablehook)
 
 
-# What a checkpoint holds: 2 = TrainState with the model's RNG state (format 1, before it, had none).
-# The leaf digests came later, within format 2: a checkpoint without them restores unchecked. So did the data
-# item's checksum: every jdp since writes one, so a data item without it is from before, and holds only
-# _UNSEALED_KEYS and format 2 unless damaged.
+# 2 = TrainState with the model's RNG state (format 1 had none). Within format 2 the digests (none: restored unchecked)
+# and then the data item's checksum were added: a data item without one holds only _UNSEALED_KEYS unless damaged.
 FORMAT = 2
 _UNSEALED_KEYS = {"step", "epoch", "format", "digests"}
 _NOT_POSITION = ("format", "digests", "fingerprint", "checksum")  # what a data item holds beside the data position
@@ -127,9 +112,8 @@ class CheckpointError(RuntimeError):
 
 
 class _DataHandler(ocp.handlers.JsonCheckpointHandler):
-    """orbax's JSON item, whose value may be a function: it is called on the save thread (the digests). orbax has
-    no public hook for a value computed there, and hashing before `save` would stall the training thread for the
-    whole state's bytes, so this overrides its `_save_fn`."""
+    """orbax's JSON item, whose value may be a function called on the save thread (the digests): hashing before `save`
+    would stall training for the state's bytes, and orbax has no public hook for this, so `_save_fn` is overridden."""
 
     async def _save_fn(self, x: Any, directory: Any) -> None:
         await super()._save_fn(x() if callable(x) else x, directory)
@@ -162,9 +146,8 @@ def _int_keys(tree: Any) -> Any:
 
 
 def read_arrays(directory: Path, step: int | None = None) -> tuple[int, dict[str, Any]]:
-    """The latest (or `step`'s) checkpoint in `directory` as the dict of numpy arrays it holds (the optimizer state
-    too, without the optimizer that made it), whatever devices saved it, read without opening the directory for
-    writing; the model's parts (params, model_state, rng_state) are checked against their digests."""
+    """The latest (or `step`'s) checkpoint in `directory` as numpy arrays (the optimizer state too), whatever devices
+    saved it, without opening it for writing; params, model_state and rng_state are checked against their digests."""
     directory = directory.absolute()
     # orbax's pytree handler takes a restore type per leaf: numpy, not the saving devices' shardings.
     reader = ocp.CheckpointManager(directory, item_handlers={"state": ocp.PyTreeCheckpointHandler(),
@@ -227,8 +210,7 @@ def _data_problem(directory: Path, step: int, data: Any) -> str | None:
 
 
 def _step_problem(step: int, held: Any) -> str | None:
-    """The line for a checkpoint that holds another step than its directory's name says (the data position or the
-    state's step leaf), or None."""
+    """The line for a checkpoint holding another step (data position or state's step) than its directory's name."""
     if held == step:
         return None
     return (f"it holds step {held}, not step {step} as its directory's name says: a checkpoint copied or renamed "
@@ -252,9 +234,8 @@ def _read(read: Callable[[], Any], where: Path) -> tuple[Any, str | None]:
 
 
 def _read_error(error: BaseException) -> str:
-    """The line for a failed read. orbax wraps an array's failed read in a bare Exception whose text ends in the
-    repr of a method (`See full TensorStore details: <bound method ...spec of TensorStore(...)>`): the error it
-    wraps, tensorstore's, names the file and what is wrong with it."""
+    """The line for a failed read. orbax wraps an array's failed read in a bare Exception ending in a method's repr
+    (`See full TensorStore details: <bound method ...>`); tensorstore's error inside names the file and the fault."""
     while type(error) is Exception and error.__cause__ is not None:
         error = error.__cause__
     return one_line(error)
@@ -330,15 +311,12 @@ class Checkpointer:
     def restore_latest(self, abstract_state: Any, warn: Callable[[str], None] | None = None, *,
                        reject_damaged: bool = True, timeout_s: float = 120.0, per_device: Any = None,
                        check: Callable[[int, dict], None] | None = None) -> tuple[int, Any, dict[str, int]] | None:
-        """The newest checkpoint that restores into `abstract_state` (shapes, dtypes, shardings) and matches its
-        digests, its checksum and its directory's step, falling back past damaged ones; None when there is no
-        checkpoint at all. With `reject_damaged`, damaged checkpoints newer than the one restored are moved to
-        WORKDIR/rejected (every process of the run must call this together). `warn` takes each warning line
-        (default: `jdp: warning: ...` on stderr, from process 0). `per_device` (a tree of bools like the state):
-        leaves saved with one row per device; saved on another device count, they come back as None (the caller
-        starts them afresh). A checkpoint that cannot be read for a reason other than its content raises
-        DiskError, and nothing is moved. `check(step, data item)` is called with each checkpoint's data item once it
-        is found intact, before its arrays are read: what it raises (the resume guard's refusal) stops the restore."""
+        """(step, state, data position) of the newest intact checkpoint, restored into `abstract_state`; None when
+        there is none. Every process calls this together. `reject_damaged`: move damaged ones newer than it to
+        WORKDIR/rejected. `warn`: takes each warning line (default: stderr, process 0). `per_device` (bools like the
+        state): leaves saved one row per device, None when saved on another device count (started afresh).
+        `check(step, data item)` runs on each intact data item before its arrays are read; what it raises (the
+        guard's refusal) stops the restore. An unreadable, not damaged, checkpoint: DiskError, nothing moved."""
         warn = warn or _warn
         signal_if_requested("restore")
         if not_checkpoints := self._not_directories():  # orbax skips them, then fails to save those steps
@@ -429,8 +407,7 @@ class Checkpointer:
         return type(abstract_state)(**restored, **missing)
 
     def _reject(self, steps: list[int], warn, timeout_s: float) -> None:
-        """Moves damaged checkpoints aside (process 0, once every process has read them), so that those steps are
-        saved anew."""
+        """Moves damaged checkpoints aside (process 0, after every process read them), so those steps are saved anew."""
         if not steps:
             return
         distributed_lib.barrier("damaged checkpoints read", timeout_s)

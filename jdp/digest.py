@@ -1,11 +1,7 @@
-"""A digest of every leaf of a train state (path, dtype, shape and a BLAKE2b hash of its bytes), stored with each
-checkpoint and compared with the restored arrays, so that bytes damaged on disk are found instead of trained on; and
-a checksum of the JSON item that holds them, so that damage to the digests, the format, the data position or the
-settings' fingerprint (`jdp.guard`) is found too.
-
-A leaf split across devices (a sharded or per-device one) is not fetched whole to be hashed: its digest is two sums
-of its 32-bit words, plain and weighted by position, mod 2**32 ("words:" + hex), computed on the devices where its
-parts live. Integer sums do not depend on the order of addition, so the digest is the same on any device count."""
+"""Digests of a train state's leaves, saved with each checkpoint and checked against the restored arrays, and the
+checksum of the JSON item that holds them (docs/checkpoints.md, "Checkpoints, resume and failures"). A split leaf's
+digest, word sums ("words:" + hex), is computed on the devices where its parts live: integer sums do not depend on
+the order of addition, so it is the same on any device count."""
 
 from __future__ import annotations
 
@@ -81,10 +77,9 @@ def _of_words(x: Any, sums: np.ndarray) -> list:
 
 
 def pending(tree: Any, host: bool = True) -> Callable[[], dict[str, list] | None]:
-    """Starts the digests of a train state on the devices, and returns what completes them (to be called on a save
-    thread): the split leaves' word sums are set off on their devices now (every process calls this together: it
-    is one collective program), the replicated leaves are viewed on the host and hashed later. `host` False (not
-    the process that writes them): only the collective part; the result is None."""
+    """Starts a train state's digests, returning what completes them on a save thread: split leaves' word sums start
+    on their devices now (one collective program: every process calls this together), replicated leaves are hashed
+    later on the host. `host` False (not the writing process): only the collective part; the result is None."""
     leaves = _leaves(tree)
     split = [(path, x) for path, x in leaves if _is_split(x)]
     sums = _word_sums([x for _, x in split]) if split else None
@@ -177,7 +172,6 @@ def layout_disagreement(digests: dict[str, list], stored: dict[str, list]) -> st
 
 
 def as_digest_layout(stored: dict[str, list], abstract: Any) -> dict[str, list]:
-    """`stored_layout` keyed as digests are (the paths of `abstract`'s leaves, then any other stored path as it
-    is), for a checkpoint saved without digests."""
+    """`stored_layout` keyed as digests are (`abstract`'s paths, else as stored), for a checkpoint without digests."""
     paths = {_plain(path): path for path, _ in _leaves(abstract)}
     return {paths.get(path, path): layout for path, layout in stored.items()}

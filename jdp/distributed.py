@@ -1,23 +1,10 @@
-"""Multi-process start-up: where this process sits in the job (from flags or the environment), and
+"""Multi-process start-up: this process's place in the job (from flags or the environment), and
 `jax.distributed.initialize` with time limits that end in one clear line instead of a hang or an abort.
 
-Each of the three settings is taken from the first place that sets it:
-
-| setting        | 1. flag           | 2. JAX variables        | 3. torchrun variables     | 4. SLURM (srun)   |
-|----------------|-------------------|-------------------------|---------------------------|-------------------|
-| coordinator    | `--coordinator`   | JAX_COORDINATOR_ADDRESS | MASTER_ADDR + MASTER_PORT | JAX auto-detects  |
-| process count  | `--num_processes` | JAX_NUM_PROCESSES       | WORLD_SIZE                | SLURM_NTASKS      |
-| process id     | `--process_id`    | JAX_PROCESS_ID          | RANK                      | SLURM_PROCID      |
-
-When a SLURM setting is used, `jax.distributed.initialize` detects the SLURM job itself (one device per task by
-SLURM_LOCALID); the coordinator is the first node of the step, at JAX's port for the job (JAX_COORDINATOR_PORT,
-else one derived from SLURM_JOB_ID), worked out here by JAX's rule so that jdp knows where it listens. Otherwise
-cluster auto-detection is off and torchrun's LOCAL_RANK selects this process's GPU (one process per GPU, as with
-DDP), unless JAX_LOCAL_DEVICE_IDS is set. Nothing set, or a process count of 1, is a single-process run:
-`initialize` is not called.
-
-Process 0's coordinator (JAX's coordination service, an unauthenticated gRPC server) listens only on the address
-the processes were told to connect to, unless told otherwise (`listen_address`).
+Which flag or variable sets each setting: docs/cluster.md, its opening ("Where each process is"); where process 0's
+coordinator listens: its "What the coordinator exposes". Where a SLURM setting is used, JAX detects the job itself
+(its coordinator address is worked out here by JAX's rule, so jdp knows where it listens); otherwise JAX's cluster
+detection is off. Nothing set, or a process count of 1, is a single process: `initialize` is not called.
 """
 
 from __future__ import annotations
@@ -134,9 +121,8 @@ def _first(*candidates: tuple[str, object | None]) -> tuple[str, object] | None:
 
 def resolve(env: Mapping[str, str] | None = None, *, coordinator: str | None = None,
             num_processes: int | None = None, process_id: int | None = None) -> Job | None:
-    """This process's Job from the flags and `env` (default os.environ), or None for a single process.
-
-    Raises DistributedUsageError, naming the variable, when a setting is missing, malformed or inconsistent."""
+    """This process's Job from the flags and `env` (default os.environ), or None for a single process;
+    DistributedUsageError names a setting that is missing, malformed or inconsistent."""
     env = os.environ if env is None else env
     get = {k: (v if v.strip() else None) for k, v in env.items()}.get
     slurm = all(get(k) is not None for k in _SLURM_VARIABLES)
@@ -219,18 +205,9 @@ class Listen:
 
 
 def listen_address(job: Job, bind_address: str = "", env: Mapping[str, str] | None = None) -> Listen:
-    """Where process 0's coordinator listens: `bind_address` (distributed.bind_address) if set, else
-    JAX_COORDINATOR_BIND_ADDRESS, else the host the processes connect to, at the coordinator's port:
-
-    - an IP address (MASTER_ADDR=127.0.0.1, 10.0.0.1) as it is;
-    - a hostname resolved here, on process 0's host, to its first non-loopback address (in getaddrinfo's order,
-      the order in which the other processes try them);
-    - a hostname that resolves to loopback addresses only (`localhost`; Debian's /etc/hosts maps a machine's own
-      name to 127.0.1.1): that loopback address, which only processes on this host reach. When the variables say
-      the job spans hosts (torchrun's LOCAL_WORLD_SIZE < WORLD_SIZE, SLURM_STEP_NUM_NODES > 1) that is refused
-      at once (DistributedUsageError), naming the fix, rather than left to time out.
-
-    Every interface (`0.0.0.0:PORT`, `[::]:PORT`) is used only when one of the two settings asks for it."""
+    """Where process 0's coordinator listens, by the rules of docs/cluster.md, "What the coordinator exposes". A
+    hostname that resolves to loopback only, in a job that spans hosts, is a DistributedUsageError at once rather
+    than a time-out."""
     env = os.environ if env is None else env
     for name, value in (("distributed.bind_address", bind_address), ("JAX_COORDINATOR_BIND_ADDRESS",
                                                                      env.get("JAX_COORDINATOR_BIND_ADDRESS", ""))):
@@ -296,14 +273,9 @@ def check_timeouts(init_timeout_s: float, heartbeat_timeout_s: float) -> None:
 
 
 def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, bind_address: str = "") -> None:
-    """`jax.distributed.initialize` for `job`; must run before JAX touches a device.
-
-    If not every process has joined after `init_timeout_s`, prints one line and ends the process with
-    exit code 5 (JAX itself would abort later with a misleading message). A peer that stops sending
-    heartbeats for `heartbeat_timeout_s` makes JAX stop the survivors, and a process that exits waits at
-    most as long for the others (JAX's shutdown barrier; 300 s by default). Process 0's coordinator
-    listens on `bind_address` (HOST:PORT) if given, else on JAX_COORDINATOR_BIND_ADDRESS, else only on the
-    coordinator address's host (see `listen_address`), and says where in one line before it waits."""
+    """`jax.distributed.initialize` for `job`; must run before JAX touches a device. Not all joined within
+    `init_timeout_s`: one line and exit 5 (JAX would abort later, misleadingly). `heartbeat_timeout_s` also bounds
+    JAX's shutdown barrier (JAX's default: 300 s). `bind_address`: see `listen_address`."""
     check_timeouts(init_timeout_s, heartbeat_timeout_s)
     if bind_address:
         check_bind_address(bind_address)
@@ -348,9 +320,8 @@ def _give_up(message: str) -> None:
 
 
 def check_same_run(settings: dict, timeout_s: float) -> None:
-    """Every process must train the same run: compares `settings` (JSON-able) with process 0's through
-    the coordinator's key-value store. Process 0 compares with every process, the others with process 0,
-    so that all of them stop (exit 2) rather than some waiting forever in a collective."""
+    """Refuses (exit 2) `settings` (JSON-able) that differ from process 0's, through the key-value store. Process 0
+    compares with every process, the others with it, so all stop rather than some waiting forever in a collective."""
     client, me = kvstore.client(), jax.process_index()
     if client is None:
         return
@@ -414,14 +385,12 @@ def run_settings(cfg_dict: dict, workdir: Path) -> dict:
 
 
 class StopAgreement:
-    """The step at which every process stops after a SIGTERM or SIGINT reached any of them.
+    """The step at which every process stops after a SIGTERM or SIGINT reached any of them (alone: at once).
 
-    One process stops at once. In a multi-process run a process that stopped alone to checkpoint would
-    leave the others waiting in the next step's collective for ever, and signals reach processes at
-    different steps. So the first process to see a signal proposes `step + LOOKAHEAD_STEPS` through the
-    coordinator's key-value store, every process looks it up once per step (one small RPC) and all of them
-    stop at that step. Processes run at most two steps apart (metrics are fetched one step late), so
-    every process learns the step before it gets there."""
+    A process stopping alone would leave the others in the next collective for ever, and signals arrive at different
+    steps: the first to see one proposes `step + LOOKAHEAD_STEPS` in the key-value store, which every process looks
+    up once per step. Processes run at most two steps apart (metrics are fetched one step late), so all learn it
+    in time."""
 
     LOOKAHEAD_STEPS = 4
     KEY = "jdp/stop_at_step/"  # a directory: looking it up never raises

@@ -1,9 +1,6 @@
-"""The variables JAX and XLA read when they start, checked before JAX is imported (this module imports no JAX).
-
-A bad value there otherwise ends the process in a traceback or an abort instead of one line: JAX parses its JAX_*
-variables when it is imported (JAX_NUM_CPU_DEVICES=abc is a 25-line ValueError), and XLA parses XLA_FLAGS in C++
-when its first backend starts, aborting on an unknown flag. No Python code can catch that abort, so XLA_FLAGS is
-tried in a child process (`check_xla_flags`): about 0.6 s, and only when XLA_FLAGS holds flags jdp did not write.
+"""The variables JAX and XLA read at start-up, checked before JAX is imported (no JAX here), so that a bad value is
+one line, not JAX's import-time ValueError (JAX_NUM_CPU_DEVICES=abc: 25 lines) or XLA's C++ abort on an unknown flag
+in XLA_FLAGS. No Python code catches that abort, so XLA_FLAGS is tried in a child process (`check_xla_flags`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,5 @@
-"""Deterministic faults for the crash-safety tests, set through the environment as `JDP_KILL_AT=POINT:STEP`, or
-`POINT:STEP@PROCESS` for one process of a multi-process run. Unset, nothing happens. Under `jdp.launch
---max_restarts N` only the first attempt (`JDP_RESTART=0`, or unset) has faults: a restarted group runs clean, so a
-test's fault fires once.
+"""Deterministic faults for the crash-safety tests: `JDP_KILL_AT=POINT:STEP`, or `POINT:STEP@PROCESS` for one
+process. Only the first attempt of `jdp.launch --max_restarts` (`JDP_RESTART` 0 or unset) has them: a fault fires once.
 
 | POINT   | what happens                                                                                   |
 |---------|------------------------------------------------------------------------------------------------|

@@ -1,17 +1,8 @@
-"""The resume guard of `jdp.fit` (and so of `python -m jdp.train`): a resumed run is refused (FitError, one line)
-when its settings differ, where they change the numerics or the data order, from those of the run its workdir
-holds, unless `allow_config_change`.
-
-Two records say what those were. WORKDIR/run.json (`jdp.record`) names each differing setting. The checkpoint
-itself carries a fingerprint of the same settings in its data item, under the item's checksum, so a checkpoint
-cannot be resumed under other settings whatever happened to run.json (deleted, emptied, of another format), and
-damage to the fingerprint is damage to the checkpoint. The fingerprint is a hash of every guarded part compared
-exactly (the model, its shapes, the loss, the data, the global batch, the sync strategy's record, the guarded
-options; the caller's settings, hashed apart, since they are compared only where both runs have them), beside
-the optimizer's probe (`jdp.record.describe_optimizer`: a few dozen numbers, compared to a relative tolerance
-like run.json's, never hashed, so that a run resumes on another machine or XLA version) and the steps the run was
-given. A checkpoint saved before fingerprints resumes as before: checked against run.json, or, with no usable
-record, unchecked with a warning.
+"""The resume guard of `jdp.fit` (so of `python -m jdp.train`): a resume with settings that change the numerics or
+the data order is refused (FitError, one line) unless `allow_config_change`. It reads run.json (`jdp.record`), which
+names each differing setting, and the fingerprint each checkpoint carries under its data item's checksum, which holds
+whatever happened to run.json: docs/checkpoints.md, "Checkpoints, resume and failures". The caller's settings are
+hashed apart, as they are compared only where both runs have them; the optimizer's probe is never hashed.
 """
 
 from __future__ import annotations
@@ -65,10 +56,9 @@ def refusal(workdir: Path, listed: list[str]) -> FitError:
 
 
 class Guard:
-    """One resume's check, in two parts: `check_record` before the restore (run.json), `check_checkpoint` on each
-    checkpoint the restore reads (its fingerprint), then `restored(step)`, which says what is left to say and
-    returns the steps the workdir's run was given. Every process calls each together; process 0 reads and compares,
-    and every process gets its answer."""
+    """One resume's check: `check_record` before the restore (run.json), `check_checkpoint` on each checkpoint read
+    (its fingerprint), then `restored(step)`, which says what is left to say and returns the steps the workdir's run
+    was given. Every process calls each together; process 0 reads and compares, and every process gets its answer."""
 
     def __init__(self, fit_record: dict[str, Any], workdir: Path, allow_change: bool,
                  echo: Callable[[str], None]) -> None:

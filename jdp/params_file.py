@@ -1,8 +1,6 @@
-"""The parameter file format of `python -m jdp.export` and `init_from`: a framework-neutral .npz whose keys are
-`params/<module path>/<name>` and `model_state/<module path>/<name>` (path parts joined by "/").
-
-A scanned model's stacked layers (`<path>/layers/<name>`, `jdp.layers.Stack`) and an unrolled model's layers
-(`<path>/<i>/<name>`) are one model's two layouts: a file of either loads into a model of the other."""
+"""The .npz parameter file of `python -m jdp.export` and `init_from`, keys `params/<module path>/<name>` and
+`model_state/<module path>/<name>`. A scanned model's stacked layers (`<path>/layers/<name>`, `jdp.layers.Stack`)
+and an unrolled model's (`<path>/<i>/<name>`) are one model's two layouts: a file of either loads into the other."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""SIGTERM/SIGINT: during training the first asks the run to checkpoint and stop after the current step, and a
-second one exits at once; before training (imports, start-up, restore) and after it, either exits 75 at once.
-`jdp.fit` in a script ends the same way (`during_fit`); in an interactive session `Preempted` is an error like
-any other, and the handlers outside the steps are left alone."""
+"""SIGTERM/SIGINT: in training the first checkpoints and stops after the current step, a second exits at once;
+outside training either exits 75 at once. How a `jdp.fit` script and an interactive session end: docs/checkpoints.md,
+"Checkpoints, resume and failures"."""
 
 from __future__ import annotations
 
@@ -137,20 +136,18 @@ class _PreemptedExits:
 
 
 def install_excepthook() -> None:
-    """`_PreemptedExits` as `sys.excepthook`, once (`jdp.fit`, `jdp.restore`, `jdp.evaluate` and `jdp.export_params`
-    call it): a script that leaves jdp's one-line errors uncaught ends as the CLI does, one that catches them is
-    unchanged."""
+    """`_PreemptedExits` as `sys.excepthook`, once (called by `jdp.fit`, `jdp.restore`, `jdp.evaluate` and
+    `jdp.export_params`), so a script that leaves jdp's one-line errors uncaught ends as the CLI does."""
     if not isinstance(sys.excepthook, _PreemptedExits):  # installed once: later calls find it
         sys.excepthook = _PreemptedExits(sys.excepthook)
 
 
 @contextlib.contextmanager
 def during_fit() -> Iterator[None]:
-    """`jdp.fit`'s whole call. In a script, a signal outside the training steps exits 75 at once, as in the CLI (raising
-    there is unsafe: `except Exception` blocks, such as the restore's, would take the error for a damaged checkpoint,
-    and one process of several would wait for the others in a barrier); in the steps it checkpoints and raises
-    `Preempted`, which, uncaught, exits 75 in one line. Interactive, the handlers stay (SIGINT raises
-    KeyboardInterrupt) and `Preempted` is shown as any error: the session lives."""
+    """`jdp.fit`'s whole call. In a script a signal outside the training steps exits 75 at once, as in the CLI:
+    raising there is unsafe (`except Exception` blocks, such as the restore's, would take it for a damaged checkpoint,
+    and one process of several would wait for the others in a barrier). Interactive, the handlers stay (SIGINT
+    raises KeyboardInterrupt)."""
     install_excepthook()
     with contextlib.nullcontext() if interactive() else ExitOnSignal():
         yield

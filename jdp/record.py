@@ -1,11 +1,7 @@
-"""The run record, WORKDIR/run.json: what produced a run, written by `jdp.fit` at the start of each run segment,
-and the resume guard that reads it back.
-
-The record holds every `fit` option, the steps and global batch, the model (its import path when it has one,
-its parameter count and shapes), the loss's import path, the data (keys, shapes, dtypes, length and a hash of
-a fixed sample of rows) and a fingerprint of the optimizer, beside the versions, devices and command line of
-`jdp.runinfo`. The data's sample is hashed rounded to 5 significant digits, and the optimizer's fingerprint is
-compared to a relative tolerance, never as raw float bits, so a run resumes on another machine or XLA version.
+"""The run record, WORKDIR/run.json, written by `jdp.fit` at the start of each run segment (what it holds: docs/api.md,
+"The run record and resume"), and the comparison of two records that the resume guard (`jdp.guard`) makes. Sampled
+rows are hashed rounded to 5 significant digits and the optimizer's fingerprint compared to a relative tolerance,
+never as raw float bits, so a run resumes on another machine or XLA version.
 """
 
 from __future__ import annotations
@@ -45,9 +41,8 @@ PROBE_COUNTS = {"optimizer": (0,), "schedule": (1, 10, 100, 1000, 10000)}
 
 
 def import_path(obj: Any) -> dict[str, Any] | None:
-    """{"path": "module:qualname", "kwargs": {...}} of a module-level class or function, or of a
-    `functools.partial` of one with JSON-able keyword arguments only; None when it cannot be imported back (None
-    itself among them)."""
+    """{"path": "module:qualname", "kwargs": {...}} of a module-level class or function, or of a `functools.partial`
+    of one with JSON-able keyword arguments only; None when it cannot be imported back (None itself among them)."""
     kwargs: dict[str, Any] = {}
     if isinstance(obj, functools.partial):
         if obj.args:
@@ -105,9 +100,8 @@ def describe_model(model: Any, abstract_params: Any) -> dict[str, Any]:
 
 
 def describe_data(source: Any, factory: Any = None) -> dict[str, Any]:
-    """Keys, per-example shapes and dtypes, length and a hash of a fixed sample of rows of a Source: its
-    `sample_rows()` when it has one (a `jdp.Batcher`: fixed rows of the dataset), else the first row of global
-    batches 0 and 1, which process 0 reads whatever the process count."""
+    """Keys, per-example shapes and dtypes, length and a hash of fixed rows of a Source: its `sample_rows()` if any
+    (a `jdp.Batcher`), else the first row of global batches 0 and 1, which process 0 reads on any process count."""
     first = source.train_batch(0)
     if hasattr(source, "sample_rows"):
         sample = source.sample_rows()
@@ -122,13 +116,11 @@ def describe_data(source: Any, factory: Any = None) -> dict[str, Any]:
 
 
 def describe_optimizer(tx: optax.GradientTransformation, abstract_params: Any) -> dict[str, list[float]]:
-    """A fingerprint of what `tx` does: two updates in a row, both at one step count (so that momentum shows,
-    and the count is the one probed), from a fixed probe of parameters (the model's tree, each leaf at most 3
-    wide) and of gradients (random, then zero, which shows weight decay alone), with the optimizer's step counts
-    set to each of `PROBE_COUNTS` (a schedule shows without running it). Each update is kept as two numbers, its
-    L1 norm and a fixed random projection, which `changes` compares to a relative tolerance: a value one float32
-    ulp away is the same optimizer. Run on a `data` axis of one, for optimizers that reduce over the devices (a
-    sharded optimizer's global norm)."""
+    """A fingerprint of what `tx` does: two updates in a row at one step count (momentum shows, and the count is the
+    one probed) on fixed probe parameters (the model's tree, leaves at most 3 wide) and gradients (random, then zero:
+    weight decay alone), the step counts set to each of `PROBE_COUNTS` (a schedule shows without running it). Each
+    update is kept as its L1 norm and a fixed random projection, compared to a relative tolerance (`changes`): one
+    float32 ulp away is the same optimizer. Runs on a `data` axis of one, for optimizers that reduce over devices."""
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda x: rng.standard_normal([min(d, 3) for d in x.shape]).astype(np.float32),
                           abstract_params)
@@ -249,10 +241,9 @@ def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def listed_changes(before: dict[str, Any], after: dict[str, Any], steps_changed: bool) -> list[str]:
-    """The keys of either (guarded parts, by name) whose values differ in the other. A changed schedule is not
-    listed when `steps` changed too: a schedule built from `steps` moves with it, and extending a run is allowed;
-    nor when the first update differs: the later ones then differ with it. Every update scaled alike is listed as
-    the learning rate."""
+    """The keys of either (guarded parts, by name) whose values differ in the other. A changed schedule is not listed
+    when `steps` changed (a schedule built from `steps` moves with it, and extending a run is allowed) or the first
+    update differs (the later ones differ with it). Every update scaled alike is listed as the learning rate."""
     first_differs = not same_fingerprint(before.get(FIRST) or [], after.get(FIRST) or [])
     listed = []
     for key in dict.fromkeys([*after, *before]):
@@ -290,10 +281,9 @@ def _scale(before: list[float], after: list[float]) -> float | None:
 def fit_record(*, model: Any, loss_fn: Callable, optimizer: optax.GradientTransformation, source: Any,
                abstract_params: Any, steps: int, global_batch_size: int, options: Any,
                data_factories: tuple[Any, Any], settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
-    """The `fit` section of a run's record. `data_factories`: the zero-argument functions the train and eval
-    data came from, where they were given so (None otherwise). `settings`: the caller's own settings that define
-    the run ({name: JSON-able value}: `python -m jdp.train`'s config keys that change the numerics or the data
-    order), guarded with fit's."""
+    """The `fit` section of a run's record. `data_factories`: the zero-argument functions the train and eval data
+    came from (None where not given so). `settings`: the caller's own {name: JSON-able value} that define the run
+    (`python -m jdp.train`'s guarded config keys), guarded with fit's."""
     train_factory, eval_factory = data_factories
     return {"format": FORMAT, "steps": steps, "global_batch_size": global_batch_size,
             "settings": json.loads(json.dumps(dict(settings), default=list)) if settings else None,

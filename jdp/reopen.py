@@ -1,9 +1,5 @@
-"""A run reopened from Python: `jdp.restore` (its model, with a checkpoint's state), `jdp.evaluate` (exact
-data-parallel evaluation of any model) and `jdp.export_params` (the parameter file of `python -m jdp.export`).
-
-A run's model is rebuilt from its record (`jdp.record`) when `fit` was given an importable factory: a class or
-function by import path, or a `functools.partial` of one with JSON-able keyword arguments. A class defined in
-`__main__` is not importable; pass the model instead.
+"""A run reopened from Python: `jdp.restore`, `jdp.evaluate` and `jdp.export_params` (docs/api.md, "Reopening a
+run"). A run's model is rebuilt from its record (`jdp.record`) when `fit` was given an importable factory.
 """
 
 from __future__ import annotations
@@ -53,8 +49,8 @@ def imported(described: dict[str, Any], what: str) -> Callable[[], Any]:
 
 def restore(workdir: str | Path, model: nnx.Module | Callable[[], nnx.Module] | None = None, *,
             step: int | None = None) -> nnx.Module:
-    """The run's model with the parameters and state of its latest checkpoint (or of `step`): built from the
-    run's record when that names importable code, else `model` (a module, filled in place, or a factory)."""
+    """The run's model with the parameters and state of its latest checkpoint (or of `step`): `model` (a module,
+    filled in place, or a factory), else built from the run's record. FitError names what is missing or does not fit."""
     preemption.install_excepthook()  # an uncaught FitError: one line and exit 2
     return _restored(Path(workdir), model, step)[1]
 
@@ -113,10 +109,8 @@ def evaluate(model: nnx.Module, loss_fn: LossFn, data: Any, *, global_batch_size
 def export_params(workdir: str | Path, path: str | Path,
                   model: nnx.Module | Callable[[], nnx.Module] | None = None, *,
                   step: int | None = None) -> tuple[int, int]:
-    """What `python -m jdp.export` writes: the run's parameters and model state (not its RNG streams) as an .npz
-    that `init_from` and `jdp.params_file` read. `model`, as in `restore`: the run's model (an `nnx.Module` or a
-    factory), needed when the run's record names no importable one. Returns (the step exported, the number of
-    arrays)."""
+    """Writes what `python -m jdp.export` writes: the run's parameters and model state (not its RNG streams) as an
+    .npz that `init_from` and `jdp.params_file` read; returns (step, number of arrays). `model`: as in `restore`."""
     preemption.install_excepthook()  # an uncaught FitError: one line and exit 2
     step, restored = _restored(Path(workdir), model, step, "jdp.export_params(workdir, path, model)")
     params, model_state = state_groups(restored)
@@ -125,8 +119,7 @@ def export_params(workdir: str | Path, path: str | Path,
 
 
 def write_params_file(path: Path, params: Any, model_state: Any, step: int) -> None:
-    """`params/...` and `model_state/...` arrays and the `step`, written atomically (".npz" added, as np.savez
-    adds it)."""
+    """`params/...`, `model_state/...` and `step`, written atomically (".npz" added, as np.savez adds it)."""
     arrays = {**flatten(params, "params"), **flatten(model_state, "model_state"), "step": np.int64(step)}
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)

@@ -109,11 +109,10 @@ _ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax's temporary directory of a save in
 
 
 def lost_directory(error: BaseException, workdir: Path | None = None) -> tuple[Path, str | None] | None:
-    """(what is gone, the path written or None) if `error`, or an error it was raised from, is a write that failed
-    with ENOENT because what it wrote into was deleted or moved meanwhile (jdp and orbax make every directory they
-    write into). With `workdir`: the workdir itself when it is gone, else for a path inside it the highest of its
-    directories that is missing, or the path itself while a deletion is still under way. Without: a path whose
-    directory is missing, or inside orbax's temporary directory of a save (what orbax's threads log)."""
+    """(what is gone, the path written or None) if `error` or its cause is an ENOENT write into something deleted or
+    moved meanwhile (jdp and orbax make every directory they write into). With `workdir`: the workdir if gone, else
+    the highest missing directory of a path in it (or the path, while a deletion is under way). Without: a path whose
+    directory is missing or that lies in orbax's temporary directory of a save (what orbax's threads log)."""
     for cause in _chain(error, unreported=True):
         path = _enoent_path(cause)
         if path is not None:
@@ -131,10 +130,9 @@ def lost_directory(error: BaseException, workdir: Path | None = None) -> tuple[P
 
 def lost_workdir(error: BaseException, workdir: Path, vanished: Callable[[], Path | None],
                  settle_s: float = 2.0) -> tuple[Path, str | None] | None:
-    """What of `workdir` is gone if `error` came of its deletion or move during the run, as `lost_directory` (from
-    the error) or `vanished()` (the workdir's own check, `Checkpointer.vanished`) tell: for an ENOENT, each is asked
-    again for up to `settle_s`, since a deletion still under way (`rm -r`) may have reached the files written, not
-    yet the directories. So does an error raised inside orbax (a checkpoint's write)."""
+    """What of `workdir` is gone if `error` came of its deletion or move, per `lost_directory` or `vanished()`. For an
+    ENOENT or an error raised inside orbax both are asked again for up to `settle_s`: a deletion under way (`rm -r`)
+    may have reached the files written, not yet their directories."""
     settles = any(_enoent_path(e) is not None or any("/orbax/" in frame.filename for frame in
                                                      traceback.extract_tb(e.__traceback__)) for e in _chain(error))
     deadline = time.monotonic() + (settle_s if settles else 0.0)
@@ -243,8 +241,7 @@ def describe(failure: tuple[int, str | None], fallback: Path) -> str:
 
 
 def remedy(code: int) -> str:
-    """What to do about a storage failure of errno `code` (see DISK_ERRNOS) before rerunning: only a full disk
-    is fixed by freeing space."""
+    """What to do about a storage failure of errno `code` (DISK_ERRNOS) before rerunning."""
     return {errno.EROFS: "make the filesystem writable (it is mounted read-only)",
             errno.EIO: "check the storage (an I/O error: see dmesg)",
             errno.EFBIG: "raise the file size limit (ulimit -f) or use a filesystem that allows larger files",
@@ -286,9 +283,8 @@ def _free(path: Path) -> str:
 
 
 class QuietDiskFailures(logging.Filter):
-    """orbax's background threads log each failed write with a traceback, and asyncio each read task it gave up on;
-    jdp reports a storage failure (a directory deleted under a write, `lost_directory`; a read it retries,
-    `read_failure`) once, itself, so those records are dropped (any other record passes)."""
+    """Drops the tracebacks orbax's threads log for each failed write, and asyncio for each read task orbax gave up
+    on, when they are a storage failure (`disk_failure`, `lost_directory`, `read_failure`): jdp reports it once."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:

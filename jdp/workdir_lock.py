@@ -1,9 +1,6 @@
-"""One run per workdir: an exclusive `fcntl.flock` on WORKDIR/jdp.lock, which holds the holder's host:pid.
-
-Process 0 of a run takes the lock and tells the others the outcome, so every process of a second run stops
-(WorkdirLocked, exit 2) naming the lock and its holder. The kernel drops the lock when its process dies, so a
-lock file left by a dead run never blocks a rerun. Where the filesystem refuses locks (ENOLCK, some network
-filesystems), jdp warns and goes on unprotected.
+"""One run per workdir: an exclusive `fcntl.flock` on WORKDIR/jdp.lock, which holds the holder's host:pid (see
+docs/checkpoints.md, "Checkpoints, resume and failures"). Process 0 takes it and tells the others the outcome, so
+every process of a second run stops (WorkdirLocked, exit 2).
 """
 
 from __future__ import annotations
