@@ -1,11 +1,7 @@
-"""The one hook protocol, `jdp.Callback`, and jdp's own callbacks: train lines, the non-finite guard, replica
-checks, checkpoints, eval, profiling, the agreed stop after a signal and the fault-injection hook, each with its
-period, registered by `builtin` beside the user's.
-
-After dispatching step s the loop asks each callback whether it is `due(s)`. If any is, the loop waits for step
-s, hands every callback its metrics (`on_metrics`, otherwise one step late so the host never stalls the devices),
-then calls the due ones' `on_step(s, metrics, state)` with the logical state after step s. jdp's own callbacks
-that need the devices' copies (eval, the replica check) read `run.state`, the compiled step's layout.
+"""The one hook protocol, `jdp.Callback` (docs/api.md, `jdp.fit`'s "Callbacks"), and jdp's own callbacks: train
+lines, the non-finite guard, replica checks, checkpoints, eval, profiling, the agreed stop after a signal and fault
+injection, registered by `builtin`. A step that some callback is `due` at is waited for and its metrics delivered
+then; otherwise the host reads each step's metrics one step late, so it never stalls the devices.
 """
 
 from __future__ import annotations
@@ -58,9 +54,8 @@ class Callback:
     reads_devices = False  # jdp's own: reads `run.state` (the compiled step's layout), so gets no logical state
 
     def on_start(self, start: int, workdir: Path | None, record: dict[str, Any] | None) -> None:
-        """Once, before the first step: the step the run starts (or resumed) from, its workdir, and the run record
-        this segment wrote to WORKDIR/run.json (on process 0; None elsewhere, without a workdir, and for a
-        finished run's rerun)."""
+        """Once, before the first step: the start (or resumed) step, the workdir, and the run record this segment
+        wrote to run.json (process 0; None elsewhere, without a workdir, and for a finished run's rerun)."""
 
     def before_step(self, step: int) -> None:
         """Right before step `step` is dispatched."""

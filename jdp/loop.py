@@ -56,12 +56,10 @@ class Outcome:
 
 def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int, fit_record: dict | None = None,
           on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None) -> Outcome:
-    """Runs `engine` to `steps` with `options`, holding the workdir's lock (`jdp.workdir_lock`) throughout. A
-    resumed run calls `on_resume()`, then is checked by the resume guard (`jdp.guard`: against run.json and the
-    fingerprint its checkpoint carries); `fit_record` is written as its record, and its fingerprint into every
-    checkpoint. `on_start(step)` is called with the step the run starts (or resumed) from, before the
-    loop writes anything else to the workdir; a run already at `steps` writes no more than a final eval or summary
-    line it lacks. A full disk or an I/O error raises `DiskError`."""
+    """Runs `engine` to `steps`, holding the workdir's lock throughout. A resumed run calls `on_resume()`, then passes
+    the resume guard (`jdp.guard`); `fit_record` is written as its record, its fingerprint into every checkpoint.
+    `on_start(step)` gets the start (or resumed) step before anything else is written; a run already at `steps`
+    writes at most a final eval or summary line it lacks. A full disk or an I/O error raises `DiskError`."""
     workdir = Path(options.workdir) if options.workdir is not None else None
     with workdir_lock.held(workdir) if workdir is not None else contextlib.nullcontext():
         checkpointer = None
@@ -98,7 +96,6 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
     echo = print if is_main else lambda *_: None
     start, logical, record = _begin(engine, options, steps, workdir, checkpointer, fit_record, on_resume, echo)
     on_start(start)
-    # A run with nothing left to do only reports, and writes no more than a final eval or summary line it lacks.
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=is_main)
     run = callbacks_lib.Run(parallel, source, writer, ThroughputClock(), workdir, steps, start, global_batch_size,
                           parallel.to_devices(logical), optional(source, "tokens_per_example"))
@@ -211,8 +208,7 @@ def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> N
     for step in range(run.start + 1, run.steps + 1):
         for callback in callbacks:
             callback.before_step(step)
-        # 1. split. Dispatch is asynchronous: this batch is read and put on the devices while the
-        # previous step still runs, so the next batch is already there when it ends.
+        # 1. split. Dispatch is asynchronous: this batch is read and put on the devices while the previous step runs.
         batch = parallel.shard_batch(source.train_batch(step - 1))
         if step == run.start + 1:
             _compile(run, batch)

@@ -203,9 +203,8 @@ def _parse(path: Path) -> list[tuple[str, dict | None]]:
 
 
 def _truncate_after(path: Path, step: int) -> list[dict]:
-    """Drops the train and eval lines past `step`, and the summary lines after them, so that a resumed run has no
-    duplicates; a finished run's summary stays. Rewrites the file atomically if anything changed. Returns the
-    records kept."""
+    """Drops the train and eval lines past `step` and the summary lines after them (a finished run's summary stays),
+    so a resumed run has no duplicates; the file is rewritten atomically if it changed. Returns the records kept."""
     text = path.read_text()
     kept, beyond = [], False
     for line, record in _parse(path):
@@ -220,11 +219,9 @@ def _truncate_after(path: Path, step: int) -> list[dict]:
 
 
 def _purge_events(directory: Path, step: int) -> None:
-    """Drops from the TensorBoard event files the events past `step` that an interrupted run wrote, as
-    `_truncate_after` does for metrics.jsonl: the resumed run writes those steps again, and every reader of the
-    files would show each twice (tensorboardX's `purge_step` marker only hides them from TensorBoard's own
-    loader). A record cut short at the end of a file (a kill during a write) goes too. Each file that changes is
-    rewritten atomically."""
+    """Drops the events past `step` (and a record cut short at a file's end) from the TensorBoard event files, as
+    `_truncate_after` does for metrics.jsonl: tensorboardX's `purge_step` marker only hides the replayed steps from
+    TensorBoard's own loader. Each file that changes is rewritten atomically."""
     if not directory.is_dir():
         return
     try:
@@ -248,11 +245,10 @@ FLUSH_S = 120.0  # how often the event file's buffered records are pushed to the
 
 
 class _EventFile:
-    """A TensorBoard event file written on the caller's thread, in tensorboardX's format (its `EventsWriter`) and
-    with its scalar summaries. tensorboardX's own SummaryWriter writes on a thread of its own: a write that fails
-    there (a full disk) ends that thread with a traceback, and the next lines then wait forever on its full queue,
-    as does the exit. Here a failed write raises where the line is written, naming the file. Records go through
-    the file's buffer, pushed to the disk every FLUSH_S and at close, as tensorboardX's thread did."""
+    """A TensorBoard event file in tensorboardX's format, written on the caller's thread: tensorboardX's SummaryWriter
+    writes on its own, where a failed write (a full disk) ends that thread and the next lines, and the exit, wait
+    forever on its full queue. Here a failed write raises where the line is written, naming the file; the buffer is
+    flushed every FLUSH_S and at close."""
 
     def __init__(self, logdir: str, filename_suffix: str = "") -> None:
         # Imported by `_tensorboard_class` at start-up.

@@ -1,10 +1,7 @@
-"""Every training option, once: its `jdp.fit` keyword, its config key (where the CLI has one), its default(s), its
-valid values and its help. `jdp.FitOptions`, the matching sections of `configs/base.py`, `--config.X` and the
-checks of both (`check`) come from this table; nothing else defines or validates these options.
-
-Where `fit` and the config name an option differently (`checkpoint_every`, `checkpoint.every_steps`) both names
-are here; where their defaults differ (a config evaluates every 500 steps, `fit` at the end) both defaults are.
-"""
+"""Every training option, once: its `jdp.fit` keyword, config key (where the CLI has one), default(s), valid values
+and help. `jdp.FitOptions`, configs/base.py's matching sections, `--config.X` and the checks of both (`check`) come
+from this table, and nothing else defines or validates them. Where `fit` and the config differ in an option's name
+(`checkpoint_every`, `checkpoint.every_steps`) or default (eval at the end, or every 500 steps), both are here."""
 
 from __future__ import annotations
 

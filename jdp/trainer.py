@@ -1,8 +1,5 @@
-"""`jdp.fit`: any Flax NNX model, any loss, any data, trained data-parallel over every device of the run.
-
-This module checks the input and builds the run (`prepare`: model split, data, compiled steps), all before
-anything compiles; `jdp.loop` runs it.
-"""
+"""`jdp.fit` (docs/api.md): `prepare` checks the input and builds the run (model split, data, compiled steps) before
+anything compiles; `jdp.loop` runs it."""
 
 from __future__ import annotations
 
@@ -263,14 +260,12 @@ def _warn_if_float32(matmuls: collections.Counter[str], precision: str) -> None:
 
 def fit(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
         optimizer: optax.GradientTransformation, steps: int, global_batch_size: int, **options: Any) -> FitResult:
-    """Trains `model` data-parallel for `steps` steps of `global_batch_size` examples; see README "Your own model".
-
-    `model`: an `nnx.Module`, or a function returning one (then created directly on the devices). After
-    `fit`, a module passed in holds the final state. `loss_fn(model, batch)` returns a dict of per-example
-    values (`"loss"` is differentiated, an optional `"weight"` weights each entry, the rest are metrics);
-    jdp takes the weighted mean over the whole global batch. `train_data` / `eval_data`: a dict of arrays
-    sharing a leading length, a random-access dataset, or a jdp `Source`. Other options: `FitOptions`.
-    """
+    """Trains `model` data-parallel for `steps` steps of `global_batch_size` examples; reference: docs/api.md.
+    `model`: an `nnx.Module`, left holding the final state, or a function returning one (then created on the
+    devices). `loss_fn(model, batch)` returns a dict of per-example values (`"loss"` is differentiated, an
+    optional `"weight"` weights each entry, the rest are metrics), averaged (weighted) over the whole global batch.
+    `train_data` / `eval_data`: a dict of arrays sharing a leading length, a random-access dataset, or a jdp
+    `Source`. Other options: `FitOptions`. Bad input raises `jdp.FitError` in one line, before anything compiles."""
     preemption.install_excepthook()  # left uncaught in a script, a FitError is one line and exit 2, as in the CLI
     return run(model, loss_fn, train_data, optimizer=optimizer, steps=steps, global_batch_size=global_batch_size,
                options=_options(options))
@@ -280,11 +275,10 @@ def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
         optimizer: optax.GradientTransformation, steps: int, global_batch_size: int, options: FitOptions,
         on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None,
         settings: dict[str, Any] | None = None) -> FitResult:
-    """`fit` with its options already gathered (what `python -m jdp.train` calls). `on_resume()`: called when the
-    workdir holds checkpoints, under its lock and before fit's own resume check; `on_start(step)`: with the step the
-    run starts or resumes from, before anything is written to the workdir. `settings`: the caller's own settings
-    that define the run ({name: JSON-able value}, e.g. a config's keys), recorded in run.json and in each
-    checkpoint's fingerprint and guarded with fit's own (a resume that changes one is refused, naming it)."""
+    """`fit` with its options gathered (what `python -m jdp.train` calls). `on_resume()`: when the workdir holds
+    checkpoints, under its lock, before fit's resume check; `on_start(step)`: with the start (or resumed) step, before
+    anything is written to the workdir. `settings`: the caller's settings that define the run ({name: JSON-able
+    value}), recorded in run.json and each checkpoint's fingerprint and guarded like fit's own."""
     with preemption.during_fit():  # a signal in a script ends it with exit 75, as in the CLI
         o = options
         _check_joined()

@@ -1,22 +1,10 @@
 """Host-side image preprocessing for the tfds source: decode, random numbers, large-image crops (PIL).
 
-Two regimes, chosen from the stored image shape:
-
-- small images (height <= 64, CIFAR-like): train crops a random HxW window out of the image padded by 4
-  zero pixels on each side and flips half the rows horizontally, on the device (`jdp.data.device_input`,
-  from the offsets and flips drawn here); eval uses the image as stored.
-- large images (ImageNet-like, or any variable size): train takes a random-resized crop (area scale
-  (0.08, 1), aspect ratio (3/4, 4/3), torchvision's ten tries then a centre fallback) resized to S x S and
-  flips half; eval takes the centre square of side 0.875 x the shorter side resized to S x S (the same as
-  resizing the shorter side to S / 0.875 and centre-cropping S), with PIL. A JPEG whose crop box is at least
-  2, 4 or 8 times S is decoded at that fraction of its size (`decode_crop`).
-
-Decoding and the large-image crops run per image on the source's worker threads; normalisation runs on
-the device.
-
-Every random number is drawn up front for the whole global batch from (seed, step), so a row's
-augmentation depends only on (seed, step, its place in the global batch) -- which fixes the row itself --
-and never on the process count, the thread schedule or what was read before (exact resume).
+Images of height <= 64 are cropped and flipped on the device (`jdp.data.device_input`) from the offsets and
+flips drawn here; eval uses them as stored. Larger ones get torchvision's RandomResizedCrop (ten tries, then a
+centre fallback), or in eval the centre square of 0.875 x the shorter side (= resize to S / 0.875, crop S), resized
+to S x S on the source's worker threads. Every number is drawn up front from (seed, step) for the whole global
+batch, so no augmentation depends on the process count or the thread schedule (docs/datasets.md).
 """
 
 from __future__ import annotations
@@ -116,8 +104,7 @@ def center_box(height: int, width: int) -> tuple[float, float, float, float]:
 
 @functools.cache
 def _opencv():
-    """OpenCV if installed (the tfds extra has it: small PNGs decode ~2.5x faster than with PIL, and
-    without the GIL), else None."""
+    """OpenCV if installed (the tfds extra: ~2.5x faster than PIL on small PNGs, and without the GIL), else None."""
     try:
         import cv2
     except ImportError:
@@ -126,11 +113,8 @@ def _opencv():
 
 
 def decode(value: bytes | np.ndarray, channels: int) -> np.ndarray:
-    """An encoded image (PNG, JPEG, ...) or an already decoded array -> (H, W, channels) uint8.
-
-    Lossless formats decode to the same pixels either way; JPEG may differ by a unit between OpenCV and PIL.
-    EXIF orientation is ignored by both, as tfds's own decoders do.
-    """
+    """An encoded image (PNG, JPEG, ...) or a decoded array -> (H, W, channels) uint8. OpenCV and PIL may differ
+    by a unit on JPEGs only; both ignore EXIF orientation, as tfds's decoders do."""
     if not isinstance(value, bytes | bytearray | memoryview):
         image = np.asarray(value, np.uint8)
         return image if image.ndim == 3 else image[..., None]
@@ -188,12 +172,9 @@ def _decode_reduced_jpeg(value: bytes, channels: int, k: int) -> np.ndarray:
 
 def decode_crop(value: bytes | np.ndarray, channels: int,
                 box_of: Callable[[int, int], tuple[float, float, float, float]], size: int, flip: bool) -> np.ndarray:
-    """An encoded (or decoded) image -> its box `box_of(height, width)` (in stored pixels) resized to
-    size x size, mirrored if `flip`: the large-image crop.
-
-    A JPEG whose box is at least k x `size` on its shorter side (`reduction`) is decoded at 1/k of its size,
-    which costs a fraction of a full decode, and the box is scaled to the smaller image. Only the header is
-    read first, for the stored size the box is drawn from, so the box is the same either way."""
+    """The large-image crop: box `box_of(height, width)` (stored pixels) resized to size x size, mirrored if `flip`.
+    A JPEG is decoded at 1/k of its size where `reduction` allows, its box scaled to match; the box is drawn from
+    the stored size (read from the header), so it is the same either way."""
     if isinstance(value, bytes | bytearray | memoryview) and bytes(value[:2]) == b"\xff\xd8":
         from PIL import Image
 

@@ -1,10 +1,5 @@
-"""Cut global batches from in-memory splits and hand each process its own rows.
-
-The global batch at a step is a function of (seed, step) only: a permutation of the train split drawn from
-(seed, epoch) is cut into consecutive global batches, and process p of P takes the p-th contiguous block of
-each. So the global batch does not depend on the process or device count (1x4 == 2x2), and any step can be
-read directly, which makes resuming a matter of knowing the step.
-"""
+"""Global batches of arrays or datasets, each process given its own rows (`RowOrder`). A global batch is a function
+of (seed, step) alone (docs/api.md, `jdp.fit`'s "Data"), so any step is read directly and a resume needs only it."""
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
@@ -17,10 +12,8 @@ from jdp.split import process_block
 
 
 class Source(Protocol):
-    """What `fit` reads data through; jdp's own sources (tfds, MNIST-1D, digits, synthetic) and `Batcher`
-    (dicts of arrays, random-access datasets) are Sources. A Source is made for one layout of the run
-    (seed, global and eval batch size, this process's index and the process count) and hands this process
-    its own rows of every global batch."""
+    """What `fit` reads data through (docs/api.md, "`jdp.Source`"): made for one layout of the run, it hands this
+    process its own rows of every global batch."""
 
     num_train: int  # train examples
     steps_per_epoch: int
@@ -40,9 +33,8 @@ def _identity(batch: dict[str, Any]) -> dict[str, Any]:
     return batch
 
 
-# What a Source may also have, and what jdp assumes without it: the eval examples (for the eval batch's bound),
-# a language model's tokens per example (for tokens/s), and the batch the loss sees, made on the device from
-# the batch that was sent (e.g. uint8 pixels -> cropped, normalised floats).
+# What a Source may also have, and jdp's default without it: the eval examples (the eval batch's bound), tokens per
+# example (tokens/s), and the batch the loss sees, made on the device from the one sent (uint8 pixels -> floats).
 SOURCE_OPTIONAL = {"num_eval": 0, "tokens_per_example": 0, "device_input": _identity}
 
 
@@ -52,11 +44,9 @@ def optional(source: Source, name: str) -> Any:
 
 
 class RowOrder:
-    """Which rows of the train and eval splits this process reads, by step: the contract every source shares.
-
-    Train: a permutation of the split from (seed, epoch), cut into consecutive global batches (the last
-    partial batch of an epoch is dropped); process p takes its contiguous block of each. Eval: the split in
-    order, in global batches of `eval_batch_size`, the last one padded (`real` False on padding rows)."""
+    """Which rows of each split this process reads, by step: the contract every source shares. Train: a (seed, epoch)
+    permutation cut into consecutive global batches (an epoch's last partial one dropped), process p taking its
+    contiguous block of each. Eval: the split in order, the last batch padded (`real` False on padding rows)."""
 
     def __init__(self, *, seed: int, num_train: int, num_eval: int, global_batch_size: int, eval_batch_size: int,
                  process_index: int, process_count: int, train_split: str = "the train split") -> None:
@@ -250,10 +240,8 @@ class Batcher(OrderedSource):
         return self._train.rows(self._order.train_rows(step))
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
-        """The eval split once, in order; the last batch is padded with row 0 and `mask` 0 so none is dropped.
-
-        Every process yields num_eval_batches() items, so collectives over eval batches stay in lockstep.
-        """
+        """The eval split once, in order, the last batch padded with row 0 and `mask` 0. Every process yields
+        num_eval_batches() items, so collectives over eval batches stay in lockstep."""
         if self._eval is None:
             return
         for i in range(self.num_eval_batches()):

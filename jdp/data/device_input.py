@@ -1,10 +1,7 @@
-"""Image preprocessing that runs inside the compiled step, on each device's rows.
-
-The tfds source sends uint8 pixels (a quarter of float32's bytes) plus, for small images in training, each
-row's crop offset and flip; the pad-crop-flip and the normalisation happen here, on the device. On a small
-host every millisecond of host CPU is taken from the step (XLA:CPU uses every core), and on an accelerator
-these are a few elementwise passes over the batch. The random numbers still come from the host, drawn
-from (seed, step) for the whole global batch, so the model's input does not depend on the device count.
+"""Image preprocessing inside the compiled step: the pad-crop-flip and normalisation of the tfds source's uint8
+pixels (a quarter of float32's bytes). Host CPU time is taken from the step (XLA:CPU uses every core); on the
+device these are a few elementwise passes. The offsets and flips are the host's, drawn from (seed, step) for the
+whole global batch, so the model's input does not depend on the device count.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""Offline data sources: MNIST-1D, scikit-learn digits and a synthetic task, all held in memory; text for
-language models (`text:PATH`, `shakespeare`: `jdp.data.text`); and `tfds:NAME`, a prepared
-tensorflow-datasets copy read by random access (`jdp.data.tfds_source`).
-
-Heavy libraries (mnist1d, scikit-learn, tensorflow-datasets, PIL) are imported inside the loader that needs
-them, so the synthetic source runs on a machine that has only numpy.
-"""
+"""Offline data sources by `data.name`: MNIST-1D, scikit-learn digits and a synthetic task in memory, text
+(`jdp.data.text`) and `tfds:NAME` (`jdp.data.tfds_source`). Heavy libraries are imported inside the loader that
+needs them, so the synthetic source runs with numpy alone."""
 
 import functools
 import io
@@ -70,10 +66,7 @@ def _generate_mnist1d() -> dict[str, np.ndarray]:
 
 @functools.cache
 def _digits() -> tuple[Split, Split]:
-    """scikit-learn's 8x8 digits scaled to [0, 1], shape (8, 8, 1), 10 classes.
-
-    Fixed split: `train_test_split(test_size=0.2, random_state=0, stratify=y)` -> 1437 train / 360 test.
-    """
+    """scikit-learn's 8x8 digits scaled to [0, 1], (8, 8, 1), in a fixed split of 1437 train / 360 test."""
     from sklearn.datasets import load_digits
     from sklearn.model_selection import train_test_split
 
@@ -88,11 +81,8 @@ def _digits() -> tuple[Split, Split]:
 def _synthetic(
     shape: tuple[int, ...], num_classes: int, num_train: int, num_eval: int
 ) -> tuple[Split, Split]:
-    """Gaussian inputs labelled by a fixed random linear teacher (argmax), so the task is learnable.
-
-    Teacher, train and eval come from separate streams of one fixed seed, so each split does not depend on
-    the size of the other.
-    """
+    """Gaussian inputs labelled by a fixed random linear teacher (argmax), so the task is learnable. Teacher and
+    splits use separate streams of one fixed seed, so neither split depends on the other's size."""
     if num_classes < 2:
         raise ValueError(f"the synthetic source needs data.num_classes >= 2, got {num_classes}")
     dim = int(np.prod(shape))
@@ -110,11 +100,8 @@ def _synthetic(
 
 
 def _normalize(train: Split, eval: Split) -> tuple[Split, Split]:
-    """Standardise both splits with one scalar mean and std over every train feature.
-
-    A scalar keeps the relative scale of pixels and channels, and never divides by a constant feature's
-    zero std (digits' border pixels are always 0).
-    """
+    """Both splits standardised by one scalar mean and std of the train features: a scalar keeps the relative
+    scale of pixels and channels, and never divides by a constant feature's zero std (digits' borders)."""
     mean, std = train["x"].mean(), train["x"].std()
     scale = 1 / std if std > 0 else np.float32(1)
 
@@ -144,11 +131,8 @@ def build_source(
     process_count: int = 1,
     workdir: Path | None = None,
 ) -> Batcher | TfdsSource:
-    """The source named by `cfg` (the config's `data` section), batched for this process.
-
-    `seed` (the run seed) orders the train split; the data itself does not depend on it. A text source keeps
-    its vocabulary in `workdir` (None: built from the text, not saved).
-    """
+    """The source `cfg` (the config's `data` section) names, batched for this process. `seed` orders the train
+    split, never changes the data; a text source keeps its vocabulary in `workdir` (None: not saved)."""
     layout = {"seed": seed, "global_batch_size": global_batch_size, "eval_batch_size": eval_batch_size,
               "process_index": process_index, "process_count": process_count}
     if is_text(cfg.name):

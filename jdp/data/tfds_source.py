@@ -1,17 +1,7 @@
-"""`data.name=tfds:NAME`: a prepared tensorflow-datasets copy, read by random access without TensorFlow.
-
-The dataset must already be prepared (`tfds build NAME`); nothing is ever downloaded. array_record copies
-are read through `tfds.data_source`, tfrecord copies (tfds's default format) through an index of their
-frames (`jdp.data.tfrecord`); both give random access to a split, and the batching scheme is `Batcher`'s:
-the global batch at a step is a slice of a permutation drawn from (seed, epoch), and process p of P reads
-only rows [p*B/P, (p+1)*B/P) of it, so the global batch does not depend on the process or device count, no
-process reads the whole dataset, and the iterator state is just the step.
-
-Images are decoded (and large ones cropped and resized) on a pool of worker threads. There is no
-read-ahead thread: the trainer reads step i+1's batch while step i runs on the devices (dispatch is
-asynchronous), and on a 2-core host a thread measured no faster. Batches hold uint8 pixels; the
-small-image crop and flip and the normalisation run on the device (`jdp.data.device_input`). Decoded small
-images are kept in memory up to `data.cache_decoded_mb`, so each row is decoded once.
+"""`data.name=tfds:NAME`: a prepared tensorflow-datasets copy read by random access without TensorFlow (array_record
+through `tfds.data_source`, tfrecord through `jdp.data.tfrecord`), in `RowOrder`'s batches; nothing is downloaded.
+Images are decoded on worker threads. No read-ahead thread: the trainer reads step i+1's batch while step i runs
+(dispatch is asynchronous), and on a 2-core host a thread measured no faster. The rest: docs/datasets.md.
 """
 
 from __future__ import annotations
@@ -111,13 +101,9 @@ def _feature_keys(builder) -> tuple[str, str]:
 
 
 class _Records:
-    """Random access to one split's (image, label) pairs; the image still encoded (bytes) or an array.
-
-    Serialized records come from tfds's data source (array_record) or, for tfrecord copies, from
-    `TfrecordRecords`. Images stored as `tfds.features.Image` (CIFAR-10, ImageNet, ...) take a fast path:
-    the records are parsed here as `tf.train.Example` protos, which is ~10x cheaper than tfds's generic
-    per-feature decoding; anything else goes through tfds's decoding with the Image left encoded.
-    """
+    """Random access to one split's (image, label) pairs, the image still encoded (bytes) or an array. Records of a
+    `tfds.features.Image` (CIFAR-10, ImageNet) are parsed here as `tf.train.Example` protos, ~10x cheaper than tfds's
+    per-feature decoding; others go through tfds's decoding with the Image left encoded."""
 
     def __init__(self, tfds, builder, split: str, image_key: str, label_key: str) -> None:
         info = builder.info
@@ -148,11 +134,8 @@ class _Records:
             self._source.close()
 
     def __getitems__(self, rows: np.ndarray) -> list[tuple[Any, int]]:
-        """The (image, label) pairs at `rows`, in that order.
-
-        One record at a time: for CIFAR-sized records that is ~4x cheaper than the data source's own
-        `__getitems__`, which starts a thread pool per call; parallelism comes from our worker threads.
-        """
+        """The (image, label) pairs at `rows`, one record at a time: on CIFAR-sized records ~4x cheaper than the data
+        source's `__getitems__`, which starts a thread pool per call (the parallelism is our worker threads')."""
         records = [self._source[int(r)] for r in rows]
         if not self._fast:
             return [(d[self._image_key], d[self._label_key]) for d in map(self._decode, records)]
@@ -161,12 +144,9 @@ class _Records:
 
 
 class _DecodedCache:
-    """Decoded small images of one split, filled as rows are first read.
-
-    A process holds only rows it has read itself, though over a few epochs (each a new permutation) that
-    becomes most of the split; the array is allocated up front but its pages are only touched as rows
-    arrive. Written by the calling thread once the worker threads are done, rows before their flags.
-    """
+    """Decoded small images of one split, filled as rows are first read (`data.cache_decoded_mb`), allocated up front
+    but its pages touched only as rows arrive. Written by the calling thread once the workers are done, rows before
+    their flags."""
 
     def __init__(self, num_rows: int, shape: tuple[int, ...]) -> None:
         self.pixels = np.empty((num_rows, *shape), np.uint8)
@@ -253,13 +233,9 @@ class TfdsSource(OrderedSource):
 
     def _read(self, source: _Records, rows: np.ndarray, transform: Callable[[bytes | np.ndarray, int], np.ndarray]
               ) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of `source` -> (pixels uint8 (n, *input_shape), labels int32), `transform(stored image, i)` (which
-        decodes it) per row i.
-
-        The rows are cut into contiguous chunks, one task per worker thread (one task in all for small
-        batches); each task reads, decodes and transforms its rows into its own slots, so the result does not
-        depend on the schedule. Labels outside [0, num_classes) are refused.
-        """
+        """Rows of `source` -> (pixels uint8 (n, *input_shape), labels int32), `transform(stored image, i)` decoding
+        row i. One contiguous chunk per worker thread, each written into its own slots, so the result does not
+        depend on the schedule; labels outside [0, num_classes) are refused."""
         n = len(rows)
         pixels = np.empty((n, *self.input_shape), np.uint8)
         labels = np.empty(n, np.int32)
@@ -321,10 +297,8 @@ class TfdsSource(OrderedSource):
         return {"x": pixels, "y": labels}
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
-        """The eval split once, in order; padded rows (zeros, `mask` 0) only in the last batch.
-
-        Every process yields num_eval_batches() items, so collectives over eval batches stay in lockstep.
-        """
+        """The eval split once, in order, padded rows (zeros, `mask` 0) in the last batch only. Every process yields
+        num_eval_batches() items, so collectives over eval batches stay in lockstep."""
         for i in range(self.num_eval_batches()):
             ids, real = self._order.eval_rows(i)
             n = int(real.sum())  # real rows come first: padding is only ever at the end of the split

@@ -1,14 +1,10 @@
 """Random access to the records of a tfds split stored as tfrecord files, without TensorFlow.
 
-A tfrecord file is a sequence of frames: a little-endian uint64 length, a uint32 CRC of it, the record, a
-uint32 CRC of the record. Reading every frame header once (12 bytes and a seek per record) gives each
-record's offset; after that any record is one `os.pread`, which is thread-safe. So a tfrecord copy (the
-default of `tfds build`) is read by step exactly like an array_record one: the same rows, the same batches.
-`tfds.load` cannot do this: it streams, so a process could only read its rows by reading every row.
-
-Frame lengths are checked against the file size and the record counts against tfds's dataset info; the
-CRCs are not verified (a damaged record fails when its proto is parsed). Building the index reads 12 bytes
-per record: about a second per million records from the page cache, longer from a cold or network disk.
+A tfrecord file is a sequence of frames: a little-endian uint64 length, a uint32 CRC of it, the record, a uint32
+CRC of the record. Reading each frame header once gives each record's offset; then a record is one thread-safe
+`os.pread`, so a tfrecord copy is read by step like an array_record one (`tfds.load` streams: a process would read
+every row to reach its own). Frame lengths are checked against the file size, record counts against tfds's dataset
+info; CRCs are not verified (a damaged record fails when its proto is parsed). Index cost: docs/datasets.md.
 """
 
 from __future__ import annotations
@@ -48,12 +44,8 @@ def frames(path: str, read: Callable[[int, int], bytes], size: int) -> Iterator[
 
 
 class TfrecordRecords:
-    """The serialized records of one split (a list of tfds `FileInstruction`s), by index.
-
-    Each instruction is a file plus the slice [skip, skip + take) of its records, which is how tfds
-    expresses a split and its slicing (`train[:90%]`): row i of the split is the i-th record of the
-    concatenated slices.
-    """
+    """The serialized records of one split by index: row i is the i-th record of its tfds `FileInstruction`s'
+    slices [skip, skip + take) of their files, concatenated (how tfds expresses a split and `train[:90%]`)."""
 
     def __init__(self, instructions: Sequence) -> None:
         self._fds: list[int] = []

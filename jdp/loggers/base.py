@@ -1,7 +1,6 @@
-"""What every tracker logger shares: process 0 only, the lines of metrics.jsonl as written, the tracked run's id and
-the steps already logged kept in WORKDIR/trackers/NAME.json, and a worker thread behind a bounded queue, so that a
-tracker that fails or never answers costs a warning, never the training or more than `close_timeout_s` at the end.
-"""
+"""What every tracker logger shares: process 0 only, metrics.jsonl's lines as written, the run id and logged steps in
+WORKDIR/trackers/NAME.json, and a worker thread behind a bounded queue (docs/trackers.md, "A tracker that fails or
+never answers")."""
 
 from __future__ import annotations
 
@@ -57,11 +56,8 @@ def numbers(line: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 class Tracker(Callback):
-    """A logger of metrics.jsonl's lines to an experiment tracker, as a `jdp.Callback` for `fit(callbacks=...)`.
-
-    Subclasses open or resume the tracked run (`_open`), log one line (`_log`) and close it (`_close`); all three
-    run on the worker thread, never on the training thread. `close_timeout_s` bounds the wait at the run's end.
-    """
+    """A logger of metrics.jsonl's lines to an experiment tracker, as a `jdp.Callback`. Subclasses' `_open`, `_log`
+    and `_close` run on the worker thread, never the training thread; `close_timeout_s` bounds the wait at the end."""
 
     name = ""  # jdp.loggers.LOGGERS's name; the state file's and the extra's name
     package = ""  # what the tracker's client imports as
@@ -253,8 +249,7 @@ class Tracker(Callback):
         return None if self.workdir is None else self.workdir / STATE_DIR / f"{self.name}.json"
 
     def params(self) -> dict[str, Any]:
-        """What the tracked run records as its settings: the run record (run.json's contents: every option, the
-        model, data, optimizer fingerprint, versions, devices, command line) and the CLI's config, if any."""
+        """What the tracked run records as its settings: the run record (run.json's) and the CLI's config, if any."""
         params = dict(self.record or {})
         config = self.workdir / "config.json" if self.workdir is not None else None
         if config is not None and config.is_file():
@@ -288,10 +283,8 @@ class Tracker(Callback):
 
 
 class _ClientLogs(logging.Filter):
-    """While a tracker's worker thread runs: what it makes its client's libraries log at WARNING or above (urllib3's
-    `Retrying (Retry(total=6, ...)) after connection broken by ...`, one per retry while a tracking server does not
-    answer, in Python's logging format) becomes the tracker's one warning, in jdp's format. Other threads' records
-    pass unchanged."""
+    """What a tracker's worker thread makes its client's libraries log at WARNING or above (urllib3's `Retrying ...`,
+    one per retry while a server does not answer) becomes the tracker's one warning; other threads' records pass."""
 
     LOGGERS = ("urllib3.connectionpool", "urllib3.util.retry", "urllib3.response")
 

@@ -24,16 +24,8 @@ def tracking_uri_problem(uri: str) -> str | None:
 
 
 class MLflow(Tracker):
-    """Logs each train line under its metrics.jsonl keys at its step, each eval line as `eval_<key>` at its step,
-    and the summary line as metrics `summary/<key>` at the run's last step; the run record (and the CLI's config),
-    flattened to `a.b.c` keys, are the run's params.
-
-    `tracking_uri`: None = `MLFLOW_TRACKING_URI`, else `file:./mlruns` (a local store in the working directory;
-    MLflow's own default, sqlite, needs the full `mlflow` package). `experiment`: None = `MLFLOW_EXPERIMENT_NAME`,
-    else MLflow's `Default`. A rerun on the workdir continues the same MLflow run. Params cannot change once
-    logged: a resumed segment whose record differs logs each changed value as `resume_<step>.<key>`, with <step>
-    the step it resumed from.
-    """
+    """metrics.jsonl's lines into an MLflow run, continued by a rerun (docs/trackers.md). `tracking_uri`: None =
+    `MLFLOW_TRACKING_URI`, else `file:./mlruns`; `experiment`: None = `MLFLOW_EXPERIMENT_NAME`, else `Default`."""
 
     name = package = "mlflow"
 

@@ -13,15 +13,9 @@ from jdp.loggers.base import CLOSE_TIMEOUT_S, Tracker, numbers
 
 
 class WandB(Tracker):
-    """Logs each train line under its metrics.jsonl keys at its step, each eval line as `eval_<key>` at its step,
-    and the summary line as the run's summary; the run record (and the CLI's config) is the run's config.
-
-    `project`: None = `WANDB_PROJECT`, else W&B's default. `init_kwargs` go to `wandb.init` (`mode="offline"`,
-    `entity`, `name`, `tags`, `dir`, ...). The run's files go to `dir`, else `WANDB_DIR`, else the workdir; its
-    name defaults to the workdir's. A rerun on the workdir continues the same run id: online, W&B appends to the
-    run; offline, W&B writes a second run directory with that id, and `wandb sync` of both uploads one run. The id
-    is in WORKDIR/trackers/wandb.json before `wandb.init` starts, so a kill during W&B's start-up changes nothing.
-    """
+    """metrics.jsonl's lines into a W&B run, continued by a rerun (docs/trackers.md). `project`: None =
+    `WANDB_PROJECT`, else W&B's default; `init_kwargs` go to `wandb.init` (`mode="offline"`, `entity`, `name`, `tags`,
+    `dir`, ...). Its files go to `dir`, else `WANDB_DIR`, else the workdir; its name defaults to the workdir's."""
 
     name = package = "wandb"
 

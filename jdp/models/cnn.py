@@ -8,21 +8,16 @@ from flax import nnx
 
 
 def max_pool_2x2(x: jax.Array) -> jax.Array:
-    """2x2 max-pool, stride 2, VALID (odd sizes are cropped) on (B, H, W, C).
-
-    Same result as `nnx.max_pool(x, (2, 2), (2, 2))`, but reshape + max differentiates much faster than
-    reduce_window on XLA:CPU.
-    """
+    """2x2 max-pool, stride 2, VALID (odd sizes cropped) on (B, H, W, C): `nnx.max_pool(x, (2, 2), (2, 2))`, but
+    reshape + max differentiates much faster than reduce_window on XLA:CPU."""
     b, h, w, c = x.shape
     x = x[:, : h // 2 * 2, : w // 2 * 2]
     return x.reshape(b, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
 
 
 class CNN1D(nnx.Module):
-    """Conv1d stack (padding 1, ReLU after each), flatten, one Dense: the MNIST-1D paper's ConvBase.
-
-    Input (B, L) gets a channel axis; (B, L, C) is used as is.
-    """
+    """Conv1d stack (padding 1, ReLU after each), flatten, one Dense: the MNIST-1D paper's ConvBase, on (B, L, C)
+    or (B, L)."""
 
     def __init__(
         self,
@@ -58,10 +53,8 @@ class CNN1D(nnx.Module):
 
 
 class CNN2D(nnx.Module):
-    """3x3 VALID convs with ReLU, one 2x2 max-pool, flatten (H, W, C order), Dense+ReLU layers, Dense head.
-
-    Input (B, H, W) gets a channel axis.
-    """
+    """3x3 VALID convs with ReLU, one 2x2 max-pool, flatten (H, W, C order), Dense+ReLU layers, Dense head; on
+    (B, H, W, C) or (B, H, W)."""
 
     def __init__(
         self,

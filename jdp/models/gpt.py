@@ -1,20 +1,8 @@
-"""A GPT (nanoGPT's model): token and learned position embeddings, pre-LayerNorm blocks of causal
-self-attention and a GELU MLP, dropout on the embeddings, the attention weights and the residual paths, the
-output head tied to the token embedding, GPT-2 initialisation.
+"""nanoGPT's GPT (docs/language_models.md, "Model"); for sampling, `decode` runs new tokens against a KV cache.
 
-Attention runs through `jax.nn.dot_product_attention(is_causal=True)`: cuDNN's fused kernel on GPU in
-bf16/fp16, XLA's elsewhere (`attention_path` says which). That function has no dropout, so training with
-attention dropout > 0 takes an explicit softmax path (tested equal to the fused one at dropout 0).
-
-For sampling, `decode` runs one or more new tokens against a KV cache of the keys and values of the
-positions before them, so generating a token costs one position's work and never recompiles.
-
-To fit a bigger model: `remat` ("full" or "dots") recomputes each block's activations in the backward
-(`jdp.layers.remat`), and `scan_layers=True` makes the blocks once, stacked, and runs them with `nnx.scan`
-(`jdp.layers.Stack`): its parameters are those of the unrolled model stacked on a leading layer axis
-(`stack_blocks` / `unstack_blocks` convert), and it computes the same function. Its dropout masks differ from the
-unrolled model's: each stacked block draws from its own keys (the `dropout` stream split per layer), where the
-unrolled blocks share the model's one stream and draw in turn.
+`scan_layers=True` makes the blocks once, stacked (`jdp.layers.Stack`): the unrolled model's parameters on a leading
+layer axis (`stack_blocks` / `unstack_blocks` convert) and the same function, but other dropout masks: each stacked
+block draws from its own split of the `dropout` stream, where unrolled blocks share one stream and draw in turn.
 """
 
 from __future__ import annotations
@@ -68,7 +56,8 @@ class CausalSelfAttention(nnx.Module):
         return self.resid_dropout(self.proj(y.reshape(b, t, d))), (k, v)
 
     def _explicit(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        """Causal softmax attention written out, with dropout on the attention weights (softmax in float32)."""
+        """Causal softmax attention written out, for dropout on its weights (dot_product_attention has none);
+        the softmax in float32."""
         t = q.shape[1]
         scores_BxHxTxT = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
         causal = jnp.tril(jnp.ones((t, t), bool))
@@ -120,9 +109,8 @@ class GPT(nnx.Module):
     def __init__(self, vocab_size: int, block_size: int, *, num_layers: int = 6, num_heads: int = 6,
                  embed_dim: int = 384, dropout: float = 0.0, bias: bool = True, dtype: jnp.dtype | None = None,
                  remat: str = "none", scan_layers: bool = False, rngs: nnx.Rngs):
-        """`dtype`: the compute dtype (None: that of the parameters); parameters are created in float32.
-        `remat`: "none", "full" or "dots" (activation checkpointing of each block); `scan_layers`: the blocks
-        stacked and scanned."""
+        """`dtype`: the compute dtype (None: the parameters'), parameters being float32. `remat`: "none", "full" or
+        "dots" (each block's activations checkpointed); `scan_layers`: the blocks stacked and scanned."""
         self.block_size, self.dtype, self.remat = block_size, dtype, check_remat(remat)
         # GPT-2: normal(0.02), the projections into the residual stream scaled by 1/sqrt(2 x layers).
         residual_std = 0.02 / math.sqrt(2 * num_layers)

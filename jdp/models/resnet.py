@@ -1,7 +1,5 @@
-"""ResNet v1.5 (stride on the 3x3 conv of the bottleneck).
-
-Its BatchNorms know nothing of devices: `jdp.fit` points them at the `data` axis when BatchNorm is synced.
-"""
+"""ResNet v1.5 (stride on the bottleneck's 3x3 conv). Its BatchNorms know nothing of devices: `jdp.fit` points
+them at the `data` axis when BatchNorm is synced."""
 
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -110,15 +108,10 @@ STEMS = ("cifar", "imagenet")
 
 
 class ResNet(nnx.Module):
-    """ResNet on (B, H, W, C) or (B, H, W) images; logits are float32 whatever it computes in.
-
-    `dtype` None (default) computes in the dtype of the input and parameters it is given, as jdp's step
-    gives them: the run's precision in training, float32 in eval. A fixed `dtype` computes in it always.
-
-    `remat` ("none", "full", "dots"): activation checkpointing of each residual block (`jdp.layers.remat`).
-
-    Stems: 'cifar' = conv3x3 + BN + ReLU; 'imagenet' = conv7x7/2 + BN + ReLU + maxpool 3x3/2 (SAME).
-    """
+    """ResNet on (B, H, W, C) or (B, H, W) images; float32 logits whatever it computes in. `dtype` None computes in
+    the dtype of the input and parameters given (jdp's step: the run's precision in training, float32 in eval).
+    `remat` ("none", "full", "dots") checkpoints each residual block (`jdp.layers.remat`). Stems: 'cifar' =
+    conv3x3 + BN + ReLU; 'imagenet' = conv7x7/2 + BN + ReLU + maxpool 3x3/2 (SAME)."""
 
     def __init__(
         self,
