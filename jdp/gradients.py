@@ -1,10 +1,8 @@
 """Step 2, compute: forward and backward on this device's slice of the global batch, plain or accumulated over
-micro-batches (a transform of the gradient function, as levanter's `microbatched`), one all-reduce either way.
-
-Mixed precision: float32 master parameters are cast for the forward; gradients come back float32. The loss
-is the weighted sum over the slice divided by its static row count, not by the weight: the weight total is
-global, known only after the collective, and this keeps gradients near the scale of a mean (fp16 loss scaling,
-bf16 all-reduce). The sync strategy rescales by the weight total.
+micro-batches. Float32 master parameters are cast for the forward; gradients come back float32. The loss is the
+slice's weighted sum over its static row count, not over the weight: the weight total is global, known only after
+the collective, and this keeps gradients near a mean's scale (fp16 loss scaling, bf16 all-reduce). The sync
+strategy rescales by the weight total.
 """
 
 from __future__ import annotations
@@ -32,16 +30,11 @@ def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
 def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef, loss_fn: LossFn, options: Any,
                     params_view: Callable[[Tree], Tree] = lambda params: params,
                     layer_view: LayerView | None = None) -> Local:
-    """The gradient of this device's slice (`options`: a `jdp.step.StepOptions`; `params_view`: the parameters
-    the forward sees, and `layer_view`, what a scanned layer computes with, from the sync strategy).
-
-    Dropout masks differ across steps, devices and micro-batches, and are reproducible from (seed, step, device
-    count). With `options.accum_lanes` (jit with accumulation) the micro-batch loop runs one lane per device,
-    vmapped over a `data` axis laid on the devices: each device sums its own gradients, and XLA all-reduces once
-    instead of once per micro-batch (each micro-batch's gradient would otherwise be a partial sum over the
-    devices' rows, all-reduced before being added up). Each lane folds in its index as a device does under
-    shard_map, and synced BatchNorm reduces over the lanes' axis.
-    """
+    """The gradient of this device's slice (`params_view`, `layer_view`: from the sync strategy). With
+    `options.accum_lanes` (jit with accumulation) the micro-batch loop runs one lane per device, vmapped over a
+    `data` axis laid on the devices, so that XLA all-reduces once, not each micro-batch's partial sum over the
+    devices' rows; a lane folds in its index as a device does under shard_map, and synced BatchNorm reduces over
+    the lanes' axis."""
     o = options
     dtype = COMPUTE_DTYPES[o.fit.precision]
     scale = state.loss_scale[0] if o.fit.precision == "fp16" else 1.0

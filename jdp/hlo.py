@@ -1,26 +1,18 @@
-"""What a compiled program sends over the wire, read from its HLO text after XLA's passes (`compiled.as_text()`):
-under jit the collectives exist only once the program is partitioned, and XLA may combine them or change their
-element type (XLA:CPU all-reduces a bfloat16 payload in float32).
-
+"""What a compiled program sends, read from its HLO text after XLA's passes (`compiled.as_text()`): under jit the
+collectives exist only once the program is partitioned, and XLA may combine them or change their element type.
 The count is the operand bytes each device hands its collectives (all-reduce, reduce-scatter, all-gather,
-all-to-all, ragged-all-to-all, collective-permute, and their asynchronous `-start` forms), in the steady state
-of a training step:
-- each collective is sized within its own replica groups (none, or `{}`: all devices): an all-gather's operand is
-  its result / the group's size, a reduce-scatter's its result * the group's size; a ragged-all-to-all counts its
-  output buffer (what it may move at most); a collective-permute its operand; a group of one device sends nothing;
-- a collective in the entry computation runs every step;
-- a conditional of two branches (`lax.cond`, lowered to an index conditional {false, true}) is a strategy's
-  steady state in its last (true) branch, run once every `period` steps: a periodic sync's round, or a
-  compressing strategy's path after its start step; the other (a start-up path, or nothing) is not counted;
-- a conditional of more than two branches (`lax.switch`, its branches in order under a clamped index) is a
-  staggered sync: each branch runs once every `period` steps (fragment f of F synced at its own step of the
-  period, the remaining steps in a branch that sends nothing), so all its branches count, each 1/period (the
-  HLO marks no branch as idle; a staggered sync of two branches would read as `lax.cond`);
+all-to-all, ragged-all-to-all, collective-permute, and their `-start` forms) per step, in the steady state:
+- each is sized within its replica groups (none, or `{}`: all devices): an all-gather's operand is its result /
+  the group's size, a reduce-scatter's its result * the group's size, a ragged-all-to-all's its output buffer (the
+  most it may move); a group of one device sends nothing; one in the entry computation runs every step;
+- a conditional of two branches (`lax.cond`: {false, true}) counts its true branch, a strategy's steady state,
+  once every `period` steps, and not the other (a start-up path, or nothing); one of more (`lax.switch`, a
+  staggered sync, each branch run once a period) counts every branch 1/`period`, as the HLO marks none idle (a
+  staggered sync of two branches would read as `lax.cond`);
 - a while loop's body counts its known trip count times (once when XLA does not know it).
-
-A collective is in-group when each of its replica groups (a collective-permute's: each source-target pair) lies
-within one block of `group_size` consecutive device ids (the program's logical ids, the mesh's devices in order:
-one process's or node's), else cross-group.
+A collective is in-group when each replica group (a collective-permute's: each source-target pair) lies within one
+block of `group_size` consecutive logical device ids (the mesh's devices in order: a process's or node's), else
+cross-group.
 """
 
 from __future__ import annotations

@@ -1,20 +1,8 @@
-"""Layers that make a deep model fit: activation checkpointing (`remat`) and scanned layers (`Stack`).
-
-`remat(fn, policy)` wraps a layer's call in `nnx.remat`: "none" keeps every activation for the backward, "full"
-only the layer's input (the rest is recomputed), "dots" also the matmul outputs without batch dimensions
-(`jax.checkpoint_policies.dots_with_no_batch_dims_saveable`). The recomputation draws the same dropout masks: the
-RNG keys and counters are inputs of the checkpointed call.
-
-`Stack(make_layer, depth, rngs=...)` makes `depth` layers once, stacked on a leading axis (`nnx.vmap`, each layer
-with its own RNG keys through `nnx.split_rngs`), and runs them with `nnx.scan`, as MaxText's and levanter's
-`scan_layers` do: the program holds one layer's code, so compile time stops growing with depth, and under remat
-the compiled temporaries hold one layer's activations at a time.
-
-A trainer that splits the parameters across devices (ZeRO-3, `jdp.sync.zero3`) sees a `Stack` and leaves its
-stacked parameters split into the scan: a `layer_view` set with `viewing` gathers each layer's parameters inside
-the loop's body, one layer at a time, and the body is checkpointed so that the backward gathers them again rather
-than keeping the forward's copies (as FSDP's reshard-after-forward). Outside such a trainer the view is the
-identity.
+"""Layers that make a deep model fit: activation checkpointing (`remat`) and scanned layers (`Stack`). A trainer
+that splits the parameters across devices sets a `LayerView` with `viewing`: each `Stack` then gathers a layer's
+parameters inside the scan's body, one layer at a time, and again in the backward rather than keeping them. The
+policies, and what each saves: docs/performance.md, 'Making a model fit: ZeRO-3, scanned layers, activation
+checkpointing'.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Per-device memory of a train step, as the trainer reports it before the first step and `jdp.bench` measures
-it: the bytes of the state the step holds (from the arrays' shardings) and XLA's accounting of the compiled step.
-
-The compiled step's peak is argument + output + temporary - aliased bytes (outputs written into donated
-arguments count once), per device, from `memory_analysis()`; XLA's own `peak_memory_in_bytes` read below the
-temporaries on XLA:CPU, so it is not used."""
+"""Per-device memory of a train step, as the trainer reports it before the first step and `jdp.bench` measures it:
+the state's bytes (from the arrays' shardings) and the compiled step's peak, argument + output + temporary -
+aliased bytes (outputs written into donated arguments count once) from `memory_analysis()`. XLA's own
+`peak_memory_in_bytes` read below the temporaries on XLA:CPU, so it is not used."""
 
 from __future__ import annotations
 

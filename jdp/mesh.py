@@ -24,12 +24,10 @@ ONE_THREAD_PER_DEVICE = "--xla_cpu_multi_thread_eigen=false"
 
 
 def simulate_cpu_devices(count: int) -> None:
-    """Ask XLA:CPU for `count` devices; must run before JAX touches a device (0 leaves JAX alone).
-
-    When the devices fill the cores (count >= usable cores), each device's ops also run on one thread: the
-    devices then compute side by side instead of contending for XLA's shared intra-op pool, which on 2 cores
-    made the GPT's all-reduce wait 17.5 ms for the slower device instead of 2.3 ms (docs/benchmarks.md).
-    A setting of the flag already in XLA_FLAGS wins."""
+    """Ask XLA:CPU for `count` devices; must run before JAX touches a device (0 leaves JAX alone). When they fill
+    the usable cores, each device's ops run on one thread (unless XLA_FLAGS sets the flag): side by side, not
+    contending for XLA's shared intra-op pool, which on 2 cores made the GPT's all-reduce wait 17.5 ms for the
+    slower device instead of 2.3 ms (docs/benchmarks.md)."""
     if count <= 0:
         return
     if count > MAX_CPU_DEVICES:  # XLA would set them all up in C++, for minutes and gigabytes, deaf to signals
@@ -53,9 +51,8 @@ def mesh_devices(num_devices: int = 0) -> list[jax.Device]:
 
 
 def make_mesh(num_devices: int = 0, shape: dict[str, int] | None = None) -> Mesh:
-    """The 1-D `data` mesh over `mesh_devices(num_devices)`, or with `shape` (axis name -> size, in order, the
-    sizes' product the device count: a sync strategy's `mesh_shape`) the same devices in the same order, reshaped:
-    flattened row-major, the mesh is the 1-D one's device order."""
+    """The 1-D `data` mesh over `mesh_devices(num_devices)`, or with `shape` (a sync strategy's `mesh_shape`, axis
+    name -> size) the same devices in the same order, reshaped: flattened row-major, it is the 1-D mesh's order."""
     devices = np.array(mesh_devices(num_devices))
     shape = shape or {DATA_AXIS: devices.size}
     return Mesh(devices.reshape(tuple(shape.values())), tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
@@ -95,11 +92,9 @@ def to_numpy(x: jax.Array | np.ndarray) -> np.ndarray:
 
 def split_whole(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
     """A whole array split across the devices on an axis that divides by their count: the first, else the longest.
-    When none does, it is split as far as its axes share factors with the count, on a view of the same devices as
-    one mesh axis per prime factor (250 x 10 on 8 devices: 2 x 2 ways, over a 2 x 2 x 2 view), and replicated only
-    when none shares one (JAX splits only evenly). How a sharded leaf of the train state lives outside the step
-    whose own axis does not divide, where it keeps its shape: a checkpoint then writes each device's part, and
-    restores on any device count."""
+    Else as far as its axes share factors with the count, over a view of the devices with one axis per prime
+    factor (250 x 10 on 8 devices: 2 x 2 ways), replicated when none does (JAX splits only evenly). How a sharded
+    leaf whose step axis does not divide lives outside the step: checkpoints then restore on any device count."""
     if mesh.size == 1:
         return replicated(mesh)
     axes = sorted((i for i, size in enumerate(shape) if size % mesh.size == 0), key=lambda i: (i != 0, -shape[i]))

@@ -1,18 +1,9 @@
-"""Any Flax NNX model as pure data for the compiled step.
-
-The model is split once into graph definitions (one in training mode, one in eval mode, NNX's own
-`model.train()` / `model.eval()`) and three groups of state, all pure dicts:
-- `params`: the `nnx.Param` leaves, differentiated and updated;
-- `model_state`: everything else but RNG streams (BatchNorm statistics), averaged across replicas;
-- `rng_state`: each RNG stream's key (stored as its raw `key_data`, so checkpoints and collectives see
-  plain uint32) and counter. Keys are never averaged or cast. A key may have leading axes (one per layer of
-  vmapped or scanned layers, `nnx.split_rngs`): every fold applies to each of its keys.
-
-Values sown with `Module.sow` (`nnx.Intermediate`) are outputs of one call, not state: they are dropped.
-
-A loss that takes a third positional parameter, or a keyword `rngs`, is called as `loss_fn(model, batch, rngs)`
-with an `nnx.Rngs` whose every stream name resolves (Flax's call-time style, e.g. `nnx.Dropout(rate)` built
-without `rngs`); its key is a function of (seed, step, micro-batch, device or group).
+"""Any Flax NNX model as pure data for the compiled step: graph definitions in training and eval mode (NNX's
+`model.train()` / `model.eval()`) and three pure dicts: `params` (the `nnx.Param` leaves), `model_state`
+(everything else but RNG streams, averaged across replicas) and `rng_state` (each stream's counter, and its key as
+raw `key_data`, so that checkpoints and collectives see plain uint32; never averaged or cast). A key may have
+leading axes (vmapped or scanned layers): every fold applies to each. Sown values (`nnx.Intermediate`) are
+dropped. A loss taking `rngs`: docs/api.md, `jdp.fit`, "Randomness".
 """
 
 from __future__ import annotations

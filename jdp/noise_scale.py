@@ -1,15 +1,11 @@
-"""The gradient noise scale, from numbers a data-parallel step already has (McCandlish et al., "An Empirical
-Model of Large-Batch Training", 2018, appendix A).
-
-Each device holds the gradient of its own small batch b, and the all-reduce gives the gradient of the global
-batch B. From their squared norms, unbiased estimates of the true gradient's squared norm |G|^2 and of the
-trace of the per-example gradient covariance tr(S):
+"""The gradient noise scale from numbers a data-parallel step already has (McCandlish et al., "An Empirical Model
+of Large-Batch Training", 2018, appendix A): each device's small-batch gradient (b) and the all-reduced one (B)
+give unbiased estimates of the true gradient's squared norm and of the per-example gradient covariance's trace:
 
     |G|^2 ~= (B |G_B|^2 - b |G_b|^2) / (B - b)        tr(S) ~= (|G_b|^2 - |G_B|^2) / (1/b - 1/B)
 
-The simple noise scale B_simple = tr(S) / |G|^2 predicts the critical batch size. Single-step estimates
-are noisy (|G|^2 may even come out negative): moving averages of the two are kept apart and their ratio
-reported, as the paper advises.
+B_simple = tr(S) / |G|^2 predicts the critical batch size. One step's estimates are noisy (|G|^2 may come out
+negative), so moving averages of the two are kept apart and their ratio reported, as the paper advises.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""Runs the one step of `jdp.step` under the chosen backend: shard_map, pmap or jit.
-
-shard_map and pmap call the step once per device with `axis_name="data"`, so the explicit
-`lax.pmean` in the step is the all-reduce. On a strategy's mesh of more axes (hybrid sharding's groups x `data`,
-`Sync.mesh_shape`; shard_map only) the axis name is the tuple of them, and the batch is split over all of them.
-jit calls it once on the global batch with `axis_name=None`, and XLA partitions it and inserts the all-reduce
-itself.
-
-Outside the step, the state is always "logical": every leaf at its own shape, the same for every backend and
-device count (what checkpoints hold), laid out as the sync strategy declares each leaf (`jdp.sync.base`): one
-replicated copy per device, a row per device, or split across the devices (ZeRO's sharded state). pmap alone
-keeps a stacked copy internally, converted at its boundary.
+"""Runs the one step of `jdp.step` under the chosen backend: shard_map and pmap call it once per device with
+`axis_name="data"` (on a strategy's mesh of more axes, shard_map only, the tuple of them, the batch split over
+all), jit once on the global batch with `axis_name=None`. Outside the step the state is always logical, every leaf
+at its own shape for every backend and device count (what checkpoints hold), laid out as the sync strategy
+declares (`jdp.sync.base`); pmap alone keeps a stacked copy, converted at its boundary. The backends compared:
+docs/performance.md, 'Backends (`parallel.backend`)'.
 """
 
 from __future__ import annotations
@@ -39,9 +33,8 @@ from jdp.sync.base import PER_DEVICE, REPLICATED, SHARDED, spec_on
 Tree = step_lib.Tree
 
 
-# backend -> (train, eval), compiled from (mesh, state specs, which leaves are per device, step_for, eval_for);
-# `step_for(axis_name)` and
-# `eval_for(axis_name)` give the one step with the all-reduce over `axis_name` (None: the arrays are global).
+# backend -> (train, eval), from (mesh, state specs, which leaves are per device, step_for, eval_for);
+# `step_for(axis_name)` and `eval_for(axis_name)` give the one step over `axis_name` (None: the arrays are global).
 
 def _jit(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
          ) -> tuple[Callable, Callable]:
@@ -54,12 +47,9 @@ def _jit(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, ev
 
 def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
                ) -> tuple[Callable, Callable]:
-    """One call per device on its rows, the step's explicit `lax.pmean` the all-reduce. A per-device leaf (split on
-    `data`) reaches the step without its device axis of one, as under pmap.
-
-    check_vma=False: with it on, the gradient of a replicated parameter is already summed over devices,
-    and the classic pmean of the step would leave it N times too large. On a mesh of several axes (hybrid sharding)
-    the step's axis name is their tuple, and the batch is split over all of them."""
+    """One call per device on its rows; a per-device leaf reaches the step without its device axis of one, as under
+    pmap. check_vma=False: with it on, a replicated parameter's gradient arrives summed over devices, and the step's
+    pmean would leave it N times too large."""
     axes = device_axes(mesh)
 
     def each_device(fn: Callable) -> Callable:
@@ -101,11 +91,9 @@ class DataParallel:
                  tx: optax.GradientTransformation, schedule: optax.Schedule | None,
                  abstract_state: step_lib.TrainState, options: step_lib.StepOptions | None = None,
                  eval_derived: Callable[[dict[str, float]], dict[str, float]] | None = None, sync: Sync | None = None):
-        """`options.axis_name` is set here, from the backend; `options.bn_groups` (per-device BatchNorm
-        as groups of the global batch) applies to jit only: the other backends see one device's rows. Under jit
-        with accumulation the micro-batches run one lane per device (`options.accum_lanes`). `eval_derived` adds
-        eval metrics computed from the eval means (e.g. perplexity = exp(loss)). `sync`: the gradient sync strategy
-        (`jdp.sync`; the mean all-reduce by default), which also lays out the state inside the step."""
+        """`options.axis_name` and `accum_lanes` are set here from the backend; `options.bn_groups` applies to jit
+        only (the others see one device's rows). `eval_derived` adds eval metrics from the eval means (perplexity =
+        exp(loss)). `sync` (default: the mean all-reduce) also lays out the state inside the step."""
         self.backend, self.mesh = backend, mesh
         self.sync = sync = sync or Sync()
         self._eval_derived = eval_derived
@@ -183,8 +171,7 @@ class DataParallel:
         return jax.jit(init_fn, out_shardings=self.logical_shardings)(*args)
 
     def to_devices(self, state: Tree) -> Tree:
-        """Logical state -> the layout the compiled step takes (a stacked copy for pmap, a split
-        optimizer state for a sharded optimizer)."""
+        """Logical state -> the compiled step's layout (pmap's stacked copy; sharded leaves padded and split)."""
         if self.backend == "pmap":
             return self._stack(state)
         return self._to_step_layout(state) if self._relayout else state
@@ -249,9 +236,8 @@ class DataParallel:
 
     def compile_train(self, state: step_lib.TrainState, batch: dict[str, jax.Array],
                       lowered: jax.stages.Lowered | None = None) -> jax.stages.Compiled:
-        """Compiles the train step for `state` (the compiled step's layout) and `batch` (as `shard_batch` gives
-        it), or for `lowered` (`lower_train` of those), once: `train_step` runs this executable from then on, and
-        `comm_bytes_per_step` (`read_collectives`) and `memory` (`jdp.memory.step_memory`) are read from it."""
+        """Compiles the train step for `state` and `batch` in the step's layout, or `lowered` (`lower_train` of
+        them), once: `train_step` runs it from then on, and `comm_bytes_per_step` and `memory` are read from it."""
         compiled = (lowered if lowered is not None else self.lower_train(state, batch)).compile()
         self._compiled_train, text = compiled, compiled.as_text()
         if device_axes(self.mesh) == DATA_AXIS:
@@ -264,9 +250,8 @@ class DataParallel:
         return compiled
 
     def read_collectives(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> float:
-        """`comm_bytes_per_step`: the bytes each device hands the collectives of the compiled train step per step,
-        in the steady state (`jdp.hlo`), as read from the executable `compile_train` made (made now if it has not
-        been: `train_step` runs it from then on)."""
+        """`comm_bytes_per_step`: the bytes each device hands the compiled train step's collectives per step, in the
+        steady state (`jdp.hlo`), read from `compile_train`'s executable (compiled now if not yet)."""
         if self._compiled_train is None:
             self.compile_train(state, batch)
         return self.comm_bytes_per_step

@@ -24,10 +24,9 @@ def process_block(global_size: int, process_index: int, process_count: int, what
 
 
 def shard_batch(local_rows: dict[str, np.ndarray], backend: str, mesh: Mesh) -> dict[str, jax.Array | np.ndarray]:
-    """This process's rows of the global batch -> what the compiled step takes. In one process, the host rows
-    themselves: the step's input sharding splits them across the devices as it is called, which costs a fraction
-    of `jax.device_put` (docs/benchmarks.md, "Fixed per-step costs"). In several, one global array on `data`.
-    pmap takes a leading axis of this process's devices instead."""
+    """This process's rows of the global batch -> what the compiled step takes: in one process the host rows, which
+    the step's input sharding splits as it is called, at a fraction of `jax.device_put`'s cost (docs/benchmarks.md,
+    "Fixed per-step costs"); in several, one global array on `data`; for pmap, a leading axis of local devices."""
     if backend == "pmap":
         local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
         local_rows = {k: v.reshape(local_devices, -1, *v.shape[1:]) for k, v in local_rows.items()}

@@ -1,10 +1,7 @@
-"""The per-device training step, written once: compute -> all-reduce -> update.
-
-Pure functions with no jit and no knowledge of devices: `jdp.parallel` runs them under shard_map
-or pmap (with `axis_name="data"`, one call per device on its slice of the batch) or under jit
-(with `axis_name=None`, one call on the whole global batch; XLA inserts the all-reduce). Each step is a
-part in its own module: the gradient (`jdp.gradients`), the sync strategy (`jdp.sync`) and the guard of the
-update (`jdp.update`).
+"""The per-device training step, written once: compute (`jdp.gradients`) -> sync (`jdp.sync`) -> update, with its
+guard (`jdp.update`). Pure functions with no jit and no knowledge of devices: `jdp.parallel` runs them per device
+under shard_map or pmap (`axis_name="data"`), or once on the global batch under jit (`axis_name=None`; XLA
+inserts the collectives).
 """
 
 from __future__ import annotations
@@ -45,22 +42,19 @@ class TrainState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
-    """How the one step runs: `fit`'s options (`fit`: precision, accumulation, the guard...), and what jdp derives
-    from them, the backend and the mesh. Every field has the plain data-parallel default."""
+    """How the one step runs: `fit`'s options, and what jdp derives from them, the backend and the mesh. Every
+    field has the plain data-parallel default."""
 
     fit: FitOptions = FitOptions()
     # "data" under shard_map/pmap (a hybrid mesh's tuple of axes, ("groups", "data")), None under jit
     axis_name: str | tuple[str, ...] | None = None
     mesh: Any = None  # under jit, the devices (for the sharding constraints of a sync strategy's layer view)
     bn_groups: int = 1  # jit with per-device BatchNorm: normalise the global batch in this many groups of rows
-    # jit with grad_accum_steps > 1: the device count. The micro-batch loop then runs one lane per device
-    # (vmapped over a `data` axis laid on the devices), so each device sums its own gradients and XLA
-    # all-reduces once, instead of once per micro-batch. 0: no lanes (the other backends, or k = 1).
+    # jit with grad_accum_steps > 1: the device count, one accumulation lane each (`jdp.gradients`); 0: no lanes.
     accum_lanes: int = 0
     all_reduce: bool = True  # False compiles the step without its collective (jdp.bench's with/without)
-    # For `jdp.noise_scale`: report the squared norms of the small-batch gradients and of the global one
-    # (riding in the one collective). The small batches are "devices" (each device's slice) or
-    # "micro_batches" (each gradient-accumulation micro-batch: one device); "" reports nothing.
+    # For `jdp.noise_scale`, the small batches whose gradients' squared norms are reported beside the global one's:
+    # "devices" (each device's slice), "micro_batches" (each accumulation micro-batch, on one device), "": none.
     noise_small_batches: str = ""
     # The batch the loss sees, made on the device from the batch that was sent: as it is, or e.g. uint8
     # pixels -> cropped, normalised floats (a source's `device_input`).
@@ -70,14 +64,9 @@ class StepOptions:
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDef, loss_fn: LossFn,
                tx: optax.GradientTransformation, sync: Sync, schedule: optax.Schedule | None,
                options: StepOptions) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One data-parallel step on this device's slice of the global batch (step 1, the split, happened before:
-    `batch` is already this device's rows).
-
-    The gradient is that of the weighted mean of the loss over the whole global batch: each device sends its
-    weighted sums and weight total with its gradient in the one collective, so devices holding different numbers
-    of real entries (tokens) still give the one-device gradient. A global weight total of 0 makes no update and
-    is not a failure; a non-finite one is dropped or halts the run (`jdp.update.guard`).
-    """
+    """One data-parallel step on this device's rows (`batch`, split already). The gradient is that of the loss's
+    weighted mean over the whole global batch: the weighted sums and weight total travel with the gradient, so
+    devices holding different numbers of real entries still give the one-device gradient."""
     o, axis = options, options.axis_name
     collective = axis if o.all_reduce else None  # None: jdp.bench's step compiled without its collectives
     state = sync.forward_state(state)
@@ -87,7 +76,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
                             layer_view=sync.layer_view(axis, o.mesh))
     # 3. all-reduce: the sync strategy turns the local gradient into the update's input.
     reduced = sync.reduce(local, state, axis, collective=o.all_reduce)
-    # 4. update: the same optax update on every replica keeps the parameters in sync.
+    # 4. update, then the guard chooses the state every replica keeps.
     params, opt_state = sync.update(tx, reduced.grads, state, axis)
     empty = reduced.weight <= 0
     metrics = {k: v / reduced.weight for k, v in reduced.sums.items()}
@@ -117,9 +106,8 @@ def eval_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDef
               axis_name: str | None, device_input: Callable[[dict[str, jax.Array]], dict[str, jax.Array]],
               params_view: Callable[[Tree], Tree] = lambda params: params,
               layer_view: LayerView | None = None) -> dict[str, jax.Array]:
-    """Weighted sums of `loss_fn`'s outputs and the weight total over the global batch, the model in eval
-    mode; padding rows (`mask` 0) weigh nothing. `params_view` and `layer_view`: the parameters the forward sees
-    and what a scanned layer computes with, from the sync strategy (gathered, when sharded)."""
+    """Weighted sums of `loss_fn`'s outputs and the weight total over the global batch, the model in eval mode;
+    padding rows (`mask` 0) weigh nothing. `params_view`, `layer_view`: from the sync strategy, as in training."""
     rows = {k: v for k, v in batch.items() if k != "mask"}
     with viewing(layer_view):
         outputs, _, _ = run_loss(model, loss_fn, params_view(state.params), state.model_state, state.rng_state,

@@ -25,10 +25,9 @@ def updates_applied(state: Any) -> jax.Array:
 
 def guard(state: Any, updated: Any, loss_finite: jax.Array, grads_finite: jax.Array,
            empty: jax.Array, o: Any) -> tuple[Any, dict[str, jax.Array]]:
-    """Which state every replica keeps: the updated one; the old one when the loss or gradient is not
-    finite (the non-finite guard); the old one a step on when the batch weighed nothing (`empty`); or,
-    under fp16, the old one with a halved loss scale when only the gradients overflowed (dynamic loss
-    scaling, not a failure). The flags are replica-identical."""
+    """Which state every replica keeps: the updated one; the old one when the loss or gradient is not finite; the
+    old one a step on when the batch weighed nothing (`empty`), or under fp16 with a halved loss scale when only the
+    gradients overflowed (not a failure). The flags must be replica-identical."""
     metrics = {}
     loss_scale = state.loss_scale
     if o.fit.precision == "fp16":  # the guard sees the loss; gradient overflow only lowers the loss scale

@@ -1,18 +1,8 @@
 """Step 3 of data parallelism, the gradient sync, as strategies behind one interface (`jdp.sync.Sync`), like DDP's
-communication hooks. The built-ins, each a public class with its own parameters:
-- `AllReduce(dtype="fp32")`: the mean all-reduce (the default; "bf16" as DDP's bf16 compression hook);
-- `ZeRO1(dtype="fp32")`: the optimizer state sharded, the gradient reduce-scattered;
-- `ZeRO3()`: parameters, gradients and optimizer state sharded (FSDP), a scanned model gathered layer by layer;
-- `HybridShard(group_size=k, stage=3)`: ZeRO-3 (or ZeRO-1) inside groups of k devices (a node's: by default one
-  process's), data parallelism across the groups (HSDP), on a groups x `data` mesh;
-- `LocalSGD(every=H)` and `DiLoCo(every=H, outer_lr=0.7, outer_momentum=0.9)`: H local steps, then a sync
-  (`DiLoCo(..., group_size=k)`: a learner a group of k devices, data parallel inside);
-  `StreamingDiLoCo(every=H, fragments=F, overlap=0)`: DiLoCo syncing F fragments of the model in turn;
-- `PowerSGD(rank=4, start_step=10, min_compression_rate=1)`: low-rank compression with error feedback;
-- `QuantizedAllReduce(bits=8, block=256)`: int8 or int4 gradients through an all-to-all and an all-gather (qgZ).
-
-`fit(sync=...)` takes one of them, a strategy of your own (a subclass of `Sync`, in your file), or a name; the
-older flags map onto them in `jdp.sync.flags`. docs/communication.md shows a strategy written outside jdp."""
+communication hooks: `AllReduce` (the default), `ZeRO1`, `ZeRO3`, `HybridShard`, `LocalSGD`, `DiLoCo`,
+`StreamingDiLoCo`, `PowerSGD`, `QuantizedAllReduce`. `fit(sync=...)` takes one of them, a `Sync` subclass of your
+own, or a name; the older flags map onto them in `jdp.sync.flags`. What each sends and keeps, and a strategy
+written outside jdp: docs/communication.md."""
 
 from __future__ import annotations
 

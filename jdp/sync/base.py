@@ -1,9 +1,8 @@
-"""The sync-strategy interface: how each device's local gradient becomes the update's input (step 3), like DDP's
-communication hooks. The default, `Sync`, is data parallelism's mean all-reduce; a strategy overrides only what
-it changes. Every method runs inside the compiled step, on one device's slice (`axis_name` "data"), or once on
-the global batch under jit (`axis_name` None: the arrays are global and XLA inserts the collectives). A strategy
-whose mesh has more axes than `data` (`mesh_shape`: hybrid sharding's groups x `data`) gets the tuple of its axis
-names, over which a collective spans every device; its sharded leaves are split on `data`.
+"""The sync-strategy interface: how each device's local gradient becomes the update's input (step 3). Every method
+runs inside the compiled step, on one device's slice (`axis_name` "data"), or once on the global batch under jit
+(`axis_name` None: the arrays are global and XLA inserts the collectives). On a mesh of more axes than `data`
+(`mesh_shape`) `axis_name` is the tuple of them, over which a collective spans every device; sharded leaves split
+on `data`. Writing a strategy: docs/communication.md, 'A strategy of your own'.
 """
 
 from __future__ import annotations
@@ -24,21 +23,17 @@ from jdp.mesh import DATA_AXIS, GROUPS_AXIS
 
 Tree = Any
 
-# How a leaf of the logical train state lives on the devices (`Sync.layouts`). Replicated: one whole copy on every
-# device, the same bits. Per device: a leading device axis, each device holding its own row (PowerSGD's error
-# feedback, DiLoCo's inner optimizer state); it has no replicas to compare, and restores only on the same device
-# count. Sharded: one whole array split across the devices (ZeRO's optimizer state and parameters); inside the step
-# it keeps its rank and is split on one axis (`shard_axis`), zero-padded to a multiple of N where that axis does
-# not divide, device i holding the i-th block of it; outside, it keeps its shape (split as evenly as its axes
-# allow, `jdp.mesh.split_whole`) and restores on any device count. Checkpoints, the replica check and export follow the
-# declaration.
+# How a leaf of the logical train state lives on the devices (`Sync.layouts`); checkpoints, the replica check and
+# export follow it. REPLICATED: one whole copy on every device, the same bits. PER_DEVICE: a leading device axis,
+# a row per device (PowerSGD's error feedback): no replicas to compare, restores on the same device count only.
+# SHARDED: one array split across the devices; in the step on one axis (`shard_axis`), zero-padded to a multiple
+# of N, device i holding block i; outside at its own shape (`jdp.mesh.split_whole`), restoring on any device count.
 REPLICATED, PER_DEVICE, SHARDED = "replicated", "per_device", "sharded"
 ALLREDUCE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}  # what a gradient collective sends
 
 
 def is_sharded(leaf: Any) -> bool:
-    """Which leaves a sharding strategy splits: arrays with at least one axis (scalars such as step counts stay
-    whole)."""
+    """Whether a sharding strategy splits `leaf`: arrays with an axis (scalars such as step counts stay whole)."""
     return len(leaf.shape) > 0
 
 
@@ -123,8 +118,7 @@ class Reduced(NamedTuple):
 
 
 def all_reduce_mean(tree: Tree, axis_name: str | None) -> Tree:
-    """The data-parallel all-reduce: average over the `data` axis (a no-op under jit, where the arrays are
-    already global and XLA inserts the collective itself). One call is one collective."""
+    """The mean over `axis_name`, one collective (None, under jit: a no-op; XLA inserts the collective itself)."""
     return tree if axis_name is None else jax.lax.pmean(tree, axis_name)
 
 
@@ -155,10 +149,10 @@ def cast(tree: Tree, dtype: Any) -> Tree:
 
 
 class Sync:
-    """The mean all-reduce of data parallelism: one collective carries the gradient (in `dtype`: float32, or
-    bfloat16 as DDP's `bf16_compress_hook`), the weighted sums, the weight total and the floating model state.
-    Model state is averaged too: a no-op for synced BatchNorm, and it keeps per-device ("ghost") BatchNorm
-    statistics identical across replicas. Its state: none; every leaf of the train state is replicated."""
+    """The strategy interface, behaving as data parallelism's mean all-reduce; a strategy overrides what it changes.
+    One collective carries the gradient (in `dtype`: fp32, or bf16 as DDP's `bf16_compress_hook`), the loss sums,
+    the weight total and the floating model state (which keeps per-device BatchNorm statistics identical across
+    replicas). No state of its own: every leaf is replicated."""
 
     per_device_update = False  # True: each device updates from its own gradient (the guard then decides alike)
     every = 1  # steps between two runs of a periodic sync's collectives (local SGD, DiLoCo)
@@ -201,14 +195,12 @@ class Sync:
                     f"{what} needs an explicit collective; use {view.use('backend', 'shard_map')}")
 
     def optimizer_sees_slices(self, backend: str) -> bool:
-        """Whether each device's optimizer updates slices of the leaves, so that its global-norm clipping sums
-        the slices' squares across devices."""
+        """Whether each device's optimizer updates slices of the leaves (global-norm clipping must sum across them)."""
         return False
 
     def compiled_warning(self, hlo_text: str, num_devices: int) -> str | None:
         """What to say of the compiled step (`hlo_text`, after XLA's passes) before it runs, or None."""
         if self.dtype == jnp.bfloat16 and num_devices > 1 and not hlo.sends_dtype(hlo_text, "bf16"):
-            # XLA:CPU all-reduces a bfloat16 payload in float32: the compression then saves nothing.
             return (f"{self!r} saves nothing here: the compiled program all-reduces in float32 on these devices "
                     "(XLA:CPU widens bfloat16); fp32 sends as many bytes, without the casts")
         return None
@@ -219,9 +211,8 @@ class Sync:
         return None
 
     def mesh_shape(self, num_devices: int) -> dict[str, int]:
-        """The mesh the step runs on, axis name -> size (`jdp.mesh.make_mesh`): the 1-D `data` mesh. A strategy
-        with more axes keeps `data` last (its sharded leaves split on it); flattened, the mesh is the 1-D one's
-        device order. Raises FitError in one line on a device count it cannot lay out."""
+        """The mesh the step runs on, axis name -> size (`jdp.mesh.make_mesh`); more axes keep `data` last (sharded
+        leaves split on it) in the 1-D mesh's device order. FitError in one line for a device count it cannot use."""
         return {DATA_AXIS: num_devices}
 
     def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
@@ -240,8 +231,7 @@ class Sync:
         """REPLICATED, PER_DEVICE or SHARDED for each leaf of the logical train state."""
         return jax.tree.map(lambda _: REPLICATED, abstract_state)
 
-    # The layout of the train state inside the step, and the conversions from and to the logical one (what
-    # checkpoints, callbacks and export see: each leaf at its own shape; a sharded leaf padded on its axis inside).
+    # The state inside the step, and the conversions to and from the logical one (a sharded leaf padded on its axis).
     def shard_axes(self, abstract_state: Any, num_devices: int) -> Any:
         """The axis each sharded leaf splits on inside the step (`shard_axis`); None for the other leaves."""
         return jax.tree.map(lambda layout, x: shard_axis(x.shape, num_devices) if layout == SHARDED else None,
@@ -328,8 +318,7 @@ class Sync:
 
 
 class AllReduce(Sync):
-    """Data parallelism's mean all-reduce, the default strategy: `AllReduce(dtype="bf16")` sends bfloat16, as DDP's
-    `bf16_compress_hook`. (`Sync` is the interface every strategy implements, with this one's behaviour.)"""
+    """Data parallelism's mean all-reduce, the default; `dtype="bf16"` sends bfloat16, as DDP's `bf16_compress_hook`."""
 
     def ddp_twin(self) -> DDPTwin | None:
         return DDPTwin("allreduce", {}) if self.dtype_name == "fp32" else None

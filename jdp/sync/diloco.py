@@ -1,23 +1,8 @@
-"""DiLoCo (Douillard et al., 2023): each device runs `every` inner steps of the optimizer on its own data, then the
-change of the round, averaged over the devices, is applied by an outer optimizer:
-
-    outer gradient = anchor - mean(parameters after the round);  anchor = outer_step(anchor, outer gradient);
-    parameters = anchor (on every device)
-
-The inner optimizer's state stays with each device (per-device leaves: it restores on the same device count, and
-starts afresh on another); the anchor and the outer optimizer's state are replicated. Checkpoints, evals and
-replica checks come at round ends, as under local SGD, so a resume there is bitwise. With outer SGD at learning
-rate 1 and a stateless inner optimizer it is local SGD.
-
-`bits` 8 or 4 sends the outer gradient block-quantized, as INTELLECT-1 sends int8 pseudo-gradients: each device's
-anchor - parameters through `jdp.sync.quantized.quantized_mean` (an all-to-all and an all-gather of integers with
-a float32 scale per `block` values) instead of the float32 all-reduce of the parameters.
-
-`group_size` k > 1 is DiLoCo across nodes, as INTELLECT-1 runs it: each group of k devices (a node's) is one
-replica, whose inner steps are data parallel (the group's mean gradient, an all-reduce inside the group), on a
-groups x `data` mesh (`jdp.sync.base.group_mesh`). The devices of a group hold the same parameters, so each sends
-across the groups only its 1/k slice of the outer gradient, and the group all-gathers the mean: 4 P / k bytes a
-device a round for P float32 parameters (less at `bits`), 1/k of what a device of flat DiLoCo sends. shard_map only.
+"""DiLoCo (Douillard et al., 2023): each device runs `every` inner steps of the optimizer on its own data; then the
+outer gradient, anchor - mean(parameters after the round), takes an outer optimizer step, and every device goes on
+from the new anchor. The inner optimizer state stays per device; the anchor and the outer state are replicated.
+Quantized outer gradients (`bits`), a learner per group of devices (`group_size`) and the bytes:
+docs/communication.md, 'DiLoCo'.
 """
 
 from __future__ import annotations
@@ -38,10 +23,9 @@ OUTER_OPTIMIZERS = ("nesterov", "sgd")
 
 
 class DiLoCo(LocalSGD):
-    """`DiLoCo(every=H, outer_lr=0.7, outer_momentum=0.9, outer="nesterov", bits=32, block=256, group_size=1)`;
-    `outer` "sgd": anchor - lr * g, "nesterov": the paper's outer Nesterov momentum (optax's); `bits` 8 or 4: the
-    outer gradient quantized; `group_size` k: a replica is a group of k devices (None: one process's). Its state:
-    `{"anchor": the parameters at the round's start, "outer": the outer optimizer's state}`."""
+    """`outer` "sgd": anchor - outer_lr * g, "nesterov": the paper's outer Nesterov momentum (optax's); `bits` 8 or 4:
+    the outer gradient block-quantized per `block` values; `group_size` k: a learner is a group of k devices (None:
+    one process's). State: {"anchor": the parameters at the round's start, "outer": the outer optimizer's state}."""
 
     def __init__(self, every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9, outer: str = "nesterov",
                  bits: int = 32, block: int = 256, group_size: int | None = 1) -> None:
@@ -60,7 +44,7 @@ class DiLoCo(LocalSGD):
                       else optax.sgd(outer_lr))
 
     def params(self) -> dict[str, Any]:
-        # Only what differs from the first DiLoCo's parameters, so that its runs' records stay as they were.
+        # bits and group_size at their defaults are left out: a record without them still matches on resume.
         quantized = {"bits": self.bits, "block": self.block} if self.bits != 32 else {}
         grouped = {"group_size": self.group_size} if self.group_size != 1 else {}
         return {"every": self.every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,

@@ -1,11 +1,5 @@
-"""The one mapping from the strategy flags of `fit` and the config to a strategy object.
-
-The flags (`sync`, `shard_optimizer`, `shard_params`, `shard_group`, `sync_every`, `allreduce_dtype`,
-`powersgd_rank`, `powersgd_start_step`, `outer_optimizer`, `outer_lr`, `outer_momentum`) keep their meaning: `sync`
-names a strategy (`allreduce`, `zero1`, `zero3`, `local_sgd`, `diloco`, `powersgd`), and under `allreduce` the
-others pick one as they always did; `shard_group=k` makes ZeRO-3 (or ZeRO-1) hybrid, sharded inside groups of k
-devices, and DiLoCo a learner a group of k devices. `sync` may instead be a strategy object (`jdp.sync.ZeRO3()`,
-or a class of your own): then every other flag must stay at its default.
+"""The one mapping from the strategy flags of `fit` and the config (`sync` naming one of `NAMES`, and `FLAGS`) to a
+strategy object. `sync` may instead be a strategy object; then every flag of `FLAGS` must stay at its default.
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
-"""Hybrid sharding (HSDP: PyTorch FSDP's HYBRID_SHARD, FSDP2's 2-D mesh): ZeRO inside groups of k devices (a node's),
-plain data parallelism across the groups, so that 1/k of data parallelism's gradient crosses between groups.
-
-The mesh is groups x `data` (G x k, `jdp.mesh.GROUPS_AXIS` x `DATA_AXIS`, `mesh_shape`): group g is the devices
-g*k .. g*k + k - 1 of the 1-D mesh, in its order, so the batch, split over both axes, gives device (g, i) the rows
-device g*k + i has on the 1-D mesh. The step's axis name is the tuple ("groups", "data"): the loss sums, the device
-count, synced BatchNorm and the device index folded into RNG keys all span every device, as on the 1-D mesh, and
-G x k devices train as one device does. The sharded state is split on `data` alone, as ZeRO's over k devices
-(`jdp.sync.base.shard_axis` with N = k), and replicated across the groups; outside the step it keeps its logical
-shapes, so a checkpoint restores on any device count and under any strategy.
-
-Each step, stage 3 (the default: ZeRO-3 inside the group):
-- in the group: the forward all-gathers the parameters (a scanned model's layer by layer, `jdp.sync.zero3`), the
-  backward reduce-scatters the gradient (the gathers' transpose), and the loss sums are all-reduced;
-- across the groups: one all-reduce (mean) of each device's 1/k slice of the gradient, the group's loss sums, weight
-  total and floating model state riding in it: 4 P / k bytes for P float32 parameters (P counted with each leaf
-  zero-padded to a multiple of k on its split axis; a scalar parameter, held whole, sends its 4 bytes) plus those
-  sums. Beside it, the non-finite guard's 4-byte pmin over every device (the slices' updates decide alike), and,
-  with synced BatchNorm, each BatchNorm's statistics in the forward.
-Stage 1 (ZeRO-1 inside the group): the parameters stay whole; the gradient is reduce-scattered in the group and its
-slice all-reduced across groups as above; each device updates its slice of the parameters and optimizer state, and
-the parameters are all-gathered in the group.
-
-shard_map only (jit and pmap are refused in one line: the two-axis mesh and its collectives are explicit); element-
-wise optimizers only, as ZeRO's; no noise scale (no device holds a whole gradient).
+"""Hybrid sharding (HSDP: PyTorch FSDP's HYBRID_SHARD, FSDP2's 2-D mesh): ZeRO-3 (or ZeRO-1, `stage=1`) inside groups
+of k devices on a groups x `data` mesh, and across the groups one mean all-reduce of each device's 1/k gradient
+slice, the loss sums riding in it. The sharded state is split on `data` alone (`shard_axis` with N = k) and
+replicated across the groups; a scalar parameter, held whole, crosses whole. Stage 1 keeps the parameters whole:
+each device updates its slice of them and of the optimizer state, then all-gathers them in the group.
+Mesh, bytes and what is refused: docs/communication.md, 'Hybrid sharding (HSDP)'.
 """
 
 from __future__ import annotations
@@ -58,10 +39,8 @@ def _inner(axis_name: Any) -> str | None:
 
 class HybridShard(ZeRO3):
     """ZeRO-`stage` (3: parameters, gradients and optimizer state sharded; 1: the optimizer state) inside groups of
-    `group_size` devices, data parallelism's mean all-reduce of each device's 1/k gradient slice across the groups.
-    `group_size` None: one process's devices (`jax.local_device_count()`, a node), in a multi-process run; on one
-    process it must be given. It must divide the device count. Config: `parallel.shard_group=k` (with
-    `parallel.shard_optimizer=True` for stage 1)."""
+    `group_size` devices, which must divide the device count (None: one process's devices, a node; on one process
+    it must be given). Config: `parallel.shard_group=k` (with `parallel.shard_optimizer=True` for stage 1)."""
 
     def __init__(self, group_size: int | None = None, stage: int = 3) -> None:
         super().__init__()

@@ -1,18 +1,13 @@
 """PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019), as PyTorch's DDP hook `powerSGD_hook` runs it: each
-device's gradient matrix plus its error feedback, M (n x m), is approximated by P Q^T of rank r with one power
-iteration warm-started from the last step's Q:
+device's gradient matrix plus its error feedback, M (n x m), becomes P Q^T of rank r, one power iteration
+warm-started from the last step's Q (`mean` over the devices):
 
     M = grad + error;  P = mean(M Q);  P = orthonormal(P);  Q = mean(M^T P);  input = P Q^T;  error = M - P Q^T
 
-(`mean` over the devices). Two all-reduces carry r (n + m) floats per matrix instead of n m. The rest goes whole in
-the first one, beside the weighted sums: vectors (biases, norms), and matrices for which r (n + m) >= n m, as torch
-decides. Before `start_step` every gradient goes whole and the error stays 0. A dropped (non-finite) step keeps
-the error and Q from before it, as the guard keeps the whole state.
-
-Which leaves are matrices: a layer's parameter has the rank its Flax module gives it (Linear and Embed 2, Conv
-its kernel size + 2, biases and norms 1; any other parameter its own ndim). Extra leading axes are a stack of
-layers (`nnx.vmap` / `nnx.scan`), compressed layer by layer. A matrix is viewed as (all axes but the last, the
-last): a conv kernel HWIO as (H W I, O).
+Which leaves are matrices: a parameter has the rank its Flax module gives it (Linear and Embed 2, Conv its kernel
+size + 2, biases and norms 1; any other its own ndim); extra leading axes are stacked layers, compressed one by one;
+a matrix is (all axes but the last, the last), a conv kernel HWIO (H W I, O). Vectors, and matrices for which
+r (n + m) >= n m, go whole, beside the loss sums. The start step and the rest: docs/communication.md, 'PowerSGD'.
 """
 
 from __future__ import annotations
@@ -113,12 +108,10 @@ NEEDS = ("{what} compresses each device's gradient before its all-reduce: it nee
 
 
 class PowerSGD(Sync):
-    """`PowerSGD(rank=4, start_step=10, min_compression_rate=1)`: every gradient goes whole before `start_step`, and
-    a matrix that r (n + m) floats do not shrink by `min_compression_rate` always (torch's PowerSGDState knobs:
-    `start_powerSGD_iter`, `min_compression_rate`; torch's default rate is 2). shard_map or pmap. Bound
-    to a model (`bind`), it holds the matrices it compresses. Its state: `{"q": {name: (layers, m, r)}, "error":
-    {name: (devices, layers, n, m)}}`; Q is replicated, the error feedback per device (it restores on the same
-    device count only)."""
+    """Every gradient goes whole before `start_step`, and always a matrix that r (n + m) floats do not shrink by
+    `min_compression_rate` (torch's PowerSGDState `start_powerSGD_iter` and `min_compression_rate`; torch's default
+    rate is 2). Bound to a model (`bind`), it holds the matrices it compresses. State: {"q": {name: (layers, m, r)},
+    replicated, "error": {name: (devices, layers, n, m)}, per device: it restores on the same device count only}."""
 
     noise_scale = False
     matrices: dict[str, Matrix] = {}
@@ -135,7 +128,7 @@ class PowerSGD(Sync):
 
     def params(self) -> dict[str, Any]:
         rate = {"min_compression_rate": self.min_compression_rate} if self.min_compression_rate != 1 else {}
-        return {"rank": self.rank, "start_step": self.start_step, **rate}  # a rate of 1: the record from before it
+        return {"rank": self.rank, "start_step": self.start_step, **rate}  # rate 1 left out: records without it match
 
     def ddp_twin(self) -> DDPTwin:
         """torch's `powerSGD_hook` at this rank and start, deciding as jdp does which matrices to compress

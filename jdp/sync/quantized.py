@@ -1,18 +1,7 @@
-"""The mean all-reduce with int8 or int4 gradients, as ZeRO++'s quantized gradients (qgZ, Wang et al. 2023) send
-them: a reduce-scatter through an all-to-all, then an all-gather, each carrying integers and one float32 scale per
-block of `block` values.
-
-    v = every gradient leaf, flattened and zero-padded to N chunks of whole blocks
-    each device: quantize its N chunks -> all-to-all -> device i holds chunk i of every device
-    device i: dequantize, average in float32, quantize the mean -> all-gather -> every device dequantizes all
-
-A block's scale is its largest magnitude over the largest integer (127, or 7 for int4), so a value is off by at
-most half a scale at each of the two quantizations; an all-zero block has scale 0 and comes back as zeros. int4
-values travel packed two to a uint8 (XLA:CPU sends an s4 array as s8). The weighted sums, the weight total and
-the model state go in the mean all-reduce's float32 collective beside.
-
-`error_feedback=True` keeps on each device what its first quantization lost and adds it to the next step's
-gradient (per-device state, as PowerSGD's error); the mean's quantization error is not fed back.
+"""The mean all-reduce with int8 or int4 gradients, as ZeRO++'s qgZ (Wang et al. 2023) sends them: a reduce-scatter
+through an all-to-all, then an all-gather, each of integers with one float32 scale per `block` values; and qwZ's
+quantized all-gather of ZeRO-3's weights. Error feedback keeps what each device's first quantization lost (the
+mean's own error is not fed back). The scheme, its error and its bytes: docs/communication.md, 'Quantized gradients'.
 """
 
 from __future__ import annotations
@@ -57,10 +46,9 @@ def dequantize(q: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def quantized_all_gather(x: jax.Array, axis_name: Any, axis: int, bits: int, grad_bits: int, block: int
                          ) -> jax.Array:
-    """`lax.all_gather(x, axis_name, axis=axis, tiled=True)` sending `x` block-quantized at `bits` (ZeRO++'s qwZ:
-    ZeRO-3's weights gathered as int8; 32: as they are); its gradient is an all-gather's, the reduce-scatter,
-    sent at `grad_bits` (32: float32; 8 or 4: quantized through an all-to-all, each device summing its part in
-    float32, as ZeRO++'s qgZ)."""
+    """`lax.all_gather(x, axis_name, axis=axis, tiled=True)` sending `x` block-quantized at `bits` (qwZ; 32: as is);
+    its gradient, the reduce-scatter, is sent at `grad_bits` (32: float32; 8 or 4: quantized through an all-to-all,
+    each device summing its part in float32, as qgZ)."""
     if bits == 32:
         return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
     moved = jnp.moveaxis(x, axis, 0)
@@ -94,8 +82,8 @@ quantized_all_gather.defvjp(_gather_forward, _gather_backward)
 
 
 def quantized_mean(tree: Tree, axis_name: str | None, bits: int, block: int) -> tuple[Tree, Tree]:
-    """(the mean over `axis_name` of each device's `tree` (float32 leaves), sent as `bits`-bit integers with a
-    scale per `block` values (the module docstring); what this device's own quantization lost)."""
+    """(the mean over `axis_name` of each device's `tree` (float32 leaves: one vector in N chunks), sent as qgZ sends
+    it; what this device's own quantization lost)."""
     leaves, treedef = jax.tree.flatten(tree)
     flat = jnp.concatenate([g.reshape(-1) for g in leaves])
     n = jax.lax.psum(1, axis_name) if axis_name else 1
@@ -116,8 +104,8 @@ def quantized_mean(tree: Tree, axis_name: str | None, bits: int, block: int) -> 
 
 
 class QuantizedAllReduce(Sync):
-    """The mean all-reduce sending `bits`-bit integers (8 or 4) with a float32 scale per `block` values (see the
-    module docstring). shard_map or pmap: its collectives are explicit."""
+    """The mean all-reduce sending `bits`-bit integers (8 or 4) with a float32 scale per `block` values;
+    `error_feedback`: each device adds what its quantization lost to its next gradient (per-device state)."""
 
     def __init__(self, bits: int = 8, block: int = 256, error_feedback: bool = False) -> None:
         super().__init__()

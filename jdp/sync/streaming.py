@@ -1,26 +1,9 @@
-"""Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication"): DiLoCo whose model
-is split into F fragments synced in turn, so that a round's bytes are spread over it instead of sent at once.
-
-    fragment f (of F) is synced at inner steps f H/F + k H:  outer gradient = global_f - mean(local_f);
-    global_f = outer_step_f(global_f, outer gradient);  local_f = global_f (on every device)
-
-Each fragment has its own outer optimizer state, over its leaves. The leaves are split in order into F groups of
-about equal size. With F = 1 it is DiLoCo, bit for bit.
-
-No step has all replicas agree, so the state keeps both: `TrainState.params` holds the global (outer) parameters,
-replicated, and the strategy's state each device's own (`local`, per device), with the inner optimizer state per
-device as under DiLoCo. The step computes on the local ones (`Sync.forward_state`); evals, export and the result
-see the global ones; the replica check covers them and the outer optimizer state. Every step's state is whole, so
-checkpoints may come at any step and resume bitwise, on the same device count; on another, the inner optimizer
-state starts afresh and every device's parameters from the global ones.
-
-The overlap (`overlap` tau >= 1): the paper's outer gradient of fragment f is taken from the parameters the step
-after its round's end begins with, so its collectives depend on no part of that step's forward and backward (XLA
-may run them beside it), and the new global fragment, stored at once in `params`, is merged into each device's own
-tau steps later, after the inner steps it overlapped: local_f = local_weight local_f + (1 - local_weight) global_f
-(the paper's alpha). tau = 0 (the default) syncs after the round's last update and takes the global fragment whole.
-Each step is its own executable, so a sync overlaps at most the compute of the step it is issued in; over several
-steps it is the arithmetic of the paper's delay, not its wall-clock overlap.
+"""Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication"): DiLoCo whose leaves
+are cut in order into F fragments of about equal size, fragment f synced at inner steps f H/F + k H with its own
+outer optimizer state, so that a round's bytes are spread over it (F = 1 is DiLoCo, bit for bit). No step has all
+replicas agree, so `TrainState.params` holds the global parameters and the strategy's state each device's own (the
+step computes on those, `Sync.forward_state`): every step's state is whole. The state, the overlap and what it
+does not model: docs/communication.md, 'Streaming DiLoCo'.
 """
 
 from __future__ import annotations
@@ -96,8 +79,7 @@ class StreamingDiLoCo(DiLoCo):
 
     def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
         """Fragment f's outer step once its round ends at step f H/F + k H (counted from the step before, whatever
-        the guard kept): after that step's update, or with an overlap from the parameters the next step begins
-        with, merged tau steps later; then back to the stored layout: the global parameters in `params`."""
+        the guard kept): after its update or, with an overlap, from the next step's start, merged tau steps later."""
         # The global parameters and outer states as the step began (the guard's choice leaves them as they were, but
         # it depends on the step's gradient): an overlapped sync reads nothing the step computed.
         global_leaves, treedef = jax.tree.flatten(previous.sync["global"])

@@ -1,11 +1,7 @@
-"""ZeRO-1, the sharded optimizer ("cross-replica weight-update sharding", Xu et al. 2020).
-
-Every leaf with at least one axis is split on one axis (`jdp.sync.base.shard_axis`: the longest that divides by
-N devices, else the longest, zero-padded to a multiple of N); device i owns the i-th block of it. Scalar leaves
-stay whole: every device updates them, with their mean gradient. Gradients are reduce-scattered into those
-slices, each device updates its slice of the parameters and optimizer state, and the parameters are
-all-gathered. Outside the step the optimizer state keeps its shapes, split across the devices
-(`jdp.sync.base.SHARDED`): checkpoints hold it unpadded ("logical"), so they restore on any N.
+"""ZeRO-1, the sharded optimizer ("cross-replica weight-update sharding", Xu et al. 2020): the gradient
+reduce-scattered into 1/N slices (`jdp.sync.base.shard_axis`), each device updating its slice of the parameters
+and optimizer state, then the parameters all-gathered. Scalar leaves stay whole, updated on every device with
+their mean gradient. The optimizer state is `SHARDED`: checkpoints hold it unpadded and restore on any N.
 """
 
 from __future__ import annotations
@@ -68,9 +64,8 @@ def local_slice(tree: Tree, axis_name: str) -> Tree:
 
 def all_gather_like(slices: Tree, like: Tree, axis_name: str, axes: Tree = None,
                     all_gather: Callable = jax.lax.all_gather) -> Tree:
-    """Reassemble full leaves shaped like `like` from every device's slice (a scalar every device updated whole);
-    `axes`: the axis each leaf is split on (default: `shard_axis` of its shape); `all_gather`: lax's, or one of
-    its signature (axis_name, axis=, tiled=True) that sends less."""
+    """Whole leaves shaped like `like` from every device's slice (a scalar as it is); `axes`: each leaf's split axis
+    (default: `shard_axis`); `all_gather`: lax's, or one of its signature that sends less."""
     n = jax.lax.psum(1, axis_name)
 
     def gather(s: jax.Array, x: Any, axis: int | None) -> jax.Array:
@@ -88,9 +83,8 @@ def global_norm(tree: Tree, axis_name: str | None = None) -> jax.Array:
 
 
 class ZeRO1(Sync):
-    """The gradient is reduce-scattered (in `dtype`, "fp32" or "bf16") beside the one all-reduce of the sums; each
-    device updates its slice of the parameters and of the optimizer state (sharded on `data` in the step), then
-    all-gathers the parameters. shard_map only; element-wise optimizers only."""
+    """The gradient reduce-scattered in `dtype` ("fp32" or "bf16"), beside the one all-reduce of the loss sums; each
+    device updates its slice of the parameters and optimizer state, then all-gathers the parameters."""
 
     per_device_update = True
     noise_scale = False  # no device holds a whole gradient

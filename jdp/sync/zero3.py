@@ -1,27 +1,10 @@
-"""ZeRO-3, fully sharded data parallelism (Rajbhandari et al. 2020; PyTorch's FSDP): the parameters, their
-gradients and the optimizer state live as 1/N slices, and the whole parameters exist only while the step uses them.
-Each device still computes on its own rows: this is data parallelism whose state is split.
-
-Every leaf with an axis keeps its rank and is split on one axis (`jdp.sync.base.shard_axis`), zero-padded where
-that axis does not divide by N; device i holds the i-th block. Under shard_map the forward gathers the whole
-parameters (`params_view`, an all-gather per leaf), and differentiating through the all-gather gives its
-transpose, the reduce-scatter: each device's gradient arrives summed over the devices and already sliced, so the
-strategy adds no collective of its own but the one all-reduce of the weighted sums. Under jit the slices carry
-their NamedSharding and XLA places the gathers and the reduce-scatter. Each device updates its own slices
-(element-wise optimizers, as under ZeRO-1), and nothing gathers the new parameters: the next forward does.
-
-One layer at a time: the stacked parameters of a scanned model (`jdp.layers.Stack`) keep their layer axis whole
-and split on another, and under shard_map they reach the scan split: each layer's parameters are gathered inside
-the loop's body (`layer_view`), and gathered again in the backward rather than kept (the body is checkpointed), so
-about one layer's whole parameters live at a time, as FSDP's reshard-after-forward. The reduce-scatter of a
-layer's gradient happens in the backward's body. A model that is not scanned gathers everything before the
-forward.
-
-With gradient accumulation each micro-batch gathers the parameters and reduce-scatters its gradient (shard_map):
-the gradient being summed is 1/N of the model, at the price of k gathers and k reduce-scatters a step. (Holding the
-whole local gradient until one reduce-scatter, as jit's lanes do, sends once but holds a whole gradient per device.)
-A scanned model's layers are gathered twice per micro-batch (forward and backward), so the gathers send
-2k x (N - 1)/N of the stacked parameters' bytes a step, the reduce-scatters k x (N - 1)/N of them.
+"""ZeRO-3, fully sharded data parallelism (Rajbhandari et al. 2020; PyTorch's FSDP): the parameters, gradients and
+optimizer state live as 1/N slices. Under shard_map the forward all-gathers the parameters (`params_view`), and
+differentiating through the gather reduce-scatters the gradient, so the strategy adds no collective but the loss
+sums' all-reduce; under jit XLA places both. A scanned model's (`jdp.layers.Stack`) stacked layers split on a
+non-layer axis and are gathered one at a time inside the scan (`layer_view`), and again in the backward. Each
+device updates its own slices; the next forward gathers them. Design, accumulation and bytes: docs/performance.md,
+'Making a model fit: ZeRO-3, scanned layers, activation checkpointing'.
 """
 
 from __future__ import annotations
@@ -52,9 +35,10 @@ def stacked_paths(model: nnx.Module) -> list[tuple]:
 
 
 class ZeRO3(ZeRO1):
-    """ZeRO-1's sharded optimizer state, plus sharded parameters gathered for each forward. shard_map or jit. Bound
-    to a model (`bind`), it holds the parameters' logical shapes (what the forward sees) and which leaves are a
-    scanned model's stacked layers (`stacked_paths`), gathered one layer at a time."""
+    """ZeRO-1's sharded optimizer state plus sharded parameters, gathered for each forward. `weight_bits` and
+    `grad_bits` 8 or 4 block-quantize (per `block` values) the gather and its reduce-scatter, as ZeRO++'s qwZ and
+    qgZ (32: not). Bound to a model (`bind`), it holds the parameters' logical shapes and which leaves are a scanned
+    model's stacked layers (`stacked_paths`), gathered one layer at a time."""
 
     abstract_params: Tree = None
     per_layer: Tree = None
