@@ -1,4 +1,2 @@
-"""jdp's commands: `python -m jdp.train` (`train`: a config file -> `jdp.fit`, through `task` and `config`;
-`resume`: what a train workdir holds), `jdp.sample`, `jdp.export`, `jdp.plot` and `jdp.launch`. The library
-below never imports this package; the benchmark (`jdp.perf`) and the PyTorch comparison (`jdp.compare`) stand
-above it."""
+"""jdp's commands: `python -m jdp.train`, `jdp.sample`, `jdp.export`, `jdp.plot`, `jdp.launch` (each file:
+docs/layout.md). The library never imports this package; `jdp.perf` and `jdp.compare` import it."""

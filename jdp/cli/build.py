@@ -1,6 +1,5 @@
-"""Config -> the task `jdp.fit` trains: the model, the loss (`jdp.task`), the data and the optimizer named by a
-config, and the fit options of its `train`, `parallel`, `checkpoint` and `precision` settings. Checked before
-anything compiles."""
+"""Config -> the task `jdp.fit` trains: model, loss (`jdp.task`), data, optimizer and fit options, all checked
+before anything compiles."""
 
 from __future__ import annotations
 
@@ -52,9 +51,8 @@ def check_names(cfg: ml_collections.ConfigDict) -> None:
 
 def model_maker(cfg: ml_collections.ConfigDict, input_shape: tuple[int, ...],
                 num_classes: int) -> Callable[[], nnx.Module]:
-    """A function building the model `cfg` names, for inputs of `input_shape` and `num_classes` outputs."""
-    # By keyword, so that the run's record names it as importable code (jdp.restore rebuilds it). No dtype: the
-    # layers follow the step's cast (bf16 in training, float32 in eval).
+    """The model's constructor, by keyword so that the run's record names it as importable code (jdp.restore
+    rebuilds it). No dtype: the layers follow the step's cast (bf16 in training, float32 in eval)."""
     return functools.partial(models.build_model, name=cfg.model.name, kwargs=cfg.model.kwargs.to_dict(),
                              input_shape=tuple(input_shape), num_classes=num_classes, seed=cfg.seed)
 
@@ -71,15 +69,13 @@ def abstract_model(make_model: Callable[[], nnx.Module]) -> nnx.Module:
 
 
 _JDP_MODELS = str(Path(models.__file__).parent)
-# Frames of no interest in where the constructor failed: installed libraries' (JAX, Flax, opt_einsum...), the
-# standard library's, and the calls that lead to the model.
+# Frames skipped in naming where the constructor failed: installed libraries', the stdlib's, the calls to it.
 _LIBRARIES = tuple(sorted({sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib")}))
 _CALL_PATH = (__file__, models.__file__)
 
 
 def _build_failure(error: Exception) -> str:
-    """One line for an error raised inside the model's constructor: where, and what to fix. The constructor runs
-    under `nnx.eval_shape`, where arrays have shapes but no values: a tracer error there is about that."""
+    """One line for an error raised in the model's constructor (under `nnx.eval_shape`): where, what to fix."""
     frames = [f for f in traceback.extract_tb(error.__traceback__)
               if not f.filename.startswith(_LIBRARIES) and f.filename not in _CALL_PATH]
     where = f" at {Path(frames[-1].filename).name} line {frames[-1].lineno}" if frames else ""
@@ -91,8 +87,7 @@ def _build_failure(error: Exception) -> str:
 
 
 def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None) -> Task:
-    """The task `cfg` names, checked before anything compiles (ConfigError otherwise). A text source keeps
-    its vocabulary in `workdir`."""
+    """`cfg`'s task, checked before anything compiles (ConfigError); a text source keeps its vocabulary in `workdir`."""
     num_devices = len(mesh_devices(cfg.parallel.num_devices))  # the mesh itself is fit's
     config_lib.validate(cfg, num_devices=num_devices)
     check_names(cfg)

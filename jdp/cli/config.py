@@ -50,8 +50,7 @@ class ArgumentParser(argparse.ArgumentParser):
         raise ConfigError(f"{message}; see {self.prog} --help")
 
 
-# The valid range of every numeric field of configs/base.py (a test holds this table to the file): the training
-# options' from their one definition (jdp.options), the rest (the task's settings) here.
+# The valid range of every numeric field of configs/base.py (a test checks the two match); fit's from jdp.options.
 RANGES: dict[str, Range] = {
     "data.num_classes": NON_NEGATIVE,  # 0 = from the data
     "data.num_examples": AT_LEAST_1,
@@ -158,8 +157,7 @@ def _where(error: BaseException, path: Path) -> str:
 
 
 def check_fields(cfg: ml_collections.ConfigDict, where: str) -> None:
-    """The keys and value types of configs/base.py, no others (`model.kwargs` excepted); ints given for
-    float fields become floats, lists for tuples tuples."""
+    """configs/base.py's keys and value types exactly (OPEN_SECTIONS aside); ints for floats, lists for tuples ok."""
     from jdp.configs import base
 
     known, given = flatten(base.get_config().to_dict()), flatten(cfg.to_dict())
@@ -188,8 +186,7 @@ def check_fields(cfg: ml_collections.ConfigDict, where: str) -> None:
 
 
 def _fold_model_settings(cfg: ml_collections.ConfigDict, where: str) -> None:
-    """Moves each `model.X` that is not one of MODEL_FIELDS to `model.kwargs.X`: the model's own settings may be
-    written either way (`model.num_layers` is `model.kwargs.num_layers`)."""
+    """Moves each `model.X` not in MODEL_FIELDS to `model.kwargs.X`: a model's settings may be written either way."""
     model = cfg.get("model")
     section = ml_collections.ConfigDict
     if not (isinstance(model, section) and isinstance(model.get("kwargs"), section)):
@@ -204,8 +201,7 @@ def _fold_model_settings(cfg: ml_collections.ConfigDict, where: str) -> None:
 
 
 def _model_setting(key: str) -> str:
-    """`model.X` on the command line -> `model.kwargs.X` for a model's own setting X (see _fold_model_settings);
-    a near miss of a jdp model field (`model.bn_synk`) is refused as a typo."""
+    """Command-line `model.X` -> `model.kwargs.X`; a near miss of MODEL_FIELDS (`model.bn_synk`) is refused."""
     section, _, name = key.partition(".")
     if section != "model" or "." in name or name in MODEL_FIELDS:
         return key
@@ -280,15 +276,9 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
 
 def apply_command_line(cfg: ml_collections.ConfigDict, overrides: dict[str, str],
                        warn: Callable[[str], None] | None = None) -> ml_collections.ConfigDict:
-    """`apply_overrides` for the command line's overrides of a config file (or of a workdir's config.json), with
-    two rules for the file's settings that the command line makes wrong, each applied with a one-line warning
-    (`warn`; default: `jdp: warning: ...` on stderr):
-
-    - `model.name` switched to another model: the file's `model.kwargs` were the old model's settings, so they
-      are dropped; those given on the command line are kept.
-    - `train.steps` shortened to no more than the file's `optim.warmup_steps` (a smoke test of a long recipe):
-      the warmup becomes a tenth of the steps, and the config (so config.json, which the resume guard compares)
-      holds that value. A warmup given on the command line is the user's: `validate` refuses it instead."""
+    """`apply_overrides`, then drops the file's `model.kwargs` for another `model.name` and cuts its warmup to a tenth
+    of a `train.steps` not longer than it, each with a `warn` line (docs/cli.md, "Running"); a warmup given on the
+    command line is left to `validate`."""
     warn = warn or errors.warn
     given = {_model_setting(key) for key in overrides}
     file_model = cfg.model.name
@@ -416,9 +406,8 @@ def load_saved_config(path: Path, fix: str = "move it away, or pass --config") -
 
 
 def guarded_settings(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """{dotted key: value} of each setting that changes the data order or the numerics (STATE_DEFINING, and the sync
-    strategy's flags): what `jdp.fit`'s resume guard compares beside its own record (`trainer.run(settings=)`), so
-    that a resume that changes one is refused naming it."""
+    """{dotted key: value} of the settings that change the data order or the numerics (STATE_DEFINING, the sync
+    flags), for `jdp.fit`'s resume guard (`trainer.run(settings=)`), which refuses a resume that changes one."""
     from jdp.sync.flags import FLAGS
 
     guarded = (*STATE_DEFINING, *(f"parallel.{flag}" for flag in FLAGS))
@@ -443,8 +432,7 @@ def logger_names(spec: str) -> list[str]:
 
 
 def make_loggers(metrics: ml_collections.ConfigDict) -> list[loggers.Tracker]:
-    """The loggers `metrics.loggers` names, each given its `metrics.NAME_ARG` keys as keyword arguments (empty
-    values left out): `metrics.mlflow_tracking_uri` is `MLflow(tracking_uri=...)`."""
+    """The loggers `metrics.loggers` names, each given its non-empty `metrics.NAME_ARG` keys as ARG=value."""
     return [loggers.LOGGERS[name](**{key[len(name) + 1:]: value for key, value in metrics.items()
                                      if key.startswith(f"{name}_") and value})
             for name in logger_names(metrics.loggers)]

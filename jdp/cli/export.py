@@ -1,10 +1,9 @@
-"""`python -m jdp.export --workdir W --out params.npz`: a run's parameters and BatchNorm statistics (of a
-`python -m jdp.train` run, or of a `jdp.fit` run whose model is importable: `jdp.export_params` in Python) in a
-framework-neutral .npz (`jdp.params_file`), which `--config.init_from=params.npz` starts a run from.
+"""`python -m jdp.export --workdir W --out params.npz`: the latest parameters and BatchNorm statistics of a
+`python -m jdp.train` run, or of a `jdp.fit` run whose model is importable, in a framework-neutral .npz that
+`--config.init_from=params.npz` starts a run from.
 
-Key names: `params/<module path>/<name>` and `model_state/<module path>/<name>`, path parts joined
-by "/", e.g. `params/layers/0/kernel` (Dense kernels are (in, out); conv kernels are HWIO or WIO),
-`model_state/bn/mean`. A `step` entry records the training step the file was taken at.
+Keys: `params/<module path>/<name>` and `model_state/<module path>/<name>`, e.g. `params/layers/0/kernel`
+(Dense kernels (in, out), conv kernels HWIO or WIO), `model_state/bn/mean`; `step`: the step it was taken at.
 """
 
 from __future__ import annotations

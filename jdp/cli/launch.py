@@ -1,24 +1,20 @@
-"""`python -m jdp.launch --nprocs N [--cpu_devices D] -- python -m jdp.train ARGS`: N local processes,
-like `torchrun --standalone`.
+"""`python -m jdp.launch --nprocs N [--cpu_devices D] -- python -m jdp.train ARGS`: N local processes, like
+`torchrun --standalone` (docs/cluster.md, "On one machine").
 
 Each child gets torchrun's variables (MASTER_ADDR=127.0.0.1, MASTER_PORT=a free port, RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE), JAX_COORDINATOR_BIND_ADDRESS=127.0.0.1:PORT (process 0's coordinator listens on
-loopback only, not on every interface) and, with --cpu_devices, that many simulated CPU devices
-(JAX_NUM_CPU_DEVICES, JAX_PLATFORMS=cpu). Every line a child prints comes out prefixed with its rank,
-`[0] ...`. SIGINT and SIGTERM are passed on to every child (a jdp.train child checkpoints and exits 75); after a
-second one, children still running --grace_s later get SIGKILL.
-When a child fails, the others get SIGTERM, then SIGKILL after --grace_s, and the launcher exits with the
-failed child's code (128+N for a death by signal N); otherwise with the first non-zero code, or 0. Of children
-found failed together, the one that failed by itself is reported, not one that stopped because of it (5, 134).
-A command that cannot run is one line and a shell's code: 127 when it is not found, 126 when it cannot be executed.
-Before stopping the others for a failure, the launcher writes why to the file JDP_LAUNCH_FAILURE_FILE names, so
-that a jdp child says "another process failed" and exits 5, rather than taking the SIGTERM for a preemption (75).
+LOCAL_RANK, LOCAL_WORLD_SIZE), JAX_COORDINATOR_BIND_ADDRESS=127.0.0.1:PORT (the coordinator listens on loopback
+only) and, with --cpu_devices, that many simulated CPU devices. Output lines are prefixed with the rank, `[0] ...`.
+SIGINT and SIGTERM go to every child (a jdp.train child checkpoints and exits 75); after a second one, children
+still running --grace_s later get SIGKILL. When a child fails, the launcher writes why to the file
+JDP_LAUNCH_FAILURE_FILE names (so a jdp child exits 5, "another process failed", not 75), sends the others
+SIGTERM, then SIGKILL after --grace_s, and exits with the code of the child that failed by itself, not of one that
+stopped because of it (5, 134); 128+N for a death by signal N. Otherwise it exits with the first non-zero code, or
+0. A command that cannot run is one line and exit 127 (not found) or 126 (not executable).
 
-With --max_restarts N, as torchrun's --max-restarts: when a child fails with exit code 1, 5 or 134, or dies by a
-signal, the others are stopped and the whole group starts again (JDP_RESTART=1, 2, ...; 0 the first time), and
-resumes from the workdir's last checkpoint, up to N times; one line per restart names the rank, its code and the
-step. Codes 2, 3, 4 and 6 (a bad config, non-finite values, replicas that differ, a full disk) would fail the same
-way again and 75 (preempted) is for the scheduler: those end the launch at once, as does a signal to the launcher.
+With --max_restarts N (torchrun's --max-restarts): a child failing with code 1, 5 or 134, or by a signal, restarts
+the whole group (JDP_RESTART=1, 2, ...; 0 the first time), resuming from the workdir's last checkpoint, up to N
+times, one line per restart. Codes 2, 3, 4 and 6 (a bad config, non-finite values, replicas that differ, a full
+disk) would fail again, and 75 (preempted) is for the scheduler: they end the launch, as does a signal to it.
 """
 
 from __future__ import annotations
@@ -50,8 +46,7 @@ _PR_SET_PDEATHSIG = 1
 # is gone) and SIGABRT (JAX's heartbeat, or gloo when a peer's connection breaks mid-collective).
 PEER_FAILED = (5, 128 + signal.SIGABRT)
 EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 126, 127  # the command after --, as a shell reports it
-# Failures a restart can cure (--max_restarts): an unexpected error (1), a peer or start-up failure (5); a death by
-# a signal (128+N, SIGABRT's 134 among them) is one too. Never 2, 3, 4, 6: those fail again the same way.
+# Codes a restart can cure (--max_restarts): an unexpected error, a peer or start-up failure; deaths by signal too.
 RESTARTED = (1, 5)
 
 

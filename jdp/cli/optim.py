@@ -29,8 +29,7 @@ def learning_rate(cfg: ml_collections.ConfigDict, global_batch_size: int, total_
 
 
 def decay_mask(params: optax.Params) -> optax.Params:
-    """Weight decay applies to parameters of 2 or more dimensions (kernels and embeddings, as nanoGPT decays
-    them): biases and normalisation scales/offsets are vectors."""
+    """Decay for parameters of 2+ dimensions (kernels, embeddings: nanoGPT's rule), not biases or norm scales."""
     return jax.tree.map(lambda p: p.ndim > 1, params)
 
 
@@ -69,12 +68,8 @@ def _lars(lr: optax.Schedule, cfg: ml_collections.ConfigDict, mask: optax.Params
 
 def build_optimizer(cfg: ml_collections.ConfigDict, global_batch_size: int, total_steps: int, params: optax.Params,
                     sharded_axis: str | None = None) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """Returns the optax transform and its schedule (the schedule is also used to log `lr`).
-
-    The transform runs after the gradient all-reduce, so clipping sees the averaged gradient,
-    exactly as on one device. `params` (shapes suffice) fixes the weight-decay mask, so it still
-    holds when a sharded optimizer (`sharded_axis`) updates slices of the parameters.
-    """
+    """The optax transform and its schedule (also logged as `lr`). It runs after the all-reduce, so clipping sees
+    the averaged gradient; `params` (shapes suffice) fixes the decay mask before a sharded optimizer slices them."""
     lr = learning_rate(cfg, global_batch_size, total_steps)
     tx = OPTIMIZERS.get(cfg.name)(lr, cfg, decay_mask(params))
     if cfg.grad_clip_norm > 0:

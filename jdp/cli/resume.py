@@ -1,6 +1,5 @@
-"""What a workdir holds: its config record (config.json, config_history.jsonl), restoring its latest checkpoint for
-evaluation or export, and starting a new run from an exported parameter file (`init_from`). A resume is checked by
-`jdp.fit`'s guard (`jdp.guard`), given the config's settings that change the numerics or the data order."""
+"""A train workdir: its config record (config.json, config_history.jsonl), its latest checkpoint restored for eval
+or export, and `init_from`. Resumes are checked by `jdp.fit`'s guard (`jdp.guard`), not here."""
 
 from __future__ import annotations
 
@@ -46,8 +45,7 @@ def committed_steps(workdir: Path) -> list[int]:
 
 
 def record_config(cfg: ml_collections.ConfigDict, workdir: Path) -> None:
-    """config.json (the config in force, which `--workdir W` alone continues with) and one line per run segment
-    appended to config_history.jsonl, so the settings of earlier segments are kept. Process 0 only."""
+    """Writes config.json (what `--workdir W` alone continues with), appends to config_history.jsonl. Process 0 only."""
     config_lib.save_config(cfg, workdir / "config.json")
     line = {"time_unix": round(time.time(), 3), "latest_checkpoint_step": max(committed_steps(workdir), default=0),
             "config": cfg.to_dict()}
@@ -70,8 +68,7 @@ def report_finished_run(cfg: ml_collections.ConfigDict, workdir: Path, step: int
 
 
 def inference_devices(cfg: ml_collections.ConfigDict) -> int:
-    """The devices to evaluate or export a run on here: as many as the run used, or fewer when this machine has
-    fewer, so that the batch sizes still split evenly."""
+    """Devices to evaluate or export on: the run's count, or fewer on a smaller machine, so the batches still split."""
     n = min(cfg.parallel.num_devices or len(jax.devices()), len(jax.devices()))
     eval_batch_size = cfg.train.eval_batch_size or cfg.train.global_batch_size
     while cfg.train.global_batch_size % (n * cfg.train.grad_accum_steps) or eval_batch_size % n:

@@ -1,5 +1,4 @@
-"""`python -m jdp.train`: the command line, and `run(config)`, which builds the config's task and trains it
-with `jdp.fit`."""
+"""`python -m jdp.train`: the command line, and `run(config)`, which trains the config's task with `jdp.fit`."""
 
 from __future__ import annotations
 
@@ -41,11 +40,8 @@ EXIT_PREEMPTED = preemption.EXIT_PREEMPTED
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
-    """Trains `cfg` into `workdir` with `jdp.fit`, resuming from its latest checkpoint if there is one.
-
-    Raises ConfigError before compiling anything if the config is bad. A resume is checked by `jdp.fit`'s guard,
-    which compares the config's settings that change the numerics or the data order too. A run with nothing left
-    to train writes nothing to its workdir but a final eval or summary line it lacks."""
+    """Trains `cfg` into `workdir` with `jdp.fit`, resuming from its latest checkpoint; ConfigError before anything
+    compiles. A run with nothing left to train writes only a final eval or summary line it lacks."""
     workdir = Path(workdir)
     storage.check_writable(workdir)
     task = build_task(cfg, workdir)

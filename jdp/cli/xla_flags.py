@@ -1,12 +1,6 @@
-"""The XLA communication knobs that matter for data parallelism, as config with sane defaults.
-
-- `parallel.allreduce_combine_threshold_bytes`: XLA combines small all-reduces into buckets up to
-  this size (DDP's bucket size, 25 MB there); 0 keeps XLA's default.
-- `parallel.latency_hiding_scheduler`: on GPU, lets XLA overlap the gradient all-reduce with the
-  backward pass.
-
-They are GPU flags (XLA:CPU runs collectives in-process). Flags already in XLA_FLAGS win, so a user
-can always override. Must run before JAX initialises its backends.
+"""The parallel section's XLA flags, for GPUs (XLA:CPU runs collectives in-process): the all-reduce combine
+threshold (DDP's bucket size, 25 MB there; 0 keeps XLA's default) and the latency-hiding scheduler, which overlaps
+the gradient all-reduce with the backward. Flags already in XLA_FLAGS win. Apply before JAX starts its backends.
 """
 
 from __future__ import annotations

@@ -1,24 +1,15 @@
-"""The PyTorch DistributedDataParallel side: `python -m jdp.compare.ddp SPEC.json`.
+"""The PyTorch DDP side: `python -m jdp.compare.ddp SPEC.json` spawns `workers` ranks (gloo over loopback on CPU,
+NCCL with one GPU per rank on CUDA), each training the config's twin under DDP from the jdp.export-format .npz
+SPEC["init"], at the learning rates SPEC["lrs"], on its block of each global batch: jdp's own source with
+process_index=rank gives it the rows jdp's device `rank` gets. With per-rank BatchNorm the running statistics are
+averaged after each step, as jdp's step does; hence `broadcast_buffers=False`, or DDP would overwrite them with
+rank 0's at every forward.
 
-Starts `workers` ranks with torch.multiprocessing (spawn) on one machine: gloo over loopback on CPU with
-one thread per rank, NCCL with one GPU per rank on CUDA. Each rank trains the twin of the config's model
-(`torch_models.build_twin`) wrapped in DDP, from the same initial weights as jdp (SPEC["init"], a
-jdp.export-format .npz), on its own rows of the same global batches: jdp's own data source with
-`process_index=rank, process_count=workers`, whose `train_batch(step)` is the rank-th contiguous block of
-the global batch, as jdp's device `rank` gets it.
-
-Per step: forward, mean cross-entropy over the rank's rows, backward (DDP averages the gradients over
-ranks: jdp's pmean), optional global-norm clipping with optax's rule, the optimizer step with the
-learning rate jdp's schedule gives that step (SPEC["lrs"]), and, with per-rank BatchNorm, an all-reduce
-that averages the running statistics as jdp's step does. `broadcast_buffers=False`: DDP would otherwise
-overwrite every rank's statistics with rank 0's at each forward.
-
-SPEC keys: config (a jdp config.json), workers, steps, init, lrs, out (directory; also holds the
-rendezvous file), mode ("parity": also all-reduce the loss and take the gradient norm every step, evaluate
-and save the final weights; "speed": only the rank's own loss), launch_time (the parent's time.time() at
-launch), device ("cpu" | "cuda"), threads, timeout_s, compile (torch.compile the twin), autocast (bf16
-autocast of the forward and loss: nanoGPT's GPU recipe; parameters and optimizer state stay float32).
-Rank 0 writes OUT/ddp_result.json (and OUT/ddp_final.npz in parity mode).
+SPEC keys: config (a jdp config.json), workers, steps, init, lrs, out (directory, also for the rendezvous file),
+mode ("parity": also all-reduce the loss and take the gradient norm every step, evaluate and save the final
+weights; "speed": the rank's own loss only), launch_time (the parent's time.time()), device ("cpu" | "cuda"),
+threads, timeout_s, compile (torch.compile the twin), autocast (bf16 autocast of forward and loss, nanoGPT's GPU
+recipe; parameters and optimizer state stay float32). Rank 0 writes OUT/ddp_result.json (parity: and ddp_final.npz).
 """
 
 from __future__ import annotations
@@ -46,14 +37,10 @@ OPTIMIZERS = ("sgd", "momentum", "nesterov", "adamw")
 
 
 def make_optimizer(optim_cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """jdp.cli.optim.build_optimizer's transform as a torch optimizer (the learning rate is set per step).
-
-    sgd/momentum/nesterov: optax chain(add_decayed_weights(wd, mask), sgd(lr, momentum, nesterov)) is
-    torch SGD with dampening 0 and coupled weight decay, exactly. adamw: optax adamw(b1=momentum, b2=optim.b2,
-    eps=1e-8) and torch AdamW are the same update (eps added to sqrt of the bias-corrected second moment,
-    decoupled decay lr * wd * p) computed in a different order, so they agree to float rounding. Weight
-    decay is masked off vectors (biases, BatchNorm) on both sides: jdp's mask is `p.ndim > 1`.
-    """
+    """jdp.cli.optim.build_optimizer's transform in torch (lr set per step): optax's sgd chain with decayed weights
+    is torch SGD with dampening 0 and coupled decay, exactly; optax adamw (eps 1e-8 outside the square root,
+    decoupled decay) is torch AdamW's update in another order, equal to rounding. Decay is masked off vectors on
+    both sides (jdp's `p.ndim > 1`)."""
     decay = [p for p in model.parameters() if p.ndim > 1]
     rest = [p for p in model.parameters() if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
@@ -119,9 +106,8 @@ def ddp_twin(cfg) -> DDPTwin:
 
 
 def _low_rank(ddp: DDP, settings: dict, seed: int) -> float:
-    """DDP's own `powerSGD_hook` with the settings jdp's strategy gives (`Sync.ddp_twin`); returns the float32
-    bytes the hook sends per step after the start, by its own rule: a tensor of 2 or more dimensions is the matrix
-    (shape[0], the rest)."""
+    """Registers DDP's own `powerSGD_hook` with jdp's strategy's settings (`Sync.ddp_twin`); returns the float32 bytes
+    it sends per step after the start, by its rule (a tensor of 2+ dimensions is the matrix (shape[0], the rest))."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
     rank = settings["matrix_approximation_rank"]

@@ -1,15 +1,11 @@
-"""The jdp side of a comparison, run in its own process so it gets its own simulated device count.
+"""The jdp side of a comparison, in its own process for its own simulated device count.
 
     python -m jdp.compare.jdp_side init   --config CFG.json --out DIR
-        the initial state of `build(cfg).init_state()` as DIR/init.npz (jdp.export key names) and the
-        learning rate of every step as DIR/lrs.json (for the DDP side, which has no optax)
+        DIR/init.npz (`build(cfg).init_state()`, jdp.export key names) and DIR/lrs.json (every step's learning
+        rate, for the DDP side, which has no optax)
     python -m jdp.compare.jdp_side parity --config CFG.json --out DIR --devices N
-        init as above, then `jdp.train.run` from DIR/init.npz (`init_from`) on N simulated CPU devices;
-        writes DIR/jdp_result.json (per-step losses read from metrics.jsonl, gradient norms) and
-        DIR/jdp_final.npz (final params and model_state)
-
-Gradient norms are jdp's own: each train line of metrics.jsonl carries `grad_norm`, the norm of the
-averaged gradient before clipping.
+        init, then `jdp.train.run` from init.npz on N simulated CPU devices: DIR/jdp_result.json (metrics.jsonl's
+        per-step losses and `grad_norm`, the averaged gradient's before clipping) and DIR/jdp_final.npz
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""`python -m jdp.compare parity`: jdp and its PyTorch DDP twin trained from the same initial weights on
-the same batches, compared step by step.
-
-1. `jdp_side parity` (a subprocess with `--workers` simulated CPU devices): jdp's initial state
-   (`build(cfg).init_state()`) is written as WORKDIR/init.npz with jdp.export key names, the schedule's
-   learning rates as lrs.json; then `jdp.train.run` trains from it (`init_from`), with
-   `train.log_every=1` and `train.log_grad_norm=True`, so metrics.jsonl holds every step's loss and gradient norm.
-2. `jdp.compare.ddp` (a subprocess that spawns `--workers` ranks): the twin loads init.npz and trains on
-   the same global batches (jdp's source, each rank its block of rows), with the same learning rates.
-3. Compared per step: the train loss (mean over the global batch) and the global norm of the averaged
-   gradient before clipping; at the end every parameter and BatchNorm statistic, and the eval loss.
-   Relative difference = |jdp - ddp| / |jdp|. The run fails (exit 1) when a per-step loss or gradient-norm
-   difference exceeds its tolerance, or step 1's exceeds the step-1 tolerance (`Tolerance`, `TOLERANCES`);
-   final weights and eval are reported, not judged (they accumulate every step's rounding).
+"""`python -m jdp.compare parity` (docs/compare.md): jdp (`jdp_side parity`) and its DDP twin (`jdp.compare.ddp`),
+each a subprocess, trained from the same init.npz on the same batches and compared step by step. It fails (exit 1)
+when a step's loss or gradient-norm difference, |jdp - ddp| / |jdp|, exceeds its tolerance, or step 1's the step-1
+one (`TOLERANCES`); final weights and eval are reported, not judged (they accumulate every step's rounding).
 """
 
 from __future__ import annotations
@@ -28,21 +18,17 @@ import numpy as np
 from jdp.compare import procs
 from jdp.compare.report import Parity, Tolerance
 
-# Float32 on CPU, by (model family, optimizer family); measured on a 2-core CPU over 50 steps and rounded up
+# Float32 on CPU, by (model family, optimizer family): measured on a 2-core CPU over 50 steps, rounded up
 # (docs/compare_example/README.md has the runs).
-# - Step 1 measures the model, the loss and the backward pass alone: round-off (~1e-7), except the deep
-#   BatchNorm ResNet, whose float32 gradient is itself ~3e-3 (as a vector) from the float64 one in either
-#   framework (the two agree to ~1e-8 when both compute in float64: tests/test_compare.py); its norm
-#   differs by up to ~3e-5.
-# - Plain SGD, MLP and CNNs: the losses stay at round-off (<= 3e-7). Gradient norms move more (up to ~1e-4):
-#   a pre-activation within round-off of 0 switches its ReLU on one side only, which changes that unit's
-#   gradient at first order but the loss only at second.
-# - Momentum carries such a switch into later steps: usually still <= 2e-7, but one MNIST-1D CNN run drifted
-#   to 1.2e-4 (loss) after a switch at step 15. Adam divides each gradient element by its running RMS, and a
-#   BatchNorm ResNet is chaotic at these learning rates, so two correct float32 implementations drift apart:
-#   ~1e-3 (loss) and ~1e-2 (gradient norm) in 50 Adam steps, and for ResNet-18 at lr 0.1 up to 0.15 / 0.65
-#   within 20 steps. Those bounds measure the drift, not a difference in the arithmetic; step 1 and the
-#   plain-SGD losses are the tight checks.
+# - Step 1 checks model, loss and backward alone: round-off (~1e-7), but up to ~3e-5 in the norm for the deep
+#   BatchNorm ResNet, whose float32 gradient (as a vector) is ~3e-3 from the float64 one in either framework (the
+#   two agree to ~1e-8 in float64: tests/test_compare.py).
+# - Plain SGD, MLP and CNNs: losses stay at round-off (<= 3e-7), gradient norms up to ~1e-4: a pre-activation
+#   within round-off of 0 switches its ReLU on one side only (first order for the gradient, second for the loss).
+# - Momentum carries a switch on (usually <= 2e-7; one MNIST-1D CNN run: 1.2e-4 loss after step 15). Under Adam
+#   (division by each element's running RMS) and in a BatchNorm ResNet (chaotic at these rates) two correct float32
+#   implementations drift apart: ~1e-3 loss, ~1e-2 gradient norm in 50 Adam steps; ResNet-18 at lr 0.1 up to
+#   0.15 / 0.65 in 20 steps. Those bounds measure drift; step 1 and plain-SGD losses are the tight checks.
 _SGD, _MOMENTUM, _ADAM = Tolerance(1e-6, 1e-3, 1e-5), Tolerance(1e-3, 1e-2, 1e-5), Tolerance(1e-2, 5e-2, 1e-5)
 _RESNET = Tolerance(0.5, 1.0, 1e-4)
 TOLERANCES = {(model, optimizer): _RESNET if model == "resnet" else tolerance
@@ -50,9 +36,8 @@ TOLERANCES = {(model, optimizer): _RESNET if model == "resnet" else tolerance
               for optimizer, tolerance in (("sgd", _SGD), ("momentum", _MOMENTUM), ("adamw", _ADAM))}
 
 
-# Low-rank compression: both sides compress the same matrices at the same rank from the same start step, but
-# from other random Q's and with other orthonormal bases, so only the steps before the start agree to round-off
-# (step 1 here); after it the two are two draws of one algorithm, and the bound is on their loss curves' distance.
+# Low-rank compression: each side draws its own Q's and bases, so only the steps before the start agree to
+# round-off; after it the bound is on the loss curves' distance (docs/compare.md).
 _LOW_RANK = Tolerance(0.05, 1.0, 1e-5)
 
 
@@ -71,8 +56,7 @@ _FP32_PLAIN = {"precision": "fp32", "train.grad_accum_steps": 1}
 
 
 def check_supported(cfg, workers: int, *, bf16: bool = False) -> None:
-    """Raises ValueError naming the first setting the DDP twin cannot reproduce. `bf16`: precision=bf16 is
-    allowed too (speed on a GPU: the twin then runs under bf16 autocast)."""
+    """ValueError naming the first setting the twin cannot reproduce; `bf16`: allows precision=bf16 (GPU speed)."""
     from jdp.compare.ddp import OPTIMIZERS, ddp_twin
     from jdp.compare.torch_models import MODEL_NAMES
 
@@ -101,8 +85,7 @@ def check_supported(cfg, workers: int, *, bf16: bool = False) -> None:
 
 
 def both_sides(cfg, *, workers: int, steps: int, device: str, bf16: bool = False):
-    """A copy of `cfg` that both sides can train for `steps` steps on `workers` (simulated CPU devices, or GPUs on
-    cuda), with no checkpoint and no closing sample."""
+    """A copy of `cfg` both sides can train: `steps` steps on `workers`, no checkpoint, no closing sample."""
     cfg = copy.deepcopy(cfg)
     check_supported(cfg, workers, bf16=bf16)
     cfg.train.steps = steps
@@ -131,8 +114,7 @@ def _rel(a: float, b: float) -> float:
 
 def compare(name: str, jdp: dict, ddp: dict, jdp_final: dict, ddp_final: dict, tolerance: Tolerance,
             meta: dict | None = None) -> Parity:
-    """Per-step differences and the verdict: every step's loss and gradient-norm differences within
-    `tolerance`, and step 1's within `tolerance.step1`."""
+    """Per-step differences and the verdict: every step within `tolerance`, step 1 within `tolerance.step1`."""
     sides = zip(jdp["losses"], ddp["losses"], jdp["grad_norms"], ddp["grad_norms"], strict=True)
     rows = [{"step": step, "loss_jdp": lj, "loss_ddp": ld, "loss_rel": _rel(lj, ld),
              "grad_norm_jdp": gj, "grad_norm_ddp": gd, "grad_rel": _rel(gj, gd)}
@@ -155,9 +137,7 @@ def compare(name: str, jdp: dict, ddp: dict, jdp_final: dict, ddp_final: dict, t
 
 def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance: Tolerance | None = None,
            timeout_s: float = 900, device: str = "cpu") -> Parity:
-    """Runs both sides into `workdir` and writes parity.md, parity.json, parity_steps.csv and parity_loss.png.
-
-    `tolerance`: default_tolerance(cfg) when None."""
+    """Runs both sides into `workdir` and reports there (`report_workdir`; `tolerance` None: `default_tolerance`)."""
     from jdp.cli import config as config_lib
 
     cfg = prepare_config(cfg, workers=workers, steps=steps, device=device)

@@ -1,10 +1,6 @@
-"""`python -m jdp.compare speed`: throughput, step time, time to first step and peak memory of every jdp
-backend and of PyTorch DDP at the same global batch on the same machine.
-
-Every run is a fresh process (jdp: `python -m jdp.train --cpu_devices N`; DDP:
-`jdp.compare.ddp`, which spawns N ranks), and the runs are interleaved and repeated: repeat r runs
-[ddp, shard_map, pmap, jit] rotated by r, so a slow period of the machine does not fall on one side only.
-Both sides start from the same initial weights (init.npz) and see the same batches.
+"""`python -m jdp.compare speed` (docs/compare.md): throughput, step time, time to first step and peak memory of
+each jdp backend and of DDP at the same global batch, from the same init.npz, each run a fresh process. Repeat r
+runs [ddp, *backends] rotated by r, so that a slow period of the machine does not fall on one side only.
 """
 
 from __future__ import annotations
@@ -85,10 +81,8 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
           backends: tuple[str, ...] = tuple(BACKENDS), timeout_s: float = 600, compile_cache: bool = False,
           device: str = "cpu", command: str = "", echo=print, torch_compile: bool = False, torch_threads: int = 1,
           jdp_devices: int | None = None) -> Speed:
-    """Runs everything into `workdir` and writes speed.md, speed.json and speed.png. On cuda with
-    precision=bf16 the twin runs under bf16 autocast; `torch_compile` compiles it (nanoGPT's recipe).
-    On a CPU each DDP rank runs `torch_threads` threads and jdp simulates `jdp_devices` devices (default:
-    `workers`) in its one process."""
+    """Runs everything into `workdir`; writes speed.md, speed.json and speed.png. On cuda with bf16 the twin runs
+    under autocast; on a CPU jdp simulates `jdp_devices` devices (default `workers`) in its one process."""
     from jdp.cli import config as config_lib
     from jdp.compare import report
 

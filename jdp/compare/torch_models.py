@@ -1,15 +1,8 @@
-"""PyTorch twins of jdp's models (`jdp/models`): the same layers in the same order, the same padding,
-strides, ReLU placement, ResNet stems and shortcut projections.
-
-Module names mirror jdp's module paths (torch `blocks.0.conv1` is jdp `blocks/0/conv1`), so
-`jdp.compare.weights` maps weights by name. Layout differences are left to the weight conversion:
-torch Linear is (out, in) where Flax Dense is (in, out), torch convolutions are OIHW (OIW) where Flax is
-HWIO (WIO), and the dense layer after a conv stack flattens (C, H, W) in torch but (H, W, C) in Flax: that
-layer carries `jdp_flatten_from = (C, *spatial)` and its weight columns are permuted at conversion.
-
-jdp's sources give channels-last numpy inputs; `prepare_input` moves the channels first.
-
-No jax here: the DDP workers import only torch, numpy and jdp's numpy-only data code.
+"""PyTorch twins of jdp's models: the same layers in the same order, padding, strides, ReLU placement, ResNet stems
+and shortcuts. Module names mirror jdp's paths (`blocks.0.conv1` is `blocks/0/conv1`), so `jdp.compare.weights`
+maps weights by name and converts the layouts; the dense layer after a conv stack, which flattens (C, H, W) in
+torch but (H, W, C) in Flax, carries `jdp_flatten_from = (C, *spatial)` for it. `prepare_input` puts jdp's
+channels-last inputs channels first. No jax: the DDP workers import only torch, numpy and jdp's numpy data code.
 """
 
 from __future__ import annotations
@@ -35,22 +28,13 @@ MODEL_NAMES = ("mlp", "cnn1d", "cnn2d", *RESNET_ARCHS, "gpt")
 
 
 class BatchNorm(nn.BatchNorm2d):
-    """jdp's BatchNorm (`flax.nnx.BatchNorm(momentum=m, epsilon=1e-5)`) in PyTorch.
-
-    - Training normalises with the batch mean and the biased batch variance, as both frameworks do.
-    - Running statistics follow Flax: `new = m * old + (1 - m) * batch` (torch's `momentum` is 1 - m),
-      and `running_var` holds the running average of the *biased* batch variance, which is what
-      `nnx.BatchNorm.var` stores (torch's own BatchNorm keeps the unbiased one, n / (n - 1) larger).
-      So the buffers map one to one onto jdp's `mean` / `var`, and evaluation agrees too.
-    - `sync=True` (jdp `model.bn_sync`): the batch statistics are those of the global batch. On CUDA the
-      normalisation runs torch's SyncBatchNorm kernels; on CPU, where those kernels do not exist
-      (nn.SyncBatchNorm refuses CPU modules), the per-channel mean and mean of squares are all-reduced
-      with autograd (`torch.distributed.nn.functional.all_reduce`), which is what Flax does with
-      `lax.pmean` (variance = E[x^2] - E[x]^2, clipped at 0).
-    - `sync=False`: torch's own batch_norm kernel on this rank's rows (per-device BatchNorm, as DDP
-      without SyncBatchNorm). jdp then averages the running statistics across devices after each step;
-      the DDP loop does the same (`average_bn_buffers`).
-    """
+    """jdp's BatchNorm (`nnx.BatchNorm(momentum=m, epsilon=1e-5)`) in torch, its buffers one to one with jdp's
+    `mean` / `var`: running statistics follow Flax (`new = m * old + (1 - m) * batch`; torch's momentum is 1 - m),
+    and `running_var` averages the *biased* batch variance, as nnx stores it (torch keeps the unbiased one).
+    `sync=True` (jdp `model.bn_sync`): the global batch's statistics, by torch's SyncBatchNorm kernels on CUDA; on
+    CPU, which nn.SyncBatchNorm refuses, the mean and mean of squares are all-reduced with autograd, as Flax's
+    `lax.pmean` (variance E[x^2] - E[x]^2, clipped at 0). `sync=False`: this rank's statistics, the running ones
+    averaged across ranks after each step (`average_bn_buffers`), as jdp does."""
 
     def __init__(self, num_features: int, flax_momentum: float = 0.9, eps: float = 1e-5, sync: bool = False):
         super().__init__(num_features, eps=eps, momentum=1.0 - flax_momentum)
@@ -224,9 +208,8 @@ class BottleneckBlock(nn.Module):
 
 
 def max_pool_same(x: torch.Tensor, k: int, s: int) -> torch.Tensor:
-    """Flax `max_pool(x, (k, k), (s, s), padding="SAME")`: -inf padding, the smaller half before.
-
-    Not torch's MaxPool2d(k, s, padding=k // 2), whose windows start one row earlier."""
+    """Flax `max_pool(x, (k, k), (s, s), padding="SAME")`: -inf padding, the smaller half before (torch's
+    MaxPool2d(k, s, padding=k // 2) windows start one row earlier)."""
     pads = []
     for size in reversed(x.shape[2:]):  # F.pad lists the last axis first
         out = math.ceil(size / s)
@@ -333,9 +316,7 @@ def _image_shape(input_shape: Sequence[int]) -> tuple[int, int, int]:
 
 
 def build_twin(model_cfg, input_shape: Sequence[int], num_classes: int, *, sync_bn: bool = False) -> nn.Module:
-    """The twin of the jdp model that `model_cfg` (a config's `model` section) names.
-
-    `sync_bn`: BatchNorm statistics over the global batch (jdp `model.bn_sync` with more than one worker)."""
+    """The twin of the model a config's `model` section names; `sync_bn`: BatchNorm over the global batch."""
     from jdp.models import settings
 
     name = model_cfg.name

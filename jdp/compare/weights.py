@@ -1,23 +1,10 @@
-"""Weights both ways: jdp params / model_state <-> the state_dict of a twin from `jdp.compare.torch_models`.
-
-jdp side: the pure dicts of `jdp.train.run(...).params` / `.model_state` (or of `build(cfg).init_state()`),
-or a flat dict with `jdp.export` key names (`params/layers/0/kernel`, `model_state/stem_bn/mean`), as in a
-file written by `python -m jdp.export` or read with `np.load`.
-
-| jdp | torch |
-|---|---|
-| Dense `<path>/kernel`, (in, out) | `<path>.weight`, (out, in); columns permuted (H, W, C) -> (C, H, W) after convs |
-| Conv `<path>/kernel`, HWIO / WIO | `<path>.weight`, OIHW / OIW |
-| `<path>/bias` | `<path>.bias` |
-| BatchNorm, LayerNorm `<path>/scale`, `bias` | `<path>.weight`, `bias` |
-| Embed `<path>/embedding`, (vocab, width) | `<path>.weight`, the same (the GPT's tied head uses it too) |
-| BatchNorm `model_state/<path>/mean`, `var` | `<path>.running_mean`, `running_var` (see torch_models.BatchNorm) |
-
-A scanned model's stacked layers (`<path>/layers/<name>`, one array with a leading layer axis, `jdp.layers.Stack`)
-map to the twin's unrolled ones (`<path>/<i>/<name>`): `unstacked`.
-
-torch's `num_batches_tracked` has no jdp counterpart: `jdp_to_torch` keeps the model's own. Every conversion
-is a transpose or a permutation, so both round trips are exact. No jax here.
+"""Weights both ways between jdp (pure dicts of params / model_state, or flat `jdp.export` names such as
+`params/layers/0/kernel`) and a `jdp.compare.torch_models` twin's state_dict. Each conversion is a transpose or a
+permutation, so both round trips are exact: Dense (in, out) <-> Linear (out, in), after a conv stack with its
+inputs permuted (H, W, C) <-> (C, H, W); conv HWIO / WIO <-> OIHW / OIW; norms' `scale` <-> `weight`; `embedding`
+<-> `weight`; BatchNorm `mean` / `var` <-> `running_mean` / `running_var`. A scanned model's stacked layers map to
+the twin's unrolled ones (`unstacked`). torch's `num_batches_tracked` has no jdp counterpart: the model keeps its
+own. No jax here.
 """
 
 from __future__ import annotations
@@ -102,10 +89,8 @@ def unstacked(flat: Flat) -> Flat:
 
 
 def flat_to_torch(flat: Flat, model: nn.Module) -> dict[str, torch.Tensor]:
-    """Export-named arrays (a scanned model's stacked layers too) -> a complete state_dict for `model` (load it
-    with strict=True).
-
-    Raises ValueError naming the first key that is missing or has the wrong shape."""
+    """Export-named arrays (stacked layers too) -> a complete state_dict for `model` (strict=True); ValueError
+    naming the first key missing or of the wrong shape."""
     flat = unstacked(flat)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for jdp_key, torch_key, kind, flatten_from in _entries(model):

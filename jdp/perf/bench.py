@@ -1,31 +1,21 @@
-"""`python -m jdp.bench --config configs/X.py [--devices 1,2,4,8]`: where a data-parallel step's time goes.
+"""`python -m jdp.bench --config configs/X.py [--devices 1,2,4,8]`: where a data-parallel step's time goes
+(docs/performance.md, "Making it fast").
 
-Each variant (device count, with or without its collective) is built and compiled once, with the persistent
-compilation cache on (`compile_cache_dir`), then timed `--repeats` times, interleaved; medians reported.
-At the config's global batch it measures:
-- steady-state examples/sec of the compiled step on batches already on the devices, and the time to the
-  first step (compile);
-- input: the host pipeline's time per global batch (reading + assembling the global array);
-- all-reduce: the same step compiled without its collective (`StepOptions.all_reduce=False`) is timed
-  too, and the difference is the collective's cost ("with/without" method; not on one device);
-- the ratio to a plain single-device jit step on the same global batch, measured in the same run;
-- per-device memory of parameters, gradients and optimizer state (bytes of each array's shard on
-  device 0), and XLA's `memory_analysis()` of the compiled step; MFU from XLA's `cost_analysis()` FLOP
-  count against the peak of the precision that runs (`PEAK_TFLOPS` for known GPUs, or `--peak_tflops`);
-- the dtypes the step's dots and convolutions produce (bf16 under precision=bf16);
-and the scaling efficiency throughput_N / (N x throughput_1). Writes bench.json and bench.md.
+Each variant (device count, with or without its collective) is compiled once (persistent cache on) and timed
+`--repeats` times, interleaved; medians. At the config's global batch: steady-state examples/sec on batches
+already on the devices and the time to the first step (compile); the host input pipeline's time per batch; the
+all-reduce's cost, the step's time less that of the same step compiled without its collective (not on one
+device); the ratio to a plain single-device jit step; per-device memory of parameters, gradients and optimizer
+state, and XLA's `memory_analysis()`; MFU from XLA's FLOP count against the peak of the precision that runs
+(`PEAK_TFLOPS` for known GPUs, or `--peak_tflops`); the dtypes the step's dots and convolutions produce; the
+scaling efficiency throughput_N / (N x throughput_1). A language model adds tokens/sec, the GPT its model FLOPs
+per token, 6N + 12 x layers x block x width (N: parameters without the position embedding, the tied embedding
+once; the attention term of PaLM's appendix), MFU from it and XLA's count per token. Writes bench.json, bench.md.
 
-`--compile_only` runs nothing: for each device count it compiles the step from shapes alone with the state
-replicated ("plain"), ZeRO-1's sharded optimizer state (shard_map only) and ZeRO-3's sharded parameters, and
-reports each one's per-device bytes of parameters, gradients and optimizer state, XLA's `memory_analysis()` and
-the compile time, side by side, once per remat setting of a model that takes `remat` (none, dots, full): the
-figures of a model too big to run here. `--fits --memory_gb G` compiles a family of GPT shapes under each way of
-sharding and says which fit in G GB a device (jdp/perf/fits.py).
-
-For a language model it adds tokens/sec; for the GPT the model FLOPs per token, 6N + 12 x layers x block x
-width (N: parameters without the position embedding, the tied embedding once; the attention term as in the
-PaLM paper's appendix), with MFU from it, and beside it what XLA's cost analysis counts per token.
-`--predict` predicts step time and scaling on devices this machine does not have (jdp/perf/predict.py).
+`--compile_only` runs nothing: per device count and remat setting, the step compiled from shapes with the state
+replicated, ZeRO-1 (shard_map only) and ZeRO-3, side by side: per-device state bytes, XLA's `memory_analysis()`
+and compile time, for models too big to run here. `--fits --memory_gb G`: which GPT shapes fit in G GB a device
+(jdp/perf/fits.py). `--predict`: step time and scaling on devices not at hand (`--predict --help`).
 """
 
 from __future__ import annotations

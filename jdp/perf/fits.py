@@ -1,14 +1,8 @@
-"""`python -m jdp.bench --fits --memory_gb G --devices N`: which GPT shapes fit in G GB a device, under plain data
-parallelism, ZeRO-1, ZeRO-3, and ZeRO-3 on scanned blocks with full remat. Nothing runs: each train step is compiled
-from shapes alone (`jdp.perf.measure.compiled_memory`), in a process of its own, capped in time, its peak host RSS
-read beside the device figures.
-
-The figure is the compiled step's peak per device, arguments + outputs + temporaries - aliased bytes (XLA's
-`memory_analysis()`): the model state and everything the step holds at once, activations included. (DeepSpeed's
-estimator counts the model states only.) On a CPU machine these are XLA:CPU's buffer assignments of the same
-program a GPU would run; a GPU compiler fuses and schedules differently, so read them as the program's size, within
-tens of percent of a GPU's, not as a GPU's own figure. Models up to GPT-2 medium are compiled unrolled for plain,
-ZeRO-1 and ZeRO-3 (the baseline), larger ones scanned (an unrolled compile grows with depth).
+"""`python -m jdp.bench --fits --memory_gb G --devices N`: which GPT shapes fit in G GB a device under each of
+STRATEGIES, each step compiled from shapes (`compiled_memory`) in a capped child process, with its host RSS. The
+figure is XLA's compiled peak, activations included (DeepSpeed's estimator counts the model states only); on a
+CPU, XLA:CPU's, within tens of percent of a GPU compiler's (docs/performance.md, "Making a model fit"). Shapes
+past GPT-2 medium are compiled scanned, as an unrolled compile grows with depth.
 """
 
 from __future__ import annotations

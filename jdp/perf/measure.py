@@ -1,6 +1,5 @@
-"""One configuration's data-parallel step, built from a config through jdp's task building, put on the
-devices, compiled once and timed: what `python -m jdp.bench` measures, and `--predict` takes as one device's
-step time."""
+"""One configuration's data-parallel step, built through jdp's task building, compiled once and timed: what
+`python -m jdp.bench` measures, and `--predict` takes as one device's step time."""
 
 from __future__ import annotations
 
@@ -21,9 +20,8 @@ SHARDINGS = {"plain": "allreduce", "zero1": "zero1", "zero3": "zero3"}
 
 
 def compiled_memory(cfg, num_devices: int, sharding: str, remat: str = "") -> dict:
-    """The config's train step on `num_devices` with the state sharded as `sharding` (a SHARDINGS name), and the
-    model's `remat` if given, compiled from shapes alone, nothing put on the devices or run: its per-device memory
-    and the compile time. For models too big to run here."""
+    """Per-device memory and compile time of the config's step on `num_devices`, state sharded as `sharding` (a
+    SHARDINGS name), with `remat` if given: compiled from shapes, never run, for models too big to run here."""
     cfg = cfg.copy_and_resolve_references()
     cfg.parallel.num_devices = num_devices
     if remat:

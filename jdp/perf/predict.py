@@ -1,10 +1,9 @@
 """`python -m jdp.bench --predict`: a config's step time and scaling efficiency on 1, 8, 64 and 512 devices,
-predicted before the hardware exists, from three numbers: the gradient's bytes, one device's step time, and
-an alpha-beta model of the gradient all-reduce on named links (jdp/perf/scaling.py, which states the model).
+predicted before the hardware exists from the gradient's bytes, one device's step time and an alpha-beta model
+of the all-reduce on named links (docs/benchmarks.md, "Scaling prediction before hardware").
 
-`--validate` runs the same model, with nothing fitted, on published scaling results (their own per-GPU
-throughput, batch and network as inputs) and prints predicted against published efficiency
-(jdp/perf/validation.py).
+`--validate` runs the same model, nothing fitted, on published scaling results (their own per-GPU throughput,
+batch and network as inputs) and prints predicted against published efficiency (jdp/perf/validation.py).
 """
 
 from __future__ import annotations

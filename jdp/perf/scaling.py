@@ -1,14 +1,7 @@
-"""The alpha-beta model of data-parallel scaling that `python -m jdp.bench --predict` (jdp.perf.predict) runs:
-a step's time and efficiency on N devices from the gradient's bytes, one device's step time and named links.
-
-- all-reduce within a node (NCCL's ring): 2(n-1)/n * bytes / bandwidth + 2(n-1) * latency;
-- across nodes (hierarchical): reduce-scatter within the node, a ring across the nodes on the inter-node link
-  (each GPU carries 1/g of the bytes, and the node's g GPUs share its link), all-gather within the node;
-- compute scales with the per-device batch (linear: optimistic for small per-device batches);
-- the all-reduce overlaps the backward pass by 0 (none), or by the backward's share of the step, 2/3 (its FLOPs
-  are twice the forward's): a value fixed beforehand, never fitted. The truth lies between the two.
-
-Plain arithmetic: no JAX, no config.
+"""The alpha-beta model behind `python -m jdp.bench --predict`: a step's time and efficiency on N devices from the
+gradient's bytes, one device's step time and named links. Its terms (ring and hierarchical all-reduce, compute
+linear in the per-device batch, which flatters small batches, overlap 0 or 2/3, fixed beforehand):
+docs/benchmarks.md, "Scaling prediction before hardware". Plain arithmetic: no JAX, no config.
 """
 
 from __future__ import annotations

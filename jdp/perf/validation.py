@@ -1,9 +1,6 @@
-"""The scaling model (`jdp.perf.scaling`) against published data-parallel scaling results, with nothing fitted:
-each case's own per-GPU throughput, per-GPU batch, parameter count and network are the inputs, and the
-predicted efficiency is compared with the one the source reports. `python -m jdp.bench --predict --validate`.
-
-Each case is weak scaling (every GPU keeps its batch), as in the sources; efficiency is throughput per GPU
-at `gpus` over throughput per GPU at `baseline_gpus`.
+"""`python -m jdp.bench --predict --validate`: the scaling model against published results, nothing fitted: each
+case's own per-GPU throughput and batch, parameter count and network are the inputs. Weak scaling, as in the
+sources: efficiency is per-GPU throughput at `gpus` over that at `baseline_gpus`.
 """
 
 from __future__ import annotations
