@@ -1,5 +1,6 @@
 """Every command block of the README and of docs/ is run by a test as printed, or marked as needing a GPU or a
-cluster; every relative link of theirs leads to a file (and heading) that exists; the README stays a front door."""
+cluster; every relative link of theirs, and every pointer of jdp's code into docs/, leads to a file (and heading) that
+exists; the README stays a front door."""
 
 import json
 import re
@@ -146,6 +147,23 @@ def test_every_relative_link_leads_somewhere():
                     assert anchor in _anchors(file), f"{page.relative_to(REPO)}: {target!r} names no heading"
                 checked += 1
     assert checked >= 20
+
+
+def test_every_pointer_of_the_code_into_docs_leads_somewhere():
+    """`docs/PAGE.md, "Heading"` in jdp's docstrings and comments: the page exists, and the quoted words start one of
+    its headings or bold item labels (`- **Model** ...`); a pointer may wrap across lines."""
+    checked = 0
+    for module in (REPO / "jdp").rglob("*.py"):
+        for page, heading in re.findall(r"docs/([\w-]+\.md)(?:,?\s*['\"]([^'\"]+)['\"])?", module.read_text()):
+            where = f"{module.relative_to(REPO)}: docs/{page}"
+            assert (REPO / "docs" / page).is_file(), f"{where} is no page"
+            if heading:
+                headings = [" ".join(re.sub(r"^(#{1,6} |- \*\*)", "", line).split())
+                            for line in _outside_code(REPO / "docs" / page) if re.match(r"#{1,6} |- \*\*", line)]
+                words = " ".join(heading.split())
+                assert any(h.startswith(words) for h in headings), f"{where} has no heading {words!r}"
+                checked += 1
+    assert checked >= 10
 
 
 def test_the_readme_is_a_front_door():
