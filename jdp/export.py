@@ -1,4 +1,5 @@
-"""`python -m jdp.export --workdir W --out params.npz`: the command is `jdp.cli.export` (`jdp.export_params`)."""
+"""`python -m jdp.export --workdir W --out params.npz`: the command is `jdp.cli.export` (in Python:
+`jdp.export_params`)."""
 
 import sys
 

@@ -246,7 +246,7 @@ FLUSH_S = 120.0  # how often the event file's buffered records are pushed to the
 
 class _EventFile:
     """A TensorBoard event file in tensorboardX's format, written on the caller's thread: tensorboardX's SummaryWriter
-    writes on its own, where a failed write (a full disk) ends that thread and the next lines, and the exit, wait
+    writes on its own thread, where a failed write (a full disk) ends that thread and the next lines, and the exit, wait
     forever on its full queue. Here a failed write raises where the line is written, naming the file; the buffer is
     flushed every FLUSH_S and at close."""
 

@@ -1,7 +1,7 @@
 """`python -m jdp.compare parity` (docs/compare.md): jdp (`jdp_side parity`) and its DDP twin (`jdp.compare.ddp`),
 each a subprocess, trained from the same init.npz on the same batches and compared step by step. It fails (exit 1)
-when a step's loss or gradient-norm difference, |jdp - ddp| / |jdp|, exceeds its tolerance, or step 1's the step-1
-one (`TOLERANCES`); final weights and eval are reported, not judged (they accumulate every step's rounding).
+when a step's loss or gradient-norm difference, |jdp - ddp| / |jdp|, exceeds its tolerance, or step 1's exceeds the
+step-1 one (`TOLERANCES`); final weights and eval are reported, not judged (they accumulate every step's rounding).
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """Host-side image preprocessing for the tfds source: decode, random numbers, large-image crops (PIL).
 
 Images of height <= 64 are cropped and flipped on the device (`jdp.data.device_input`) from the offsets and
-flips drawn here; eval uses them as stored. Larger ones get torchvision's RandomResizedCrop (ten tries, then a
-centre fallback), or in eval the centre square of 0.875 x the shorter side (= resize to S / 0.875, crop S), resized
-to S x S on the source's worker threads. Every number is drawn up front from (seed, step) for the whole global
-batch, so no augmentation depends on the process count or the thread schedule (docs/datasets.md).
+flips drawn here; eval uses them as stored. Larger ones (or of variable size) get torchvision's RandomResizedCrop
+(ten tries, then a centre fallback), or in eval the centre square of 0.875 x the shorter side (= resize to
+S / 0.875, crop S), resized to S x S on the source's worker threads. Every number is drawn up front from
+(seed, step) for the whole global batch, so no augmentation depends on the process count or the thread schedule
+(docs/datasets.md).
 """
 
 from __future__ import annotations

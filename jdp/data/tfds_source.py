@@ -234,8 +234,8 @@ class TfdsSource(OrderedSource):
     def _read(self, source: _Records, rows: np.ndarray, transform: Callable[[bytes | np.ndarray, int], np.ndarray]
               ) -> tuple[np.ndarray, np.ndarray]:
         """Rows of `source` -> (pixels uint8 (n, *input_shape), labels int32), `transform(stored image, i)` decoding
-        row i. One contiguous chunk per worker thread, each written into its own slots, so the result does not
-        depend on the schedule; labels outside [0, num_classes) are refused."""
+        row i. One contiguous chunk per worker thread (one in all for a small batch), each written into its own
+        slots, so the result does not depend on the schedule; labels outside [0, num_classes) are refused."""
         n = len(rows)
         pixels = np.empty((n, *self.input_shape), np.uint8)
         labels = np.empty(n, np.int32)
