@@ -312,9 +312,10 @@ class Checkpointer:
                        reject_damaged: bool = True, timeout_s: float = 120.0, per_device: Any = None,
                        check: Callable[[int, dict], None] | None = None) -> tuple[int, Any, dict[str, int]] | None:
         """(step, state, data position) of the newest intact checkpoint, restored into `abstract_state`; None when
-        there is none. Every process calls this together. `reject_damaged`: move damaged ones newer than it to
-        WORKDIR/rejected. `warn`: takes each warning line (default: stderr, process 0). `per_device` (bools like the
-        state): leaves saved one row per device, None when saved on another device count (started afresh).
+        there is no checkpoint at all (none intact: CheckpointError). Every process calls this together.
+        `reject_damaged`: move damaged ones newer than it to WORKDIR/rejected. `warn`: takes each warning line
+        (default: stderr, process 0). `per_device` (bools like the state): leaves saved one row per device, None
+        when saved on another device count (started afresh).
         `check(step, data item)` runs on each intact data item before its arrays are read; what it raises (the
         guard's refusal) stops the restore. An unreadable, not damaged, checkpoint: DiskError, nothing moved."""
         warn = warn or _warn

@@ -6,7 +6,7 @@ all-to-all, ragged-all-to-all, collective-permute, and their `-start` forms) per
   the group's size, a reduce-scatter's its result * the group's size, a ragged-all-to-all's its output buffer (the
   most it may move); a group of one device sends nothing; one in the entry computation runs every step;
 - a conditional of two branches (`lax.cond`: {false, true}) counts its true branch, a strategy's steady state,
-  once every `period` steps, and not the other (a start-up path, or nothing); one of more (`lax.switch`, a
+  once every `period` steps, and not the other (a start-up path, or nothing); one of more branches (`lax.switch`, a
   staggered sync, each branch run once a period) counts every branch 1/`period`, as the HLO marks none idle (a
   staggered sync of two branches would read as `lax.cond`);
 - a while loop's body counts its known trip count times (once when XLA does not know it).

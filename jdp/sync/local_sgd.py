@@ -43,7 +43,7 @@ class LocalSGD(Sync):
                        merge_floating(averaged["model_state"], local.model_state), None)
 
     def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
-        """At a sync point, counted from the step before whatever the guard kept (a sync step whose update was
+        """At a sync point, counted from the step before, whatever the guard kept (a sync step whose update was
         dropped or held still syncs): the floating leaves averaged; the optimizer's step counts agree already."""
         def average(tree: Tree) -> Tree:
             return jax.tree.map(lambda x: all_reduce_mean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.floating)

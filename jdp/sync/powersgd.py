@@ -108,7 +108,7 @@ NEEDS = ("{what} compresses each device's gradient before its all-reduce: it nee
 
 
 class PowerSGD(Sync):
-    """Every gradient goes whole before `start_step`, and always a matrix that r (n + m) floats do not shrink by
+    """Every gradient goes whole before `start_step`, and a matrix always if r (n + m) floats do not shrink it by
     `min_compression_rate` (torch's PowerSGDState `start_powerSGD_iter` and `min_compression_rate`; torch's default
     rate is 2). Bound to a model (`bind`), it holds the matrices it compresses. State: {"q": {name: (layers, m, r)},
     replicated, "error": {name: (devices, layers, n, m)}, per device: it restores on the same device count only}."""
