@@ -95,8 +95,7 @@ def _format(checkpoints: Path, last: int, previous: int) -> str:  # 2 -> 3: one 
 
 
 def _fingerprint(checkpoints: Path, last: int, previous: int) -> str:  # the run's settings' hash: one bit
-    _flip_metadata(checkpoints / str(last), r'"fit": "[0-9a-f]', lambda m: m[:-1] + format(
-        int(m[-1], 16) ^ 1, "x"))
+    _flip_metadata(checkpoints / str(last), r'"fit": "[0-9a-f]', lambda m: m[:-1] + format(int(m[-1], 16) ^ 1, "x"))
     return str(last)
 
 

@@ -1,8 +1,7 @@
 """The redesign's figures of a checkout: lines in jdp/ (and how many of them are code, docstrings, comments and
-blank) and in its core (split, step, gradient, sync strategies,
-update, loss, model state, backends), the length of `train_step` and of the longest function, the README's length,
-and the lines outside jdp/sync/ that name a sync strategy's class or one of the strategy flags (the Option rows of
-jdp/options.py aside).
+blank) and in its core (split, step, gradient, sync strategies, update, loss, model state, backends), the length of
+`train_step` and of the longest function, the README's length, and the lines outside jdp/sync/ that name a sync
+strategy's class or one of the strategy flags (the Option rows of jdp/options.py aside).
 
     python benchmarks/house_figures.py [CHECKOUT]      (default: this one)
 """
@@ -21,26 +20,27 @@ CORE = {"mesh.py", "step.py", "gradients.py", "update.py", "loss.py", "modeldef.
 
 def main(root: Path) -> None:
     files = [p for p in (root / "jdp").rglob("*.py") if "configs" not in p.relative_to(root).parts]
-    lines = {p: len(p.read_text().splitlines()) for p in files}
+    texts = {p: p.read_text() for p in files}
+    trees = {p: ast.parse(text) for p, text in texts.items()}
+    lines = {p: len(text.splitlines()) for p, text in texts.items()}
     core = sum(n for p, n in lines.items()
                if p.parent == root / "jdp" and p.name in CORE or p.parent == root / "jdp" / "sync")
     functions = [(node.end_lineno - node.lineno + 1, f"{p.relative_to(root)}:{node.name}", node.name)
-                 for p in files for node in ast.walk(ast.parse(p.read_text()))
+                 for p, tree in trees.items() for node in ast.walk(tree)
                  if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)]
     train_step = next(n for n, where, name in functions if name == "train_step" and "step.py" in where)
     longest = max(functions)
-    print(f"jdp/: {sum(lines.values())} lines ({kinds_of_lines(files)}); core: {core}; train_step: {train_step} "
+    print(f"jdp/: {sum(lines.values())} lines ({kinds_of_lines(texts, trees)}); core: {core}; train_step: {train_step} "
           f"lines; longest function: {longest[1]}, {longest[0]} lines; "
           f"README: {len((root / 'README.md').read_text().splitlines())} lines; "
-          f"lines naming a strategy or its flags outside jdp/sync/: {strategy_mentions(root, files)}")
+          f"lines naming a strategy or its flags outside jdp/sync/: {strategy_mentions(root, texts)}")
 
 
-def kinds_of_lines(files: list[Path]) -> str:
+def kinds_of_lines(texts: dict[Path, str], trees: dict[Path, ast.Module]) -> str:
     """How many of the files' lines are code, docstrings, comments and blank."""
     counts = dict.fromkeys(("code", "docstrings", "comments", "blank"), 0)
-    for path in files:
-        text = path.read_text()
-        docstrings = {line for node in ast.walk(ast.parse(text))
+    for path, text in texts.items():
+        docstrings = {line for node in ast.walk(trees[path])
                       if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
                       and (doc := node.body[:1]) and isinstance(doc[0], ast.Expr)
                       and isinstance(doc[0].value, ast.Constant) and isinstance(doc[0].value.value, str)
@@ -52,12 +52,11 @@ def kinds_of_lines(files: list[Path]) -> str:
     return ", ".join(f"{kind} {n}" for kind, n in counts.items())
 
 
-def strategy_mentions(root: Path, files: list[Path]) -> int:
+def strategy_mentions(root: Path, texts: dict[Path, str]) -> int:
     count = 0
-    for path in files:
+    for path, text in texts.items():
         if (root / "jdp" / "sync") in path.parents:
             continue
-        text = path.read_text()
         if path.name == "options.py" and path.parent == root / "jdp" and "OPTIONS: tuple" in text:
             start = text.index("OPTIONS: tuple")
             text = text[:start] + text[text.index("\nBY_NAME", start):]  # the Option rows

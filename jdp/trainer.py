@@ -271,6 +271,7 @@ def fit(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
                options=_options(options))
 
 
+@preemption.during_fit()  # a signal in a script ends it with exit 75, as in the CLI
 def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
         optimizer: optax.GradientTransformation, steps: int, global_batch_size: int, options: FitOptions,
         on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None,
@@ -279,34 +280,33 @@ def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
     checkpoints, under its lock, before fit's resume check; `on_start(step)`: with the start (or resumed) step, before
     anything is written to the workdir. `settings`: the caller's settings that define the run ({name: JSON-able
     value}), recorded in run.json and each checkpoint's fingerprint and guarded like fit's own."""
-    with preemption.during_fit():  # a signal in a script ends it with exit 75, as in the CLI
-        o = options
-        _check_joined()
-        strategy, what = sync_lib.strategy(o)  # a periodic strategy's replicas agree only at sync points
-        if not 0 < steps < 2**31 or steps % strategy.every:  # the state counts steps in int32
-            raise FitError(f"steps={steps} must be positive, below 2**31, and a multiple of the sync strategy's period "
-                           f"{strategy.every} ({what})")
-        if o.workdir is not None:
-            try:
-                storage.check_writable(o.workdir, "workdir")
-            except UsageError as e:
-                raise FitError(str(e)) from None
-        engine = prepare(model, loss_fn, train_data, optimizer=optimizer, global_batch_size=global_batch_size,
-                         options=o)
+    _check_joined()
+    strategy, what = sync_lib.strategy(options)  # a periodic strategy's replicas agree only at sync points
+    if not 0 < steps < 2**31 or steps % strategy.every:  # the state counts steps in int32
+        raise FitError(f"steps={steps} must be positive, below 2**31, and a multiple of the sync strategy's period "
+                       f"{strategy.every} ({what})")
+    if options.workdir is not None:
         try:
-            fit_record = None if o.workdir is None else record_lib.fit_record(
-                model=model, loss_fn=loss_fn, optimizer=optimizer, source=engine.source,
-                abstract_params=engine.abstract_state.params, steps=steps, global_batch_size=global_batch_size,
-                options=o, data_factories=tuple(d if is_factory(d) else None for d in (train_data, o.eval_data)),
-                settings=settings)
-            outcome = loop.train(engine, o, steps, global_batch_size, fit_record, on_resume, on_start)
-        finally:
-            engine.source.close()
-        final = outcome.final
-        if isinstance(model, nnx.Module):
-            engine.model.load_into(model, final.params, final.model_state, final.rng_state)
-        result = FitResult(outcome.losses, outcome.eval_metrics, final.params, final.model_state, outcome.step,
-                           outcome.examples_per_sec)
-        for callback in outcome.callbacks:
-            callback.on_end(result)
-        return result
+            storage.check_writable(options.workdir, "workdir")
+        except UsageError as e:
+            raise FitError(str(e)) from None
+    engine = prepare(model, loss_fn, train_data, optimizer=optimizer, global_batch_size=global_batch_size,
+                     options=options)
+    try:
+        fit_record = None if options.workdir is None else record_lib.fit_record(
+            model=model, loss_fn=loss_fn, optimizer=optimizer, source=engine.source,
+            abstract_params=engine.abstract_state.params, steps=steps, global_batch_size=global_batch_size,
+            options=options,
+            data_factories=tuple(d if is_factory(d) else None for d in (train_data, options.eval_data)),
+            settings=settings)
+        outcome = loop.train(engine, options, steps, global_batch_size, fit_record, on_resume, on_start)
+    finally:
+        engine.source.close()
+    final = outcome.final
+    if isinstance(model, nnx.Module):
+        engine.model.load_into(model, final.params, final.model_state, final.rng_state)
+    result = FitResult(outcome.losses, outcome.eval_metrics, final.params, final.model_state, outcome.step,
+                       outcome.examples_per_sec)
+    for callback in outcome.callbacks:
+        callback.on_end(result)
+    return result
