@@ -33,27 +33,20 @@ from jdp.workdir_lock import LOCK_NAME
 # Orbax logs every save at INFO through absl, and a failed write once per thread with a traceback; jdp reports
 # saves, and a full disk (jdp.storage), itself.
 logging.getLogger("absl").setLevel(logging.WARNING)
-logging.getLogger("absl").addFilter(QuietDiskFailures())
-# The same failure again from asyncio, once per write task still running when orbax gave up on the save ("Task
-# exception was never retrieved", a traceback each, when the task is collected).
-logging.getLogger("asyncio").addFilter(QuietDiskFailures())
+_UNREADABLE_METADATA = ("Metadata file does not exist", "Failed to read Metadata file",
+                        "Failed to json parse Metadata file")
 
 
-class _QuietStepMetadata(logging.Filter):
-    """Drops orbax's absl lines about its step metadata file (`STEP/_CHECKPOINT_METADATA`) missing, unreadable or
-    holding unknown keys: jdp reads nothing from it (it names the handlers itself), so those lines only alarm."""
-
-    _UNREADABLE = ("Metadata file does not exist", "Failed to read Metadata file", "Failed to json parse Metadata file")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        message = str(record.msg)
-        if message.startswith("Provided metadata contains unknown key"):
-            return False
-        return not (message.startswith(self._UNREADABLE) and isinstance(record.args, tuple) and record.args
-                    and Path(str(record.args[0])).name == "_CHECKPOINT_METADATA")
-
-
-logging.getLogger("absl").addFilter(_QuietStepMetadata())
+def _quiet_orbax_notes(record: logging.LogRecord) -> bool:
+    """Drops orbax's absl lines that only alarm: its step metadata file (`STEP/_CHECKPOINT_METADATA`) missing,
+    unreadable or holding unknown keys (jdp reads nothing from it: it names the handlers itself), and `Waiting for
+    previous save to complete took ... seconds` (a loaded machine, close checkpoints: jdp reports that time as the
+    summary's checkpoint stall, and a failed run's stderr must stay one line)."""
+    message = str(record.msg)
+    if message.startswith(("Provided metadata contains unknown key", "Waiting for previous save to complete")):
+        return False
+    return not (message.startswith(_UNREADABLE_METADATA) and isinstance(record.args, tuple) and record.args
+                and Path(str(record.args[0])).name == "_CHECKPOINT_METADATA")
 
 
 def _quiet_while_vanished(record: logging.LogRecord) -> bool:
@@ -62,18 +55,15 @@ def _quiet_while_vanished(record: logging.LogRecord) -> bool:
     return record.levelno < logging.WARNING or not (_VANISHED or any(c.vanished() for c in list(_OPEN)))
 
 
-def _quiet_save_waits(record: logging.LogRecord) -> bool:
-    """Drops orbax's `Waiting for previous save to complete took ... seconds` (a loaded machine, close checkpoints):
-    jdp reports that time as the summary's checkpoint stall, and a failed run's stderr must stay one line."""
-    return not str(record.msg).startswith("Waiting for previous save to complete")
-
-
-logging.getLogger("absl").addFilter(_quiet_save_waits)
 _OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # the Checkpointers not closed yet
 _VANISHED: list[Path] = []  # what `Checkpointer.vanished` found gone (until the next Checkpointer): what orbax
 # logs late, once the Checkpointer is closed (a task's exception when it is collected), is quieted too
-logging.getLogger("absl").addFilter(_quiet_while_vanished)
-logging.getLogger("asyncio").addFilter(_quiet_while_vanished)
+logging.getLogger("absl").addFilter(_quiet_orbax_notes)
+# A failed write again from asyncio, once per write task still running when orbax gave up on the save ("Task
+# exception was never retrieved", a traceback each, when the task is collected).
+for _logger in ("absl", "asyncio"):
+    logging.getLogger(_logger).addFilter(QuietDiskFailures())
+    logging.getLogger(_logger).addFilter(_quiet_while_vanished)
 
 
 class _QuietAbandonedReads:
@@ -119,22 +109,10 @@ class _DataHandler(ocp.handlers.JsonCheckpointHandler):
         await super()._save_fn(x() if callable(x) else x, directory)
 
 
-@ocp.args.register_with_handler(_DataHandler, for_save=True)
+@ocp.args.register_with_handler(_DataHandler, for_save=True, for_restore=True)
 @dataclasses.dataclass
-class _DataSave(ocp.args.CheckpointArgs):
-    item: Any  # a JSON-able dict, or a function returning one
-
-
-@ocp.args.register_with_handler(_DataHandler, for_restore=True)
-@dataclasses.dataclass
-class _DataRestore(ocp.args.CheckpointArgs):
-    item: Any = None
-
-
-def _as_dict_path(path: str) -> str:
-    """A digest's path in the TrainState (`.params['w']`) as the path in the dict orbax restores (`['params']['w']`)."""
-    field, bracket, rest = path[1:].partition("[")
-    return f"['{field}']{bracket}{rest}"
+class _Data(ocp.args.CheckpointArgs):
+    item: Any = None  # to save: a JSON-able dict, or a function returning one
 
 
 def _int_keys(tree: Any) -> Any:
@@ -163,7 +141,7 @@ def read_arrays(directory: Path, step: int | None = None) -> tuple[int, dict[str
         if problem is None:
             as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
             restored, problem = _read(lambda: reader.restore(step, args=ocp.args.Composite(
-                state=ocp.args.PyTreeRestore(restore_args=as_numpy), data=_DataRestore())), directory / str(step))
+                state=ocp.args.PyTreeRestore(restore_args=as_numpy), data=_Data())), directory / str(step))
     finally:
         reader.close()
     problem = problem or _data_problem(directory, step, restored["data"])
@@ -183,7 +161,7 @@ def _arrays_problem(digests: dict | None, stored: dict[str, list], arrays: dict[
     if problem := digest.layout_disagreement(digests, stored):
         return f"{problem} (damaged bytes)"
     model_part = {k: arrays[k] for k in ("params", "model_state", "rng_state")}
-    return digest.mismatch({_as_dict_path(path): v for path, v in digests.items()}, model_part)
+    return digest.mismatch(digests, model_part)
 
 
 def _data_problem(directory: Path, step: int, data: Any) -> str | None:
@@ -217,11 +195,6 @@ def _step_problem(step: int, held: Any) -> str | None:
             "from another step")
 
 
-def _state_step(state: Any) -> int:
-    step = state.step
-    return int(np.asarray(step.addressable_data(0) if hasattr(step, "addressable_data") else step))
-
-
 def _read(read: Callable[[], Any], where: Path) -> tuple[Any, str | None]:
     """(read(), None), or (None, the line) for a failure to read that is damage. One that is not about the bytes
     read (a permission, a stale handle) is retried, then raised as DiskError: the checkpoint is left in place."""
@@ -230,15 +203,11 @@ def _read(read: Callable[[], Any], where: Path) -> tuple[Any, str | None]:
     except DiskError:
         raise
     except Exception as e:  # noqa: BLE001 - any other failure to read means the checkpoint is damaged
-        return None, _read_error(e)
-
-
-def _read_error(error: BaseException) -> str:
-    """The line for a failed read. orbax wraps an array's failed read in a bare Exception ending in a method's repr
-    (`See full TensorStore details: <bound method ...>`); tensorstore's error inside names the file and the fault."""
-    while type(error) is Exception and error.__cause__ is not None:
-        error = error.__cause__
-    return one_line(error)
+        # orbax wraps an array's failed read in a bare Exception ending in a method's repr (`See full TensorStore
+        # details: <bound method ...>`); tensorstore's error inside names the file and the fault.
+        while type(e) is Exception and e.__cause__ is not None:
+            e = e.__cause__
+        return None, one_line(e)
 
 
 def _as_saved(abstract_state: Any, per_device: Any, digests: dict) -> tuple[Any, set[str]]:
@@ -302,7 +271,7 @@ class Checkpointer:
             return digest.sealed({**data, "digests": leaves} if leaves is not None else data)
 
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                         data=_DataSave(with_digests)), force=True)
+                                                         data=_Data(with_digests)), force=True)
         kill_if_requested("save", step)
 
     def wait(self) -> None:
@@ -358,7 +327,7 @@ class Checkpointer:
         unreadable, the problem). Raises CheckpointError for a checkpoint that is intact but does not fit."""
         where = self.directory / str(step)
         data, problem = _read(lambda: self._manager.restore(step, args=ocp.args.Composite(
-            data=_DataRestore()))["data"], where)
+            data=_Data()))["data"], where)
         problem = problem or _data_problem(self.directory, step, data)
         if problem is None and check is not None:
             check(step, data)
@@ -391,7 +360,8 @@ class Checkpointer:
         if problem is not None:
             return None, problem
         problem = digest.mismatch(digests, state) if digests is not None else None
-        problem = problem or _step_problem(step, _state_step(state))
+        held = state.step.addressable_data(0) if hasattr(state.step, "addressable_data") else state.step
+        problem = problem or _step_problem(step, int(np.asarray(held)))
         if resized and not problem:
             state = jax.tree_util.tree_map_with_path(lambda path, x: None if jax.tree_util.keystr(path) in resized
                                                      else x, state)

@@ -109,17 +109,18 @@ def layout_difference(digests: dict[str, list], abstract: Any) -> str | None:
 
 
 def mismatch(digests: dict[str, list], tree: Any) -> str | None:
-    """A line naming the first leaf of `tree` (host or device arrays) whose digest differs from `digests`, or None.
-    Word sums are computed where the arrays are (every process calls this together)."""
-    leaves = _leaves(tree)
-    counted = [(path, x) for path, x in leaves if str(digests.get(path, [None] * 3)[2]).startswith(WORDS)]
+    """A line naming the first leaf of `tree` (host or device arrays) whose digest differs from `digests` (paths as
+    any tree spells them: `_plain`), or None. Word sums are computed where the arrays are (every process calls this
+    together)."""
+    leaves, digests = _leaves(tree), {_plain(path): value for path, value in digests.items()}
+    counted = [(path, x) for path, x in leaves if str(digests.get(_plain(path), [None] * 3)[2]).startswith(WORDS)]
     on_devices = [(path, x) for path, x in counted if isinstance(x, jax.Array)]
     sums = np.asarray(_word_sums([x for _, x in on_devices])) if on_devices else []
     words = dict(zip([p for p, _ in on_devices], sums, strict=True))
     words |= {path: _sums_on_host(x) for path, x in counted if not isinstance(x, jax.Array)}
     for path, leaf in leaves:
         got = _of_words(leaf, words[path]) if path in words else of_leaf(to_numpy(leaf))
-        if got != digests.get(path):
+        if got != digests.get(_plain(path)):
             return f"the digest of {path} does not match the one saved with it (damaged bytes)"
     return None
 
