@@ -11,7 +11,9 @@ import signal
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from types import FrameType, TracebackType
+from typing import Self
 
 from jdp.errors import Preempted, UsageError
 
@@ -24,24 +26,16 @@ EXIT_PEER_FAILED = 5  # jdp.cli.train's EXIT_DISTRIBUTED: another process (or th
 LAUNCH_FAILURE_FILE = "JDP_LAUNCH_FAILURE_FILE"
 
 
-def launch_failure() -> str | None:
-    """Under `jdp.launch`, why it is stopping this process (`rank 1 exited with code 1`), when it stops the group
-    because another process failed; None otherwise (no launcher, or a SIGTERM it passed on: a preemption)."""
-    path = os.environ.get(LAUNCH_FAILURE_FILE)
-    if not path:
-        return None
-    try:
-        with open(path) as f:
-            return f.read().strip() or "another process failed"
-    except OSError:
-        return None
-
-
 def _exit_if_peer_failed() -> None:
     """A SIGTERM from jdp.launch after another process failed is no preemption: one line and exit 5 at once (a
-    requeue policy must not take a crash for a preemption; the peer is gone, so no checkpoint can be written)."""
-    failure = launch_failure()
-    if failure is None:
+    requeue policy must not take a crash for a preemption; the peer is gone, so no checkpoint can be written).
+    Without a launcher, or for a SIGTERM it passed on (a preemption), it has written no file: nothing happens."""
+    path = os.environ.get(LAUNCH_FAILURE_FILE)
+    if not path:
+        return
+    try:
+        failure = Path(path).read_text().strip() or "another process failed"
+    except OSError:
         return
     sys.stdout.flush()
     print(f"jdp: distributed: process {os.environ.get('RANK', '?')} stopped because another process failed "
@@ -60,16 +54,21 @@ def _exit_at_once(signum: int, frame: FrameType | None) -> None:
 
 def exit_on_signal() -> None:
     """From now on (until a `PreemptionRequest` takes over), SIGTERM or SIGINT exits 75 at once."""
-    for s in PreemptionRequest.SIGNALS:
+    for s in ExitOnSignal.SIGNALS:
         signal.signal(s, _exit_at_once)
 
 
 class ExitOnSignal:
-    """Context manager: `exit_on_signal` inside, the previous handlers restored after (main thread only)."""
+    """Context manager: `exit_on_signal` inside, the previous handlers restored after (main thread only: signals can
+    only be caught there)."""
 
-    def __enter__(self) -> ExitOnSignal:
-        main = threading.current_thread() is threading.main_thread()
-        self._previous = {s: signal.signal(s, _exit_at_once) for s in PreemptionRequest.SIGNALS} if main else {}
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    _previous: dict[int, object] = {}
+    _handle = staticmethod(_exit_at_once)
+
+    def __enter__(self) -> Self:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -77,14 +76,11 @@ class ExitOnSignal:
             signal.signal(s, handler)
 
 
-class PreemptionRequest:
+class PreemptionRequest(ExitOnSignal):
     """Context manager that records the first SIGTERM or SIGINT instead of dying on it."""
-
-    SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
     def __init__(self) -> None:
         self.signal_name: str | None = None
-        self._previous: dict[int, object] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         _exit_if_peer_failed()
@@ -95,15 +91,6 @@ class PreemptionRequest:
         self.signal_name = name
         print(f"jdp: {name} received: finishing the current step and writing a checkpoint "
               "(send it again to exit at once)", file=sys.stderr, flush=True)
-
-    def __enter__(self) -> PreemptionRequest:
-        if threading.current_thread() is threading.main_thread():  # signals can only be caught there
-            self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
 
 
 def interactive() -> bool:
