@@ -25,13 +25,8 @@ def write_atomic(path: Path, content: str | bytes) -> None:
     finally:
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
-    fsync_directory(path.parent)
-
-
-def fsync_directory(directory: Path) -> None:
-    """Makes a rename inside `directory` durable (where the filesystem allows opening a directory)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
+    with contextlib.suppress(OSError):  # the rename made durable, where the filesystem allows opening a directory
+        fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(fd)
         finally:
