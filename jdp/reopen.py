@@ -24,20 +24,6 @@ from jdp.modeldef import LossFn, ModelDef, state_groups
 from jdp.params_file import flatten
 
 
-def model_factory(workdir: Path, call: str = "jdp.restore(workdir, model)") -> Callable[[], nnx.Module]:
-    """The importable factory a run's record names (FitError, saying what to pass instead, when it names none):
-    `call` is how the caller's function takes the model."""
-    fit_record = record_lib.read(workdir)
-    if fit_record is None:
-        raise FitError(f"{workdir / record_lib.RECORD_FILE} holds no jdp.fit record (a run of an earlier jdp, or no "
-                       f"run); pass the model: {call}")
-    factory = fit_record["model"]["factory"]
-    if factory is None:
-        raise FitError(f"{workdir}'s model ({fit_record['model']['class']}) cannot be rebuilt: fit was given an "
-                       f"instance, or a function that cannot be imported; pass it: {call}")
-    return imported(factory, "model")
-
-
 def imported(described: dict[str, Any], what: str) -> Callable[[], Any]:
     """`jdp.record.load`, failing in one line."""
     try:
@@ -57,8 +43,17 @@ def restore(workdir: str | Path, model: nnx.Module | Callable[[], nnx.Module] | 
 
 def _restored(workdir: Path, model: nnx.Module | Callable[[], nnx.Module] | None, step: int | None,
               call: str = "jdp.restore(workdir, model)") -> tuple[int, nnx.Module]:
+    """The step and the model of the run's checkpoint; `model` None: the importable factory the run's record names
+    (FitError, saying what to pass instead, when it names none). `call` is how the caller's function takes the model."""
     if model is None:
-        model = model_factory(workdir, call)
+        fit_record = record_lib.read(workdir)
+        if fit_record is None:
+            raise FitError(f"{workdir / record_lib.RECORD_FILE} holds no jdp.fit record (a run of an earlier jdp, or "
+                           f"no run); pass the model: {call}")
+        if fit_record["model"]["factory"] is None:
+            raise FitError(f"{workdir}'s model ({fit_record['model']['class']}) cannot be rebuilt: fit was given an "
+                           f"instance, or a function that cannot be imported; pass it: {call}")
+        model = imported(fit_record["model"]["factory"], "model")
     if not isinstance(model, nnx.Module):
         model = model()
     if not (workdir / "checkpoints").is_dir():
