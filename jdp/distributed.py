@@ -129,23 +129,22 @@ def resolve(env: Mapping[str, str] | None = None, *, coordinator: str | None = N
     master_addr, master_port = get("MASTER_ADDR"), get("MASTER_PORT")
 
     coord = _first(("--coordinator", coordinator), ("JAX_COORDINATOR_ADDRESS", get("JAX_COORDINATOR_ADDRESS")))
-    if coord is None and (master_addr or master_port):
-        if not master_addr or not master_port:
-            present, missing = ("MASTER_ADDR", "MASTER_PORT") if master_addr else ("MASTER_PORT", "MASTER_ADDR")
-            raise DistributedUsageError(f"{present}={get(present)} is set but {missing} is missing; set {missing} "
-                                        "too, or pass --coordinator HOST:PORT")
-        _port("MASTER_PORT", master_port)
-        coord = ("MASTER_ADDR/MASTER_PORT", f"{master_addr}:{master_port}")
     num = _first(("--num_processes", num_processes), ("JAX_NUM_PROCESSES", get("JAX_NUM_PROCESSES")),
                  ("WORLD_SIZE", get("WORLD_SIZE")))
     pid = _first(("--process_id", process_id), ("JAX_PROCESS_ID", get("JAX_PROCESS_ID")), ("RANK", get("RANK")))
 
-    # torchrun's pair: RANK without WORLD_SIZE (or the reverse) is a broken launch script, even under SLURM.
-    for present, missing, setting, field in (("RANK", "WORLD_SIZE", num, "--num_processes N"),
-                                             ("WORLD_SIZE", "RANK", pid, "--process_id I")):
+    # Half of torchrun's pairs (RANK without WORLD_SIZE, MASTER_ADDR without MASTER_PORT, or the reverse), where no
+    # flag or JAX variable stands for the missing half, is a broken launch script, even under SLURM.
+    pairs = (("MASTER_ADDR", "MASTER_PORT", coord or master_port, "--coordinator HOST:PORT"),
+             ("MASTER_PORT", "MASTER_ADDR", coord or master_addr, "--coordinator HOST:PORT"),
+             ("RANK", "WORLD_SIZE", num, "--num_processes N"), ("WORLD_SIZE", "RANK", pid, "--process_id I"))
+    for present, missing, setting, field in pairs:
         if get(present) is not None and setting is None:
             raise DistributedUsageError(f"{present}={get(present)} is set but {missing} is missing; set {missing} "
                                         f"too, or pass {field}")
+    if coord is None and master_addr:
+        _port("MASTER_PORT", master_port)
+        coord = ("MASTER_ADDR/MASTER_PORT", f"{master_addr}:{master_port}")
     if slurm:
         num = num or ("SLURM_NTASKS", get("SLURM_NTASKS"))
         pid = pid or ("SLURM_PROCID", get("SLURM_PROCID"))
