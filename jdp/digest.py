@@ -109,9 +109,8 @@ def layout_difference(digests: dict[str, list], abstract: Any) -> str | None:
 
 
 def mismatch(digests: dict[str, list], tree: Any) -> str | None:
-    """A line naming the first leaf of `tree` (host or device arrays) whose digest differs from `digests` (paths as
-    any tree spells them: `_plain`), or None. Word sums are computed where the arrays are (every process calls this
-    together)."""
+    """A line naming the first leaf of `tree` (host or device arrays; paths matched by `_plain`) whose digest differs
+    from `digests`, or None. Word sums are computed where the arrays are (every process calls this together)."""
     leaves, digests = _leaves(tree), {_plain(path): value for path, value in digests.items()}
     counted = [(path, x) for path, x in leaves if str(digests.get(_plain(path), [None] * 3)[2]).startswith(WORDS)]
     on_devices = [(path, x) for path, x in counted if isinstance(x, jax.Array)]
