@@ -91,17 +91,12 @@ def check_ranges(cfg: ml_collections.ConfigDict) -> None:
                           "--config.data.shape=(28,28,1)")
 
 
-def shipped_configs() -> list[str]:
-    return sorted(p.stem for p in DEFAULT_CONFIG.parent.glob("[!_]*.py") if p.stem != "base")
-
-
 def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
     """A config file by path, or a shipped config by name (`mnist1d_cnn`). The file's folder becomes
     importable, so a config beside the user's code can name it (`model.name = "nets:ViT"`)."""
-    path = Path(path)
-    if not path.is_file() and (DEFAULT_CONFIG.parent / path.with_suffix(".py").name).is_file() \
-            and path.parent == Path():
-        path = DEFAULT_CONFIG.parent / path.with_suffix(".py").name
+    path, shipped = Path(path), DEFAULT_CONFIG.parent / Path(path).with_suffix(".py").name
+    if not path.is_file() and shipped.is_file() and path.parent == Path():
+        path = shipped
     if path.is_dir():
         raise ConfigError(f"config file {path} is a directory; pass --config PATH.py, a Python file defining "
                           "get_config(), or the name of a shipped config")
@@ -109,31 +104,19 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
         raise ConfigError(f"config file {path} is not a regular file (a device or a pipe); pass --config PATH.py, "
                           "a Python file defining get_config()")
     if not path.is_file():
+        names = sorted(p.stem for p in DEFAULT_CONFIG.parent.glob("[!_]*.py") if p.stem != "base")
         raise ConfigError(f"config file {path} not found; pass --config PATH.py or the name of a shipped config "
-                          f"({', '.join(shipped_configs())})")
+                          f"({', '.join(names)})")
     if path.stat().st_size == 0:
         raise ConfigError(f"config file {path} is empty; it must define get_config() returning an "
                           "ml_collections.ConfigDict (start from jdp.configs.base.get_config())")
     _importable(str(path.parent.absolute()))
     spec = importlib.util.spec_from_file_location(f"jdp_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except SyntaxError as e:
-        raise ConfigError(f"config file {path} line {e.lineno}: {e.msg}; fix the file") from None
-    except SystemExit as e:  # sys.exit(0) would end the run with exit 0, a success to a scheduler
-        raise ConfigError(_exited(e, path)) from None
-    except Exception as e:  # noqa: BLE001 - the user's file failed: say where, in one line
-        raise ConfigError(f"config file {path}{_where(e, path)}: {one_line(e)}; fix the file") from None
+    _run_user_code(lambda: spec.loader.exec_module(module), path)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path} defines no get_config(); it must return an ml_collections.ConfigDict")
-    try:
-        cfg = module.get_config()
-    except SystemExit as e:
-        raise ConfigError(_exited(e, path, "get_config() called ")) from None
-    except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"config file {path}{_where(e, path)}: get_config() raised {one_line(e)}; "
-                          "fix the file") from None
+    cfg = _run_user_code(module.get_config, path, "get_config()")
     if not isinstance(cfg, ml_collections.ConfigDict):
         raise ConfigError(f"config file {path}: get_config() returned a {type(cfg).__name__}; it must return an "
                           "ml_collections.ConfigDict (start from jdp.configs.base.get_config())")
@@ -144,9 +127,19 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
     return cfg
 
 
-def _exited(error: SystemExit, path: Path, caller: str = "") -> str:
-    return (f"config file {path}{_where(error, path)} exited while loading ({caller}sys.exit({error.code!r})); a "
-            "config file must define get_config() and return, not exit: fix the file")
+def _run_user_code(fn: Callable[[], Any], path: Path, caller: str = "") -> Any:
+    """`fn()`, code of the config file at `path` (`caller` names it), any failure of it one ConfigError line."""
+    try:
+        return fn()
+    except SystemExit as e:  # sys.exit(0) would end the run with exit 0, a success to a scheduler
+        raise ConfigError(f"config file {path}{_where(e, path)} exited while loading ({caller and caller + ' called '}"
+                          f"sys.exit({e.code!r})); a config file must define get_config() and return, not exit: "
+                          "fix the file") from None
+    except Exception as e:  # noqa: BLE001 - the user's file failed: say where, in one line
+        if isinstance(e, SyntaxError) and not caller:  # the file does not parse
+            raise ConfigError(f"config file {path} line {e.lineno}: {e.msg}; fix the file") from None
+        raise ConfigError(f"config file {path}{_where(e, path)}: {caller and caller + ' raised '}{one_line(e)}; "
+                          "fix the file") from None
 
 
 def _where(error: BaseException, path: Path) -> str:
@@ -226,10 +219,7 @@ def _parse_value(key: str, raw: str, current: object) -> object:
     """Parse `raw` as the type the field already has, so `--config.train.steps=1e3` fails loudly."""
     try:
         if isinstance(current, bool):
-            lowered = raw.lower()
-            if lowered not in ("true", "false", "1", "0"):
-                raise ValueError
-            return lowered in ("true", "1")
+            return {"true": True, "1": True, "false": False, "0": False}[raw.lower()]
         if isinstance(current, int):
             return int(raw)
         if isinstance(current, float):
@@ -238,7 +228,7 @@ def _parse_value(key: str, raw: str, current: object) -> object:
             value = ast.literal_eval(raw) if raw.strip() else ()
             return tuple(value) if isinstance(value, (tuple, list)) else (value,)
         return raw
-    except (ValueError, SyntaxError):
+    except (KeyError, ValueError, SyntaxError):
         raise ConfigError(f"--config.{key}={raw} is not a valid {type(current).__name__}; "
                           f"give a value like {current!r}") from None
 
