@@ -18,7 +18,8 @@ from typing import Any
 
 import ml_collections
 
-from jdp import configs, errors, loggers
+from jdp import errors, loggers
+from jdp.configs import base
 from jdp.distributed import check_bind_address, flatten
 from jdp.environment import MAX_CPU_DEVICES
 from jdp.errors import UsageError, one_line
@@ -27,7 +28,7 @@ from jdp.loggers.base import installed
 from jdp.loggers.mlflow_logger import tracking_uri_problem
 from jdp.options import AT_LEAST_1, BY_NAME, CONFIG_KEYS, CONFIG_NAMES, NON_NEGATIVE, POSITIVE, Range, check
 
-DEFAULT_CONFIG = Path(configs.__file__).parent / "mnist1d_cnn.py"
+DEFAULT_CONFIG = Path(base.__file__).parent / "mnist1d_cnn.py"
 
 SCHEDULES = ("cosine", "linear", "constant")
 # Keys a config may add: a user model's own settings, a user sync strategy's.
@@ -151,8 +152,6 @@ def _where(error: BaseException, path: Path) -> str:
 
 def check_fields(cfg: ml_collections.ConfigDict, where: str) -> None:
     """configs/base.py's keys and value types exactly (OPEN_SECTIONS aside); ints for floats, lists for tuples ok."""
-    from jdp.configs import base
-
     known, given = flatten(base.get_config().to_dict()), flatten(cfg.to_dict())
     for key, value in given.items():
         if key.startswith(OPEN_SECTIONS):
@@ -349,9 +348,8 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
              "lower --config.optim.warmup_steps or raise --config.train.steps")
     if num_devices is not None:
         for key in ("train.global_batch_size", "train.eval_batch_size"):
-            value = cfg[key]
-            _require(value % num_devices == 0,
-                     f"{key}={value} is not divisible by the {num_devices} devices; use a multiple of "
+            _require(cfg[key] % num_devices == 0,
+                     f"{key}={cfg[key]} is not divisible by the {num_devices} devices; use a multiple of "
                      f"{num_devices} or set --config.parallel.num_devices")
         k = cfg.train.grad_accum_steps
         _require(cfg.train.global_batch_size % (num_devices * k) == 0,
@@ -377,8 +375,6 @@ def save_config(cfg: ml_collections.ConfigDict, path: Path) -> None:
 def load_saved_config(path: Path, fix: str = "move it away, or pass --config") -> ml_collections.ConfigDict:
     """A workdir's config.json back as a ConfigDict with the field types of configs/base.py; `fix` ends the line
     of a file that does not read (the default fits `--workdir W` alone, which continues with the file)."""
-    from jdp.configs import base
-
     try:
         saved = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
