@@ -219,10 +219,8 @@ def _parse_value(key: str, raw: str, current: object) -> object:
     try:
         if isinstance(current, bool):
             return {"true": True, "1": True, "false": False, "0": False}[raw.lower()]
-        if isinstance(current, int):
-            return int(raw)
-        if isinstance(current, float):
-            return float(raw)
+        if isinstance(current, (int, float)):
+            return type(current)(raw)
         if isinstance(current, tuple):
             value = ast.literal_eval(raw) if raw.strip() else ()
             return tuple(value) if isinstance(value, (tuple, list)) else (value,)
