@@ -37,9 +37,8 @@ def read_records(path: Path) -> Iterator[Any]:
         parts += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (FULL, LAST):
-            record = wandb_internal_pb2.Record()
             try:
-                record.ParseFromString(parts)
+                record = wandb_internal_pb2.Record.FromString(parts)
             except DecodeError:
                 return
             parts = b""
