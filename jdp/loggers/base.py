@@ -181,8 +181,7 @@ class Tracker(Callback):
             if run_id != self.state.get("run_id"):  # a new tracked run: nothing of it logged yet
                 self.state = {"run_id": run_id}
             self.state.update(self._run_state())
-            self._save_state()
-        # Recorded before it is sent: a kill in between loses this point rather than logging it twice.
+        # Recorded (with the run id) before it is sent: a kill in between loses this point rather than logging it twice.
         self.state[split] = step
         self._save_state()
         self._guard(self._log, split, step, line)
