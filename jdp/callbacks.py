@@ -130,9 +130,7 @@ class TrainLog(Callback):
             if "noise_small_sq" in metrics:
                 self.noise_scale = self.noise_scale or NoiseScale()
                 self.noise_scale.update(metrics)
-            for key, value in metrics.items():
-                if key not in _AS_REPORTED:
-                    self.window[key] = self.window.get(key, 0.0) + value
+            self.window.update({k: self.window.get(k, 0.0) + v for k, v in metrics.items() if k not in _AS_REPORTED})
             self.window_steps += 1
         if (step % self.log_every == 0 or step == run.steps) and self.window_steps:
             line = {k: v / self.window_steps for k, v in self.window.items()}
@@ -197,9 +195,8 @@ class NonFiniteGuard(Callback):
         """What was not finite, as far as the host can tell: this process's rows of the batch (read again, a
         function of the step), else the loss (the global mean), else the gradients."""
         loss = metrics["loss"]
-        rows = self.run.source.train_batch(step - 1)
-        bad_keys = [k for k, v in rows.items() if np.issubdtype(np.asarray(v).dtype, np.floating)
-                    and not np.isfinite(v).all()]
+        bad_keys = [k for k, v in self.run.source.train_batch(step - 1).items()
+                    if np.issubdtype(np.asarray(v).dtype, np.floating) and not np.isfinite(v).all()]
         if bad_keys:
             return f"inputs (batch key {', '.join(repr(k) for k in bad_keys)}), hence the loss ({loss})"
         if not math.isfinite(loss):
@@ -238,9 +235,8 @@ class Checkpoints(Every):
         """`state`: the logical train state after `step`."""
         with self.run.clock.paused():
             t = time.perf_counter()
-            # Informative: a source reads any step directly.
-            position = {"step": step, "epoch": step // self.run.source.steps_per_epoch}
-            self.checkpointer.save(step, state, position)
+            # The data position is informative: a source reads any step directly.
+            self.checkpointer.save(step, state, {"step": step, "epoch": step // self.run.source.steps_per_epoch})
             elapsed = time.perf_counter() - t
         if step == self.run.steps:
             self.final_call_s = elapsed

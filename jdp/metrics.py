@@ -124,7 +124,8 @@ class MetricsWriter:
             return
         self._write({"step": step, "split": "train", **metrics})
         rate = metrics["examples_per_sec"]
-        text = _short(metrics) + (f"  {rate:,.0f} ex/s" if rate is not None else "")
+        text = f"loss {metrics['loss']:.4f}" + (f"  acc {metrics['accuracy']:.3f}" if "accuracy" in metrics else "")
+        text += f"  {rate:,.0f} ex/s" if rate is not None else ""
         if self._bar is not None:
             self._bar.set_postfix_str(text, refresh=False)
             self._bar.update(step - self._bar.n)
@@ -154,20 +155,11 @@ class MetricsWriter:
             return
         if self._bar is not None:
             self._bar.close()
-        tb, self._tb, self._summary_writer = self._tb, None, None  # closed once, even if closing fails (a full disk)
-        try:
+        # Each closed once, the file even if closing the event file fails (a full disk).
+        tb, file, self._tb, self._file, self._summary_writer = self._tb, self._file, None, None, None
+        with file or contextlib.nullcontext():
             if tb:
                 tb.close()
-        finally:
-            file, self._file = self._file, None
-            if file is not None:
-                file.close()
-
-
-def _short(metrics: dict[str, float]) -> str:
-    """Loss and accuracy (when the loss function reports one) for the progress line."""
-    text = f"loss {metrics['loss']:.4f}"
-    return text + (f"  acc {metrics['accuracy']:.3f}" if "accuracy" in metrics else "")
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

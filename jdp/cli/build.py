@@ -57,33 +57,27 @@ def model_maker(cfg: ml_collections.ConfigDict, input_shape: tuple[int, ...],
                              input_shape=tuple(input_shape), num_classes=num_classes, seed=cfg.seed)
 
 
-def abstract_model(make_model: Callable[[], nnx.Module]) -> nnx.Module:
-    """The model with shapes and dtypes for arrays, nothing allocated (ConfigError for a bad model setting)."""
-    try:
-        return nnx.eval_shape(make_model)
-    except Exception as e:  # noqa: BLE001 - a model (maybe the user's) that cannot be built: one line
-        last = traceback.extract_tb(e.__traceback__)[-1].filename
-        if isinstance(e, ValueError) and last.startswith(_JDP_MODELS):  # jdp's checks name the setting and the fix
-            raise config_lib.ConfigError(one_line(e, typed=False)) from None
-        raise config_lib.ConfigError(_build_failure(e)) from None
-
-
 _JDP_MODELS = str(Path(models.__file__).parent)
 # Frames skipped in naming where the constructor failed: installed libraries', the stdlib's, the calls to it.
 _LIBRARIES = tuple(sorted({sysconfig.get_paths()[key] for key in ("purelib", "platlib", "stdlib")}))
 _CALL_PATH = (__file__, models.__file__)
 
 
-def _build_failure(error: Exception) -> str:
-    """One line for an error raised in the model's constructor (under `nnx.eval_shape`): where, what to fix."""
-    frames = [f for f in traceback.extract_tb(error.__traceback__)
-              if not f.filename.startswith(_LIBRARIES) and f.filename not in _CALL_PATH]
-    where = f" at {Path(frames[-1].filename).name} line {frames[-1].lineno}" if frames else ""
-    traced = isinstance(error, jax.errors.JAXTypeError | jax.errors.NonConcreteBooleanIndexError)
-    hint = ("; jdp builds the model with nnx.eval_shape, where arrays have no values: compute no Python value from "
-            "an array in the constructor" if traced else "")
-    return f"the model cannot be built: {one_line(error)} (raised{where} in its constructor){hint}; fix the model's " \
-           "code or its settings (model.kwargs)"
+def abstract_model(make_model: Callable[[], nnx.Module]) -> nnx.Module:
+    """The model with shapes and dtypes for arrays, nothing allocated (ConfigError for a bad model setting)."""
+    try:
+        return nnx.eval_shape(make_model)
+    except Exception as e:  # noqa: BLE001 - a model (maybe the user's) that cannot be built: one line
+        frames = traceback.extract_tb(e.__traceback__)
+        if isinstance(e, ValueError) and frames[-1].filename.startswith(_JDP_MODELS):  # jdp's checks name the fix
+            raise config_lib.ConfigError(one_line(e, typed=False)) from None
+        frames = [f for f in frames if not f.filename.startswith(_LIBRARIES) and f.filename not in _CALL_PATH]
+        where = f" at {Path(frames[-1].filename).name} line {frames[-1].lineno}" if frames else ""
+        traced = isinstance(e, jax.errors.JAXTypeError | jax.errors.NonConcreteBooleanIndexError)
+        hint = ("; jdp builds the model with nnx.eval_shape, where arrays have no values: compute no Python value "
+                "from an array in the constructor" if traced else "")
+        raise config_lib.ConfigError(f"the model cannot be built: {one_line(e)} (raised{where} in its constructor)"
+                                     f"{hint}; fix the model's code or its settings (model.kwargs)") from None
 
 
 def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None) -> Task:

@@ -18,7 +18,8 @@ from typing import Any
 
 import ml_collections
 
-from jdp import configs, errors, loggers
+from jdp import errors, loggers
+from jdp.configs import base
 from jdp.distributed import check_bind_address, flatten
 from jdp.environment import MAX_CPU_DEVICES
 from jdp.errors import UsageError, one_line
@@ -27,7 +28,7 @@ from jdp.loggers.base import installed
 from jdp.loggers.mlflow_logger import tracking_uri_problem
 from jdp.options import AT_LEAST_1, BY_NAME, CONFIG_KEYS, CONFIG_NAMES, NON_NEGATIVE, POSITIVE, Range, check
 
-DEFAULT_CONFIG = Path(configs.__file__).parent / "mnist1d_cnn.py"
+DEFAULT_CONFIG = Path(base.__file__).parent / "mnist1d_cnn.py"
 
 SCHEDULES = ("cosine", "linear", "constant")
 # Keys a config may add: a user model's own settings, a user sync strategy's.
@@ -91,17 +92,12 @@ def check_ranges(cfg: ml_collections.ConfigDict) -> None:
                           "--config.data.shape=(28,28,1)")
 
 
-def shipped_configs() -> list[str]:
-    return sorted(p.stem for p in DEFAULT_CONFIG.parent.glob("[!_]*.py") if p.stem != "base")
-
-
 def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
     """A config file by path, or a shipped config by name (`mnist1d_cnn`). The file's folder becomes
     importable, so a config beside the user's code can name it (`model.name = "nets:ViT"`)."""
-    path = Path(path)
-    if not path.is_file() and (DEFAULT_CONFIG.parent / path.with_suffix(".py").name).is_file() \
-            and path.parent == Path():
-        path = DEFAULT_CONFIG.parent / path.with_suffix(".py").name
+    path, shipped = Path(path), DEFAULT_CONFIG.parent / Path(path).with_suffix(".py").name
+    if not path.is_file() and shipped.is_file() and path.parent == Path():
+        path = shipped
     if path.is_dir():
         raise ConfigError(f"config file {path} is a directory; pass --config PATH.py, a Python file defining "
                           "get_config(), or the name of a shipped config")
@@ -109,31 +105,19 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
         raise ConfigError(f"config file {path} is not a regular file (a device or a pipe); pass --config PATH.py, "
                           "a Python file defining get_config()")
     if not path.is_file():
+        names = sorted(p.stem for p in DEFAULT_CONFIG.parent.glob("[!_]*.py") if p.stem != "base")
         raise ConfigError(f"config file {path} not found; pass --config PATH.py or the name of a shipped config "
-                          f"({', '.join(shipped_configs())})")
+                          f"({', '.join(names)})")
     if path.stat().st_size == 0:
         raise ConfigError(f"config file {path} is empty; it must define get_config() returning an "
                           "ml_collections.ConfigDict (start from jdp.configs.base.get_config())")
     _importable(str(path.parent.absolute()))
     spec = importlib.util.spec_from_file_location(f"jdp_config_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except SyntaxError as e:
-        raise ConfigError(f"config file {path} line {e.lineno}: {e.msg}; fix the file") from None
-    except SystemExit as e:  # sys.exit(0) would end the run with exit 0, a success to a scheduler
-        raise ConfigError(_exited(e, path)) from None
-    except Exception as e:  # noqa: BLE001 - the user's file failed: say where, in one line
-        raise ConfigError(f"config file {path}{_where(e, path)}: {one_line(e)}; fix the file") from None
+    _run_user_code(lambda: spec.loader.exec_module(module), path)
     if not hasattr(module, "get_config"):
         raise ConfigError(f"config file {path} defines no get_config(); it must return an ml_collections.ConfigDict")
-    try:
-        cfg = module.get_config()
-    except SystemExit as e:
-        raise ConfigError(_exited(e, path, "get_config() called ")) from None
-    except Exception as e:  # noqa: BLE001
-        raise ConfigError(f"config file {path}{_where(e, path)}: get_config() raised {one_line(e)}; "
-                          "fix the file") from None
+    cfg = _run_user_code(module.get_config, path, "get_config()")
     if not isinstance(cfg, ml_collections.ConfigDict):
         raise ConfigError(f"config file {path}: get_config() returned a {type(cfg).__name__}; it must return an "
                           "ml_collections.ConfigDict (start from jdp.configs.base.get_config())")
@@ -144,9 +128,19 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
     return cfg
 
 
-def _exited(error: SystemExit, path: Path, caller: str = "") -> str:
-    return (f"config file {path}{_where(error, path)} exited while loading ({caller}sys.exit({error.code!r})); a "
-            "config file must define get_config() and return, not exit: fix the file")
+def _run_user_code(fn: Callable[[], Any], path: Path, caller: str = "") -> Any:
+    """`fn()`, code of the config file at `path` (`caller` names it), any failure of it one ConfigError line."""
+    try:
+        return fn()
+    except SystemExit as e:  # sys.exit(0) would end the run with exit 0, a success to a scheduler
+        raise ConfigError(f"config file {path}{_where(e, path)} exited while loading ({caller and caller + ' called '}"
+                          f"sys.exit({e.code!r})); a config file must define get_config() and return, not exit: "
+                          "fix the file") from None
+    except Exception as e:  # noqa: BLE001 - the user's file failed: say where, in one line
+        if isinstance(e, SyntaxError) and not caller:  # the file does not parse
+            raise ConfigError(f"config file {path} line {e.lineno}: {e.msg}; fix the file") from None
+        raise ConfigError(f"config file {path}{_where(e, path)}: {caller and caller + ' raised '}{one_line(e)}; "
+                          "fix the file") from None
 
 
 def _where(error: BaseException, path: Path) -> str:
@@ -158,8 +152,6 @@ def _where(error: BaseException, path: Path) -> str:
 
 def check_fields(cfg: ml_collections.ConfigDict, where: str) -> None:
     """configs/base.py's keys and value types exactly (OPEN_SECTIONS aside); ints for floats, lists for tuples ok."""
-    from jdp.configs import base
-
     known, given = flatten(base.get_config().to_dict()), flatten(cfg.to_dict())
     for key, value in given.items():
         if key.startswith(OPEN_SECTIONS):
@@ -226,19 +218,14 @@ def _parse_value(key: str, raw: str, current: object) -> object:
     """Parse `raw` as the type the field already has, so `--config.train.steps=1e3` fails loudly."""
     try:
         if isinstance(current, bool):
-            lowered = raw.lower()
-            if lowered not in ("true", "false", "1", "0"):
-                raise ValueError
-            return lowered in ("true", "1")
-        if isinstance(current, int):
-            return int(raw)
-        if isinstance(current, float):
-            return float(raw)
+            return {"true": True, "1": True, "false": False, "0": False}[raw.lower()]
+        if isinstance(current, (int, float)):
+            return type(current)(raw)
         if isinstance(current, tuple):
             value = ast.literal_eval(raw) if raw.strip() else ()
             return tuple(value) if isinstance(value, (tuple, list)) else (value,)
         return raw
-    except (ValueError, SyntaxError):
+    except (KeyError, ValueError, SyntaxError):
         raise ConfigError(f"--config.{key}={raw} is not a valid {type(current).__name__}; "
                           f"give a value like {current!r}") from None
 
@@ -359,9 +346,8 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
              "lower --config.optim.warmup_steps or raise --config.train.steps")
     if num_devices is not None:
         for key in ("train.global_batch_size", "train.eval_batch_size"):
-            value = cfg[key]
-            _require(value % num_devices == 0,
-                     f"{key}={value} is not divisible by the {num_devices} devices; use a multiple of "
+            _require(cfg[key] % num_devices == 0,
+                     f"{key}={cfg[key]} is not divisible by the {num_devices} devices; use a multiple of "
                      f"{num_devices} or set --config.parallel.num_devices")
         k = cfg.train.grad_accum_steps
         _require(cfg.train.global_batch_size % (num_devices * k) == 0,
@@ -387,8 +373,6 @@ def save_config(cfg: ml_collections.ConfigDict, path: Path) -> None:
 def load_saved_config(path: Path, fix: str = "move it away, or pass --config") -> ml_collections.ConfigDict:
     """A workdir's config.json back as a ConfigDict with the field types of configs/base.py; `fix` ends the line
     of a file that does not read (the default fits `--workdir W` alone, which continues with the file)."""
-    from jdp.configs import base
-
     try:
         saved = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:

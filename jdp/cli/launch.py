@@ -23,7 +23,6 @@ import argparse
 import contextlib
 import ctypes
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -59,14 +58,12 @@ def free_port() -> int:
 
 def child_env(base: dict[str, str], *, rank: int, nprocs: int, port: int, cpu_devices: int, restart: int = 0,
               failure_file: str = "") -> dict[str, str]:
-    env = {k: v for k, v in base.items() if k not in _CLEARED}
+    env = {k: v for k, v in base.items() if k not in (*_CLEARED, LAUNCH_FAILURE_FILE)}  # and an outer launcher's file
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nprocs),
                LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs), PYTHONUNBUFFERED="1",
                JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}", JDP_RESTART=str(restart))
     if failure_file:
         env[LAUNCH_FAILURE_FILE] = failure_file
-    else:
-        env.pop(LAUNCH_FAILURE_FILE, None)  # an outer launcher's: not this group's
     if cpu_devices:
         env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
         env.setdefault("JAX_PLATFORMS", "cpu")
@@ -160,13 +157,6 @@ class Launcher:
     def _failure_file(self) -> str:
         return os.path.join(self._dir, f"failure-{self.attempt}") if self._dir else ""
 
-    def _record_failure(self, rank: int, code: int) -> None:
-        """Written before the others get their SIGTERM: a jdp child then exits 5 (a peer failed), not 75."""
-        path = self._failure_file()
-        if path:
-            with contextlib.suppress(OSError):
-                write_atomic(Path(path), f"rank {rank} exited with code {code}\n")
-
     def start(self) -> None:
         """Starts every child; CannotStart (after stopping those already started) if the command cannot run."""
         self.children, self._pumps, self._kill_at, self.failure = [], [], None, None
@@ -225,14 +215,16 @@ class Launcher:
                 expected = (None, 0, EXIT_PREEMPTED) if self._signals else (None, 0)
                 failed = first_failure(codes, expected)
                 if failed is not None:
-                    rank, code = failed
-                    self.failure = (rank, exit_code(code))
-                    self.say(f"rank {rank} exited with code {exit_code(code)}; stopping the others")
-                    self._record_failure(rank, exit_code(code))
+                    rank, code = self.failure = failed[0], exit_code(failed[1])
+                    self.say(f"rank {rank} exited with code {code}; stopping the others")
+                    # Before the others get their SIGTERM: a jdp child then exits 5 (a peer failed), not 75.
+                    if path := self._failure_file():
+                        with contextlib.suppress(OSError):
+                            write_atomic(Path(path), f"rank {rank} exited with code {code}\n")
                     self.stop_all()
                     self.say("exit codes: " + ", ".join(f"rank {r} {exit_code(c.returncode)}"
                                                         for r, c in enumerate(self.children)))
-                    return exit_code(code)
+                    return code
                 if all(code is not None for code in codes):
                     return next((exit_code(code) for code in codes if code), 0)
                 if self._kill_at is not None and time.monotonic() > self._kill_at:
@@ -268,21 +260,20 @@ class Launcher:
 
     def run(self) -> int:
         previous = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
-        self._dir = tempfile.mkdtemp(prefix="jdp-launch-")
         try:
-            while True:
-                try:
-                    self.start()
-                except CannotStart as e:
-                    self.say(str(e))
-                    return e.code
-                code = self.wait()
-                if not self.restart():
-                    return code
+            with tempfile.TemporaryDirectory(prefix="jdp-launch-", ignore_cleanup_errors=True) as self._dir:
+                while True:
+                    try:
+                        self.start()
+                    except CannotStart as e:
+                        self.say(str(e))
+                        return e.code
+                    code = self.wait()
+                    if not self.restart():
+                        return code
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
-            shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def main(argv: list[str] | None = None) -> int:

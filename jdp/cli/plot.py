@@ -18,10 +18,9 @@ from jdp.metrics import read_metrics  # noqa: E402
 def plot_runs(run_dirs: list[Path], out: Path) -> None:
     """One panel for the loss and one for each other output of the runs' loss functions (e.g. accuracy)."""
     runs = [(run_dir, read_metrics(run_dir)) for run_dir in run_dirs]
-    outputs = sorted({k for _, records in runs for r in records if r.get("split") == "eval" for k in r} - _NOT_OUTPUTS)
-    keys = ["loss", *outputs]
-    fig, axes = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
-    axes = axes[0]
+    keys = ["loss", *sorted({k for _, records in runs for r in records if r.get("split") == "eval" for k in r}
+                            - {"step", "split", "wall_time", "loss"})]
+    fig, (axes,) = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
     for i, (run_dir, records) in enumerate(runs):
         for split, style in (("train", "-"), ("eval", "o--")):
             rows = [r for r in records if r.get("split") == split]
@@ -39,9 +38,6 @@ def plot_runs(run_dirs: list[Path], out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out, dpi=120)
     plt.close(fig)
-
-
-_NOT_OUTPUTS = {"step", "split", "wall_time", "loss"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -3,6 +3,7 @@ or export, and `init_from`. Resumes are checked by `jdp.fit`'s guard (`jdp.guard
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import zipfile
@@ -86,14 +87,11 @@ def restore_for_inference(workdir: Path) -> tuple[int, Engine, TrainState]:
                                                    "config): the run is rebuilt from it")
     cfg.parallel.num_devices = inference_devices(cfg)  # the state is replicated: any count restores it
     engine = build(cfg, workdir=workdir, inference=True)
-    checkpointer = Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0)
-    try:
-        restored = checkpointer.restore_latest(engine.abstract_state, reject_damaged=False,
-                                               per_device=engine.parallel.per_device)
-    finally:
-        checkpointer.close()
+    with contextlib.closing(Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0)) as ckpt:
+        restored = ckpt.restore_latest(engine.abstract_state, reject_damaged=False,
+                                       per_device=engine.parallel.per_device)
     if restored is None:
-        raise CheckpointError(f"no checkpoint in {checkpointer.directory}; train first with python -m jdp.train")
+        raise CheckpointError(f"no checkpoint in {ckpt.directory}; train first with python -m jdp.train")
     step, state, _ = restored
     # Saved on more devices than restore it here, the per-device state (a strategy's error feedback, an inner
     # optimizer's state) comes back as None; inference reads only the parameters and model state, so it stays fresh.

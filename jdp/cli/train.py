@@ -11,7 +11,6 @@ from pathlib import Path
 
 import jax
 import ml_collections
-from flax import nnx
 
 from jdp import distributed as distributed_lib
 from jdp import preemption, reopen, storage, trainer
@@ -64,19 +63,15 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
                              *task.options.callbacks, *config_lib.make_loggers(cfg.metrics))), on_start=on_start,
                          settings=config_lib.guarded_settings(cfg))
     vocab = getattr(task.source, "vocabulary", None)
-    if cfg.sample.tokens and vocab is not None and jax.process_index() == 0:
-        _print_sample(cfg, task.make_model(), result, vocab)
+    if cfg.sample.tokens and vocab is not None and jax.process_index() == 0:  # a language model: show a sample
+        model = task.make_model()
+        replace_state(model, result.params, result.model_state)
+        model.eval()
+        text = sample_text(model, vocab, cfg.sample.prompt, cfg.sample.tokens, temperature=cfg.sample.temperature,
+                           top_k=cfg.sample.top_k, seed=cfg.seed)
+        print(f"sample ({cfg.sample.tokens} tokens after {cfg.sample.prompt!r}, temperature {cfg.sample.temperature}, "
+              f"top_k {cfg.sample.top_k}):\n{text}")
     return result
-
-
-def _print_sample(cfg: ml_collections.ConfigDict, model: nnx.Module, result: FitResult, vocab) -> None:
-    """A language model's run ends with a sample of `sample.tokens` from the trained model."""
-    replace_state(model, result.params, result.model_state)
-    model.eval()
-    text = sample_text(model, vocab, cfg.sample.prompt, cfg.sample.tokens, temperature=cfg.sample.temperature,
-                       top_k=cfg.sample.top_k, seed=cfg.seed)
-    print(f"sample ({cfg.sample.tokens} tokens after {cfg.sample.prompt!r}, temperature {cfg.sample.temperature}, "
-          f"top_k {cfg.sample.top_k}):\n{text}")
 
 
 def evaluate_checkpoint(workdir: Path) -> dict[str, float]:

@@ -143,34 +143,31 @@ class Tracker(Callback):
     # The worker thread's side.
 
     def _work(self) -> None:
-        try:
-            with _ClientLogs(self):
-                self._work_through_queue()
-        except Exception as e:  # noqa: BLE001 - a write to the workdir failed (_save_state, `_fails_workdir`)
-            self._write_failure = e  # the training thread raises it; the worker stops, and the lines are dropped
-
-    def _work_through_queue(self) -> None:
-        # One client's import at a time: wandb and mlflow share packages, and two threads importing them at once
-        # can see each other's half-initialised modules.
-        with _IMPORTS, contextlib.suppress(Exception):  # an import that fails fails again in `_open`, which warns
-            importlib.import_module(self.package)
         self._opened = self._failed = False
         logged: dict[str, int] | None = None
-        while True:
-            split, step, line = self._queue.get()
-            if split is _END:  # `step` holds whether the run ended well
-                if self._opened:
-                    self._guard(self._close, step)
-                return
-            if logged is None:
-                logged = self._guard(self._logged)
-                logged = Tracker._logged(self) if logged is None else logged
-                for earlier in self._missing(logged):
-                    self._send(*earlier)
-            # Logged by an earlier segment, which a kill may have left past its last checkpoint: the steps it
-            # replays go in once. A run with nothing new to log (a finished run's rerun) opens no tracked run.
-            if step > logged.get(split, -1):
-                self._send(split, step, line)
+        try:
+            with _ClientLogs(self):
+                # One client's import at a time: wandb and mlflow share packages, and two threads importing them at
+                # once can see each other's half-initialised modules. A failed one fails again in `_open`, which warns.
+                with _IMPORTS, contextlib.suppress(Exception):
+                    importlib.import_module(self.package)
+                while True:
+                    split, step, line = self._queue.get()
+                    if split is _END:  # `step` holds whether the run ended well
+                        if self._opened:
+                            self._guard(self._close, step)
+                        return
+                    if logged is None:
+                        logged = self._guard(self._logged)
+                        logged = Tracker._logged(self) if logged is None else logged
+                        for earlier in self._missing(logged):
+                            self._send(*earlier)
+                    # Logged by an earlier segment, which a kill may have left past its last checkpoint: the steps
+                    # it replays go in once. A run with nothing new to log (a finished run's rerun) opens none.
+                    if step > logged.get(split, -1):
+                        self._send(split, step, line)
+        except Exception as e:  # noqa: BLE001 - a write to the workdir failed (_save_state, `_fails_workdir`)
+            self._write_failure = e  # the training thread raises it; the worker stops, and the lines are dropped
 
     def _send(self, split: str, step: int, line: dict[str, Any]) -> None:
         if self._failed:
@@ -184,8 +181,7 @@ class Tracker(Callback):
             if run_id != self.state.get("run_id"):  # a new tracked run: nothing of it logged yet
                 self.state = {"run_id": run_id}
             self.state.update(self._run_state())
-            self._save_state()
-        # Recorded before it is sent: a kill in between loses this point rather than logging it twice.
+        # Recorded (with the run id) before it is sent: a kill in between loses this point rather than logging it twice.
         self.state[split] = step
         self._save_state()
         self._guard(self._log, split, step, line)

@@ -50,10 +50,8 @@ class WandB(Tracker):
     def _logged(self) -> dict[str, int]:
         # What the run's files hold: W&B's client buffers, so after a SIGKILL the steps handed to it are more
         # than it wrote. The summary is set again whole each time, never twice in a curve.
-        files = self.state.get("files") or []
-        if not files:
-            return super()._logged()
-        return wandb_records.logged_steps([Path(f) for f in files])
+        files = self.state.get("files")
+        return wandb_records.logged_steps([Path(f) for f in files]) if files else super()._logged()
 
     def _run_state(self) -> dict[str, Any]:
         files = [f for f in self.state.get("files", []) if f != str(self.run.settings.sync_file)]

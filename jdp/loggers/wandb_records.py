@@ -37,9 +37,8 @@ def read_records(path: Path) -> Iterator[Any]:
         parts += data[pos + 7:pos + 7 + length]
         pos += 7 + length
         if kind in (FULL, LAST):
-            record = wandb_internal_pb2.Record()
             try:
-                record.ParseFromString(parts)
+                record = wandb_internal_pb2.Record.FromString(parts)
             except DecodeError:
                 return
             parts = b""
@@ -55,16 +54,9 @@ def logged_steps(paths: list[Path]) -> dict[str, int]:
     """The last step with train metrics and the last with eval metrics (`eval_<key>`) over the history rows of
     `paths`, the files that exist."""
     last = {"train": -1, "eval": -1}
-    for path in paths:
-        if not Path(path).is_file():
-            continue
-        for record in read_records(path):
-            if record.WhichOneof("record_type") != "history":
-                continue
-            keys = [k for k in items(record.history.item) if not k.startswith("_")]
-            step = record.history.step.num
-            if any(k.startswith("eval_") for k in keys):
-                last["eval"] = max(last["eval"], step)
-            if any(not k.startswith("eval_") for k in keys):
-                last["train"] = max(last["train"], step)
+    for record in (record for path in paths if Path(path).is_file() for record in read_records(path)):
+        if record.WhichOneof("record_type") == "history":
+            for split in {"eval" if k.startswith("eval_") else "train" for k in items(record.history.item)
+                          if not k.startswith("_")}:
+                last[split] = max(last[split], record.history.step.num)
     return last
