@@ -74,15 +74,14 @@ def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: in
             return _train(engine, options, steps, global_batch_size, workdir, checkpointer, fit_record,
                           on_resume or (lambda: None), on_start or (lambda start: None))
         except Exception as e:
-            failure = storage.disk_failure(e)
-            lost = None
-            if failure is None and workdir is not None:  # the workdir deleted or moved meanwhile?
-                lost = storage.lost_workdir(e, workdir.absolute(), checkpointer.vanished if checkpointer is not None
-                                            else lambda: None)
-            if (failure is None and lost is None) or workdir is None:
-                raise
-            if lost is not None:  # the workdir, or something in it, deleted or moved meanwhile
+            failure = storage.disk_failure(e) if workdir is not None else None
+            # Else: the workdir, or something in it, deleted or moved meanwhile?
+            lost = None if failure or workdir is None else storage.lost_workdir(
+                e, workdir.absolute(), checkpointer.vanished if checkpointer is not None else lambda: None)
+            if lost is not None:
                 raise storage.lost_error(lost, workdir.absolute()) from None
+            if failure is None:
+                raise
             last = checkpointer.steps()[-1] if checkpointer is not None and checkpointer.steps() else None
             raise storage.disk_error(failure, workdir, last) from None
 

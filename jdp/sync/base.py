@@ -55,6 +55,11 @@ def unpadded(x: jax.Array, like: Any) -> jax.Array:
     return x if x.shape == like.shape else x[tuple(slice(0, size) for size in like.shape)]
 
 
+def path_keys(path: tuple) -> tuple:
+    """A jax key path as the plain keys of the pure parameter dict (`("blocks", 0, "kernel")`)."""
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+
+
 def sharded_where(tree: Tree) -> Tree:
     """SHARDED for each leaf with an axis, REPLICATED for scalars."""
     return jax.tree.map(lambda x: SHARDED if is_sharded(x) else REPLICATED, tree)

@@ -30,6 +30,7 @@ from jdp.sync.base import (
     Tree,
     all_reduce_mean,
     floating,
+    path_keys,
 )
 
 EPSILON = 1e-8  # Gram-Schmidt's guard against a zero column (a rank-deficient P), as torch's hook uses
@@ -65,7 +66,7 @@ def _candidates(model: nnx.Module, params: Tree) -> dict[str, tuple[int, int, in
     ranks = layer_ranks(model)
     found = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-        keys = tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
+        keys = path_keys(path)
         own = ranks.get(keys, leaf.ndim)
         if own >= 2:
             stack = leaf.shape[:leaf.ndim - own]
@@ -98,7 +99,7 @@ def orthonormal(p: jax.Array) -> jax.Array:
 
 
 def _flat(tree: Tree) -> dict[str, jax.Array]:
-    return {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): leaf
+    return {".".join(map(str, path_keys(path))): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 

@@ -20,13 +20,9 @@ from jax.sharding import Mesh
 
 from jdp.layers import LayerView, Stack
 from jdp.mesh import data_sharded
-from jdp.sync.base import DDPTwin, Sync, Tree, is_sharded, shard_axis, sharded_where, unpadded
+from jdp.sync.base import DDPTwin, Sync, Tree, is_sharded, path_keys, shard_axis, sharded_where, unpadded
 from jdp.sync.quantized import check_block, quantized_all_gather
 from jdp.sync.zero1 import ZeRO1, all_gather_like
-
-
-def _path(keys: tuple) -> tuple:
-    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in keys)
 
 
 def stacked_paths(model: nnx.Module) -> list[tuple]:
@@ -79,7 +75,7 @@ class ZeRO3(ZeRO1):
         stacked = stacked_paths(model)
         # A stacked leaf with an axis besides the layer axis is split on one of those and gathered per layer.
         bound.per_layer = jax.tree_util.tree_map_with_path(
-            lambda path, x: x.ndim >= 2 and any(_path(path)[:len(p)] == p for p in stacked), bound.abstract_params)
+            lambda path, x: x.ndim >= 2 and any(path_keys(path)[:len(p)] == p for p in stacked), bound.abstract_params)
         return bound
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
@@ -104,12 +100,12 @@ class ZeRO3(ZeRO1):
         """As ZeRO-1, but a stacked leaf splits on a non-layer axis, and so does every optimizer leaf that mirrors
         it (its path ends with the parameter's): the optimizer's slices line up with the parameters'."""
         axes = super().shard_axes(abstract_state, num_devices)
-        params = {_path(path): (x.shape, axis) for (path, x), axis in zip(
+        params = {path_keys(path): (x.shape, axis) for (path, x), axis in zip(
             jax.tree_util.tree_flatten_with_path(self.abstract_params)[0],
             jax.tree.leaves(self._param_axes(num_devices), is_leaf=lambda a: a is None), strict=True)}
 
         def mirrored(path: tuple, x: Any, axis: int | None) -> int | None:
-            path = _path(path)
+            path = path_keys(path)
             matches = [params[path[i:]] for i in range(len(path)) if path[i:] in params]
             return matches[0][1] if matches and matches[0][0] == x.shape else axis
 
