@@ -79,12 +79,7 @@ class Stack(nnx.Module):
 
     def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], depth: int, *, rngs: nnx.Rngs,
                  remat: str = "none"):
-        @nnx.split_rngs(splits=depth)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create(rngs: nnx.Rngs) -> nnx.Module:
-            return make_layer(rngs)
-
-        self.layers = create(rngs)
+        self.layers = nnx.split_rngs(splits=depth)(nnx.vmap(make_layer, in_axes=(0,), out_axes=0))(rngs)
         self.depth, self.remat = depth, check_remat(remat)
         # Static: the logical shape of each of one layer's parameters, in leaf order (a view may get them split).
         self.layer_shapes = tuple(tuple(x.shape[1:]) for x in jax.tree.leaves(nnx.state(self.layers, nnx.Param)))
