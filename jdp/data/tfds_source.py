@@ -10,7 +10,7 @@ import functools
 import math
 import os
 import resource
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -153,10 +153,6 @@ class _DecodedCache:
         self.labels = np.empty(num_rows, np.int32)
         self.filled = np.zeros(num_rows, bool)
 
-    def store(self, rows: np.ndarray, pixels: np.ndarray, labels: np.ndarray) -> None:
-        self.pixels[rows], self.labels[rows] = pixels, labels
-        self.filled[rows] = True
-
 
 class TfdsSource(OrderedSource):
     """This process's rows of every global batch of a prepared tfds dataset; the interface of `Batcher`."""
@@ -178,7 +174,6 @@ class TfdsSource(OrderedSource):
         builder = open_builder(self.name, cfg.data_dir)
         image_key, label_key = _feature_keys(builder)
         features = builder.info.features
-        image_feature, label_feature = features[image_key], features[label_key]
 
         def split(key: str) -> _Records:
             spec = cfg[key]
@@ -193,22 +188,17 @@ class TfdsSource(OrderedSource):
         _allow_open_files(builder, cfg.train_split, cfg.eval_split)
         self._train, self._eval = split("train_split"), split("eval_split")
 
-        stored = tuple(image_feature.shape)
-        channels = stored[-1] or 3
-        self._channels = channels
+        stored = tuple(features[image_key].shape)
+        self._channels = channels = stored[-1] or 3
         self._small = augment.is_small(stored)
         self._augment = bool(cfg.augment)
-        if self._small:
-            self.input_shape: tuple[int, ...] = (stored[0], stored[1], channels)
-        else:
-            if cfg.image_size <= 0:
-                raise ValueError(f"data.image_size={cfg.image_size} must be positive")
-            self.input_shape = (cfg.image_size, cfg.image_size, channels)
-        mean, std = augment.channel_stats(self.name, channels) if cfg.normalize else (
-            np.zeros(channels, np.float32), np.ones(channels, np.float32))
+        if not self._small and cfg.image_size <= 0:
+            raise ValueError(f"data.image_size={cfg.image_size} must be positive")
+        self.input_shape = (*(stored[:2] if self._small else (cfg.image_size,) * 2), channels)
+        mean, std = augment.channel_stats(self.name, channels) if cfg.normalize else ((0,) * channels, (1,) * channels)
         self.device_input = ImageInput(tuple(map(float, mean)), tuple(map(float, std)))
 
-        self.num_classes: int = cfg.num_classes or getattr(label_feature, "num_classes", 0)
+        self.num_classes: int = cfg.num_classes or getattr(features[label_key], "num_classes", 0)
         if not self.num_classes:
             raise ValueError(f"the label feature {label_key!r} of {self.name} has no number of classes; set "
                              "data.num_classes")
@@ -265,7 +255,8 @@ class TfdsSource(OrderedSource):
             return self._read(source, rows, self._as_stored)
         missing = np.unique(rows[~cache.filled[rows]])
         if len(missing):
-            cache.store(missing, *self._read(source, missing, self._as_stored))
+            cache.pixels[missing], cache.labels[missing] = self._read(source, missing, self._as_stored)
+            cache.filled[missing] = True
         return cache.pixels[rows], cache.labels[rows]
 
     def _as_stored(self, image: bytes | np.ndarray, i: int) -> np.ndarray:
@@ -296,19 +287,14 @@ class TfdsSource(OrderedSource):
         pixels, labels = self._read(self._train, rows, self._center_crop if params is None else random_crop)
         return {"x": pixels, "y": labels}
 
-    def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
-        """The eval split once, in order, padded rows (zeros, `mask` 0) in the last batch only. Every process yields
-        num_eval_batches() items, so collectives over eval batches stay in lockstep."""
-        for i in range(self.num_eval_batches()):
-            ids, real = self._order.eval_rows(i)
-            n = int(real.sum())  # real rows come first: padding is only ever at the end of the split
-            pixels = np.zeros((len(ids), *self.input_shape), np.uint8)
-            labels = np.zeros(len(ids), np.int32)
-            if n and self._small:
-                pixels[:n], labels[:n] = self._read_small(self._eval, self._eval_cache, ids[:n])
-            elif n:
-                pixels[:n], labels[:n] = self._read(self._eval, ids[:n], self._center_crop)
-            yield {"x": pixels, "y": labels, "mask": real.astype(np.float32)}
+    def _eval_rows(self, ids: np.ndarray, real: np.ndarray) -> dict[str, np.ndarray]:
+        n = int(real.sum())  # real rows come first: padding (zeros) is only ever at the end of the split
+        pixels = np.zeros((len(ids), *self.input_shape), np.uint8)
+        labels = np.zeros(len(ids), np.int32)
+        if n:
+            pixels[:n], labels[:n] = (self._read_small(self._eval, self._eval_cache, ids[:n]) if self._small
+                                      else self._read(self._eval, ids[:n], self._center_crop))
+        return {"x": pixels, "y": labels}
 
     def close(self) -> None:
         """Stop the worker threads and close the files (also done at interpreter exit)."""

@@ -49,7 +49,7 @@ class TfrecordRecords:
 
     def __init__(self, instructions: Sequence) -> None:
         self._fds: list[int] = []
-        file_of, offset, length = [], [], []
+        index = [np.zeros((0, 3), np.int64)]  # per row: (file, offset, length)
         for instruction in instructions:
             path = os.fspath(instruction.filename)
             if "://" in path:
@@ -70,19 +70,16 @@ class TfrecordRecords:
                 raise UnreadableFileError(f"{path} holds {len(offsets)} records where the dataset info says "
                                           f"{instruction.examples_in_shard}; prepare the dataset again")
             rows = slice(instruction.skip, instruction.skip + instruction.take)
-            file_of.append(np.full(len(offsets[rows]), len(self._fds) - 1, np.int32))
-            offset.append(offsets[rows])
-            length.append(lengths[rows])
-        empty = [np.zeros(0, np.int64)]
-        self._file = np.concatenate(file_of or [np.zeros(0, np.int32)])
-        self._offset = np.concatenate(offset or empty)
-        self._length = np.concatenate(length or empty)
+            index.append(np.column_stack([np.full(len(offsets[rows]), len(self._fds) - 1), offsets[rows],
+                                          lengths[rows]]))
+        self._index = np.concatenate(index)
 
     def __len__(self) -> int:
-        return len(self._offset)
+        return len(self._index)
 
     def __getitem__(self, row: int) -> bytes:
-        return os.pread(self._fds[self._file[row]], int(self._length[row]), int(self._offset[row]))
+        file, offset, length = self._index[row].tolist()
+        return os.pread(self._fds[file], length, offset)
 
     def close(self, _close=os.close) -> None:  # bound early: __del__ may run after `os` is torn down
         while self._fds:

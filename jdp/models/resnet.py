@@ -1,6 +1,7 @@
 """ResNet v1.5 (stride on the bottleneck's 3x3 conv). Its BatchNorms know nothing of devices: `jdp.fit` points
 them at the `data` axis when BatchNorm is synced."""
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,30 +32,12 @@ class _Layers:
     """Conv / BatchNorm constructors sharing one configuration."""
 
     def __init__(self, bn_momentum: float, dtype: Any, rngs: nnx.Rngs):
-        self.bn_momentum, self.dtype, self.rngs = bn_momentum, dtype, rngs
+        self.bn = functools.partial(BatchNorm, momentum=bn_momentum, epsilon=1e-5, dtype=dtype, rngs=rngs)
+        self._conv = functools.partial(nnx.Conv, use_bias=False, dtype=dtype, rngs=rngs)
 
     def conv(self, c_in: int, c_out: int, k: int, stride: int = 1) -> nnx.Conv:
         # Symmetric padding k // 2, as in torchvision, rather than SAME (asymmetric for stride 2).
-        p = k // 2
-        return nnx.Conv(
-            c_in,
-            c_out,
-            (k, k),
-            (stride, stride),
-            padding=((p, p), (p, p)),
-            use_bias=False,
-            dtype=self.dtype,
-            rngs=self.rngs,
-        )
-
-    def bn(self, c: int) -> BatchNorm:
-        return BatchNorm(
-            c,
-            momentum=self.bn_momentum,
-            epsilon=1e-5,
-            dtype=self.dtype,
-            rngs=self.rngs,
-        )
+        return self._conv(c_in, c_out, (k, k), (stride, stride), padding=((k // 2, k // 2),) * 2)
 
 
 class _Shortcut(nnx.Module):
