@@ -51,6 +51,17 @@ def test_windows_are_block_plus_one_tokens_of_the_train_text():
             assert window in TEXT[:split] and vocab.decode(x[1:]) == vocab.decode(y[:-1])  # y is x shifted by one
 
 
+def test_a_text_directory_inside_a_hidden_one_is_read_without_its_own_hidden_files(tmp_path):
+    """Only what is hidden below the directory is left out: a directory under ~/.cache keeps its files."""
+    texts = tmp_path / ".cache" / "texts"
+    (texts / ".git").mkdir(parents=True)
+    (texts / "a.txt").write_text(TEXT)
+    (texts / ".notes.txt").write_text("\u00e9" * 100)
+    (texts / ".git" / "HEAD").write_text("\u00e8" * 100)
+    source = _source(texts)
+    assert source.num_classes == len(set(TEXT))  # a.txt alone: the hidden files' characters are not in it
+
+
 def test_validation_is_the_last_tenth_in_non_overlapping_windows_each_counted_once():
     source = _source(block_size=8, eval_batch=16)
     vocab, val = source.vocabulary, TEXT[int(len(TEXT) * 0.9):]

@@ -90,8 +90,8 @@ def read_text(name: str) -> bytes:
     path = shakespeare_path() if name == SHAKESPEARE else Path(name[len(TEXT_PREFIX):]).expanduser()
     if not path.exists():
         raise DataError(f"data.name={name}: {path} does not exist; give a UTF-8 text file or a directory of them")
-    files = [path] if path.is_file() else sorted(
-        p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in p.parts))
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not any(
+        part.startswith(".") for part in p.relative_to(path).parts))
     if not files:
         raise DataError(f"{path} holds no files; give a UTF-8 text file or a directory of them")
     return b"".join(p.read_bytes() for p in files)
