@@ -17,9 +17,6 @@ class Tolerance:
     grad_norm: float  # every step's gradient norm
     step1: float  # step 1's loss and gradient norm: same weights, same batch, nothing compounded yet
 
-    def describe(self) -> str:
-        return f"loss {self.loss:.0e}, gradient norm {self.grad_norm:.0e}, step 1 {self.step1:.0e}"
-
 
 @dataclasses.dataclass
 class Parity:
@@ -53,18 +50,14 @@ class Speed:
 
 def machine_info() -> dict:
     """CPU model, cores, memory and library versions of this machine (read without importing torch or jax)."""
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import distributions
 
     cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
                 if line.startswith("model name")), platform.processor() or "unknown CPU")
     mem_kib = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines()
                     if line.startswith("MemTotal")), 0)
-    versions = {}
-    for package in ("jax", "flax", "optax", "torch"):
-        try:
-            versions[package] = version(package)
-        except PackageNotFoundError:
-            versions[package] = "not installed"
+    versions = {package: next((d.version for d in distributions(name=package)), "not installed")
+                for package in ("jax", "flax", "optax", "torch")}
     return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gib": round(mem_kib / 2**20, 1),
             "python": platform.python_version(), "os": f"{platform.system()} {platform.release()}", **versions}
 
@@ -109,8 +102,9 @@ def write_parity(p: Parity, workdir: Path) -> None:
         "",
         f"**{'PASS' if p.passed else 'FAIL'}**: worst per-step loss difference {p.worst_loss[0]:.2e} (step "
         f"{p.worst_loss[1]}), worst gradient-norm difference {p.worst_grad[0]:.2e} (step {p.worst_grad[1]}), "
-        f"step 1 (same weights, same batch) {p.first_step:.1e}; tolerances: {p.tolerance.describe()} (relative, "
-        f"|jdp - ddp| / |jdp|; why these: jdp/compare/parity.py, TOLERANCES).",
+        f"step 1 (same weights, same batch) {p.first_step:.1e}; tolerances: loss {p.tolerance.loss:.0e}, gradient "
+        f"norm {p.tolerance.grad_norm:.0e}, step 1 {p.tolerance.step1:.0e} (relative, |jdp - ddp| / |jdp|; why "
+        "these: jdp/compare/parity.py, TOLERANCES).",
         "",
         f"After the last step: largest parameter / BatchNorm-statistic difference {p.final_params_rel:.2e} "
         f"relative to the tensor's largest value (`{p.final_worst_tensor}`); eval loss jdp "

@@ -22,30 +22,24 @@ from jdp.nested import flatten
 Flat = dict[str, np.ndarray]
 
 
+# Module type -> (conversion, jdp's name of its weight); a bias, where the module has one, is `bias` on both sides.
+_WEIGHTS = {nn.Linear: ("linear", "kernel"), nn.Conv1d: ("conv", "kernel"), nn.Conv2d: ("conv", "kernel"),
+            nn.Embedding: ("copy", "embedding"), nn.LayerNorm: ("copy", "scale"), BatchNorm: ("copy", "scale")}
+
+
 def _entries(model: nn.Module) -> list[tuple[str, str, str, Any]]:
     """(jdp key, torch key, kind, flatten_from) for every weight of `model`."""
     out = []
     for name, module in model.named_modules():
-        path = name.replace(".", "/")
-        if isinstance(module, nn.Linear):
-            out.append((f"params/{path}/kernel", f"{name}.weight", "linear", getattr(module, "jdp_flatten_from", None)))
-        elif isinstance(module, (nn.Conv1d, nn.Conv2d)):
-            out.append((f"params/{path}/kernel", f"{name}.weight", "conv", None))
-        elif isinstance(module, nn.Embedding):
-            out.append((f"params/{path}/embedding", f"{name}.weight", "copy", None))
+        found = next((v for t, v in _WEIGHTS.items() if isinstance(module, t)), None)
+        if found is None:
             continue
-        elif isinstance(module, nn.LayerNorm):
-            out.append((f"params/{path}/scale", f"{name}.weight", "copy", None))
-        elif isinstance(module, BatchNorm):
-            out += [(f"params/{path}/scale", f"{name}.weight", "copy", None),
-                    (f"params/{path}/bias", f"{name}.bias", "copy", None),
-                    (f"model_state/{path}/mean", f"{name}.running_mean", "copy", None),
-                    (f"model_state/{path}/var", f"{name}.running_var", "copy", None)]
-            continue
-        else:
-            continue
-        if module.bias is not None:
+        path, (kind, weight) = name.replace(".", "/"), found
+        out.append((f"params/{path}/{weight}", f"{name}.weight", kind, getattr(module, "jdp_flatten_from", None)))
+        if getattr(module, "bias", None) is not None:
             out.append((f"params/{path}/bias", f"{name}.bias", "copy", None))
+        if isinstance(module, BatchNorm):
+            out += [(f"model_state/{path}/{s}", f"{name}.running_{s}", "copy", None) for s in ("mean", "var")]
     return out
 
 
