@@ -76,11 +76,6 @@ class BatchNorm(nn.BatchNorm2d):
         return y
 
 
-def bn_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """The running statistics of every BatchNorm of `model`."""
-    return [b for m in model.modules() if isinstance(m, BatchNorm) for b in (m.running_mean, m.running_var)]
-
-
 def average_bn_buffers(buffers: list[torch.Tensor], world: int) -> None:
     """Average running statistics across ranks (one all-reduce), as jdp's step averages its model state."""
     if not buffers or world == 1:
