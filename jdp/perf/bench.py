@@ -127,11 +127,8 @@ def run_bench(cfg, devices: list[int], steps: int, repeats: int, peak_tflops: fl
 
 
 def to_markdown(cfg, rows: list[dict]) -> str:
-    def ms(x):
-        return "n/a" if x is None else f"{x * 1e3:.2f}"
-
-    def ratio(x):
-        return "n/a" if x is None else f"{x:.2f}"
+    def two_places(x, scale: float = 1.0) -> str:  # None: not measured
+        return "n/a" if x is None else f"{x * scale:.2f}"
 
     lines = [f"config: model {cfg.model.name}, data {cfg.data.name}, global batch {cfg.train.global_batch_size}, "
              f"backend {cfg.parallel.backend}, {jax.devices()[0].platform} ({jax.devices()[0].device_kind})", "",
@@ -139,10 +136,11 @@ def to_markdown(cfg, rows: list[dict]) -> str:
              "| first step s | efficiency | params MB/dev | grads MB/dev | opt state MB/dev | XLA temp MB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        cells = [r["devices"], f"{r['examples_per_sec']:,.0f}", ratio(r["vs_single_device_jit"]),
-                 *(ms(r[k]) for k in ("step_s", "compute_s", "allreduce_s", "input_s")), f"{r['first_step_s']:.2f}",
-                 ratio(r["efficiency"]), *(f"{r.get(k, 0) / 2**20:.2f}" for k in ("params_bytes", "grads_bytes",
-                                                                                  "opt_state_bytes", "temp_bytes"))]
+        cells = [r["devices"], f"{r['examples_per_sec']:,.0f}", two_places(r["vs_single_device_jit"]),
+                 *(two_places(r[k], 1e3) for k in ("step_s", "compute_s", "allreduce_s", "input_s")),
+                 f"{r['first_step_s']:.2f}", two_places(r["efficiency"]),
+                 *(two_places(r.get(k, 0), 2**-20) for k in ("params_bytes", "grads_bytes", "opt_state_bytes",
+                                                            "temp_bytes"))]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     matmuls = rows[0].get("matmul_dtypes")
     if matmuls:
