@@ -153,6 +153,8 @@ def write_speed(s: Speed, workdir: Path) -> None:
     m = s.meta
     info = machine_info()
     tokens = m.get("tokens_per_example", 0)  # language models: tokens/s beside examples/s
+    threads = m.get("torch_threads", 1)  # the DDP ranks' torch threads on a CPU (reports before the option: 1)
+    threads_each = f", {threads} torch thread{'s' if threads > 1 else ''} each" if m["device"] == "cpu" else ""
     table = [
         "| run | examples/s |" + (" tokens/s |" if tokens else "") + " vs DDP | step time (ms) | time to first "
         "step (s) | peak RSS per worker (MiB) | peak RSS, all processes (MiB) |",
@@ -179,7 +181,7 @@ def write_speed(s: Speed, workdir: Path) -> None:
         f"# Speed: jdp vs PyTorch DDP, {s.name}",
         f"{m['model']}, global batch {m['global_batch_size']}, {m['steps']} steps per run, {m['repeats']} "
         f"interleaved repeats (medians shown); float32 on {m['device']}. DDP: {m['workers']} rank(s)"
-        f"{_threads(m)}; jdp: one process, {m.get('jdp_devices', m['workers'])} device(s).",
+        f"{threads_each}; jdp: one process, {m.get('jdp_devices', m['workers'])} device(s).",
         f"Machine: {_machine_line(info)}. Load average (1 min) around the runs: median "
         f"{m['load_avg_1min_median']:.1f}, max {m['load_avg_1min_max']:.1f} on {info['cores']} cores"
         + (" (the machine was shared with other jobs: read the ratios, not the absolute rates)."
@@ -191,14 +193,6 @@ def write_speed(s: Speed, workdir: Path) -> None:
     (workdir / "speed.md").write_text("\n\n".join(paragraphs) + "\n")
     (workdir / "speed.json").write_text(json.dumps({**dataclasses.asdict(s), "machine": info}, indent=1))
     plot_speed(s, workdir / "speed.png")
-
-
-def _threads(meta: dict) -> str:
-    """The DDP ranks' torch threads on a CPU, e.g. ", 2 torch threads each" (reports before the option: 1)."""
-    if meta["device"] != "cpu":
-        return ""
-    n = meta.get("torch_threads", 1)
-    return f", {n} torch thread{'s' if n > 1 else ''} each"
 
 
 def plot_speed(s: Speed, path: Path) -> None:

@@ -79,7 +79,7 @@ def _run_ddp(cfg, run_dir: Path, init: Path, lrs: list[float], workers: int, tim
 
 def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = None, repeats: int = 3,
           backends: tuple[str, ...] = tuple(BACKENDS), timeout_s: float = 600, compile_cache: bool = False,
-          device: str = "cpu", command: str = "", echo=print, torch_compile: bool = False, torch_threads: int = 1,
+          device: str = "cpu", command: str = "", torch_compile: bool = False, torch_threads: int = 1,
           jdp_devices: int | None = None) -> Speed:
     """Runs everything into `workdir`; writes speed.md, speed.json and speed.png. On cuda with bf16 the twin runs
     under autocast; on a CPU jdp simulates `jdp_devices` devices (default `workers`) in its one process."""
@@ -112,7 +112,7 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
             else:
                 figures = _run_jdp(cfg, kind, run_dir, timeout_s, compile_cache)
             runs.append({"run": kind, "repeat": rep, **figures, "load_avg_1min": [load_before, os.getloadavg()[0]]})
-            echo(f"{kind:>9} repeat {rep}: {figures['examples_per_sec']:,.0f} examples/s, first step after "
+            print(f"{kind:>9} repeat {rep}: {figures['examples_per_sec']:,.0f} examples/s, first step after "
                  f"{figures['time_to_first_step_s']:.1f} s, peak RSS {figures['peak_rss_mib_per_worker']:,.0f} MiB")
 
     from jdp.data.text import is_text
