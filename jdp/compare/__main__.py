@@ -90,13 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             print(f"report: {Path(workdir) / 'parity.md'}")
             print(result.last_line())
             return EXIT_OK if result.passed else EXIT_OUTSIDE_TOLERANCE
-        from jdp.compare.speed import report_workdir as report_speed
-        from jdp.compare.speed import speed
+        from jdp.compare import speed as speed_lib
         from jdp.parallel import BACKENDS
 
         workdir = args.workdir or Path("runs") / f"compare-{name}-speed"
         if args.report_only:
-            result = report_speed(workdir)
+            speed_lib.report_workdir(workdir)
             print(f"report: {Path(workdir) / 'speed.md'}")
             return EXIT_OK
         if args.torch_threads < 1 or (args.jdp_devices is not None and args.jdp_devices < 1):
@@ -105,11 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         if unknown := set(backends) - set(BACKENDS):
             raise config_lib.ConfigError(f"unknown backend(s) {', '.join(sorted(unknown))}; use "
                                          f"{','.join(BACKENDS)}")
-        result = speed(cfg, name=name, workers=args.workers, workdir=workdir, steps=args.steps,
-                       repeats=args.repeats, backends=backends, timeout_s=args.timeout,
-                       compile_cache=args.compile_cache, device=args.device, command=command,
-                       torch_compile=args.torch_compile, torch_threads=args.torch_threads,
-                       jdp_devices=args.jdp_devices)
+        result = speed_lib.speed(cfg, name=name, workers=args.workers, workdir=workdir, steps=args.steps,
+                                 repeats=args.repeats, backends=backends, timeout_s=args.timeout,
+                                 compile_cache=args.compile_cache, device=args.device, command=command,
+                                 torch_compile=args.torch_compile, torch_threads=args.torch_threads,
+                                 jdp_devices=args.jdp_devices)
         print(f"report: {Path(workdir) / 'speed.md'}")
         ddp = next(r for r in result.rows if r["run"] == "ddp")
         print("; ".join(f"{r['run']} {r['examples_per_sec']:,.0f} ex/s ({r['ratio_vs_ddp']:.2f}x)"

@@ -146,7 +146,8 @@ def train(rank: int, spec: dict) -> dict:
     comm_bytes = _low_rank(ddp, twin.settings, cfg.seed) if twin.hook == "powerSGD_hook" else None
     optimizer = make_optimizer(cfg.optim, model)
     params = list(model.parameters())
-    bn_stats = [] if (cfg.model.bn_sync and world > 1) else torch_models.bn_buffers(model)
+    bn_stats = [] if (cfg.model.bn_sync and world > 1) else [  # each rank's running statistics, averaged per step
+        b for m in model.modules() if isinstance(m, torch_models.BatchNorm) for b in (m.running_mean, m.running_var)]
     lrs, clip = spec["lrs"], cfg.optim.grad_clip_norm
     losses, grad_norms = [], []
     t_first = t_end = None

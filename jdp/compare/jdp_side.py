@@ -11,17 +11,16 @@
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import sys
 from pathlib import Path
 
+import numpy as np
+
 
 def write_init(cfg, out: Path) -> None:
     """init.npz and lrs.json for `cfg` (uses one device)."""
-    import copy
-
-    import numpy as np
-
     from jdp.cli.build import build
     from jdp.cli.optim import learning_rate
     from jdp.params_file import flatten
@@ -57,8 +56,6 @@ def parity(cfg, out: Path, devices: int) -> None:
     if len(losses) != cfg.train.steps or losses != result.losses:
         raise RuntimeError(f"metrics.jsonl has {len(losses)} per-step losses for {cfg.train.steps} steps "
                            "(is train.log_every 1, and was no step skipped?)")
-    import numpy as np
-
     np.savez(out / "jdp_final.npz", **flatten(result.params, "params"), **flatten(result.model_state, "model_state"))
     (out / "jdp_result.json").write_text(json.dumps({
         "losses": losses, "grad_norms": [r["grad_norm"] for r in train], "lrs": [r["lr"] for r in train],

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import numpy as np
 
+from jdp.cli import config as config_lib
 from jdp.compare import procs
-from jdp.compare.report import Parity, Tolerance
+from jdp.compare.report import Parity, Tolerance, write_parity
+from jdp.data.text import is_text
 
 # Float32 on CPU, by (model family, optimizer family): measured on a 2-core CPU over 50 steps, rounded up
 # (docs/compare_example/README.md has the runs).
@@ -65,8 +67,6 @@ def check_supported(cfg, workers: int, *, bf16: bool = False) -> None:
     if cfg.model.name not in MODEL_NAMES:
         raise ValueError(f"model.name={cfg.model.name!r}: the PyTorch twin has no such model; it has "
                          f"{', '.join(MODEL_NAMES)}")
-    from jdp.data.text import is_text
-
     if cfg.data.name not in ("mnist1d", "digits", "synthetic") and not is_text(cfg.data.name):
         raise ValueError(f"data.name={cfg.data.name!r}: the comparison uses jdp's in-memory sources only")
     for key, wanted in _FP32_PLAIN.items():
@@ -138,8 +138,6 @@ def compare(name: str, jdp: dict, ddp: dict, jdp_final: dict, ddp_final: dict, t
 def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance: Tolerance | None = None,
            timeout_s: float = 900, device: str = "cpu") -> Parity:
     """Runs both sides into `workdir` and reports there (`report_workdir`; `tolerance` None: `default_tolerance`)."""
-    from jdp.cli import config as config_lib
-
     cfg = prepare_config(cfg, workers=workers, steps=steps, device=device)
     workdir = Path(workdir).resolve()
     workdir.mkdir(parents=True, exist_ok=True)
@@ -167,9 +165,6 @@ def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance
 
 def report_workdir(workdir: Path, tolerance: Tolerance | None = None) -> Parity:
     """Compares the results a parity run left in `workdir` and writes its report (`--report_only`)."""
-    from jdp.cli import config as config_lib
-    from jdp.compare import report
-
     workdir = Path(workdir)
     cfg = config_lib.load_saved_config(workdir / "config.json")
     sides = json.loads((workdir / "sides.json").read_text())
@@ -188,5 +183,5 @@ def report_workdir(workdir: Path, tolerance: Tolerance | None = None) -> Parity:
             "torch": ddp["torch"], "hook": ddp_twin(cfg).hook,
             "comm_bytes_jdp": jdp.get("comm_bytes_per_step"), "comm_bytes_ddp": ddp.get("comm_bytes_per_step")}
     result = compare(sides["name"], jdp, ddp, jdp_final, ddp_final, tolerance, meta)
-    report.write_parity(result, workdir)
+    write_parity(result, workdir)
     return result

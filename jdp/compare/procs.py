@@ -39,24 +39,17 @@ def run(args: list[str], *, log: Path, timeout_s: float, env: dict[str, str] | N
     killed at `timeout_s`. Peak memory from os.wait4, so it is this child's alone."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
-        launch = time.time()
-        t0 = time.monotonic()
+        launch, t0 = time.time(), time.monotonic()
         proc = subprocess.Popen([sys.executable, *args], stdout=out, stderr=subprocess.STDOUT,
                                 env=env or child_env(), start_new_session=True)
-        deadline = t0 + timeout_s
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() > deadline:
-                os.killpg(proc.pid, signal.SIGKILL)
-                pid, status, usage = os.wait4(proc.pid, 0)
-                proc.returncode = 124
-                return Finished(124, time.monotonic() - t0, usage.ru_maxrss / 1024, launch, log)
+        while not (waited := os.wait4(proc.pid, os.WNOHANG))[0] and time.monotonic() < t0 + timeout_s:
             time.sleep(0.05)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    with contextlib.suppress(ProcessLookupError):  # leftovers of the child's own children (spawned DDP workers)
+    timed_out = not waited[0]
+    # The whole group: at the time limit the child too, else the leftovers of its own children (spawned DDP workers).
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
+    _, status, usage = os.wait4(proc.pid, 0) if timed_out else waited
+    proc.returncode = 124 if timed_out else os.waitstatus_to_exitcode(status)
     return Finished(proc.returncode, time.monotonic() - t0, usage.ru_maxrss / 1024, launch, log)
 
 

@@ -17,9 +17,6 @@ class Tolerance:
     grad_norm: float  # every step's gradient norm
     step1: float  # step 1's loss and gradient norm: same weights, same batch, nothing compounded yet
 
-    def describe(self) -> str:
-        return f"loss {self.loss:.0e}, gradient norm {self.grad_norm:.0e}, step 1 {self.step1:.0e}"
-
 
 @dataclasses.dataclass
 class Parity:
@@ -53,18 +50,14 @@ class Speed:
 
 def machine_info() -> dict:
     """CPU model, cores, memory and library versions of this machine (read without importing torch or jax)."""
-    from importlib.metadata import PackageNotFoundError, version
+    from importlib.metadata import distributions
 
     cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
                 if line.startswith("model name")), platform.processor() or "unknown CPU")
     mem_kib = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines()
                     if line.startswith("MemTotal")), 0)
-    versions = {}
-    for package in ("jax", "flax", "optax", "torch"):
-        try:
-            versions[package] = version(package)
-        except PackageNotFoundError:
-            versions[package] = "not installed"
+    versions = {package: next((d.version for d in distributions(name=package)), "not installed")
+                for package in ("jax", "flax", "optax", "torch")}
     return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gib": round(mem_kib / 2**20, 1),
             "python": platform.python_version(), "os": f"{platform.system()} {platform.release()}", **versions}
 
@@ -90,51 +83,42 @@ def _plt():
     return plt
 
 
-# ---------------------------------------------------------------- parity
-
-
 def write_parity(p: Parity, workdir: Path) -> None:
     m = p.meta
     info = machine_info()
-    lines = [
+    table = ["| step | loss jdp | loss DDP | rel. diff | grad norm jdp | grad norm DDP | rel. diff |",
+             "|---:|---:|---:|---:|---:|---:|---:|",
+             *(f"| {r['step']} | {r['loss_jdp']:.7f} | {r['loss_ddp']:.7f} | {r['loss_rel']:.1e} | "
+               f"{r['grad_norm_jdp']:.6f} | {r['grad_norm_ddp']:.6f} | {r['grad_rel']:.1e} |" for r in p.steps)]
+    paragraphs = [  # separated by blank lines
         f"# Parity: jdp vs PyTorch DDP, {p.name}",
-        "",
         f"{m['model']}, {m['optimizer']} (lr {m.get('lr', '?')}), global batch {m['global_batch_size']}, "
         f"{m['workers']} workers, "
         f"{m['steps']} steps, float32 on {m['device']}; jdp backend {m['jdp_backend']} on {m['workers']} "
         f"simulated devices in one process, DDP on {m['workers']} processes ({m['ddp_backend']}, 1 thread "
         f"each); BatchNorm sync: {m['bn_sync']}.",
-        "",
         f"Machine: {_machine_line(info)}.",
-        "",
         f"**{'PASS' if p.passed else 'FAIL'}**: worst per-step loss difference {p.worst_loss[0]:.2e} (step "
         f"{p.worst_loss[1]}), worst gradient-norm difference {p.worst_grad[0]:.2e} (step {p.worst_grad[1]}), "
-        f"step 1 (same weights, same batch) {p.first_step:.1e}; tolerances: {p.tolerance.describe()} (relative, "
-        f"|jdp - ddp| / |jdp|; why these: jdp/compare/parity.py, TOLERANCES).",
-        "",
+        f"step 1 (same weights, same batch) {p.first_step:.1e}; tolerances: loss {p.tolerance.loss:.0e}, gradient "
+        f"norm {p.tolerance.grad_norm:.0e}, step 1 {p.tolerance.step1:.0e} (relative, |jdp - ddp| / |jdp|; why "
+        "these: jdp/compare/parity.py, TOLERANCES).",
         f"After the last step: largest parameter / BatchNorm-statistic difference {p.final_params_rel:.2e} "
         f"relative to the tensor's largest value (`{p.final_worst_tensor}`); eval loss jdp "
         f"{p.eval['loss_jdp']:.6f} vs DDP {p.eval['loss_ddp']:.6f} ({p.eval['loss_rel']:.1e} relative), "
         f"accuracy {p.eval['accuracy_jdp']:.4f} vs {p.eval['accuracy_ddp']:.4f}.",
-        "",
         *([f"Sync: low-rank compression on both sides (DDP: `powerSGD_hook`); bytes per step after the start: jdp "
            f"{m['comm_bytes_jdp']:,.0f} (its compiled step's collectives, the loss sums included), DDP "
-           f"{m['comm_bytes_ddp']:,.0f} (the hook's gradient payload).", ""]
+           f"{m['comm_bytes_ddp']:,.0f} (the hook's gradient payload)."]
           if m.get("hook") == "powerSGD_hook" else []),
         "Loss: mean cross-entropy over the global batch at each step (jdp: metrics.jsonl; DDP: all-reduced). "
         "Gradient norm: global L2 norm of the gradient averaged over workers, before clipping (jdp: the "
         "train step's own grad_norm, train.log_grad_norm=True; DDP: the .grad tensors after backward). "
         "In the plot, differences of exactly 0 are drawn at 1e-10.",
-        "",
         "![loss curves](parity_loss.png)",
-        "",
-        "| step | loss jdp | loss DDP | rel. diff | grad norm jdp | grad norm DDP | rel. diff |",
-        "|---:|---:|---:|---:|---:|---:|---:|",
+        "\n".join(table),
     ]
-    for r in p.steps:
-        lines.append(f"| {r['step']} | {r['loss_jdp']:.7f} | {r['loss_ddp']:.7f} | {r['loss_rel']:.1e} | "
-                     f"{r['grad_norm_jdp']:.6f} | {r['grad_norm_ddp']:.6f} | {r['grad_rel']:.1e} |")
-    (workdir / "parity.md").write_text("\n".join(lines) + "\n")
+    (workdir / "parity.md").write_text("\n\n".join(paragraphs) + "\n")
     (workdir / "parity.json").write_text(json.dumps({**dataclasses.asdict(p), "machine": info}, indent=1))
     header = "step,loss_jdp,loss_ddp,loss_rel,grad_norm_jdp,grad_norm_ddp,grad_rel"
     (workdir / "parity_steps.csv").write_text("\n".join(
@@ -165,36 +149,21 @@ def plot_parity(p: Parity, path: Path) -> None:
     plt.close(fig)
 
 
-# ---------------------------------------------------------------- speed
-
-
 def write_speed(s: Speed, workdir: Path) -> None:
     m = s.meta
     info = machine_info()
     tokens = m.get("tokens_per_example", 0)  # language models: tokens/s beside examples/s
-    lines = [
-        f"# Speed: jdp vs PyTorch DDP, {s.name}",
-        "",
-        f"{m['model']}, global batch {m['global_batch_size']}, {m['steps']} steps per run, {m['repeats']} "
-        f"interleaved repeats (medians shown); float32 on {m['device']}. DDP: {m['workers']} rank(s)"
-        f"{_threads(m)}; jdp: one process, {m.get('jdp_devices', m['workers'])} device(s).",
-        "",
-        f"Machine: {_machine_line(info)}. Load average (1 min) around the runs: median "
-        f"{m['load_avg_1min_median']:.1f}, max {m['load_avg_1min_max']:.1f} on {info['cores']} cores"
-        + (" (the machine was shared with other jobs: read the ratios, not the absolute rates)."
-           if m["load_avg_1min_median"] > info["cores"] + 0.5 else "."),
-        "",
+    threads = m.get("torch_threads", 1)  # the DDP ranks' torch threads on a CPU (reports before the option: 1)
+    threads_each = f", {threads} torch thread{'s' if threads > 1 else ''} each" if m["device"] == "cpu" else ""
+    table = [
         "| run | examples/s |" + (" tokens/s |" if tokens else "") + " vs DDP | step time (ms) | time to first "
         "step (s) | peak RSS per worker (MiB) | peak RSS, all processes (MiB) |",
         "|---|---:|" + ("---:|" if tokens else "") + "---:|---:|---:|---:|---:|",
-    ]
-    for row in s.rows:
-        per_token = f"{row['tokens_per_sec']:,.0f} | " if tokens else ""
-        lines.append(f"| {row['run']} | {row['examples_per_sec']:,.0f} | {per_token}{row['ratio_vs_ddp']:.2f}x | "
-                     f"{row['step_time_ms']:.1f} | {row['time_to_first_step_s']:.1f} | "
-                     f"{row['peak_rss_mib_per_worker']:,.0f} | {row['peak_rss_mib_total']:,.0f} |")
-    lines += [
-        "",
+        *(f"| {row['run']} | {row['examples_per_sec']:,.0f} | "
+          + (f"{row['tokens_per_sec']:,.0f} | " if tokens else "") + f"{row['ratio_vs_ddp']:.2f}x | "
+          f"{row['step_time_ms']:.1f} | {row['time_to_first_step_s']:.1f} | "
+          f"{row['peak_rss_mib_per_worker']:,.0f} | {row['peak_rss_mib_total']:,.0f} |" for row in s.rows)]
+    notes = [
         "- examples/s: steady state, leaving out the first step (jdp: the summary line's `examples_per_sec`; "
         "DDP: rank 0's wall time from the end of step 1 to the end of the last step). Step time = global "
         "batch / examples/s." + (f" tokens/s = examples/s x {tokens} tokens per example." if tokens else ""),
@@ -207,20 +176,23 @@ def write_speed(s: Speed, workdir: Path) -> None:
         "worker processes (each holds its own copy of the model, data and torch), and its total adds every worker's "
         "and the launcher's.",
         f"- per-run figures: speed.json. Command: `{m['command']}`",
-        "",
+    ]
+    paragraphs = [  # separated by blank lines
+        f"# Speed: jdp vs PyTorch DDP, {s.name}",
+        f"{m['model']}, global batch {m['global_batch_size']}, {m['steps']} steps per run, {m['repeats']} "
+        f"interleaved repeats (medians shown); float32 on {m['device']}. DDP: {m['workers']} rank(s)"
+        f"{threads_each}; jdp: one process, {m.get('jdp_devices', m['workers'])} device(s).",
+        f"Machine: {_machine_line(info)}. Load average (1 min) around the runs: median "
+        f"{m['load_avg_1min_median']:.1f}, max {m['load_avg_1min_max']:.1f} on {info['cores']} cores"
+        + (" (the machine was shared with other jobs: read the ratios, not the absolute rates)."
+           if m["load_avg_1min_median"] > info["cores"] + 0.5 else "."),
+        "\n".join(table),
+        "\n".join(notes),
         "![throughput](speed.png)",
     ]
-    (workdir / "speed.md").write_text("\n".join(lines) + "\n")
+    (workdir / "speed.md").write_text("\n\n".join(paragraphs) + "\n")
     (workdir / "speed.json").write_text(json.dumps({**dataclasses.asdict(s), "machine": info}, indent=1))
     plot_speed(s, workdir / "speed.png")
-
-
-def _threads(meta: dict) -> str:
-    """The DDP ranks' torch threads on a CPU, e.g. ", 2 torch threads each" (reports before the option: 1)."""
-    if meta["device"] != "cpu":
-        return ""
-    n = meta.get("torch_threads", 1)
-    return f", {n} torch thread{'s' if n > 1 else ''} each"
 
 
 def plot_speed(s: Speed, path: Path) -> None:

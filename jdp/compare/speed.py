@@ -13,8 +13,11 @@ import statistics
 import time
 from pathlib import Path
 
+from jdp.cli import config as config_lib
 from jdp.compare import procs
-from jdp.compare.report import Speed
+from jdp.compare.parity import both_sides
+from jdp.compare.report import Speed, write_speed
+from jdp.data.text import is_text
 from jdp.metrics import read_metrics
 from jdp.parallel import BACKENDS
 
@@ -22,8 +25,6 @@ _CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIM
 
 
 def prepare_config(cfg, *, workers: int, steps: int | None, compile_cache: bool, device: str = "cpu"):
-    from jdp.compare.parity import both_sides
-
     steps = steps or cfg.train.steps
     if steps < 2:
         raise ValueError("--steps must be at least 2: the first step is left out of the throughput")
@@ -39,8 +40,6 @@ def _median(values: list[float]) -> float:
 
 
 def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: bool) -> dict:
-    from jdp.cli import config as config_lib
-
     cfg = copy.deepcopy(cfg)
     cfg.parallel.backend = backend
     config_lib.save_config(cfg, run_dir / "config.json")  # `--workdir` without `--config` trains this config
@@ -58,8 +57,6 @@ def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: 
 
 def _run_ddp(cfg, run_dir: Path, init: Path, lrs: list[float], workers: int, timeout_s: float,
              device: str, torch_compile: bool = False, threads: int = 1) -> dict:
-    from jdp.cli import config as config_lib
-
     config_lib.save_config(cfg, run_dir / "config.json")
     spec = {"config": str(run_dir / "config.json"), "workers": workers, "steps": cfg.train.steps,
             "init": str(init), "lrs": lrs, "out": str(run_dir), "mode": "speed",
@@ -79,13 +76,10 @@ def _run_ddp(cfg, run_dir: Path, init: Path, lrs: list[float], workers: int, tim
 
 def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = None, repeats: int = 3,
           backends: tuple[str, ...] = tuple(BACKENDS), timeout_s: float = 600, compile_cache: bool = False,
-          device: str = "cpu", command: str = "", echo=print, torch_compile: bool = False, torch_threads: int = 1,
+          device: str = "cpu", command: str = "", torch_compile: bool = False, torch_threads: int = 1,
           jdp_devices: int | None = None) -> Speed:
     """Runs everything into `workdir`; writes speed.md, speed.json and speed.png. On cuda with bf16 the twin runs
     under autocast; on a CPU jdp simulates `jdp_devices` devices (default `workers`) in its one process."""
-    from jdp.cli import config as config_lib
-    from jdp.compare import report
-
     cfg = prepare_config(cfg, workers=workers, steps=steps, compile_cache=compile_cache, device=device)
     if device != "cuda" and jdp_devices:
         cfg.parallel.cpu_devices = jdp_devices
@@ -112,10 +106,8 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
             else:
                 figures = _run_jdp(cfg, kind, run_dir, timeout_s, compile_cache)
             runs.append({"run": kind, "repeat": rep, **figures, "load_avg_1min": [load_before, os.getloadavg()[0]]})
-            echo(f"{kind:>9} repeat {rep}: {figures['examples_per_sec']:,.0f} examples/s, first step after "
+            print(f"{kind:>9} repeat {rep}: {figures['examples_per_sec']:,.0f} examples/s, first step after "
                  f"{figures['time_to_first_step_s']:.1f} s, peak RSS {figures['peak_rss_mib_per_worker']:,.0f} MiB")
-
-    from jdp.data.text import is_text
 
     batch = cfg.train.global_batch_size
     tokens = cfg.data.block_size if is_text(cfg.data.name) else 0  # a language model's tokens per example
@@ -138,15 +130,13 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
             "command": command}
     result = Speed(name, rows, [{k: v for k, v in r.items() if k != "losses"} | {"final_loss": r["losses"][-1]}
                                 for r in runs], meta)
-    report.write_speed(result, workdir)
+    write_speed(result, workdir)
     return result
 
 
 def report_workdir(workdir: Path) -> Speed:
     """Writes the report of the speed.json a run left in `workdir` again."""
-    from jdp.compare import report
-
     stored = json.loads((Path(workdir) / "speed.json").read_text())
     result = Speed(stored["name"], stored["rows"], stored["runs"], stored["meta"])
-    report.write_speed(result, Path(workdir))
+    write_speed(result, Path(workdir))
     return result

@@ -7,8 +7,10 @@ channels-last inputs channels first. No jax: the DDP workers import only torch, 
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from itertools import pairwise
 
 import numpy as np
@@ -72,11 +74,6 @@ class BatchNorm(nn.BatchNorm2d):
             self.running_mean.copy_(m * self.running_mean + (1 - m) * mean)
             self.running_var.copy_(m * self.running_var + (1 - m) * var)
         return y
-
-
-def bn_buffers(model: nn.Module) -> list[torch.Tensor]:
-    """The running statistics of every BatchNorm of `model`."""
-    return [b for m in model.modules() if isinstance(m, BatchNorm) for b in (m.running_mean, m.running_var)]
 
 
 def average_bn_buffers(buffers: list[torch.Tensor], world: int) -> None:
@@ -152,36 +149,25 @@ class CNN2D(nn.Module):
         return head(x)
 
 
-class _Layers:
-    def __init__(self, bn_momentum: float, sync: bool):
-        self.bn_momentum, self.sync = bn_momentum, sync
-
-    def conv(self, c_in: int, c_out: int, k: int, stride: int = 1) -> nn.Conv2d:
-        return nn.Conv2d(c_in, c_out, k, stride, padding=k // 2, bias=False)  # symmetric k // 2, as jdp
-
-    def bn(self, c: int) -> BatchNorm:
-        return BatchNorm(c, self.bn_momentum, 1e-5, self.sync)
+def _conv(c_in: int, c_out: int, k: int, stride: int = 1) -> nn.Conv2d:
+    return nn.Conv2d(c_in, c_out, k, stride, padding=k // 2, bias=False)  # symmetric k // 2, as jdp
 
 
-class Shortcut(nn.Module):
-    def __init__(self, c_in: int, c_out: int, stride: int, layers: _Layers):
-        super().__init__()
-        project = stride != 1 or c_in != c_out
-        self.proj = layers.conv(c_in, c_out, 1, stride) if project else None
-        self.bn = layers.bn(c_out) if project else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x if self.proj is None else self.bn(self.proj(x))
+def _shortcut(c_in: int, c_out: int, stride: int, bn: Callable[[int], BatchNorm]) -> nn.Module:
+    """The identity, or a 1x1 projection and BatchNorm where the block changes the shape."""
+    if stride == 1 and c_in == c_out:
+        return nn.Identity()
+    return nn.Sequential(OrderedDict(proj=_conv(c_in, c_out, 1, stride), bn=bn(c_out)))
 
 
 class BasicBlock(nn.Module):
     expansion = 1
 
-    def __init__(self, c_in: int, filters: int, stride: int, layers: _Layers):
+    def __init__(self, c_in: int, filters: int, stride: int, bn: Callable[[int], BatchNorm]):
         super().__init__()
-        self.conv1, self.bn1 = layers.conv(c_in, filters, 3, stride), layers.bn(filters)
-        self.conv2, self.bn2 = layers.conv(filters, filters, 3), layers.bn(filters)
-        self.shortcut = Shortcut(c_in, filters, stride, layers)
+        self.conv1, self.bn1 = _conv(c_in, filters, 3, stride), bn(filters)
+        self.conv2, self.bn2 = _conv(filters, filters, 3), bn(filters)
+        self.shortcut = _shortcut(c_in, filters, stride, bn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.relu(self.bn1(self.conv1(x)))
@@ -192,13 +178,13 @@ class BasicBlock(nn.Module):
 class BottleneckBlock(nn.Module):
     expansion = 4
 
-    def __init__(self, c_in: int, filters: int, stride: int, layers: _Layers):
+    def __init__(self, c_in: int, filters: int, stride: int, bn: Callable[[int], BatchNorm]):
         super().__init__()
         c_out = filters * self.expansion
-        self.conv1, self.bn1 = layers.conv(c_in, filters, 1), layers.bn(filters)
-        self.conv2, self.bn2 = layers.conv(filters, filters, 3, stride), layers.bn(filters)  # v1.5
-        self.conv3, self.bn3 = layers.conv(filters, c_out, 1), layers.bn(c_out)
-        self.shortcut = Shortcut(c_in, c_out, stride, layers)
+        self.conv1, self.bn1 = _conv(c_in, filters, 1), bn(filters)
+        self.conv2, self.bn2 = _conv(filters, filters, 3, stride), bn(filters)  # v1.5
+        self.conv3, self.bn3 = _conv(filters, c_out, 1), bn(c_out)
+        self.shortcut = _shortcut(c_in, c_out, stride, bn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = F.relu(self.bn1(self.conv1(x)))
@@ -225,16 +211,16 @@ class ResNet(nn.Module):
     def __init__(self, stage_sizes: Sequence[int], block: str, width: int, stem: str, in_channels: int,
                  num_classes: int, *, bn_momentum: float = 0.9, sync_bn: bool = False):
         super().__init__()
-        layers = _Layers(bn_momentum, sync_bn)
+        bn = functools.partial(BatchNorm, flax_momentum=bn_momentum, sync=sync_bn)
         self.imagenet_stem = stem == "imagenet"
         k, stride = (7, 2) if self.imagenet_stem else (3, 1)
-        self.stem_conv = layers.conv(in_channels, width, k, stride)
-        self.stem_bn = layers.bn(width)
+        self.stem_conv = _conv(in_channels, width, k, stride)
+        self.stem_bn = bn(width)
         block_cls = {"basic": BasicBlock, "bottleneck": BottleneckBlock}[block]
         blocks, c = [], width
         for i, n in enumerate(stage_sizes):
             for j in range(n):
-                blocks.append(block_cls(c, width * 2**i, 2 if i > 0 and j == 0 else 1, layers))
+                blocks.append(block_cls(c, width * 2**i, 2 if i > 0 and j == 0 else 1, bn))
                 c = width * 2**i * block_cls.expansion
         self.blocks = nn.ModuleList(blocks)
         self.head = nn.Linear(c, num_classes)
@@ -266,24 +252,15 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.proj(y.transpose(1, 2).reshape(b, t, d)))
 
 
-class GPTMLP(nn.Module):
-    def __init__(self, embed_dim: int, dropout: float, bias: bool):
-        super().__init__()
-        self.fc = nn.Linear(embed_dim, 4 * embed_dim, bias=bias)
-        self.proj = nn.Linear(4 * embed_dim, embed_dim, bias=bias)
-        self.dropout = nn.Dropout(dropout)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.proj(F.gelu(self.fc(x))))
-
-
 class GPTBlock(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, dropout: float, bias: bool):
         super().__init__()
         self.ln1 = nn.LayerNorm(embed_dim, eps=1e-5, bias=bias)
         self.attn = CausalSelfAttention(embed_dim, num_heads, dropout, bias)
         self.ln2 = nn.LayerNorm(embed_dim, eps=1e-5, bias=bias)
-        self.mlp = GPTMLP(embed_dim, dropout, bias)
+        self.mlp = nn.Sequential(OrderedDict(fc=nn.Linear(embed_dim, 4 * embed_dim, bias=bias), gelu=nn.GELU(),
+                                             proj=nn.Linear(4 * embed_dim, embed_dim, bias=bias),
+                                             dropout=nn.Dropout(dropout)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln1(x))

@@ -22,30 +22,24 @@ from jdp.nested import flatten
 Flat = dict[str, np.ndarray]
 
 
+# Module type -> (conversion, jdp's name of its weight); a bias, where the module has one, is `bias` on both sides.
+_WEIGHTS = {nn.Linear: ("linear", "kernel"), nn.Conv1d: ("conv", "kernel"), nn.Conv2d: ("conv", "kernel"),
+            nn.Embedding: ("copy", "embedding"), nn.LayerNorm: ("copy", "scale"), BatchNorm: ("copy", "scale")}
+
+
 def _entries(model: nn.Module) -> list[tuple[str, str, str, Any]]:
     """(jdp key, torch key, kind, flatten_from) for every weight of `model`."""
     out = []
     for name, module in model.named_modules():
-        path = name.replace(".", "/")
-        if isinstance(module, nn.Linear):
-            out.append((f"params/{path}/kernel", f"{name}.weight", "linear", getattr(module, "jdp_flatten_from", None)))
-        elif isinstance(module, (nn.Conv1d, nn.Conv2d)):
-            out.append((f"params/{path}/kernel", f"{name}.weight", "conv", None))
-        elif isinstance(module, nn.Embedding):
-            out.append((f"params/{path}/embedding", f"{name}.weight", "copy", None))
+        found = next((v for t, v in _WEIGHTS.items() if isinstance(module, t)), None)
+        if found is None:
             continue
-        elif isinstance(module, nn.LayerNorm):
-            out.append((f"params/{path}/scale", f"{name}.weight", "copy", None))
-        elif isinstance(module, BatchNorm):
-            out += [(f"params/{path}/scale", f"{name}.weight", "copy", None),
-                    (f"params/{path}/bias", f"{name}.bias", "copy", None),
-                    (f"model_state/{path}/mean", f"{name}.running_mean", "copy", None),
-                    (f"model_state/{path}/var", f"{name}.running_var", "copy", None)]
-            continue
-        else:
-            continue
-        if module.bias is not None:
+        path, (kind, weight) = name.replace(".", "/"), found
+        out.append((f"params/{path}/{weight}", f"{name}.weight", kind, getattr(module, "jdp_flatten_from", None)))
+        if getattr(module, "bias", None) is not None:
             out.append((f"params/{path}/bias", f"{name}.bias", "copy", None))
+        if isinstance(module, BatchNorm):
+            out += [(f"model_state/{path}/{s}", f"{name}.running_{s}", "copy", None) for s in ("mean", "var")]
     return out
 
 
@@ -56,22 +50,15 @@ def _flatten_permutation(flatten_from: tuple[int, ...]) -> np.ndarray:
     return np.moveaxis(jdp_index, -1, 0).reshape(-1)
 
 
-def _to_torch(kind: str, value: np.ndarray, flatten_from) -> np.ndarray:
-    if kind == "linear":
-        return (value[_flatten_permutation(flatten_from)] if flatten_from else value).T
-    if kind == "conv":  # (*spatial, I, O) -> (O, I, *spatial)
+def _convert(kind: str, value: np.ndarray, flatten_from, to_torch: bool) -> np.ndarray:
+    """One weight from jdp's layout to the twin's (`to_torch`), or back."""
+    if kind == "conv":  # (*spatial, I, O) <-> (O, I, *spatial)
         nd = value.ndim - 2
-        return np.transpose(value, (nd + 1, nd, *range(nd)))
-    return value
-
-
-def _to_jdp(kind: str, value: np.ndarray, flatten_from) -> np.ndarray:
-    if kind == "linear":  # the inverse permutation of _to_torch's rows
-        return value.T[np.argsort(_flatten_permutation(flatten_from))] if flatten_from else value.T
-    if kind == "conv":  # (O, I, *spatial) -> (*spatial, I, O)
-        nd = value.ndim - 2
-        return np.transpose(value, (*range(2, 2 + nd), 1, 0))
-    return value
+        return np.transpose(value, (nd + 1, nd, *range(nd)) if to_torch else (*range(2, 2 + nd), 1, 0))
+    if kind != "linear" or not flatten_from:
+        return value.T if kind == "linear" else value
+    perm = _flatten_permutation(flatten_from)  # rows permuted, then transposed; back: the inverse permutation
+    return value[perm].T if to_torch else value.T[np.argsort(perm)]
 
 
 def unstacked(flat: Flat) -> Flat:
@@ -96,7 +83,7 @@ def flat_to_torch(flat: Flat, model: nn.Module) -> dict[str, torch.Tensor]:
     for jdp_key, torch_key, kind, flatten_from in _entries(model):
         if jdp_key not in flat:
             raise ValueError(f"no {jdp_key} for the twin's {torch_key}; is it the same model and config?")
-        value = np.ascontiguousarray(_to_torch(kind, np.asarray(flat[jdp_key]), flatten_from))
+        value = np.ascontiguousarray(_convert(kind, np.asarray(flat[jdp_key]), flatten_from, True))
         if tuple(value.shape) != tuple(state[torch_key].shape):
             raise ValueError(f"{jdp_key} gives {torch_key} the shape {value.shape}, the twin has "
                              f"{tuple(state[torch_key].shape)}")
@@ -111,7 +98,7 @@ def torch_to_flat(state_dict: dict[str, torch.Tensor], model: nn.Module) -> Flat
         if torch_key not in state_dict:
             raise ValueError(f"the state_dict has no {torch_key}")
         value = state_dict[torch_key].detach().cpu().numpy()
-        flat[jdp_key] = np.ascontiguousarray(_to_jdp(kind, value, flatten_from))
+        flat[jdp_key] = np.ascontiguousarray(_convert(kind, value, flatten_from, False))
     return flat
 
 

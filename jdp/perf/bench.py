@@ -82,48 +82,44 @@ def run_bench(cfg, devices: list[int], steps: int, repeats: int, peak_tflops: fl
     """Every variant compiled once, then timed `repeats` times, interleaved so that drift on a shared machine
     hits every variant alike. `peak_tflops` 0 = the known peak of the device at the config's precision."""
     explicit = cfg.parallel.backend in ("shard_map", "pmap")  # jit has no collective of jdp's to remove
+    variants = {}
+    if baseline:  # a plain single-device jit step: what data parallelism must not fall far behind
+        jit_cfg = cfg.copy_and_resolve_references()
+        jit_cfg.parallel.backend = "jit"
+        variants["jit"] = Variant(jit_cfg, 1)
     # Without its collective, a step on one device is the same program: nothing to measure.
-    variants = {(n, c): Variant(cfg, n, c) for n in devices for c in ((True, False) if explicit and n > 1 else (True,))}
-    single_jit = None  # a plain single-device jit step: what data parallelism must not fall far behind
-    if baseline:
-        baseline_cfg = cfg.copy_and_resolve_references()
-        baseline_cfg.parallel.backend = "jit"
-        single_jit = Variant(baseline_cfg, 1)
-    times = {key: [] for key in variants}
-    baseline_times = []
+    variants |= {(n, c): Variant(cfg, n, c)
+                 for n in devices for c in ((True, False) if explicit and n > 1 else (True,))}
+    times = collections.defaultdict(list)
     for _ in range(repeats):
-        if single_jit is not None:
-            baseline_times.append(single_jit.time(steps))
         for key, variant in variants.items():
             times[key].append(variant.time(steps))
+    median = {key: statistics.median(t) for key, t in times.items()}
     kind = jax.devices()[0].device_kind
     peak = peak_tflops or peak_tflops_for(kind, cfg.precision)
     rows = []
     for n in devices:
         with_c = variants[(n, True)]
-        row = {**with_c.row(statistics.median(times[(n, True)])), **with_c.stats()}
+        row = {**with_c.row(median[(n, True)]), **with_c.stats()}
         row |= _token_figures(cfg, with_c.tokens_per_example, with_c.abstract_params, row)
-        if (n, False) in variants:
-            without = statistics.median(times[(n, False)])
-            row["allreduce_s"] = max(row["step_s"] - without, 0.0)
-            row["compute_s"] = without
-        else:
-            row["allreduce_s"], row["compute_s"] = (0.0 if n == 1 else None), row["step_s"]
+        without = median.get((n, False))
+        row["allreduce_s"] = (0.0 if n == 1 else None) if without is None else max(row["step_s"] - without, 0.0)
+        row["compute_s"] = row["step_s"] if without is None else without
         row.update(precision=cfg.precision, device_kind=kind)
         rows.append(row)
     base = next((r for r in rows if r["devices"] == 1), None)
-    single_jit_s = statistics.median(baseline_times) if single_jit is not None else None
     for r in rows:
         r["efficiency"] = r["examples_per_sec"] / (r["devices"] * base["examples_per_sec"]) if base else None
-        r["vs_single_device_jit"] = (r["examples_per_sec"] * single_jit_s / single_jit.batch_size
-                                     if single_jit is not None else None)
+        r["vs_single_device_jit"] = (r["examples_per_sec"] * median["jit"] / variants["jit"].batch_size
+                                     if baseline else None)
         # Model FLOPs utilisation against the peak: the GPT's model FLOPs per token x tokens/sec per device;
         # XLA's FLOP count of one device's step over its time (the only figure for other models).
-        if peak:
-            r["peak_tflops"] = peak
-        if peak and r.get("flops"):
+        if not peak:
+            continue
+        r["peak_tflops"] = peak
+        if r.get("flops"):
             r["mfu_xla"] = r["flops"] / r["step_s"] / (peak * 1e12)
-        if peak and r.get("model_flops_per_token"):
+        if r.get("model_flops_per_token"):
             r["mfu"] = r["model_flops_per_token"] * r["tokens_per_sec"] / r["devices"] / (peak * 1e12)
         elif "mfu_xla" in r:
             r["mfu"] = r["mfu_xla"]
@@ -131,11 +127,8 @@ def run_bench(cfg, devices: list[int], steps: int, repeats: int, peak_tflops: fl
 
 
 def to_markdown(cfg, rows: list[dict]) -> str:
-    def ms(x):
-        return "n/a" if x is None else f"{x * 1e3:.2f}"
-
-    def ratio(x):
-        return "n/a" if x is None else f"{x:.2f}"
+    def two_places(x, scale: float = 1.0) -> str:  # None: not measured
+        return "n/a" if x is None else f"{x * scale:.2f}"
 
     lines = [f"config: model {cfg.model.name}, data {cfg.data.name}, global batch {cfg.train.global_batch_size}, "
              f"backend {cfg.parallel.backend}, {jax.devices()[0].platform} ({jax.devices()[0].device_kind})", "",
@@ -143,13 +136,12 @@ def to_markdown(cfg, rows: list[dict]) -> str:
              "| first step s | efficiency | params MB/dev | grads MB/dev | opt state MB/dev | XLA temp MB |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(
-            f"| {r['devices']} | {r['examples_per_sec']:,.0f} | {ratio(r['vs_single_device_jit'])} | "
-            f"{ms(r['step_s'])} | "
-            f"{ms(r['compute_s'])} | "
-            f"{ms(r['allreduce_s'])} | {ms(r['input_s'])} | {r['first_step_s']:.2f} | {ratio(r['efficiency'])} | "
-            f"{r['params_bytes'] / 2**20:.2f} | {r['grads_bytes'] / 2**20:.2f} | {r['opt_state_bytes'] / 2**20:.2f} | "
-            f"{r.get('temp_bytes', 0) / 2**20:.2f} |")
+        cells = [r["devices"], f"{r['examples_per_sec']:,.0f}", two_places(r["vs_single_device_jit"]),
+                 *(two_places(r[k], 1e3) for k in ("step_s", "compute_s", "allreduce_s", "input_s")),
+                 f"{r['first_step_s']:.2f}", two_places(r["efficiency"]),
+                 *(two_places(r.get(k, 0), 2**-20) for k in ("params_bytes", "grads_bytes", "opt_state_bytes",
+                                                            "temp_bytes"))]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     matmuls = rows[0].get("matmul_dtypes")
     if matmuls:
         lines += ["", f"precision {cfg.precision}: the compiled train step has "
@@ -198,32 +190,14 @@ def memory_markdown(cfg, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def remat_settings(cfg) -> tuple[str, ...]:
-    """Every remat setting of a model that takes one (jdp's GPT and ResNet); ("",) for other models."""
-    return tuple(REMAT_POLICIES) if "remat" in settings(cfg.model.name, cfg.model.kwargs.to_dict()) else ("",)
-
-
-def _fits(args) -> int:
-    try:
-        devices = int(args.devices)
-    except ValueError:
-        print(f"jdp.bench: --fits takes one device count (--devices 8), not {args.devices!r}", file=sys.stderr)
-        return 2
-    rows, table = fits.run_fits(args.memory_gb, devices, args.timeout_s)
-    out = args.out or Path("runs") / "bench-fits"
+def _write(out: Path, name: str, data, table: str, *notes: str) -> int:
+    """OUT/NAME.json and OUT/NAME.md; prints the table, then `notes`; the exit code."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "fits.json").write_text(json.dumps(rows, indent=2))
-    (out / "fits.md").write_text(table)
-    print(table)
-    print(f"wrote {out / 'fits.json'} and {out / 'fits.md'}")
+    (out / f"{name}.json").write_text(json.dumps(data, indent=2, default=list))
+    (out / f"{name}.md").write_text(table)
+    print(table, *notes, sep="\n")
+    print(f"wrote {out / f'{name}.json'} and {out / f'{name}.md'}")
     return 0
-
-
-def warnings_for(rows: list[dict]) -> list[str]:
-    return [f"warning: on {r['devices']} devices the gradient all-reduce takes {r['allreduce_s'] / r['step_s']:.0%} "
-            "of the step: communication dominates compute, so data parallelism will not pay at this model and batch "
-            "size (try a larger batch or fewer devices)"
-            for r in rows if r.get("allreduce_s") and r["allreduce_s"] > COMM_DOMINATES * r["step_s"]]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -255,7 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout_s", type=float, default=600.0, help="--fits: the cap of each compile")
     args, rest = parser.parse_known_args(argv)
     if args.fits:
-        return _fits(args)
+        try:
+            devices = int(args.devices)
+        except ValueError:
+            print(f"jdp.bench: --fits takes one device count (--devices 8), not {args.devices!r}", file=sys.stderr)
+            return 2
+        rows, table = fits.run_fits(args.memory_gb, devices, args.timeout_s)
+        return _write(args.out or Path("runs") / "bench-fits", "fits", rows, table)
     try:
         cfg = config_lib.load_config_file(args.config)
         cfg = config_lib.apply_overrides(cfg, config_lib.parse_overrides(rest))
@@ -270,27 +250,24 @@ def main(argv: list[str] | None = None) -> int:
         if args.compile_only and cfg.parallel.backend == "pmap":
             raise config_lib.ConfigError("--compile_only compiles the shard_map or jit step; use "
                                          "--config.parallel.backend=shard_map")
-        if args.compile_only:
+        if args.compile_only:  # by default every remat setting of a model that takes one (the GPT, the ResNet)
+            remats = REMAT_POLICIES if "remat" in settings(cfg.model.name, cfg.model.kwargs.to_dict()) else ("",)
             rows = [{**compiled_memory(cfg, n, sharding, remat), "remat": remat or "-"}
                     for n in devices for sharding in SHARDINGS
-                    for remat in (args.remat.split(",") if args.remat else remat_settings(cfg))
+                    for remat in (args.remat.split(",") if args.remat else remats)
                     if not (sharding == "zero1" and cfg.parallel.backend == "jit")]  # ZeRO-1 is shard_map's
         else:
             rows = run_bench(cfg, devices, args.steps, args.repeats, args.peak_tflops, args.baseline)
     except config_lib.ConfigError as e:
         print(f"jdp.bench: {e}", file=sys.stderr)
         return 2
-    out = args.out or Path("runs") / f"bench-{args.config.stem}"
-    out.mkdir(parents=True, exist_ok=True)
     table = memory_markdown(cfg, rows) if args.compile_only else to_markdown(cfg, rows)
-    (out / "bench.json").write_text(json.dumps({"config": cfg.to_dict(), "rows": rows}, indent=2, default=list))
-    (out / "bench.md").write_text(table)
-    print(table)
-    for line in warnings_for(rows):
-        print(line)
-    print(f"wrote {out / 'bench.json'} and {out / 'bench.md'}")
-    return 0
-
+    warnings = [f"warning: on {r['devices']} devices the gradient all-reduce takes "
+                f"{r['allreduce_s'] / r['step_s']:.0%} of the step: communication dominates compute, so data "
+                "parallelism will not pay at this model and batch size (try a larger batch or fewer devices)"
+                for r in rows if r.get("allreduce_s") and r["allreduce_s"] > COMM_DOMINATES * r["step_s"]]
+    return _write(args.out or Path("runs") / f"bench-{args.config.stem}", "bench",
+                  {"config": cfg.to_dict(), "rows": rows}, table, *warnings)
 
 if __name__ == "__main__":
     sys.exit(main())

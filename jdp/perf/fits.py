@@ -96,9 +96,9 @@ def table(rows: list[dict], memory_gb: float, devices: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run_fits(memory_gb: float, devices: int, timeout_s: float, shapes: list[str] | None = None) -> tuple[list, str]:
+def run_fits(memory_gb: float, devices: int, timeout_s: float) -> tuple[list, str]:
     rows = []
-    for shape in shapes or SHAPES:
+    for shape in SHAPES:
         for strategy in STRATEGIES:
             row = {"shape": shape, "strategy": strategy, **measure(shape, strategy, devices, timeout_s)}
             rows.append(row)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -71,18 +72,15 @@ class Variant:
 
     def time(self, steps: int) -> float:
         """Median seconds per step over `steps` steps, fetching metrics one step late as the trainer does."""
-        times, pending = [], None
-        t_last = time.perf_counter()
+        stamps, pending = [time.perf_counter()], None
         for i in range(steps + 1):
             self.state, metrics = self._step(self.state, self.batches[(i + 1) % len(self.batches)])
             if pending is not None:
                 self.parallel.fetch(pending)
-                now = time.perf_counter()
-                times.append(now - t_last)
-                t_last = now
+                stamps.append(time.perf_counter())
             pending = metrics
         self.parallel.fetch(pending)
-        return statistics.median(times)
+        return statistics.median(b - a for a, b in itertools.pairwise(stamps))
 
     def stats(self) -> dict:
         """XLA's own accounting of the compiled step: memory (bytes per device) and FLOPs, and how many of its

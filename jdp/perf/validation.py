@@ -73,12 +73,9 @@ CASES = [
 def predicted_efficiency(case: Published, overlap: float) -> float:
     topo = Topology(case.per_node, INTRA_LINKS[case.intra], INTER_LINKS[case.inter])
     compute = case.batch / case.images_per_s
-    nbytes = case.params * 4
-
-    def step(n: int) -> float:
-        return step_s(compute, hierarchical_allreduce_s(nbytes, n, topo), overlap)
-
-    return step(case.baseline_gpus) / step(case.gpus)
+    base, scaled = (step_s(compute, hierarchical_allreduce_s(case.params * 4, n, topo), overlap)
+                    for n in (case.baseline_gpus, case.gpus))
+    return base / scaled
 
 
 def validate() -> list[dict]:
