@@ -1,9 +1,7 @@
 """`python -m jdp.export --workdir W --out params.npz`: the command is `jdp.cli.export` (in Python:
 `jdp.export_params`)."""
 
-import sys
-
 if __name__ == "__main__":
     from jdp.cli.export import main
 
-    sys.exit(main())
+    raise SystemExit(main())

@@ -15,4 +15,4 @@ if __name__ == "__main__":
         sys.exit(2)
     from jdp.cli.train import main
 
-    sys.exit(main())
+    raise SystemExit(main())
