@@ -129,6 +129,9 @@ def resolve(env: Mapping[str, str] | None = None, *, coordinator: str | None = N
     master_addr, master_port = get("MASTER_ADDR"), get("MASTER_PORT")
 
     coord = _first(("--coordinator", coordinator), ("JAX_COORDINATOR_ADDRESS", get("JAX_COORDINATOR_ADDRESS")))
+    if coord is None and master_addr and master_port:  # a bad port is named before a half pair below
+        _port("MASTER_PORT", master_port)
+        coord = ("MASTER_ADDR/MASTER_PORT", f"{master_addr}:{master_port}")
     num = _first(("--num_processes", num_processes), ("JAX_NUM_PROCESSES", get("JAX_NUM_PROCESSES")),
                  ("WORLD_SIZE", get("WORLD_SIZE")))
     pid = _first(("--process_id", process_id), ("JAX_PROCESS_ID", get("JAX_PROCESS_ID")), ("RANK", get("RANK")))
@@ -142,9 +145,6 @@ def resolve(env: Mapping[str, str] | None = None, *, coordinator: str | None = N
         if get(present) is not None and setting is None:
             raise DistributedUsageError(f"{present}={get(present)} is set but {missing} is missing; set {missing} "
                                         f"too, or pass {field}")
-    if coord is None and master_addr:
-        _port("MASTER_PORT", master_port)
-        coord = ("MASTER_ADDR/MASTER_PORT", f"{master_addr}:{master_port}")
     if slurm:
         num = num or ("SLURM_NTASKS", get("SLURM_NTASKS"))
         pid = pid or ("SLURM_PROCID", get("SLURM_PROCID"))

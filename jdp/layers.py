@@ -79,7 +79,8 @@ class Stack(nnx.Module):
 
     def __init__(self, make_layer: Callable[[nnx.Rngs], nnx.Module], depth: int, *, rngs: nnx.Rngs,
                  remat: str = "none"):
-        self.layers = nnx.split_rngs(splits=depth)(nnx.vmap(make_layer, in_axes=(0,), out_axes=0))(rngs)
+        # Through a lambda: nnx.vmap refuses a bound method (a model's own `self.make_block`).
+        self.layers = nnx.split_rngs(splits=depth)(nnx.vmap(lambda r: make_layer(r), in_axes=(0,), out_axes=0))(rngs)
         self.depth, self.remat = depth, check_remat(remat)
         # Static: the logical shape of each of one layer's parameters, in leaf order (a view may get them split).
         self.layer_shapes = tuple(tuple(x.shape[1:]) for x in jax.tree.leaves(nnx.state(self.layers, nnx.Param)))

@@ -392,6 +392,7 @@ BAD = [
     ({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1234"}, "RANK=2 is not below WORLD_SIZE=2"),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "http"}, "MASTER_PORT='http' is not a port"),
     ({"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "h"}, "MASTER_ADDR=h is set but MASTER_PORT is missing"),
+    ({"RANK": "0", "MASTER_ADDR": "h", "MASTER_PORT": "http"}, "MASTER_PORT='http' is not a port"),  # named first
     ({"RANK": "0", "WORLD_SIZE": "2"}, "coordinator address is missing"),
     ({"RANK": "-1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "RANK=-1 must be at least 0"),
     ({"RANK": "0", "WORLD_SIZE": "two", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "WORLD_SIZE='two' is not an integer"),

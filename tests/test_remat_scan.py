@@ -23,7 +23,7 @@ from flax import nnx
 
 import jdp
 from jdp import hlo, params_file
-from jdp.layers import saved_residual_bytes
+from jdp.layers import Stack, saved_residual_bytes
 from jdp.modeldef import state_groups
 from jdp.models import build_model
 from jdp.models.gpt import GPT, stack_blocks, unstack_blocks
@@ -309,6 +309,22 @@ def test_fits_compiles_each_shape_in_a_capped_child_and_tables_it():
     table = fits.table([{"shape": "2x2x16", "strategy": "ZeRO-3 + scan + remat", **row},
                         {"shape": "GPT 6.7B", "strategy": "plain", **capped}], memory_gb=16, devices=8)
     assert "| 2x2x16 |" in table and "| yes |" in table and "compile over 1 s" in table
+
+
+def test_a_stack_takes_a_models_own_method_as_its_layer_factory():
+    """`Stack(self.make_block, ...)`: a bound method builds the same layers as a lambda (nnx.vmap refuses a bound
+    method given to it directly)."""
+    class Net(nnx.Module):
+        def __init__(self, width: int, rngs: nnx.Rngs, by_method: bool):
+            self.width = width
+            make = self.make_block if by_method else (lambda r: nnx.Linear(width, width, rngs=r))
+            self.blocks = Stack(make, 3, rngs=rngs)
+
+        def make_block(self, rngs: nnx.Rngs) -> nnx.Module:
+            return nnx.Linear(self.width, self.width, rngs=rngs)
+
+    by_method, by_lambda = (nnx.state(Net(4, nnx.Rngs(0), flag), nnx.Param) for flag in (True, False))
+    assert max_abs_diff(nnx.to_pure_dict(by_method), nnx.to_pure_dict(by_lambda)) == 0
 
 
 @pytest.mark.slow
