@@ -7,14 +7,14 @@ mean's own error is not fed back). The scheme, its error and its bytes: docs/com
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
 
-from jdp.sync.base import PER_DEVICE, Local, Reduced, Sync, Tree, all_reduce_mean, floating
+from jdp.sync.base import PER_DEVICE, Local, Reduced, Sync, Tree, averaged_sums
 
 LARGEST = {8: 127, 4: 7}  # the largest integer a value is quantized to, symmetric around 0
 
@@ -84,8 +84,7 @@ quantized_all_gather.defvjp(_gather_forward, _gather_backward)
 def quantized_mean(tree: Tree, axis_name: str | None, bits: int, block: int) -> tuple[Tree, Tree]:
     """(the mean over `axis_name` of each device's `tree` (float32 leaves: one vector in N chunks), sent as qgZ sends
     it; what this device's own quantization lost)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    flat = jnp.concatenate([g.reshape(-1) for g in leaves])
+    flat, unflatten = ravel_pytree(tree)
     n = jax.lax.psum(1, axis_name) if axis_name else 1
     chunk = math.ceil(flat.size / (n * block)) * block
     chunks = jnp.pad(flat, (0, n * chunk - flat.size)).reshape(n, chunk // block, block)
@@ -93,13 +92,7 @@ def quantized_mean(tree: Tree, axis_name: str | None, bits: int, block: int) -> 
     q, scale = (jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True) for x in sent) if axis_name else sent
     mine = quantize(jnp.mean(dequantize(q, scale, bits), axis=0), bits)  # the mean of chunk i
     q, scale = (jax.lax.all_gather(x, axis_name, tiled=True) for x in mine) if axis_name else mine
-    mean = dequantize(q.reshape(n, -1, q.shape[-1]), scale.reshape(n, -1), bits).reshape(-1)
-
-    def unflatten(vector: jax.Array) -> Tree:
-        ends = itertools.accumulate(g.size for g in leaves)
-        return jax.tree.unflatten(treedef, [vector[end - g.size:end].reshape(g.shape)
-                                            for g, end in zip(leaves, ends, strict=True)])
-
+    mean = dequantize(q.reshape(n, -1, q.shape[-1]), scale.reshape(n, -1), bits).reshape(-1)[:flat.size]
     return unflatten(mean), unflatten(flat - dequantize(*sent, bits).reshape(-1)[:flat.size])
 
 
@@ -134,8 +127,5 @@ class QuantizedAllReduce(Sync):
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         grads = jax.tree.map(jnp.add, local.grads, state.sync["error"]) if self.error_feedback else local.grads
         mean, lost = quantized_mean(grads, axis_name if collective else None, self.bits, self.block)
-        payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight}
-        if local.small_sq is not None:
-            payload["small_sq"] = local.small_sq
-        averaged = all_reduce_mean(payload, axis_name if collective else None)
-        return self._reduced(mean, local, averaged, {"error": lost} if self.error_feedback else None)
+        return self._reduced(mean, local, averaged_sums(local, axis_name if collective else None),
+                             {"error": lost} if self.error_feedback else None)
