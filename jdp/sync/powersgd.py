@@ -45,9 +45,9 @@ class Matrix(NamedTuple):
     rank: int
 
 
-def layer_ranks(model: nnx.Module) -> dict[tuple, int]:
-    """The rank each parameter of a layer of known type has on its own (path in the parameter tree -> rank)."""
-    ranks = {}
+def _candidates(model: nnx.Module, params: Tree) -> dict[str, tuple[int, int, int]]:
+    """Every parameter that is a stack of matrices ("a.b.kernel" -> (layers, n, m))."""
+    ranks = {}  # of each parameter of a layer of known type on its own (path in the parameter tree -> rank)
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Conv):
             ranks[(*path, "kernel")] = len(node.kernel_size) + 2
@@ -58,12 +58,6 @@ def layer_ranks(model: nnx.Module) -> dict[tuple, int]:
         else:
             continue
         ranks[(*path, "bias")] = 1
-    return ranks
-
-
-def _candidates(model: nnx.Module, params: Tree) -> dict[str, tuple[int, int, int]]:
-    """Every parameter that is a stack of matrices ("a.b.kernel" -> (layers, n, m))."""
-    ranks = layer_ranks(model)
     found = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = path_keys(path)

@@ -118,11 +118,8 @@ class QuantizedAllReduce(Sync):
             return {}
         return {"error": jax.tree.map(lambda p: jnp.zeros((num_devices, *p.shape), jnp.float32), params)}
 
-    def layouts(self, abstract_state: Any) -> Any:
-        layouts = super().layouts(abstract_state)
-        if not self.error_feedback:
-            return layouts
-        return layouts._replace(sync={"error": jax.tree.map(lambda _: PER_DEVICE, abstract_state.sync["error"])})
+    def layouts(self, abstract_state: Any) -> Any:  # the error feedback, where kept, per device
+        return super().layouts(abstract_state)._replace(sync=jax.tree.map(lambda _: PER_DEVICE, abstract_state.sync))
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         grads = jax.tree.map(jnp.add, local.grads, state.sync["error"]) if self.error_feedback else local.grads

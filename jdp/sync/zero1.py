@@ -161,14 +161,14 @@ def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: i
                           abstract_params)
     grads = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params)
     whole, _ = tx.update(grads, tx.init(params), params)
-
+    slices = []
     def part(x: np.ndarray, i: int) -> np.ndarray:
         axis = shard_axis(x.shape, n)
-        return np.split(np.asarray(padded(x, n, axis)), n, axis=axis)[i] if x.ndim else x
+        return np.split(np.asarray(padded(x, n, axis)), n, axis=axis)[i]
 
-    slices = []
-    for i in range(n):  # device i's update of its slices
-        local_grads, local = (jax.tree.map(lambda x, i=i: part(x, i), tree) for tree in (grads, params))
+    for i in range(n):
+        local, local_grads = (jax.tree.map(lambda x, i=i: part(x, i) if x.ndim else x, tree)
+                              for tree in (params, grads))
         slices.append(tx.update(local_grads, tx.init(local), local)[0])
     gathered = jax.tree.map(lambda w, *s: unpadded(np.concatenate(s, axis=shard_axis(w.shape, n)), w)
                             if w.ndim else s[0], whole, *slices)
