@@ -76,11 +76,6 @@ def matrices(model: nnx.Module, params: Tree, rank: int, min_compression_rate: f
             if min(rank, n, m) * (n + m) * min_compression_rate < n * m}
 
 
-def largest_useful_rank(model: nnx.Module, params: Tree) -> int:
-    """The largest rank at which some parameter is compressed (0: none can be)."""
-    return max((-(-n * m // (n + m)) - 1 for _, n, m in _candidates(model, params).values()), default=0)
-
-
 def orthonormal(p: jax.Array) -> jax.Array:
     """Gram-Schmidt over the columns of each (n x r) matrix of `p` (layers, n, r)."""
     columns = []
@@ -137,7 +132,8 @@ class PowerSGD(Sync):
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         bound.matrices, bound.seed = matrices(model, params, self.rank, self.min_compression_rate), seed
         if not bound.matrices:
-            useful = largest_useful_rank(model, params)
+            # The largest rank at which some parameter is compressed (0: none can be).
+            useful = max((-(-n * m // (n + m)) - 1 for _, n, m in _candidates(model, params).values()), default=0)
             raise FitError(f"{self!r} compresses none of this model's gradient matrices: at rank {self.rank} each "
                            "would send as much as it whole" + (f"; use a rank of at most {useful}" if useful else
                                                                 "; it has no matrix to compress"))
