@@ -59,11 +59,6 @@ def quantized_all_gather(x: jax.Array, axis_name: Any, axis: int, bits: int, gra
     return jnp.moveaxis(whole.reshape(-1, *moved.shape[1:]), 0, axis)
 
 
-def _gather_forward(x: jax.Array, axis_name: Any, axis: int, bits: int, grad_bits: int, block: int
-                    ) -> tuple[jax.Array, None]:
-    return quantized_all_gather(x, axis_name, axis, bits, grad_bits, block), None
-
-
 def _gather_backward(axis_name: Any, axis: int, bits: int, grad_bits: int, block: int, _: None,
                      cotangent: jax.Array) -> tuple[jax.Array]:
     if grad_bits == 32:
@@ -78,7 +73,8 @@ def _gather_backward(axis_name: Any, axis: int, bits: int, grad_bits: int, block
     return (jnp.moveaxis(mine.reshape(-1, *moved.shape[1:]), 0, axis).astype(cotangent.dtype),)
 
 
-quantized_all_gather.defvjp(_gather_forward, _gather_backward)
+# The forward keeps nothing for the backward, which needs only the settings.
+quantized_all_gather.defvjp(lambda *args: (quantized_all_gather(*args), None), _gather_backward)
 
 
 def quantized_mean(tree: Tree, axis_name: str | None, bits: int, block: int) -> tuple[Tree, Tree]:
