@@ -139,14 +139,11 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
             checkpointer = None
         raise
     finally:
-        try:
+        with contextlib.ExitStack() as closing:  # each closes, whatever the others raise
+            closing.callback(writer.close)
             if checkpointer is not None:
-                try:
-                    checkpointer.wait()
-                finally:
-                    checkpointer.close()
-        finally:
-            writer.close()
+                closing.callback(checkpointer.close)
+                checkpointer.wait()
     final = parallel.to_host(parallel.to_logical(run.state))
     return Outcome(int(final.step), log.losses, evaluation.metrics, run.clock.rate(), final, callbacks)
 
@@ -209,8 +206,11 @@ def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> N
             callback.before_step(step)
         # 1. split. Dispatch is asynchronous: this batch is read and put on the devices while the previous step runs.
         batch = parallel.shard_batch(source.train_batch(step - 1))
-        if step == run.start + 1:
-            _compile(run, batch)
+        if step == run.start + 1:  # compiled once, in the first step's time: every step runs that executable
+            parallel.compile_train(run.state, batch)
+            run.writer.echo(memory.describe(parallel.memory))
+            if parallel.compiled_warning:
+                run.writer.echo(f"warning: {parallel.compiled_warning}")
         # 2-4. compute, all-reduce, update.
         run.state, metrics = parallel.train_step(run.state, batch)
         if pending is not None:
@@ -224,16 +224,6 @@ def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> N
             logical = None if all(c.reads_devices for c in due) else parallel.to_logical(run.state)
             for callback in due:
                 callback.on_step(step, values, logical)
-
-
-def _compile(run: callbacks_lib.Run, batch: dict) -> None:
-    """Compiles the train step once, before the first step (which the 'first step (compile)' time includes): every
-    step runs that executable, and what it sends and the memory it takes are read from it and said now."""
-    parallel = run.parallel
-    parallel.compile_train(run.state, batch)
-    run.writer.echo(memory.describe(parallel.memory))
-    if parallel.compiled_warning:
-        run.writer.echo(f"warning: {parallel.compiled_warning}")
 
 
 def _restore_or_init(engine: Engine, checkpointer: Checkpointer | None, echo,
@@ -268,12 +258,6 @@ def _header(run: callbacks_lib.Run, engine: Engine, options: FitOptions) -> None
         run.writer.echo(f"warning: {slower}")
 
 
-def _cross_group(run: callbacks_lib.Run) -> dict[str, float]:
-    """The bytes of the step's collectives across a hybrid mesh's groups ({} on the 1-D mesh)."""
-    sent = run.parallel.comm_cross_group_bytes_per_step
-    return {} if sent is None else {"comm_cross_group_bytes_per_step": sent}
-
-
 def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: callbacks_lib.Evaluation,
              checkpoints: callbacks_lib.Checkpoints | None, total_time_s: float) -> None:
     stall = checkpoints.mean_stall() if checkpoints else 0.0
@@ -282,10 +266,12 @@ def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: ca
     rate = run.clock.rate()
     noise = {"grad_noise_scale": log.noise_scale.value} if log.noise_scale else {}
     tokens = {"tokens_per_sec": rate * run.tokens_per_example} if run.tokens_per_example else {}
+    sent, across = run.parallel.comm_bytes_per_step, run.parallel.comm_cross_group_bytes_per_step
+    cross_group = {} if across is None else {"comm_cross_group_bytes_per_step": across}  # a hybrid mesh's groups
     run.writer.summary(**{f"eval_{k}": v for k, v in evaluation.metrics.items()}, examples_per_sec=rate, **tokens,
                        compile_time_s=log.compile_time, total_time_s=total_time_s, checkpoint_stall_s=stall,
                        final_checkpoint_s=final_save,
-                       comm_bytes_per_step=run.parallel.comm_bytes_per_step, **_cross_group(run),
+                       comm_bytes_per_step=sent, **cross_group,
                        first_step_end_unix=log.first_step_end, **memory.summary_fields(run.parallel.memory or {}),
                        **noise)
     evaluated = "  ".join(f"eval {k} {v:.4f}" for k, v in evaluation.metrics.items())
@@ -293,9 +279,8 @@ def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: ca
     if log.noise_scale:
         run.writer.echo(f"batch size: {noise_scale.advice(log.noise_scale.global_batch, log.noise_scale.value)}")
     per_sec = f"{rate:,.0f} examples/s" + (f" ({tokens['tokens_per_sec']:,.0f} tokens/s)" if tokens else "")
-    sent = run.parallel.comm_bytes_per_step
     per_sec += f", comm_bytes_per_step {sent:,.0f}" if sent is not None else ""
-    per_sec += "".join(f" ({v:,.0f} across groups)" for v in _cross_group(run).values())
+    per_sec += f" ({across:,.0f} across groups)" if across is not None else ""
     run.writer.echo(f"done: {evaluated + ', ' if evaluated else ''}{per_sec}, first step (compile) "
                     f"{log.compile_time:.1f}s, checkpoint stall {stall * 1e3:.0f} ms/save, final save "
                     f"{final_save:.2f}s{where}")

@@ -9,6 +9,7 @@ docs/performance.md, 'Backends (`parallel.backend`)'.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -51,22 +52,18 @@ def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callab
     pmap. check_vma=False: with it on, a replicated parameter's gradient arrives summed over devices, and the step's
     pmean would leave it N times too large."""
     axes = device_axes(mesh)
+    train = step_for(axes)
 
-    def each_device(fn: Callable) -> Callable:
-        def step(state: Tree, batch: Tree) -> tuple[Tree, Tree]:
-            state = jax.tree.map(lambda x, p: x[0] if p else x, state, per_device)
-            new_state, metrics = fn(state, batch)
-            return jax.tree.map(lambda x, p: x[None] if p else x, new_state, per_device), metrics
-        return step
+    def step(state: Tree, batch: Tree) -> tuple[Tree, Tree]:
+        state = jax.tree.map(lambda x, p: x[0] if p else x, state, per_device)
+        new_state, metrics = train(state, batch)
+        return jax.tree.map(lambda x, p: x[None] if p else x, new_state, per_device), metrics
 
-    def on_each_device(fn: Callable, out_specs: object) -> Callable:
-        return jax.shard_map(fn, mesh=mesh, in_specs=(state_specs, P(axes)), out_specs=out_specs,
-                             check_vma=False)
-
+    on_each_device = partial(jax.shard_map, mesh=mesh, in_specs=(state_specs, P(axes)), check_vma=False)
     batch_in = (None, data_sharded(mesh))  # host rows are split as the step is called (`jdp.split`)
-    return (jax.jit(on_each_device(each_device(step_for(axes)), (state_specs, P())), in_shardings=batch_in,
+    return (jax.jit(on_each_device(step, out_specs=(state_specs, P())), in_shardings=batch_in,
                     donate_argnums=0),
-            jax.jit(on_each_device(eval_for(axes), P()), in_shardings=batch_in))
+            jax.jit(on_each_device(eval_for(axes), out_specs=P()), in_shardings=batch_in))
 
 
 def _pmap(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
@@ -212,20 +209,14 @@ class DataParallel:
         """Weighted means of the eval function's outputs over `batches` (this process's rows of each eval
         batch, with a `mask`; {} when there are none): padded rows weigh nothing."""
         totals: dict[str, float] = {}
-        pending = None
-
-        def add(sums: dict) -> None:
-            for k, v in self.fetch(sums).items():
+        pending = None  # the last batch's sums, fetched one batch late, so the host never queues the whole eval
+        for rows in itertools.chain(batches, [None]):
+            sums = None if rows is None else self.eval_step(state, self.shard_batch(rows))
+            for k, v in (self.fetch(pending) if pending is not None else {}).items():
                 totals[k] = totals.get(k, 0.0) + v
-
-        for rows in batches:
-            sums = self.eval_step(state, self.shard_batch(rows))
-            if pending is not None:  # one batch late, so the host never queues the whole eval
-                add(pending)
             pending = sums
-        if pending is None:
+        if not totals:
             return {}
-        add(pending)
         weight = totals.pop("weight")
         means = {k: v / weight if weight else math.nan for k, v in totals.items()}
         return means | self._eval_derived(means) if self._eval_derived else means

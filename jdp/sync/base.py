@@ -153,6 +153,13 @@ def cast(tree: Tree, dtype: Any) -> Tree:
     return jax.tree.map(lambda x: x.astype(dtype), tree)
 
 
+def averaged_sums(local: Local, axis_name: str | None, **extra: Tree) -> dict[str, Any]:
+    """The mean over `axis_name`, in one collective, of what rides beside a gradient (the floating model state, the
+    loss sums, the weight total and, where measured, the noise scale's squares) and of `extra`."""
+    payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight, **extra}
+    return all_reduce_mean(payload if local.small_sq is None else {**payload, "small_sq": local.small_sq}, axis_name)
+
+
 class Sync:
     """The strategy interface, behaving as data parallelism's mean all-reduce; a strategy overrides what it changes.
     One collective carries the gradient (in `dtype`: fp32, or bf16 as DDP's `bf16_compress_hook`), the loss sums,
@@ -254,8 +261,7 @@ class Sync:
                             state, self.shard_axes(state, num_devices))
 
     def to_logical(self, state: Any, abstract_state: Any) -> Any:
-        return jax.tree.map(lambda x, like, layout: unpadded(x, like) if layout == SHARDED else x,
-                            state, abstract_state, self.layouts(abstract_state))
+        return jax.tree.map(unpadded, state, abstract_state)  # only a padded sharded leaf differs in shape
 
     def params_view(self, params: Tree, axis_name: str | None) -> Tree:
         """The parameters the forward sees (a sharding strategy gathers them here)."""
@@ -270,12 +276,8 @@ class Sync:
         """Local gradient -> the update's input (`state`: the train state the step began with; a strategy with
         state of its own reads `state.sync` and returns its successor). `collective` False compiles the step
         without its collective (`jdp.bench`'s with/without), keeping the layout of the update."""
-        axis = axis_name if collective else None
-        payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight,
-                   "grads": cast(local.grads, self.dtype)}
-        if local.small_sq is not None:
-            payload["small_sq"] = local.small_sq
-        averaged = all_reduce_mean(payload, axis)  # one collective for all of it: each costs a rendezvous
+        # One collective for all of it: each costs a rendezvous.
+        averaged = averaged_sums(local, axis_name if collective else None, grads=cast(local.grads, self.dtype))
         return self._reduced(cast(averaged["grads"], jnp.float32), local, averaged)
 
     @staticmethod

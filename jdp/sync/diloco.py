@@ -19,8 +19,6 @@ from jdp.sync.base import PER_DEVICE, Local, Reduced, Tree, all_reduce_mean, che
 from jdp.sync.local_sgd import LocalSGD
 from jdp.sync.quantized import check_block, quantized_mean
 
-OUTER_OPTIMIZERS = ("nesterov", "sgd")
-
 
 class DiLoCo(LocalSGD):
     """`outer` "sgd": anchor - outer_lr * g, "nesterov": the paper's outer Nesterov momentum (optax's); `bits` 8 or 4:
@@ -35,8 +33,8 @@ class DiLoCo(LocalSGD):
         if bits != 32:
             check_block(bits, block)
         self.bits, self.block = bits, block
-        if outer not in OUTER_OPTIMIZERS:
-            raise ValueError(f"outer={outer!r} is not one of {', '.join(OUTER_OPTIMIZERS)}")
+        if outer not in ("nesterov", "sgd"):
+            raise ValueError(f"outer={outer!r} is not one of nesterov, sgd")
         if not (outer_lr > 0 and 0 <= outer_momentum < 1):
             raise ValueError(f"outer_lr={outer_lr} must be positive and outer_momentum={outer_momentum} in [0, 1)")
         self.outer_name, self.outer_lr, self.outer_momentum = outer, float(outer_lr), float(outer_momentum)

@@ -12,7 +12,7 @@ from jdp.sync.base import AllReduce, Sync
 from jdp.sync.diloco import DiLoCo
 from jdp.sync.hybrid import HybridShard
 from jdp.sync.local_sgd import LocalSGD
-from jdp.sync.powersgd import NEEDS, PowerSGD
+from jdp.sync.powersgd import PowerSGD, needs
 from jdp.sync.quantized import QuantizedAllReduce
 from jdp.sync.zero1 import ZeRO1
 from jdp.sync.zero3 import ZeRO3
@@ -40,9 +40,9 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None], d
             f"optimizer state; set {n('shard_optimizer')}=False")
     if o["shard_optimizer"]:
         require(h == 1, f"{n('shard_optimizer')}=True and {n('sync_every')} > 1 (local SGD) cannot be combined")
-    if o["shard_optimizer"] or sync == "zero1":
-        what = f"{n('shard_optimizer')}=True" if o["shard_optimizer"] else f"{n('sync')}=zero1"
-        require(dtype in ("fp32", "bf16"), f"{what} reduce-scatters the gradient in fp32 or bf16, not {dtype}; use "
+    zero1 = f"{n('shard_optimizer')}=True" if o["shard_optimizer"] else f"{n('sync')}=zero1" if sync == "zero1" else ""
+    if zero1:
+        require(dtype in ("fp32", "bf16"), f"{zero1} reduce-scatters the gradient in fp32 or bf16, not {dtype}; use "
                 f"{view.use('allreduce_dtype', 'fp32')}")
     if sync == "zero3":
         require(dtype == "fp32", f"{n('sync')}=zero3 reduce-scatters the gradient in the parameters' dtype (the "
@@ -61,12 +61,9 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None], d
                 f"{n('outer_optimizer')}) or {n('sync')}={sync}; set {n('shard_group')}=0")
         require(dtype == "fp32", f"{n('shard_group')}={k} (hybrid sharding) sends the gradient in float32; use "
                                  f"{view.use('allreduce_dtype', 'fp32')}")
-        stage = 1 if o["shard_optimizer"] or sync == "zero1" else 3
-        return HybridShard(k, stage), f"{n('shard_group')}={k}"
+        return HybridShard(k, 1 if zero1 else 3), f"{n('shard_group')}={k}"
     if sync == "powersgd":
-        require(h == 1 and not o["shard_optimizer"] and dtype == "fp32", NEEDS.format(
-            what=f"{n('sync')}=powersgd", backend=view.use("backend", "shard_map"),
-            **{k: n(k) for k in ("sync_every", "shard_optimizer", "log_noise_scale", "allreduce_dtype")}))
+        require(h == 1 and not o["shard_optimizer"] and dtype == "fp32", needs(f"{n('sync')}=powersgd", view))
         return PowerSGD(o["powersgd_rank"], o["powersgd_start_step"]), f"{n('sync')}=powersgd"
     require(o["outer_optimizer"] == "none" or h > 1, f"{n('outer_optimizer')}={o['outer_optimizer']} (DiLoCo) "
             f"applies the change of each round of {n('sync_every')} steps; set {n('sync_every')} > 1")
@@ -86,8 +83,8 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None], d
         return LocalSGD(h), f"{n('sync_every')}={h}"
     if o["shard_params"] or sync == "zero3":
         return ZeRO3(), f"{n('shard_params')}=True" if o["shard_params"] else f"{n('sync')}=zero3"
-    if o["shard_optimizer"] or sync == "zero1":
-        return ZeRO1(dtype), f"{n('shard_optimizer')}=True" if o["shard_optimizer"] else f"{n('sync')}=zero1"
+    if zero1:
+        return ZeRO1(dtype), zero1
     if dtype in ("int8", "int4"):
         return QuantizedAllReduce(int(dtype[3:])), f"{n('allreduce_dtype')}={dtype}"
     return AllReduce(dtype), f"{n('allreduce_dtype')}={dtype}"

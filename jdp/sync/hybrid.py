@@ -15,21 +15,9 @@ import optax
 from jax.sharding import Mesh
 
 from jdp.layers import LayerView
-from jdp.mesh import DATA_AXIS
-from jdp.sync.base import (
-    Local,
-    Reduced,
-    Sync,
-    Tree,
-    all_reduce_mean,
-    check_group_size,
-    floating,
-    group_mesh,
-)
-from jdp.sync.zero1 import ZeRO1, check_sliceable, global_norm
+from jdp.sync.base import Local, Reduced, Sync, Tree, all_reduce_mean, averaged_sums, check_group_size, group_mesh
+from jdp.sync.zero1 import ZeRO1, global_norm
 from jdp.sync.zero3 import ZeRO3
-
-STAGES = (1, 3)
 
 
 def _inner(axis_name: Any) -> str | None:
@@ -45,9 +33,8 @@ class HybridShard(ZeRO3):
     def __init__(self, group_size: int | None = None, stage: int = 3) -> None:
         super().__init__()
         check_group_size(group_size)
-        if stage not in STAGES:
-            raise ValueError(f"stage={stage!r} is not one of {', '.join(map(str, STAGES))} (ZeRO-1 or ZeRO-3 in a "
-                             "group)")
+        if stage not in (1, 3):
+            raise ValueError(f"stage={stage!r} is not one of 1, 3 (ZeRO-1 or ZeRO-3 in a group)")
         self.group_size, self.stage = group_size, stage
 
     def params(self) -> dict[str, Any]:
@@ -64,15 +51,7 @@ class HybridShard(ZeRO3):
     def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
         require(options["backend"] == "shard_map", f"{what} (hybrid sharding) runs on a two-axis mesh under "
                 f"shard_map only (jit and pmap are refused); use {view.use('backend', 'shard_map')}")
-        require(not options["log_noise_scale"], f"{view('log_noise_scale')} needs each device's whole gradient, "
-                f"which {what} never holds; set {view.use('log_noise_scale', False)}")
-
-    def optimizer_sees_slices(self, backend: str) -> bool:
-        return True
-
-    def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
-                        backend: str, what: str) -> None:
-        check_sliceable(tx, abstract_params, self.mesh_shape(num_devices)[DATA_AXIS], what)
+        super().check(options, view, what, require)  # ZeRO-3's: no noise scale
 
     def layouts(self, abstract_state: Any) -> Any:
         return (ZeRO3 if self.stage == 3 else ZeRO1).layouts(self, abstract_state)
@@ -90,9 +69,9 @@ class HybridShard(ZeRO3):
         groups, inner = axis_name
         # In the group: each device's slice of the group's mean gradient (stage 3: the gathers' transpose summed it).
         grads = (ZeRO3 if self.stage == 3 else ZeRO1).sliced_mean(self, local.grads, inner)
-        payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight}
-        if collective:  # (jdp.bench compiles the step without the sums' and the cross-group collectives)
-            payload = all_reduce_mean(payload, inner)
+        # (jdp.bench compiles the step without the sums' and the cross-group collectives)
+        payload = averaged_sums(local, inner if collective else None)
+        if collective:
             # Across the groups: one all-reduce of the slices, the group's sums riding in it.
             payload = all_reduce_mean({**payload, "grads": grads}, groups)
             grads = payload.pop("grads")
@@ -100,9 +79,8 @@ class HybridShard(ZeRO3):
 
     def update(self, tx: optax.GradientTransformation, grads: Tree, state: Any, axis_name: Any
                ) -> tuple[Tree, Any]:
-        if self.stage == 3:
-            return Sync.update(self, tx, grads, state, axis_name)  # on the slices; the next forward gathers them
-        return ZeRO1.update(self, tx, grads, state, _inner(axis_name))  # then all-gathered in the group
+        # Stage 3: on the slices, which the next forward gathers; stage 1: then all-gathered in the group.
+        return (ZeRO3 if self.stage == 3 else ZeRO1).update(self, tx, grads, state, _inner(axis_name))
 
     def grad_norm(self, grads: Tree, axis_name: Any, collective: bool = True) -> jax.Array:
         return global_norm(grads, _inner(axis_name))  # the group's slices; every group holds the same ones

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdp.sync.base import Local, Reduced, Sync, Tree, all_reduce_mean, floating, merge_floating, sum_of_squares
+from jdp.sync.base import Local, Reduced, Sync, Tree, all_reduce_mean, averaged_sums, merge_floating, sum_of_squares
 
 
 class LocalSGD(Sync):
@@ -37,8 +37,7 @@ class LocalSGD(Sync):
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         """The gradient stays local, scaled by the local weight; the sums are still all-reduced for the metrics."""
-        payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight}
-        averaged = all_reduce_mean(payload, axis_name if collective else None)
+        averaged = averaged_sums(local, axis_name if collective else None)
         return Reduced(self._of_mean(local.grads, local.rows, local.weight), averaged["sums"], averaged["weight"],
                        merge_floating(averaged["model_state"], local.model_state), None)
 

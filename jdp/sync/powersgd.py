@@ -29,7 +29,7 @@ from jdp.sync.base import (
     Sync,
     Tree,
     all_reduce_mean,
-    floating,
+    averaged_sums,
     path_keys,
 )
 
@@ -45,9 +45,9 @@ class Matrix(NamedTuple):
     rank: int
 
 
-def layer_ranks(model: nnx.Module) -> dict[tuple, int]:
-    """The rank each parameter of a layer of known type has on its own (path in the parameter tree -> rank)."""
-    ranks = {}
+def _candidates(model: nnx.Module, params: Tree) -> dict[str, tuple[int, int, int]]:
+    """Every parameter that is a stack of matrices ("a.b.kernel" -> (layers, n, m))."""
+    ranks = {}  # of each parameter of a layer of known type on its own (path in the parameter tree -> rank)
     for path, node in nnx.iter_graph(model):
         if isinstance(node, nnx.Conv):
             ranks[(*path, "kernel")] = len(node.kernel_size) + 2
@@ -58,12 +58,6 @@ def layer_ranks(model: nnx.Module) -> dict[tuple, int]:
         else:
             continue
         ranks[(*path, "bias")] = 1
-    return ranks
-
-
-def _candidates(model: nnx.Module, params: Tree) -> dict[str, tuple[int, int, int]]:
-    """Every parameter that is a stack of matrices ("a.b.kernel" -> (layers, n, m))."""
-    ranks = layer_ranks(model)
     found = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = path_keys(path)
@@ -82,11 +76,6 @@ def matrices(model: nnx.Module, params: Tree, rank: int, min_compression_rate: f
             if min(rank, n, m) * (n + m) * min_compression_rate < n * m}
 
 
-def largest_useful_rank(model: nnx.Module, params: Tree) -> int:
-    """The largest rank at which some parameter is compressed (0: none can be)."""
-    return max((-(-n * m // (n + m)) - 1 for _, n, m in _candidates(model, params).values()), default=0)
-
-
 def orthonormal(p: jax.Array) -> jax.Array:
     """Gram-Schmidt over the columns of each (n x r) matrix of `p` (layers, n, r)."""
     columns = []
@@ -98,14 +87,11 @@ def orthonormal(p: jax.Array) -> jax.Array:
     return jnp.stack(columns, axis=-1)
 
 
-def _flat(tree: Tree) -> dict[str, jax.Array]:
-    return {".".join(map(str, path_keys(path))): leaf
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
-
-
-# Why PowerSGD refuses a setting (the flags and the object alike).
-NEEDS = ("{what} compresses each device's gradient before its all-reduce: it needs a per-device step ({backend} or "
-         "pmap), {sync_every}=1, {shard_optimizer}=False, {log_noise_scale}=False and {allreduce_dtype}=fp32")
+def needs(what: str, view: Any) -> str:
+    """Why PowerSGD refuses a setting (the flags and the object alike), naming the options as `view` does."""
+    return (f"{what} compresses each device's gradient before its all-reduce: it needs a per-device step "
+            f"({view.use('backend', 'shard_map')} or pmap), {view('sync_every')}=1, {view('shard_optimizer')}=False, "
+            f"{view('log_noise_scale')}=False and {view('allreduce_dtype')}=fp32")
 
 
 class PowerSGD(Sync):
@@ -146,16 +132,15 @@ class PowerSGD(Sync):
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         bound.matrices, bound.seed = matrices(model, params, self.rank, self.min_compression_rate), seed
         if not bound.matrices:
-            useful = largest_useful_rank(model, params)
+            # The largest rank at which some parameter is compressed (0: none can be).
+            useful = max((-(-n * m // (n + m)) - 1 for _, n, m in _candidates(model, params).values()), default=0)
             raise FitError(f"{self!r} compresses none of this model's gradient matrices: at rank {self.rank} each "
                            "would send as much as it whole" + (f"; use a rank of at most {useful}" if useful else
                                                                 "; it has no matrix to compress"))
         return bound
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
-        require(options["backend"] in ("shard_map", "pmap") and not options["log_noise_scale"], NEEDS.format(
-            what=what, backend=view.use("backend", "shard_map"), **{k: view(k) for k in (
-                "sync_every", "shard_optimizer", "log_noise_scale", "allreduce_dtype")}))
+        require(options["backend"] in ("shard_map", "pmap") and not options["log_noise_scale"], needs(what, view))
 
     def init_state(self, params: Tree, num_devices: int) -> Tree:
         keys = jax.random.split(jax.random.key(self.seed), max(1, len(self.matrices)))
@@ -182,13 +167,12 @@ class PowerSGD(Sync):
         return jax.lax.cond(state.step >= self.start_step, compressed, whole, local, state)
 
     def _compressed(self, local: Local, state: Any, axis: str | None) -> Reduced:
-        grads = _flat(local.grads)
+        grads = {".".join(map(str, path_keys(path))): g for path, g in jax.tree_util.tree_flatten_with_path(
+            local.grads)[0]}
         q, error = state.sync["q"], state.sync["error"]
         m_of = {name: grads[name].reshape(a.layers, a.n, a.m) + error[name] for name, a in self.matrices.items()}
-        payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight,
-                   "whole": {k: g for k, g in grads.items() if k not in self.matrices},
-                   "p": {name: jnp.einsum("lnm,lmr->lnr", m, q[name]) for name, m in m_of.items()}}
-        averaged = all_reduce_mean(payload, axis)
+        averaged = averaged_sums(local, axis, whole={k: g for k, g in grads.items() if k not in self.matrices},
+                                 p={name: jnp.einsum("lnm,lmr->lnr", m, q[name]) for name, m in m_of.items()})
         p = {name: orthonormal(x) for name, x in averaged["p"].items()}
         new_q = all_reduce_mean({name: jnp.einsum("lnm,lnr->lmr", m, p[name]) for name, m in m_of.items()}, axis)
         approx = {name: jnp.einsum("lnr,lmr->lnm", p[name], new_q[name]) for name in m_of}

@@ -7,14 +7,14 @@ mean's own error is not fed back). The scheme, its error and its bytes: docs/com
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.flatten_util import ravel_pytree
 
-from jdp.sync.base import PER_DEVICE, Local, Reduced, Sync, Tree, all_reduce_mean, floating
+from jdp.sync.base import PER_DEVICE, Local, Reduced, Sync, Tree, averaged_sums
 
 LARGEST = {8: 127, 4: 7}  # the largest integer a value is quantized to, symmetric around 0
 
@@ -59,11 +59,6 @@ def quantized_all_gather(x: jax.Array, axis_name: Any, axis: int, bits: int, gra
     return jnp.moveaxis(whole.reshape(-1, *moved.shape[1:]), 0, axis)
 
 
-def _gather_forward(x: jax.Array, axis_name: Any, axis: int, bits: int, grad_bits: int, block: int
-                    ) -> tuple[jax.Array, None]:
-    return quantized_all_gather(x, axis_name, axis, bits, grad_bits, block), None
-
-
 def _gather_backward(axis_name: Any, axis: int, bits: int, grad_bits: int, block: int, _: None,
                      cotangent: jax.Array) -> tuple[jax.Array]:
     if grad_bits == 32:
@@ -78,14 +73,14 @@ def _gather_backward(axis_name: Any, axis: int, bits: int, grad_bits: int, block
     return (jnp.moveaxis(mine.reshape(-1, *moved.shape[1:]), 0, axis).astype(cotangent.dtype),)
 
 
-quantized_all_gather.defvjp(_gather_forward, _gather_backward)
+# The forward keeps nothing for the backward, which needs only the settings.
+quantized_all_gather.defvjp(lambda *args: (quantized_all_gather(*args), None), _gather_backward)
 
 
 def quantized_mean(tree: Tree, axis_name: str | None, bits: int, block: int) -> tuple[Tree, Tree]:
     """(the mean over `axis_name` of each device's `tree` (float32 leaves: one vector in N chunks), sent as qgZ sends
     it; what this device's own quantization lost)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    flat = jnp.concatenate([g.reshape(-1) for g in leaves])
+    flat, unflatten = ravel_pytree(tree)
     n = jax.lax.psum(1, axis_name) if axis_name else 1
     chunk = math.ceil(flat.size / (n * block)) * block
     chunks = jnp.pad(flat, (0, n * chunk - flat.size)).reshape(n, chunk // block, block)
@@ -93,13 +88,7 @@ def quantized_mean(tree: Tree, axis_name: str | None, bits: int, block: int) -> 
     q, scale = (jax.lax.all_to_all(x, axis_name, 0, 0, tiled=True) for x in sent) if axis_name else sent
     mine = quantize(jnp.mean(dequantize(q, scale, bits), axis=0), bits)  # the mean of chunk i
     q, scale = (jax.lax.all_gather(x, axis_name, tiled=True) for x in mine) if axis_name else mine
-    mean = dequantize(q.reshape(n, -1, q.shape[-1]), scale.reshape(n, -1), bits).reshape(-1)
-
-    def unflatten(vector: jax.Array) -> Tree:
-        ends = itertools.accumulate(g.size for g in leaves)
-        return jax.tree.unflatten(treedef, [vector[end - g.size:end].reshape(g.shape)
-                                            for g, end in zip(leaves, ends, strict=True)])
-
+    mean = dequantize(q.reshape(n, -1, q.shape[-1]), scale.reshape(n, -1), bits).reshape(-1)[:flat.size]
     return unflatten(mean), unflatten(flat - dequantize(*sent, bits).reshape(-1)[:flat.size])
 
 
@@ -125,17 +114,11 @@ class QuantizedAllReduce(Sync):
             return {}
         return {"error": jax.tree.map(lambda p: jnp.zeros((num_devices, *p.shape), jnp.float32), params)}
 
-    def layouts(self, abstract_state: Any) -> Any:
-        layouts = super().layouts(abstract_state)
-        if not self.error_feedback:
-            return layouts
-        return layouts._replace(sync={"error": jax.tree.map(lambda _: PER_DEVICE, abstract_state.sync["error"])})
+    def layouts(self, abstract_state: Any) -> Any:  # the error feedback, where kept, per device
+        return super().layouts(abstract_state)._replace(sync=jax.tree.map(lambda _: PER_DEVICE, abstract_state.sync))
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         grads = jax.tree.map(jnp.add, local.grads, state.sync["error"]) if self.error_feedback else local.grads
         mean, lost = quantized_mean(grads, axis_name if collective else None, self.bits, self.block)
-        payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight}
-        if local.small_sq is not None:
-            payload["small_sq"] = local.small_sq
-        averaged = all_reduce_mean(payload, axis_name if collective else None)
-        return self._reduced(mean, local, averaged, {"error": lost} if self.error_feedback else None)
+        return self._reduced(mean, local, averaged_sums(local, axis_name if collective else None),
+                             {"error": lost} if self.error_feedback else None)

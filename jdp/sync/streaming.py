@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdp.sync.base import PER_DEVICE, REPLICATED, Tree
+from jdp.sync.base import PER_DEVICE, Tree
 from jdp.sync.diloco import DiLoCo
 
 
@@ -62,10 +62,9 @@ class StreamingDiLoCo(DiLoCo):
                                for fragment in fragments_of(params, self.fragments))}
 
     def layouts(self, abstract_state: Any) -> Any:
-        layouts = super().layouts(abstract_state)
-        sync = abstract_state.sync
-        return layouts._replace(sync={"local": jax.tree.map(lambda _: PER_DEVICE, sync["local"]),
-                                      "outer": jax.tree.map(lambda _: REPLICATED, sync["outer"])})
+        layouts = super().layouts(abstract_state)  # the outer states replicated, each device's parameters its own
+        return layouts._replace(sync={**layouts.sync, "local": jax.tree.map(lambda _: PER_DEVICE,
+                                                                            abstract_state.sync["local"])})
 
     def restart(self, restored: Any, fresh: Any) -> Any:
         state = super().restart(restored, fresh)  # each device's parameters restart from the global ones

@@ -15,6 +15,7 @@ import numpy as np
 import optax
 
 from jdp.errors import FitError
+from jdp.mesh import DATA_AXIS
 from jdp.sync.base import (
     AllReduce,
     DDPTwin,
@@ -22,9 +23,8 @@ from jdp.sync.base import (
     Reduced,
     Sync,
     Tree,
-    all_reduce_mean,
+    averaged_sums,
     cast,
-    floating,
     is_sharded,
     padded,
     shard_axis,
@@ -106,7 +106,9 @@ class ZeRO1(Sync):
 
     def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
                         backend: str, what: str) -> None:
-        check_sliceable(tx, abstract_params, num_devices if self.optimizer_sees_slices(backend) else 1, what)
+        # Each device's optimizer sees 1/k of each leaf, k the devices a leaf splits over (a hybrid mesh's group).
+        sliced = self.optimizer_sees_slices(backend)
+        check_sliceable(tx, abstract_params, self.mesh_shape(num_devices)[DATA_AXIS] if sliced else 1, what)
 
     def layouts(self, abstract_state: Any) -> Any:
         return super().layouts(abstract_state)._replace(opt_state=sharded_where(abstract_state.opt_state))
@@ -117,9 +119,8 @@ class ZeRO1(Sync):
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         # The layout of the update is kept even when the bench compiles the collectives out.
-        grads = self.sliced_mean(local.grads, axis_name)
-        payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight}
-        return self._reduced(grads, local, all_reduce_mean(payload, axis_name if collective else None))
+        return self._reduced(self.sliced_mean(local.grads, axis_name), local,
+                             averaged_sums(local, axis_name if collective else None))
 
     def update(self, tx: optax.GradientTransformation, grads: Tree, state: Any, axis_name: str | None
                ) -> tuple[Tree, Any]:

@@ -25,16 +25,11 @@ from jdp.sync.quantized import check_block, quantized_all_gather
 from jdp.sync.zero1 import ZeRO1, all_gather_like
 
 
-def stacked_paths(model: nnx.Module) -> list[tuple]:
-    """The paths, in the pure parameter dict, of the `Stack`s' stacked layers in `model` (concrete or abstract)."""
-    return [(*path, "layers") for path, module in nnx.iter_modules(model) if isinstance(module, Stack)]
-
-
 class ZeRO3(ZeRO1):
     """ZeRO-1's sharded optimizer state plus sharded parameters, gathered for each forward. `weight_bits` and
     `grad_bits` 8 or 4 block-quantize (per `block` values) the gather and its reduce-scatter, as ZeRO++'s qwZ and
     qgZ (32: not). Bound to a model (`bind`), it holds the parameters' logical shapes and which leaves are a scanned
-    model's stacked layers (`stacked_paths`), gathered one layer at a time."""
+    model's stacked layers, gathered one layer at a time."""
 
     abstract_params: Tree = None
     per_layer: Tree = None
@@ -72,8 +67,9 @@ class ZeRO3(ZeRO1):
         bound = copy.copy(self)
         bound.abstract_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
                                              nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-        stacked = stacked_paths(model)
-        # A stacked leaf with an axis besides the layer axis is split on one of those and gathered per layer.
+        # The paths of the `Stack`s' stacked layers: a leaf there with an axis besides the layer axis is split on one
+        # of those and gathered per layer.
+        stacked = [(*path, "layers") for path, module in nnx.iter_modules(model) if isinstance(module, Stack)]
         bound.per_layer = jax.tree_util.tree_map_with_path(
             lambda path, x: x.ndim >= 2 and any(path_keys(path)[:len(p)] == p for p in stacked), bound.abstract_params)
         return bound
@@ -114,8 +110,7 @@ class ZeRO3(ZeRO1):
 
     def params_view(self, params: Tree, axis_name: str | None) -> Tree:
         if axis_name is None:  # global arrays: XLA gathers them where the forward needs them
-            return jax.tree.map(lambda x, like: unpadded(x, like) if is_sharded(like) else x, params,
-                                self.abstract_params)
+            return jax.tree.map(unpadded, params, self.abstract_params)
         n = jax.lax.psum(1, axis_name)
         whole = all_gather_like(params, self.abstract_params, axis_name, self._param_axes(n), self._all_gather())
         # A scanned model's stacked layers stay split: `layer_view` gathers them inside the scan.
@@ -128,16 +123,14 @@ class ZeRO3(ZeRO1):
 
         all_gather = self._all_gather()
 
-        def gather(leaves: list[jax.Array], shapes: tuple[tuple[int, ...], ...]) -> list[jax.Array]:
-            def whole(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-                if x.shape == shape:
-                    return x
-                axis = next(a for a, (held, size) in enumerate(zip(x.shape, shape, strict=True)) if held != size)
-                return unpadded(all_gather(x, axis_name, axis=axis, tiled=True), jax.ShapeDtypeStruct(
-                    shape, x.dtype))
-            return [whole(x, shape) for x, shape in zip(leaves, shapes, strict=True)]
+        def whole(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+            if x.shape == shape:
+                return x
+            axis = next(a for a, (held, size) in enumerate(zip(x.shape, shape, strict=True)) if held != size)
+            return unpadded(all_gather(x, axis_name, axis=axis, tiled=True), jax.ShapeDtypeStruct(shape, x.dtype))
 
-        return LayerView(params=gather)
+        return LayerView(params=lambda leaves, shapes: [whole(x, shape) for x, shape in zip(leaves, shapes,
+                                                                                             strict=True)])
 
     def sliced_mean(self, grads: Tree, axis_name: str | None) -> Tree:
         # A sliced leaf's gradient is already summed over the devices (the all-gather's transpose); a scalar
