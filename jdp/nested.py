@@ -7,5 +7,7 @@ from typing import Any
 def flatten(tree: dict, prefix: str = "", sep: str = ".",
             into: Callable[[Any], Any] = lambda v: isinstance(v, dict)) -> dict:
     """{prefix + key + sep + subkey ...: leaf}, in the dicts' order, going into each value `into` accepts (dicts)."""
-    return {key: leaf for k, v in tree.items()
-            for key, leaf in (flatten(v, f"{prefix}{k}{sep}", sep, into) if into(v) else {f"{prefix}{k}": v}).items()}
+    flat = {}
+    for k, v in tree.items():
+        flat.update(flatten(v, f"{prefix}{k}{sep}", sep, into) if into(v) else {f"{prefix}{k}": v})
+    return flat

@@ -9,7 +9,6 @@ docs/performance.md, 'Backends (`parallel.backend`)'.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Callable, Iterable
 from functools import partial
@@ -209,14 +208,20 @@ class DataParallel:
         """Weighted means of the eval function's outputs over `batches` (this process's rows of each eval
         batch, with a `mask`; {} when there are none): padded rows weigh nothing."""
         totals: dict[str, float] = {}
-        pending = None  # the last batch's sums, fetched one batch late, so the host never queues the whole eval
-        for rows in itertools.chain(batches, [None]):
-            sums = None if rows is None else self.eval_step(state, self.shard_batch(rows))
-            for k, v in (self.fetch(pending) if pending is not None else {}).items():
+        pending = None
+
+        def add(sums: dict) -> None:
+            for k, v in self.fetch(sums).items():
                 totals[k] = totals.get(k, 0.0) + v
+
+        for rows in batches:
+            sums = self.eval_step(state, self.shard_batch(rows))
+            if pending is not None:  # one batch late, so the host never queues the whole eval
+                add(pending)
             pending = sums
-        if not totals:
+        if pending is None:
             return {}
+        add(pending)
         weight = totals.pop("weight")
         means = {k: v / weight if weight else math.nan for k, v in totals.items()}
         return means | self._eval_derived(means) if self._eval_derived else means

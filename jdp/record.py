@@ -156,10 +156,13 @@ def describe_optimizer(tx: optax.GradientTransformation, abstract_params: Any) -
 
 def same_fingerprint(a: list[float], b: list[float], rtol: float = 1e-4) -> bool:
     """Fingerprints as (L1 norm, projection) pairs, each equal to `rtol` of its update's norm."""
-    return len(a) == len(b) and not any(
-        abs(norm_a - norm_b) > tolerance or abs(projection_a - projection_b) > tolerance
-        for norm_a, projection_a, norm_b, projection_b in zip(a[::2], a[1::2], b[::2], b[1::2], strict=True)
-        for tolerance in [rtol * max(abs(norm_a), abs(norm_b))])
+    if len(a) != len(b):
+        return False
+    for norm_a, projection_a, norm_b, projection_b in zip(a[::2], a[1::2], b[::2], b[1::2], strict=True):
+        tolerance = rtol * max(abs(norm_a), abs(norm_b))
+        if abs(norm_a - norm_b) > tolerance or abs(projection_a - projection_b) > tolerance:
+            return False
+    return True
 
 
 def options_record(options: Any) -> dict[str, Any]:

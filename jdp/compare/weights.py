@@ -50,15 +50,22 @@ def _flatten_permutation(flatten_from: tuple[int, ...]) -> np.ndarray:
     return np.moveaxis(jdp_index, -1, 0).reshape(-1)
 
 
-def _convert(kind: str, value: np.ndarray, flatten_from, to_torch: bool) -> np.ndarray:
-    """One weight from jdp's layout to the twin's (`to_torch`), or back."""
-    if kind == "conv":  # (*spatial, I, O) <-> (O, I, *spatial)
+def _to_torch(kind: str, value: np.ndarray, flatten_from) -> np.ndarray:
+    if kind == "linear":
+        return (value[_flatten_permutation(flatten_from)] if flatten_from else value).T
+    if kind == "conv":  # (*spatial, I, O) -> (O, I, *spatial)
         nd = value.ndim - 2
-        return np.transpose(value, (nd + 1, nd, *range(nd)) if to_torch else (*range(2, 2 + nd), 1, 0))
-    if kind != "linear" or not flatten_from:
-        return value.T if kind == "linear" else value
-    perm = _flatten_permutation(flatten_from)  # rows permuted, then transposed; back: the inverse permutation
-    return value[perm].T if to_torch else value.T[np.argsort(perm)]
+        return np.transpose(value, (nd + 1, nd, *range(nd)))
+    return value
+
+
+def _to_jdp(kind: str, value: np.ndarray, flatten_from) -> np.ndarray:
+    if kind == "linear":  # the inverse permutation of _to_torch's rows
+        return value.T[np.argsort(_flatten_permutation(flatten_from))] if flatten_from else value.T
+    if kind == "conv":  # (O, I, *spatial) -> (*spatial, I, O)
+        nd = value.ndim - 2
+        return np.transpose(value, (*range(2, 2 + nd), 1, 0))
+    return value
 
 
 def unstacked(flat: Flat) -> Flat:
@@ -83,7 +90,7 @@ def flat_to_torch(flat: Flat, model: nn.Module) -> dict[str, torch.Tensor]:
     for jdp_key, torch_key, kind, flatten_from in _entries(model):
         if jdp_key not in flat:
             raise ValueError(f"no {jdp_key} for the twin's {torch_key}; is it the same model and config?")
-        value = np.ascontiguousarray(_convert(kind, np.asarray(flat[jdp_key]), flatten_from, True))
+        value = np.ascontiguousarray(_to_torch(kind, np.asarray(flat[jdp_key]), flatten_from))
         if tuple(value.shape) != tuple(state[torch_key].shape):
             raise ValueError(f"{jdp_key} gives {torch_key} the shape {value.shape}, the twin has "
                              f"{tuple(state[torch_key].shape)}")
@@ -98,7 +105,7 @@ def torch_to_flat(state_dict: dict[str, torch.Tensor], model: nn.Module) -> Flat
         if torch_key not in state_dict:
             raise ValueError(f"the state_dict has no {torch_key}")
         value = state_dict[torch_key].detach().cpu().numpy()
-        flat[jdp_key] = np.ascontiguousarray(_convert(kind, value, flatten_from, False))
+        flat[jdp_key] = np.ascontiguousarray(_to_jdp(kind, value, flatten_from))
     return flat
 
 

@@ -269,5 +269,6 @@ def main(argv: list[str] | None = None) -> int:
     return _write(args.out or Path("runs") / f"bench-{args.config.stem}", "bench",
                   {"config": cfg.to_dict(), "rows": rows}, table, *warnings)
 
+
 if __name__ == "__main__":
     sys.exit(main())
