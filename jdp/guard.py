@@ -18,7 +18,8 @@ from jdp import distributed as distributed_lib
 from jdp import record as record_lib
 from jdp.errors import FitError
 
-VERSION = 1  # of the fingerprint: one of another version is not compared
+VERSION = 2  # of the fingerprint: one of another version is not compared, but for version 1 (whose hash of the
+# caller's settings held the sync flags, now guarded by the strategy's record): all of it but that hash
 RESULTS_TIMEOUT_S = 120.0  # process 0 reads run.json and compares; the others wait for its answer
 _FIT_PARTS = "model, loss, data, global batch, sync strategy or guarded options" + record_lib.BY_HASH
 _SETTINGS = "the config's guarded keys" + record_lib.BY_HASH  # trainer.run's `settings` (the CLI's)
@@ -38,14 +39,14 @@ def fingerprint(fit_record: dict[str, Any]) -> dict[str, Any]:
 def fingerprint_changes(saved: Any, new: dict[str, Any]) -> list[str] | None:
     """What differs between a checkpoint's fingerprint and this run's (the optimizer's probe as `jdp.record.changes`
     names it, the hashes by name); None for a fingerprint this jdp cannot compare (none, or another version)."""
-    if not isinstance(saved, dict) or saved.get("version") != VERSION:
+    if not isinstance(saved, dict) or saved.get("version") not in (1, VERSION):
         return None
 
     def parts(fp: dict[str, Any], settings: bool) -> dict[str, Any]:
         return {**({_SETTINGS: fp["settings"]} if settings else {}), _FIT_PARTS: fp["fit"],
                 record_lib.FIRST: fp["optimizer"], record_lib.LATER: fp["schedule"]}
 
-    both = bool(saved.get("settings")) and bool(new["settings"])
+    both = saved["version"] == VERSION and bool(saved.get("settings")) and bool(new["settings"])
     return record_lib.listed_changes(parts(saved, both), parts(new, both), saved.get("steps") != new["steps"])
 
 

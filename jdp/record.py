@@ -237,6 +237,8 @@ def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """What differs between two records where a resume must not change it: `key: old -> new` (fingerprints by
     name only). The caller's settings (`fit_record`'s `settings`) are compared where both records hold them."""
     both = bool(old.get("settings")) and bool(new.get("settings"))
+    if both:  # a key an older jdp guarded and this one does not (the sync flags, now the strategy's record)
+        old = {**old, "settings": {k: v for k, v in old["settings"].items() if k in new["settings"]}}
     return listed_changes(guarded(old, both), guarded(new, both), old["steps"] != new["steps"])
 
 

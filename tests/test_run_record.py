@@ -545,6 +545,48 @@ def test_a_workdir_whose_record_lacks_the_configs_keys_says_what_its_resume_chec
     assert json.loads((workdir / "run.json").read_text())["fit"]["settings"]
 
 
+def test_a_resume_may_shard_the_optimizer_state_from_fit_and_from_the_cli_alike(stopped, whole, cli_run, tmp_path,
+                                                                                capsys):
+    """ZeRO-1 computes what the mean all-reduce does, so a run that no longer fits resumes with its optimizer state
+    sharded, from fit and from the CLI alike (the CLI once refused it by its own key); a change of the strategy's
+    numerics is still refused, by its record and by the checkpoint alone."""
+    workdir = copy_of(stopped, tmp_path / "fit")
+    result = fit(workdir, 8, shard_optimizer=True)
+    assert "resumed from" in capsys.readouterr().out
+    np.testing.assert_allclose(result.losses, whole.losses[4:], rtol=RTOL)
+    workdir = copy_of(cli_run, tmp_path / "cli")
+    assert train_cli.main([*CLI, "--config.train.steps=6", "--config.parallel.shard_optimizer=True",
+                           "--workdir", str(workdir)]) == 0
+    capsys.readouterr()
+    bf16 = [*CLI, "--config.train.steps=6", "--config.parallel.allreduce_dtype=bf16", "--workdir", str(workdir)]
+    assert train_cli.main(bf16) == 2
+    assert listed(capsys.readouterr().err.strip()) == {"sync strategy"}
+    (workdir / "run.json").unlink()
+    assert train_cli.main(bf16) == 2
+    assert against_checkpoint(capsys.readouterr().err.strip(), workdir / "checkpoints" / "6") == {FIT_PARTS}
+
+
+def test_a_cli_workdir_whose_guard_held_the_sync_flags_resumes_and_is_still_guarded(cli_run, tmp_path, capsys):
+    """An older jdp guarded the sync flags among the config's keys too (run.json's settings, and the hash of them in
+    a version-1 fingerprint): its workdir resumes under this jdp, and a changed learning rate is still refused by
+    run.json and, without it, by the checkpoint's fingerprint."""
+    workdir = copy_of(cli_run, tmp_path)
+    record = json.loads((workdir / "run.json").read_text())
+    record["fit"]["settings"]["parallel.shard_optimizer"] = False
+    (workdir / "run.json").write_text(json.dumps(record))
+    for metadata in (workdir / "checkpoints").glob("*/data/metadata"):
+        item = json.loads(metadata.read_text())
+        item["fingerprint"] |= {"version": 1, "settings": "a hash of other keys"}
+        metadata.write_text(json.dumps(digest.sealed({k: v for k, v in item.items() if k != "checksum"})))
+    args = [*CLI, "--config.optim.lr=0.03", "--workdir", str(workdir)]
+    assert train_cli.main(args) == 2
+    assert "every update is" in capsys.readouterr().err
+    (workdir / "run.json").unlink()
+    assert train_cli.main(args) == 2
+    assert against_checkpoint(capsys.readouterr().err.strip(), workdir / "checkpoints" / "4") == {LR}
+    assert train_cli.main([*CLI, "--config.train.steps=6", "--workdir", str(workdir)]) == 0
+
+
 # 3. Reopened from Python ----------------------------------------------------------------------------------
 
 

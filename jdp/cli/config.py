@@ -37,9 +37,9 @@ MODEL_FIELDS = ("name", "kwargs", "bn_sync")  # configs/base.py's model section;
 # Settings that change what a run computes (its data order or its numerics): changing them when resuming a
 # workdir is refused by default. Paths, caches, lengths and periods are not among them.
 STATE_DEFINING = ("model.", "optim.", "task.", "loss_scale.", "seed", "precision", "train.global_batch_size",
-                  "train.grad_accum_steps", "parallel.sync", "parallel.sync_kwargs.", "data.name",
-                  "data.shape", "data.num_classes", "data.num_examples", "data.normalize", "data.augment",
-                  "data.image_size", "data.train_split", "data.block_size", "data.tokenizer")
+                  "train.grad_accum_steps", "data.name", "data.shape", "data.num_classes", "data.num_examples",
+                  "data.normalize", "data.augment", "data.image_size", "data.train_split", "data.block_size",
+                  "data.tokenizer")
 
 
 class ConfigError(UsageError):
@@ -390,13 +390,11 @@ def load_saved_config(path: Path, fix: str = "move it away, or pass --config") -
 
 
 def guarded_settings(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """{dotted key: value} of the settings that change the data order or the numerics (STATE_DEFINING, the sync
-    flags), for `jdp.fit`'s resume guard (`trainer.run(settings=)`), which refuses a resume that changes one."""
-    from jdp.sync.flags import FLAGS
-
-    guarded = (*STATE_DEFINING, *(f"parallel.{flag}" for flag in FLAGS))
+    """{dotted key: value} of the settings that change the data order or the numerics (STATE_DEFINING), for
+    `jdp.fit`'s resume guard (`trainer.run(settings=)`), which refuses a resume that changes one. The `parallel`
+    keys are not among them: fit guards the strategy they name by its own record."""
     return {k: v for k, v in sorted(flatten(cfg.to_dict()).items())
-            if any(k == key or (key.endswith(".") and k.startswith(key)) for key in guarded)}
+            if any(k == key or (key.endswith(".") and k.startswith(key)) for key in STATE_DEFINING)}
 
 
 def logger_names(spec: str) -> list[str]:
