@@ -194,6 +194,39 @@ def test_zero3_on_a_scanned_gpt_trains_as_one_device(backend, remat):
     assert_same(fit_gpt(scan=True, backend=backend, num_devices=8), expected)
 
 
+class LayerScaled(nnx.Module):
+    """A scanned model whose layers hold a size-1 parameter (a per-layer scale, as ReZero's): its slice on each
+    device has the layer's logical shape, one value or zero padding."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        class Block(nnx.Module):
+            def __init__(self, rngs: nnx.Rngs):
+                self.linear, self.scale = nnx.Linear(8, 8, rngs=rngs), nnx.Param(jnp.full((1,), 0.5))
+
+            def __call__(self, x):
+                return x + self.scale * nnx.relu(self.linear(x)), None
+
+        self.blocks, self.out = Stack(Block, 3, rngs=rngs), nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.blocks(x)[0])[:, 0]
+
+
+@pytest.mark.parametrize("options", [{}, {"shard_group": 2}], ids=["zero3", "hybrid"])
+def test_zero3_gathers_a_layers_size_1_parameter_whose_slice_looks_whole(options):
+    """Breaks if the per-layer gather skips a leaf whose slice has the logical shape: three devices of four then
+    scale their layer by zero padding."""
+    x = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
+    data = {"x": x, "y": np.sin(x).sum(1)}
+
+    def run(**kw):
+        result = jdp.fit(LayerScaled(nnx.Rngs(0)), lambda m, b: {"loss": (m(b["x"]) - b["y"]) ** 2}, data,
+                         optimizer=optax.sgd(0.05), steps=3, global_batch_size=16, log_every=1, **kw)
+        return result.losses, result.params
+
+    assert_same(run(num_devices=4, shard_params=True, **options), run(num_devices=1))
+
+
 def _collectives(text: str, op: str) -> dict[str, list[str]]:
     """Result shapes of `op` (e.g. "all-gather") in each computation of a compiled HLO text."""
     found, computation = {}, None
