@@ -329,7 +329,7 @@ def test_a_random_access_dataset_trains_like_the_same_arrays():
     ({"data": regression_data(16)}, "fewer than one global batch"),
     ({"eval_data": {"x": np.zeros((8, 6), np.float32)}}, "eval data's keys"),
     ({"shard_optimizer": True, "optimizer": optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))},
-     "updates slices differently"),
+     "updates them differently"),
     ({"backend": "tpu"}, "backend='tpu' is unknown"),
     ({"eval_evry": 4}, "did you mean 'eval_every'"),
     ({"data": {**regression_data(), "mask": np.ones(256, np.float32)}}, "key 'mask'"),

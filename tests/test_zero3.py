@@ -222,6 +222,33 @@ def test_what_it_cannot_be_combined_with_is_refused_in_one_line(options, message
 
 
 
+CLIPPED_ADAMW = optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(0.02))
+
+
+@pytest.mark.parametrize("options,message", [
+    (dict(shard_optimizer=True, optimizer=CLIPPED_ADAMW), "on slices"),
+    (dict(shard_params=True, optimizer=CLIPPED_ADAMW), "on slices"),
+    (dict(shard_params=True, backend="jit", optimizer=optax.adafactor(0.02)), "on zero-padded copies"),
+], ids=["zero1-clipped-adamw", "zero3-clipped-adamw", "zero3-jit-adafactor"])
+def test_an_optimizer_right_on_the_first_step_alone_is_refused(options, message):
+    """Adam's first update is blind to the clipping factor, so clipping per slice shows from the second; under jit
+    the optimizer sees leaves zero-padded to a multiple of 8, and Adafactor's per-leaf means count the zeros.
+    Breaks if the probe looks at one update only, or skips the padded whole leaves of jit."""
+    with pytest.raises(FitError, match=f"runs the optimizer {message} of each parameter"):
+        _fit(CASES["regression"][0], mse, regression_data(), num_devices=8, **options)
+
+
+@pytest.mark.parametrize("shard_params", [False, True], ids=["zero1", "zero3"])
+def test_clipping_that_sums_the_slices_norms_trains_as_one_device_clipping_whole_leaves(shard_params):
+    """`jdp.sync.clip_by_global_norm(max_norm, "data")` in a chain vouched for by `jdp.sync.Sliceable`: what the
+    probe's refusal suggests. Breaks if the slices' squared norms are not summed across devices."""
+    model_cls, loss, data = CASES["regression"]
+    sliced = jdp.sync.Sliceable(*optax.chain(jdp.sync.clip_by_global_norm(0.1, DATA_AXIS), optax.adamw(0.02)))
+    result = _fit(model_cls, loss, data, num_devices=8, optimizer=sliced, shard_params=shard_params,
+                  shard_optimizer=not shard_params)
+    _assert_same(result, _fit(model_cls, loss, data, backend="jit", num_devices=1, optimizer=CLIPPED_ADAMW))
+
+
 def test_word_sum_digests_do_not_depend_on_the_layout_and_find_damage():
     """A split leaf's digest is computed where its parts are, and equals the same leaf's digest whole on the host
     (a checkpoint restores on any device count); one changed element is found. Breaks if positions follow each

@@ -17,11 +17,12 @@ from jdp.sync.local_sgd import LocalSGD
 from jdp.sync.powersgd import PowerSGD
 from jdp.sync.quantized import QuantizedAllReduce
 from jdp.sync.streaming import StreamingDiLoCo
-from jdp.sync.zero1 import ZeRO1
+from jdp.sync.zero1 import Sliceable, ZeRO1, clip_by_global_norm
 from jdp.sync.zero3 import ZeRO3
 
 __all__ = ["NAMES", "AllReduce", "DiLoCo", "HybridShard", "Local", "LocalSGD", "PowerSGD", "QuantizedAllReduce",
-           "Reduced", "StreamingDiLoCo", "Sync", "ZeRO1", "ZeRO3", "for_inference", "strategy"]
+           "Reduced", "Sliceable", "StreamingDiLoCo", "Sync", "ZeRO1", "ZeRO3", "clip_by_global_norm", "for_inference",
+           "strategy"]
 
 
 def for_inference(options: Any) -> Any:

@@ -106,9 +106,10 @@ class ZeRO1(Sync):
 
     def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
                         backend: str, what: str) -> None:
-        # Each device's optimizer sees 1/k of each leaf, k the devices a leaf splits over (a hybrid mesh's group).
-        sliced = self.optimizer_sees_slices(backend)
-        check_sliceable(tx, abstract_params, self.mesh_shape(num_devices)[DATA_AXIS] if sliced else 1, what)
+        # Each device's optimizer sees 1/k of each leaf, k the devices a leaf splits over (a hybrid mesh's group);
+        # under jit, the whole leaf padded to a multiple of k.
+        check_sliceable(tx, abstract_params, self.mesh_shape(num_devices)[DATA_AXIS], what,
+                        self.optimizer_sees_slices(backend))
 
     def layouts(self, abstract_state: Any) -> Any:
         return super().layouts(abstract_state)._replace(opt_state=sharded_where(abstract_state.opt_state))
@@ -133,8 +134,9 @@ class ZeRO1(Sync):
 
 
 class Sliceable(optax.GradientTransformation):
-    """A transform that jdp built to be right on ZeRO-1 slices (element-wise, its clipping summing norms
-    across devices): `jdp.fit` skips its slicing probe."""
+    """A transform that is right on ZeRO slices (element-wise, its clipping summing norms across devices, as
+    `clip_by_global_norm(max_norm, "data")`): `jdp.fit` skips its slicing probe. `Sliceable(*tx)` vouches for `tx`."""
+
 
 def clip_by_global_norm(max_norm: float, axis_name: str | None = None) -> optax.GradientTransformation:
     """optax's global-norm clipping; with `axis_name`, each device holds a slice of every gradient
@@ -151,30 +153,49 @@ def clip_by_global_norm(max_norm: float, axis_name: str | None = None) -> optax.
 
 
 def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: int,
-                    what: str = "shard_optimizer=True") -> None:
-    """ZeRO-1 runs the optimizer on flat slices of each leaf: refuse a transform whose update on slices
-    differs from its update on whole leaves (global norms, trust ratios, shape-dependent masks)."""
+                    what: str = "shard_optimizer=True", sliced: bool = True) -> None:
+    """ZeRO runs the optimizer on each device's slice of every leaf (`sliced`), or under jit on the whole leaves
+    zero-padded to a multiple of `n`: refuse a transform whose two first updates there differ from those on the
+    logical leaves (global norms, per-leaf means, trust ratios, shape-dependent masks). Two updates, as Adam's
+    first is blind to a scale such as a clipping factor; gradients large enough that clipping takes effect."""
     if isinstance(tx, Sliceable):
         return
     rng = np.random.default_rng(0)
-    params = jax.tree.map(lambda x: rng.standard_normal([min(d, 3) for d in x.shape]).astype(np.float32),
-                          abstract_params)
-    grads = jax.tree.map(lambda x: rng.standard_normal(x.shape).astype(np.float32), params)
-    whole, _ = tx.update(grads, tx.init(params), params)
-    slices = []
-    def part(x: np.ndarray, i: int) -> np.ndarray:
-        axis = shard_axis(x.shape, n)
-        return np.split(np.asarray(padded(x, n, axis)), n, axis=axis)[i]
+    axes = jax.tree.map(lambda x: shard_axis(x.shape, n) if is_sharded(x) else None, abstract_params)
+    # Small stand-ins, padded as the real leaves are: the split axis keeps the real length's remainder mod n.
+    params = jax.tree.map(lambda x, axis: rng.standard_normal(
+        [(n + d % n if d >= n else d) if a == axis else min(d, 3) for a, d in enumerate(x.shape)]).astype(np.float32),
+        abstract_params, axes, is_leaf=lambda x: x is None)
+    grads = [jax.tree.map(lambda x: 100 * rng.standard_normal(x.shape).astype(np.float32), params) for _ in "12"]
 
-    for i in range(n):
-        local, local_grads = (jax.tree.map(lambda x, i=i: part(x, i) if x.ndim else x, tree)
-                              for tree in (params, grads))
-        slices.append(tx.update(local_grads, tx.init(local), local)[0])
-    gathered = jax.tree.map(lambda w, *s: unpadded(np.concatenate(s, axis=shard_axis(w.shape, n)), w)
-                            if w.ndim else s[0], whole, *slices)
-    if not all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(jax.tree.leaves(whole),
-                                                                       jax.tree.leaves(gathered), strict=True)):
-        raise FitError(f"{what} runs the optimizer on slices of each parameter, and this optimizer "
-                       "updates slices differently from whole parameters (global-norm clipping, LAMB, LARS, "
-                       "shape-dependent masks); use an element-wise one (sgd, momentum, adam, adamw) or another "
-                       "sync strategy")
+    def two_updates(params: Tree, grads: list[Tree]) -> list[Tree]:
+        state, updates = tx.init(params), []
+        for g in grads:
+            update, state = tx.update(g, state, params)
+            params = optax.apply_updates(params, update)
+            updates.append(update)
+        return updates
+
+    def part(x: np.ndarray, axis: int | None, i: int) -> np.ndarray:  # what device i's optimizer sees
+        if axis is None:
+            return x
+        whole = np.asarray(padded(x, n, axis))
+        return np.split(whole, n, axis=axis)[i] if sliced else whole
+
+    def on_device(tree: Tree, i: int) -> Tree:
+        return jax.tree.map(lambda x, axis: part(x, axis, i), tree, axes, is_leaf=lambda x: x is None)
+
+    seen = [two_updates(on_device(params, i), [on_device(g, i) for g in grads]) for i in range(n if sliced else 1)]
+    expected = two_updates(params, grads)
+    for step, whole in enumerate(expected):
+        gathered = jax.tree.map(lambda w, axis, *s: s[0] if axis is None else unpadded(np.concatenate(s, axis), w),
+                                whole, axes, *(updates[step] for updates in seen), is_leaf=lambda x: x is None)
+        if not all(np.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in zip(
+                jax.tree.leaves(whole), jax.tree.leaves(gathered), strict=True)):
+            examples = "optax's global-norm clipping, LAMB, LARS, " if sliced else ""
+            clip = (", clip with jdp.sync.clip_by_global_norm(max_norm, 'data') in a chain wrapped as "
+                    "jdp.sync.Sliceable(*chain)," if sliced else "")
+            raise FitError(f"{what} runs the optimizer on {'slices' if sliced else 'zero-padded copies'} of each "
+                           f"parameter, and this optimizer updates them differently from whole parameters ({examples}"
+                           "per-leaf means as Adafactor's, shape-dependent masks); use an element-wise one (sgd, "
+                           f"momentum, adam, adamw){clip} or another sync strategy")
