@@ -30,7 +30,12 @@ __all__ = ["Batcher", "Callback", "DiskError", "FitError", "FitOptions", "FitRes
            "fit", "initialize", "restore"]
 
 
+_SUBPACKAGES = ("layers", "sync")  # reached after `import jdp` alone, as the docs write them
+
+
 def __getattr__(name: str) -> object:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"jdp.{name}")
     if name not in _EXPORTS:
         raise AttributeError(f"module 'jdp' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)

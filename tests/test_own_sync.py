@@ -126,10 +126,44 @@ def test_its_own_check_refuses_jit_in_one_line():
         FitOptions(sync=SignEF(), backend="jit")
 
 
+def test_the_noise_scale_is_refused_in_one_line_unless_a_strategy_says_it_carries_it():
+    """A strategy of one's own reports no small batches' squared norms (`Reduced.small_sq`) unless it says so
+    (`noise_scale = True`). Breaks if `Sync` claims it by default: the step then fails on the missing norms."""
+    with pytest.raises(FitError, match=r"which SignEF\(error_feedback=True\) does not hold on each device"):
+        FitOptions(sync=SignEF(), log_noise_scale=True)
+    assert _fit(sync=sync.QuantizedAllReduce(), log_noise_scale=True).losses
+
+
+def test_the_strategies_are_reached_from_import_jdp_alone():
+    """`import jdp; jdp.sync.ZeRO3()`, as the docs write it, in a fresh interpreter (the test session has imported
+    `jdp.sync` already)."""
+    subprocess.run([sys.executable, "-c", "import jdp; jdp.sync.ZeRO3(); jdp.layers.Stack"], check=True, timeout=120)
+
+
 def test_the_resume_guard_compares_its_parameters(tmp_path):
     _fit(sync=SignEF(), steps=2, workdir=tmp_path)
     with pytest.raises(FitError, match="error_feedback"):
         _fit(sync=SignEF(error_feedback=False), steps=4, workdir=tmp_path)
+
+
+class Tagged(sync.AllReduce):
+    """The mean all-reduce with parameters JSON holds in another form: a numpy scalar, a tuple, a dtype."""
+
+    def __init__(self, rate: np.float32 = np.float32(1.5)) -> None:  # noqa: B008 (the form under test)
+        super().__init__()
+        self.rate = rate
+
+    def params(self) -> dict:
+        return {**super().params(), "rate": self.rate, "shape": (2, 3), "dtype": np.dtype("float32")}
+
+
+def test_parameters_json_holds_in_another_form_resume_as_equal_and_a_change_is_refused(tmp_path):
+    """Breaks if the live record is compared with the one read back unnormalized (1.5 against np.float32(1.5),
+    a list against a tuple): every resume would be refused."""
+    _fit(sync=Tagged(), steps=2, workdir=tmp_path)
+    assert len(_fit(sync=Tagged(), steps=4, workdir=tmp_path).losses) == 2
+    with pytest.raises(FitError, match="rate"):
+        _fit(sync=Tagged(np.float32(2.5)), steps=6, workdir=tmp_path)
 
 
 def test_the_cli_names_it_by_import_path_with_its_settings():
@@ -141,6 +175,27 @@ def test_the_cli_names_it_by_import_path_with_its_settings():
     cfg.parallel.sync = "tests.sign_ef:Nothing"
     with pytest.raises(config_lib.ConfigError, match="parallel.sync: 'tests.sign_ef:Nothing' cannot be imported"):
         config_lib.fit_values(cfg)
+
+
+@pytest.mark.parametrize("name", ["allreduce", "powersgd"])
+def test_settings_for_an_import_path_beside_a_built_in_name_are_refused(name):
+    """Breaks if `parallel.sync_kwargs` are dropped without a word when `parallel.sync` names a built-in."""
+    cfg = small_config("mlp", num_devices=4)
+    cfg.parallel.sync, cfg.parallel.sync_kwargs = name, {"rank": 4}
+    with pytest.raises(config_lib.ConfigError, match=rf"parallel.sync: {name} is built in and takes its settings "
+                                                     r"from its own keys, not sync_kwargs \(rank\)"):
+        config_lib.fit_values(cfg)
+
+
+def test_the_command_line_sets_a_strategys_settings_as_one_dict_or_one_by_one():
+    cfg = small_config("mlp", num_devices=4)
+    config_lib.apply_overrides(cfg, {"parallel.sync": "tests.sign_ef:SignEF",
+                                     "parallel.sync_kwargs": '{"error_feedback": False}'})
+    assert config_lib.fit_values(cfg)["sync"].error_feedback is False
+    config_lib.apply_overrides(cfg, {"parallel.sync_kwargs.error_feedback": "True"})
+    assert config_lib.fit_values(cfg)["sync"].error_feedback is True
+    with pytest.raises(config_lib.ConfigError, match="--config.parallel.sync_kwargs takes a dict of settings"):
+        config_lib.apply_overrides(cfg, {"parallel.sync_kwargs": "4"})
 
 
 @pytest.mark.slow

@@ -251,6 +251,14 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
     known = list(flatten(cfg.to_dict()))
     for key, raw in overrides.items():
         key = _model_setting(key)
+        if f"{key}." in OPEN_SECTIONS:  # the whole section as one dict: --config.parallel.sync_kwargs='{"k": 4}'
+            value = _literal(raw)
+            _require(isinstance(value, dict) and all(isinstance(k, str) for k in value),
+                     f"--config.{key} takes a dict of settings, e.g. '{{\"rank\": 4}}', not {raw!r}; or give "
+                     f"each as --config.{key}.NAME=VALUE")
+            node, leaf = _parent(cfg, key)
+            node[leaf] = ml_collections.ConfigDict(value)
+            continue
         is_open = key.startswith(OPEN_SECTIONS) and key.count(".") == 2
         if key not in known and not is_open:
             close = difflib.get_close_matches(key, known, n=1)
@@ -303,14 +311,13 @@ def _require(ok: bool, message: str) -> None:
 def fit_values(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
     """`fit`'s options as the config sets them; a `parallel.sync` that names no built-in strategy is an import path
     (`pkg.module:Class`), built with `parallel.sync_kwargs`."""
-    from jdp.sync import NAMES, flags  # JAX: once a run is checked
+    from jdp.sync import flags  # JAX: once a run is checked
 
     values = {option.name: cfg[key] for key, option in CONFIG_KEYS.items()}
-    if values["sync"] not in NAMES:
-        try:
-            values["sync"] = flags.from_path(values["sync"], cfg.parallel.sync_kwargs.to_dict())
-        except ValueError as e:
-            raise ConfigError(f"parallel.sync: {e}") from None
+    try:
+        values["sync"] = flags.from_config(values["sync"], cfg.parallel.sync_kwargs.to_dict())
+    except ValueError as e:
+        raise ConfigError(f"parallel.sync: {e}") from None
     return values
 
 

@@ -7,6 +7,7 @@ on `data`. Writing a strategy: docs/communication.md, 'A strategy of your own'.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -174,7 +175,7 @@ class Sync:
         """Steps between two states a checkpoint can hold whole (the replicas agree, or each keeps its own): the
         points a signal or a halt saves at. `every` unless a strategy keeps every step's state whole."""
         return self.every
-    noise_scale = True  # each device holds its whole gradient and the all-reduced one (`log_noise_scale`)
+    noise_scale = False  # True: `reduce` returns the small batches' `small_sq` (`log_noise_scale`), via `averaged_sums`
     shards_optimizer = False  # the optimizer updates slices of the leaves (the CLI refuses LAMB and LARS)
 
     def __init__(self, dtype: str = "fp32") -> None:
@@ -188,8 +189,10 @@ class Sync:
         return {"dtype": self.dtype_name}
 
     def record(self) -> dict[str, Any]:
-        """What the resume guard compares: the class's import path and its parameters, as JSON."""
-        return {"class": f"{type(self).__module__}:{type(self).__qualname__}", **self.params()}
+        """What the resume guard compares: the class's import path and its parameters, as JSON (a tuple as a list,
+        a numpy scalar as its number, anything else by `str`), so that a record read back equals the live one."""
+        plain = json.loads(json.dumps(self.params(), default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+        return {"class": f"{type(self).__module__}:{type(self).__qualname__}", **plain}
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params().items())})"
@@ -326,6 +329,8 @@ class Sync:
 
 class AllReduce(Sync):
     """Data parallelism's mean all-reduce, the default; `dtype="bf16"` sends bfloat16, as DDP's `bf16_compress_hook`."""
+
+    noise_scale = True  # each device holds its whole gradient and the all-reduced one
 
     def ddp_twin(self) -> DDPTwin | None:
         return DDPTwin("allreduce", {}) if self.dtype_name == "fp32" else None

@@ -90,8 +90,14 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None], d
     return AllReduce(dtype), f"{n('allreduce_dtype')}={dtype}"
 
 
-def from_path(path: str, kwargs: dict[str, Any]) -> Sync:
-    """The strategy class at `path` (`pkg.module:Class`) built with `kwargs`; ValueError in one line otherwise."""
+def from_config(path: str, kwargs: dict[str, Any]) -> Sync | str:
+    """The strategy class at `path` (`pkg.module:Class`) built with `kwargs`, or a built-in name as it is (its
+    settings are flags of their own); ValueError in one line otherwise."""
+    if path in NAMES:
+        if kwargs:
+            raise ValueError(f"{path} is built in and takes its settings from its own keys, not sync_kwargs "
+                             f"({', '.join(kwargs)}); drop them, or name a strategy by import path pkg.module:Class")
+        return path
     module, _, name = path.partition(":")
     if not module or not name:
         raise ValueError(f"{path!r} is neither one of {', '.join(NAMES)} nor an import path pkg.module:Class")

@@ -16,7 +16,6 @@ class LocalSGD(Sync):
     replica checks at sync points."""
 
     per_device_update = True
-    noise_scale = False  # no all-reduced gradient
 
     def __init__(self, every: int) -> None:
         super().__init__()

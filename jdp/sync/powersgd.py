@@ -100,7 +100,6 @@ class PowerSGD(Sync):
     rate is 2). Bound to a model (`bind`), it holds the matrices it compresses. State: {"q": {name: (layers, m, r)},
     replicated, "error": {name: (devices, layers, n, m)}, per device: it restores on the same device count only}."""
 
-    noise_scale = False
     matrices: dict[str, Matrix] = {}
     seed = 0
 

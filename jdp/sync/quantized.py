@@ -96,6 +96,8 @@ class QuantizedAllReduce(Sync):
     """The mean all-reduce sending `bits`-bit integers (8 or 4) with a float32 scale per `block` values;
     `error_feedback`: each device adds what its quantization lost to its next gradient (per-device state)."""
 
+    noise_scale = True  # each device holds its whole gradient, and the mean it decodes
+
     def __init__(self, bits: int = 8, block: int = 256, error_feedback: bool = False) -> None:
         super().__init__()
         check_block(bits, block)

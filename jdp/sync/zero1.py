@@ -87,7 +87,6 @@ class ZeRO1(Sync):
     device updates its slice of the parameters and optimizer state, then all-gathers the parameters."""
 
     per_device_update = True
-    noise_scale = False  # no device holds a whole gradient
     shards_optimizer = True
 
     def record(self) -> dict[str, Any]:
