@@ -85,7 +85,12 @@ class ModelDef:
     @classmethod
     def of(cls, model: nnx.Module, bn_axis: str | None, seed: int = 0) -> ModelDef:
         """The graphs of `model` (concrete or from `nnx.eval_shape`), with its BatchNorms on `bn_axis`; values
-        sown by an earlier call are removed from it."""
+        sown by an earlier call are removed from it; ValueError for a parameter no gradient reaches."""
+        for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]:
+            if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+                raise ValueError(f"model parameter {'.'.join(str(getattr(k, 'key', k)) for k in path)} is "
+                                 f"{leaf.dtype}, and parameters are trained by their gradient, which needs a float "
+                                 "dtype; hold it as an nnx.Variable (model state) or a plain attribute")
         nnx.pop(model, nnx.Intermediate)
         before = set_batchnorm_axis(model, bn_axis)
         modes = {(module, name): getattr(module, name) for _, module in nnx.iter_modules(model)

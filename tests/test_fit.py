@@ -344,6 +344,12 @@ def test_bad_input_is_refused_in_one_line_before_compiling(case, message):
     assert "\n" not in str(error.value)
 
 
+def _with_an_integer_kernel() -> Regressor:
+    model = Regressor(nnx.Rngs(0))
+    model.out.kernel = nnx.Param(jnp.zeros((16, 1), jnp.int32))
+    return model
+
+
 @pytest.mark.parametrize("given, message", [
     ({"model": lambda x: x}, r"model: calling <lambda>\(\) failed \(TypeError: "),
     ({"model": 3}, "model is of type int; give an nnx.Module, or a function"),
@@ -352,6 +358,8 @@ def test_bad_input_is_refused_in_one_line_before_compiling(case, message):
                             r"optax.adam\(1e-3\)"),
     ({"optimizer": optax.adam}, "optimizer=adam is of type function, not an optax.GradientTransformation; call adam"),
     ({"optimizer": None}, "optimizer=None is of type NoneType"),
+    ({"model": _with_an_integer_kernel}, "model parameter out.kernel is int32, and parameters are trained by "
+                                           "their gradient, which needs a float dtype"),
 ])
 def test_what_is_no_model_or_optimizer_is_refused_in_one_line(given, message):
     """Not a model or not an optimizer at all: a FitError naming it, not a TypeError or AttributeError from inside

@@ -249,6 +249,26 @@ def test_clipping_that_sums_the_slices_norms_trains_as_one_device_clipping_whole
     _assert_same(result, _fit(model_cls, loss, data, backend="jit", num_devices=1, optimizer=CLIPPED_ADAMW))
 
 
+class WithAnEmptyParameter(nnx.Module):
+    """The regression model beside a parameter with no elements (an adapter of width 0)."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.model, self.empty = CASES["regression"][0](rngs), nnx.Param(jnp.zeros((3, 0)))
+
+    def __call__(self, x):
+        return self.model(x) + self.empty.sum()
+
+
+@pytest.mark.parametrize("options", [dict(shard_params=True), dict(shard_params=True, backend="jit"),
+                                     dict(shard_optimizer=True)], ids=["zero3", "zero3-jit", "zero1"])
+def test_a_parameter_with_no_elements_stays_whole(options):
+    """No collective splits an empty array (the compiler refuses a gather of size 0): it stays whole, as a scalar
+    does. Breaks if `is_sharded` counts an empty leaf."""
+    data = regression_data()
+    _assert_same(_fit(WithAnEmptyParameter, mse, data, num_devices=8, **options),
+                 _fit(WithAnEmptyParameter, mse, data, backend="jit", num_devices=1))
+
+
 def test_word_sum_digests_do_not_depend_on_the_layout_and_find_damage():
     """A split leaf's digest is computed where its parts are, and equals the same leaf's digest whole on the host
     (a checkpoint restores on any device count); one changed element is found. Breaks if positions follow each

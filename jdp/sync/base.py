@@ -8,6 +8,7 @@ on `data`. Writing a strategy: docs/communication.md, 'A strategy of your own'.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -34,8 +35,9 @@ ALLREDUCE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}  # what a gradien
 
 
 def is_sharded(leaf: Any) -> bool:
-    """Whether a sharding strategy splits `leaf`: arrays with an axis (scalars such as step counts stay whole)."""
-    return len(leaf.shape) > 0
+    """Whether a sharding strategy splits `leaf`: arrays with an axis and an element (scalars such as step counts,
+    and empty arrays, which no collective can split, stay whole)."""
+    return len(leaf.shape) > 0 and math.prod(leaf.shape) > 0
 
 
 def shard_axis(shape: tuple[int, ...], n: int, first: int = 0) -> int:
