@@ -166,6 +166,25 @@ def test_parameters_json_holds_in_another_form_resume_as_equal_and_a_change_is_r
         _fit(sync=Tagged(np.float32(2.5)), steps=6, workdir=tmp_path)
 
 
+class WithoutSuperInit(sync.AllReduce):
+    def __init__(self, scale: float = 1.0) -> None:  # no super().__init__(), as a user may write it
+        self.scale = scale
+
+    def params(self) -> dict:
+        return {"scale": self.scale}
+
+
+def test_a_strategy_that_skips_the_base_init_runs_as_the_mean_all_reduce():
+    """Breaks if the base class's defaults (what the gradient's collective sends) live only in its `__init__`."""
+    assert _fit(sync=WithoutSuperInit()).losses == _fit().losses
+
+
+@pytest.mark.parametrize("outer_lr", [math.inf, math.nan, 0.0])
+def test_an_outer_learning_rate_the_flag_refuses_is_refused_by_the_object_too(outer_lr):
+    with pytest.raises(ValueError, match="outer_lr=.* must be positive"):
+        sync.DiLoCo(every=2, outer_lr=outer_lr)
+
+
 def test_the_cli_names_it_by_import_path_with_its_settings():
     cfg = small_config("mlp", num_devices=4)
     cfg.parallel.sync = "tests.sign_ef:SignEF"

@@ -177,6 +177,7 @@ class Sync:
         """Steps between two states a checkpoint can hold whole (the replicas agree, or each keeps its own): the
         points a signal or a halt saves at. `every` unless a strategy keeps every step's state whole."""
         return self.every
+    dtype_name, dtype = "fp32", jnp.float32  # what the gradient's collective sends (`__init__` sets them)
     noise_scale = False  # True: `reduce` returns the small batches' `small_sq` (`log_noise_scale`), via `averaged_sums`
     shards_optimizer = False  # the optimizer updates slices of the leaves (the CLI refuses LAMB and LARS)
 

@@ -35,8 +35,9 @@ class DiLoCo(LocalSGD):
         self.bits, self.block = bits, block
         if outer not in ("nesterov", "sgd"):
             raise ValueError(f"outer={outer!r} is not one of nesterov, sgd")
-        if not (outer_lr > 0 and 0 <= outer_momentum < 1):
-            raise ValueError(f"outer_lr={outer_lr} must be positive and outer_momentum={outer_momentum} in [0, 1)")
+        if not (0 < outer_lr < math.inf and 0 <= outer_momentum < 1):
+            raise ValueError(f"outer_lr={outer_lr} must be positive and finite, and outer_momentum={outer_momentum} "
+                             "in [0, 1)")
         self.outer_name, self.outer_lr, self.outer_momentum = outer, float(outer_lr), float(outer_momentum)
         self.outer = (optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True) if outer == "nesterov"
                       else optax.sgd(outer_lr))
