@@ -196,15 +196,16 @@ def test_zero3_on_a_scanned_gpt_trains_as_one_device(backend, remat):
 
 class LayerScaled(nnx.Module):
     """A scanned model whose layers hold a size-1 parameter (a per-layer scale, as ReZero's): its slice on each
-    device has the layer's logical shape, one value or zero padding."""
+    device has the layer's logical shape, one value or zero padding; and an empty one, which stays whole."""
 
     def __init__(self, rngs: nnx.Rngs):
         class Block(nnx.Module):
             def __init__(self, rngs: nnx.Rngs):
                 self.linear, self.scale = nnx.Linear(8, 8, rngs=rngs), nnx.Param(jnp.full((1,), 0.5))
+                self.empty = nnx.Param(jnp.zeros((0,)))
 
             def __call__(self, x):
-                return x + self.scale * nnx.relu(self.linear(x)), None
+                return x + self.scale * nnx.relu(self.linear(x)) + self.empty.sum(), None
 
         self.blocks, self.out = Stack(Block, 3, rngs=rngs), nnx.Linear(8, 1, rngs=rngs)
 
@@ -214,8 +215,8 @@ class LayerScaled(nnx.Module):
 
 @pytest.mark.parametrize("options", [{}, {"shard_group": 2}], ids=["zero3", "hybrid"])
 def test_zero3_gathers_a_layers_size_1_parameter_whose_slice_looks_whole(options):
-    """Breaks if the per-layer gather skips a leaf whose slice has the logical shape: three devices of four then
-    scale their layer by zero padding."""
+    """Breaks if the per-layer gather skips a leaf whose slice has the logical shape (three devices of four then
+    scale their layer by zero padding), or gathers an empty one (the compiler refuses a gather of size 0)."""
     x = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
     data = {"x": x, "y": np.sin(x).sum(1)}
 

@@ -124,13 +124,13 @@ class ZeRO3(ZeRO1):
         all_gather = self._all_gather()
 
         def whole(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-            # A layer's scalar came whole from `params_view`; any other leaf is split on the axis `_param_axes`
-            # chose (even one whose slice has the logical shape: a size-1 axis padded to n).
-            if not shape:
+            # A layer's scalar or empty leaf came whole from `params_view`; any other is split on the axis
+            # `_param_axes` chose (even one whose slice has the logical shape: a size-1 axis padded to n).
+            like = jax.ShapeDtypeStruct(shape, x.dtype)
+            if not is_sharded(like):
                 return x
-            gathered = all_gather(x, axis_name, axis=shard_axis(shape, jax.lax.psum(1, axis_name)),
-                                  tiled=True)
-            return unpadded(gathered, jax.ShapeDtypeStruct(shape, x.dtype))
+            gathered = all_gather(x, axis_name, axis=shard_axis(shape, jax.lax.psum(1, axis_name)), tiled=True)
+            return unpadded(gathered, like)
 
         return LayerView(params=lambda leaves, shapes: [whole(x, shape) for x, shape in zip(leaves, shapes,
                                                                                              strict=True)])
