@@ -165,7 +165,7 @@ def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: i
     params = jax.tree.map(lambda x, axis: rng.standard_normal(
         [(n + d % n if d >= n else d) if a == axis else min(d, 3) for a, d in enumerate(x.shape)]).astype(np.float32),
         abstract_params, axes, is_leaf=lambda x: x is None)
-    grads = [jax.tree.map(lambda x: 100 * rng.standard_normal(x.shape).astype(np.float32), params) for _ in "12"]
+    grads = [jax.tree.map(lambda x: 100 * rng.standard_normal(x.shape).astype(np.float32), params) for _ in range(2)]
 
     def two_updates(params: Tree, grads: list[Tree]) -> list[Tree]:
         state, updates = tx.init(params), []
