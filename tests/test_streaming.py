@@ -104,6 +104,14 @@ def test_it_sends_dilocos_bytes_spread_over_the_round():
     assert sent(StreamingDiLoCo(every=4, fragments=2)) == pytest.approx(sent(DiLoCo(every=4)))
 
 
+def test_fragments_the_leaves_cannot_fill_are_refused_in_one_line():
+    """Net's 4 leaves cannot fill 8 fragments. Breaks if an empty fragment is accepted, its rounds sending
+    nothing."""
+    with pytest.raises(FitError, match="4 parameter leaves .* leave a fragment with none of them to sync; use fewer"):
+        _fit(StreamingDiLoCo(every=8, fragments=8))
+    assert _fit(StreamingDiLoCo(every=8, fragments=4)).losses
+
+
 def test_it_is_refused_under_jit_in_one_line():
     with pytest.raises(FitError, match="keeps each device's own parameters; use backend='shard_map'"):
         FitOptions(sync=StreamingDiLoCo(every=4), backend="jit")

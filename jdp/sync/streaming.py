@@ -12,8 +12,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
-from jdp.sync.base import PER_DEVICE, Tree
+from jdp.errors import FitError
+from jdp.sync.base import PER_DEVICE, Sync, Tree
 from jdp.sync.diloco import DiLoCo
 
 
@@ -49,6 +51,14 @@ class StreamingDiLoCo(DiLoCo):
     def params(self) -> dict[str, Any]:
         overlap = {"overlap": self.overlap, "local_weight": self.local_weight} if self.overlap else {}
         return {**super().params(), "fragments": self.fragments, **overlap}
+
+    def bind(self, model: Any, seed: int) -> Sync:
+        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+        sizes = [x.size for x in jax.tree.leaves(params)]
+        if not all(fragments_of(params, self.fragments)):
+            raise FitError(f"{self!r}: this model's {len(sizes)} parameter leaves ({sum(sizes):,} values, the "
+                           f"largest {max(sizes):,}) leave a fragment with none of them to sync; use fewer fragments")
+        return super().bind(model, seed)
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
         # The state is whole at every step: evals, checkpoints and replica checks may come at any.
