@@ -100,7 +100,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_skipped_fraction", "train.max_skipped_fraction", float, 0.1, "skip: halt once more of the last 100 "
            "steps were skipped", Range(0, 1, high_open=False)),
     Option("check_replicas_every", "parallel.check_replicas_every", int, 500, "compare the replicas' bits every N "
-           "steps (0 = at the end only)", NON_NEGATIVE),
+           "steps (0 = at the end only; the default, under local SGD or DiLoCo, rounds up to a multiple of "
+           "sync_every)", NON_NEGATIVE),
     Option("shard_optimizer", "parallel.shard_optimizer", bool, False, "ZeRO-1: each device keeps and updates 1/N "
            "of the optimizer state (shard_map; element-wise optimizers only)"),
     Option("shard_params", "parallel.shard_params", bool, False, "ZeRO-3 (FSDP): parameters, gradients and "

@@ -174,3 +174,12 @@ def test_diloco_across_groups_resumes_bitwise_and_is_refused_where_it_cannot_run
         _grouped(backend="pmap")
     with pytest.raises(FitError, match="a group of 3 devices does not divide the 4 devices"):
         _grouped(jdp.sync.DiLoCo(every=H, group_size=3))
+
+
+def test_the_replica_checks_default_period_rounds_up_to_a_multiple_of_the_rounds():
+    """Unset, the replica check (every 500 steps) runs at 501 with rounds of 3 steps: at step 500 the learners
+    differ mid-round. Breaks if the default is refused, or kept at 500 (a false ReplicaMismatchError)."""
+    FitOptions(sync_every=3)
+    result = jdp.fit(lambda: Net(nnx.Rngs(0)), mse, _data(), optimizer=optax.sgd(0.01), steps=504,
+                     global_batch_size=BATCH, num_devices=N, sync_every=3, log_every=500)
+    assert len(result.losses) == 504
