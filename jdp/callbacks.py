@@ -360,8 +360,8 @@ def builtin(run: Run, options: Any, checkpoints: Checkpoints | None, preemption:
     every = run.parallel.sync.agrees_every
     return [log, NonFiniteGuard(run, options.on_nonfinite, options.max_skipped_fraction, every, options.precision),
             StopOnSignal(run, preemption, checkpoints, every),
-            # A periodic sync's replicas agree at its sync points (a period off them is refused, but the default's).
-            ReplicaCheck(run, -(-options.check_replicas_every // run.parallel.sync.every) * run.parallel.sync.every),
+            # Replicas agree every `every` steps: the default period rounds up to a multiple (others are refused).
+            ReplicaCheck(run, -(-options.check_replicas_every // every) * every),
             *([checkpoints] if checkpoints else []),
             *([KillAfterStep(kill_at, checkpoints)] if kill_at is not None else []),
             evaluation,

@@ -88,7 +88,7 @@ class ModelDef:
         sown by an earlier call are removed from it; ValueError for a parameter no gradient reaches."""
         for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]:
             if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-                raise ValueError(f"model parameter {'.'.join(str(getattr(k, 'key', k)) for k in path)} is "
+                raise ValueError(f"model parameter {jax.tree_util.keystr(path, simple=True, separator='.')} is "
                                  f"{leaf.dtype}, and parameters are trained by their gradient, which needs a float "
                                  "dtype; hold it as an nnx.Variable (model state) or a plain attribute")
         nnx.pop(model, nnx.Intermediate)

@@ -156,6 +156,11 @@ class View:
     def use(self, name: str, value: Any) -> str:
         return f"{name}={value!r}"
 
+    @staticmethod
+    def default(name: str) -> Any:
+        """The option's default: a check may treat a value the caller left alone apart from one given."""
+        return BY_NAME[name].default
+
 
 class ConfigView(View):
     """The same checks read as config keys (`train.eval_every`, "use --config.parallel.backend=shard_map")."""

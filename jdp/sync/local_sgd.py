@@ -29,11 +29,9 @@ class LocalSGD(Sync):
     def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
         require(options["backend"] in ("shard_map", "pmap"),
                 f"{what} (local SGD) needs a per-device step; use {view.use('backend', 'shard_map')} or pmap")
-        from jdp.options import BY_NAME
-
         # The replica check's default is rounded up to a multiple of the period where it runs (jdp.callbacks).
         periods = ("eval_every", "checkpoint_every") + (
-            ("check_replicas_every",) if options["check_replicas_every"] != BY_NAME["check_replicas_every"].default
+            ("check_replicas_every",) if options["check_replicas_every"] != view.default("check_replicas_every")
             else ())
         for name in periods:
             require(options[name] % self.every == 0, f"{view(name)}={options[name]} is not a multiple of {what}: "
