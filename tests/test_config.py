@@ -37,7 +37,8 @@ def test_a_shipped_config_by_name_and_model_kwargs_overrides():
 
 def test_model_x_is_short_for_model_kwargs_x(tmp_path):
     """The GPT's settings as the language-model issue names them (`model.num_layers`), in a config file and on
-    the command line, land in model.kwargs, where the model is built from; both forms at odds are refused."""
+    the command line, land in model.kwargs, where the model is built from; both forms at odds are refused, in a file
+    and on the command line (where the last would otherwise win without a word)."""
     from jdp.configs import base
 
     assert set(base.get_config().model) == set(config_lib.MODEL_FIELDS)
@@ -52,6 +53,10 @@ def test_model_x_is_short_for_model_kwargs_x(tmp_path):
     with pytest.raises(config_lib.ConfigError, match=r"sets model.num_layers=4 and model.kwargs.num_layers=3, the "
                                                      r"same setting; keep one"):
         parse_command_line(["--config", str(both)])
+    with pytest.raises(config_lib.ConfigError, match=r"--config.model.kwargs.num_layers=3 and --config.model.num_layers"
+                                                     r"=2 are the same setting; keep one"):
+        parse_command_line(["--config", "shakespeare_char_cpu", "--config.model.kwargs.num_layers=3",
+                            "--config.model.num_layers=2"])
     with pytest.raises(config_lib.ConfigError, match=r"did you mean --config.model.bn_sync\?"):
         parse_command_line(["--config.model.bn_synk=false"])
 

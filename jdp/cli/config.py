@@ -248,9 +248,13 @@ def parse_overrides(args: list[str]) -> dict[str, str]:
 
 def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -> ml_collections.ConfigDict:
     """Apply `--config.a.b=v` overrides; unknown keys are refused with the closest known key."""
-    known = list(flatten(cfg.to_dict()))
-    for key, raw in overrides.items():
-        key = _model_setting(key)
+    known, spelled = list(flatten(cfg.to_dict())), {}
+    for given, raw in overrides.items():
+        key = _model_setting(given)
+        if key in spelled and overrides[spelled[key]] != raw:
+            raise ConfigError(f"--config.{spelled[key]}={overrides[spelled[key]]} and --config.{given}={raw} are "
+                              "the same setting; keep one")
+        spelled[key] = given
         if f"{key}." in OPEN_SECTIONS:  # the whole section as one dict: --config.parallel.sync_kwargs='{"k": 4}'
             value = _literal(raw)
             _require(isinstance(value, dict) and all(isinstance(k, str) for k in value),
