@@ -45,6 +45,9 @@ def _restored(workdir: Path, model: nnx.Module | Callable[[], nnx.Module] | None
               call: str = "jdp.restore(workdir, model)") -> tuple[int, nnx.Module]:
     """The step and the model of the run's checkpoint; `model` None: the importable factory the run's record names
     (FitError, saying what to pass instead, when it names none). `call` is how the caller's function takes the model."""
+    if not workdir.is_dir():
+        raise FitError(f"workdir {workdir} {'is not a directory' if workdir.exists() else 'does not exist'}; pass "
+                       "the workdir of a run")
     if model is None:
         fit_record = record_lib.read(workdir)
         if fit_record is None:

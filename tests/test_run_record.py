@@ -651,6 +651,18 @@ def test_restore_refuses_a_model_of_other_shapes_in_one_line(finished):
     assert "\n" not in str(refused.value)
 
 
+def test_a_missing_workdir_is_named_as_missing(tmp_path):
+    """jdp.restore, export and the export command on a workdir that is not there blamed its absent run.json."""
+    (tmp_path / "file").write_text("")
+    for workdir, why in ((tmp_path / "gone", "does not exist"), (tmp_path / "file", "is not a directory")):
+        with pytest.raises(jdp.FitError, match=f"^workdir {workdir} {why}; pass the workdir of a run$"):
+            jdp.restore(workdir)
+        with pytest.raises(jdp.FitError, match=why):
+            jdp.export_params(workdir, tmp_path / "p.npz", user_models.CallTimeDropoutCNN(features=4,
+                                                                                        rngs=nnx.Rngs(0)))
+    assert not (tmp_path / "p.npz").exists()
+
+
 def test_export_writes_the_parameters_and_state_of_the_last_checkpoint(finished, tmp_path):
     """`jdp.export_params` writes what `init_from` reads: params/... and model_state/... of the
     last checkpoint, and its step."""
