@@ -64,8 +64,6 @@ def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: in
     with workdir_lock.held(workdir) if workdir is not None else contextlib.nullcontext():
         checkpointer = None
         try:
-            if workdir is not None and jax.process_index() == 0:
-                workdir.mkdir(parents=True, exist_ok=True)
             # Every checkpoint carries the fingerprint of this run's settings (`jdp.guard`).
             checkpointer = (Checkpointer(workdir / "checkpoints", keep=options.keep_checkpoints,
                                          every_steps=options.checkpoint_every,

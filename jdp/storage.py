@@ -60,14 +60,17 @@ def check_writable(workdir: str | Path, flag: str = "--workdir") -> None:
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"workdir {workdir} cannot be written ({existing} is read-only to this user); pass "
                          f"another {flag} or make it writable")
-    for name in RUN_DIRECTORIES:  # orbax would write into a file there, and wait forever for its failed save
-        if problem := not_a_directory(workdir / name):
-            raise UsageError(f"{workdir / name} {problem}: the run keeps its {name} there; move it away (or pass "
-                             f"another {flag}) and rerun")
+    # orbax would write into a file where a directory belongs, and wait forever for its failed save.
+    for names, why_not in ((RUN_DIRECTORIES, not_a_directory), (RUN_FILES, not_a_file)):
+        for name in names:
+            if problem := why_not(workdir / name):
+                raise UsageError(f"{workdir / name} {problem}: the run keeps its {name} there; move it away (or "
+                                 f"pass another {flag}) and rerun")
 
 
-# The directories a run makes in its workdir (`trackers`: the tracker loggers' state).
+# The directories a run makes in its workdir (`trackers`: the tracker loggers' state), and the files it writes.
 RUN_DIRECTORIES = ("checkpoints", "tensorboard", "trackers")
+RUN_FILES = ("jdp.lock", "run.json", "metrics.jsonl", "config.json", "config_history.jsonl")
 
 
 def not_a_directory(path: Path) -> str | None:
@@ -80,14 +83,26 @@ def not_a_directory(path: Path) -> str | None:
     return "is a file" if path.exists() else None
 
 
-def _broken_link(link: Path, workdir: Path) -> str:
-    """Why the symbolic link `link` (the workdir or a folder above it) cannot be a directory."""
-    where = "is" if link == workdir else f"lies under {link}, which is"
+def not_a_file(path: Path) -> str | None:
+    """Why `path`, where a file is written, cannot be one (a directory, a symbolic link loop), or None."""
+    if path.is_dir():
+        return "is a directory"
+    return _broken_link(path, path) if path.is_symlink() and _loops(path) else None
+
+
+def _loops(link: Path) -> bool:
     try:
         os.stat(link)
     except OSError as e:
-        if e.errno == errno.ELOOP:
-            return f"{where} a symbolic link loop (it leads back to itself)"
+        return e.errno == errno.ELOOP
+    return False
+
+
+def _broken_link(link: Path, workdir: Path) -> str:
+    """Why the symbolic link `link` (the workdir or a folder above it) cannot be a directory."""
+    where = "is" if link == workdir else f"lies under {link}, which is"
+    if _loops(link):
+        return f"{where} a symbolic link loop (it leads back to itself)"
     return f"{where} a symbolic link to {os.readlink(link)}, which does not exist"
 
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import jax
 
 from jdp import distributed as distributed_lib
+from jdp import storage
 from jdp.errors import UsageError, warn
 
 LOCK_NAME = "jdp.lock"
@@ -33,8 +34,13 @@ def held(workdir: str | Path, timeout_s: float = 120.0) -> Iterator[None]:
     workdir = Path(workdir).absolute()
     fd, problem = None, ""
     if jax.process_index() == 0:
-        workdir.mkdir(parents=True, exist_ok=True)
-        fd, problem = _acquire(workdir / LOCK_NAME)
+        try:
+            workdir.mkdir(parents=True, exist_ok=True)
+            fd, problem = _acquire(workdir / LOCK_NAME)
+        except OSError as e:  # a place no run can be kept (/proc); a full disk is reported as one (exit 6)
+            if storage.disk_failure(e):
+                raise
+            problem = f"workdir {workdir} cannot hold a run ({e.filename}: {e.strerror}); pass another workdir"
     problem = distributed_lib.broadcast("workdir lock", problem, timeout_s)
     if problem:
         raise WorkdirLocked(problem)

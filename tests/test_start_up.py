@@ -137,7 +137,49 @@ def test_a_workdir_behind_a_broken_link_is_one_line(tmp_path, capsys):
     assert not (tmp_path / "gone").exists()
 
 
+def test_a_run_file_that_cannot_be_a_file_is_one_line(tmp_path, capsys):
+    """A directory (or a link loop) where the run writes metrics.jsonl, config.json, ...: a traceback and exit 1
+    from wherever it was first opened; so was a workdir under /proc, where no directory can be made."""
+    for name in storage.RUN_FILES:
+        workdir = tmp_path / name.replace(".", "_")
+        (workdir / name).mkdir(parents=True)
+        one_line(capsys, 2, main([*TINY, "--workdir", str(workdir)]), f"jdp: error: {workdir / name} is a directory: "
+                 f"the run keeps its {name} there; move it away (or pass another --workdir) and rerun")
+    (tmp_path / "loop").mkdir()
+    (tmp_path / "loop" / "config.json").symlink_to("config.json")
+    one_line(capsys, 2, main([*TINY, "--workdir", str(tmp_path / "loop")]),
+             f"{tmp_path / 'loop' / 'config.json'} is a symbolic link loop (it leads back to itself): the run keeps")
+    one_line(capsys, 2, main([*TINY, "--workdir", "/proc/jdp"]),
+             "jdp: error: workdir /proc/jdp cannot hold a run (/proc/jdp: No such file or directory); pass another")
+
+
+def test_a_run_writes_in_its_workdir_only_what_start_up_checks(tmp_path, capsys):
+    """Each entry of a finished run's workdir is one `storage.check_writable` refuses in the wrong form: a file
+    added to the run unlisted there could be a directory, and crash the run instead of being refused."""
+    assert main([*TINY, "--workdir", str(tmp_path), "--config.train.steps=4"]) == 0
+    assert {p.name for p in tmp_path.iterdir()} == {*storage.RUN_FILES, *storage.RUN_DIRECTORIES} - {"trackers"}
+
+
 # -- the disk: the workdir named, and the fix that fits the error ----------------------------------------------
+
+def test_a_compile_cache_dir_that_cannot_be_used_is_one_warning(tmp_path):
+    """Under a file: JAX warned twice (a two-line UserWarning) at every program it compiled, and went on."""
+    (tmp_path / "file").write_text("")
+    code = ("import sys, jax; from jdp.cli.train import enable_compilation_cache\n"
+            "enable_compilation_cache(sys.argv[1]); print(jax.config.jax_compilation_cache_dir)\n"
+            "jax.jit(lambda x: x + 1)(1.0).block_until_ready()")
+    for cache, expected in ((tmp_path / "file" / "xla", None), (tmp_path / "new" / "xla", tmp_path / "new" / "xla")):
+        env = {k: v for k, v in child_env().items() if k != "JAX_COMPILATION_CACHE_DIR"}
+        out = subprocess.run([sys.executable, "-c", code, str(cache)], capture_output=True, text=True, timeout=60,
+                             env=env)
+        assert out.returncode == 0 and out.stdout.strip() == str(expected), out.stderr
+        if expected is None:
+            assert out.stderr == (f"jdp: warning: compile_cache_dir={cache} cannot be used (Not a directory: {cache})"
+                                  "; compiling without the persistent cache (set --config.compile_cache_dir= to say "
+                                  "so, or a writable folder)\n")
+        else:
+            assert out.stderr == "" and cache.is_dir()
+
 
 def test_a_full_disk_at_start_up_names_the_workdir(tmp_path, capsys, monkeypatch):
     """os.write on the lock file's descriptor: an OSError without a path. The line named the current directory."""

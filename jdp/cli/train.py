@@ -27,7 +27,7 @@ from jdp.cli.resume import (
 from jdp.cli.sample import sample_text
 from jdp.cli.xla_flags import apply_communication_flags
 from jdp.environment import MAX_CPU_DEVICES, check_environment
-from jdp.errors import DiskError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError, one_line
+from jdp.errors import DiskError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError, one_line, warn
 from jdp.mesh import simulate_cpu_devices
 from jdp.metrics import MetricsWriter
 from jdp.modeldef import replace_state
@@ -130,9 +130,20 @@ def parse_command_line(argv: list[str]) -> CommandLine:
 
 
 def enable_compilation_cache(cache_dir: str) -> None:
-    """Persistent XLA cache, unless disabled or already set through JAX's own JAX_COMPILATION_CACHE_DIR."""
-    if cache_dir and not jax.config.jax_compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(cache_dir))
+    """Persistent XLA cache, unless disabled or already set through JAX's own JAX_COMPILATION_CACHE_DIR. A folder
+    that cannot be made or written is one warning, and the run compiles without it (JAX warns at every program)."""
+    if not cache_dir or jax.config.jax_compilation_cache_dir:
+        return
+    path = Path(os.path.expanduser(cache_dir))
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        if not os.access(path, os.W_OK | os.X_OK):
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
+    except OSError as e:
+        warn(f"compile_cache_dir={cache_dir} cannot be used ({e.strerror}: {e.filename}); compiling without "
+                    "the persistent cache (set --config.compile_cache_dir= to say so, or a writable folder)")
+        return
+    jax.config.update("jax_compilation_cache_dir", str(path))
 
 
 def main(argv: list[str] | None = None) -> int:
