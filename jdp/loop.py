@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -45,21 +46,32 @@ class Engine:
 
 
 @dataclasses.dataclass
-class Outcome:
+class FitResult:
+    losses: list[float]  # per-step train loss (weighted mean over the global batch) of the steps this call ran,
+    # from the step it started or resumed from ([] for a finished run: the history is metrics.jsonl's train lines)
+    eval_metrics: dict[str, float]  # the last eval's weighted means ({} without eval data)
+    params: dict  # final parameters, numpy
+    model_state: dict  # final non-trainable state (BatchNorm statistics), numpy
     step: int
-    losses: list[float]
-    eval_metrics: dict[str, float]
     examples_per_sec: float
-    final: Any  # the logical state, numpy
-    callbacks: list  # the user's, as `jdp.Callback`s: their `on_end` comes once the result is made
+
+    @property
+    def eval_loss(self) -> float:
+        return self.eval_metrics.get("loss", math.nan)
+
+    @property
+    def eval_accuracy(self) -> float:
+        return self.eval_metrics.get("accuracy", math.nan)
 
 
 def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int, fit_record: dict | None = None,
-          on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None) -> Outcome:
+          on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None
+          ) -> tuple[FitResult, Any]:
     """Runs `engine` to `steps`, holding the workdir's lock throughout. A resumed run calls `on_resume()`, then passes
     the resume guard (`jdp.guard`); `fit_record` is written as its record, its fingerprint into every checkpoint.
     `on_start(step)` gets the start (or resumed) step before anything else is written; a run already at `steps`
-    writes at most a final eval or summary line it lacks. A full disk or an I/O error raises `DiskError`."""
+    writes at most a final eval or summary line it lacks. A full disk or an I/O error raises `DiskError`. Returns the
+    result and the final logical state (numpy)."""
     workdir = Path(options.workdir) if options.workdir is not None else None
     with workdir_lock.held(workdir) if workdir is not None else contextlib.nullcontext():
         checkpointer = None
@@ -86,7 +98,7 @@ def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: in
 
 def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int, workdir: Path | None,
            checkpointer: Checkpointer | None, fit_record: dict | None, on_resume: Callable[[], None],
-           on_start: Callable[[int], None]) -> Outcome:
+           on_start: Callable[[int], None]) -> tuple[FitResult, Any]:
     t_start = time.perf_counter()
     parallel, source = engine.parallel, engine.source
     is_main = jax.process_index() == 0
@@ -143,7 +155,8 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
                 closing.callback(checkpointer.close)
                 checkpointer.wait()
     final = parallel.to_host(parallel.to_logical(run.state))
-    return Outcome(int(final.step), log.losses, evaluation.metrics, run.clock.rate(), final, callbacks)
+    return FitResult(log.losses, evaluation.metrics, final.params, final.model_state, int(final.step),
+                     run.clock.rate()), final
 
 
 def _begin(engine: Engine, options: FitOptions, steps: int, workdir: Path | None, checkpointer: Checkpointer | None,

@@ -147,14 +147,18 @@ BY_NAME = {option.name: option for option in OPTIONS}
 CONFIG_KEYS = {option.key: option for option in OPTIONS if option.key}
 
 
+@dataclasses.dataclass(frozen=True)
 class View:
-    """How a check names an option and its fix: by `fit` keyword (`eval_every`, "use backend='shard_map'")."""
+    """How a check names an option and its fix: by `fit` keyword (`eval_every`, "use backend='shard_map'"), or with
+    `config`, by config key (`train.eval_every`, "use --config.parallel.backend=shard_map")."""
+
+    config: bool = False
 
     def __call__(self, name: str) -> str:
-        return name
+        return BY_NAME[name].key if self.config else name
 
     def use(self, name: str, value: Any) -> str:
-        return f"{name}={value!r}"
+        return f"--config.{BY_NAME[name].key}={value}" if self.config else f"{name}={value!r}"
 
     @staticmethod
     def default(name: str) -> Any:
@@ -162,17 +166,7 @@ class View:
         return BY_NAME[name].default
 
 
-class ConfigView(View):
-    """The same checks read as config keys (`train.eval_every`, "use --config.parallel.backend=shard_map")."""
-
-    def __call__(self, name: str) -> str:
-        return BY_NAME[name].key
-
-    def use(self, name: str, value: Any) -> str:
-        return f"--config.{BY_NAME[name].key}={value}"
-
-
-FIT_NAMES, CONFIG_NAMES = View(), ConfigView()
+FIT_NAMES, CONFIG_NAMES = View(), View(config=True)
 
 
 def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception] = FitError) -> None:
@@ -187,9 +181,8 @@ def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception]
         valid = BY_NAME[name].valid
         if isinstance(valid, tuple):
             require(value in valid, f"{n(name)}={value!r} is unknown; choose one of {', '.join(valid)}")
-        elif isinstance(valid, Range):
-            fix = f"; set --config.{n(name)} to a value {valid.condition()}" if isinstance(view, ConfigView) else ""
-            require(value in valid, f"{n(name)}={value} {valid.phrase(value)}{fix}")
+        elif isinstance(valid, Range):  # a config's values are first held to their ranges by `check_ranges`
+            require(value in valid, f"{n(name)}={value} {valid.phrase(value)}")
     defaults = {name: option.default for name, option in BY_NAME.items()}
     o = dict(defaults, **values)
     from jdp.sync.flags import chosen  # the strategy's own rules: jdp.sync (JAX) only once a run is checked

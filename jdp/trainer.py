@@ -17,38 +17,19 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jdp import callbacks, loop, preemption, storage
 from jdp import distributed as distributed_lib
-from jdp import loop, preemption, storage
 from jdp import record as record_lib
 from jdp import sync as sync_lib
 from jdp.data.batching import Batcher, Source, optional
 from jdp.errors import FitError, UsageError, one_line
-from jdp.loop import Engine
+from jdp.loop import Engine, FitResult
 from jdp.mesh import DATA_AXIS, device_axes, make_mesh, mesh_devices
 from jdp.modeldef import LossFn, ModelDef
 from jdp.options import FitOptions
 from jdp.parallel import DataParallel
 from jdp.precision import COMPUTE_DTYPES, cast_floating, jaxpr_matmul_dtypes
 from jdp.step import StepOptions, TrainState, run_loss
-
-
-@dataclasses.dataclass
-class FitResult:
-    losses: list[float]  # per-step train loss (weighted mean over the global batch) of the steps this call ran,
-    # from the step it started or resumed from ([] for a finished run: the history is metrics.jsonl's train lines)
-    eval_metrics: dict[str, float]  # the last eval's weighted means ({} without eval data)
-    params: dict  # final parameters, numpy
-    model_state: dict  # final non-trainable state (BatchNorm statistics), numpy
-    step: int
-    examples_per_sec: float
-
-    @property
-    def eval_loss(self) -> float:
-        return self.eval_metrics.get("loss", math.nan)
-
-    @property
-    def eval_accuracy(self) -> float:
-        return self.eval_metrics.get("accuracy", math.nan)
 
 
 def _options(kwargs: dict[str, Any]) -> FitOptions:
@@ -299,14 +280,11 @@ def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
             options=options,
             data_factories=tuple(d if is_factory(d) else None for d in (train_data, options.eval_data)),
             settings=settings)
-        outcome = loop.train(engine, options, steps, global_batch_size, fit_record, on_resume, on_start)
+        result, final = loop.train(engine, options, steps, global_batch_size, fit_record, on_resume, on_start)
     finally:
         engine.source.close()
-    final = outcome.final
     if isinstance(model, nnx.Module):
         engine.model.load_into(model, final.params, final.model_state, final.rng_state)
-    result = FitResult(outcome.losses, outcome.eval_metrics, final.params, final.model_state, outcome.step,
-                       outcome.examples_per_sec)
-    for callback in outcome.callbacks:
-        callback.on_end(result)
+    for callback in options.callbacks:
+        callbacks.as_callback(callback).on_end(result)
     return result

@@ -70,10 +70,6 @@ def _twin(b):
     return torch_models.build_twin(cfg.model, b.source.input_shape, cfg.data.num_classes or b.source.num_classes)
 
 
-def test_resnet_table_matches_jdp():
-    assert torch_models.RESNET_ARCHS == models.ARCHS
-
-
 @pytest.mark.parametrize("name", list(CASES))
 def test_weights_round_trip_exactly(name):
     b, params, model_state = _jdp_state(name)

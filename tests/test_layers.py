@@ -50,7 +50,8 @@ COMPARE_USES = {
     "jdp.parallel": "BACKENDS: the backends `speed` times",
     "jdp.data": "build_source: the DDP workers read the same batches through jdp's numpy-only data code",
     "jdp.data.text": "is_text: whether a config's data is a language model's",
-    "jdp.models": "settings: the jdp model's settings, for its PyTorch twin",
+    "jdp.models": "settings, ARCHS, image_shape: the jdp model's settings, ResNet table and image shape, for its "
+                  "PyTorch twin",
     "jdp.sync.base": "DDPTwin: the DDP hook that computes what the run's sync strategy computes (Sync.ddp_twin)",
 }
 

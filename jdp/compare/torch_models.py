@@ -2,7 +2,7 @@
 and shortcuts. Module names mirror jdp's paths (`blocks.0.conv1` is `blocks/0/conv1`), so `jdp.compare.weights`
 maps weights by name and converts the layouts; the dense layer after a conv stack, which flattens (C, H, W) in
 torch but (H, W, C) in Flax, carries `jdp_flatten_from = (C, *spatial)` for it. `prepare_input` puts jdp's
-channels-last inputs channels first. No jax: the DDP workers import only torch, numpy and jdp's numpy data code.
+channels-last inputs channels first. The settings and the ResNet table are jdp's own (`jdp.models`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.modules._functions import SyncBatchNorm as _SyncBatchNormFn
 
-# jdp.models.resnet.ARCHS, repeated so the workers need not import jax (tests/test_compare.py holds them equal).
-RESNET_ARCHS: dict[str, tuple[str, tuple[int, ...]]] = {
-    "resnet18": ("basic", (2, 2, 2, 2)),
-    "resnet34": ("basic", (3, 4, 6, 3)),
-    "resnet50": ("bottleneck", (3, 4, 6, 3)),
-}
-MODEL_NAMES = ("mlp", "cnn1d", "cnn2d", *RESNET_ARCHS, "gpt")
+from jdp.models import ARCHS, image_shape, settings
+
+MODEL_NAMES = ("mlp", "cnn1d", "cnn2d", *ARCHS, "gpt")
 
 
 class BatchNorm(nn.BatchNorm2d):
@@ -287,15 +283,8 @@ class GPT(nn.Module):
         return self.ln_f(x) @ self.wte.weight.T
 
 
-def _image_shape(input_shape: Sequence[int]) -> tuple[int, int, int]:
-    h, w, *c = input_shape
-    return h, w, c[0] if c else 1
-
-
 def build_twin(model_cfg, input_shape: Sequence[int], num_classes: int, *, sync_bn: bool = False) -> nn.Module:
     """The twin of the model a config's `model` section names; `sync_bn`: BatchNorm over the global batch."""
-    from jdp.models import settings
-
     name = model_cfg.name
     if name not in MODEL_NAMES:
         raise ValueError(f"the PyTorch twin has no model {name!r}; it has {', '.join(MODEL_NAMES)}")
@@ -306,12 +295,12 @@ def build_twin(model_cfg, input_shape: Sequence[int], num_classes: int, *, sync_
         length, *c = input_shape
         return CNN1D(length, c[0] if c else 1, s["channels"], s["kernel_sizes"], s["strides"], num_classes)
     if name == "cnn2d":
-        return CNN2D(_image_shape(input_shape), s["channels"], s["dense_sizes"], num_classes)
+        return CNN2D(image_shape(input_shape), s["channels"], s["dense_sizes"], num_classes)
     if name == "gpt":
         return GPT(num_classes, input_shape[0], s["num_layers"], s["num_heads"], s["embed_dim"], s["dropout"],
                    s["bias"])
-    h, _, c = _image_shape(input_shape)
-    block, standard_stages = RESNET_ARCHS[name]
+    h, _, c = image_shape(input_shape)
+    block, standard_stages = ARCHS[name]
     stem = s["stem"] if s["stem"] != "auto" else ("cifar" if h <= 64 else "imagenet")
     return ResNet(tuple(s["stage_sizes"]) or standard_stages, block, s["width"], stem, c, num_classes,
                   bn_momentum=s["bn_momentum"], sync_bn=sync_bn)

@@ -16,13 +16,14 @@ from jdp.models.mlp import MLP
 from jdp.models.resnet import ARCHS, ResNet, resnet18, resnet34, resnet50
 from jdp.registry import Registry
 
-__all__ = ["CNN1D", "CNN2D", "GPT", "MLP", "MODELS", "ResNet", "build_model", "count_params", "max_pool_2x2",
-           "resnet18", "resnet34", "resnet50", "settings"]
+__all__ = ["ARCHS", "CNN1D", "CNN2D", "GPT", "MLP", "MODELS", "ResNet", "build_model", "count_params",
+           "image_shape", "max_pool_2x2", "resnet18", "resnet34", "resnet50", "settings"]
 
 MODELS: Registry[Callable[..., nnx.Module]] = Registry("model.name")
 
 
-def _image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
+def image_shape(input_shape: tuple[int, ...]) -> tuple[int, int, int]:
+    """(H, W, C) of an image model's input shape (H, W) or (H, W, C)."""
     if len(input_shape) not in (2, 3):
         raise ValueError(f"image models need an input shape (H, W) or (H, W, C), got {input_shape}")
     h, w, *c = input_shape
@@ -64,7 +65,7 @@ def cnn2d(*, input_shape: tuple[int, ...], num_classes: int, channels: Sequence[
           dense_sizes: Sequence[int] = (128,), rngs: nnx.Rngs) -> CNN2D:
     channels = _sizes("channels", channels, (25, 25, 25), allow_empty=False)
     dense_sizes = _sizes("dense_sizes", dense_sizes, (128,))
-    return CNN2D(_image_shape(input_shape), channels, dense_sizes, num_classes, rngs=rngs)
+    return CNN2D(image_shape(input_shape), channels, dense_sizes, num_classes, rngs=rngs)
 
 
 def _resnet(name: str) -> Callable[..., ResNet]:
@@ -72,7 +73,7 @@ def _resnet(name: str) -> Callable[..., ResNet]:
               stem: str = "auto", bn_momentum: float = 0.9, remat: str = "none", rngs: nnx.Rngs) -> ResNet:
         """`stage_sizes` () = the standard stages of the depth; `stem` auto = cifar for images of <= 64 px;
         `remat` ("none", "full", "dots") checkpoints each residual block (`jdp.layers.remat`)."""
-        h, _, c = _image_shape(input_shape)
+        h, _, c = image_shape(input_shape)
         if isinstance(width, bool) or not isinstance(width, int) or width <= 0:
             raise ValueError(f"model.kwargs.width={width!r} must be a positive int; set e.g. "
                              "--config.model.kwargs.width=64")

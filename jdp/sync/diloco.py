@@ -18,6 +18,7 @@ from jax.flatten_util import ravel_pytree
 from jdp.sync.base import PER_DEVICE, Local, Reduced, Tree, all_reduce_mean, check_group_size, group_mesh
 from jdp.sync.local_sgd import LocalSGD
 from jdp.sync.quantized import check_block, quantized_mean
+from jdp.sync.zero1 import all_gather_like, local_slice
 
 
 class DiLoCo(LocalSGD):
@@ -93,13 +94,10 @@ class DiLoCo(LocalSGD):
         """The mean over the groups of `tree` (the same on every device of a group), each device sending across
         the groups only its 1/k slice of it (at `bits`), then all-gathering the group's slices."""
         flat, unravel = ravel_pytree(tree)
-        k = jax.lax.psum(1, inner)
-        size = math.ceil(flat.size / k)
-        mine = jax.lax.dynamic_slice_in_dim(jnp.pad(flat.astype(jnp.float32), (0, size * k - flat.size)),
-                                            jax.lax.axis_index(inner) * size, size)
+        mine = local_slice(flat.astype(jnp.float32), inner)
         mean = (all_reduce_mean(mine, groups) if self.bits == 32
                 else quantized_mean([mine], groups, self.bits, self.block)[0][0])
-        return unravel(jax.lax.all_gather(mean, inner, tiled=True)[:flat.size])
+        return unravel(all_gather_like(mean, flat, inner))
 
     def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
         """At a round's end (counted from the step before, whatever the guard kept): the outer step."""

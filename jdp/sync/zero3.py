@@ -121,19 +121,11 @@ class ZeRO3(ZeRO1):
             return None if mesh is None else LayerView(carry=lambda x: jax.lax.with_sharding_constraint(
                 x, data_sharded(mesh)))
 
-        all_gather = self._all_gather()
-
-        def whole(x: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-            # A layer's scalar or empty leaf came whole from `params_view`; any other is split on the axis
-            # `_param_axes` chose (even one whose slice has the logical shape: a size-1 axis padded to n).
-            like = jax.ShapeDtypeStruct(shape, x.dtype)
-            if not is_sharded(like):
-                return x
-            gathered = all_gather(x, axis_name, axis=shard_axis(shape, jax.lax.psum(1, axis_name)), tiled=True)
-            return unpadded(gathered, like)
-
-        return LayerView(params=lambda leaves, shapes: [whole(x, shape) for x, shape in zip(leaves, shapes,
-                                                                                             strict=True)])
+        # A layer's scalar or empty leaf came whole from `params_view`; any other is split on the axis `_param_axes`
+        # chose (even one whose slice has the logical shape: a size-1 axis padded to n).
+        return LayerView(params=lambda leaves, shapes: all_gather_like(
+            leaves, [jax.ShapeDtypeStruct(s, x.dtype) for x, s in zip(leaves, shapes, strict=True)], axis_name,
+            all_gather=self._all_gather()))
 
     def sliced_mean(self, grads: Tree, axis_name: str | None) -> Tree:
         # A sliced leaf's gradient is already summed over the devices (the all-gather's transpose); a scalar
