@@ -64,7 +64,7 @@ def test_model_x_is_short_for_model_kwargs_x(tmp_path):
 def test_switching_the_model_drops_the_files_model_kwargs(capsys):
     """The file's model.kwargs were its own model's settings: `--config.model.name` set to another model drops
     them with a one-line warning (digits_mlp's hidden_sizes would make cnn1d fail to build), keeps those given
-    on the command line, and a model.name equal to the file's keeps them all."""
+    on the command line, and a model.name equal to the file's keeps them all; an unknown one warns of nothing."""
     command = parse_command_line(["--config", "digits_mlp", "--config.model.name=cnn1d"])
     assert command.cfg.model.kwargs.to_dict() == {}
     assert isinstance(abstract_model(model_maker(command.cfg, (40,), 10)), nnx.Module)
@@ -77,6 +77,8 @@ def test_switching_the_model_drops_the_files_model_kwargs(capsys):
     assert "model.kwargs for it (stem) are dropped" in capsys.readouterr().err
     command = parse_command_line(["--config", "digits_mlp", "--config.model.name=mlp"])
     assert command.cfg.model.kwargs.to_dict() == {"hidden_sizes": (128,)}
+    assert capsys.readouterr().err == ""
+    parse_command_line(["--config", "digits_mlp", "--config.model.name=nosuch"])  # refused later, in one line
     assert capsys.readouterr().err == ""
 
 

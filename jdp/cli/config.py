@@ -18,7 +18,7 @@ from typing import Any
 
 import ml_collections
 
-from jdp import errors, loggers
+from jdp import errors, loggers, models
 from jdp.configs import base
 from jdp.distributed import check_bind_address, flatten
 from jdp.environment import MAX_CPU_DEVICES
@@ -286,7 +286,7 @@ def apply_command_line(cfg: ml_collections.ConfigDict, overrides: dict[str, str]
         dropped = sorted(name for name in cfg.model.kwargs if f"model.kwargs.{name}" not in given)
         for name in dropped:
             del cfg.model.kwargs[name]
-        if dropped:
+        if dropped and cfg.model.name in models.MODELS:  # an unknown name is refused in a line of its own
             warn(f"--config.model.name={cfg.model.name} replaces the config file's {file_model}, so the file's "
                  f"model.kwargs for it ({', '.join(dropped)}) are dropped; give the new model's as "
                  "--config.model.kwargs.KEY=VALUE")
