@@ -87,7 +87,7 @@ def not_a_file(path: Path) -> str | None:
     """Why `path`, where a file is written, cannot be one (a directory, a symbolic link loop), or None."""
     if path.is_dir():
         return "is a directory"
-    return _broken_link(path, path) if path.is_symlink() and _loops(path) else None
+    return _broken_link(path, path) if _loops(path) else None
 
 
 def _loops(link: Path) -> bool:

@@ -141,7 +141,7 @@ def enable_compilation_cache(cache_dir: str) -> None:
             raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
     except OSError as e:
         warn(f"compile_cache_dir={cache_dir} cannot be used ({e.strerror}: {e.filename}); compiling without "
-                    "the persistent cache (set --config.compile_cache_dir= to say so, or a writable folder)")
+             "the persistent cache (set --config.compile_cache_dir= to say so, or a writable folder)")
         return
     jax.config.update("jax_compilation_cache_dir", str(path))
 
