@@ -21,6 +21,7 @@ from jdp.modeldef import LossFn, ModelDef
 from jdp.options import FitOptions
 from jdp.sync import Sync
 from jdp.sync.base import sum_of_squares
+from jdp.sync.zero1 import optimizer_sees_slices
 from jdp.update import all_finite, guard, updates_applied
 
 __all__ = ["StepOptions", "TrainState", "eval_step", "micro_batches", "run_loss", "train_step", "weighted_sums"]
@@ -77,7 +78,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     # 3. all-reduce: the sync strategy turns the local gradient into the update's input.
     reduced = sync.reduce(local, state, axis, collective=o.all_reduce)
     # 4. update, then the guard chooses the state every replica keeps.
-    params, opt_state = sync.update(tx, reduced.grads, state, axis)
+    with optimizer_sees_slices(axis is not None and sync.optimizer_sees_slices(o.fit.backend)):
+        params, opt_state = sync.update(tx, reduced.grads, state, axis)
     empty = reduced.weight <= 0
     metrics = {k: v / reduced.weight for k, v in reduced.sums.items()}
     grads_finite = all_finite(reduced.grads)

@@ -6,7 +6,9 @@ their mean gradient. The optimizer state is `SHARDED`: checkpoints hold it unpad
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
+from contextvars import ContextVar
 from typing import Any
 
 import jax
@@ -137,14 +139,29 @@ class Sliceable(optax.GradientTransformation):
     `clip_by_global_norm(max_norm, "data")`): `jdp.fit` skips its slicing probe. `Sliceable(*tx)` vouches for `tx`."""
 
 
+# Whether the optimizer a training step runs sees slices of the leaves (the strategy's `optimizer_sees_slices`):
+# read by `clip_by_global_norm` when it runs, so one chain clips right under every strategy and backend.
+_optimizer_sees_slices: ContextVar[bool] = ContextVar("jdp_optimizer_sees_slices", default=True)
+
+
+@contextlib.contextmanager
+def optimizer_sees_slices(sliced: bool) -> Iterator[None]:
+    token = _optimizer_sees_slices.set(sliced)
+    try:
+        yield
+    finally:
+        _optimizer_sees_slices.reset(token)
+
+
 def clip_by_global_norm(max_norm: float, axis_name: str | None = None) -> optax.GradientTransformation:
     """optax's global-norm clipping; with `axis_name`, each device holds a slice of every gradient
-    (a sharded optimizer) and the squared norms of the slices are summed across devices."""
+    (a sharded optimizer) and the squared norms of the slices are summed across devices. In a `jdp.fit` step
+    whose optimizer sees whole leaves (no sharding, or ZeRO-3 under jit) it takes their norm, summing nothing."""
     if axis_name is None:
         return optax.clip_by_global_norm(max_norm)
 
     def update(updates, state, params=None):
-        norm = global_norm(updates, axis_name)
+        norm = global_norm(updates, axis_name if _optimizer_sees_slices.get() else None)
         factor = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
         return jax.tree.map(lambda u: u * factor, updates), state
 
