@@ -124,9 +124,9 @@ class TrainLog(Callback):
             run.clock.start()
         else:
             run.clock.add(run.batch_size)
+        self.losses.append(metrics["loss"] if metrics["weight"] > 0 else math.nan)
         # Dropped, fp16-overflowed (gradients non-finite) and weightless steps have no means to report.
         if not metrics["nonfinite"] and not metrics.get("overflow") and metrics["weight"] > 0:
-            self.losses.append(metrics["loss"])
             if "noise_small_sq" in metrics:
                 self.noise_scale = self.noise_scale or NoiseScale()
                 self.noise_scale.update(metrics)

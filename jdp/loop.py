@@ -47,7 +47,7 @@ class Engine:
 
 @dataclasses.dataclass
 class FitResult:
-    losses: list[float]  # per-step train loss (weighted mean over the global batch) of the steps this call ran,
+    losses: list[float]  # per-step train loss (weighted mean over the global batch; NaN if it weighs nothing),
     # from the step it started or resumed from ([] for a finished run: the history is metrics.jsonl's train lines)
     eval_metrics: dict[str, float]  # the last eval's weighted means ({} without eval data)
     params: dict  # final parameters, numpy

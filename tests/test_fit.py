@@ -141,7 +141,7 @@ def test_a_batch_that_weighs_nothing_makes_no_update_and_is_not_a_failure():
     result = jdp.fit(model, token_loss, data, optimizer=optax.adam(0.1), steps=3, global_batch_size=32,
                      num_devices=8, on_nonfinite="halt")
     assert max_abs_diff(result.params, before) == 0
-    assert result.step == 3
+    assert result.step == 3 and len(result.losses) == 3 and np.isnan(result.losses).all()
 
 
 def test_local_sgd_syncs_at_a_sync_step_that_makes_no_update():
@@ -153,7 +153,8 @@ def test_local_sgd_syncs_at_a_sync_step_that_makes_no_update():
     data["weight"][order.train_rows(1)] = 0  # the global batch of step 2, a sync step
     result = jdp.fit(lambda: TokenNet(nnx.Rngs(0)), token_loss, data, optimizer=optax.sgd(0.3), steps=4,
                      global_batch_size=32, num_devices=8, sync_every=2, check_replicas_every=2, log_every=1)
-    assert len(result.losses) == 3  # step 2 weighed nothing
+    # One loss per step, by step: step 2 weighed nothing, so it has no mean.
+    assert len(result.losses) == 4 and np.isnan(result.losses[1]) and np.isfinite(result.losses[::2]).all()
 
 
 def test_integer_tokens_reach_embed_uncast_under_bf16():

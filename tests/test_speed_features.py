@@ -71,6 +71,7 @@ def test_fp16_loss_scaling_skips_overflows_without_halting(tmp_path):
     result = run(cfg, tmp_path)
     train = records(tmp_path, "train")
     assert train[-1]["overflow_steps"] >= 20 and train[-1]["skipped_steps"] == 0
+    assert len(result.losses) == 40 and np.isfinite(result.losses).all()  # an overflowed step's forward loss too
     assert train[-1]["loss_scale"] < 2.0**20
     assert train[-1]["loss"] < train[0]["loss"]  # it trains once the scale fits
     assert all(np.isfinite(x).all() for x in jax.tree.leaves(result.params))
