@@ -144,6 +144,10 @@ def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
     hint = "build one, e.g. optax.adamw(1e-3)"
     if isinstance(optimizer, str) and callable(getattr(optax, optimizer, None)):
         hint = f"build it, e.g. optax.{optimizer}(1e-3)"
+    elif isinstance(optimizer, tuple) and all(isinstance(f, optax.GradientTransformation) for f in optimizer):
+        # (clip, sgd), or Sliceable(clip, sgd): transforms where one transform's init and update go
+        hint = "its items are transforms; chain them: " + (
+            "optax.chain(...)" if type(optimizer) is tuple else f"{type(optimizer).__name__}(*optax.chain(...))")
     elif callable(optimizer):  # optax.adam itself, uncalled
         hint = f"call {getattr(optimizer, '__name__', 'it')} with its settings, e.g. optax.adamw(1e-3)"
     raise FitError(f"optimizer={_short_repr(optimizer)} is of type {type(optimizer).__name__}, not an "

@@ -359,6 +359,10 @@ def _with_an_integer_kernel() -> Regressor:
                             r"optax.adam\(1e-3\)"),
     ({"optimizer": optax.adam}, "optimizer=adam is of type function, not an optax.GradientTransformation; call adam"),
     ({"optimizer": None}, "optimizer=None is of type NoneType"),
+    ({"optimizer": jdp.sync.Sliceable(jdp.sync.clip_by_global_norm(1.0, "data"), optax.sgd(0.1))},
+     r"optimizer=Sliceable is of type Sliceable, not an optax.GradientTransformation; its items are transforms; "
+     r"chain them: Sliceable\(\*optax.chain\(...\)\)"),
+    ({"optimizer": (optax.clip(1.0), optax.sgd(0.1))}, "its items are transforms; chain them: optax.chain"),
     ({"model": _with_an_integer_kernel}, "model parameter out.kernel is int32, and parameters are trained by "
                                            "their gradient, which needs a float dtype"),
 ])
