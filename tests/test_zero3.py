@@ -229,11 +229,14 @@ CLIPPED_ADAMW = optax.chain(optax.clip_by_global_norm(0.1), optax.adamw(0.02))
     (dict(shard_optimizer=True, optimizer=CLIPPED_ADAMW), "on slices"),
     (dict(shard_params=True, optimizer=CLIPPED_ADAMW), "on slices"),
     (dict(shard_params=True, backend="jit", optimizer=optax.adafactor(0.02)), "on zero-padded copies"),
-], ids=["zero1-clipped-adamw", "zero3-clipped-adamw", "zero3-jit-adafactor"])
+    (dict(shard_optimizer=True, optimizer=optax.chain(jdp.sync.clip_by_global_norm(0.1, DATA_AXIS),
+                                                      optax.adamw(0.02))), "on slices"),
+], ids=["zero1-clipped-adamw", "zero3-clipped-adamw", "zero3-jit-adafactor", "zero1-sliced-clip-unwrapped"])
 def test_an_optimizer_right_on_the_first_step_alone_is_refused(options, message):
     """Adam's first update is blind to the clipping factor, so clipping per slice shows from the second; under jit
     the optimizer sees leaves zero-padded to a multiple of 8, and Adafactor's per-leaf means count the zeros.
-    Breaks if the probe looks at one update only, or skips the padded whole leaves of jit."""
+    Breaks if the probe looks at one update only, or skips the padded whole leaves of jit. jdp's own clipping
+    left out of `Sliceable` is probed too, not an unbound axis name."""
     with pytest.raises(FitError, match=f"runs the optimizer {message} of each parameter"):
         _fit(CASES["regression"][0], mse, regression_data(), num_devices=8, **options)
 
