@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jdp import hlo
 from jdp import memory as memory_lib
 from jdp import step as step_lib
+from jdp.errors import FitError
 from jdp.mesh import DATA_AXIS, data_sharded, device_axes, replicated, shard_count, split_whole, to_numpy
 from jdp.modeldef import LossFn, ModelDef
 from jdp.split import shard_batch
@@ -105,9 +106,10 @@ class DataParallel:
         self._state_specs = sync.state_specs(abstract_state, shards, device_axes(mesh))
         self.per_device = jax.tree.map(lambda layout: layout == PER_DEVICE, layouts)
         if backend == "jit" and any(jax.tree.leaves(self.per_device)):
-            raise ValueError("per-device state needs a per-device step (shard_map or pmap), not jit")
+            raise FitError(f"{sync!r} keeps per-device state, which needs a per-device step; use backend "
+                           "'shard_map' or 'pmap', not jit")
         if backend == "pmap" and SHARDED in jax.tree.leaves(layouts):
-            raise ValueError("a sharded state needs shard_map or jit, not pmap")
+            raise FitError(f"{sync!r} keeps sharded state, which needs backend 'shard_map' or 'jit', not pmap")
         # Where each leaf of the logical state lives: whole on every device, a per-device leaf split on `data`, a
         # sharded one split on the step's own axis when that needs no padding (its parts are then the step's
         # slices), else whole-shaped and split as evenly as its axes allow (`jdp.mesh.split_whole`).

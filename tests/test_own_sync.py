@@ -126,6 +126,17 @@ def test_its_own_check_refuses_jit_in_one_line():
         FitOptions(sync=SignEF(), backend="jit")
 
 
+class SignEFWithoutItsCheck(SignEF):
+    def check(self, options, view, what, require):
+        pass
+
+
+def test_per_device_state_under_jit_is_refused_in_one_line_when_its_own_check_forgets():
+    with pytest.raises(FitError, match=r"SignEFWithoutItsCheck\(error_feedback=True\) keeps per-device state, "
+                                       "which needs a per-device step; use backend 'shard_map' or 'pmap', not jit"):
+        _fit(sync=SignEFWithoutItsCheck(), backend="jit")
+
+
 def test_the_noise_scale_is_refused_in_one_line_unless_a_strategy_says_it_carries_it():
     """A strategy of one's own reports no small batches' squared norms (`Reduced.small_sq`) unless it says so
     (`noise_scale = True`). Breaks if `Sync` claims it by default: the step then fails on the missing norms."""

@@ -29,7 +29,7 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None], d
     n, sync = view, o["sync"]
     if isinstance(sync, Sync):
         changed = [flag for flag in FLAGS if o[flag] != defaults[flag]]
-        require(not changed, f"sync={sync!r} is a strategy object, and {n(changed[0])}={o[changed[0]]!r} is a "
+        require(not changed, f"{n('sync')}={sync!r} is a strategy object, and {n(changed[0])}={o[changed[0]]!r} is a "
                 f"strategy setting: give it to the object, or leave {n(changed[0])} at its default" if changed
                 else "")
         return sync, repr(sync)
