@@ -144,7 +144,8 @@ def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
     hint = "build one, e.g. optax.adamw(1e-3)"
     if isinstance(optimizer, str) and callable(getattr(optax, optimizer, None)):
         hint = f"build it, e.g. optax.{optimizer}(1e-3)"
-    elif isinstance(optimizer, tuple) and all(isinstance(f, optax.GradientTransformation) for f in optimizer):
+    elif isinstance(optimizer, tuple) and optimizer and all(isinstance(f, optax.GradientTransformation)
+                                                            for f in optimizer):
         # (clip, sgd), or Sliceable(clip, sgd): transforms where one transform's init and update go
         hint = "its items are transforms; chain them: " + (
             "optax.chain(...)" if type(optimizer) is tuple else f"{type(optimizer).__name__}(*optax.chain(...))")
