@@ -188,6 +188,12 @@ def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception]
     from jdp.sync.flags import chosen  # the strategy's own rules: jdp.sync (JAX) only once a run is checked
 
     strategy, what = chosen(o, view, require, defaults)
+    for period in ("every", "agrees_every"):  # what the loop and the checkpoints count in
+        steps = getattr(strategy, period)
+        require(type(steps) is int and steps >= 1, f"{what}.{period}={steps!r} must be an int of at least 1 (steps)")
+    require(o["checkpoint_every"] % strategy.agrees_every == 0, f"{n('checkpoint_every')}={o['checkpoint_every']} is "
+            f"not a multiple of the sync period {strategy.agrees_every} ({what}): a checkpoint holds a state only "
+            "where the replicas agree; use a multiple")
     strategy.check(o, view, what, require)
     noise = f"{n('log_noise_scale')} compares each device's gradient with the all-reduced one, which"
     require(not o["log_noise_scale"] or o["backend"] != "jit", f"{noise} jit does not have (no per-device "

@@ -14,13 +14,14 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jdp.errors import FitError
 from jdp.gradients import local_gradients, micro_batches
 from jdp.layers import LayerView, viewing
 from jdp.loss import run_loss, weighted_sums
 from jdp.modeldef import LossFn, ModelDef
 from jdp.options import FitOptions
 from jdp.sync import Sync
-from jdp.sync.base import sum_of_squares
+from jdp.sync.base import Reduced, sum_of_squares
 from jdp.sync.zero1 import optimizer_sees_slices
 from jdp.update import all_finite, guard, updates_applied
 
@@ -70,13 +71,14 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     devices holding different numbers of real entries still give the one-device gradient."""
     o, axis = options, options.axis_name
     collective = axis if o.all_reduce else None  # None: jdp.bench's step compiled without its collectives
-    state = sync.forward_state(state)
+    stored, state = state, sync.forward_state(state)
     # 2. compute: forward and backward on the local slice, in `grad_accum_steps` micro-batches.
     local = local_gradients(state, batch, model=model, loss_fn=loss_fn, options=o,
                             params_view=lambda params: sync.params_view(params, axis),
                             layer_view=sync.layer_view(axis, o.mesh))
     # 3. all-reduce: the sync strategy turns the local gradient into the update's input.
     reduced = sync.reduce(local, state, axis, collective=o.all_reduce)
+    _check_reduced(sync, reduced, state.params)
     # 4. update, then the guard chooses the state every replica keeps.
     with optimizer_sees_slices(axis is not None and sync.optimizer_sees_slices(o.fit.backend)):
         params, opt_state = sync.update(tx, reduced.grads, state, axis)
@@ -88,8 +90,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     updated = state._replace(step=state.step + 1, params=params, model_state=reduced.model_state,
                              rng_state={**state.rng_state, "counts": local.counts}, opt_state=opt_state,
                              sync=state.sync if reduced.sync_state is None else reduced.sync_state)
+    _check_kept(sync, state, updated, "reduce and update")
     new_state, guard_metrics = guard(state, updated, jnp.isfinite(metrics["loss"]) | empty, grads_finite, empty, o)
-    new_state = sync.after_update(new_state, state, collective)
+    new_state = _check_kept(sync, stored, sync.after_update(new_state, state, collective), "after_update")
 
     metrics["weight"] = reduced.weight * (jax.lax.psum(1, collective) if collective else 1)  # the global total
     if local.small_sq is not None:  # the global gradient's norm needs no collective: every device holds it whole
@@ -102,6 +105,41 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     if schedule is not None:
         metrics["lr"] = schedule(updates_applied(state))
     return new_state, metrics
+
+
+def _leaves(tree: Tree) -> dict[str, Any]:
+    return {jax.tree_util.keystr(path).lstrip("."): x for path, x in jax.tree_util.tree_leaves_with_path(tree)}
+
+
+def _shown(x: Any) -> str:
+    return "missing" if x is None else f"{x.dtype}{list(x.shape)}"  # float32[4, 8], as the step holds it
+
+
+def _check_reduced(sync: Sync, reduced: Any, params: Tree) -> None:
+    """FitError in one line unless the strategy's `reduce` returned a `Reduced` whose gradient has, for each
+    parameter, a floating leaf of its rank (a slice of it under a sharding strategy): checked as the step is traced,
+    since optax would broadcast a scalar or promote an int without a word."""
+    if not isinstance(reduced, Reduced):
+        raise FitError(f"{sync!r}.reduce returned {type(reduced).__name__}; it returns a jdp.sync.Reduced")
+    grads, wanted = _leaves(reduced.grads), _leaves(params)
+    for path in [*wanted, *(grads.keys() - wanted.keys())]:
+        g, p = grads.get(path), wanted.get(path)
+        if g is None or p is None or g.ndim != p.ndim or not jnp.issubdtype(g.dtype, jnp.floating):
+            raise FitError(f"{sync!r}.reduce returned the gradient of {path} as {_shown(g)}, for a parameter of "
+                           f"{_shown(p)}: Reduced.grads has the parameters' tree, each leaf floating and of its "
+                           "parameter's rank")
+
+
+def _check_kept(sync: Sync, before: TrainState, after: TrainState, by: str) -> TrainState:
+    """`after`, or FitError in one line naming the first leaf of the train state that the strategy's `by` left of
+    another dtype or shape than `before` holds it (the guard's select would broadcast or promote it silently)."""
+    was, now = _leaves(before), _leaves(after)
+    for path in [*was, *(now.keys() - was.keys())]:
+        if _shown(was.get(path)) != _shown(now.get(path)):
+            raise FitError(f"{sync!r}.{by} leaves the train state's {path} as {_shown(now.get(path))}; it was "
+                           f"{_shown(was.get(path))}: a strategy keeps each leaf's dtype and shape (and returns its "
+                           "own state's successor as Reduced.sync_state)")
+    return after
 
 
 def eval_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDef, loss_fn: LossFn,

@@ -5,6 +5,7 @@ refused where its own check says; the resume guard compares its record."""
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 import subprocess
@@ -12,6 +13,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -137,6 +139,66 @@ def test_per_device_state_under_jit_is_refused_in_one_line_when_its_own_check_fo
         _fit(sync=SignEFWithoutItsCheck(), backend="jit")
 
 
+class Misreducing(SignEF):
+    """SignEF whose `reduce` breaks its contract by `mistake` (a function of its `Reduced`)."""
+
+    def __init__(self, mistake):
+        super().__init__()
+        self.mistake = mistake
+
+    def reduce(self, local, state, axis_name, collective=True):
+        return self.mistake(super().reduce(local, state, axis_name, collective))
+
+
+GRADIENT_OF = r"reduce returned the gradient of \['hidden'\]\['bias'\] as "
+KEEPS = r"reduce and update leaves the train state's sync\['error'\]\['hidden'\]\['bias'\] as "
+
+
+@pytest.mark.parametrize("mistake, message", [
+    (lambda r: r._replace(grads=jax.tree.map(jnp.sum, r.grads)), GRADIENT_OF + r"float32\[\], for a parameter "
+                                                                               r"of float32\[16\]"),
+    (lambda r: r._replace(grads=jax.tree.map(lambda g: g.astype(jnp.int32), r.grads)), GRADIENT_OF + "int32"),
+    (lambda r: r._replace(grads={"out": r.grads["out"]}), GRADIENT_OF + "missing"),
+    (lambda r: r._replace(sync_state=jax.tree.map(lambda e: e[..., :1], r.sync_state)),
+     KEEPS + r"float32\[1\]; it was float32\[16\]"),
+    (lambda r: r._replace(sync_state=jax.tree.map(lambda e: e.astype(jnp.bfloat16), r.sync_state)),
+     KEEPS + "bfloat16"),
+    (lambda r: r._replace(sync_state={"errors": r.sync_state["error"]}), KEEPS + "missing"),
+    (tuple, "reduce returned tuple; it returns a jdp.sync.Reduced"),
+])
+def test_a_reduce_that_breaks_its_contract_is_refused_in_one_line_naming_the_leaf(mistake, message):
+    """Checked as the step is traced. Breaks without the checks in `jdp.step`: a scalar or int gradient trains
+    silently wrong (optax broadcasts and promotes it), as does a state the guard's select broadcasts back to its
+    shape or promotes to its dtype; a missing leaf or a tuple is a raw pytree error."""
+    with pytest.raises(FitError, match=message):
+        _fit(sync=Misreducing(mistake))
+
+
+class Periodic(sync.LocalSGD):
+    """Local SGD whose own check forgets the checkpoint period."""
+
+    def check(self, options, view, what, require):
+        pass
+
+
+def test_a_checkpoint_period_between_sync_points_is_refused_whatever_the_strategys_own_check():
+    """Breaks if the rule is left to each strategy: this one's checkpoints would fall between sync points, where
+    the replicas differ, and the resume would call them damaged."""
+    with pytest.raises(FitError, match=r"checkpoint_every=3 is not a multiple of the sync period 2 \(Periodic"):
+        FitOptions(sync=Periodic(every=2), checkpoint_every=3)
+    with pytest.raises(FitError, match=r"checkpoint_every=3 is not a multiple of the sync period 2 \(sync_every=2"):
+        FitOptions(sync_every=2, checkpoint_every=3)
+
+
+@pytest.mark.parametrize("every", [0, "2", True, 1.0])
+def test_a_period_that_is_not_a_positive_int_is_refused_in_one_line(every):
+    """Breaks without the check: steps % every is a ZeroDivisionError or a TypeError."""
+    strategy = sync.AllReduce()
+    strategy.every = every
+    with pytest.raises(FitError, match=r"AllReduce\(dtype='fp32'\)\.every=.* must be an int of at least 1"):
+        FitOptions(sync=strategy)
+
+
 def test_the_noise_scale_is_refused_in_one_line_unless_a_strategy_says_it_carries_it():
     """A strategy of one's own reports no small batches' squared norms (`Reduced.small_sq`) unless it says so
     (`noise_scale = True`). Breaks if `Sync` claims it by default: the step then fails on the missing norms."""
@@ -158,19 +220,26 @@ def test_the_resume_guard_compares_its_parameters(tmp_path):
 
 
 class Tagged(sync.AllReduce):
-    """The mean all-reduce with parameters JSON holds in another form: a numpy scalar, a tuple, a dtype."""
+    """The mean all-reduce with parameters JSON holds in another form: a numpy scalar, a tuple, a dtype, an
+    array, a function, a partial."""
 
     def __init__(self, rate: np.float32 = np.float32(1.5)) -> None:  # noqa: B008 (the form under test)
         super().__init__()
         self.rate = rate
 
     def params(self) -> dict:
-        return {**super().params(), "rate": self.rate, "shape": (2, 3), "dtype": np.dtype("float32")}
+        return {**super().params(), "rate": self.rate, "shape": (2, 3), "dtype": np.dtype("float32"),
+                "weights": np.arange(3.0), "loss": mse, "scaled": functools.partial(mse, scale=2)}
 
 
 def test_parameters_json_holds_in_another_form_resume_as_equal_and_a_change_is_refused(tmp_path):
     """Breaks if the live record is compared with the one read back unnormalized (1.5 against np.float32(1.5),
-    a list against a tuple): every resume would be refused."""
+    a list against a tuple), or holds a function by its `str` (an address each process draws anew): every resume
+    would be refused; an array was a raw ValueError."""
+    loss = f"{mse.__module__}:mse"
+    assert Tagged().record() == {"class": f"{Tagged.__module__}:Tagged", "dtype": "float32", "rate": 1.5,
+                                 "shape": [2, 3], "weights": [0.0, 1.0, 2.0], "loss": loss,
+                                 "scaled": {"partial": loss, "args": [], "keywords": {"scale": 2}}}
     _fit(sync=Tagged(), steps=2, workdir=tmp_path)
     assert len(_fit(sync=Tagged(), steps=4, workdir=tmp_path).losses) == 2
     with pytest.raises(FitError, match="rate"):

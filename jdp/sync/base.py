@@ -7,6 +7,7 @@ on `data`. Writing a strategy: docs/communication.md, 'A strategy of your own'.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Callable
@@ -163,6 +164,17 @@ def averaged_sums(local: Local, axis_name: str | None, **extra: Tree) -> dict[st
     return all_reduce_mean(payload if local.small_sq is None else {**payload, "small_sq": local.small_sq}, axis_name)
 
 
+def _plain(value: Any) -> Any:
+    """A strategy parameter as its record holds it, where JSON has no such type (a tuple is already a list): an
+    array or numpy scalar as its numbers; a function or class by its import path (its `str` has an address that
+    differs in every process), a `functools.partial` with its arguments; anything else by `str`."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    if isinstance(value, functools.partial):
+        return {"partial": value.func, "args": value.args, "keywords": value.keywords}
+    return f"{value.__module__}:{value.__qualname__}" if hasattr(value, "__qualname__") else str(value)
+
+
 class Sync:
     """The strategy interface, behaving as data parallelism's mean all-reduce; a strategy overrides what it changes.
     One collective carries the gradient (in `dtype`: fp32, or bf16 as DDP's `bf16_compress_hook`), the loss sums,
@@ -192,9 +204,9 @@ class Sync:
         return {"dtype": self.dtype_name}
 
     def record(self) -> dict[str, Any]:
-        """What the resume guard compares: the class's import path and its parameters, as JSON (a tuple as a list,
-        a numpy scalar as its number, anything else by `str`), so that a record read back equals the live one."""
-        plain = json.loads(json.dumps(self.params(), default=lambda v: v.item() if hasattr(v, "item") else str(v)))
+        """What the resume guard compares: the class's import path and its parameters, as JSON (`_plain`), so that
+        a record read back equals the live one."""
+        plain = json.loads(json.dumps(self.params(), default=_plain))
         return {"class": f"{type(self).__module__}:{type(self).__qualname__}", **plain}
 
     def __repr__(self) -> str:

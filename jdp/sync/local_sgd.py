@@ -30,7 +30,7 @@ class LocalSGD(Sync):
         require(options["backend"] in ("shard_map", "pmap"),
                 f"{what} (local SGD) needs a per-device step; use {view.use('backend', 'shard_map')} or pmap")
         # The replica check's default is rounded up to a multiple of the period where it runs (jdp.callbacks).
-        periods = ("eval_every", "checkpoint_every") + (
+        periods = ("eval_every",) + (
             ("check_replicas_every",) if options["check_replicas_every"] != view.default("check_replicas_every")
             else ())
         for name in periods:
