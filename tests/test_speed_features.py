@@ -138,6 +138,17 @@ def test_bench_reports_time_memory_and_scaling(tmp_path, capsys, monkeypatch):
     assert "has 5 dots/convolutions: 5 bf16" in capsys.readouterr().out
 
 
+def test_bench_baseline_is_the_plain_step_whatever_the_runs_strategy(tmp_path):
+    """The single-device jit baseline is the mean all-reduce without the noise scale. Breaks if it copies the
+    run's strategy: int8 (and the noise scale) refuse jit, so the bench stopped with advice about the run's
+    backend, which is already shard_map."""
+    assert bench.main(["--config", "configs/mnist1d_mlp.py", "--devices", "2", "--steps", "1", "--repeats", "1",
+                       "--out", str(tmp_path), "--config.model.kwargs.hidden_sizes=(16,)",
+                       "--config.parallel.allreduce_dtype=int8", "--config.train.log_noise_scale=True",
+                       "--config.parallel.cpu_devices=8"]) == 0
+    assert json.loads((tmp_path / "bench.json").read_text())["rows"][0]["vs_single_device_jit"] > 0
+
+
 def test_bench_compile_only_puts_the_three_shardings_side_by_side(tmp_path, capsys, monkeypatch):
     """Nothing is put on the devices or run (no train step is called); each sharding's per-device parameters plus
     optimizer state shrink as the issue of ZeRO says: ZeRO-1 keeps whole parameters and 1/N of AdamW's state,

@@ -332,6 +332,18 @@ def sync_strategy(values: dict[str, Any]) -> tuple[Any, str]:
     return flags.chosen(values, CONFIG_NAMES, _require, {name: option.default for name, option in BY_NAME.items()})
 
 
+def with_default_sync(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+    """A copy of `cfg` whose sync strategy is the default mean all-reduce: every strategy key at its default."""
+    from jdp.sync.flags import FLAGS
+
+    cfg = cfg.copy_and_resolve_references()
+    for name in ("sync", *FLAGS):
+        section, key = BY_NAME[name].key.split(".")
+        cfg[section][key] = BY_NAME[name].default
+    cfg.parallel.sync_kwargs = ml_collections.ConfigDict()
+    return cfg
+
+
 def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
     """Check the config before anything compiles. `num_devices` is the device count the run will use."""
     check_ranges(cfg)

@@ -84,8 +84,8 @@ def run_bench(cfg, devices: list[int], steps: int, repeats: int, peak_tflops: fl
     explicit = cfg.parallel.backend in ("shard_map", "pmap")  # jit has no collective of jdp's to remove
     variants = {}
     if baseline:  # a plain single-device jit step: what data parallelism must not fall far behind
-        jit_cfg = cfg.copy_and_resolve_references()
-        jit_cfg.parallel.backend = "jit"
+        jit_cfg = config_lib.with_default_sync(cfg)  # the run's strategy may need a per-device step
+        jit_cfg.parallel.backend, jit_cfg.train.log_noise_scale = "jit", False
         variants["jit"] = Variant(jit_cfg, 1)
     # Without its collective, a step on one device is the same program: nothing to measure.
     variants |= {(n, c): Variant(cfg, n, c)
