@@ -112,7 +112,7 @@ def _leaves(tree: Tree) -> dict[str, Any]:
 
 
 def _shown(x: Any) -> str:
-    return "missing" if x is None else f"{x.dtype}{list(x.shape)}"  # float32[4, 8], as the step holds it
+    return "missing" if x is None else f"{jnp.result_type(x)}{list(jnp.shape(x))}"  # float32[4, 8], as held
 
 
 def _check_reduced(sync: Sync, reduced: Any, params: Tree) -> None:
@@ -124,7 +124,8 @@ def _check_reduced(sync: Sync, reduced: Any, params: Tree) -> None:
     grads, wanted = _leaves(reduced.grads), _leaves(params)
     for path in [*wanted, *(grads.keys() - wanted.keys())]:
         g, p = grads.get(path), wanted.get(path)
-        if g is None or p is None or g.ndim != p.ndim or not jnp.issubdtype(g.dtype, jnp.floating):
+        if g is None or p is None or jnp.ndim(g) != jnp.ndim(p) or not jnp.issubdtype(jnp.result_type(g),
+                                                                                        jnp.floating):
             raise FitError(f"{sync!r}.reduce returned the gradient of {path} as {_shown(g)}, for a parameter of "
                            f"{_shown(p)}: Reduced.grads has the parameters' tree, each leaf floating and of its "
                            "parameter's rank")
@@ -136,9 +137,9 @@ def _check_kept(sync: Sync, before: TrainState, after: TrainState, by: str) -> T
     was, now = _leaves(before), _leaves(after)
     for path in [*was, *(now.keys() - was.keys())]:
         if _shown(was.get(path)) != _shown(now.get(path)):
-            raise FitError(f"{sync!r}.{by} leaves the train state's {path} as {_shown(now.get(path))}; it was "
-                           f"{_shown(was.get(path))}: a strategy keeps each leaf's dtype and shape (and returns its "
-                           "own state's successor as Reduced.sync_state)")
+            raise FitError(f"the step ({sync!r}.{by}, the optimizer, the model) leaves the train state's {path} as "
+                           f"{_shown(now.get(path))}; it was {_shown(was.get(path))}: each keeps a leaf's dtype and "
+                           "shape (a strategy returns its own state's successor as Reduced.sync_state)")
     return after
 
 

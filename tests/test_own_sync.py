@@ -151,7 +151,8 @@ class Misreducing(SignEF):
 
 
 GRADIENT_OF = r"reduce returned the gradient of \['hidden'\]\['bias'\] as "
-KEEPS = r"reduce and update leaves the train state's sync\['error'\]\['hidden'\]\['bias'\] as "
+KEEPS = (r"reduce and update, the optimizer, the model\) leaves the train state's "
+         r"sync\['error'\]\['hidden'\]\['bias'\] as ")
 
 
 @pytest.mark.parametrize("mistake, message", [
@@ -165,6 +166,8 @@ KEEPS = r"reduce and update leaves the train state's sync\['error'\]\['hidden'\]
      KEEPS + "bfloat16"),
     (lambda r: r._replace(sync_state={"errors": r.sync_state["error"]}), KEEPS + "missing"),
     (tuple, "reduce returned tuple; it returns a jdp.sync.Reduced"),
+    (lambda r: r._replace(grads={**r.grads, "out": {**r.grads["out"], "bias": 0.0}}),
+     r"reduce returned the gradient of \['out'\]\['bias'\] as float32\[\]"),
 ])
 def test_a_reduce_that_breaks_its_contract_is_refused_in_one_line_naming_the_leaf(mistake, message):
     """Checked as the step is traced. Breaks without the checks in `jdp.step`: a scalar or int gradient trains
@@ -229,7 +232,7 @@ class Tagged(sync.AllReduce):
 
     def params(self) -> dict:
         return {**super().params(), "rate": self.rate, "shape": (2, 3), "dtype": np.dtype("float32"),
-                "weights": np.arange(3.0), "loss": mse, "scaled": functools.partial(mse, scale=2)}
+                "weights": np.arange(3.0), "loss": mse, "scaled": functools.partial(mse, scale=2), "kind": np.float32}
 
 
 def test_parameters_json_holds_in_another_form_resume_as_equal_and_a_change_is_refused(tmp_path):
@@ -239,7 +242,9 @@ def test_parameters_json_holds_in_another_form_resume_as_equal_and_a_change_is_r
     loss = f"{mse.__module__}:mse"
     assert Tagged().record() == {"class": f"{Tagged.__module__}:Tagged", "dtype": "float32", "rate": 1.5,
                                  "shape": [2, 3], "weights": [0.0, 1.0, 2.0], "loss": loss,
-                                 "scaled": {"partial": loss, "args": [], "keywords": {"scale": 2}}}
+                                 "scaled": {"partial": loss, "args": [], "keywords": {"scale": 2}},
+                                 "kind": "<class 'numpy.float32'>"}
+    assert "weights=float64[3], " in repr(Tagged())  # not the array's lines: a message naming it stays one line
     _fit(sync=Tagged(), steps=2, workdir=tmp_path)
     assert len(_fit(sync=Tagged(), steps=4, workdir=tmp_path).losses) == 2
     with pytest.raises(FitError, match="rate"):

@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -167,7 +168,9 @@ def averaged_sums(local: Local, axis_name: str | None, **extra: Tree) -> dict[st
 def _plain(value: Any) -> Any:
     """A strategy parameter as its record holds it, where JSON has no such type (a tuple is already a list): an
     array or numpy scalar as its numbers; a function or class by its import path (its `str` has an address that
-    differs in every process), a `functools.partial` with its arguments; anything else by `str`."""
+    differs in every process), a `functools.partial` with its arguments; anything else (a class) by `str`."""
+    if isinstance(value, type):  # a class's `str` names it alike in every process (np.float32 has a `tolist`)
+        return str(value)
     if hasattr(value, "tolist"):
         return value.tolist()
     if isinstance(value, functools.partial):
@@ -209,8 +212,10 @@ class Sync:
         plain = json.loads(json.dumps(self.params(), default=_plain))
         return {"class": f"{type(self).__module__}:{type(self).__qualname__}", **plain}
 
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({', '.join(f'{k}={v!r}' for k, v in self.params().items())})"
+    def __repr__(self) -> str:  # an array parameter by its dtype and shape: a message stays one line
+        shown = {k: f"{v.dtype}{list(v.shape)}" if isinstance(v, np.ndarray | jax.Array) and v.ndim else repr(v)
+                 for k, v in self.params().items()}
+        return f"{type(self).__name__}({', '.join(f'{k}={v}' for k, v in shown.items())})"
 
     def bind(self, model: Any, seed: int) -> Sync:
         """The strategy for this model (an `nnx.Module`, maybe abstract) and seed: itself, or a copy holding what
