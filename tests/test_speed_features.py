@@ -149,6 +149,16 @@ def test_bench_baseline_is_the_plain_step_whatever_the_runs_strategy(tmp_path):
     assert json.loads((tmp_path / "bench.json").read_text())["rows"][0]["vs_single_device_jit"] > 0
 
 
+def test_bench_runs_where_the_eval_batch_fits_the_runs_devices_but_not_one(tmp_path):
+    """1,021 eval examples: an eval batch of 1,022 fits 2 devices (one padded row), not 1. Breaks if the
+    bench's one-device variants (the baseline) keep the run's eval batch: they are refused, though no eval runs."""
+    assert bench.main(["--config", "configs/mnist1d_mlp.py", "--devices", "2", "--steps", "1", "--repeats", "1",
+                       "--out", str(tmp_path), "--config.model.kwargs.hidden_sizes=(16,)",
+                       "--config.data.name=synthetic", "--config.data.num_classes=10",
+                       "--config.data.num_eval_examples=1021", "--config.train.eval_batch_size=1022",
+                       "--config.parallel.cpu_devices=8"]) == 0
+
+
 def test_bench_compile_only_puts_the_three_shardings_side_by_side(tmp_path, capsys, monkeypatch):
     """Nothing is put on the devices or run (no train step is called); each sharding's per-device parameters plus
     optimizer state shrink as the issue of ZeRO says: ZeRO-1 keeps whole parameters and 1/N of AdamW's state,

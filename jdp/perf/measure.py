@@ -47,7 +47,8 @@ class Variant:
 
     def __init__(self, cfg, num_devices: int, collective: bool = True) -> None:
         cfg = cfg.copy_and_resolve_references()
-        cfg.parallel.num_devices = num_devices
+        # No eval runs here: a device count below the run's must not find its eval batch too large.
+        cfg.parallel.num_devices, cfg.train.eval_batch_size = num_devices, 0
         self.num_devices, self.batch_size = num_devices, cfg.train.global_batch_size
         b = build(cfg, all_reduce=collective)
         self.parallel, source = b.parallel, b.source
