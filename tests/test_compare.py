@@ -19,7 +19,7 @@ else:
 
 import optax
 
-from jdp import models
+from jdp import models, params_file
 from jdp.cli.train import build
 from jdp.compare import parity as parity_lib
 from jdp.compare import torch_models, weights
@@ -84,7 +84,7 @@ def test_weights_round_trip_exactly(name):
         for x, y in zip(jax.tree.leaves(want), jax.tree.leaves(got), strict=True):
             assert x.dtype == y.dtype and np.array_equal(x, y)
     if name.startswith("resnet"):
-        assert weights.flatten_tree(back_state, "model_state")  # the BN buffers took part
+        assert params_file.flatten(back_state, "model_state")  # the BN buffers took part
 
     # torch -> jdp -> torch, from arbitrary torch values (every parameter and buffer)
     generator = torch.Generator().manual_seed(1)
@@ -131,7 +131,7 @@ def test_resnet_gradients_agree_in_float64():
             logits, _ = logits_and_state(model, p, as64(model_state), as64(rows["x"]), train=True, groups=2)
             return optax.softmax_cross_entropy_with_integer_labels(logits, rows["y"]).mean()
 
-        grads = weights.flatten_tree(jax.tree.map(np.asarray, jax.grad(loss)(as64(params))), "params")
+        grads = params_file.flatten(jax.grad(loss)(as64(params)), "params")
     twin = _twin(b)
     twin.load_state_dict(weights.jdp_to_torch(params, model_state, twin))
     twin.double()

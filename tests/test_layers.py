@@ -44,8 +44,7 @@ def _in(module: str, packages: tuple[str, ...]) -> bool:
 # What jdp.compare takes from the library besides the public API and the config layer, and why.
 COMPARE_USES = {
     "jdp.metrics": "read_metrics: each run's metrics.jsonl, the per-step losses and gradient norms compared",
-    "jdp.params_file": "flatten: the initial weights in jdp.export's key names, for the DDP twin",
-    "jdp.nested": "flatten: jdp.export's key names for the twin's weights, without jax (jdp.params_file's own)",
+    "jdp.params_file": "flatten: the initial weights and the twin's weights in jdp.export's key names",
     "jdp.mesh": "simulate_cpu_devices: the jdp side's device count in its own process",
     "jdp.parallel": "BACKENDS: the backends `speed` times",
     "jdp.data": "build_source: the DDP workers read the same batches through jdp's numpy-only data code",

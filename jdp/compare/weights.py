@@ -4,7 +4,7 @@ permutation, so both round trips are exact: Dense (in, out) <-> Linear (out, in)
 inputs permuted (H, W, C) <-> (C, H, W); conv HWIO / WIO <-> OIHW / OIW; norms' `scale` <-> `weight`; `embedding`
 <-> `weight`; BatchNorm `mean` / `var` <-> `running_mean` / `running_var`. A scanned model's stacked layers map to
 the twin's unrolled ones (`unstacked`). torch's `num_batches_tracked` has no jdp counterpart: the model keeps its
-own. No jax here.
+own.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ from typing import Any
 
 import numpy as np
 import torch
+from flax import traverse_util
 from torch import nn
 
 from jdp.compare.torch_models import BatchNorm
-from jdp.nested import flatten
+from jdp.params_file import flatten
 
 Flat = dict[str, np.ndarray]
 
@@ -109,28 +110,15 @@ def torch_to_flat(state_dict: dict[str, torch.Tensor], model: nn.Module) -> Flat
     return flat
 
 
-def flatten_tree(tree: Any, prefix: str) -> Flat:
-    """A jdp pure dict -> {'prefix/a/0/b': array}, the names of jdp.params_file.flatten (without jax)."""
-    return {k: np.asarray(v) for k, v in flatten(tree, prefix + "/", "/").items()}
-
-
 def unflatten_tree(flat: Flat, prefix: str) -> dict:
-    """The inverse of flatten_tree; numeric path parts become int keys, as in nnx.to_pure_dict."""
-    tree: dict = {}
-    for key, value in flat.items():
-        if not key.startswith(prefix + "/"):
-            continue
-        *parents, leaf = [int(p) if p.isdigit() else p for p in key[len(prefix) + 1:].split("/")]
-        node = tree
-        for p in parents:
-            node = node.setdefault(p, {})
-        node[leaf] = value
-    return tree
+    """The inverse of jdp.params_file.flatten; numeric path parts become int keys, as in nnx.to_pure_dict."""
+    return traverse_util.unflatten_dict({tuple(int(p) if p.isdigit() else p for p in key.split("/")[1:]): value
+                                         for key, value in flat.items() if key.startswith(prefix + "/")})
 
 
 def jdp_to_torch(params: dict, model_state: dict, model: nn.Module) -> dict[str, torch.Tensor]:
     """jdp's pure dicts -> a state_dict for the twin `model`."""
-    return flat_to_torch({**flatten_tree(params, "params"), **flatten_tree(model_state, "model_state")}, model)
+    return flat_to_torch({**flatten(params, "params"), **flatten(model_state, "model_state")}, model)
 
 
 def torch_to_jdp(state_dict: dict[str, torch.Tensor], model: nn.Module) -> tuple[dict, dict]:
