@@ -1,6 +1,6 @@
 """Whole-file rewrites that a crash or a concurrent reader never sees half done: write a temporary file beside
 the target, fsync it, rename it over the target, fsync the directory. (Appends, such as metrics.jsonl, stay
-appends.)"""
+appends.) Generated datasets are kept between runs in `cache_dir()`."""
 
 from __future__ import annotations
 
@@ -31,3 +31,16 @@ def write_atomic(path: Path, content: str | bytes) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def cache_dir() -> Path:
+    """Where generated datasets are kept between runs: $JDP_CACHE_DIR, else ~/.cache/jdp."""
+    return Path(os.environ.get("JDP_CACHE_DIR") or Path.home() / ".cache" / "jdp")
+
+
+def write_atomically(path: Path, data: bytes) -> None:
+    """`write_atomic` into a folder made if needed; an unwritable folder only means the next process makes the data
+    again."""
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, data)

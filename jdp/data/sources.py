@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jdp.data.batching import Batcher, DataError
-from jdp.data.cache import cache_dir, write_atomically
 from jdp.data.text import is_text, text_source
 from jdp.data.tfds_source import TFDS_PREFIX, TfdsSource
+from jdp.files import cache_dir, write_atomically
 from jdp.registry import Registry
 
 if TYPE_CHECKING:

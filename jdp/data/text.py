@@ -12,8 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jdp.data.batching import Batcher, DataError, RowDataset
-from jdp.data.cache import cache_dir, write_atomically
-from jdp.files import write_atomic
+from jdp.files import cache_dir, write_atomic, write_atomically
 
 if TYPE_CHECKING:
     import ml_collections
