@@ -15,6 +15,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -26,13 +27,27 @@ from jdp import hlo, params_file
 from jdp.layers import Stack, saved_residual_bytes
 from jdp.modeldef import state_groups
 from jdp.models import build_model
-from jdp.models.gpt import GPT, stack_blocks, unstack_blocks
+from jdp.models.gpt import GPT
 from jdp.perf import fits
 from jdp.trainer import FitOptions, prepare
 from tests.helpers import max_abs_diff
 
 VOCAB, BLOCK = 32, 8
 TOKENS = {"x": np.random.default_rng(0).integers(0, VOCAB, (256, BLOCK + 1)).astype(np.int32)}
+
+
+def stack_blocks(params: dict) -> dict:
+    """An unrolled GPT's pure parameter dict -> the scanned GPT's (`blocks.layers`, leaves stacked on axis 0)."""
+    blocks = params["blocks"]
+    layers = jax.tree.map(lambda *xs: jnp.stack(xs), *(blocks[i] for i in sorted(blocks)))
+    return {**params, "blocks": {"layers": layers}}
+
+
+def unstack_blocks(params: dict) -> dict:
+    """A scanned GPT's pure parameter dict -> the unrolled GPT's (`blocks.0`, `blocks.1`, ...)."""
+    layers = params["blocks"]["layers"]
+    depth = jax.tree.leaves(layers)[0].shape[0]
+    return {**params, "blocks": {i: jax.tree.map(lambda x, i=i: x[i], layers) for i in range(depth)}}
 
 
 def lm_loss(model, batch):

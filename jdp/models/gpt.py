@@ -1,8 +1,9 @@
 """nanoGPT's GPT (docs/language_models.md, "Model"); for sampling, `decode` runs new tokens against a KV cache.
 
 `scan_layers=True` makes the blocks once, stacked (`jdp.layers.Stack`): the unrolled model's parameters on a leading
-layer axis (`stack_blocks` / `unstack_blocks` convert) and the same function, but other dropout masks: each stacked
-block draws from its own split of the `dropout` stream, where unrolled blocks share one stream and draw in turn.
+layer axis (a parameter file of either layout loads into the other, `jdp.params_file`) and the same function, but
+other dropout masks: each stacked block draws from its own split of the `dropout` stream, where unrolled blocks
+share one stream and draw in turn.
 """
 
 from __future__ import annotations
@@ -183,20 +184,6 @@ class GPT(nnx.Module):
         layers = (f"; {self.num_layers} blocks scanned" if self.scanned else "") + (
             f"; remat {self.remat}" if self.remat != "none" else "")
         return f"attention: jax.nn.dot_product_attention ({path}){explicit}{layers}"
-
-
-def stack_blocks(params: dict) -> dict:
-    """An unrolled GPT's pure parameter dict -> the scanned GPT's (`blocks.layers`, leaves stacked on axis 0)."""
-    blocks = params["blocks"]
-    layers = jax.tree.map(lambda *xs: jnp.stack(xs), *(blocks[i] for i in sorted(blocks)))
-    return {**params, "blocks": {"layers": layers}}
-
-
-def unstack_blocks(params: dict) -> dict:
-    """A scanned GPT's pure parameter dict -> the unrolled GPT's (`blocks.0`, `blocks.1`, ...)."""
-    layers = params["blocks"]["layers"]
-    depth = jax.tree.leaves(layers)[0].shape[0]
-    return {**params, "blocks": {i: jax.tree.map(lambda x, i=i: x[i], layers) for i in range(depth)}}
 
 
 def non_embedding_params(params: dict) -> int:
