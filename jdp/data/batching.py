@@ -41,9 +41,10 @@ def optional(source: Source, name: str) -> Any:
 
 
 class RowOrder:
-    """Which rows of each split this process reads, by step: the contract every source shares. Train: a (seed, epoch)
-    permutation cut into consecutive global batches (an epoch's last partial one dropped), process p taking its
-    contiguous block of each. Eval: the split in order, the last batch padded (`real` False on padding rows)."""
+    """Which rows of each split this process reads, by step: the contract every source shares (`Batcher` and
+    `TfdsSource` are RowOrders that read the rows, `_eval_rows`). Train: a (seed, epoch) permutation cut into
+    consecutive global batches (an epoch's last partial one dropped), process p taking its contiguous block of each.
+    Eval: the split in order, the last batch padded (`real` False on padding rows)."""
 
     def __init__(self, *, seed: int, num_train: int, num_eval: int, global_batch_size: int, eval_batch_size: int,
                  process_index: int, process_count: int, train_split: str = "the train split") -> None:
@@ -76,23 +77,14 @@ class RowOrder:
         ids = np.arange(i * self.eval_batch_size, (i + 1) * self.eval_batch_size)[self._eval_block]
         return ids, ids < self.num_eval
 
-
-class OrderedSource:
-    """What every source (`Batcher`, `TfdsSource`) exposes of its `RowOrder`."""
-
-    def __init__(self, order: RowOrder) -> None:
-        self._order = order
-        self.num_train, self.num_eval = order.num_train, order.num_eval
-        self.steps_per_epoch: int = order.steps_per_epoch
-
     def num_eval_batches(self) -> int:
-        return math.ceil(self.num_eval / self._order.eval_batch_size)
+        return math.ceil(self.num_eval / self.eval_batch_size)
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
         """The eval split once, in order, padding rows (`mask` 0) in the last batch only. Every process yields
         num_eval_batches() items, so collectives over eval batches stay in lockstep."""
         for i in range(self.num_eval_batches()):
-            ids, real = self._order.eval_rows(i)
+            ids, real = self.eval_rows(i)
             yield {**self._eval_rows(ids, real), "mask": real.astype(np.float32)}
 
 
@@ -196,7 +188,7 @@ def as_dataset(data: Any, what: str = "the data") -> RowDataset:
     return ArrayDataset(data, what) if isinstance(data, Mapping) else RandomAccessDataset(data, what)
 
 
-class Batcher(OrderedSource):
+class Batcher(RowOrder):
     """Global permutation -> this process's rows, for train and eval, of any `Dataset`s (jdp's `Source`
     for dicts of arrays, random-access datasets and jdp's in-memory datasets)."""
 
@@ -223,11 +215,10 @@ class Batcher(OrderedSource):
         if self._eval is not None and set(self._eval.keys) != set(self._train.keys):
             raise DataError(f"the eval data's keys {sorted(self._eval.keys)} differ from the train data's "
                             f"{sorted(self._train.keys)}; give both the same keys")
-        super().__init__(RowOrder(seed=seed, num_train=len(self._train),
-                                  num_eval=len(self._eval) if self._eval is not None else 0,
-                                  global_batch_size=global_batch_size,
-                                  eval_batch_size=eval_batch_size or global_batch_size,
-                                  process_index=process_index, process_count=process_count))
+        super().__init__(seed=seed, num_train=len(self._train),
+                         num_eval=len(self._eval) if self._eval is not None else 0, global_batch_size=global_batch_size,
+                         eval_batch_size=eval_batch_size or global_batch_size, process_index=process_index,
+                         process_count=process_count)
 
     def sample_rows(self, k: int = 8) -> dict[str, np.ndarray]:
         """`k` rows at fixed places of the train data (not of its order): what the run record hashes."""
@@ -235,7 +226,7 @@ class Batcher(OrderedSource):
 
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of the global train batch at `step`."""
-        return self._train.rows(self._order.train_rows(step))
+        return self._train.rows(self.train_rows(step))
 
     def _eval_rows(self, ids: np.ndarray, real: np.ndarray) -> dict[str, np.ndarray]:
         return self._eval.rows(np.where(real, ids, 0))  # padding rows repeat row 0; no eval data, no eval batches

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jdp.data import augment
-from jdp.data.batching import DataError, OrderedSource, RowOrder
+from jdp.data.batching import DataError, RowOrder
 from jdp.data.device_input import ImageInput
 from jdp.data.tfrecord import TfrecordRecords, UnreadableFileError
 
@@ -154,7 +154,7 @@ class _DecodedCache:
         self.filled = np.zeros(num_rows, bool)
 
 
-class TfdsSource(OrderedSource):
+class TfdsSource(RowOrder):
     """This process's rows of every global batch of a prepared tfds dataset; the interface of `Batcher`."""
 
     def __init__(
@@ -203,10 +203,10 @@ class TfdsSource(OrderedSource):
             raise ValueError(f"the label feature {label_key!r} of {self.name} has no number of classes; set "
                              "data.num_classes")
         self._seed = seed
-        super().__init__(RowOrder(seed=seed, num_train=len(self._train), num_eval=len(self._eval),
-                                  global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
-                                  process_index=process_index, process_count=process_count,
-                                  train_split=f"the train split {cfg.train_split!r} of {self.name}"))
+        super().__init__(seed=seed, num_train=len(self._train), num_eval=len(self._eval),
+                         global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
+                         process_index=process_index, process_count=process_count,
+                         train_split=f"the train split {cfg.train_split!r} of {self.name}")
         if self.num_eval == 0:
             raise ValueError(f"the eval split {cfg.eval_split!r} of {self.name} is empty")
         if cfg.cache_decoded_mb < 0:
@@ -270,9 +270,9 @@ class TfdsSource(OrderedSource):
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of the global train batch at `step`: {'x': (B/P, H, W, C) uint8, 'y'}, plus
         'crop' and 'flip' for augmented small images; `device_input` makes the model's input from it."""
-        rows = self._order.train_rows(step)
+        rows = self.train_rows(step)
         # This process's rows of the random numbers drawn for the whole global batch at `step`.
-        params = (augment.batch_params(self._seed, step, self._order.global_batch_size).rows(self._order.train_block)
+        params = (augment.batch_params(self._seed, step, self.global_batch_size).rows(self.train_block)
                   if self._augment else None)
         if self._small:
             pixels, labels = self._read_small(self._train, self._train_cache, rows)
