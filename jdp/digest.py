@@ -50,7 +50,7 @@ def _words(x: Any, xp: Any) -> Any:
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{size * 8}")).astype(jnp.uint32)
 
 
-def _sums_on_device(x: jax.Array) -> jax.Array:
+def sums_on_device(x: jax.Array) -> jax.Array:
     """[sum of words, sum of words x (row-major position + 1)], wrapping, on the devices where `x`'s parts are:
     positions come from iotas in `x`'s own shape, so nothing is reshaped across devices."""
     words = _words(x, jnp)
@@ -62,11 +62,11 @@ def _sums_on_device(x: jax.Array) -> jax.Array:
     return jnp.stack([words.sum(dtype=jnp.uint32), (words * (position + 1)).sum(dtype=jnp.uint32)])
 
 
-_word_sums = jax.jit(lambda leaves: jnp.stack([_sums_on_device(x) for x in leaves]).reshape(-1, 2))
+_word_sums = jax.jit(lambda leaves: jnp.stack([sums_on_device(x) for x in leaves]).reshape(-1, 2))
 
 
 def _sums_on_host(x: np.ndarray) -> np.ndarray:
-    """`_sums_on_device` of a numpy array, on the host (uint32 arithmetic wraps as the device's does)."""
+    """`sums_on_device` of a numpy array, on the host (uint32 arithmetic wraps as the device's does)."""
     words = _words(np.asarray(x), np).reshape(-1)
     position = np.arange(1, words.size + 1, dtype=np.uint64).astype(np.uint32)
     return np.array([words.sum(dtype=np.uint32), (words * position).sum(dtype=np.uint32)], np.uint32)

@@ -21,7 +21,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp import hlo
+from jdp import digest, hlo
 from jdp import memory as memory_lib
 from jdp import step as step_lib
 from jdp.errors import FitError
@@ -288,10 +288,5 @@ class DataParallel:
 
 
 def _differing_leaves(tree: Tree, axis_name: str | tuple[str, ...] = DATA_AXIS) -> jax.Array:
-    sums = []
-    for x in jax.tree.leaves(tree):
-        x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x  # bitcast takes no booleans
-        bits = jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{x.dtype.itemsize * 8}")).astype(jnp.uint32)
-        sums.append(jnp.sum(bits * (jnp.arange(bits.size, dtype=jnp.uint32).reshape(bits.shape) + 1)))
-    sums = jnp.stack(sums)
-    return jax.lax.pmax(sums, axis_name) != jax.lax.pmin(sums, axis_name)
+    sums = jnp.stack([digest.sums_on_device(x) for x in jax.tree.leaves(tree)])  # the checkpoints' word sums
+    return (jax.lax.pmax(sums, axis_name) != jax.lax.pmin(sums, axis_name)).any(-1)

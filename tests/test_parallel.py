@@ -60,6 +60,21 @@ def test_the_replica_guard_finds_a_corrupted_copy(backend):
     assert parallel.first_differing_leaf(tree) == paths[2]
 
 
+def test_the_replica_guard_compares_every_word_of_an_8_byte_leaf():
+    """1.0 and 2.0 in float64 share their low 32 bits: a check of the low word alone calls the copies the same."""
+    from jax.sharding import PartitionSpec as P
+
+    from jdp.parallel import _differing_leaves
+
+    mesh = jax.make_mesh((2,), ("data",), devices=jax.devices()[:2])
+    check = jax.jit(jax.shard_map(_differing_leaves, mesh=mesh, in_specs=(P("data"),), out_specs=P(),
+                                  check_vma=False))
+    copies = jax.sharding.NamedSharding(mesh, P("data"))  # row i is device i's copy, as under pmap
+    with jax.enable_x64(True):
+        assert bool(check({"w": jax.device_put(np.array([[1.0], [2.0]]), copies)})[0])
+        assert not bool(check({"w": jax.device_put(np.array([[2.0], [2.0]]), copies)})[0])
+
+
 @pytest.mark.parametrize("num_devices", [1, 3, 8])
 @pytest.mark.slow
 def test_eval_sees_every_example_exactly_once(num_devices):
