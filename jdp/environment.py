@@ -1,6 +1,7 @@
 """The variables JAX and XLA read at start-up, checked before JAX is imported (no JAX here), so that a bad value is
 one line, not JAX's import-time ValueError (JAX_NUM_CPU_DEVICES=abc: 25 lines) or XLA's C++ abort on an unknown flag
 in XLA_FLAGS. No Python code catches that abort, so XLA_FLAGS is tried in a child process (`check_xla_flags`).
+The flags jdp adds itself go in through `add_xla_flags`.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Mapping
+from typing import Any
 
 from jdp.errors import UsageError
 
@@ -18,8 +20,8 @@ from jdp.errors import UsageError
 # where no signal stops it: 1024 take 3 s and 280 MB, 100000 grew past 10 GB and could not be interrupted.
 MAX_CPU_DEVICES = 1024
 
-# The flags jdp itself adds to XLA_FLAGS (jdp.cli.xla_flags, jdp.mesh), always with values XLA reads: a run in a
-# process where jdp already set them (a second in-process run, a test) needs no probe for them.
+# The flags jdp itself adds to XLA_FLAGS (`apply_communication_flags`, jdp.mesh), always with values XLA reads: a
+# run in a process where jdp already set them (a second in-process run, a test) needs no probe for them.
 _JDP_FLAGS = re.compile(r"--(xla_gpu_enable_latency_hiding_scheduler=(true|false)|"
                         r"xla_gpu_all_reduce_combine_threshold_bytes=\d+|xla_cpu_multi_thread_eigen=false)")
 # Building compile options makes XLA parse XLA_FLAGS (and abort on a bad one) without starting any backend, so no
@@ -92,3 +94,20 @@ def _problem(stderr: str) -> str | None:
                 "give flags as --name=value")
     fatal = [line for line in _FATAL.findall(stderr) if "XLA_FLAGS" in line or "flag" in line.lower()]
     return f"XLA refuses it ({fatal[0].strip()}); fix or remove it" if fatal else None
+
+
+def add_xla_flags(flags: dict[str, str]) -> None:
+    """Adds each flag=value to XLA_FLAGS unless XLA_FLAGS sets that flag already (the user's setting wins). Apply
+    before JAX starts its backends."""
+    current = os.environ.get("XLA_FLAGS", "")
+    present = {flag.split("=", 1)[0] for flag in current.split()}
+    os.environ["XLA_FLAGS"] = " ".join([current, *(f"{k}={v}" for k, v in flags.items() if k not in present)]).strip()
+
+
+def apply_communication_flags(parallel: Any) -> None:
+    """The config's parallel section's XLA flags, for GPUs (XLA:CPU runs collectives in-process): the all-reduce
+    combine threshold (DDP's bucket size, 25 MB there; 0 keeps XLA's default) and the latency-hiding scheduler, which
+    overlaps the gradient all-reduce with the backward."""
+    threshold = parallel.allreduce_combine_threshold_bytes
+    add_xla_flags({**({"--xla_gpu_all_reduce_combine_threshold_bytes": str(threshold)} if threshold else {}),
+                   "--xla_gpu_enable_latency_hiding_scheduler": str(parallel.latency_hiding_scheduler).lower()})

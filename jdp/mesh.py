@@ -11,7 +11,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jdp.environment import MAX_CPU_DEVICES
+from jdp.environment import MAX_CPU_DEVICES, add_xla_flags
 from jdp.errors import UsageError
 
 DATA_AXIS = "data"
@@ -33,10 +33,8 @@ def simulate_cpu_devices(count: int) -> None:
     if count > MAX_CPU_DEVICES:  # XLA would set them all up in C++, for minutes and gigabytes, deaf to signals
         raise UsageError(f"{count} simulated CPU devices asked for; jdp simulates at most {MAX_CPU_DEVICES}")
     jax.config.update("jax_num_cpu_devices", count)
-    current = os.environ.get("XLA_FLAGS", "")
-    flag = ONE_THREAD_PER_DEVICE.split("=")[0]
-    if count >= len(os.sched_getaffinity(0)) and flag not in current:
-        os.environ["XLA_FLAGS"] = f"{current} {ONE_THREAD_PER_DEVICE}".strip()
+    if count >= len(os.sched_getaffinity(0)):
+        add_xla_flags(dict([ONE_THREAD_PER_DEVICE.split("=")]))
 
 
 def mesh_devices(num_devices: int = 0) -> list[jax.Device]:

@@ -5,8 +5,8 @@ import tempfile
 
 import jax
 
-from jdp.cli.xla_flags import apply_communication_flags
 from jdp.configs import base
+from jdp.environment import apply_communication_flags
 from jdp.mesh import simulate_cpu_devices
 
 # Before any device is touched: every test sees 8 CPU devices, under the XLA flags a CLI run of the default config

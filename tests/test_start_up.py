@@ -22,10 +22,11 @@ import pytest
 from flax import nnx
 
 import jdp
-from jdp import mesh, storage, workdir_lock
+from jdp import environment, mesh, storage, workdir_lock
 from jdp.cli import build
 from jdp.cli import train as train_cli
 from jdp.cli.train import main
+from jdp.configs import base
 from jdp.environment import MAX_CPU_DEVICES
 from jdp.models import build_model
 
@@ -281,3 +282,16 @@ def test_a_disk_that_fills_during_a_save_prints_one_line(tmp_path):
     assert result.stderr.startswith(f"jdp: disk: file too large writing {workdir / 'checkpoints'}")
     assert result.stderr.strip().endswith("no checkpoint was written yet: raise the file size limit (ulimit -f) or use "
                                           "a filesystem that allows larger files and rerun")
+
+
+def test_the_parallel_sections_xla_flags_join_xla_flags_where_it_does_not_set_them(monkeypatch):
+    parallel = base.get_config().parallel
+    parallel.update(allreduce_combine_threshold_bytes=0, latency_hiding_scheduler=True)
+    monkeypatch.setenv("XLA_FLAGS", "--xla_gpu_enable_latency_hiding_scheduler=false --xla_dump_to=/tmp/x")
+    environment.apply_communication_flags(parallel)  # the user's scheduler setting wins; 0 adds no threshold
+    assert os.environ["XLA_FLAGS"] == "--xla_gpu_enable_latency_hiding_scheduler=false --xla_dump_to=/tmp/x"
+    parallel.allreduce_combine_threshold_bytes = 2**25
+    monkeypatch.setenv("XLA_FLAGS", "")
+    environment.apply_communication_flags(parallel)
+    assert os.environ["XLA_FLAGS"] == ("--xla_gpu_all_reduce_combine_threshold_bytes=33554432 "
+                                       "--xla_gpu_enable_latency_hiding_scheduler=true")

@@ -25,8 +25,7 @@ from jdp.cli.resume import (
     restore_for_inference,
 )
 from jdp.cli.sample import sample_text
-from jdp.cli.xla_flags import apply_communication_flags
-from jdp.environment import MAX_CPU_DEVICES, check_environment
+from jdp.environment import MAX_CPU_DEVICES, apply_communication_flags, check_environment
 from jdp.errors import DiskError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError, one_line, warn
 from jdp.mesh import simulate_cpu_devices
 from jdp.metrics import MetricsWriter
