@@ -144,6 +144,7 @@ OPTIONS: tuple[Option, ...] = (
            "other numerics or data (jdp.record)"),
 )
 BY_NAME = {option.name: option for option in OPTIONS}
+DEFAULTS = {option.name: option.default for option in OPTIONS}
 CONFIG_KEYS = {option.key: option for option in OPTIONS if option.key}
 
 
@@ -163,15 +164,16 @@ class View:
     @staticmethod
     def default(name: str) -> Any:
         """The option's default: a check may treat a value the caller left alone apart from one given."""
-        return BY_NAME[name].default
+        return DEFAULTS[name]
 
 
 FIT_NAMES, CONFIG_NAMES = View(), View(config=True)
 
 
-def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception] = FitError) -> None:
+def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception] = FitError) -> tuple[Any, str]:
     """The valid values of every option in `values` (by `fit` keyword) and the rules between them; raises
-    `error` with one line naming the options as `view` names them."""
+    `error` with one line naming the options as `view` names them. Returns (the strategy they choose, how `view`
+    names it)."""
     def require(condition: bool, message: str) -> None:
         if not condition:
             raise error(message)
@@ -183,11 +185,10 @@ def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception]
             require(value in valid, f"{n(name)}={value!r} is unknown; choose one of {', '.join(valid)}")
         elif isinstance(valid, Range):  # a config's values are first held to their ranges by `check_ranges`
             require(value in valid, f"{n(name)}={value} {valid.phrase(value)}")
-    defaults = {name: option.default for name, option in BY_NAME.items()}
-    o = dict(defaults, **values)
+    o = dict(DEFAULTS, **values)
     from jdp.sync.flags import chosen  # the strategy's own rules: jdp.sync (JAX) only once a run is checked
 
-    strategy, what = chosen(o, view, require, defaults)
+    strategy, what = chosen(o, view, require)
     for period in ("every", "agrees_every"):  # what the loop and the checkpoints count in
         steps = getattr(strategy, period)
         require(type(steps) is int and steps >= 1, f"{what}.{period}={steps!r} must be an int of at least 1 (steps)")
@@ -200,6 +201,7 @@ def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception]
             f"gradients); use {use('backend', 'shard_map')} or pmap")
     require(not o["log_noise_scale"] or strategy.noise_scale, f"{noise} {what} does not hold on each device; use "
             "the mean all-reduce")
+    return strategy, what
 
 
 def _post_init(self: Any) -> None:

@@ -327,9 +327,7 @@ def fit_values(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
 
 def sync_strategy(values: dict[str, Any]) -> tuple[Any, str]:
     """(the strategy `fit_values` name, how they name it as config keys), checked."""
-    from jdp.sync import flags
-
-    return flags.chosen(values, CONFIG_NAMES, _require, {name: option.default for name, option in BY_NAME.items()})
+    return check(values, CONFIG_NAMES, ConfigError)
 
 
 def with_default_sync(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
@@ -350,7 +348,6 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
     _require(cfg.optim.schedule in SCHEDULES,
              f"optim.schedule={cfg.optim.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
     values = fit_values(cfg)
-    check(values, CONFIG_NAMES, ConfigError)
     strategy, what = sync_strategy(values)
     _require(cfg.train.steps % strategy.every == 0, f"train.steps={cfg.train.steps} is not a multiple of {what}: with "
                                                     "local SGD the replicas agree only at sync points; use a multiple")

@@ -11,7 +11,7 @@ from typing import Any
 
 from jdp.sync.base import AllReduce, Local, Reduced, Sync
 from jdp.sync.diloco import DiLoCo
-from jdp.sync.flags import FLAGS, NAMES, chosen
+from jdp.sync.flags import FLAGS, NAMES
 from jdp.sync.hybrid import HybridShard
 from jdp.sync.local_sgd import LocalSGD
 from jdp.sync.powersgd import PowerSGD
@@ -28,20 +28,14 @@ __all__ = ["NAMES", "AllReduce", "DiLoCo", "HybridShard", "Local", "LocalSGD", "
 def for_inference(options: Any) -> Any:
     """`fit`'s options (checked) with the strategy that restores the run's checkpoints on any device count
     (`Sync.for_inference`) given as an object, every strategy flag at its default."""
-    from jdp.options import BY_NAME
+    from jdp.options import DEFAULTS
 
     return dataclasses.replace(options, sync=strategy(options)[0].for_inference(),
-                               **{flag: BY_NAME[flag].default for flag in FLAGS})
+                               **{flag: DEFAULTS[flag] for flag in FLAGS})
 
 
 def strategy(options: Any) -> tuple[Sync, str]:
     """(the strategy `fit`'s options name, how they name it), the options already checked (`jdp.options.check`)."""
-    from jdp.errors import FitError
-    from jdp.options import BY_NAME, FIT_NAMES
+    from jdp.options import BY_NAME, check
 
-    def require(condition: bool, message: str) -> None:
-        if not condition:
-            raise FitError(message)
-
-    values = {name: getattr(options, name) for name in BY_NAME}
-    return chosen(values, FIT_NAMES, require, {name: option.default for name, option in BY_NAME.items()})
+    return check({name: getattr(options, name) for name in BY_NAME})

@@ -22,13 +22,12 @@ FLAGS = ("shard_optimizer", "shard_params", "shard_group", "sync_every", "allred
 NAMES = ("allreduce", "zero1", "zero3", "local_sgd", "diloco", "powersgd")
 
 
-def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None], defaults: dict[str, Any]
-           ) -> tuple[Sync, str]:
+def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None]) -> tuple[Sync, str]:
     """(the strategy `o`'s flags name, how they name it for messages); `require(condition, line)` refuses
-    flags that contradict each other. `view` names the options (`jdp.options.View`), `defaults` their defaults."""
+    flags that contradict each other. `view` names the options (`jdp.options.View`)."""
     n, sync = view, o["sync"]
     if isinstance(sync, Sync):
-        changed = [flag for flag in FLAGS if o[flag] != defaults[flag]]
+        changed = [flag for flag in FLAGS if o[flag] != view.default(flag)]
         require(not changed, f"{n('sync')}={sync!r} is a strategy object, and {n(changed[0])}={o[changed[0]]!r} is a "
                 f"strategy setting: give it to the object, or leave {n(changed[0])} at its default" if changed
                 else "")
