@@ -17,7 +17,7 @@ import jax
 from jdp import callbacks as callbacks_lib
 from jdp import distributed as distributed_lib
 from jdp import guard as guard_lib
-from jdp import memory, noise_scale, precision, runinfo, storage, workdir_lock
+from jdp import memory, noise_scale, precision, storage, workdir_lock
 from jdp import record as record_lib
 from jdp.checkpoint import Checkpointer
 from jdp.data.batching import Source, optional
@@ -184,7 +184,7 @@ def _begin(engine: Engine, options: FitOptions, steps: int, workdir: Path | None
             echo(f"warning: steps changed from {old_steps} to {steps}: the run goes on from step {start}; a "
                  "learning-rate schedule built from steps changes from here on (it is not compared)")
         if jax.process_index() == 0:
-            metadata = runinfo.run_metadata(engine.parallel.mesh)
+            metadata = record_lib.run_metadata(engine.parallel.mesh)
             record_lib.write(workdir, fit_record, metadata)
             record = json.loads(json.dumps({**metadata, "fit": fit_record}, default=str))
     return start, logical, record

@@ -1,7 +1,8 @@
 """The run record, WORKDIR/run.json, written by `jdp.fit` at the start of each run segment (what it holds: docs/api.md,
 "The run record and resume"), and the comparison of two records that the resume guard (`jdp.guard`) makes. Sampled
 rows are hashed rounded to 5 significant digits and the optimizer's fingerprint compared to a relative tolerance,
-never as raw float bits, so a run resumes on another machine or XLA version.
+never as raw float bits, so a run resumes on another machine or XLA version. `run_metadata`: the versions, devices,
+flags, git SHA and command line it also holds.
 """
 
 from __future__ import annotations
@@ -10,7 +11,12 @@ import dataclasses
 import functools
 import hashlib
 import importlib
+import importlib.metadata
 import json
+import os
+import platform
+import subprocess
+import sys
 import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -21,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from jdp.data.batching import optional
 from jdp.errors import FitError, one_line
@@ -298,3 +305,35 @@ def fit_record(*, model: Any, loss_fn: Callable, optimizer: optax.GradientTransf
             "data": {"train": describe_data(source, train_factory),
                      "eval": {"length": int(optional(source, "num_eval")), "factory": import_path(eval_factory)}}}
 
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _git_sha() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent, capture_output=True,
+                             text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def run_metadata(mesh: Mesh) -> dict:
+    devices = list(mesh.devices.flat)
+    return {
+        "versions": {p: _version(p) for p in ("jdp", "jax", "jaxlib", "flax", "optax", "orbax-checkpoint")},
+        "python": sys.version.split()[0],
+        "host": platform.node(),
+        "platform": devices[0].platform,
+        "device_kind": devices[0].device_kind,
+        "devices": [str(d) for d in devices],
+        "process_count": jax.process_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "jax_num_cpu_devices": jax.config.jax_num_cpu_devices,
+        "git_sha": _git_sha(),
+        "command": sys.argv,
+    }
