@@ -162,6 +162,49 @@ class MetricsWriter:
                 tb.close()
 
 
+class _ClosableStream:
+    """sys.stdout or sys.stderr whose reader may go away (`| head`): from the first broken pipe on, the stream writes
+    to /dev/null and the run goes on, its lines kept in metrics.jsonl. Python would raise at that print (ending the
+    run with a traceback) and at every print after it."""
+
+    def __init__(self, stream: Any, name: str) -> None:
+        self._stream, self._name = stream, name
+
+    def __getattr__(self, attribute: str) -> Any:
+        return getattr(self._stream, attribute)
+
+    def write(self, text: str) -> int:
+        self._guarded(self._stream.write, text)
+        return len(text)
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    def _guarded(self, call: Callable[..., Any], *args: Any) -> None:
+        try:
+            call(*args)
+        except BrokenPipeError:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, self._stream.fileno())  # the text still buffered goes there at the next flush
+            os.close(devnull)
+            if self._name == "stdout":
+                warn("stdout was closed by its reader (a pipe such as `| head`); the run goes on, printing nothing "
+                     "more to it (metrics.jsonl holds its train and eval lines)")
+
+
+@contextlib.contextmanager
+def console_may_close() -> Iterator[None]:
+    """A run whose stdout or stderr is closed by its reader goes on (see `_ClosableStream`); nested, the outer one
+    holds."""
+    saved = sys.stdout, sys.stderr
+    if not isinstance(sys.stdout, _ClosableStream):
+        sys.stdout, sys.stderr = _ClosableStream(sys.stdout, "stdout"), _ClosableStream(sys.stderr, "stderr")
+    try:
+        yield
+    finally:
+        sys.stdout, sys.stderr = saved
+
+
 def read_metrics(run_dir: Path) -> list[dict]:
     """The records of RUN_DIR/metrics.jsonl, in order (lines that are not JSON are left out, with a warning)."""
     path = Path(run_dir) / "metrics.jsonl"

@@ -17,7 +17,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jdp import callbacks, loop, preemption, storage
+from jdp import callbacks, loop, metrics, preemption, storage
 from jdp import distributed as distributed_lib
 from jdp import record as record_lib
 from jdp import sync as sync_lib
@@ -258,6 +258,7 @@ def fit(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
 
 
 @preemption.during_fit()  # a signal in a script ends it with exit 75, as in the CLI
+@metrics.console_may_close()
 def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
         optimizer: optax.GradientTransformation, steps: int, global_batch_size: int, options: FitOptions,
         on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None,

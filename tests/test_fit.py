@@ -300,6 +300,18 @@ def test_each_train_line_says_how_many_steps_it_averages(tmp_path):
     assert [(r["step"], r["window_steps"]) for r in records(tmp_path, "train")] == [(2, 2), (3, 1), (6, 3), (7, 1)]
 
 
+def test_a_script_whose_stdout_reader_goes_away_trains_to_the_end(monkeypatch, capsys):
+    """`python script.py | head -1`: fit's next train line after the pipe closed raised BrokenPipeError out of fit;
+    now one warning, and the run goes on (the CLI's case: test_workdir)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with open(write_end, "w") as closed_pipe:
+        monkeypatch.setattr(sys, "stdout", closed_pipe)
+        result = _fit(Regressor, mse, regression_data(), num_devices=1)
+    assert len(result.losses) == 4
+    assert capsys.readouterr().err.count("jdp: warning: stdout was closed by its reader") == 1
+
+
 def test_the_checkpoint_stall_leaves_out_the_final_save(monkeypatch, tmp_path):
     """checkpoint_stall_s is what the saves made during training held the training up; the final save, with
     nothing left to train behind it, is final_checkpoint_s (its call, here made 0.5 s slower, and its commit)."""

@@ -1,7 +1,7 @@
 """What a workdir holds, in-process: the lock that keeps a second run out, whole-file rewrites a reader never sees
 half done, metrics.jsonl with damaged lines, the settings a resume refuses, and leaf digests. Then, under the CLI in
 a child bounded in time: each writer meeting a full disk (a small tmpfs), a `checkpoints` that is a file, the
-workdir deleted mid-run."""
+workdir deleted mid-run, a stdout whose reader goes away."""
 
 from __future__ import annotations
 
@@ -352,3 +352,26 @@ def test_a_workdir_deleted_mid_run_is_the_one_line_disk_error(tmp_path):
     out = subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr)
     _one_line(out, 6, f"jdp: disk: {workdir} was deleted or moved while the run wrote it")
     assert stderr.strip().endswith("move it back and rerun to resume, or rerun to start afresh")
+
+
+def test_a_run_whose_stdout_reader_goes_away_trains_to_the_end(tmp_path):
+    """`python -m jdp.train | head -1`: the pipe closes after the first line. The next print ended the run with a
+    BrokenPipeError traceback, exit 1, losing the steps since the last checkpoint; now one warning, and the run
+    finishes with its summary line and final checkpoint."""
+    workdir = tmp_path / "run"
+    child = subprocess.Popen([*TINY, "--workdir", str(workdir), "--config.train.steps=40"], cwd=ROOT,
+                             env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        child.stdout.readline()  # the start-up line, as `head -1` reads it
+        child.stdout.close()
+        stderr = child.stderr.read()
+        child.wait(timeout=HANG_S)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == 0, stderr[-3000:]
+    assert stderr.splitlines() == ["jdp: warning: stdout was closed by its reader (a pipe such as `| head`); the run "
+                                   "goes on, printing nothing more to it (metrics.jsonl holds its train and eval "
+                                   "lines)"], stderr[-3000:]
+    assert read_metrics(workdir)[-1]["split"] == "summary"
+    assert max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == 40

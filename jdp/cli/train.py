@@ -28,7 +28,7 @@ from jdp.cli.sample import sample_text
 from jdp.environment import MAX_CPU_DEVICES, apply_communication_flags, check_environment
 from jdp.errors import DiskError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError, one_line, warn
 from jdp.mesh import simulate_cpu_devices
-from jdp.metrics import MetricsWriter
+from jdp.metrics import MetricsWriter, console_may_close
 from jdp.modeldef import replace_state
 from jdp.trainer import FitResult
 
@@ -146,7 +146,7 @@ def enable_compilation_cache(cache_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    with preemption.ExitOnSignal():  # already in force when run as python -m jdp.train
+    with preemption.ExitOnSignal(), console_may_close():  # the first already in force as python -m jdp.train
         return _main(argv)
 
 
