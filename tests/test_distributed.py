@@ -536,6 +536,24 @@ def test_launcher_passes_sigterm_on(tmp_path):
     assert "[0] got SIGTERM" in out.read_text() and "[1] got SIGTERM" in out.read_text()
 
 
+LOUD_SCRIPT = "import time; time.sleep(1); [print('x' * 1000) for _ in range(300)]"  # 4 pipe buffers' worth
+
+
+def test_a_launch_whose_stdout_reader_goes_away_lets_its_children_finish(tmp_path):
+    """`python -m jdp.launch ... | head -1`: the thread passing a child's stdout on died at the closed pipe with a
+    BrokenPipeError traceback, and the child, its pipe no longer read, blocked for ever at its next 64 KB."""
+    with open(tmp_path / "launch.err", "w") as err:  # the launcher keeps its own copy of the descriptor
+        launcher = subprocess.Popen([sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--", sys.executable, "-c",
+                                     LOUD_SCRIPT], cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE, stderr=err,
+                                    start_new_session=True)
+    launcher.stdout.close()  # before the children print
+    assert finish([launcher], timeout=60) == [0]
+    lines = (tmp_path / "launch.err").read_text().splitlines()
+    assert [line for line in lines if not line.startswith("[launch] 2 processes")] == [
+        "jdp: warning: stdout was closed by its reader (a pipe such as `| head`); the run goes on, printing nothing "
+        "more to it (metrics.jsonl holds its train and eval lines)"]
+
+
 def test_only_the_key_value_shim_reaches_into_jax_private_modules():
     from jdp import kvstore
 

@@ -35,6 +35,7 @@ from typing import IO
 
 from jdp.environment import MAX_CPU_DEVICES
 from jdp.files import write_atomic
+from jdp.metrics import console_may_close
 from jdp.preemption import EXIT_PREEMPTED, LAUNCH_FAILURE_FILE
 
 # Variables of other conventions that would take precedence over the launcher's in jdp.distributed.
@@ -300,6 +301,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--nprocs must be at least 1 and --cpu_devices in 0..{MAX_CPU_DEVICES}")
     if args.max_restarts < 0:
         parser.error(f"--max_restarts {args.max_restarts} must not be negative")
-    return Launcher(command, args.nprocs, cpu_devices=args.cpu_devices, port=args.port, grace_s=args.grace_s,
-                    max_restarts=args.max_restarts, workdir=args.workdir).run()
+    with console_may_close():  # a pump that died at a closed pipe (| head) would leave its child blocked for ever
+        return Launcher(command, args.nprocs, cpu_devices=args.cpu_devices, port=args.port, grace_s=args.grace_s,
+                        max_restarts=args.max_restarts, workdir=args.workdir, out=sys.stdout, err=sys.stderr).run()
 
