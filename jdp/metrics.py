@@ -197,8 +197,9 @@ def console_may_close() -> Iterator[None]:
     """A run whose stdout or stderr is closed by its reader goes on (see `_ClosableStream`); nested, the outer one
     holds."""
     saved = sys.stdout, sys.stderr
-    if not isinstance(sys.stdout, _ClosableStream):
-        sys.stdout, sys.stderr = _ClosableStream(sys.stdout, "stdout"), _ClosableStream(sys.stderr, "stderr")
+    if not isinstance(sys.stdout, _ClosableStream):  # None (started with the stream closed, `>&-`): print skips it
+        sys.stdout, sys.stderr = (None if stream is None else _ClosableStream(stream, name)
+                                  for stream, name in zip(saved, ("stdout", "stderr"), strict=True))
     try:
         yield
     finally:

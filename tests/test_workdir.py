@@ -354,24 +354,29 @@ def test_a_workdir_deleted_mid_run_is_the_one_line_disk_error(tmp_path):
     assert stderr.strip().endswith("move it back and rerun to resume, or rerun to start afresh")
 
 
-def test_a_run_whose_stdout_reader_goes_away_trains_to_the_end(tmp_path):
+CLOSED_STDOUT_WARNING = ("jdp: warning: stdout was closed by its reader (a pipe such as `| head`); the run goes on, "
+                         "printing nothing more to it (metrics.jsonl holds its train and eval lines)")
+
+
+@pytest.mark.parametrize("closed", ["by its reader", "at the start"])
+def test_a_run_whose_stdout_is_closed_trains_to_the_end(closed, tmp_path):
     """`python -m jdp.train | head -1`: the pipe closes after the first line. The next print ended the run with a
     BrokenPipeError traceback, exit 1, losing the steps since the last checkpoint; now one warning, and the run
-    finishes with its summary line and final checkpoint."""
-    workdir = tmp_path / "run"
-    child = subprocess.Popen([*TINY, "--workdir", str(workdir), "--config.train.steps=40"], cwd=ROOT,
-                             env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finishes with its summary line and final checkpoint. Started with stdout closed (`>&-`), it prints nothing."""
+    workdir, err = tmp_path / "run", tmp_path / "stderr"
+    with open(err, "w") as stderr:  # the child keeps its own copy of the descriptor
+        child = subprocess.Popen([*TINY, "--workdir", str(workdir), "--config.train.steps=40"], cwd=ROOT,
+                                 env=_child_env(), stdout=subprocess.PIPE if closed == "by its reader" else None,
+                                 stderr=stderr, preexec_fn=None if closed == "by its reader" else lambda: os.close(1))
     try:
-        child.stdout.readline()  # the start-up line, as `head -1` reads it
-        child.stdout.close()
-        stderr = child.stderr.read()
+        if child.stdout is not None:
+            child.stdout.readline()  # the start-up line, as `head -1` reads it
+            child.stdout.close()
         child.wait(timeout=HANG_S)
     finally:
         child.kill()
         child.wait()
-    assert child.returncode == 0, stderr[-3000:]
-    assert stderr.splitlines() == ["jdp: warning: stdout was closed by its reader (a pipe such as `| head`); the run "
-                                   "goes on, printing nothing more to it (metrics.jsonl holds its train and eval "
-                                   "lines)"], stderr[-3000:]
+    assert child.returncode == 0, err.read_text()[-3000:]
+    assert err.read_text().splitlines() == ([CLOSED_STDOUT_WARNING] if closed == "by its reader" else [])
     assert read_metrics(workdir)[-1]["split"] == "summary"
     assert max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == 40
