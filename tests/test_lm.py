@@ -3,6 +3,7 @@
 import functools
 import json
 import math
+import re
 import shlex
 import subprocess
 import sys
@@ -15,10 +16,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from jdp.cli.config import ConfigError
 from jdp.cli.sample import Sampler
 from jdp.cli.train import build, run
 from jdp.data import DataError, build_source
 from jdp.data.text import Vocabulary, shakespeare_from_markdown
+from jdp.errors import UsageError
 from jdp.models.gpt import GPT, gelu
 from jdp.perf import bench, measure
 from tests.helpers import TINY_TEXT, records, small_config
@@ -113,7 +116,8 @@ def test_the_workdir_vocabulary_is_reused(tmp_path):
     other.write_text("abc" * 50)  # fewer characters: the saved vocabulary, not the new text's, is used
     assert _source(other, workdir=workdir).num_classes == len(set(TEXT))
     other.write_text("xyz~" * 50)
-    with pytest.raises(DataError, match="'~', which is not in the vocabulary"):
+    with pytest.raises(DataError, match="'~', which is not in the vocabulary of 57 characters, .*vocab.json, built "
+                                        "from the text this run started on; restore that text, or use a new"):
         _source(other, workdir=workdir)
 
 
@@ -129,6 +133,39 @@ def test_bad_text_is_one_line(tmp_path):
     with pytest.raises(DataError, match="not UTF-8"):
         _source(latin1)
     assert _source(latin1, tokenizer="bytes").num_classes == 256
+
+
+def test_a_text_directory_names_its_file_that_is_not_utf8_and_keeps_the_workdir_out(tmp_path):
+    """A directory's bad file was reported at its offset in the files joined ("at byte 1005"), naming no file; a
+    `text:` with no path read the current directory, and a workdir inside the directory had its checkpoints read
+    as text at the next start."""
+    texts = tmp_path / "texts"
+    texts.mkdir()
+    (texts / "a.txt").write_text("x" * 1000)
+    (texts / "b.txt").write_bytes(b"hi\xffthere" * 10)
+    with pytest.raises(DataError, match=rf"^{re.escape(str(texts / 'b.txt'))} is not UTF-8 \(invalid start byte at "
+                                        r"byte 2\); convert it, or use data.tokenizer=bytes$"):
+        _source(texts)
+    (texts / "b.txt").unlink()
+    with pytest.raises(DataError, match=f"the workdir {re.escape(str(texts / 'run'))} is inside data.name's directory"):
+        _source(texts, workdir=texts / "run")
+    with pytest.raises(DataError, match="^data.name=text: names no file; give data.name=text:PATH"):
+        build_source(ml_collections.ConfigDict(dict(_text_cfg(texts), name="text:")), seed=0, global_batch_size=8,
+                     eval_batch_size=8, process_index=0, process_count=1)
+
+
+def test_a_sample_prompt_outside_the_vocabulary_is_refused_before_training(tmp_path):
+    """The default prompt, a newline, on a text without one: the run trained and checkpointed, then exited 2 when
+    the sample after training met the prompt."""
+    text = tmp_path / "no_newline.txt"
+    text.write_text("abcdefghij" * 100)
+    cfg = small_config("gpt", num_devices=1, data={"name": f"text:{text}"})
+    cfg.sample.update(tokens=5, prompt="\n")
+    with pytest.raises(ConfigError, match=r"^sample.prompt='\\n' has the character '\\n', which is not in the "
+                                          r"vocabulary of 10 characters; set --config.sample.prompt to text of its "
+                                          r"characters, or --config.sample.tokens=0 for no sample$"):
+        run(cfg, tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints").exists()
 
 
 def test_a_directory_is_its_files_in_order(tmp_path):
@@ -238,6 +275,9 @@ def test_sampling_with_and_without_the_cache_gives_the_same_tokens():
     cached = sampler.generate([1, 2, 3], 14, temperature=0.9, top_k=5, seed=4)
     assert cached == sampler.generate([1, 2, 3], 14, temperature=0.9, top_k=5, seed=4, use_cache=False)
     assert cached != sampler.generate([1, 2, 3], 14, temperature=0.9, top_k=5, seed=5)
+    for temperature in (0.0, float("nan"), float("inf")):  # nan and inf sampled a newline at every token
+        with pytest.raises(UsageError, match=f"temperature={temperature} must be a positive finite number"):
+            sampler.generate([1, 2, 3], 2, temperature=temperature)
 
 
 def test_top_k_1_is_the_argmax_of_a_full_forward_pass():

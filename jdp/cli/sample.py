@@ -6,6 +6,7 @@ sample is reproducible and the same with and without the cache.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -64,8 +65,8 @@ class Sampler:
         """`num_tokens` new token ids after `prompt` (top_k 0 = every token)."""
         if not prompt:
             raise UsageError("the prompt is empty; give at least one character")
-        if temperature <= 0:
-            raise UsageError(f"temperature={temperature} must be positive")
+        if not 0 < temperature < math.inf:  # nan drew the same token every time
+            raise UsageError(f"temperature={temperature} must be a positive finite number, e.g. 0.8")
         key = jax.random.key(seed)
         tokens = [int(t) for t in prompt]
         window, length = self._window(tokens)

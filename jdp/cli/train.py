@@ -43,6 +43,13 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
     workdir = Path(workdir)
     storage.check_writable(workdir)
     task = build_task(cfg, workdir)
+    vocab = getattr(task.source, "vocabulary", None)
+    if cfg.sample.tokens and vocab is not None:  # the sample after training: its prompt checked before it
+        try:
+            vocab.encode(cfg.sample.prompt, f"sample.prompt={cfg.sample.prompt!r}")
+        except UsageError as e:
+            raise config_lib.ConfigError(f"{e}; set --config.sample.prompt to text of its characters, or "
+                                         "--config.sample.tokens=0 for no sample") from None
     echo = print if jax.process_index() == 0 else lambda *_: None
     model = task.make_model
     if cfg.init_from and not committed_steps(workdir):  # read before fit makes the workdir: a bad file
@@ -61,7 +68,6 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
                          options=dataclasses.replace(task.options, workdir=workdir, callbacks=(
                              *task.options.callbacks, *config_lib.make_loggers(cfg.metrics))), on_start=on_start,
                          settings=config_lib.guarded_settings(cfg))
-    vocab = getattr(task.source, "vocabulary", None)
     if cfg.sample.tokens and vocab is not None and jax.process_index() == 0:  # a language model: show a sample
         model = task.make_model()
         replace_state(model, result.params, result.model_state)

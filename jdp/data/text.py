@@ -83,17 +83,28 @@ def shakespeare_from_markdown(plays: list[Path]) -> str:
     return "".join(f"{name}:\n" + "\n".join(lines) + "\n\n" for name, lines in speeches if lines)
 
 
-def read_text(name: str) -> bytes:
+def read_text(name: str, *, utf8: bool = True, workdir: Path | None = None) -> bytes:
     """The text `data.name` names: the file, or every file under the directory (by sorted path, hidden ones left
-    out), concatenated."""
+    out), concatenated; with `utf8`, a file that is not UTF-8 is named. A `workdir` inside the directory is refused:
+    its checkpoints would become text."""
+    if name.strip() == TEXT_PREFIX:
+        raise DataError(f"data.name={name} names no file; give data.name=text:PATH, a UTF-8 text file or a "
+                        "directory of them")
     path = shakespeare_path() if name == SHAKESPEARE else Path(name[len(TEXT_PREFIX):]).expanduser()
     if not path.exists():
         raise DataError(f"data.name={name}: {path} does not exist; give a UTF-8 text file or a directory of them")
+    if path.is_dir() and workdir is not None and Path(workdir).resolve().is_relative_to(path.resolve()):
+        raise DataError(f"the workdir {workdir} is inside data.name's directory {path}, every file of which is read "
+                        "as text (the run's checkpoints too); give a --workdir outside it")
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file() and not any(
         part.startswith(".") for part in p.relative_to(path).parts))
     if not files:
         raise DataError(f"{path} holds no files; give a UTF-8 text file or a directory of them")
-    return b"".join(p.read_bytes() for p in files)
+    texts = [p.read_bytes() for p in files]
+    if utf8:
+        for file, text in zip(files, texts, strict=True):
+            _codepoints(text, str(file))
+    return b"".join(texts)
 
 
 # ----------------------------------------------------------------------------------------------- vocabulary
@@ -149,7 +160,8 @@ class Vocabulary:
             saved = json.loads(path.read_text(encoding="utf-8"))
             return cls(saved["tokenizer"], saved["symbols"])
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise DataError(f"{path} is not a jdp vocabulary ({e}); delete it to rebuild it from the text") from None
+            raise DataError(f"{path} is not a jdp vocabulary ({e}); delete it, and the next python -m jdp.train on "
+                            "this workdir rebuilds it from the text") from None
 
 
 def _codepoints(raw: bytes, what: str) -> np.ndarray:
@@ -205,9 +217,13 @@ def text_source(cfg: ml_collections.ConfigDict, *, seed: int, global_batch_size:
     block = cfg.block_size
     if block < 1:
         raise DataError(f"data.block_size={block} must be at least 1")
-    raw = read_text(cfg.name)
+    raw = read_text(cfg.name, utf8=cfg.tokenizer == "chars", workdir=workdir)
     vocab = vocabulary_for(cfg, raw, workdir, process_index)
-    tokens = vocab.encode(raw, f"the text of data.name={cfg.name}")
+    try:
+        tokens = vocab.encode(raw, f"the text of data.name={cfg.name}")
+    except DataError as e:  # only a saved vocabulary can lack a character of the text it was not built from
+        raise DataError(f"{e}, {workdir / VOCAB_FILE}, built from the text this run started on; restore that "
+                        "text, or use a new --workdir") from None
     tokens.setflags(write=False)
     split = int(len(tokens) * TRAIN_FRACTION)
     val_end = split + cfg.eval_windows * block + 1 if cfg.eval_windows > 0 else len(tokens)
