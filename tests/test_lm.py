@@ -90,6 +90,10 @@ def test_vocabulary_round_trip_and_bytes(tmp_path):
     as_bytes = Vocabulary("bytes")
     assert as_bytes.size == 256 and as_bytes.decode(as_bytes.encode("café — ok")) == "café — ok"
     assert len(as_bytes.encode("é")) == 2
+    (tmp_path / "vocab.json").write_text("")  # jdp.sample only reads it: the fix is a training start's rebuild
+    with pytest.raises(DataError, match="is not a jdp vocabulary .*; delete it, and the next python -m jdp.train on "
+                                        "this workdir rebuilds it from the text$"):
+        Vocabulary.load(tmp_path / "vocab.json")
 
 
 def test_process_blocks_concatenate_to_the_global_batch():
