@@ -5,6 +5,7 @@ run"). A run's model is rebuilt from its record (`jdp.record`) when `fit` was gi
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,10 +15,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from jdp import preemption, trainer
+from jdp import preemption, storage, trainer
 from jdp import record as record_lib
 from jdp.checkpoint import CheckpointError, read_arrays
-from jdp.errors import FitError, UsageError, one_line
+from jdp.errors import DiskError, FitError, UsageError, one_line
 from jdp.files import write_atomic
 from jdp.mesh import mesh_devices
 from jdp.modeldef import LossFn, ModelDef, state_groups
@@ -110,18 +111,41 @@ def export_params(workdir: str | Path, path: str | Path,
     """Writes what `python -m jdp.export` writes: the run's parameters and model state (not its RNG streams) as an
     .npz that `init_from` and `jdp.params_file` read; returns (step, number of arrays). `model`: as in `restore`."""
     preemption.install_excepthook()  # an uncaught FitError: one line and exit 2
+    path = params_file_path(path)
     step, restored = _restored(Path(workdir), model, step, "jdp.export_params(workdir, path, model)")
     params, model_state = state_groups(restored)
-    write_params_file(Path(path), params, model_state, step)
+    write_params_file(path, params, model_state, step)
     return step, len(jax.tree.leaves((params, model_state)))
 
 
+def params_file_path(path: str | Path) -> Path:
+    """The file a parameter file `path` is written to (".npz" added, as np.savez adds it), its folder checked before
+    anything is restored: FitError where it cannot be written."""
+    given = Path(path)
+    path = given if given.suffix == ".npz" else given.with_name(given.name + ".npz")
+    if given.is_dir() or path.is_dir():
+        raise FitError(f"cannot write a parameter file to {given}: it is a folder; give a file path such as "
+                       f"{given / 'params.npz'}")
+    if not path.parent.is_dir():
+        raise FitError(f"cannot write {path}: {path.parent} is not an existing folder; make it, or give another path")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise FitError(f"cannot write {path}: its folder is read-only; give another path")
+    return path
+
+
 def write_params_file(path: Path, params: Any, model_state: Any, step: int) -> None:
-    """`params/...`, `model_state/...` and `step`, written atomically (".npz" added, as np.savez adds it)."""
+    """`params/...`, `model_state/...` and `step` written atomically to `path` (from `params_file_path`); a failed
+    write is a DiskError (a full disk, an I/O error) or a FitError, in one line."""
     arrays = {**flatten(params, "params"), **flatten(model_state, "model_state"), "step": np.int64(step)}
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
-    write_atomic(path if path.suffix == ".npz" else path.with_name(path.name + ".npz"), buffer.getvalue())
+    try:
+        write_atomic(path, buffer.getvalue())
+    except OSError as e:
+        if failure := storage.disk_failure(e):
+            raise DiskError(f"{storage.describe(failure, path)}; {storage.remedy(failure[0])}, or give another "
+                            "path") from None
+        raise FitError(f"cannot write {path}: {e.strerror or one_line(e)}; give another path") from None
 
 
 def evaluate_run(workdir: Path) -> tuple[int, dict[str, float]]:

@@ -688,6 +688,16 @@ def test_export_round_trips_into_a_new_run(tmp_path, capsys):
     params, model_state = params_file.load_into(tmp_path / "p.npz", first.params, first.model_state)
     loaded = params_file.flatten(params, "params") | params_file.flatten(model_state, "model_state")
     assert all(np.array_equal(exported[k], loaded[k]) for k in exported)
+    capsys.readouterr()
+    missing = tmp_path / "missing" / "p.npz"  # these two were tracebacks, exit 1
+    for out, refusal in ((missing, f"cannot write {missing}: {missing.parent} is not an existing folder; make it, "
+                                   "or give another path"),
+                         (tmp_path, f"cannot write a parameter file to {tmp_path}: it is a folder; give a file path "
+                                    f"such as {tmp_path / 'params.npz'}")):
+        assert export.main(["--workdir", str(tmp_path / "a"), "--out", str(out)]) == 2
+        assert capsys.readouterr().err == f"jdp.export: {refusal}\n"
+    assert export.main(["--workdir", str(tmp_path / "a"), "--out", str(tmp_path / "q")]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'q.npz'}: ")  # the file written, not "q"
 
     # A new run from the file evaluates like the run it came from, before its first update.
     assert main(["--workdir", str(tmp_path / "a"), "--eval_only"]) == 0

@@ -676,6 +676,10 @@ def test_export_writes_the_parameters_and_state_of_the_last_checkpoint(finished,
     assert all(k.startswith(("params/", "model_state/")) for k in arrays)
     np.testing.assert_array_equal(arrays["params/conv/kernel"], result.params["conv"]["kernel"])
     np.testing.assert_array_equal(arrays["model_state/bn/mean"], result.model_state["bn"]["mean"])
+    missing = tmp_path / "missing" / "params.npz"  # was a raw FileNotFoundError, after the restore
+    with pytest.raises(jdp.FitError, match=f"^cannot write {missing}: {missing.parent} is not an existing folder; "
+                                           "make it, or give another path$"):
+        jdp.export_params(workdir, missing)
 
 
 def test_evaluate_run_names_the_piece_given_as_an_object(finished, tmp_path):

@@ -17,7 +17,6 @@ from jdp.checkpoint import CheckpointError
 from jdp.cli import config as config_lib
 from jdp.cli.resume import restore_for_inference
 from jdp.errors import DiskError, FitError
-from jdp.reopen import write_params_file
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,16 +27,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     try:
+        out = reopen.params_file_path(args.out)  # before anything is restored
         if (args.workdir / "config.json").exists():  # a python -m jdp.train run: rebuilt from its config
             step, built, state = restore_for_inference(args.workdir)
             built.source.close()
             host = built.parallel.to_host(state)  # RNG streams are left out: they are not weights
-            write_params_file(args.out, host.params, host.model_state, step)
+            reopen.write_params_file(out, host.params, host.model_state, step)
         else:  # a jdp.fit run whose record names an importable model
-            step, _ = reopen.export_params(args.workdir, args.out)
+            step, _ = reopen.export_params(args.workdir, out)
     except (config_lib.ConfigError, CheckpointError, FitError, DiskError) as e:
         print(f"jdp.export: {e}", file=sys.stderr)
         # A DiskError: a checkpoint that cannot be read for a reason other than its content.
         return 6 if isinstance(e, DiskError) else 2
-    print(f"wrote {args.out}: the parameters and model state of step {step} of {args.workdir}")
+    print(f"wrote {out}: the parameters and model state of step {step} of {args.workdir}")
     return 0
