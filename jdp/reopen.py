@@ -5,7 +5,6 @@ run"). A run's model is rebuilt from its record (`jdp.record`) when `fit` was gi
 from __future__ import annotations
 
 import io
-import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -123,13 +122,10 @@ def params_file_path(path: str | Path) -> Path:
     anything is restored: FitError where it cannot be written."""
     given = Path(path)
     path = given if given.suffix == ".npz" else given.with_name(given.name + ".npz")
-    if given.is_dir() or path.is_dir():
-        raise FitError(f"cannot write a parameter file to {given}: it is a folder; give a file path such as "
-                       f"{given / 'params.npz'}")
-    if not path.parent.is_dir():
-        raise FitError(f"cannot write {path}: {path.parent} is not an existing folder; make it, or give another path")
-    if not os.access(path.parent, os.W_OK | os.X_OK):
-        raise FitError(f"cannot write {path}: its folder is read-only; give another path")
+    try:
+        storage.check_output_file(given if given.is_dir() else path, "params.npz")
+    except UsageError as e:
+        raise FitError(str(e)) from None
     return path
 
 

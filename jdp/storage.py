@@ -68,6 +68,18 @@ def check_writable(workdir: str | Path, flag: str = "--workdir") -> None:
                                  f"pass another {flag}) and rerun")
 
 
+def check_output_file(path: Path, example: str) -> None:
+    """Refuse, in one line, a file to be written (an export, a plot) that is a folder (`example`: a file name to
+    suggest inside it) or whose folder is missing or read-only; before the work that makes its content."""
+    if path.is_dir():
+        raise UsageError(f"cannot write {path}: it is a folder; give a file path such as {path / example}")
+    if not path.parent.is_dir():
+        raise UsageError(f"cannot write {path}: {path.parent} is not an existing folder; make it, or give another "
+                         "path")
+    if not os.access(path.parent, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write {path}: its folder is read-only; give another path")
+
+
 # The directories a run makes in its workdir (`trackers`: the tracker loggers' state), and the files it writes.
 RUN_DIRECTORIES = ("checkpoints", "tensorboard", "trackers")
 RUN_FILES = ("jdp.lock", "run.json", "metrics.jsonl", "config.json", "config_history.jsonl")

@@ -692,8 +692,8 @@ def test_export_round_trips_into_a_new_run(tmp_path, capsys):
     missing = tmp_path / "missing" / "p.npz"  # these two were tracebacks, exit 1
     for out, refusal in ((missing, f"cannot write {missing}: {missing.parent} is not an existing folder; make it, "
                                    "or give another path"),
-                         (tmp_path, f"cannot write a parameter file to {tmp_path}: it is a folder; give a file path "
-                                    f"such as {tmp_path / 'params.npz'}")):
+                         (tmp_path, f"cannot write {tmp_path}: it is a folder; give a file path such as "
+                                    f"{tmp_path / 'params.npz'}")):
         assert export.main(["--workdir", str(tmp_path / "a"), "--out", str(out)]) == 2
         assert capsys.readouterr().err == f"jdp.export: {refusal}\n"
     assert export.main(["--workdir", str(tmp_path / "a"), "--out", str(tmp_path / "q")]) == 0

@@ -23,6 +23,25 @@ def test_plot_of_a_missing_run_is_one_clear_error(tmp_path, capsys):
     assert "metrics.jsonl not found" in capsys.readouterr().err
 
 
+def test_plot_refuses_an_out_it_cannot_write_and_runs_with_nothing_to_plot(tmp_path, capsys):
+    """An unknown format and an unwritable place were tracebacks (exit 1); a run with no values an empty PNG."""
+    _write_run(tmp_path / "a", [2.0, 1.0])
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "metrics.jsonl").write_text("")
+    cases = {(tmp_path / "a", tmp_path / "p.xyz"): "--out {out}: matplotlib writes no .xyz file; end it with one of ",
+             (tmp_path / "a", tmp_path / "missing" / "p.png"):
+                 "cannot write {out}: {out.parent} is not an existing folder; make it, or give another path",
+             (tmp_path / "a", tmp_path):
+                 "cannot write {out}: it is a folder; give a file path such as {out}/curves.png",
+             (tmp_path / "empty", tmp_path / "p.png"): "no loss to plot in the metrics.jsonl of {run}; pass run "
+                                                       "directories that have trained at least one logged step"}
+    for (run, out), refusal in cases.items():
+        assert main([str(run), "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"jdp.plot: {refusal.format(out=out, run=run)}") and err.count("\n") == 1, err
+    assert not (tmp_path / "p.png").exists()
+
+
 def test_plot_shows_the_outputs_of_a_users_loss(tmp_path):
     """A loss without accuracy: the panels are the loss and the loss function's own outputs."""
     from jdp.cli.plot import plot_runs

@@ -12,12 +12,24 @@ import matplotlib
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
 
+from jdp.errors import UsageError  # noqa: E402
 from jdp.metrics import read_metrics  # noqa: E402
+from jdp.storage import check_output_file  # noqa: E402
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> None:
-    """One panel for the loss and one for each other output of the runs' loss functions (e.g. accuracy)."""
+    """One panel for the loss and one for each other output of the runs' loss functions (e.g. accuracy); UsageError
+    for an `out` that cannot be written or runs with no values to plot."""
+    check_output_file(out, "curves.png")
+    formats = plt.figure().canvas.get_supported_filetypes()
+    plt.close("all")
+    if out.suffix[1:].lower() not in formats:
+        raise UsageError(f"--out {out}: matplotlib writes no {out.suffix or 'suffix-less'} file; end it with one of "
+                         f"{', '.join('.' + f for f in sorted(formats))}")
     runs = [(run_dir, read_metrics(run_dir)) for run_dir in run_dirs]
+    if not any(isinstance(r.get("loss"), (int, float)) for _, records in runs for r in records):
+        raise UsageError(f"no loss to plot in the metrics.jsonl of {', '.join(map(str, run_dirs))}; pass run "
+                         "directories that have trained at least one logged step")
     keys = ["loss", *sorted({k for _, records in runs for r in records if r.get("split") == "eval" for k in r}
                             - {"step", "split", "wall_time", "loss"})]
     fig, (axes,) = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
@@ -47,8 +59,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         plot_runs(args.run_dirs, args.out)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, UsageError) as e:
         print(f"jdp.plot: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:  # the write failed where the folder looked writable
+        print(f"jdp.plot: cannot write {args.out}: {e.strerror or e}; give another --out", file=sys.stderr)
         return 2
     print(f"wrote {args.out}")
     return 0
