@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numbers
 import os
 
 import jax
@@ -41,6 +42,8 @@ def mesh_devices(num_devices: int = 0) -> list[jax.Device]:
     """The first `num_devices` devices (0 = all), ordered so that each process's devices are contiguous:
     process p then holds a contiguous block of every global batch."""
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
+    if not isinstance(num_devices, numbers.Integral) or num_devices < 0:  # -1 took all devices but the last
+        raise UsageError(f"num_devices={num_devices!r} must be a whole number of devices, or 0 for all of them")
     if num_devices > len(devices):
         raise UsageError(f"{num_devices} devices asked for (num_devices / parallel.num_devices) but only "
                          f"{len(devices)} exist; lower it, or simulate more on a CPU (--cpu_devices N, or "

@@ -17,6 +17,7 @@ from flax import nnx
 from jdp import preemption, storage, trainer
 from jdp import record as record_lib
 from jdp.checkpoint import CheckpointError, read_arrays
+from jdp.data.batching import as_dataset
 from jdp.errors import DiskError, FitError, UsageError, one_line
 from jdp.files import write_atomic
 from jdp.mesh import mesh_devices
@@ -83,12 +84,12 @@ def evaluate(model: nnx.Module, loss_fn: LossFn, data: Any, *, global_batch_size
     padded and the padding masked, so nothing is dropped. `global_batch_size`: rows per eval batch (default: the
     data in one batch, up to 1024 rows per device). `derived`: more metrics from the means (e.g. perplexity)."""
     preemption.install_excepthook()  # an uncaught FitError: one line and exit 2
-    data = data() if trainer.is_factory(data) else data
     try:
         n = len(mesh_devices(num_devices))
+        data = as_dataset(data() if trainer.is_factory(data) else data, "evaluate's data")
     except UsageError as e:
         raise FitError(str(e)) from None
-    rows = len(next(iter(data.values()))) if isinstance(data, dict) else len(data)
+    rows = len(data)
     if rows < n:
         raise FitError(f"evaluate needs at least one row per device: {rows} row(s), {n} device(s)")
     # A batch past the data only pads: the data in one batch at most, and by default up to 1024 rows per device.

@@ -605,6 +605,21 @@ def test_restore_and_evaluate_reproduce_the_runs_last_eval(finished, how):
         np.testing.assert_allclose(value, last[key], rtol=RTOL)
 
 
+def test_evaluate_refuses_bad_devices_and_data_in_one_line(finished):
+    """num_devices=-1 ran on all devices but the last and -2 was a ZeroDivisionError; an empty dict a bare
+    StopIteration; arrays of unequal lengths were called "the train data"."""
+    model = jdp.restore(finished[0])
+    x, y = EVAL()["x"], EVAL()["y"]
+    for data, num_devices, refusal in (
+            (EVAL, -1, "num_devices=-1 must be a whole number of devices, or 0 for all of them"),
+            (EVAL, -2, "num_devices=-2 must be a whole number of devices, or 0 for all of them"),
+            ({}, 0, "evaluate's data is an empty dict; give a dict of arrays that share a leading length"),
+            ({"x": x, "y": y[:-1]}, 0, f"evaluate's data: the arrays' leading lengths differ (x: {len(x)}, y: "
+                                       f"{len(x) - 1})")):
+        with pytest.raises(jdp.FitError, match=f"^{re.escape(refusal)}"):
+            jdp.evaluate(model, LOSS, data, num_devices=num_devices)
+
+
 def test_restore_fills_a_given_instance_and_takes_a_step(finished):
     """A given module is filled in place (its parameters those of the checkpoint); `step` picks an older one."""
     workdir, result = finished
