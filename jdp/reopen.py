@@ -51,9 +51,12 @@ def _restored(workdir: Path, model: nnx.Module | Callable[[], nnx.Module] | None
                        "the workdir of a run")
     if model is None:
         fit_record = record_lib.read(workdir)
+        if fit_record is None and not (workdir / "checkpoints").is_dir():
+            raise FitError(f"{workdir} holds no run (neither {record_lib.RECORD_FILE} nor checkpoints); pass the "
+                           "workdir of a jdp.train or jdp.fit run")
         if fit_record is None:
-            raise FitError(f"{workdir / record_lib.RECORD_FILE} holds no jdp.fit record (a run of an earlier jdp, or "
-                           f"no run); pass the model: {call}")
+            raise FitError(f"{workdir / record_lib.RECORD_FILE} holds no jdp.fit record (a run of an earlier jdp); "
+                           f"pass the model: {call}")
         if fit_record["model"]["factory"] is None:
             raise FitError(f"{workdir}'s model ({fit_record['model']['class']}) cannot be rebuilt: fit was given an "
                            f"instance, or a function that cannot be imported; pass it: {call}")

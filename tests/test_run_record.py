@@ -24,6 +24,7 @@ import jdp
 from jdp import digest, reopen
 from jdp import guard as guard_lib
 from jdp import record as record_lib
+from jdp.cli import export as export_cli
 from jdp.cli import train as train_cli
 from tests import user_models
 from tests.helpers import max_abs_diff, records
@@ -618,6 +619,16 @@ def test_evaluate_refuses_bad_devices_and_data_in_one_line(finished):
                                        f"{len(x) - 1})")):
         with pytest.raises(jdp.FitError, match=f"^{re.escape(refusal)}"):
             jdp.evaluate(model, LOSS, data, num_devices=num_devices)
+
+
+def test_a_folder_that_holds_no_run_is_named_as_such(tmp_path, capsys):
+    """An empty folder (a mistyped --workdir) was told to pass the model, on the command line too."""
+    refusal = (f"{tmp_path} holds no run (neither run.json nor checkpoints); pass the workdir of a jdp.train or "
+               "jdp.fit run")
+    with pytest.raises(jdp.FitError, match=f"^{re.escape(refusal)}$"):
+        jdp.restore(tmp_path)
+    assert export_cli.main(["--workdir", str(tmp_path), "--out", str(tmp_path / "p.npz")]) == 2
+    assert capsys.readouterr().err == f"jdp.export: {refusal}\n"
 
 
 def test_restore_fills_a_given_instance_and_takes_a_step(finished):
