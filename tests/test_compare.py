@@ -299,6 +299,18 @@ def test_a_value_out_of_range_is_one_line_before_any_side_starts(command, tmp_pa
     assert not (tmp_path / "logs").exists()
 
 
+@pytest.mark.parametrize("command, flag", [("parity", "--steps"), ("speed", "--steps"), ("speed", "--repeats")])
+def test_a_step_or_repeat_count_below_1_is_refused_by_the_parser(command, flag, tmp_path, capsys):
+    """parity --steps 0 was the jdp side's traceback (exit 3), speed --steps 0 ran the config's steps, and
+    speed --repeats 0 was "max() arg is an empty sequence"."""
+    from jdp.compare.__main__ import EXIT_USAGE, main
+
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--config", "configs/synthetic_mlp.py", "--workdir", str(tmp_path), flag, "0"])
+    assert exited.value.code == EXIT_USAGE
+    assert f"error: argument {flag}: '0' is not a positive integer" in capsys.readouterr().err
+
+
 def test_speed_cli(tmp_path):
     """The README's command as printed, on a smaller MLP, synthetic data, 4 steps and one repeat; with two torch
     threads per rank and one jdp device, which reach the two sides."""

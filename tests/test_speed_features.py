@@ -159,6 +159,34 @@ def test_bench_runs_where_the_eval_batch_fits_the_runs_devices_but_not_one(tmp_p
                        "--config.parallel.cpu_devices=8"]) == 0
 
 
+BENCH_REFUSALS = {  # each was a traceback (exit 1), a silent nonsense figure, or a refusal after the whole run
+    "no timed step": (["--steps", "0"], "argument --steps: '0' is not a positive integer"),
+    "no repeat": (["--repeats", "0"], "argument --repeats: '0' is not a positive integer"),
+    "zero devices": (["--devices", "1,0"], "argument --devices: '1,0' is not a comma-separated list of positive "
+                                           "integers, e.g. 1,2,4"),
+    "an empty count": (["--devices", "1,,2"], "argument --devices: '1,,2' is not a comma-separated list"),
+    "more devices than exist": (["--devices", "16"], "16 devices asked for (num_devices / parallel.num_devices) but "
+                                                     "only 8 exist"),
+    "a negative peak": (["--peak_tflops", "-5"], "argument --peak_tflops: '-5' is not a non-negative finite number"),
+    "no memory": (["--fits", "--devices", "8", "--memory_gb", "-1"],
+                  "argument --memory_gb: '-1' is not a positive finite number"),
+    "an out that is a file": (["--out", "FILE"], "--out FILE is a file; pass a folder for the results"),
+    "a nan step time": (["--predict", "--step_ms", "nan"], "argument --step_ms: 'nan' is not a non-negative finite"),
+}
+
+
+@pytest.mark.parametrize("case", BENCH_REFUSALS, ids=list(BENCH_REFUSALS))
+def test_bad_bench_arguments_are_one_line_before_anything_is_measured(case, tmp_path, capsys):
+    args, refusal = BENCH_REFUSALS[case]
+    (tmp_path / "file").write_text("")
+    args = [str(tmp_path / "file") if a == "FILE" else a for a in args]
+    assert len(jax.devices()) == 8  # started: the bench cannot simulate more
+    out = [] if "--out" in args else ["--out", str(tmp_path / "out")]
+    assert bench.main([*args, *out, "--config", "configs/mnist1d_mlp.py", "--no-baseline"]) == 2
+    err = capsys.readouterr().err
+    assert refusal.replace("FILE", str(tmp_path / "file")) in err and err.count("\n") == 1, err
+
+
 def test_bench_compile_only_puts_the_three_shardings_side_by_side(tmp_path, capsys, monkeypatch):
     """Nothing is put on the devices or run (no train step is called); each sharding's per-device parameters plus
     optimizer state shrink as the issue of ZeRO says: ZeRO-1 keeps whole parameters and 1/N of AdamW's state,

@@ -8,6 +8,7 @@ import difflib
 import functools
 import importlib.util
 import json
+import math
 import operator
 import re
 import sys
@@ -49,6 +50,29 @@ class ConfigError(UsageError):
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line and exit 2, like every other usage error
         raise ConfigError(f"{message}; see {self.prog} --help")
+
+
+def positive(kind: type[int] | type[float], *, zero: bool = False) -> Callable[[str], int | float]:
+    """An argparse `type`: a positive finite int or float (or 0, with `zero`), refused by its text otherwise."""
+    def parse(text: str) -> int | float:
+        try:
+            value = kind(text)
+        except ValueError:
+            value = None
+        if value is None or not (0 <= value if zero else 0 < value) or not value < math.inf:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a {'non-negative' if zero else 'positive'} "
+                                             f"{'integer' if kind is int else 'finite number'}")
+        return value
+    return parse
+
+
+def counts(text: str) -> list[int]:
+    """An argparse `type`: comma-separated positive integers (`--devices 1,2,4`)."""
+    try:
+        return [positive(int)(part) for part in text.split(",")]
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers, e.g. "
+                                         "1,2,4") from None
 
 
 # The valid range of every numeric field of configs/base.py (a test checks the two match); fit's from jdp.options.

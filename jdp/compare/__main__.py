@@ -21,6 +21,8 @@ EXIT_OK, EXIT_OUTSIDE_TOLERANCE, EXIT_USAGE, EXIT_SIDE_FAILED = 0, 1, 2, 3
 
 
 def _parser() -> argparse.ArgumentParser:
+    from jdp.cli.config import positive
+
     parser = argparse.ArgumentParser(prog="python -m jdp.compare", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -33,15 +35,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="cuda: real GPUs, NCCL and SyncBatchNorm kernels (not simulated CPU devices)")
         p.add_argument("--timeout", type=float, default=900, help="seconds allowed to each process")
     parity, speed = sub.choices["parity"], sub.choices["speed"]
-    parity.add_argument("--steps", type=int, default=50)
+    parity.add_argument("--steps", type=positive(int), default=50)
     parity.add_argument("--report_only", action="store_true",
                         help="judge and report the results already in --workdir again, without training")
     parity.add_argument("--tolerance", type=float, help="relative, for every step's loss (default: by model and "
                         "optimizer, jdp/compare/parity.py TOLERANCES)")
     parity.add_argument("--grad_tolerance", type=float, help="relative, for every step's gradient norm")
     parity.add_argument("--step1_tolerance", type=float, help="relative, for step 1's loss and gradient norm")
-    speed.add_argument("--steps", type=int, help="steps per run (default: the config's train.steps)")
-    speed.add_argument("--repeats", type=int, default=3)
+    speed.add_argument("--steps", type=positive(int), help="steps per run (default: the config's train.steps)")
+    speed.add_argument("--repeats", type=positive(int), default=3)
     speed.add_argument("--backends", default="shard_map,pmap,jit", help="comma-separated jdp backends")
     speed.add_argument("--report_only", action="store_true", help="write the report of --workdir's speed.json again")
     speed.add_argument("--torch_compile", action="store_true",

@@ -24,6 +24,7 @@ import argparse
 import collections
 import contextlib
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -33,6 +34,7 @@ import jax
 from jdp import precision
 from jdp.cli import config as config_lib
 from jdp.cli.train import enable_compilation_cache
+from jdp.errors import UsageError
 from jdp.layers import REMAT_POLICIES
 from jdp.mesh import simulate_cpu_devices
 from jdp.models import settings
@@ -190,9 +192,21 @@ def memory_markdown(cfg, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _results_folder(out: Path) -> Path:
+    """--out, made before anything is measured, so that a bad one does not cost the run's figures."""
+    if out.exists() and not out.is_dir():
+        raise config_lib.ConfigError(f"--out {out} is a file; pass a folder for the results")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise config_lib.ConfigError(f"--out {out} cannot be made ({e.strerror}); pass another folder") from None
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise config_lib.ConfigError(f"--out {out} is read-only to this user; pass another folder")
+    return out
+
+
 def _write(out: Path, name: str, data, table: str, *notes: str) -> int:
-    """OUT/NAME.json and OUT/NAME.md; prints the table, then `notes`; the exit code."""
-    out.mkdir(parents=True, exist_ok=True)
+    """OUT/NAME.json and OUT/NAME.md (OUT from `_results_folder`); prints the table, then `notes`; the exit code."""
     (out / f"{name}.json").write_text(json.dumps(data, indent=2, default=list))
     (out / f"{name}.md").write_text(table)
     print(table, *notes, sep="\n")
@@ -204,14 +218,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--predict" in argv:  # scaling predicted before hardware: jdp/perf/predict.py
         return predict.main([a for a in argv if a != "--predict"])
-    parser = argparse.ArgumentParser(prog="python -m jdp.bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = config_lib.ArgumentParser(prog="python -m jdp.bench", description=__doc__,
+                                       formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", type=Path, default=config_lib.DEFAULT_CONFIG)
-    parser.add_argument("--devices", default="1,2", help="comma-separated device counts (default 1,2)")
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per measurement")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--devices", type=config_lib.counts, default="1,2",
+                        help="comma-separated device counts (default 1,2)")
+    parser.add_argument("--steps", type=config_lib.positive(int), default=30, help="timed steps per measurement")
+    parser.add_argument("--repeats", type=config_lib.positive(int), default=3)
     parser.add_argument("--out", type=Path, help="output directory (default runs/bench-CONFIG_NAME)")
-    parser.add_argument("--peak_tflops", type=float, default=0.0,
+    parser.add_argument("--peak_tflops", type=config_lib.positive(float, zero=True), default=0.0,
                         help="the device's peak TFLOP/s at the config's precision, for MFU (default: from "
                              "PEAK_TFLOPS for known GPUs, bf16 or TF32 peak as the precision runs)")
     parser.add_argument("--baseline", action=argparse.BooleanOptionalAction, default=True,
@@ -225,22 +240,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fits", action="store_true",
                         help="run nothing: which GPT shapes fit in --memory_gb a device on --devices, under plain, "
                              "ZeRO-1, ZeRO-3 and ZeRO-3 + scan + remat (compiled from shapes)")
-    parser.add_argument("--memory_gb", type=float, default=16.0, help="--fits: GB (2**30 bytes) a device")
-    parser.add_argument("--timeout_s", type=float, default=600.0, help="--fits: the cap of each compile")
-    args, rest = parser.parse_known_args(argv)
-    if args.fits:
-        try:
-            devices = int(args.devices)
-        except ValueError:
-            print(f"jdp.bench: --fits takes one device count (--devices 8), not {args.devices!r}", file=sys.stderr)
-            return 2
-        rows, table = fits.run_fits(args.memory_gb, devices, args.timeout_s)
-        return _write(args.out or Path("runs") / "bench-fits", "fits", rows, table)
+    parser.add_argument("--memory_gb", type=config_lib.positive(float), default=16.0,
+                        help="--fits: GB (2**30 bytes) a device")
+    parser.add_argument("--timeout_s", type=config_lib.positive(float), default=600.0,
+                        help="--fits: the cap of each compile")
     try:
+        args, rest = parser.parse_known_args(argv)
+        if args.fits:
+            if len(args.devices) != 1:
+                raise config_lib.ConfigError(f"--fits takes one device count (--devices 8), not "
+                                             f"{','.join(map(str, args.devices))}")
+            out = _results_folder(args.out or Path("runs") / "bench-fits")
+            rows, table = fits.run_fits(args.memory_gb, args.devices[0], args.timeout_s)
+            return _write(out, "fits", rows, table)
         cfg = config_lib.load_config_file(args.config)
         cfg = config_lib.apply_overrides(cfg, config_lib.parse_overrides(rest))
-        devices = [int(d) for d in args.devices.split(",")]
-    except (config_lib.ConfigError, ValueError) as e:
+        devices = args.devices
+        out = _results_folder(args.out or Path("runs") / f"bench-{args.config.stem}")
+    except UsageError as e:
         print(f"jdp.bench: {e}", file=sys.stderr)
         return 2
     with contextlib.suppress(RuntimeError):  # called from Python after JAX started: the devices are already fixed
@@ -258,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
                     if not (sharding == "zero1" and cfg.parallel.backend == "jit")]  # ZeRO-1 is shard_map's
         else:
             rows = run_bench(cfg, devices, args.steps, args.repeats, args.peak_tflops, args.baseline)
-    except config_lib.ConfigError as e:
+    except UsageError as e:  # a config the step refuses, more devices than there are
         print(f"jdp.bench: {e}", file=sys.stderr)
         return 2
     table = memory_markdown(cfg, rows) if args.compile_only else to_markdown(cfg, rows)
@@ -266,8 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['allreduce_s'] / r['step_s']:.0%} of the step: communication dominates compute, so data "
                 "parallelism will not pay at this model and batch size (try a larger batch or fewer devices)"
                 for r in rows if r.get("allreduce_s") and r["allreduce_s"] > COMM_DOMINATES * r["step_s"]]
-    return _write(args.out or Path("runs") / f"bench-{args.config.stem}", "bench",
-                  {"config": cfg.to_dict(), "rows": rows}, table, *warnings)
+    return _write(out, "bench", {"config": cfg.to_dict(), "rows": rows}, table, *warnings)
 
 
 if __name__ == "__main__":

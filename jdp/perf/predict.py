@@ -68,13 +68,13 @@ def _shape(text: str) -> tuple[int, ...]:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m jdp.bench --predict", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = config_lib.ArgumentParser(prog="python -m jdp.bench --predict", description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=config_lib.DEFAULT_CONFIG)
-    p.add_argument("--step_ms", type=float, default=0.0,
+    p.add_argument("--step_ms", type=config_lib.positive(float, zero=True), default=0.0,
                    help="one device's step time at the config's global batch (default: measured here by jdp.bench)")
-    p.add_argument("--devices", default=",".join(map(str, DEFAULT_DEVICES)))
-    p.add_argument("--per_node", type=int, default=8, help="devices per node (default 8)")
+    p.add_argument("--devices", type=config_lib.counts, default=",".join(map(str, DEFAULT_DEVICES)))
+    p.add_argument("--per_node", type=config_lib.positive(int), default=8, help="devices per node (default 8)")
     p.add_argument("--intra", default="nvlink-a100", choices=sorted(INTRA_LINKS), help="link within a node")
     p.add_argument("--inter", default="net-100g", choices=sorted(INTER_LINKS), help="link between nodes")
     p.add_argument("--scaling", default="strong", choices=("strong", "weak"),
@@ -83,22 +83,21 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--input_shape", type=_shape, help="one example's shape, e.g. 224,224,3: with --num_classes, "
                    "the model is built without reading the config's data")
     p.add_argument("--num_classes", type=int, default=0)
-    p.add_argument("--steps", type=int, default=20, help="timed steps per measurement (without --step_ms)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=config_lib.positive(int), default=20,
+                   help="timed steps per measurement (without --step_ms)")
+    p.add_argument("--repeats", type=config_lib.positive(int), default=3)
     p.add_argument("--validate", action="store_true",
                    help="predict published scaling results instead (no config) and print the error")
     return p
 
 
 def main(argv: list[str]) -> int:
-    args, rest = parser().parse_known_args(argv)
-    if args.validate:
-        print(validation.to_markdown(validation.validate()))
-        return 0
     try:
-        devices = [int(d) for d in args.devices.split(",")]
-        if min(devices) < 1 or args.per_node < 1 or args.step_ms < 0:
-            raise ValueError("--devices, --per_node and --step_ms must be positive")
+        args, rest = parser().parse_known_args(argv)
+        if args.validate:
+            print(validation.to_markdown(validation.validate()))
+            return 0
+        devices = args.devices
         cfg = config_lib.load_config_file(args.config)
         cfg = config_lib.apply_overrides(cfg, config_lib.parse_overrides(rest))
         topo = Topology(args.per_node, INTRA_LINKS[args.intra], INTER_LINKS[args.inter])
