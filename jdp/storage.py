@@ -46,6 +46,10 @@ READ_RETRY_DELAYS_S = (0.5, 1.0, 2.0)
 def check_writable(workdir: str | Path, flag: str = "--workdir") -> None:
     """Refuse, in one line, a workdir that is a file, lies under a file, or cannot be written; writes nothing."""
     workdir = Path(workdir)
+    try:
+        workdir.exists()
+    except OSError as e:  # a name past the filesystem's limit (ENAMETOOLONG)
+        raise UsageError(f"workdir {workdir} cannot be used ({e.strerror}); pass another {flag}") from None
     if workdir.exists() and not workdir.is_dir():
         raise UsageError(f"workdir {workdir} is a file, not a directory; pass another {flag}")
     existing = workdir

@@ -115,6 +115,9 @@ OVERRIDES = {
                                   "train.eval_batch_size=2000000000 is larger than the eval split needs (360 "
                                   "examples on 2 device(s)); set --config.train.eval_batch_size to at most 360"),
     "truncated init_from": (["--config.init_from=TRUNCATED"], "init_from=TRUNCATED cannot be read"),
+    "a .npy as init_from": (["--config.init_from=array.npy"],  # a TypeError traceback: np.load's one array
+                            "init_from=array.npy cannot be read (ValueError: array.npy is not an .npz file (a zip of "
+                            "named arrays)); give a file written by python -m jdp.export"),
 }
 
 
@@ -124,6 +127,7 @@ def test_a_bad_setting_is_one_line_before_anything_compiles(case, tmp_path, caps
     monkeypatch.chdir(tmp_path)
     np.savez(tmp_path / "whole.npz", a=np.zeros(1000))
     (tmp_path / "TRUNCATED").write_bytes((tmp_path / "whole.npz").read_bytes()[:300])
+    np.save(tmp_path / "array.npy", np.zeros(3))
     one_line(capsys, 2, main([*TINY, *args, "--workdir", "run"]), expected)
     assert not (tmp_path / "run").exists()
 
@@ -162,7 +166,7 @@ def _read_only_access(monkeypatch):
         monkeypatch.setattr(os, "access", lambda p, mode: real(p, mode) and bool(os.stat(p).st_mode & 0o200))
 
 
-@pytest.mark.parametrize("case", ["a file", "under a file", "read-only"])
+@pytest.mark.parametrize("case", ["a file", "under a file", "read-only", "a name too long"])
 def test_an_unusable_workdir_is_one_line(case, tmp_path, capsys, monkeypatch):
     (tmp_path / "f").write_text("")
     locked = tmp_path / "locked"
@@ -170,7 +174,9 @@ def test_an_unusable_workdir_is_one_line(case, tmp_path, capsys, monkeypatch):
     _read_only_access(monkeypatch)
     workdir, expected = {"a file": (tmp_path / "f", "is a file, not a directory"),
                          "under a file": (tmp_path / "f" / "run", f"lies under {tmp_path / 'f'}, which is a file"),
-                         "read-only": (locked / "run", f"({locked} is read-only to this user)")}[case]
+                         "read-only": (locked / "run", f"({locked} is read-only to this user)"),
+                         "a name too long": (tmp_path / ("a" * 300), "cannot be used (File name too long); pass "
+                                                                     "another")}[case]  # was an OSError traceback
     one_line(capsys, 2, main([*TINY, "--workdir", str(workdir)]), str(workdir), expected)
     with pytest.raises(jdp.FitError, match=re.escape(expected)):
         jdp.fit(lambda: nnx.Linear(2, 1, rngs=nnx.Rngs(0)), _mse, _data(), optimizer=optax.sgd(0.1), steps=1,
