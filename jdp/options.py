@@ -206,8 +206,15 @@ def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception]
 
 def _post_init(self: Any) -> None:
     check({field.name: getattr(self, field.name) for field in dataclasses.fields(self)})
+    if isinstance(self.callbacks, (str, bytes)) or not isinstance(self.callbacks, Sequence):
+        raise FitError(f"callbacks={self.callbacks!r} is not a list of callbacks; give a list, e.g. "
+                       "callbacks=[MyCallback()]")
     for callback in self.callbacks:  # a jdp.Callback may be due on a condition of its own instead
-        if not (getattr(callback, "every", 0) >= 1 or callable(getattr(callback, "due", None))):
+        every = getattr(callback, "every", 0)
+        if not isinstance(every, int) or every < 0:
+            raise FitError(f"callback {callback!r} has every={every!r}; give an int: the steps between calls, or 0 "
+                           "for none")
+        if not (every >= 1 or callable(getattr(callback, "due", None))):
             raise FitError(f"callback {callback!r} needs an `every` of at least 1 (steps between calls), or a `due` "
                            "method")
 

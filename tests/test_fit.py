@@ -348,6 +348,11 @@ def test_a_random_access_dataset_trains_like_the_same_arrays():
     ({"data": {**regression_data(), "mask": np.ones(256, np.float32)}}, "key 'mask'"),
     ({"data": jdp.Batcher(regression_data(), seed=0, global_batch_size=64)}, "global batches of 64 rows"),
     ({"sync_every": 2, "steps": 5, "check_replicas_every": 2}, r"a multiple of the sync strategy.s period 2"),
+    ({"callbacks": jdp.Callback()}, r"^callbacks=<jdp.callbacks.Callback object at .*> is not a list of callbacks; "
+                                    r"give a list, e.g. callbacks=\[MyCallback\(\)\]$"),  # was a raw TypeError
+    ({"callbacks": "abc"}, "^callbacks='abc' is not a list of callbacks"),  # was "callback 'a' needs an every"
+    ({"callbacks": [type("Every2", (jdp.Callback,), {"every": "2"})()]},  # was a raw TypeError at the comparison
+     r"has every='2'; give an int: the steps between calls, or 0 for none$"),
 ])
 def test_bad_input_is_refused_in_one_line_before_compiling(case, message):
     case = dict(case)
