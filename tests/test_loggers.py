@@ -228,6 +228,29 @@ def test_a_resumed_fit_continues_the_same_runs_with_each_step_once(tmp_path, mon
     assert wandb_points(runs, "eval_loss") == jsonl_points(workdir, "eval", "loss")
 
 
+@needs_trackers
+def test_two_segments_resumed_from_the_same_checkpoint_both_reach_mlflow(tmp_path, monkeypatch):
+    """Killed at step 5, then again at 7, before checkpoint 8: the third segment resumes from step 4 as the second
+    did. Its changed record went under resume_4 again, which MLflow refuses (params do not change), and that
+    failure left the segment logging nothing: steps 8-12 and the summary missing, the run left RUNNING."""
+    store, workdir = tmp_path / "mlruns", tmp_path / "run"
+    for kill_at, description in ((5, ""), (7, "resumed"), (None, "resumed again")):
+        logger = MLflow(tracking_uri=store.as_uri(), experiment="tests")
+        if kill_at is None:
+            monkeypatch.delenv("JDP_KILL_AT")
+            fit(workdir, [logger], description=description)
+            break
+        monkeypatch.setenv("JDP_KILL_AT", f"raise:{kill_at}")
+        with pytest.raises(RuntimeError, match=f"raise:{kill_at}"):
+            fit(workdir, [logger], description=description)
+        logger.close()  # what the process's exit does
+    (run,) = mlflow_runs(store, "tests")
+    assert run.info.status == "FINISHED"
+    assert mlflow_points(store, run.info.run_id, "loss") == jsonl_points(workdir, "train", "loss")
+    assert [run.data.params[f"{prefix}fit.options.description"] for prefix in ("", "resume_4.", "resume_4_2.")] == [
+        "", "resumed", "resumed again"]
+
+
 def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
     """A training subprocess's: 2 CPU devices, and its own W&B service (WANDB_SERVICE would attach it to the one
     this process started for the in-process tests)."""
