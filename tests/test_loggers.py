@@ -512,6 +512,20 @@ def test_a_missing_package_or_an_unknown_name_is_one_line(tmp_path, monkeypatch,
         assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
 
 
+@needs_trackers
+@pytest.mark.parametrize("made, refusal", [
+    ("MLflow(tracking_uri='::::')", "MLflow(tracking_uri='::::') is neither a URI"),
+    ("MLflow(tracking_uri=5)", "MLflow(tracking_uri=5) must be a string, or None"),  # was a raw TypeError
+    ("WandB(close_timeout_s='x')", "close_timeout_s='x' must be a number of seconds, at least 0"),  # TypeError too
+])
+def test_a_tracker_refused_in_a_script_is_one_line_and_exit_2(made, refusal):
+    """Before fit installed jdp's exception hook, an uncaught refusal was a traceback and exit 1."""
+    out = subprocess.run([sys.executable, "-c", f"from jdp.loggers import MLflow, WandB; {made}"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2 and out.stderr.startswith(f"jdp: error: {refusal}"), out.stderr[-2000:]
+    assert out.stderr.count("\n") == 1, out.stderr[-2000:]
+
+
 @pytest.mark.slow
 @needs_trackers
 def test_the_docs_tracker_command_runs(tmp_path):

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-from jdp import nested, storage
+from jdp import nested, preemption, storage
 from jdp.callbacks import Callback
 from jdp.errors import UsageError, one_line, warn
 from jdp.files import write_atomic
@@ -63,11 +63,12 @@ class Tracker(Callback):
     package = ""  # what the tracker's client imports as
 
     def __init__(self, *, close_timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        preemption.install_excepthook()  # left uncaught in a script, a refusal here is one line and exit 2
         if not installed(self.package):
             raise UsageError(f"jdp.loggers.{type(self).__name__} needs the {self.package} package, which is not "
                              f"installed: pip install \"jdp[{self.name}]\"")
-        if not close_timeout_s >= 0:
-            raise UsageError(f"close_timeout_s={close_timeout_s} must not be negative")
+        if not isinstance(close_timeout_s, (int, float)) or not close_timeout_s >= 0:
+            raise UsageError(f"close_timeout_s={close_timeout_s!r} must be a number of seconds, at least 0")
         self.close_timeout_s = close_timeout_s
         self.active = False
         self.workdir: Path | None = None

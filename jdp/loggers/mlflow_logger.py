@@ -32,9 +32,12 @@ class MLflow(Tracker):
 
     def __init__(self, tracking_uri: str | None = None, experiment: str | None = None, *,
                  close_timeout_s: float = CLOSE_TIMEOUT_S) -> None:
+        super().__init__(close_timeout_s=close_timeout_s)
+        for name, value in (("tracking_uri", tracking_uri), ("experiment", experiment)):
+            if value is not None and not isinstance(value, str):
+                raise UsageError(f"MLflow({name}={value!r}) must be a string, or None")
         if tracking_uri and tracking_uri_problem(tracking_uri):
             raise UsageError(f"MLflow(tracking_uri={tracking_uri!r}) {tracking_uri_problem(tracking_uri)}")
-        super().__init__(close_timeout_s=close_timeout_s)
         self.tracking_uri, self.experiment = tracking_uri, experiment
         self.client: Any = None
         self.uri = self.run_id = ""
