@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -168,6 +169,7 @@ class View:
 
 
 FIT_NAMES, CONFIG_NAMES = View(), View(config=True)
+_KINDS = {int: (numbers.Integral, "an int"), float: (numbers.Real, "a number"), bool: (bool, "True or False")}
 
 
 def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception] = FitError) -> tuple[Any, str]:
@@ -180,7 +182,10 @@ def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception]
 
     n, use = view, view.use
     for name, value in values.items():
-        valid = BY_NAME[name].valid
+        valid, kind = BY_NAME[name].valid, _KINDS.get(BY_NAME[name].type)
+        if kind is not None:  # a string or a float where a count goes compared, or counted, as one
+            require(isinstance(value, kind[0]) and (kind[0] is bool or not isinstance(value, bool)),
+                    f"{n(name)}={value!r} must be {kind[1]}")
         if isinstance(valid, tuple):
             require(value in valid, f"{n(name)}={value!r} is unknown; choose one of {', '.join(valid)}")
         elif isinstance(valid, Range):  # a config's values are first held to their ranges by `check_ranges`

@@ -7,6 +7,7 @@ import collections
 import dataclasses
 import difflib
 import math
+import numbers
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -269,6 +270,9 @@ def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
     value}), recorded in run.json and each checkpoint's fingerprint and guarded like fit's own."""
     _check_joined()
     strategy, what = sync_lib.strategy(options)  # a periodic strategy's replicas agree only at sync points
+    for name, count in (("steps", steps), ("global_batch_size", global_batch_size)):
+        if not isinstance(count, numbers.Integral) or isinstance(count, bool):  # 2.0 steps, a batch of 64.0 rows
+            raise FitError(f"{name}={count!r} must be an int")
     if not 0 < steps < 2**31 or steps % strategy.every:  # the state counts steps in int32
         raise FitError(f"steps={steps} must be positive, below 2**31, and a multiple of the sync strategy's period "
                        f"{strategy.every} ({what})")

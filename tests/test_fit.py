@@ -348,6 +348,11 @@ def test_a_random_access_dataset_trains_like_the_same_arrays():
     ({"data": {**regression_data(), "mask": np.ones(256, np.float32)}}, "key 'mask'"),
     ({"data": jdp.Batcher(regression_data(), seed=0, global_batch_size=64)}, "global batches of 64 rows"),
     ({"sync_every": 2, "steps": 5, "check_replicas_every": 2}, r"a multiple of the sync strategy.s period 2"),
+    ({"eval_every": "5"}, r"^eval_every='5' must be an int$"),  # a TypeError in the range check
+    ({"log_every": 2.5}, r"^log_every=2.5 must be an int$"),  # lines at steps 5 and 10 of 10
+    ({"bn_sync": 1}, r"^bn_sync=1 must be True or False$"),
+    ({"steps": 4.0}, r"^steps=4.0 must be an int$"),
+    ({"global_batch_size": 32.0}, r"^global_batch_size=32.0 must be an int$"),  # numpy's "seed must be integer"
     ({"callbacks": jdp.Callback()}, r"^callbacks=<jdp.callbacks.Callback object at .*> is not a list of callbacks; "
                                     r"give a list, e.g. callbacks=\[MyCallback\(\)\]$"),  # was a raw TypeError
     ({"callbacks": "abc"}, "^callbacks='abc' is not a list of callbacks"),  # was "callback 'a' needs an every"
