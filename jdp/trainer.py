@@ -277,6 +277,8 @@ def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
         raise FitError(f"steps={steps} must be positive, below 2**31, and a multiple of the sync strategy's period "
                        f"{strategy.every} ({what})")
     if options.workdir is not None:
+        if not str(options.workdir).strip():  # Path("") is the current directory
+            raise FitError(f"workdir={options.workdir!r} names no folder; give a path, or None to write nothing")
         try:
             storage.check_writable(options.workdir, "workdir")
         except UsageError as e:

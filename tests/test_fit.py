@@ -348,6 +348,7 @@ def test_a_random_access_dataset_trains_like_the_same_arrays():
     ({"data": {**regression_data(), "mask": np.ones(256, np.float32)}}, "key 'mask'"),
     ({"data": jdp.Batcher(regression_data(), seed=0, global_batch_size=64)}, "global batches of 64 rows"),
     ({"sync_every": 2, "steps": 5, "check_replicas_every": 2}, r"a multiple of the sync strategy.s period 2"),
+    ({"workdir": ""}, r"^workdir='' names no folder; give a path, or None to write nothing$"),  # wrote into .
     ({"eval_every": "5"}, r"^eval_every='5' must be an int$"),  # a TypeError in the range check
     ({"log_every": 2.5}, r"^log_every=2.5 must be an int$"),  # lines at steps 5 and 10 of 10
     ({"bn_sync": 1}, r"^bn_sync=1 must be True or False$"),
