@@ -346,6 +346,8 @@ def test_a_random_access_dataset_trains_like_the_same_arrays():
     ({"backend": "tpu"}, "backend='tpu' is unknown"),
     ({"eval_evry": 4}, "did you mean 'eval_every'"),
     ({"data": {**regression_data(), "mask": np.ones(256, np.float32)}}, "key 'mask'"),
+    ({"data": {**regression_data(), "id": np.array([b"row"] * 256)}},  # a tfds record's: JAX's error at compile
+     r"^the data's key 'id' holds \|S3 values, which a compiled step cannot take; leave that key out of the rows"),
     ({"data": jdp.Batcher(regression_data(), seed=0, global_batch_size=64)}, "global batches of 64 rows"),
     ({"sync_every": 2, "steps": 5, "check_replicas_every": 2}, r"a multiple of the sync strategy.s period 2"),
     ({"workdir": ""}, r"^workdir='' names no folder; give a path, or None to write nothing$"),  # wrote into .

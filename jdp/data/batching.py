@@ -215,6 +215,10 @@ class Batcher(RowOrder):
         if self._eval is not None and set(self._eval.keys) != set(self._train.keys):
             raise DataError(f"the eval data's keys {sorted(self._eval.keys)} differ from the train data's "
                             f"{sorted(self._train.keys)}; give both the same keys")
+        for key, column in (self._train.rows(np.zeros(1, np.int64)).items() if len(self._train) else ()):
+            if column.dtype.kind not in "biufc":  # e.g. a tfds record's `id`: JAX's error came at compile time
+                raise DataError(f"the data's key {key!r} holds {column.dtype} values, which a compiled step cannot "
+                                "take; leave that key out of the rows (e.g. wrap the dataset), or give it as numbers")
         super().__init__(seed=seed, num_train=len(self._train),
                          num_eval=len(self._eval) if self._eval is not None else 0, global_batch_size=global_batch_size,
                          eval_batch_size=eval_batch_size or global_batch_size, process_index=process_index,
