@@ -8,7 +8,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from jdp.errors import UsageError
+from jdp.errors import UsageError, warn
 from jdp.split import process_block
 
 
@@ -123,7 +123,7 @@ class ArrayDataset(RowDataset):
         return self._length
 
     def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        return {k: v[ids] for k, v in self.arrays.items()}
+        return {k: self.arrays[k][ids] for k in self.keys}
 
 
 def _is_rows(got: Any) -> bool:
@@ -215,10 +215,14 @@ class Batcher(RowOrder):
         if self._eval is not None and set(self._eval.keys) != set(self._train.keys):
             raise DataError(f"the eval data's keys {sorted(self._eval.keys)} differ from the train data's "
                             f"{sorted(self._train.keys)}; give both the same keys")
-        for key, column in (self._train.rows(np.zeros(1, np.int64)).items() if len(self._train) else ()):
-            if column.dtype.kind not in "biufc":  # e.g. a tfds record's `id`: JAX's error came at compile time
-                raise DataError(f"the data's key {key!r} holds {column.dtype} values, which a compiled step cannot "
-                                "take; leave that key out of the rows (e.g. wrap the dataset), or give it as numbers")
+        first = self._train.rows(np.zeros(1, np.int64)) if len(self._train) else {}
+        if unusable := [f"{k!r} ({column.dtype})" for k, column in first.items() if column.dtype.kind not in "biufc"]:
+            # A tfds record's `id`, say: no compiled step takes strings (JAX refused them at the step's lowering).
+            one = len(unusable) == 1
+            warn(f"the data's {'key' if one else 'keys'} {', '.join(unusable)} {'holds' if one else 'hold'} strings or "
+                 "objects, which a compiled step cannot take: left out of the batches")
+            for dataset in filter(None, (self._train, self._eval)):
+                dataset.keys = tuple(k for k in dataset.keys if k in first and first[k].dtype.kind in "biufc")
         super().__init__(seed=seed, num_train=len(self._train),
                          num_eval=len(self._eval) if self._eval is not None else 0, global_batch_size=global_batch_size,
                          eval_batch_size=eval_batch_size or global_batch_size, process_index=process_index,
