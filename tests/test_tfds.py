@@ -416,6 +416,10 @@ def test_an_unprepared_dataset_is_one_clear_error_without_network(make, data_dir
             make(name, data_dir=str(tmp_path))
     with pytest.raises(ValueError, match="does not exist"):
         make("cifar10", data_dir=str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match=r"^data.name=tfds:tiny-cifar: Parsing builder name string tiny-cifar "
+                                         r"failed. Give tfds:NAME\[/CONFIG\]\[:VERSION\], e.g. tfds:cifar10") as bad:
+        make("tiny-cifar", data_dir=str(tmp_path))
+    assert "\n" not in str(bad.value)  # tfds's explanation of the format was 17 lines
 
 
 TFRECORD_FIXTURES = FIXTURES.parent / "tfds_tfrecord"  # the same records, in tfds's default tfrecord files

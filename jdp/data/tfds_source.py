@@ -21,6 +21,7 @@ from jdp.data import augment
 from jdp.data.batching import DataError, RowOrder
 from jdp.data.device_input import ImageInput
 from jdp.data.tfrecord import TfrecordRecords, UnreadableFileError
+from jdp.errors import one_line
 
 if TYPE_CHECKING:
     import ml_collections
@@ -63,6 +64,9 @@ def open_builder(name: str, data_dir: str):
         builder = tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError:
         raise _not_prepared(name, dirs) from None
+    except ValueError as e:  # tfds's own explanation of the name's format runs over many lines
+        raise DataError(f"data.name=tfds:{name}: {one_line(e, typed=False)} Give tfds:NAME[/CONFIG][:VERSION], "
+                        "e.g. tfds:cifar10 or tfds:imagenet2012:5.1.0") from None
     if not builder.is_prepared():
         raise _not_prepared(name, dirs)
     formats = builder.info.available_file_formats() or {builder.info.file_format}
