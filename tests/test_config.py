@@ -75,6 +75,10 @@ def test_switching_the_model_drops_the_files_model_kwargs(capsys):
                                   "--config.model.channels=(8,)", "--config.model.kwargs.dense_sizes=(16,)"])
     assert command.cfg.model.kwargs.to_dict() == {"channels": (8,), "dense_sizes": (16,)}
     assert "model.kwargs for it (stem) are dropped" in capsys.readouterr().err
+    command = parse_command_line(["--config", "cifar10_resnet18", "--config.model.name=cnn2d",  # the whole dict
+                                  '--config.model.kwargs={"channels": (8,), "dense_sizes": (16,)}'])  # was dropped
+    assert command.cfg.model.kwargs.to_dict() == {"channels": (8,), "dense_sizes": (16,)}
+    assert capsys.readouterr().err == ""
     command = parse_command_line(["--config", "digits_mlp", "--config.model.name=mlp"])
     assert command.cfg.model.kwargs.to_dict() == {"hidden_sizes": (128,)}
     assert capsys.readouterr().err == ""
