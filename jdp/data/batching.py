@@ -103,6 +103,10 @@ class RowDataset:
     def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         raise NotImplementedError
 
+    def first_row(self) -> dict[str, np.ndarray]:
+        """Row 0, whose values' types the batches will have."""
+        return self.rows(np.zeros(1, np.int64))
+
 
 class ArrayDataset(RowDataset):
     """A dict of arrays that share a leading length: row i is {key: array[i]}."""
@@ -162,6 +166,9 @@ class RandomAccessDataset(RowDataset):
     def __len__(self) -> int:
         return len(self._data)
 
+    def first_row(self) -> dict[str, np.ndarray]:  # read alone: a bad __getitems__ is named at the first batch
+        return {k: np.asarray(v) for k, v in self._data[0].items()}
+
     def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         ids, n = [int(i) for i in ids], len(ids)
         batched = hasattr(self._data, "__getitems__")
@@ -215,7 +222,7 @@ class Batcher(RowOrder):
         if self._eval is not None and set(self._eval.keys) != set(self._train.keys):
             raise DataError(f"the eval data's keys {sorted(self._eval.keys)} differ from the train data's "
                             f"{sorted(self._train.keys)}; give both the same keys")
-        first = self._train.rows(np.zeros(1, np.int64)) if len(self._train) else {}
+        first = self._train.first_row() if len(self._train) else {}
         if unusable := [f"{k!r} ({column.dtype})" for k, column in first.items() if column.dtype.kind not in "biufc"]:
             # A tfds record's `id`, say: no compiled step takes strings (JAX refused them at the step's lowering).
             one = len(unusable) == 1
