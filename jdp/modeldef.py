@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 Tree = Any
@@ -137,9 +138,11 @@ class ModelDef:
         return nnx.to_pure_dict(rest), nnx.to_pure_dict(counts)
 
     def load_into(self, model: nnx.Module, params: Tree, model_state: Tree, rng_state: Tree) -> None:
-        """Write trained state back into the caller's model object."""
+        """Write trained state back into the caller's model object. What a call in train mode updates in place (the
+        RNG counts, BatchNorm's statistics) is copied: the host's copies of device arrays are read-only."""
         keys = self._keys(jax.tree.map(jnp.asarray, rng_state["keys"]), ())
-        replace_state(model, params, model_state, keys, rng_state["counts"])
+        replace_state(model, params, jax.tree.map(np.array, model_state), keys,
+                      jax.tree.map(np.array, rng_state["counts"]))
 
 
 def replace_state(model: nnx.Module, params: Tree, model_state: Tree, keys: Tree | None = None,

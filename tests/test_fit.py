@@ -254,6 +254,16 @@ def test_the_model_passed_in_holds_the_result_and_callbacks_run():
     assert model(regression_data(4)["x"]).shape == (4,)  # still usable outside jdp (no device axis left on it)
 
 
+@pytest.mark.parametrize("model_cls", [functools.partial(Regressor, dropout=0.5), NormNet], ids=["dropout", "bn"])
+def test_the_model_passed_in_runs_in_train_mode_after_fit(model_cls):
+    """Its RNG counts and BatchNorm statistics were the host's read-only copies of device arrays: a call in train mode
+    after fit, which updates them in place, was `ValueError: output array is read-only`."""
+    model = model_cls(nnx.Rngs(0))
+    jdp.fit(model, mse, regression_data(), optimizer=optax.sgd(0.1), steps=2, global_batch_size=32, num_devices=2)
+    model.train()
+    assert model(regression_data(4)["x"]).shape == (4,)
+
+
 @pytest.mark.parametrize("error, closed", [(RuntimeError("a bug in one process"), False),
                                             (jdp.Preempted("SIGTERM at step 2"), True)])
 def test_an_error_of_one_process_skips_the_checkpointers_closing_barrier(monkeypatch, tmp_path, error, closed):
