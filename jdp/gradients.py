@@ -41,6 +41,8 @@ def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef,
     k = o.fit.grad_accum_steps
     rows = jax.tree.leaves(batch)[0].shape[0] // k  # of each micro-batch
     folds = (state.step,) if o.axis_name is None else (state.step, jax.lax.axis_index(o.axis_name))
+    if o.accum_lanes and layer_view is not None:  # the lanes' vmap lays the rows on the devices already: JAX refuses
+        layer_view = layer_view._replace(carry=None)  # a sharding constraint on its spmd axis inside it
 
     def loss(params: Tree, model_state: Tree, counts: Tree, micro: dict[str, jax.Array], index: jax.Array | int,
              folds: tuple[jax.Array, ...], groups: int):

@@ -228,10 +228,12 @@ class LayerScaled(nnx.Module):
         return self.out(self.blocks(x)[0])[:, 0]
 
 
-@pytest.mark.parametrize("options", [{}, {"shard_group": 2}], ids=["zero3", "hybrid"])
+@pytest.mark.parametrize("options", [{}, {"shard_group": 2}, {"backend": "jit", "grad_accum_steps": 2}],
+                         ids=["zero3", "hybrid", "zero3-jit-accumulated"])
 def test_zero3_gathers_a_layers_size_1_parameter_whose_slice_looks_whole(options):
     """Breaks if the per-layer gather skips a leaf whose slice has the logical shape (three devices of four then
-    scale their layer by zero padding), or gathers an empty one (the compiler refuses a gather of size 0)."""
+    scale their layer by zero padding), or gathers an empty one (the compiler refuses a gather of size 0). Under jit
+    with accumulation the carry's sharding constraint sat inside the lanes' vmap, on its spmd axis: a ValueError."""
     x = np.random.default_rng(0).normal(size=(64, 8)).astype(np.float32)
     data = {"x": x, "y": np.sin(x).sum(1)}
 
