@@ -44,6 +44,25 @@ def _exit_if_peer_failed() -> None:
     os._exit(EXIT_PEER_FAILED)
 
 
+def _watch_for_peer_failure() -> None:
+    """Under jdp.launch, once: its SIGTERM after a peer failed also ends a process blocked in a collective with that
+    peer. Python runs a handler only when the main thread, which the collective holds, gets back to Python; the
+    signal's byte on the wakeup fd wakes this thread at once (`_exit_if_peer_failed`)."""
+    if not os.environ.get(LAUNCH_FAILURE_FILE) or threading.current_thread() is not threading.main_thread():
+        return
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    if signal.set_wakeup_fd(write, warn_on_full_buffer=False) != -1:  # taken (an event loop): leave it to its owner
+        signal.set_wakeup_fd(-1)
+        return
+
+    def watch() -> None:
+        while os.read(read, 1):
+            _exit_if_peer_failed()
+
+    threading.Thread(target=watch, name="jdp-peer-failure", daemon=True).start()
+
+
 def _exit_at_once(signum: int, frame: FrameType | None) -> None:
     _exit_if_peer_failed()
     print(f"jdp: preempted: {signal.Signals(signum).name} outside the training steps; exiting with code "
@@ -56,6 +75,7 @@ def exit_on_signal() -> None:
     """From now on (until a `PreemptionRequest` takes over), SIGTERM or SIGINT exits 75 at once."""
     for s in ExitOnSignal.SIGNALS:
         signal.signal(s, _exit_at_once)
+    _watch_for_peer_failure()
 
 
 class ExitOnSignal:

@@ -218,6 +218,9 @@ def test_killed_peer_stops_the_launcher(tmp_path):
     assert detected_s < 10
     assert not any(_alive(pid) for pid in pids.values())
     assert "[launch] rank 1 exited with code 137; stopping the others" in out.read_text()
+    # Rank 0, blocked in a collective with the dead rank, exits 5 on the launcher's SIGTERM (or 134 where gloo
+    # aborts first): its Python handler never ran, and it waited for the launcher's SIGKILL (137).
+    assert re.search(r"\[launch\] exit codes: rank 0 (5|134), rank 1 137", out.read_text()), out.read_text()[-3000:]
 
 
 def listening_addresses(port: int) -> list[str]:

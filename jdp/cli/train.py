@@ -187,13 +187,13 @@ def _main(argv: list[str] | None) -> int:
     except tuple(error for error, _, _ in failures) as e:
         code, label = next((code, label) for error, code, label in failures if isinstance(e, error))
         print(f"jdp: {label}: {e}", file=sys.stderr)
-        return code
+        return _exit_now(code) if code == EXIT_DISTRIBUTED else code
     except jax.errors.JaxRuntimeError as e:  # a collective or barrier whose peer is gone
         if not distributed_lib.is_peer_failure(e):
             return _unexpected()
         print(f"jdp: distributed: process {jax.process_index()} of {jax.process_count()} stopped: another process "
               f"or the coordinator failed ({one_line(e, typed=False)})", file=sys.stderr)
-        return EXIT_DISTRIBUTED
+        return _exit_now(EXIT_DISTRIBUTED)
     except Exception as e:  # noqa: BLE001 - a full disk or an I/O error outside the training loop, or a bug
         failure = storage.disk_failure(e)
         if failure is None:
@@ -210,12 +210,17 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _unexpected() -> int:
-    """One traceback and exit code 1. In a multi-process run at once: a normal exit would wait in JAX's shutdown
-    barrier for processes that are themselves waiting for this one in a collective."""
+    """One traceback and exit code 1, at once in a multi-process run (`_exit_now`)."""
     traceback.print_exc()
+    return _exit_now(EXIT_UNEXPECTED)
+
+
+def _exit_now(code: int) -> int:
+    """`code`; in a multi-process run the process ends here: a normal exit would wait in JAX's shutdown barrier for
+    a peer that has failed, or that waits for this one in a collective, until the launcher kills it (137)."""
     if jax.distributed.is_initialized():
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(EXIT_UNEXPECTED)
-    return EXIT_UNEXPECTED
+        os._exit(code)
+    return code
 
