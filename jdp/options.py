@@ -216,7 +216,7 @@ def _post_init(self: Any) -> None:
                        "callbacks=[MyCallback()]")
     for callback in self.callbacks:  # a jdp.Callback may be due on a condition of its own instead
         every = getattr(callback, "every", 0)
-        if not isinstance(every, int) or every < 0:
+        if not isinstance(every, numbers.Integral) or every < 0:
             raise FitError(f"callback {callback!r} has every={every!r}; give an int: the steps between calls, or 0 "
                            "for none")
         if not (every >= 1 or callable(getattr(callback, "due", None))):

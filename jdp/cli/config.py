@@ -306,8 +306,9 @@ def apply_command_line(cfg: ml_collections.ConfigDict, overrides: dict[str, str]
     given = {_model_setting(key) for key in overrides}
     file_model = cfg.model.name
     apply_overrides(cfg, overrides)
-    if "model.name" in given and cfg.model.name != file_model and "model.kwargs" not in given:  # (the whole dict:
-        dropped = sorted(name for name in cfg.model.kwargs if f"model.kwargs.{name}" not in given)  # the new ones)
+    # model.kwargs given whole on the command line are the new model's own: kept.
+    if "model.name" in given and cfg.model.name != file_model and "model.kwargs" not in given:
+        dropped = sorted(name for name in cfg.model.kwargs if f"model.kwargs.{name}" not in given)
         for name in dropped:
             del cfg.model.kwargs[name]
         if dropped and cfg.model.name in models.MODELS:  # an unknown name is refused in a line of its own

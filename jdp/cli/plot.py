@@ -11,6 +11,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only; no display needed
 import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
 
 from jdp.errors import UsageError  # noqa: E402
 from jdp.metrics import read_metrics  # noqa: E402
@@ -21,8 +22,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> None:
     """One panel for the loss and one for each other output of the runs' loss functions (e.g. accuracy); UsageError
     for an `out` that cannot be written or runs with no values to plot."""
     check_output_file(out, "curves.png")
-    formats = plt.figure().canvas.get_supported_filetypes()
-    plt.close("all")
+    formats = FigureCanvasBase.get_supported_filetypes()
     if out.suffix[1:].lower() not in formats:
         raise UsageError(f"--out {out}: matplotlib writes no {out.suffix or 'suffix-less'} file; end it with one of "
                          f"{', '.join('.' + f for f in sorted(formats))}")

@@ -85,8 +85,8 @@ def shakespeare_from_markdown(plays: list[Path]) -> str:
 
 def read_text(name: str, *, utf8: bool = True, workdir: Path | None = None) -> bytes:
     """The text `data.name` names: the file, or every file under the directory (by sorted path, hidden ones left
-    out), concatenated; with `utf8`, a file that is not UTF-8 is named. A `workdir` inside the directory is refused:
-    its checkpoints would become text."""
+    out), concatenated; with `utf8`, a directory's file that is not UTF-8 is named. A `workdir` inside the directory
+    is refused: its checkpoints would become text."""
     if name.strip() == TEXT_PREFIX:
         raise DataError(f"data.name={name} names no file; give data.name=text:PATH, a UTF-8 text file or a "
                         "directory of them")
@@ -101,7 +101,7 @@ def read_text(name: str, *, utf8: bool = True, workdir: Path | None = None) -> b
     if not files:
         raise DataError(f"{path} holds no files; give a UTF-8 text file or a directory of them")
     texts = [p.read_bytes() for p in files]
-    if utf8:
+    if utf8 and len(files) > 1:  # one file: the vocabulary's decode names it, at the right offset
         for file, text in zip(files, texts, strict=True):
             _codepoints(text, str(file))
     return b"".join(texts)

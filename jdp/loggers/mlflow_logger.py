@@ -3,7 +3,6 @@ client: a local `file:` store or a tracking server; `sqlite:` stores need the fu
 
 from __future__ import annotations
 
-import itertools
 import os
 import time
 from pathlib import Path
@@ -82,8 +81,10 @@ class MLflow(Tracker):
             self.client.update_run(run_id, status="RUNNING")
             # Params cannot change: a second resume from the same step (a requeue before the next checkpoint)
             # gets a prefix of its own, or its log_batch fails and the segment logs nothing.
-            prefix = next(p for p in (f"resume_{self.start}{f'_{n}' if n > 1 else ''}" for n in itertools.count(1))
-                          if not any(key.startswith(f"{p}.") for key in logged))
+            prefix, n = f"resume_{self.start}", 1
+            while any(key.startswith(f"{prefix}.") for key in logged):
+                n += 1
+                prefix = f"resume_{self.start}_{n}"
             self._log_params({key if key not in logged else f"{prefix}.{key}"[:MAX_KEY]: value
                               for key, value in params.items() if logged.get(key) != value})
             return run_id
