@@ -167,8 +167,8 @@ class _ClosableStream:
     to /dev/null and the run goes on, its lines kept in metrics.jsonl. Python would raise at that print (ending the
     run with a traceback) and at every print after it."""
 
-    def __init__(self, stream: Any, name: str) -> None:
-        self._stream, self._name = stream, name
+    def __init__(self, stream: Any, name: str, quiet: bool) -> None:
+        self._stream, self._name, self._quiet = stream, name, quiet
 
     def __getattr__(self, attribute: str) -> Any:
         return getattr(self._stream, attribute)
@@ -187,18 +187,19 @@ class _ClosableStream:
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self._stream.fileno())  # the text still buffered goes there at the next flush
             os.close(devnull)
-            if self._name == "stdout":
+            if self._name == "stdout" and not self._quiet:
                 warn("stdout was closed by its reader (a pipe such as `| head`); the run goes on, printing nothing "
                      "more to it (metrics.jsonl holds its train and eval lines)")
 
 
 @contextlib.contextmanager
-def console_may_close() -> Iterator[None]:
-    """A run whose stdout or stderr is closed by its reader goes on (see `_ClosableStream`); nested, the outer one
-    holds."""
+def console_may_close(quiet: bool = False) -> Iterator[None]:
+    """A run whose stdout or stderr is closed by its reader goes on (see `_ClosableStream`), with one warning unless
+    `quiet` (a command whose output is all on the console, as `jdp.sample | head -1`, ends as it would have);
+    nested, the outer one holds."""
     saved = sys.stdout, sys.stderr
     if not isinstance(sys.stdout, _ClosableStream):  # None (started with the stream closed, `>&-`): print skips it
-        sys.stdout, sys.stderr = (None if stream is None else _ClosableStream(stream, name)
+        sys.stdout, sys.stderr = (None if stream is None else _ClosableStream(stream, name, quiet)
                                   for stream, name in zip(saved, ("stdout", "stderr"), strict=True))
     try:
         yield

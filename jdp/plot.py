@@ -2,5 +2,7 @@
 
 if __name__ == "__main__":
     from jdp.cli.plot import main
+    from jdp.metrics import console_may_close
 
-    raise SystemExit(main())
+    with console_may_close(quiet=True):  # `| head` ends it as any command's, without a BrokenPipeError traceback
+        raise SystemExit(main())

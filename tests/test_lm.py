@@ -3,6 +3,7 @@
 import functools
 import json
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -352,6 +353,14 @@ def test_the_readme_language_model_commands_run(tmp_path):
     prompt = args[args.index("--prompt") + 1]
     assert out.returncode == 0 and out.stdout.startswith(prompt), out.stderr[-2000:]
     assert len(out.stdout) > len(prompt) + 100
+    read, write = os.pipe()
+    os.close(read)  # `| head -0`: the sample's print raised a BrokenPipeError traceback, exit 1
+    try:
+        closed = subprocess.run([sys.executable, *args], cwd=tmp_path, stdout=write, stderr=subprocess.PIPE,
+                                text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (closed.returncode, closed.stderr) == (0, "")
     args[args.index("--prompt") + 1] = "ROMÉO"
     out = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "'É'" in out.stderr and len(out.stderr.strip().splitlines()) == 1

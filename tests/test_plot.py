@@ -1,4 +1,7 @@
 import json
+import os
+import subprocess
+import sys
 
 from jdp.cli.plot import main
 
@@ -53,3 +56,19 @@ def test_plot_shows_the_outputs_of_a_users_loss(tmp_path):
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     plot_runs([run], tmp_path / "curves.png")
     assert (tmp_path / "curves.png").stat().st_size > 10_000
+
+
+def test_plot_whose_stdout_reader_is_gone_ends_quietly(tmp_path):
+    """`python -m jdp.plot RUN | head -0`: its `wrote` line raised a BrokenPipeError traceback, exit 1. Now the plot
+    is written and the command exits 0 with nothing on stderr, as a command whose output is cut by `head`; the same
+    wrapper is around jdp.bench, jdp.compare, jdp.export and jdp.sample."""
+    _write_run(tmp_path / "a", [2.0, 1.0])
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        out = subprocess.run([sys.executable, "-m", "jdp.plot", str(tmp_path / "a"), "--out", str(tmp_path / "c.png")],
+                             stdout=write, stderr=subprocess.PIPE, text=True, timeout=120)
+    finally:
+        os.close(write)
+    assert (out.returncode, out.stderr) == (0, "")
+    assert (tmp_path / "c.png").stat().st_size > 10_000

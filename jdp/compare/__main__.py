@@ -122,4 +122,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from jdp.metrics import console_may_close
+
+    with console_may_close(quiet=True):  # `| head` ends it as any command's, without a BrokenPipeError traceback
+        sys.exit(main())

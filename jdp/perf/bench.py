@@ -284,7 +284,3 @@ def main(argv: list[str] | None = None) -> int:
                 "parallelism will not pay at this model and batch size (try a larger batch or fewer devices)"
                 for r in rows if r.get("allreduce_s") and r["allreduce_s"] > COMM_DOMINATES * r["step_s"]]
     return _write(out, "bench", {"config": cfg.to_dict(), "rows": rows}, table, *warnings)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
