@@ -188,7 +188,7 @@ class NonFiniteGuard(Callback):
                 "data, lower the learning rate (optim.lr) or clip gradients (optim.grad_clip_norm)")
         if not self.warned:  # later ones are counted in the train lines' skipped_steps
             self.warned = True
-            self.run.writer.echo(f"warning: step {step} had non-finite {self._cause(step, metrics)}; its update was "
+            self.run.writer.warn(f"step {step} had non-finite {self._cause(step, metrics)}; its update was "
                                  "skipped, as later ones will be (counted as skipped_steps in the train lines)")
 
     def _cause(self, step: int, metrics: dict[str, float]) -> str:
@@ -279,7 +279,7 @@ class Evaluation(Every):
                 self.run.writer.eval(step, result)
                 if not self.warned and not math.isfinite(result.get("loss", 0.0)):
                     self.warned = True  # once: the summary line lists every such eval
-                    self.run.writer.echo(f"warning: {self._nonfinite(step, result['loss'])}")
+                    self.run.writer.warn(self._nonfinite(step, result["loss"]))
 
     def _nonfinite(self, step: int, loss: float) -> str:
         """Why the eval loss is not finite, as far as this process's rows of the eval split tell (read only now:

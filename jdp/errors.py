@@ -2,10 +2,14 @@
 
 import sys
 
+from tqdm import tqdm
+
 
 def warn(line: str) -> None:
-    """`jdp: warning: LINE` on stderr, at once."""
-    print(f"jdp: warning: {line}", file=sys.stderr, flush=True)
+    """`jdp: warning: LINE` on stderr, at once, above a progress bar rather than through it."""
+    if sys.stderr is not None:  # None: started with stderr closed (`2>&-`)
+        tqdm.write(f"jdp: warning: {line}", file=sys.stderr)
+        sys.stderr.flush()
 
 
 def one_line(error: BaseException, *, typed: bool = True) -> str:

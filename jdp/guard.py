@@ -62,8 +62,8 @@ class Guard:
     was given. Every process calls each together; process 0 reads and compares, and every process gets its answer."""
 
     def __init__(self, fit_record: dict[str, Any], workdir: Path, allow_change: bool,
-                 echo: Callable[[str], None]) -> None:
-        self.fit_record, self.workdir, self.allow_change, self.echo = fit_record, workdir, allow_change, echo
+                 warn: Callable[[str], None]) -> None:
+        self.fit_record, self.workdir, self.allow_change, self.warn = fit_record, workdir, allow_change, warn
         self.fingerprint = fingerprint(fit_record)
         self.record_steps: int | None = None  # run.json's steps, where it holds a usable record
         self.unreadable: str | None = None  # why run.json cannot be read
@@ -85,9 +85,8 @@ class Guard:
         changed, self.record_steps, self.unreadable, unrecorded = json.loads(
             distributed_lib.broadcast("record checked", json.dumps(found), RESULTS_TIMEOUT_S))
         if unrecorded:  # a workdir of a jdp from before run.json held the caller's settings
-            self.echo(f"warning: {self.workdir / record_lib.RECORD_FILE} holds no record of the config's keys (an "
-                      "older jdp wrote it): this resume checks fit's own settings only, and records the keys for "
-                      "the next")
+            self.warn(f"{self.workdir / record_lib.RECORD_FILE} holds no record of the config's keys (an older jdp "
+                      "wrote it): this resume checks fit's own settings only, and records the keys for the next")
         if changed and not self.allow_change:
             raise refusal(self.workdir, changed)
         if changed:
@@ -127,13 +126,12 @@ class Guard:
         """After the restore of checkpoint `step`: its warning, if any; the steps the workdir's run was given."""
         found = self._after.get(step, {})
         if found.get("warn"):
-            self.echo(f"warning: {found['warn']}")
+            self.warn(found["warn"])
         if found.get("allowed"):
             self._allowed(found["allowed"])
         return self.record_steps or found.get("steps") or self.fit_record["steps"]
 
     def _allowed(self, changed: list[str]) -> None:
         if not self.warned:  # run.json and the checkpoint name one change: one line
-            self.echo(f"warning: resuming {self.workdir} with other settings (allow_config_change): "
-                      f"{'; '.join(changed)}")
+            self.warn(f"resuming {self.workdir} with other settings (allow_config_change): {'; '.join(changed)}")
             self.warned = True

@@ -21,7 +21,7 @@ from jdp import memory, noise_scale, precision, storage, workdir_lock
 from jdp import record as record_lib
 from jdp.checkpoint import Checkpointer
 from jdp.data.batching import Source, optional
-from jdp.errors import NonFiniteLossError, Preempted, ReplicaMismatchError
+from jdp.errors import NonFiniteLossError, Preempted, ReplicaMismatchError, warn
 from jdp.metrics import MetricsWriter, ThroughputClock
 from jdp.modeldef import ModelDef
 from jdp.options import FitOptions
@@ -102,8 +102,9 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
     t_start = time.perf_counter()
     parallel, source = engine.parallel, engine.source
     is_main = jax.process_index() == 0
-    echo = print if is_main else lambda *_: None
-    start, logical, record = _begin(engine, options, steps, workdir, checkpointer, fit_record, on_resume, echo)
+    echo, caution = (print, warn) if is_main else (_silent, _silent)
+    start, logical, record = _begin(engine, options, steps, workdir, checkpointer, fit_record, on_resume, echo,
+                                    caution)
     on_start(start)
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=is_main)
     run = callbacks_lib.Run(parallel, source, writer, ThroughputClock(), workdir, steps, start, global_batch_size,
@@ -159,19 +160,24 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
                      run.clock.rate()), final
 
 
+def _silent(_: str) -> None:
+    """What a process other than 0 prints of a run's lines: every process would say the same."""
+
+
 def _begin(engine: Engine, options: FitOptions, steps: int, workdir: Path | None, checkpointer: Checkpointer | None,
-           fit_record: dict | None, on_resume: Callable[[], None], echo: Callable[[str], None]
-           ) -> tuple[int, Any, dict | None]:
+           fit_record: dict | None, on_resume: Callable[[], None], echo: Callable[[str], None],
+           caution: Callable[[str], None]) -> tuple[int, Any, dict | None]:
     """(the start step, the logical state to start from, the record as written to run.json or None): a resumed
     run checked and restored, a new one initialised, and the record written where there is something to train."""
     resuming = checkpointer is not None and bool(checkpointer.steps())
-    guard = guard_lib.Guard(fit_record, workdir, options.allow_config_change, echo) if fit_record and resuming else None
+    guard = (guard_lib.Guard(fit_record, workdir, options.allow_config_change, caution) if fit_record and resuming
+             else None)
     try:
         if resuming:
             on_resume()
         if guard is not None:  # before the restore, which would refuse an optimizer of another state tree without
             guard.check_record()  # naming the change
-        start, logical = _restore_or_init(engine, checkpointer, echo,
+        start, logical = _restore_or_init(engine, checkpointer, echo, caution,
                                           guard.check_checkpoint if guard is not None else None)
     except BaseException:
         if checkpointer is not None and jax.process_count() == 1:  # a refused rerun in a notebook leaks nothing
@@ -181,8 +187,8 @@ def _begin(engine: Engine, options: FitOptions, steps: int, workdir: Path | None
     record = None  # as written to run.json, for the callbacks' `on_start`
     if fit_record is not None and start < steps:  # a finished run's rerun records nothing
         if start and old_steps != steps:
-            echo(f"warning: steps changed from {old_steps} to {steps}: the run goes on from step {start}; a "
-                 "learning-rate schedule built from steps changes from here on (it is not compared)")
+            caution(f"steps changed from {old_steps} to {steps}: the run goes on from step {start}; a "
+                    "learning-rate schedule built from steps changes from here on (it is not compared)")
         if jax.process_index() == 0:
             metadata = record_lib.run_metadata(engine.parallel.mesh)
             record_lib.write(workdir, fit_record, metadata)
@@ -221,7 +227,7 @@ def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> N
             parallel.compile_train(run.state, batch)
             run.writer.echo(memory.describe(parallel.memory))
             if parallel.compiled_warning:
-                run.writer.echo(f"warning: {parallel.compiled_warning}")
+                run.writer.warn(parallel.compiled_warning)
         # 2-4. compute, all-reduce, update.
         run.state, metrics = parallel.train_step(run.state, batch)
         if pending is not None:
@@ -237,7 +243,7 @@ def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> N
                 callback.on_step(step, values, logical)
 
 
-def _restore_or_init(engine: Engine, checkpointer: Checkpointer | None, echo,
+def _restore_or_init(engine: Engine, checkpointer: Checkpointer | None, echo, caution,
                      check: Callable[[int, dict], None] | None = None) -> tuple[int, Any]:
     """The latest usable checkpoint of the workdir (`check` called with each one's step and intact data item before
     its arrays are read: the resume guard), else a fresh state; logical layout."""
@@ -249,8 +255,8 @@ def _restore_or_init(engine: Engine, checkpointer: Checkpointer | None, echo,
             echo(f"resumed from {checkpointer.directory / str(step)} (data position {position})")
             leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is None)[0]
             if missing := [jax.tree_util.keystr(path) for path, x in leaves if x is None]:
-                echo(f"warning: the per-device state ({', '.join(missing)}) was saved on another device "
-                     "count: it starts afresh")
+                caution(f"the per-device state ({', '.join(missing)}) was saved on another device count: it "
+                        "starts afresh")
                 state = engine.parallel.sync.restart(state, engine.init_state())
             return step, state._replace(halted=state.halted * 0)  # a halted run may go on (e.g. at a lower lr)
     return 0, engine.init_state()
@@ -266,7 +272,7 @@ def _header(run: callbacks_lib.Run, engine: Engine, options: FitOptions) -> None
         f"{run.source.num_train} train examples, {run.steps} steps = {run.steps / run.source.steps_per_epoch:.1f} "
         f"epochs; backend {options.backend}, sync {run.parallel.sync!r}")
     if slower := precision.slower_than_fp32(options.precision, mesh.devices.flat[0].platform):
-        run.writer.echo(f"warning: {slower}")
+        run.writer.warn(slower)
 
 
 def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: callbacks_lib.Evaluation,

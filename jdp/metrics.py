@@ -150,6 +150,10 @@ class MetricsWriter:
         if self.enabled:
             (self._bar.write if self._bar is not None else print)(line)
 
+    def warn(self, line: str) -> None:
+        if self.enabled:
+            warn(line)
+
     def close(self) -> None:
         if not self.enabled:
             return

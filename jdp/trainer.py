@@ -8,7 +8,6 @@ import dataclasses
 import difflib
 import math
 import numbers
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -23,7 +22,7 @@ from jdp import distributed as distributed_lib
 from jdp import record as record_lib
 from jdp import sync as sync_lib
 from jdp.data.batching import Batcher, Source, optional
-from jdp.errors import FitError, UsageError, one_line
+from jdp.errors import FitError, UsageError, one_line, warn
 from jdp.loop import Engine, FitResult
 from jdp.mesh import DATA_AXIS, device_axes, make_mesh, mesh_devices
 from jdp.modeldef import LossFn, ModelDef
@@ -239,10 +238,10 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
 def _warn_if_float32(matmuls: collections.Counter[str], precision: str) -> None:
     """Flax layers built with `dtype=jnp.float32` (or float32 constants mixed in) promote the cast
     parameters back to float32: the step would run at float32 speed."""
-    if matmuls and set(matmuls) == {"float32"}:
-        warnings.warn(f"precision={precision}, but all {sum(matmuls.values())} dots/convolutions of the model's "
-                      "forward compute in float32: build its layers with dtype=None (Flax's default, which follows "
-                      "the inputs and parameters jdp casts) rather than dtype=jnp.float32", stacklevel=4)
+    if matmuls and set(matmuls) == {"float32"} and jax.process_index() == 0:
+        warn(f"precision={precision}, but all {sum(matmuls.values())} dots/convolutions of the model's forward "
+             "compute in float32: build its layers with dtype=None (Flax's default, which follows the inputs and "
+             "parameters jdp casts) rather than dtype=jnp.float32")
 
 
 def fit(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,

@@ -128,7 +128,7 @@ def test_sigterm_checkpoints_and_exits_75(tmp_path):
     out = train(tmp_path, f"--config.train.steps={step + 2}")
     assert out.returncode == 0, out.stderr
     assert f"resumed from {tmp_path / 'checkpoints' / str(step)}" in out.stdout
-    assert "warning: steps changed from 100000" in out.stdout
+    assert "jdp: warning: steps changed from 100000" in out.stderr
     assert [s for s, _ in train_losses(tmp_path)][-3:] == [step, step + 1, step + 2]
 
 

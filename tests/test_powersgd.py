@@ -238,7 +238,7 @@ def test_a_resume_on_another_device_count_starts_the_error_feedback_afresh(tmp_p
                     workdir=tmp_path, num_devices=4, **options)
     again = jdp.fit(lambda: Net(nnx.Rngs(0)), mse, _data(), optimizer=optax.sgd(LR), steps=4, global_batch_size=BATCH,
                     workdir=tmp_path, num_devices=2, **options)
-    out = capsys.readouterr().out
-    assert "resumed from" in out and "warning: the per-device state (.sync['error']['l1.kernel'], " in out
+    out, err = capsys.readouterr()
+    assert "resumed from" in out and "jdp: warning: the per-device state (.sync['error']['l1.kernel'], " in err
     assert len(again.losses) == 1 and not (tmp_path / "rejected").exists()
     assert np.isfinite(again.losses[0]) and first.step == 3 and again.step == 4

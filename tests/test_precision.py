@@ -4,7 +4,6 @@ own passes (XLA:CPU upcasts bfloat16 products to float32 afterwards; a GPU runs 
 from __future__ import annotations
 
 import re
-import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -74,22 +73,20 @@ class Fixed(nnx.Module):
         return self.out(nnx.relu(self.hidden(x)))[:, 0]
 
 
-def _prepare(dtype, precision_: str) -> list[warnings.WarningMessage]:
+def _prepare(dtype, precision_: str, capsys) -> list[str]:
     x = np.random.default_rng(0).standard_normal((64, 6)).astype(np.float32)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        prepare(lambda: Fixed(dtype, nnx.Rngs(0)), lambda m, b: {"loss": (m(b["x"]) - b["y"]) ** 2},
-                {"x": x, "y": x.sum(1)}, optimizer=optax.sgd(0.1), global_batch_size=32,
-                options=jdp.FitOptions(precision=precision_, num_devices=2, keep_fp32=("y",)))
-    return [w for w in caught if "dots/convolutions" in str(w.message)]
+    prepare(lambda: Fixed(dtype, nnx.Rngs(0)), lambda m, b: {"loss": (m(b["x"]) - b["y"]) ** 2},
+            {"x": x, "y": x.sum(1)}, optimizer=optax.sgd(0.1), global_batch_size=32,
+            options=jdp.FitOptions(precision=precision_, num_devices=2, keep_fp32=("y",)))
+    return [line for line in capsys.readouterr().err.splitlines() if "dots/convolutions" in line]
 
 
-def test_bf16_warns_about_a_model_that_stays_float32():
+def test_bf16_warns_about_a_model_that_stays_float32(capsys):
     """The check traces the forward as the step casts it: fails if it warns for a model that follows the cast,
     under fp32, or not at all for layers built with dtype=float32."""
-    stuck = _prepare(jnp.float32, "bf16")
-    assert len(stuck) == 1 and "2 dots/convolutions" in str(stuck[0].message)
-    assert _prepare(None, "bf16") == [] and _prepare(jnp.float32, "fp32") == []
+    stuck = _prepare(jnp.float32, "bf16", capsys)
+    assert len(stuck) == 1 and stuck[0].startswith("jdp: warning: precision=bf16, but all 2 dots/convolutions")
+    assert _prepare(None, "bf16", capsys) == [] and _prepare(jnp.float32, "fp32", capsys) == []
 
 
 def test_a_precision_slower_than_fp32_on_these_devices_is_said_once(capsys):
@@ -99,6 +96,6 @@ def test_a_precision_slower_than_fp32_on_these_devices_is_said_once(capsys):
     for name in ("fp32", "bf16", "fp16"):
         jdp.fit(lambda: nnx.Linear(6, 1, rngs=nnx.Rngs(0)), lambda m, b: {"loss": (m(b["x"])[:, 0] - b["y"]) ** 2},
                 {"x": x, "y": x.sum(1)}, optimizer=optax.sgd(0.1), steps=2, global_batch_size=16, precision=name)
-        said = capsys.readouterr().out.count(f"warning: precision={name} runs no faster than fp32 on CPU devices")
+        said = capsys.readouterr().err.count(f"jdp: warning: precision={name} runs no faster than fp32 on CPU devices")
         assert said == (name != "fp32"), name
     assert precision.slower_than_fp32("bf16", "gpu") is None and precision.slower_than_fp32("fp16", "tpu") is None

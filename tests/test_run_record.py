@@ -258,7 +258,7 @@ def test_a_resume_that_changes_the_numerics_or_data_order_is_refused_in_one_line
     before = (workdir / "run.json").read_text(), sorted(os.listdir(workdir / "checkpoints"))
     if not expected:  # accepted: the warning says the schedule was not compared
         assert fit(workdir, 8, **arguments).step == 8
-        assert "steps changed from 4 to 8" in capsys.readouterr().out
+        assert "steps changed from 4 to 8" in capsys.readouterr().err
         return
     with pytest.raises(jdp.FitError) as refused:
         fit(workdir, 8, **arguments)
@@ -318,10 +318,10 @@ def test_allow_config_change_resumes_with_another_lr_and_records_it(finished, tm
     the next resume compares against them)."""
     workdir = copy_of(finished[0], tmp_path)
     result = fit(workdir, 8, optimizer=sgd(0.2), allow_config_change=True)
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert result.step == 8 and "resumed from" in out
-    assert (f"warning: resuming {workdir} with other settings (allow_config_change): {LR}: every update is 2x the "
-            "recorded run's") in out
+    assert (f"jdp: warning: resuming {workdir} with other settings (allow_config_change): {LR}: every update is 2x "
+            "the recorded run's") in err
     assert saved_record(workdir)["fit"]["optimizer"] == record_lib.describe_optimizer(
         sgd(0.2), abstract_params(result.params))
     assert fit(workdir, 10, optimizer=sgd(0.2)).step == 10  # the new settings are the run's now
@@ -451,10 +451,10 @@ def test_a_checkpoint_from_before_fingerprints_resumes_unchecked_with_one_warnin
     (workdir / "run.json").unlink()
     capsys.readouterr()
     assert fit(workdir, 6, optimizer=sgd(0.2)).step == 6
-    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
-    assert warnings == [f"warning: checkpoint {workdir / 'checkpoints' / '4'} carries no fingerprint of its settings "
-                        f"(a jdp from before them saved it) and {workdir / 'run.json'} holds no usable record: the "
-                        "resume is unchecked"]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [f"jdp: warning: checkpoint {workdir / 'checkpoints' / '4'} carries no fingerprint of its "
+                        f"settings (a jdp from before them saved it) and {workdir / 'run.json'} holds no usable "
+                        "record: the resume is unchecked"]
     (workdir / "run.json").unlink()
     with pytest.raises(jdp.FitError) as refused:  # checkpoint 6 carries lr 0.2's fingerprint
         fit(workdir, 8)
@@ -468,10 +468,10 @@ def test_allow_config_change_without_run_json_warns_once_and_saves_the_new_finge
     (workdir / "run.json").unlink()
     capsys.readouterr()
     assert fit(workdir, 8, optimizer=sgd(0.2), allow_config_change=True).step == 8
-    warnings = [line for line in capsys.readouterr().out.splitlines() if "warning" in line]
-    assert warnings == [f"warning: resuming {workdir} with other settings (allow_config_change): the settings differ "
-                        f"from those checkpoint {workdir / 'checkpoints' / '4'} was saved under: {LR}: every update "
-                        "is 2x the recorded run's"]
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == [f"jdp: warning: resuming {workdir} with other settings (allow_config_change): the settings "
+                        f"differ from those checkpoint {workdir / 'checkpoints' / '4'} was saved under: {LR}: every "
+                        "update is 2x the recorded run's"]
     (workdir / "run.json").unlink()
     with pytest.raises(jdp.FitError) as refused:
         fit(workdir, 8)
@@ -510,9 +510,9 @@ def test_a_changed_step_count_on_the_cli_is_one_warning_line(cli_run, tmp_path, 
     capsys.readouterr()
     assert train_cli.main([*CLI, "--config.train.steps=6", "--workdir", str(workdir)]) == 0
     out, err = capsys.readouterr()
-    assert [line for line in (out + err).splitlines() if "warning" in line] == [
-        "warning: steps changed from 4 to 6: the run goes on from step 4; a learning-rate schedule built from steps "
-        "changes from here on (it is not compared)"]
+    assert "warning" not in out and err.splitlines() == [
+        "jdp: warning: steps changed from 4 to 6: the run goes on from step 4; a learning-rate schedule built from "
+        "steps changes from here on (it is not compared)"]
 
 
 def test_a_config_setting_fit_cannot_see_is_refused_by_its_key(cli_run, tmp_path, capsys):
@@ -541,8 +541,8 @@ def test_a_workdir_whose_record_lacks_the_configs_keys_says_what_its_resume_chec
     (workdir / "run.json").write_text(json.dumps(record))
     capsys.readouterr()
     assert train_cli.main([*CLI, "--config.train.steps=6", "--workdir", str(workdir)]) == 0
-    warnings = [line for line in capsys.readouterr().out.splitlines() if "holds no record of the config's keys" in line]
-    assert len(warnings) == 1
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "holds no record of the config's keys" in line]
+    assert len(warnings) == 1 and warnings[0].startswith("jdp: warning: ")
     assert json.loads((workdir / "run.json").read_text())["fit"]["settings"]
 
 

@@ -144,5 +144,5 @@ def test_fit_warns_once_when_the_bf16_payload_is_widened(capsys):
     for dtype in ("fp32", "bf16"):
         result = jdp.fit(lambda: MLP(nnx.Rngs(0)), mse, {"x": x, "y": x.sum(1)}, optimizer=optax.sgd(0.1), steps=3,
                          global_batch_size=16, num_devices=2, allreduce_dtype=dtype)
-        warned = capsys.readouterr().out.count("AllReduce(dtype='bf16') saves nothing here")
+        warned = capsys.readouterr().err.count("jdp: warning: AllReduce(dtype='bf16') saves nothing here")
         assert warned == (dtype == "bf16") and result.losses

@@ -17,6 +17,7 @@ from jdp.checkpoint import Checkpointer, CheckpointError
 from jdp.cli import config as config_lib
 from jdp.cli.build import build
 from jdp.distributed import differences
+from jdp.errors import warn
 from jdp.modeldef import replace_state, state_groups
 from jdp.params_file import load_into
 from jdp.step import TrainState
@@ -54,7 +55,7 @@ def record_config(cfg: ml_collections.ConfigDict, workdir: Path) -> None:
         f.write(json.dumps(line, sort_keys=True, default=list) + "\n")
 
 
-def report_finished_run(cfg: ml_collections.ConfigDict, workdir: Path, step: int, echo) -> None:
+def report_finished_run(cfg: ml_collections.ConfigDict, workdir: Path, step: int) -> None:
     """A finished run met with other settings: say which differ and what to do (nothing is written)."""
     saved = workdir / "config.json"
     if not saved.exists():
@@ -63,7 +64,7 @@ def report_finished_run(cfg: ml_collections.ConfigDict, workdir: Path, step: int
                differences(config_lib.load_saved_config(saved, fix=SAVED_CONFIG_FIX).to_dict(), cfg.to_dict())
                if key != "train.steps"]
     if changed:
-        echo(f"warning: {workdir} holds a run finished at step {step} with other settings ({'; '.join(changed)}); "
+        warn(f"{workdir} holds a run finished at step {step} with other settings ({'; '.join(changed)}); "
              "nothing was trained or written: to train with these settings pass a new --workdir, or raise "
              "--config.train.steps to extend this run")
 

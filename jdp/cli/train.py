@@ -50,15 +50,16 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
         except UsageError as e:
             raise config_lib.ConfigError(f"{e}; set --config.sample.prompt to text of its characters, or "
                                          "--config.sample.tokens=0 for no sample") from None
-    echo = print if jax.process_index() == 0 else lambda *_: None
     model = task.make_model
     if cfg.init_from and not committed_steps(workdir):  # read before fit makes the workdir: a bad file
         model = initialised_from(cfg.init_from, task.make_model())  # leaves nothing behind
 
     def on_start(start: int) -> None:
+        if jax.process_index() != 0:
+            return
         if start >= cfg.train.steps:  # a rerun of a finished run records nothing
-            report_finished_run(cfg, workdir, start, echo)
-        elif jax.process_index() == 0:
+            report_finished_run(cfg, workdir, start)
+        else:
             record_config(cfg, workdir)  # beside run.json, the record jdp.fit writes
             if jax.devices()[0].platform == "gpu":
                 print(f"jdp: XLA_FLAGS in force: {os.environ.get('XLA_FLAGS', '')}")

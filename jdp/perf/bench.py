@@ -34,7 +34,7 @@ import jax
 from jdp import precision
 from jdp.cli import config as config_lib
 from jdp.cli.train import enable_compilation_cache
-from jdp.errors import UsageError
+from jdp.errors import UsageError, warn
 from jdp.layers import REMAT_POLICIES
 from jdp.mesh import simulate_cpu_devices
 from jdp.models import settings
@@ -205,11 +205,14 @@ def _results_folder(out: Path) -> Path:
     return out
 
 
-def _write(out: Path, name: str, data, table: str, *notes: str) -> int:
-    """OUT/NAME.json and OUT/NAME.md (OUT from `_results_folder`); prints the table, then `notes`; the exit code."""
+def _write(out: Path, name: str, data, table: str, *warnings: str) -> int:
+    """OUT/NAME.json and OUT/NAME.md (OUT from `_results_folder`); prints the table, then `warnings`; the exit
+    code."""
     (out / f"{name}.json").write_text(json.dumps(data, indent=2, default=list))
     (out / f"{name}.md").write_text(table)
-    print(table, *notes, sep="\n")
+    print(table, flush=True)
+    for line in warnings:
+        warn(line)
     print(f"wrote {out / f'{name}.json'} and {out / f'{name}.md'}")
     return 0
 
@@ -279,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"jdp.bench: {e}", file=sys.stderr)
         return 2
     table = memory_markdown(cfg, rows) if args.compile_only else to_markdown(cfg, rows)
-    warnings = [f"warning: on {r['devices']} devices the gradient all-reduce takes "
+    warnings = [f"on {r['devices']} devices the gradient all-reduce takes "
                 f"{r['allreduce_s'] / r['step_s']:.0%} of the step: communication dominates compute, so data "
                 "parallelism will not pay at this model and batch size (try a larger batch or fewer devices)"
                 for r in rows if r.get("allreduce_s") and r["allreduce_s"] > COMM_DOMINATES * r["step_s"]]
