@@ -4,6 +4,7 @@ lines, and a steady-state throughput clock that leaves out compile, eval and che
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -167,9 +168,10 @@ class MetricsWriter:
 
 
 class _ClosableStream:
-    """sys.stdout or sys.stderr whose reader may go away (`| head`): from the first broken pipe on, the stream writes
-    to /dev/null and the run goes on, its lines kept in metrics.jsonl. Python would raise at that print (ending the
-    run with a traceback) and at every print after it."""
+    """sys.stdout or sys.stderr whose reader may go away (`| head`) or whose file fills its disk (`> log`): from the
+    first broken pipe (or, in a run, full disk) on, the stream writes to /dev/null and the run goes on, its lines
+    kept in metrics.jsonl. Python would raise at that print (ending the run with a traceback) and at every print
+    after it."""
 
     def __init__(self, stream: Any, name: str, quiet: bool) -> None:
         self._stream, self._name, self._quiet = stream, name, quiet
@@ -187,13 +189,17 @@ class _ClosableStream:
     def _guarded(self, call: Callable[..., Any], *args: Any) -> None:
         try:
             call(*args)
-        except BrokenPipeError:
+        except OSError as e:
+            closed = isinstance(e, BrokenPipeError)
+            if not closed and (e.errno != errno.ENOSPC or self._quiet):  # a command's output lost is no success
+                raise
             devnull = os.open(os.devnull, os.O_WRONLY)
             os.dup2(devnull, self._stream.fileno())  # the text still buffered goes there at the next flush
             os.close(devnull)
             if self._name == "stdout" and not self._quiet:
-                warn("stdout was closed by its reader (a pipe such as `| head`); the run goes on, printing nothing "
-                     "more to it (metrics.jsonl holds its train and eval lines)")
+                why = "was closed by its reader (a pipe such as `| head`)" if closed else f"cannot be written ({e})"
+                warn(f"stdout {why}; the run goes on, printing nothing more to it (metrics.jsonl holds its train "
+                     "and eval lines)")
 
 
 @contextlib.contextmanager
