@@ -96,7 +96,7 @@ class MetricsWriter:
             if resume:
                 _purge_events(workdir / "tensorboard", start_step)
         self._bar = (tqdm(total=total_steps, initial=start_step, unit="step", dynamic_ncols=True)
-                     if sys.stderr.isatty() else None)
+                     if sys.stderr is not None and sys.stderr.isatty() else None)  # None: `2>&-`
 
     def _write(self, record: dict) -> None:
         record["wall_time"] = round(time.time() - self._start, 3)

@@ -358,20 +358,22 @@ CLOSED_STDOUT_WARNING = ("jdp: warning: stdout was closed by its reader (a pipe 
                          "printing nothing more to it (metrics.jsonl holds its train and eval lines)")
 
 
-@pytest.mark.parametrize("closed", ["by its reader", "at the start", "on a full disk"])
+@pytest.mark.parametrize("closed", ["by its reader", "at the start", "on a full disk", "with stderr at the start"])
 def test_a_run_whose_stdout_is_closed_trains_to_the_end(closed, tmp_path):
     """`python -m jdp.train | head -1`: the pipe closes after the first line. The next print ended the run with a
     BrokenPipeError traceback, exit 1, losing the steps since the last checkpoint; now one warning, and the run
-    finishes with its summary line and final checkpoint. Started with stdout closed (`>&-`), it prints nothing.
+    finishes with its summary line and final checkpoint. Started with stdout closed (`>&-`), it prints nothing;
+    with stderr closed too (`>&- 2>&-`), it was exit 1 at once (the progress bar asked a None stderr for a tty).
     `> log` on a full disk (/dev/full) was an OSError traceback at the first flush; now one warning too."""
     workdir, err = tmp_path / "run", tmp_path / "stderr"
-    stdout = {"by its reader": subprocess.PIPE, "at the start": None, "on a full disk": open("/dev/full", "w")}
+    stdout = {"by its reader": subprocess.PIPE, "on a full disk": open("/dev/full", "w")}.get(closed)
+    closes = {"at the start": (1,), "with stderr at the start": (1, 2)}.get(closed, ())
     with open(err, "w") as stderr:  # the child keeps its own copy of the descriptor
         child = subprocess.Popen([*TINY, "--workdir", str(workdir), "--config.train.steps=40"], cwd=ROOT,
-                                 env=_child_env(), stdout=stdout[closed], stderr=stderr,
-                                 preexec_fn=(lambda: os.close(1)) if closed == "at the start" else None)
+                                 env=_child_env(), stdout=stdout, stderr=stderr,
+                                 preexec_fn=lambda: [os.close(fd) for fd in closes])
     if closed == "on a full disk":
-        stdout[closed].close()
+        stdout.close()
     try:
         if child.stdout is not None:
             child.stdout.readline()  # the start-up line, as `head -1` reads it
@@ -381,9 +383,9 @@ def test_a_run_whose_stdout_is_closed_trains_to_the_end(closed, tmp_path):
         child.kill()
         child.wait()
     assert child.returncode == 0, err.read_text()[-3000:]
-    warned = {"by its reader": [CLOSED_STDOUT_WARNING], "at the start": [], "on a full disk": [
+    warned = {"by its reader": [CLOSED_STDOUT_WARNING], "on a full disk": [
         "jdp: warning: stdout cannot be written ([Errno 28] No space left on device); the run goes on, printing "
         "nothing more to it (metrics.jsonl holds its train and eval lines)"]}
-    assert err.read_text().splitlines() == warned[closed]
+    assert err.read_text().splitlines() == warned.get(closed, [])
     assert read_metrics(workdir)[-1]["split"] == "summary"
     assert max(int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit()) == 40
