@@ -9,7 +9,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
-from jdp.errors import UsageError
+from jdp.errors import UsageError, one_line
 
 T = TypeVar("T")
 
@@ -22,6 +22,8 @@ def import_object(path: str, what: str) -> Any:
     except ImportError as e:
         raise UsageError(f"{what}={path!r}: cannot import {module_name!r} ({e}); put the module beside the config "
                          "file or on PYTHONPATH") from None
+    except Exception as e:  # noqa: BLE001 - a module that fails as it imports: its own error, a SyntaxError
+        raise UsageError(f"{what}={path!r}: importing {module_name!r} fails ({one_line(e)}); fix the module") from None
     try:
         return functools.reduce(getattr, attribute.split("."), module)
     except AttributeError:

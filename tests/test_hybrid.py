@@ -161,7 +161,7 @@ def test_what_it_cannot_run_is_refused_in_one_line(options, message):
 
 
 def test_bad_parameters_are_refused():
-    with pytest.raises(ValueError, match="group_size=0 must be a positive int"):
+    with pytest.raises(ValueError, match="group_size=0 must be an int of at least 1"):
         sync.HybridShard(group_size=0)
     with pytest.raises(ValueError, match="stage=2 is not one of 1, 3"):
         sync.HybridShard(group_size=4, stage=2)

@@ -82,9 +82,12 @@ def test_strategies_that_cannot_be_are_refused_in_one_line(options, message):
 
 def test_a_powersgd_rank_that_compresses_nothing_is_refused():
     """Each matrix is compressed at min(rank, n, m); a rank at which no matrix sends less than it whole is refused,
-    naming the largest rank that compresses (the regression model's 6 x 16 kernel: 4)."""
+    naming the largest rank that compresses (the regression model's 6 x 16 kernel: 4; at a minimum compression
+    rate of 2, 2: the hint ignored the rate)."""
     with pytest.raises(FitError, match="compresses none of this model's gradient matrices.*at most 4"):
         _fit(sync="powersgd", powersgd_rank=1_000_000_000)
+    with pytest.raises(FitError, match="compresses none of this model's gradient matrices.*at most 2$"):
+        _fit(sync=sync.PowerSGD(rank=3, min_compression_rate=2))
 
 
 def test_the_start_up_line_names_the_strategy_and_done_its_bytes(capsys):
@@ -184,11 +187,12 @@ class Periodic(sync.LocalSGD):
         pass
 
 
-def test_a_checkpoint_period_between_sync_points_is_refused_whatever_the_strategys_own_check():
+@pytest.mark.parametrize("period", ["checkpoint_every", "eval_every", "check_replicas_every"])
+def test_a_period_between_sync_points_is_refused_whatever_the_strategys_own_check(period):
     """Breaks if the rule is left to each strategy: this one's checkpoints would fall between sync points, where
-    the replicas differ, and the resume would call them damaged."""
-    with pytest.raises(FitError, match=r"checkpoint_every=3 is not a multiple of the sync period 2 \(Periodic"):
-        FitOptions(sync=Periodic(every=2), checkpoint_every=3)
+    the replicas differ, and the resume would call them damaged; its evals scored a mix of the replicas."""
+    with pytest.raises(FitError, match=rf"{period}=3 is not a multiple of the sync period 2 \(Periodic"):
+        FitOptions(sync=Periodic(every=2), **{period: 3})
     with pytest.raises(FitError, match=r"checkpoint_every=3 is not a multiple of the sync period 2 \(sync_every=2"):
         FitOptions(sync_every=2, checkpoint_every=3)
 
@@ -298,6 +302,11 @@ def test_the_command_line_sets_a_strategys_settings_as_one_dict_or_one_by_one():
     assert config_lib.fit_values(cfg)["sync"].error_feedback is False
     config_lib.apply_overrides(cfg, {"parallel.sync_kwargs.error_feedback": "True"})
     assert config_lib.fit_values(cfg)["sync"].error_feedback is True
+    # JSON's spelling, as the config's own bool keys take it: 'false' was the string, which counts as true.
+    config_lib.apply_overrides(cfg, {"parallel.sync_kwargs.error_feedback": "false"})
+    assert config_lib.fit_values(cfg)["sync"].error_feedback is False
+    config_lib.apply_overrides(cfg, {"parallel.sync_kwargs": '{"error_feedback": true}'})
+    assert config_lib.fit_values(cfg)["sync"].error_feedback is True
     with pytest.raises(config_lib.ConfigError, match="--config.parallel.sync_kwargs takes a dict of settings"):
         config_lib.apply_overrides(cfg, {"parallel.sync_kwargs": "4"})
 
@@ -338,3 +347,59 @@ def test_no_module_outside_jdp_sync_names_a_strategy_or_its_flags():
         found += [f"jdp/{'/'.join(where)}:{i}: {line.strip()}" for i, line in enumerate(text.splitlines(), 1)
                   if pattern.search(line)]
     assert not found, "\n".join(found)
+
+
+class ScaledZeRO1(sync.ZeRO1):
+    """ZeRO-1 whose gradient is scaled: a subclass that changes what is computed."""
+
+    def __init__(self, scale: float = 1.0):
+        super().__init__()
+        self.scale = scale
+
+    def params(self):
+        return {**super().params(), "scale": self.scale}
+
+
+def test_a_subclass_of_a_sharded_strategy_records_its_own_class_and_parameters():
+    """jdp's sharded strategies record the mean all-reduce's numerics (a run resumes sharded or not); breaks if a
+    subclass inherits that record, so that a resume with another scale went through unrefused."""
+    assert sync.ZeRO1().record() == sync.ZeRO3().record() == sync.HybridShard(2).record() == sync.AllReduce().record()
+    assert ScaledZeRO1(3.0).record() == {"class": f"{__name__}:ScaledZeRO1", "dtype": "fp32", "scale": 3.0}
+
+
+def test_numpy_counts_are_taken_and_a_setting_of_another_type_is_one_line():
+    """`sync_every=np.int64(2)` passed fit's own check, then the constructor refused it with a traceback naming
+    `every`; a string where a number goes was a bare TypeError of a comparison, and `error_feedback='no'` ran with
+    error feedback on."""
+    assert FitOptions(sync_every=np.int64(2), powersgd_rank=np.int32(2)).sync_every == 2
+    assert [type(x) for x in (sync.LocalSGD(np.int64(3)).every, sync.PowerSGD(np.int32(2)).rank)] == [int, int]
+    for make, message in [(lambda: sync.PowerSGD(min_compression_rate="2"), "min_compression_rate='2' must be a "
+                                                                           "number"),
+                          (lambda: sync.DiLoCo(2, outer_lr="0.5"), "outer_lr='0.5' must be a number"),
+                          (lambda: sync.StreamingDiLoCo(4, overlap=1.0), "overlap=1.0 must be an int of at least 0"),
+                          (lambda: sync.QuantizedAllReduce(error_feedback="no"), "error_feedback='no' must be True "
+                                                                                 "or False"),
+                          (lambda: sync.HybridShard(stage=True), "stage=True is not one of 1, 3")]:
+        with pytest.raises(ValueError, match=f"^{re.escape(message)}"):
+            make()
+
+
+class Knobbed(sync.AllReduce):
+    """A strategy whose parameter is a plain object, or whose params() is no dict."""
+
+    def __init__(self, params):
+        super().__init__()
+        self._params = params
+
+    def params(self):
+        return self._params
+
+
+def test_a_parameter_without_a_stable_record_and_params_that_are_no_dict_are_one_line(tmp_path):
+    """A plain object was recorded by its str, address and all, so that every resume, settings unchanged, was
+    refused as another strategy; a list from params() was an AttributeError deep in the start-up line."""
+    with pytest.raises(FitError, match=r"^a strategy parameter, <.*object at 0x.*>, has no record a resume could "
+                                       r"compare \(its str holds an address\); give numbers"):
+        _fit(sync=Knobbed({"knob": object()}), workdir=tmp_path)
+    with pytest.raises(FitError, match=r"^Knobbed.params\(\) returned \[1\]; return a dict"):
+        _fit(sync=Knobbed([1]))

@@ -103,7 +103,8 @@ def test_local_sgd_syncs_every_h_steps(tmp_path):
 
 def test_local_sgd_checks_happen_at_sync_points():
     sections = {"parallel": {"sync_every": 4, "check_replicas_every": 4}, "checkpoint": {"every_steps": 4}}
-    with pytest.raises(ConfigError, match="train.eval_every=6 is not a multiple of parallel.sync_every=4"):
+    with pytest.raises(ConfigError, match=r"train.eval_every=6 is not a multiple of the sync period 4 "
+                                          r"\(parallel.sync_every=4\)"):
         build(small_config("mlp", num_devices=8, steps=8, train={"eval_every": 6}, **sections))
 
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from jdp.cli import config as config_lib
+from jdp.errors import UsageError
 from tests.helpers import records
 
 NETS = '''
@@ -116,3 +117,19 @@ def test_the_pytorch_comparison_refuses_a_model_it_has_no_twin_for(project):
     cfg = config_lib.load_config_file(project / "my_config.py")
     with pytest.raises(ValueError, match="model.name='nets:Wide': the PyTorch twin has no such model"):
         parity.check_supported(cfg, workers=2)
+
+
+@pytest.mark.parametrize("source, error", [("raise RuntimeError('no GPU here')", "RuntimeError: no GPU here"),
+                                           ("def broken(:\n", "SyntaxError: ")])
+def test_a_users_module_that_fails_as_it_imports_is_one_line(source, error, tmp_path, monkeypatch):
+    """A model's or a strategy's module whose import raises anything but ImportError (its own error, a typo) was a
+    traceback from the CLI; now one line naming the module and its error."""
+    from jdp.registry import import_object
+    from jdp.sync.flags import from_config
+
+    (tmp_path / "failing.py").write_text(source)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UsageError, match=rf"^model.name='failing:Net': importing 'failing' fails \({error}"):
+        import_object("failing:Net", "model.name")
+    with pytest.raises(ValueError, match=rf"^'failing:Sync' cannot be imported \({error}"):
+        from_config("failing:Sync", {})

@@ -325,10 +325,15 @@ def apply_command_line(cfg: ml_collections.ConfigDict, overrides: dict[str, str]
 
 
 def _literal(raw: str) -> object:
-    """A new key's value: a Python literal (number, tuple, bool, ...) if it is one, else the string."""
+    """A new key's value: a Python literal (number, tuple, bool, dict, ...) if it is one, else JSON's (`false`,
+    `{"k": true}`), else the string."""
     try:
         return ast.literal_eval(raw)
     except (ValueError, SyntaxError):
+        pass
+    try:
+        return json.loads(raw)
+    except ValueError:
         return raw
 
 

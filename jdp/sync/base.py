@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -75,11 +76,26 @@ def spec_on(axis: int | None, ndim: int) -> P:
     return P() if axis is None else P(*[DATA_AXIS if a == axis else None for a in range(ndim)])
 
 
-def check_group_size(group_size: int | None) -> None:
-    """ValueError in one line unless `group_size` (the devices of a group, a node's) is a positive int or None."""
-    if group_size is not None and (isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1):
-        raise ValueError(f"group_size={group_size!r} must be a positive int (devices in a group), or None for one "
-                         "process's devices")
+def whole_number(name: str, value: Any, least: int, unit: str = "") -> int:
+    """`value` as an int: ValueError in one line unless it is an integral number (numpy's too; a bool is none) of at
+    least `least`."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
+        raise ValueError(f"{name}={value!r} must be an int of at least {least}{unit}")
+    return int(value)
+
+
+def real_number(name: str, value: Any) -> float:
+    """`value` as a float: ValueError in one line unless it is a real number (numpy's too; a bool is none)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name}={value!r} must be a number")
+    return float(value)
+
+
+def checked_group_size(group_size: Any) -> int | None:
+    """`group_size` (the devices of a group, a node's) as an int, or None; ValueError in one line otherwise."""
+    if group_size is None:
+        return None
+    return whole_number("group_size", group_size, 1, " (devices in a group), or None for one process's devices")
 
 
 def group_mesh(strategy: Sync, group_size: int | None, num_devices: int) -> dict[str, int]:
@@ -168,14 +184,20 @@ def averaged_sums(local: Local, axis_name: str | None, **extra: Tree) -> dict[st
 def _plain(value: Any) -> Any:
     """A strategy parameter as its record holds it, where JSON has no such type (a tuple is already a list): an
     array or numpy scalar as its numbers; a function or class by its import path (its `str` has an address that
-    differs in every process), a `functools.partial` with its arguments; anything else (a class) by `str`."""
+    differs in every process), a `functools.partial` with its arguments; anything else by `str`, unless that is
+    an object's default one, whose address differs in every run."""
     if isinstance(value, type):  # a class's `str` names it alike in every process (np.float32 has a `tolist`)
         return str(value)
     if hasattr(value, "tolist"):
         return value.tolist()
     if isinstance(value, functools.partial):
         return {"partial": value.func, "args": value.args, "keywords": value.keywords}
-    return f"{value.__module__}:{value.__qualname__}" if hasattr(value, "__qualname__") else str(value)
+    if hasattr(value, "__qualname__"):
+        return f"{value.__module__}:{value.__qualname__}"
+    if type(value).__str__ is object.__str__ and type(value).__repr__ is object.__repr__:
+        raise FitError(f"a strategy parameter, {value}, has no record a resume could compare (its str holds an "
+                       "address); give numbers, strings, arrays, functions or classes")
+    return str(value)
 
 
 class Sync:

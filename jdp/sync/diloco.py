@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
-from jdp.sync.base import PER_DEVICE, Local, Reduced, Tree, all_reduce_mean, check_group_size, group_mesh
+from jdp.sync.base import PER_DEVICE, Local, Reduced, Tree, all_reduce_mean, checked_group_size, group_mesh, real_number
 from jdp.sync.local_sgd import LocalSGD
 from jdp.sync.quantized import check_block, quantized_mean
 from jdp.sync.zero1 import all_gather_like, local_slice
@@ -29,13 +29,13 @@ class DiLoCo(LocalSGD):
     def __init__(self, every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9, outer: str = "nesterov",
                  bits: int = 32, block: int = 256, group_size: int | None = 1) -> None:
         super().__init__(every)
-        check_group_size(group_size)
-        self.group_size = group_size
+        self.group_size = checked_group_size(group_size)
         if bits != 32:
-            check_block(bits, block)
+            bits, block = check_block(bits, block)
         self.bits, self.block = bits, block
         if outer not in ("nesterov", "sgd"):
             raise ValueError(f"outer={outer!r} is not one of nesterov, sgd")
+        outer_lr, outer_momentum = real_number("outer_lr", outer_lr), real_number("outer_momentum", outer_momentum)
         if not (0 < outer_lr < math.inf and 0 <= outer_momentum < 1):
             raise ValueError(f"outer_lr={outer_lr} must be positive and finite, and outer_momentum={outer_momentum} "
                              "in [0, 1)")

@@ -27,6 +27,9 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None]) -
     flags that contradict each other. `view` names the options (`jdp.options.View`)."""
     n, sync = view, o["sync"]
     if isinstance(sync, Sync):
+        params = sync.params()
+        require(isinstance(params, dict), f"{type(sync).__name__}.params() returned {params!r}; return a dict of "
+                "the parameters that define its numerics, by keyword")
         changed = [flag for flag in FLAGS if o[flag] != view.default(flag)]
         require(not changed, f"{n('sync')}={sync!r} is a strategy object, and {n(changed[0])}={o[changed[0]]!r} is a "
                 f"strategy setting: give it to the object, or leave {n(changed[0])} at its default" if changed
@@ -102,7 +105,7 @@ def from_config(path: str, kwargs: dict[str, Any]) -> Sync | str:
         raise ValueError(f"{path!r} is neither one of {', '.join(NAMES)} nor an import path pkg.module:Class")
     try:
         cls = getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError) as e:
+    except Exception as e:  # noqa: BLE001 - a module that fails as it imports: its own error, a SyntaxError
         raise ValueError(f"{path!r} cannot be imported ({type(e).__name__}: {e})") from None
     if not (isinstance(cls, type) and issubclass(cls, Sync)):
         raise ValueError(f"{path!r} is not a subclass of jdp.sync.Sync")

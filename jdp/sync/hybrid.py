@@ -15,7 +15,7 @@ import optax
 from jax.sharding import Mesh
 
 from jdp.layers import LayerView
-from jdp.sync.base import Local, Reduced, Sync, Tree, all_reduce_mean, averaged_sums, check_group_size, group_mesh
+from jdp.sync.base import Local, Reduced, Sync, Tree, all_reduce_mean, averaged_sums, checked_group_size, group_mesh
 from jdp.sync.zero1 import ZeRO1, global_norm
 from jdp.sync.zero3 import ZeRO3
 
@@ -32,10 +32,9 @@ class HybridShard(ZeRO3):
 
     def __init__(self, group_size: int | None = None, stage: int = 3) -> None:
         super().__init__()
-        check_group_size(group_size)
-        if stage not in (1, 3):
+        if isinstance(stage, bool) or stage not in (1, 3):
             raise ValueError(f"stage={stage!r} is not one of 1, 3 (ZeRO-1 or ZeRO-3 in a group)")
-        self.group_size, self.stage = group_size, stage
+        self.group_size, self.stage = checked_group_size(group_size), int(stage)
 
     def params(self) -> dict[str, Any]:
         return {"group_size": self.group_size, "stage": self.stage}

@@ -8,7 +8,17 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jdp.sync.base import Local, Reduced, Sync, Tree, all_reduce_mean, averaged_sums, merge_floating, sum_of_squares
+from jdp.sync.base import (
+    Local,
+    Reduced,
+    Sync,
+    Tree,
+    all_reduce_mean,
+    averaged_sums,
+    merge_floating,
+    sum_of_squares,
+    whole_number,
+)
 
 
 class LocalSGD(Sync):
@@ -19,24 +29,15 @@ class LocalSGD(Sync):
 
     def __init__(self, every: int) -> None:
         super().__init__()
-        if isinstance(every, bool) or not isinstance(every, int) or every < 2:
-            raise ValueError(f"every={every!r} must be an int of at least 2 (steps between syncs)")
-        self.every = every
+        self.every = whole_number("every", every, 2, " (steps between syncs)")
 
     def params(self) -> dict[str, Any]:
         return {"every": self.every}
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
         require(options["backend"] in ("shard_map", "pmap"),
-                f"{what} (local SGD) needs a per-device step; use {view.use('backend', 'shard_map')} or pmap")
-        # The replica check's default is rounded up to a multiple of the period where it runs (jdp.callbacks).
-        periods = ("eval_every",) + (
-            ("check_replicas_every",) if options["check_replicas_every"] != view.default("check_replicas_every")
-            else ())
-        for name in periods:
-            require(options[name] % self.every == 0, f"{view(name)}={options[name]} is not a multiple of {what}: "
-                                                     "with local SGD the replicas agree only at sync points; use a "
-                                                     "multiple")
+                f"{what} keeps each device's own parameters between syncs; use {view.use('backend', 'shard_map')} "
+                "or pmap")
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         """The gradient stays local, scaled by the local weight; the sums are still all-reduced for the metrics."""

@@ -31,6 +31,8 @@ from jdp.sync.base import (
     all_reduce_mean,
     averaged_sums,
     path_keys,
+    real_number,
+    whole_number,
 )
 
 EPSILON = 1e-8  # Gram-Schmidt's guard against a zero column (a rank-deficient P), as torch's hook uses
@@ -105,12 +107,10 @@ class PowerSGD(Sync):
 
     def __init__(self, rank: int = 4, start_step: int = 10, min_compression_rate: float = 1) -> None:
         super().__init__()
-        for name, value, low in (("rank", rank, 1), ("start_step", start_step, 0)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ValueError(f"{name}={value!r} must be an int of at least {low}")
-        if not min_compression_rate >= 1:
+        self.rank, self.start_step = whole_number("rank", rank, 1), whole_number("start_step", start_step, 0)
+        if not real_number("min_compression_rate", min_compression_rate) >= 1:
             raise ValueError(f"min_compression_rate={min_compression_rate!r} must be at least 1")
-        self.rank, self.start_step, self.min_compression_rate = rank, start_step, min_compression_rate
+        self.min_compression_rate = min_compression_rate
 
     def params(self) -> dict[str, Any]:
         rate = {"min_compression_rate": self.min_compression_rate} if self.min_compression_rate != 1 else {}
@@ -131,8 +131,9 @@ class PowerSGD(Sync):
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         bound.matrices, bound.seed = matrices(model, params, self.rank, self.min_compression_rate), seed
         if not bound.matrices:
-            # The largest rank at which some parameter is compressed (0: none can be).
-            useful = max((-(-n * m // (n + m)) - 1 for _, n, m in _candidates(model, params).values()), default=0)
+            # The largest rank at which some parameter is compressed, r (n + m) rate < n m (0: none can be).
+            useful = max((math.ceil(n * m / ((n + m) * self.min_compression_rate)) - 1
+                          for _, n, m in _candidates(model, params).values()), default=0)
             raise FitError(f"{self!r} compresses none of this model's gradient matrices: at rank {self.rank} each "
                            "would send as much as it whole" + (f"; use a rank of at most {useful}" if useful else
                                                                 "; it has no matrix to compress"))

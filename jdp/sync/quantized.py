@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import functools
 import math
+import numbers
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.flatten_util import ravel_pytree
 
 from jdp.sync.base import PER_DEVICE, Local, Reduced, Sync, Tree, averaged_sums
@@ -19,12 +21,13 @@ from jdp.sync.base import PER_DEVICE, Local, Reduced, Sync, Tree, averaged_sums
 LARGEST = {8: 127, 4: 7}  # the largest integer a value is quantized to, symmetric around 0
 
 
-def check_block(bits: int, block: int) -> None:
-    """ValueError in one line for settings the quantizer cannot run."""
-    if bits not in LARGEST:
+def check_block(bits: Any, block: Any) -> tuple[int, int]:
+    """(bits, block) as ints; ValueError in one line for settings the quantizer cannot run."""
+    if isinstance(bits, bool) or bits not in LARGEST:
         raise ValueError(f"bits={bits!r}: choose 8 or 4")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 2 or block % 2:
+    if isinstance(block, bool) or not isinstance(block, numbers.Integral) or block < 2 or block % 2:
         raise ValueError(f"block={block!r}: give an even block size of at least 2 (int4 packs two values a byte)")
+    return int(bits), int(block)
 
 
 def quantize(x: jax.Array, bits: int) -> tuple[jax.Array, jax.Array]:
@@ -100,8 +103,10 @@ class QuantizedAllReduce(Sync):
 
     def __init__(self, bits: int = 8, block: int = 256, error_feedback: bool = False) -> None:
         super().__init__()
-        check_block(bits, block)
-        self.bits, self.block, self.error_feedback = bits, block, error_feedback
+        self.bits, self.block = check_block(bits, block)
+        if not isinstance(error_feedback, bool | np.bool_):
+            raise ValueError(f"error_feedback={error_feedback!r} must be True or False")
+        self.error_feedback = bool(error_feedback)
         self.dtype_name = f"int{bits}"  # what it sends (`jdp.bench --predict`); its collectives carry integers
 
     def params(self) -> dict[str, Any]:

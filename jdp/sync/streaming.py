@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jdp.errors import FitError
-from jdp.sync.base import PER_DEVICE, Sync, Tree
+from jdp.sync.base import PER_DEVICE, Sync, Tree, real_number, whole_number
 from jdp.sync.diloco import DiLoCo
 
 
@@ -38,13 +38,16 @@ class StreamingDiLoCo(DiLoCo):
                  outer: str = "nesterov", bits: int = 32, block: int = 256, overlap: int = 0,
                  local_weight: float = 0.0) -> None:
         super().__init__(every, outer_lr, outer_momentum, outer, bits, block)
-        if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1 or every % fragments:
+        fragments, every = whole_number("fragments", fragments, 1), self.every
+        if every % fragments:
             raise ValueError(f"fragments={fragments!r} must be a positive int that divides every={every}")
-        if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap < every:
+        overlap = whole_number("overlap", overlap, 0, " (steps)")
+        if overlap >= every:
             raise ValueError(f"overlap={overlap!r} must be an int from 0 to every - 1 = {every - 1} (steps)")
+        local_weight = real_number("local_weight", local_weight)
         if not 0 <= local_weight < 1 or (local_weight and not overlap):
             raise ValueError(f"local_weight={local_weight!r} must be in [0, 1), and 0 without an overlap")
-        self.fragments, self.overlap, self.local_weight = fragments, overlap, float(local_weight)
+        self.fragments, self.overlap, self.local_weight = fragments, overlap, local_weight
 
     agrees_every = 1  # each step's state is whole: a signal or a halt saves at once
 

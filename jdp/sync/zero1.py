@@ -92,9 +92,12 @@ class ZeRO1(Sync):
     shards_optimizer = True
 
     def record(self) -> dict[str, Any]:
-        # Sharding changes where the state lives, not what is computed: the mean all-reduce's numerics, so a run
-        # resumes sharded or not, on any device count (the state restores resharded).
-        return AllReduce(self.dtype_name).record()
+        # Sharding changes where the state lives, not what is computed: jdp's sharded strategies record the mean
+        # all-reduce's numerics, so a run resumes sharded or not, on any device count (the state restores
+        # resharded). A subclass written elsewhere may change what is computed: its own class and parameters.
+        if type(self).__module__.startswith("jdp.sync."):
+            return AllReduce(self.dtype_name).record()
+        return super().record()
 
     def ddp_twin(self) -> DDPTwin | None:
         return AllReduce(self.dtype_name).ddp_twin()

@@ -36,9 +36,8 @@ class ZeRO3(ZeRO1):
 
     def __init__(self, weight_bits: int = 32, grad_bits: int = 32, block: int = 256) -> None:
         super().__init__()  # the reduce-scatter is the gather's transpose: it sends the parameters' dtype
-        for bits in (weight_bits, grad_bits):
-            if bits != 32:
-                check_block(bits, block)
+        weight_bits, grad_bits = (bits if bits == 32 and not isinstance(bits, bool) else check_block(bits, block)[0]
+                                  for bits in (weight_bits, grad_bits))
         self.weight_bits, self.grad_bits, self.block = weight_bits, grad_bits, block
 
     @property
