@@ -152,6 +152,10 @@ class TrainLog(Callback):
             self.window, self.window_steps = {}, 0
 
 
+# A lower learning rate or clipped gradients, as fit and the CLI take them.
+FIXES = "optax.clip_by_global_norm; --config.optim.lr, --config.optim.grad_clip_norm"
+
+
 class NonFiniteGuard(Callback):
     """`halt`: stop at the first non-finite step (the compiled step froze the state before its update; the loop
     saves it when the replicas agree on it, which under local SGD is at sync points only). `skip`: warn and go
@@ -177,15 +181,17 @@ class NonFiniteGuard(Callback):
                      f"{self.sync_period} steps)")
             raise NonFiniteLossError(
                 f"non-finite {self._cause(step, metrics)} at step {step}; {saved}; rerun to resume, skipping such "
-                "steps (train.on_nonfinite=skip), or with a lower learning rate (optim.lr) or gradient clipping "
-                "(optim.grad_clip_norm) plus checkpoint.allow_config_change=True")
+                "steps (on_nonfinite='skip'; --config.train.on_nonfinite=skip), or with a lower learning rate or "
+                f"clipped gradients ({FIXES}) and allow_config_change=True "
+                "(--config.checkpoint.allow_config_change=True)")
         skipped = sum(self.recent)
         if skipped > self.max_skipped_fraction * self.WINDOW:
             raise NonFiniteLossError(
                 f"{skipped} of the last {len(self.recent)} steps were skipped as non-finite, more than "
-                f"max_skipped_fraction={self.max_skipped_fraction:g} of {self.WINDOW} (train.max_skipped_fraction); "
-                f"the latest, step {step}, had non-finite {self._cause(step, metrics)}; the state is saved; fix the "
-                "data, lower the learning rate (optim.lr) or clip gradients (optim.grad_clip_norm)")
+                f"max_skipped_fraction={self.max_skipped_fraction:g} of {self.WINDOW} "
+                f"(--config.train.max_skipped_fraction); the latest, step {step}, had non-finite "
+                f"{self._cause(step, metrics)}; the state is saved; fix the data, lower the learning rate or clip "
+                f"gradients ({FIXES})")
         if not self.warned:  # later ones are counted in the train lines' skipped_steps
             self.warned = True
             self.run.writer.warn(f"step {step} had non-finite {self._cause(step, metrics)}; its update was "

@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jdp import digest, errors, storage
 from jdp import distributed as distributed_lib
-from jdp.errors import DiskError, one_line
+from jdp.errors import DiskError, FitError, one_line
 from jdp.faults import kill_if_requested, signal_if_requested
 from jdp.storage import QuietDiskFailures
 from jdp.workdir_lock import LOCK_NAME
@@ -97,8 +97,9 @@ _NOT_POSITION = ("format", "digests", "fingerprint", "checksum")  # what a data 
 REJECTED = "rejected"  # WORKDIR/rejected: checkpoints that failed their integrity check
 
 
-class CheckpointError(RuntimeError):
-    """No usable checkpoint where one was expected; the message names the directory and the cause."""
+class CheckpointError(FitError):
+    """No usable checkpoint where one was expected, or one that does not fit the model (exit 2); the message names
+    the directory and the cause."""
 
 
 class _DataHandler(ocp.handlers.JsonCheckpointHandler):
@@ -354,7 +355,7 @@ class Checkpointer:
         if difference := digest.layout_difference(layout, abstract_state):
             raise CheckpointError(
                 f"checkpoint {self.directory / str(step)} does not fit this model ({difference}); the model or "
-                "optimizer settings changed: resume with the settings that wrote it, or use a new --workdir")
+                "optimizer settings changed: resume with the settings that wrote it, or use a new workdir")
         state, problem = _read(lambda: self._restore_state(step, abstract_state, metadata.keys()),
                                self.directory / str(step))
         if problem is not None:

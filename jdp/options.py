@@ -169,7 +169,8 @@ class View:
 
 
 FIT_NAMES, CONFIG_NAMES = View(), View(config=True)
-_KINDS = {int: (numbers.Integral, "an int"), float: (numbers.Real, "a number"), bool: (bool, "True or False")}
+_KINDS = {int: (numbers.Integral, "an int"), float: (numbers.Real, "a number"), bool: (bool, "True or False"),
+          tuple: ((tuple, list), "a tuple")}  # a str where keys go matched them as substrings
 
 
 def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception] = FitError) -> tuple[Any, str]:

@@ -198,12 +198,18 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
     if read != global_batch_size:
         raise FitError(f"the Source reads global batches of {read} rows, fit was given global_batch_size="
                        f"{global_batch_size}; make the Source for the same global batch size")
-    local = {k: jax.ShapeDtypeStruct((v.shape[0] // max(1, n // jax.process_count()), *v.shape[1:]), v.dtype)
-             for k, v in rows.items()}
+    if unknown := sorted(set(options.keep_fp32) - set(rows)):
+        raise FitError(f"keep_fp32 names {unknown}, which the batches do not hold (their keys: {sorted(rows)}); name "
+                       "batch keys")
+    # The eval data's own first batch: its rows may have other shapes (larger images, longer windows).
+    first_eval = next(iter(source.eval_batches()), None) if optional(source, "num_eval") else None
+    eval_rows = {k: v for k, v in first_eval.items() if k != "mask"} if first_eval else rows
     compute_dtype = COMPUTE_DTYPES[options.precision]
     names = (axes,) if isinstance(axes, str) else axes
-    ones = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,) * len(names) + x.shape, x.dtype), local)
-    for name, fn, train in (("loss_fn", loss_fn, True), ("eval_fn", eval_fn, False)):
+    for name, fn, train, batch in (("loss_fn", loss_fn, True, rows), ("eval_fn", eval_fn, False, eval_rows)):
+        local = {k: jax.ShapeDtypeStruct((v.shape[0] // max(1, n // jax.process_count()), *v.shape[1:]), v.dtype)
+                 for k, v in batch.items()}
+        ones = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,) * len(names) + x.shape, x.dtype), local)
         def call(state, batch, fn=fn, train=train):
             params, batch = state.params, device_input(batch)
             if train:  # as the step casts them (eval runs in float32)
@@ -217,8 +223,9 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
             jaxpr, outputs = jax.make_jaxpr(per_device, return_shape=True)(abstract, ones)
             outputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[len(names):], x.dtype), outputs)
         except Exception as e:  # noqa: BLE001 - the user's code failed on the batch: say where, in one line
-            raise FitError(f"{name}(model, batch) failed on a batch with keys {sorted(rows)}: "
-                           f"{one_line(e)}") from e
+            shapes = ", ".join(f"{k!r}: {v.shape[1:]}" for k, v in sorted(batch.items()))
+            raise FitError(f"{name}(model, batch) failed on {'a train' if train else 'an eval'} batch of rows "
+                           f"{{{shapes}}}: {one_line(e)}") from e
         batch_rows = next(iter(local.values())).shape[0]
         if not isinstance(outputs, dict) or "loss" not in outputs:
             raise FitError(f"{name} must return a dict with a 'loss' entry (one value per example); it returned "

@@ -18,14 +18,14 @@ import jax
 
 from jdp import distributed as distributed_lib
 from jdp import storage
-from jdp.errors import UsageError, warn
+from jdp.errors import FitError, warn
 
 LOCK_NAME = "jdp.lock"
 _UNSUPPORTED = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS)
 
 
-class WorkdirLocked(UsageError):
-    """Another run holds the workdir (exit 2)."""
+class WorkdirLocked(FitError):
+    """Another run holds the workdir, or it cannot hold one (exit 2)."""
 
 
 @contextlib.contextmanager
@@ -60,7 +60,7 @@ def _acquire(path: Path) -> tuple[int | None, str]:
         os.close(fd)
         if isinstance(e, BlockingIOError):
             return None, (f"{path.parent} is in use by another run: {path} is locked by {_holder(path)}; wait for "
-                          "that run to end or stop it, or use another --workdir")
+                          "that run to end or stop it, or use another workdir")
         if e.errno not in _UNSUPPORTED:
             raise
         warn(f"the filesystem refuses locks on {path} ({os.strerror(e.errno)}); going on without protection "

@@ -408,3 +408,19 @@ def test_a_finished_run_met_with_other_settings_says_so_and_writes_nothing(tmp_p
                    "pass a new --workdir, or raise --config.train.steps to extend this run\n")
     assert f"nothing to do: {tmp_path} is at step 3, steps is 3" in out
     assert files() == before
+
+
+def test_a_resume_allowed_a_change_that_no_longer_fits_and_a_workdir_that_cannot_be_made_are_fit_errors(tmp_path):
+    """With allow_config_change=True, an optimizer whose state no longer fits the checkpoint was a CheckpointError
+    traceback (exit 1) telling a fit user of --workdir; a workdir under /proc raised WorkdirLocked, which
+    `except jdp.FitError` missed."""
+    def fit(workdir, optimizer, **options):
+        return jdp.fit(lambda: nnx.Linear(2, 1, rngs=nnx.Rngs(0)), _mse, _data(), optimizer=optimizer, steps=2,
+                       global_batch_size=8, num_devices=2, workdir=workdir, **options)
+
+    fit(tmp_path / "run", optax.adam(0.1))
+    with pytest.raises(jdp.FitError, match=r"does not fit this model \(.*\); the model or optimizer settings "
+                                           r"changed: resume with the settings that wrote it, or use a new workdir$"):
+        fit(tmp_path / "run", optax.sgd(0.1), allow_config_change=True)
+    with pytest.raises(jdp.FitError, match=r"^workdir /proc/jdp_run cannot hold a run"):
+        fit("/proc/jdp_run", optax.sgd(0.1))

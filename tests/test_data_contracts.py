@@ -139,3 +139,38 @@ def test_a_dataset_by_import_path_is_called_with_the_data_section(tmp_path, monk
         sys.modules.pop("jdp_test_blobs", None)
     assert result.step == 3 and len(result.losses) == 3 and np.isfinite(result.losses).all()
     assert 0 <= result.eval_metrics["accuracy"] <= 1
+
+
+class PaddedPerBatch(Rows):
+    """A collate that pads each batch's 'm' to its longest row: 8 at the first batch, 7 after."""
+
+    def __getitems__(self, ids):
+        self.calls = getattr(self, "calls", 0) + 1
+        return {**{k: v[ids] for k, v in self.arrays.items()}, "m": np.zeros((len(ids), 8 if self.calls < 3 else 7))}
+
+
+def test_rows_of_a_shape_that_changes_between_batches_or_within_one_are_one_line():
+    """A batch whose rows have another shape than the first batch's ran the executable compiled for those: a
+    TypeError traceback that blamed enable_x64; rows of two shapes in one batch were np.stack's ValueError, naming
+    neither the key nor the row."""
+    with pytest.raises(DataError, match=r"^the train data's rows of 'm' have shape \(7,\) in this batch, \(8,\) in "
+                                        r"its first; the compiled step takes one shape: pad every row to one length$"):
+        _fit(PaddedPerBatch({**regression_data(), "m": np.zeros((256, 8))}))
+
+    class Ragged(Rows):
+        def __getitem__(self, i):
+            return {**super().__getitem__(i), "m": np.zeros(3 if i == 37 else 2)}
+
+    with pytest.raises(DataError, match=r"^the train data's row 37 has 'm' of shape \(3,\), row \d+ \(2,\); a batch "
+                                        r"stacks rows of one shape: pad them to one length$"):
+        _fit(Ragged(regression_data()), steps=16)
+
+
+def test_eval_rows_the_model_cannot_take_are_refused_before_training(tmp_path):
+    """The eval_fn was checked on the train batch's shapes: eval rows of 5 features for a model of 6 trained every
+    step and saved its checkpoint, then failed at the eval with a traceback (and again at every rerun)."""
+    narrow = {"x": np.zeros((16, 5), np.float32), "y": np.zeros(16, np.float32)}
+    with pytest.raises(jdp.FitError, match=r"^eval_fn\(model, batch\) failed on an eval batch of rows \{'x': \(5,\), "
+                                           r"'y': \(\)\}: TypeError: dot_general"):
+        _fit(regression_data(), eval_data=narrow, workdir=tmp_path / "run")
+    assert not (tmp_path / "run" / "checkpoints").exists()

@@ -99,3 +99,16 @@ def test_a_precision_slower_than_fp32_on_these_devices_is_said_once(capsys):
         said = capsys.readouterr().err.count(f"jdp: warning: precision={name} runs no faster than fp32 on CPU devices")
         assert said == (name != "fp32"), name
     assert precision.slower_than_fp32("bf16", "gpu") is None and precision.slower_than_fp32("fp16", "tpu") is None
+
+
+def test_keep_fp32_is_a_tuple_of_the_batches_keys():
+    """A str matched its substrings (keep_fp32='why' kept 'y', and 'x' too for 'xy'); a key the batches lack (a
+    typo) kept nothing, without a word."""
+    x = np.random.default_rng(0).standard_normal((64, 6)).astype(np.float32)
+    with pytest.raises(jdp.FitError, match=r"^keep_fp32='why' must be a tuple$"):
+        jdp.FitOptions(keep_fp32="why")
+    with pytest.raises(jdp.FitError, match=r"^keep_fp32 names \['y_typo'\], which the batches do not hold \(their "
+                                           r"keys: \['x', 'y'\]\); name batch keys$"):
+        prepare(lambda: Fixed(None, nnx.Rngs(0)), lambda m, b: {"loss": (m(b["x"]) - b["y"]) ** 2},
+                {"x": x, "y": x.sum(1)}, optimizer=optax.sgd(0.1), global_batch_size=32,
+                options=jdp.FitOptions(precision="bf16", num_devices=2, keep_fp32=("y_typo",)))

@@ -44,7 +44,7 @@ def test_a_locked_workdir_is_refused_naming_the_holder(tmp_path):
                 pass
         assert str(refused.value) == (f"{tmp_path} is in use by another run: {lock} is locked by process "
                                       "otherhost:4242 (host:pid); wait for that run to end or stop it, or use "
-                                      "another --workdir")
+                                      "another workdir")
     finally:
         os.close(fd)
     # Released (its holder ended): the lock is taken, and names this process.

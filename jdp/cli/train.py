@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     failures = [(distributed_lib.DistributedUsageError, EXIT_USAGE, "distributed"),
-                (config_lib.ConfigError, EXIT_USAGE, "config error"), (UsageError, EXIT_USAGE, "error"),
-                (CheckpointError, EXIT_USAGE, "checkpoint"),
+                (config_lib.ConfigError, EXIT_USAGE, "config error"), (CheckpointError, EXIT_USAGE, "checkpoint"),
+                (UsageError, EXIT_USAGE, "error"),
                 (NonFiniteLossError, EXIT_NONFINITE, "halted"), (ReplicaMismatchError, EXIT_REPLICAS_DIFFER, "halted"),
                 (distributed_lib.DistributedFailure, EXIT_DISTRIBUTED, "distributed"), (DiskError, EXIT_DISK, "disk"),
                 (Preempted, EXIT_PREEMPTED, "preempted")]

@@ -179,13 +179,19 @@ class RandomAccessDataset(RowDataset):
                 return arrays
         elif _is_rows(got) and len(got) == n and all(isinstance(row, Mapping) and set(self.keys) <= row.keys()
                                                      for row in got):  # a list of row dicts
-            return {k: np.stack([np.asarray(row[k]) for row in got]) for k in self.keys}
+            return {k: self._stacked(k, [np.asarray(row[k]) for row in got], ids) for k in self.keys}
         keys, returned = list(self.keys), _describe(got, self.keys)
         if not batched:
             raise DataError(f"{self._what}'s __getitem__ over {n} ids gave {returned}; every row must be a dict with "
                             f"keys {keys}")
         raise DataError(f"{self._what}'s __getitems__ returned {returned} for {n} ids; return a list of {n} row dicts "
                         f"with keys {keys}, or a dict of those keys to arrays of leading length {n}")
+
+    def _stacked(self, key: str, values: list[np.ndarray], ids: list[int]) -> np.ndarray:
+        if odd := next((i for i, v in enumerate(values) if v.shape != values[0].shape), None):
+            raise DataError(f"{self._what}'s row {ids[odd]} has {key!r} of shape {values[odd].shape}, row {ids[0]} "
+                            f"{values[0].shape}; a batch stacks rows of one shape: pad them to one length")
+        return np.stack(values)
 
 
 def as_dataset(data: Any, what: str = "the data") -> RowDataset:
@@ -230,6 +236,7 @@ class Batcher(RowOrder):
                  "objects, which a compiled step cannot take: left out of the batches")
             for dataset in filter(None, (self._train, self._eval)):
                 dataset.keys = tuple(k for k in dataset.keys if k in first and first[k].dtype.kind in "biufc")
+        self._shapes: dict[str, dict[str, tuple]] = {}  # each split's rows' shapes, as its first batch had them
         super().__init__(seed=seed, num_train=len(self._train),
                          num_eval=len(self._eval) if self._eval is not None else 0, global_batch_size=global_batch_size,
                          eval_batch_size=eval_batch_size or global_batch_size, process_index=process_index,
@@ -241,10 +248,21 @@ class Batcher(RowOrder):
 
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of the global train batch at `step`."""
-        return self._train.rows(self.train_rows(step))
+        return self._same_shapes("train", self._train.rows(self.train_rows(step)))
 
     def _eval_rows(self, ids: np.ndarray, real: np.ndarray) -> dict[str, np.ndarray]:
-        return self._eval.rows(np.where(real, ids, 0))  # padding rows repeat row 0; no eval data, no eval batches
+        # Padding rows repeat row 0; no eval data, no eval batches.
+        return self._same_shapes("eval", self._eval.rows(np.where(real, ids, 0)))
+
+    def _same_shapes(self, split: str, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """`batch`, refused in one line where a key's rows have another shape than in the split's first batch (a
+        dataset that pads each batch to its longest row): the step is compiled for that one."""
+        first = self._shapes.setdefault(split, {k: v.shape[1:] for k, v in batch.items()})
+        if changed := next((k for k, v in batch.items() if v.shape[1:] != first[k]), None):
+            raise DataError(f"the {split} data's rows of {changed!r} have shape {batch[changed].shape[1:]} in this "
+                            f"batch, {first[changed]} in its first; the compiled step takes one shape: pad every "
+                            "row to one length")
+        return batch
 
     def close(self) -> None:
         """Nothing to release (the tfds source stops its threads and closes its files here)."""
