@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jdp import digest, hlo
 from jdp import memory as memory_lib
 from jdp import step as step_lib
-from jdp.errors import FitError
+from jdp.errors import FitError, one_line
 from jdp.mesh import DATA_AXIS, data_sharded, device_axes, replicated, shard_count, split_whole, to_numpy
 from jdp.modeldef import LossFn, ModelDef
 from jdp.split import shard_batch
@@ -102,7 +102,7 @@ class DataParallel:
         if device_axes(mesh) != DATA_AXIS and backend != "shard_map":
             raise ValueError(f"a mesh of axes {mesh.axis_names} needs shard_map, not {backend}")
         shards = shard_count(mesh)  # the devices a sharded leaf is split over: all, or one group's
-        self._layouts = layouts = sync.layouts(abstract_state)
+        self._layouts = layouts = _checked_layouts(sync, abstract_state, mesh.size)
         self._state_specs = sync.state_specs(abstract_state, shards, device_axes(mesh))
         self.per_device = jax.tree.map(lambda layout: layout == PER_DEVICE, layouts)
         if backend == "jit" and any(jax.tree.leaves(self.per_device)):
@@ -290,3 +290,22 @@ class DataParallel:
 def _differing_leaves(tree: Tree, axis_name: str | tuple[str, ...] = DATA_AXIS) -> jax.Array:
     sums = jnp.stack([digest.sums_on_device(x) for x in jax.tree.leaves(tree)])  # the checkpoints' word sums
     return (jax.lax.pmax(sums, axis_name) != jax.lax.pmin(sums, axis_name)).any(-1)
+
+
+def _checked_layouts(sync: Sync, abstract_state: Any, num_devices: int) -> Any:
+    """`sync.layouts(abstract_state)`, or FitError in one line where it is not one layout a leaf of the train state,
+    or a per-device leaf has no row per device (the devices would each get a slice of something else)."""
+    layouts = sync.layouts(abstract_state)
+    try:
+        kinds = jax.tree.structure(abstract_state).flatten_up_to(layouts)
+    except (TypeError, ValueError) as e:
+        raise FitError(f"{sync!r}.layouts returned a tree unlike the train state's ({one_line(e)}); return one of "
+                       f"{REPLICATED!r}, {PER_DEVICE!r}, {SHARDED!r} for each of its leaves") from None
+    for (path, x), layout in zip(jax.tree_util.tree_leaves_with_path(abstract_state), kinds, strict=True):
+        where = f"{sync!r}.layouts gives the train state's {jax.tree_util.keystr(path)}"
+        if layout not in (REPLICATED, PER_DEVICE, SHARDED):
+            raise FitError(f"{where} the layout {layout!r}; give {REPLICATED!r}, {PER_DEVICE!r} or {SHARDED!r}")
+        if layout == PER_DEVICE and x.shape[:1] != (num_devices,):
+            raise FitError(f"{where} a row per device, but its init_state made it of shape {x.shape}: a "
+                           f"per-device leaf's first axis is the {num_devices} devices")
+    return layouts

@@ -96,6 +96,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
 
     metrics["weight"] = reduced.weight * (jax.lax.psum(1, collective) if collective else 1)  # the global total
     if local.small_sq is not None:  # the global gradient's norm needs no collective: every device holds it whole
+        if reduced.small_sq is None:
+            raise FitError(f"{sync!r} has noise_scale = True, but its reduce returned no small_sq; return "
+                           "averaged_sums(local, ...)['small_sq'] in its Reduced, or set noise_scale = False")
         metrics.update(noise_small_sq=reduced.small_sq, noise_big_sq=sum_of_squares(reduced.grads),
                        noise_small_batch=reduced.weight / (o.fit.grad_accum_steps if o.noise_small_batches
                                                            == "micro_batches" else 1))

@@ -403,3 +403,42 @@ def test_a_parameter_without_a_stable_record_and_params_that_are_no_dict_are_one
         _fit(sync=Knobbed({"knob": object()}), workdir=tmp_path)
     with pytest.raises(FitError, match=r"^Knobbed.params\(\) returned \[1\]; return a dict"):
         _fit(sync=Knobbed([1]))
+
+
+class Contract(sync.AllReduce):
+    """A strategy that breaks one part of the contract: its per-device state's rows, its layouts, its small_sq."""
+
+    noise_scale = True
+
+    def __init__(self, breach):
+        super().__init__()
+        self.breach = breach
+
+    def params(self):
+        return {"breach": self.breach}
+
+    def init_state(self, params, num_devices):
+        return {"e": jnp.zeros((5 if self.breach == "rows" else num_devices, 3))}
+
+    def layouts(self, abstract_state):
+        if self.breach == "tree":
+            return {"e": "per_device"}
+        layout = "bogus" if self.breach == "layout" else sync.base.PER_DEVICE
+        return super().layouts(abstract_state)._replace(sync={"e": layout})
+
+    def reduce(self, local, state, axis_name, collective=True):
+        return super().reduce(local, state, axis_name, collective)._replace(small_sq=None)
+
+
+@pytest.mark.parametrize("breach, message", [
+    ("rows", r"gives the train state's \.sync\['e'\] a row per device, but its init_state made it of shape \(5, 3\): "
+             r"a per-device leaf's first axis is the 4 devices$"),
+    ("tree", r"\.layouts returned a tree unlike the train state's \("),
+    ("layout", r"gives the train state's \.sync\['e'\] the layout 'bogus'; give 'replicated', 'per_device' or "
+               r"'sharded'$"),
+    ("small_sq", r"has noise_scale = True, but its reduce returned no small_sq; return averaged_sums"),
+])
+def test_a_strategy_that_breaks_its_contract_is_named_in_one_line(breach, message):
+    """Each was a traceback from inside jax (IndivisibleError, AttributeError, KeyError, a reshape of None)."""
+    with pytest.raises(FitError, match=rf"^Contract\(breach='{breach}'\)[^\n]*{message}"):
+        _fit(sync=Contract(breach), log_noise_scale=breach == "small_sq")
