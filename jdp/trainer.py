@@ -240,6 +240,11 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
                                "the loss's shape (one value per example, or per example and token)")
         if train and compute_dtype != jnp.float32:
             _warn_if_float32(jaxpr_matmul_dtypes(jaxpr), options.precision)
+        if not train and options.eval_derived is not None:  # called with the eval means' keys, at 1.0 each
+            try:
+                options.eval_derived({k: 1.0 for k in outputs if k != "weight"})
+            except Exception as e:  # noqa: BLE001 - the user's function: one line, before anything trains
+                raise FitError(f"eval_derived failed on eval means of {sorted(outputs)}: {one_line(e)}") from e
 
 
 def _warn_if_float32(matmuls: collections.Counter[str], precision: str) -> None:
@@ -279,9 +284,10 @@ def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
     for name, count in (("steps", steps), ("global_batch_size", global_batch_size)):
         if not isinstance(count, numbers.Integral) or isinstance(count, bool):  # 2.0 steps, a batch of 64.0 rows
             raise FitError(f"{name}={count!r} must be an int")
-    if not 0 < steps < 2**31 or steps % strategy.every:  # the state counts steps in int32
-        raise FitError(f"steps={steps} must be positive, below 2**31, and a multiple of the sync strategy's period "
-                       f"{strategy.every} ({what})")
+    if not 0 < steps < 2**31:  # the state counts steps in int32
+        raise FitError(f"steps={steps} must be positive and below 2**31")
+    if steps % strategy.every:
+        raise FitError(f"steps={steps} is not a multiple of the sync period {strategy.every} ({what}); use a multiple")
     if options.workdir is not None:
         if not str(options.workdir).strip():  # Path("") is the current directory
             raise FitError(f"workdir={options.workdir!r} names no folder; give a path, or None to write nothing")

@@ -257,6 +257,12 @@ FIT_CASES = {
                                       "device(s)); use at most 10"),
     "skipped fraction": (dict(max_skipped_fraction=1.5), "max_skipped_fraction=1.5 must be in [0, 1]"),
     "seed": (dict(seed=2**32), "seed=4294967296 must be in [0, 4294967295]"),
+    # Found at the first eval, after training, before: its KeyError a traceback at every rerun.
+    "eval_derived that fails": (dict(eval_data=_data(), eval_derived=lambda means: {"ppl": means["nope"]}),
+                                "eval_derived failed on eval means of ['loss']: KeyError: 'nope'"),
+    "steps of another period": (dict(sync_every=2, steps=3), "steps=3 is not a multiple of the sync period 2 "
+                                                             "(sync_every=2); use a multiple"),
+    "no steps": (dict(steps=0), "steps=0 must be positive and below 2**31"),
 }
 
 
@@ -264,8 +270,8 @@ FIT_CASES = {
 def test_fit_refuses_in_one_line(case):
     options, expected = FIT_CASES[case]
     with pytest.raises(jdp.FitError) as raised:
-        jdp.fit(lambda: nnx.Linear(2, 1, rngs=nnx.Rngs(0)), _mse, _data(), optimizer=optax.sgd(0.1), steps=1,
-                global_batch_size=8, **options)
+        jdp.fit(lambda: nnx.Linear(2, 1, rngs=nnx.Rngs(0)), _mse, _data(), optimizer=optax.sgd(0.1),
+                global_batch_size=8, **{"steps": 1, **options})
     assert expected in str(raised.value) and "\n" not in str(raised.value)
 
 
