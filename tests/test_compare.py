@@ -299,6 +299,19 @@ def test_a_value_out_of_range_is_one_line_before_any_side_starts(command, tmp_pa
     assert not (tmp_path / "logs").exists()
 
 
+def test_a_config_the_jdp_side_refuses_is_one_line_and_exit_2(tmp_path, capsys):
+    """A check that needs the data (an eval batch past the eval split) runs in the jdp side's process: it was
+    reported as a failed side, exit 3, with the side's traceback."""
+    from jdp.compare.__main__ import EXIT_USAGE, main
+
+    code = main(["parity", "--config", "configs/synthetic_mlp.py", "--workers", "1", "--workdir", str(tmp_path),
+                 "--config.train.eval_batch_size=100000"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert err.startswith("jdp.compare: the jdp side refused the config: train.eval_batch_size=100000 is larger "
+                          "than the eval split needs"), err
+
+
 @pytest.mark.parametrize("command, flag", [("parity", "--steps"), ("speed", "--steps"), ("speed", "--repeats")])
 def test_a_step_or_repeat_count_below_1_is_refused_by_the_parser(command, flag, tmp_path, capsys):
     """parity --steps 0 was the jdp side's traceback (exit 3), speed --steps 0 ran the config's steps, and

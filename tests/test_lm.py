@@ -112,12 +112,18 @@ def test_batches_are_a_function_of_seed_and_step_so_resume_reads_the_same():
     assert not np.array_equal(_source(seed=4).train_batch(0)["x"], in_order[0])
 
 
-def test_the_workdir_vocabulary_is_reused(tmp_path):
+def test_the_workdir_vocabulary_is_reused_once_a_checkpoint_trained_with_it(tmp_path):
+    """Before a checkpoint, a start refused after the vocabulary was saved (a text too short, an empty one) bound the
+    workdir to that text: the corrected rerun was refused for characters the failed start never trained on."""
     workdir = tmp_path / "run"
     _source(workdir=workdir)
     saved = json.loads((workdir / "vocab.json").read_text())
     assert saved == {"tokenizer": "chars", "symbols": sorted(set(TEXT))}
     other = tmp_path / "other.txt"
+    other.write_text("xyz~" * 50)
+    assert _source(other, workdir=workdir).num_classes == 4  # nothing trained yet: the new text's own
+    _source(workdir=workdir)
+    (workdir / "checkpoints" / "4").mkdir(parents=True)
     other.write_text("abc" * 50)  # fewer characters: the saved vocabulary, not the new text's, is used
     assert _source(other, workdir=workdir).num_classes == len(set(TEXT))
     other.write_text("xyz~" * 50)
@@ -171,6 +177,17 @@ def test_a_sample_prompt_outside_the_vocabulary_is_refused_before_training(tmp_p
                                           r"characters, or --config.sample.tokens=0 for no sample$"):
         run(cfg, tmp_path / "run")
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+def test_fewer_classes_than_the_texts_symbols_are_refused_before_training(tmp_path):
+    """data.num_classes=5 for a text of 10 characters: labels past the logits gave a nan loss at step 1, and the
+    halt's advice to lower the learning rate."""
+    text = tmp_path / "ten.txt"
+    text.write_text("abcdefghij" * 100)
+    cfg = small_config("gpt", num_devices=1, data={"name": f"text:{text}", "num_classes": 5})
+    with pytest.raises(ConfigError, match=r"^data.num_classes=5 is fewer than the data's 10 classes \(or symbols\); "
+                                          r"set --config.data.num_classes to at least 10, or 0 for the data's own$"):
+        run(cfg, tmp_path / "run")
 
 
 def test_a_directory_is_its_files_in_order(tmp_path):
@@ -295,6 +312,19 @@ def test_top_k_1_is_the_argmax_of_a_full_forward_pass():
         window[0, : len(tokens[-8:])] = tokens[-8:]
         assert token == int(jnp.argmax(forward(model, window)[0, len(tokens[-8:]) - 1]))
         tokens.append(token)
+    # A tiny temperature is the argmax too: the logits divided before their max was taken overflowed to inf, and
+    # the first inf (the lowest id) won.
+    assert Sampler(model).generate([4, 2], 12, temperature=1e-38, seed=0) == generated
+
+
+def test_a_vocabulary_padded_past_the_texts_draws_only_its_symbols():
+    """data.num_classes pads the model's vocabulary past its text's: the ids no symbol has were drawn, and the
+    decode of one ended jdp.sample (and the run's closing sample) with an IndexError."""
+    model = _gpt()
+    model.eval()
+    drawn = Sampler(model, vocab_size=3).generate([1, 2], 60, temperature=5.0, seed=0)
+    assert set(drawn) <= {0, 1, 2} and len(set(drawn)) > 1
+    assert set(Sampler(model).generate([1, 2], 60, temperature=5.0, seed=0)) - {0, 1, 2}
 
 
 # ------------------------------------------------------------------------------ training: 8 devices == 1

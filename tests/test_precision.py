@@ -112,3 +112,14 @@ def test_keep_fp32_is_a_tuple_of_the_batches_keys():
         prepare(lambda: Fixed(None, nnx.Rngs(0)), lambda m, b: {"loss": (m(b["x"]) - b["y"]) ** 2},
                 {"x": x, "y": x.sum(1)}, optimizer=optax.sgd(0.1), global_batch_size=32,
                 options=jdp.FitOptions(precision="bf16", num_devices=2, keep_fp32=("y_typo",)))
+
+
+def test_the_gpt_trains_in_fp16_on_cpu_devices():
+    """XLA's CPU dot takes no float16 operands with a float32 accumulator, which jax's attention asks for: the GPT
+    under fp16 ended in a raw XLA error before its first step (the MLP trained). The attention runs in float32
+    there, and the step still compiles and trains."""
+    engine = build(small_config("gpt", num_devices=2, precision="fp16"))
+    state = engine.parallel.to_devices(engine.init_state())
+    for step in range(2):
+        state, metrics = engine.parallel.train_step(state, engine.parallel.shard_batch(engine.source.train_batch(step)))
+    assert np.isfinite(engine.parallel.fetch(metrics)["loss"])

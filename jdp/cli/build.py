@@ -100,6 +100,11 @@ def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None
             f"train.eval_batch_size={cfg.train.eval_batch_size} is larger than the eval split needs "
             f"({source.num_eval} examples on {num_devices} device(s)); set --config.train.eval_batch_size to at most "
             f"{largest}, or 0 (= train.global_batch_size)")
+    if 0 < cfg.data.num_classes < (own := getattr(source, "num_classes", 0)):  # labels past the logits: nan loss
+        source.close()
+        raise config_lib.ConfigError(f"data.num_classes={cfg.data.num_classes} is fewer than the data's {own} "
+                                     f"classes (or symbols); set --config.data.num_classes to at least {own}, or 0 "
+                                     "for the data's own")
     make_model = model_maker(cfg, source.input_shape, cfg.data.num_classes or source.num_classes)
     model = abstract_model(make_model)
     params = nnx.state(model, nnx.Param)

@@ -24,19 +24,24 @@ from jdp.errors import DiskError, UsageError
 EXIT_OK, EXIT_USAGE, EXIT_DISK = 0, 2, 6
 
 
-def _pick(logits_V: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array) -> jax.Array:
-    """A token drawn from softmax(logits / temperature) restricted to the `top_k` largest logits."""
-    logits_V = logits_V.astype(jnp.float32) / temperature
+def _pick(logits_V: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
+          vocab_size: jax.Array) -> jax.Array:
+    """A token drawn from softmax(logits / temperature) restricted to the `top_k` largest logits of the first
+    `vocab_size` ids (a model's vocabulary padded past its text's, as `data.num_classes` pads it, has ids no symbol
+    has)."""
+    logits_V = jnp.where(jnp.arange(logits_V.shape[0]) < vocab_size, logits_V.astype(jnp.float32), -jnp.inf)
+    logits_V = (logits_V - logits_V.max()) / temperature  # at most 0: a tiny temperature cannot overflow to inf
     kth_largest = jnp.sort(logits_V)[logits_V.shape[0] - top_k]
     return jax.random.categorical(key, jnp.where(logits_V < kth_largest, -jnp.inf, logits_V))
 
 
 class Sampler:
-    """The compiled generation functions of one model (a GPT in eval mode)."""
+    """The compiled generation functions of one model (a GPT in eval mode); `vocab_size`: the ids it may draw (None:
+    all of its logits')."""
 
-    def __init__(self, model: nnx.Module) -> None:
+    def __init__(self, model: nnx.Module, vocab_size: int | None = None) -> None:
         graph, state = nnx.split(model)
-        self.block_size, self._state = model.block_size, state
+        self.block_size, self.vocab_size, self._state = model.block_size, vocab_size, state
 
         def window_logits(state, window_1xT, length):
             return nnx.merge(graph, state)(window_1xT)[0, length - 1]
@@ -74,11 +79,12 @@ class Sampler:
             logits, cache = self._prefill(self._state, window, length)
         else:
             logits = self._window_logits(self._state, window, length)
-        vocab_size = logits.shape[0]
+        vocab_size = min(self.vocab_size or logits.shape[0], logits.shape[0])
         k = jnp.int32(min(top_k, vocab_size) if top_k > 0 else vocab_size)
         position = length  # where the next token's keys and values go in the cache
         for i in range(num_tokens):
-            token = int(self._pick(logits, jax.random.fold_in(key, i), jnp.float32(temperature), k))
+            token = int(self._pick(logits, jax.random.fold_in(key, i), jnp.float32(temperature), k,
+                                   jnp.int32(vocab_size)))
             tokens.append(token)
             if i == num_tokens - 1:
                 break
@@ -95,8 +101,8 @@ def sample_text(model: nnx.Module, vocab: Vocabulary, prompt: str, num_tokens: i
                 top_k: int, seed: int) -> str:
     """The prompt and `num_tokens` generated characters (or bytes) after it."""
     ids = vocab.encode(prompt, "the prompt").tolist()
-    return prompt + vocab.decode(Sampler(model).generate(ids, num_tokens, temperature=temperature, top_k=top_k,
-                                                          seed=seed))
+    generated = Sampler(model, vocab.size).generate(ids, num_tokens, temperature=temperature, top_k=top_k, seed=seed)
+    return prompt + vocab.decode(generated)
 
 
 def sample_workdir(workdir: Path, prompt: str, num_tokens: int, *, temperature: float, top_k: int,
@@ -108,7 +114,7 @@ def sample_workdir(workdir: Path, prompt: str, num_tokens: int, *, temperature: 
     if not (workdir / "config.json").exists() and (workdir / "run.json").exists():
         raise ConfigError(f"{workdir} is a jdp.fit run; python -m jdp.sample samples the language-model runs of "
                           "python -m jdp.train: restore the model with jdp.restore(workdir, model) and sample it "
-                          "in Python (jdp.sample.sample_text)")
+                          "in Python (jdp.cli.sample.sample_text)")
     if not vocab_path.is_file():
         raise ConfigError(f"{vocab_path} not found; pass the --workdir of a language-model run (data.name text:PATH "
                           "or shakespeare)")

@@ -74,13 +74,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--devices", type=int, default=0, help="simulated CPU devices (0: leave JAX alone)")
     args = p.parse_args(argv)
     from jdp.cli import config as config_lib
+    from jdp.errors import UsageError
 
     cfg = config_lib.load_saved_config(Path(args.config))
     args.out.mkdir(parents=True, exist_ok=True)
-    if args.command == "init":
-        write_init(cfg, args.out)
-    else:
-        parity(cfg, args.out, args.devices)
+    try:
+        (write_init(cfg, args.out) if args.command == "init" else parity(cfg, args.out, args.devices))
+    except UsageError as e:  # the config's own checks, which need its data: one line, as jdp.train's
+        print(f"jdp: error: {e}", file=sys.stderr)  # read back by `procs.check`
+        return 2
     return 0
 
 

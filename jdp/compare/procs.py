@@ -56,7 +56,10 @@ def run(args: list[str], *, log: Path, timeout_s: float, env: dict[str, str] | N
 def check(finished: Finished, what: str) -> None:
     if finished.returncode == 0:
         return
-    tail = "\n".join(finished.log.read_text(errors="replace").splitlines()[-25:])
+    lines = finished.log.read_text(errors="replace").splitlines()
+    if finished.returncode == 2 and lines and lines[-1].startswith("jdp: error: "):  # jdp_side's refusal
+        raise ValueError(f"{what} refused the config: {lines[-1].removeprefix('jdp: error: ')}")
+    tail = "\n".join(lines[-25:])
     why = (f"ran past its time limit ({finished.seconds:.0f} s)" if finished.returncode == 124
            else f"exited {finished.returncode}")
     raise SideFailed(f"{what} {why}; log {finished.log}:\n{tail}")

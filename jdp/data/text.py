@@ -195,10 +195,10 @@ class TokenWindows(RowDataset):
 
 def vocabulary_for(cfg: ml_collections.ConfigDict, raw: bytes, workdir: Path | None,
                    process_index: int) -> Vocabulary:
-    """The workdir's saved vocabulary if it has one (a run and its resume share it), else the text's own,
-    saved there by process 0."""
+    """The workdir's saved vocabulary if it has one and a checkpoint trained with it (a run and its resume share
+    it), else the text's own, saved there by process 0 (a start refused before training binds no text)."""
     saved = workdir / VOCAB_FILE if workdir is not None else None
-    if saved is not None and saved.is_file():
+    if saved is not None and saved.is_file() and any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*")):
         vocab = Vocabulary.load(saved)
         if vocab.tokenizer != cfg.tokenizer:
             raise DataError(f"{saved} holds a {vocab.tokenizer} vocabulary, the config asks for data.tokenizer="

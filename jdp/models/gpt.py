@@ -9,6 +9,7 @@ share one stream and draw in turn.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,15 @@ def attention_implementation(dtype: jnp.dtype) -> str:
     """cuDNN's fused attention on GPU in bf16/fp16; XLA's everywhere else."""
     on_gpu = jax.default_backend() == "gpu"
     return "cudnn" if on_gpu and jnp.dtype(dtype) in (jnp.bfloat16, jnp.float16) else "xla"
+
+
+def _attention(q: jax.Array, k: jax.Array, v: jax.Array, **kwargs: Any) -> jax.Array:
+    """`jax.nn.dot_product_attention`, float16 on CPU in float32: XLA's CPU dot has no float16 inputs with a float32
+    accumulator, which it asks for."""
+    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
+        kwargs.pop("implementation", None)
+        return jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), **kwargs).astype(q.dtype)
+    return jax.nn.dot_product_attention(q, k, v, **kwargs)
 
 
 class CausalSelfAttention(nnx.Module):
@@ -49,11 +59,11 @@ class CausalSelfAttention(nnx.Module):
             k = jax.lax.dynamic_update_slice(cache[0], k.astype(cache[0].dtype), (0, start, 0, 0))
             v = jax.lax.dynamic_update_slice(cache[1], v.astype(cache[1].dtype), (0, start, 0, 0))
             visible_TxS = jnp.arange(k.shape[1])[None, :] <= start + jnp.arange(t)[:, None]
-            y = jax.nn.dot_product_attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=visible_TxS)
+            y = _attention(q, k.astype(q.dtype), v.astype(q.dtype), mask=visible_TxS)
         elif self.attn_dropout.rate > 0 and not self.attn_dropout.deterministic:
             y = self._explicit(q, k, v)
         else:
-            y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=attention_implementation(q.dtype))
+            y = _attention(q, k, v, is_causal=True, implementation=attention_implementation(q.dtype))
         return self.resid_dropout(self.proj(y.reshape(b, t, d))), (k, v)
 
     def _explicit(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
