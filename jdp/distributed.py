@@ -290,6 +290,9 @@ def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, b
     watchdog = threading.Timer(init_timeout_s, _give_up, args=(message,))
     watchdog.daemon = True
     watchdog.start()
+    # JAX's preemption notifier would take SIGTERM from jdp's handler until `fit` installed it again: a signal in
+    # the start-up (the data, the model, a restore, --eval_only) was dropped. jdp agrees on its own stop step.
+    jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(
             coordinator_address=coordinator, num_processes=job.num_processes, process_id=job.process_id,

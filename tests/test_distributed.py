@@ -606,6 +606,38 @@ def test_a_process_stopped_for_a_peer_failure_says_so_not_preempted(tmp_path, ph
     assert "preempted" not in result.stderr and "received" not in result.stderr
 
 
+SIGNAL_AFTER_JOINING_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+import jdp
+from jdp import preemption
+with preemption.ExitOnSignal():  # jdp.train's start-up: the data, the model, a restore, --eval_only
+    jdp.initialize()
+    Path(sys.argv[1] + os.environ["RANK"]).write_text("joined")
+    time.sleep(30)
+"""
+
+
+def test_a_sigterm_after_the_processes_joined_and_before_the_steps_exits_75(tmp_path):
+    """JAX's preemption notifier, started by jax.distributed.initialize, took SIGTERM from jdp's handler: a
+    preempted job loading its data trained on to the end (or was SIGKILLed at its time limit), never exiting 75."""
+    launcher = subprocess.Popen([sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--grace_s", "10", "--",
+                                 sys.executable, "-c", SIGNAL_AFTER_JOINING_SCRIPT, str(tmp_path / "joined")],
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())
+    try:
+        deadline = time.monotonic() + 60
+        while not all((tmp_path / f"joined{rank}").exists() for rank in "01") and time.monotonic() < deadline:
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=30)
+    finally:
+        launcher.kill()
+        launcher.wait()
+    assert launcher.returncode == 75, err[-2000:]
+    assert sorted(line[:3] for line in err.splitlines() if "jdp: preempted: SIGTERM outside the training" in line) == [
+        "[0]", "[1]"], err[-2000:]
+
+
 RESTART_SCRIPT = """
 import os, sys, time
 attempt, rank = int(os.environ["JDP_RESTART"]), os.environ["RANK"]
