@@ -246,7 +246,9 @@ class Checkpointer:
         _VANISHED.clear()  # a new run: what an earlier one's orbax threads log is no longer quieted
 
     def steps(self) -> list[int]:
-        return sorted(self._manager.all_steps())
+        """The committed steps, ascending: in a multi-process run orbax also lists a save still under its temporary
+        name, which no restore can read."""
+        return sorted(step for step in self._manager.all_steps() if (self.directory / str(step)).is_dir())
 
     def vanished(self) -> Path | None:
         """The workdir, its checkpoints directory or its lock file, if deleted or moved since the run began (another

@@ -323,23 +323,32 @@ def _give_up(message: str) -> None:
 
 def check_same_run(settings: dict, timeout_s: float) -> None:
     """Refuses (exit 2) `settings` (JSON-able) that differ from process 0's, through the key-value store. Process 0
-    compares with every process, the others with it, so all stop rather than some waiting forever in a collective."""
+    compares with every process, the others with it, so all stop rather than some waiting forever in a collective;
+    process 0, whose exit ends the store, waits until every other has compared."""
     client, me = kvstore.client(), jax.process_index()
     if client is None:
         return
     mine = json.dumps(settings, sort_keys=True, default=str)
     client.key_value_set(f"jdp/run/{me}", mine)
     others = range(1, jax.process_count()) if me == 0 else [0]
+    refusals = []
     for other in others:
         theirs = _within(timeout_s, f"process {other} did not report its settings", client.blocking_key_value_get,
                          f"jdp/run/{other}")
         first, this, index = (json.loads(mine), json.loads(theirs), other) if me == 0 else (
             json.loads(theirs), json.loads(mine), me)
-        differing = [f"{k}: {a!r} on process 0, {b!r} on process {index}" for k, a, b in differences(first, this)]
-        if differing:
-            raise DistributedUsageError(f"process {index} was started with other settings than process 0 "
-                                        f"({'; '.join(differing[:5])}); start every process with the same "
-                                        "config, overrides and --workdir")
+        if differing := [f"{k}: {a!r} on process 0, {b!r} on process {index}" for k, a, b in differences(first, this)]:
+            refusals.append(f"process {index} was started with other settings than process 0 "
+                            f"({'; '.join(differing[:5])}); start every process with the same config, overrides "
+                            "and --workdir, on as many devices")
+    if me == 0:
+        for other in others:
+            _within(timeout_s, f"process {other} did not compare its settings", client.blocking_key_value_get,
+                    f"jdp/run_compared/{other}")
+    else:
+        client.key_value_set(f"jdp/run_compared/{me}", "yes")
+    if refusals:
+        raise DistributedUsageError(refusals[0])
 
 
 def differences(a: dict, b: dict) -> list[tuple[str, object, object]]:
@@ -381,9 +390,10 @@ def _within(timeout_s: float, failure: str, wait: Callable[[str, int], Any], key
 
 
 def run_settings(cfg_dict: dict, workdir: Path) -> dict:
-    """What must be the same in every process: the config (but the per-host compile cache) and the workdir."""
+    """What must be the same in every process: the config (but the per-host compile cache), the workdir and the
+    devices of each (a host with a GPU missing: the mesh and the checkpoints assume equal ones)."""
     return {"config": {k: v for k, v in cfg_dict.items() if k != "compile_cache_dir"},
-            "workdir": str(Path(workdir).absolute())}
+            "workdir": str(Path(workdir).absolute()), "local_devices": jax.local_device_count()}
 
 
 class StopAgreement:

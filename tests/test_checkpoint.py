@@ -708,3 +708,16 @@ def test_export_round_trips_into_a_new_run(tmp_path, capsys):
     second.model.kwargs.bn_momentum = 1.0  # keep the loaded running statistics through the one step
     result = run(second, tmp_path / "b")
     assert result.eval_loss == pytest.approx(first.eval_loss, rel=1e-5)
+
+
+def test_only_committed_steps_count(tmp_path, monkeypatch):
+    """In a multi-process run orbax lists a save still under its temporary name: a disk error's line called it "the
+    last checkpoint, intact", and the rerun, finding nothing to restore, started over."""
+    checkpointer = Checkpointer(tmp_path / "checkpoints", keep=3, every_steps=4)
+    try:
+        (tmp_path / "checkpoints" / "4").mkdir()
+        (tmp_path / "checkpoints" / "8.orbax-checkpoint-tmp").mkdir()
+        monkeypatch.setattr(checkpointer._manager, "all_steps", lambda: [4, 8])
+        assert checkpointer.steps() == [4]
+    finally:
+        checkpointer.close()

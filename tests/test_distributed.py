@@ -501,15 +501,22 @@ def test_slurm_variables_use_jax_auto_detection(tmp_path):
         assert f"process {rank} of 2, 4 devices, auto True" in (tmp_path / f"{rank}.log").read_text()
 
 
-def test_processes_started_with_different_settings_stop(tmp_path):
+@pytest.mark.parametrize("differing", ["steps", "devices"])
+def test_processes_started_with_different_settings_stop(tmp_path, differing):
+    """Another device count on one host (1 and 3 devices, 4 in all) was orbax's reshape error, exit 1."""
     port, workdir = launch.free_port(), tmp_path / "run"
-    procs = [start([*TRAIN, *ARGS, f"--config.train.steps={5 + rank}", "--workdir", str(workdir)],
+    steps, devices = ((5, 6), (1, 1)) if differing == "steps" else ((4, 4), (1, 3))
+    procs = [start([*TRAIN, *ARGS, f"--config.train.steps={steps[rank]}", "--workdir", str(workdir)],
                    clean_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
-                             JAX_NUM_CPU_DEVICES="1"), tmp_path / f"rank{rank}.log") for rank in range(2)]
-    assert finish(procs, timeout=60) == [2, 2]
+                             JAX_NUM_CPU_DEVICES=str(devices[rank])), tmp_path / f"rank{rank}.log")
+             for rank in range(2)]
+    assert finish(procs, timeout=60) == [2, 2], (tmp_path / "rank0.log").read_text()[-2000:]
+    said = ("config.train.steps: 5 on process 0, 6 on process 1" if differing == "steps" else
+            "local_devices: 1 on process 0, 3 on process 1")
     for rank in range(2):
-        assert ("jdp: distributed: process 1 was started with other settings than process 0 "
-                "(config.train.steps: 5 on process 0, 6 on process 1)") in (tmp_path / f"rank{rank}.log").read_text()
+        assert (f"jdp: distributed: process 1 was started with other settings than process 0 ({said}); start every "
+                "process with the same config, overrides and --workdir, on as many devices") in (
+            tmp_path / f"rank{rank}.log").read_text()
 
 
 SIGNAL_SCRIPT = """
@@ -636,6 +643,35 @@ def test_a_sigterm_after_the_processes_joined_and_before_the_steps_exits_75(tmp_
     assert launcher.returncode == 75, err[-2000:]
     assert sorted(line[:3] for line in err.splitlines() if "jdp: preempted: SIGTERM outside the training" in line) == [
         "[0]", "[1]"], err[-2000:]
+
+
+ONE_HOSTS_DATA = """
+import os
+import numpy as np
+
+def make(data):  # rank 1's copy of the labels is bad: refused there alone, after the processes joined
+    x = np.random.default_rng(0).normal(size=(320, 8)).astype(np.float32)
+    y = (x.sum(1) > 0).astype(np.int32)
+    if os.environ.get("RANK") == "1":
+        y[5] = -1
+    return {"x": x[:256], "y": y[:256]}, {"x": x[256:], "y": y[256:]}
+"""
+
+
+def test_a_refusal_on_one_process_after_joining_exits_2_there_and_is_not_restarted(tmp_path):
+    """Exit 2 went through JAX's shutdown barrier, where the peer never came (it waited in a collective): both
+    aborted with 134, which the launcher restarts."""
+    (tmp_path / "one_hosts_data.py").write_text(ONE_HOSTS_DATA)
+    result = run([sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--cpu_devices", "1", "--max_restarts", "1",
+                  "--", sys.executable, "-m", "jdp.train", "--config", "mnist1d_mlp",
+                  "--config.data.name=one_hosts_data:make", "--config.data.shape=(8,)", "--config.train.steps=4",
+                  "--config.train.global_batch_size=32", "--config.distributed.heartbeat_timeout_s=15",
+                  "--workdir", str(tmp_path / "run")],
+                 timeout=120, env=clean_env(PYTHONPATH=f"{tmp_path}:{Path(__file__).parent.parent}"))
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "[1] jdp: config error: labels must be >= 0, got -1" in result.stderr
+    assert "[launch] exit codes: rank 0 5, rank 1 2" in result.stderr, result.stderr[-3000:]
+    assert "restart 1 of 1" not in result.stderr
 
 
 RESTART_SCRIPT = """

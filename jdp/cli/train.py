@@ -188,7 +188,9 @@ def _main(argv: list[str] | None) -> int:
     except tuple(error for error, _, _ in failures) as e:
         code, label = next((code, label) for error, code, label in failures if isinstance(e, error))
         print(f"jdp: {label}: {e}", file=sys.stderr)
-        return _exit_now(code) if code == EXIT_DISTRIBUTED else code
+        # A halt and a preemption are agreed by every process, whose normal exits meet in JAX's shutdown barrier;
+        # any other error may be this process's alone, its peers blocked in a collective with it.
+        return code if code in (EXIT_NONFINITE, EXIT_PREEMPTED) else _exit_now(code)
     except jax.errors.JaxRuntimeError as e:  # a collective or barrier whose peer is gone
         if not distributed_lib.is_peer_failure(e):
             return _unexpected()
@@ -206,7 +208,7 @@ def _main(argv: list[str] | None) -> int:
             fix = ("--eval_only appends its eval line to the workdir's metrics.jsonl: make the filesystem writable, "
                    "or rerun on a copy of the workdir")
         print(f"jdp: disk: {storage.describe(failure, where)}; {fix}", file=sys.stderr)
-        return EXIT_DISK
+        return _exit_now(EXIT_DISK)
     return EXIT_OK
 
 
@@ -218,7 +220,8 @@ def _unexpected() -> int:
 
 def _exit_now(code: int) -> int:
     """`code`; in a multi-process run the process ends here: a normal exit would wait in JAX's shutdown barrier for
-    a peer that has failed, or that waits for this one in a collective, until the launcher kills it (137)."""
+    a peer that has failed, or that waits for this one in a collective, until it aborts (134) or the launcher kills
+    it (137)."""
     if jax.distributed.is_initialized():
         sys.stdout.flush()
         sys.stderr.flush()
