@@ -754,3 +754,13 @@ def test_a_restarted_run_ends_with_the_parameters_of_an_uninterrupted_one(two_pr
     assert [path for path, _ in leaves_a] == [path for path, _ in leaves_b] and leaves_a
     for (path, a), (_, b) in zip(leaves_a, leaves_b, strict=True):
         assert np.asarray(a).dtype == np.asarray(b).dtype and np.array_equal(a, b), jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("flag, value", [("--port", "99999"), ("--port", "-1"), ("--grace_s", "-1"),
+                                         ("--grace_s", "nan")])
+def test_a_launcher_port_or_grace_out_of_range_is_its_usage_error(flag, value, capsys):
+    """--port 99999 was printed as the coordinator, and every child then failed on its MASTER_PORT."""
+    with pytest.raises(SystemExit) as exited:
+        launch.main(["--nprocs", "2", flag, value, "--", sys.executable, "-c", "pass"])
+    assert exited.value.code == 2
+    assert "must be in 0..65535 (0: a free one) and --grace_s" in capsys.readouterr().err

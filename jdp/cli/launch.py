@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import math
 import os
 import signal
 import socket
@@ -301,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--nprocs must be at least 1 and --cpu_devices in 0..{MAX_CPU_DEVICES}")
     if args.max_restarts < 0:
         parser.error(f"--max_restarts {args.max_restarts} must not be negative")
+    if not 0 <= args.port <= 65535 or not 0 <= args.grace_s < math.inf:  # a port each child failed on at its start
+        parser.error(f"--port {args.port} must be in 0..65535 (0: a free one) and --grace_s {args.grace_s} a "
+                     "non-negative number of seconds")
     with console_may_close():  # a pump that died at a closed pipe (| head) would leave its child blocked for ever
         return Launcher(command, args.nprocs, cpu_devices=args.cpu_devices, port=args.port, grace_s=args.grace_s,
                         max_restarts=args.max_restarts, workdir=args.workdir, out=sys.stdout, err=sys.stderr).run()
