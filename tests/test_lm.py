@@ -141,8 +141,8 @@ def test_bad_text_is_one_line(tmp_path):
         _source(short, block_size=8)
     latin1 = tmp_path / "latin1.txt"
     latin1.write_bytes("café ".encode("latin-1") * 40)
-    with pytest.raises(DataError, match="not UTF-8"):
-        _source(latin1)
+    with pytest.raises(DataError, match=rf"^the text of data.name=text:{re.escape(str(latin1))} is not UTF-8 "):
+        _source(latin1)  # named: "the text is not UTF-8" named no file
     assert _source(latin1, tokenizer="bytes").num_classes == 256
 
 
@@ -394,3 +394,12 @@ def test_the_readme_language_model_commands_run(tmp_path):
     args[args.index("--prompt") + 1] = "ROMÉO"
     out = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "'É'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+def test_a_sample_seed_past_32_bits_is_refused(tmp_path, capsys):
+    """A key takes the seed's low 32 bits: --seed 4294967296 gave seed 0's sample, without a word."""
+    from jdp.cli.sample import EXIT_USAGE, main
+
+    assert main(["--workdir", str(tmp_path), "--seed", str(2**32)]) == EXIT_USAGE
+    assert capsys.readouterr().err == ("jdp: error: --tokens must be at least 1, --top_k at least 0 and --seed in "
+                                       "[0, 4294967295]\n")

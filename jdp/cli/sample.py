@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     try:
         args = parser.parse_args(argv)
-        if args.tokens < 1 or args.top_k < 0:
-            raise ConfigError("--tokens must be at least 1 and --top_k at least 0")
+        if args.tokens < 1 or args.top_k < 0 or not 0 <= args.seed < 2**32:  # a key takes 32 bits of the seed
+            raise ConfigError("--tokens must be at least 1, --top_k at least 0 and --seed in [0, 4294967295]")
         text = sample_workdir(Path(args.workdir), args.prompt, args.tokens, temperature=args.temperature,
                               top_k=args.top_k, seed=args.seed)
     except (UsageError, CheckpointError) as e:

@@ -121,10 +121,10 @@ class Vocabulary:
         self._codepoints = np.array([ord(s) for s in self.symbols], np.uint32)
 
     @classmethod
-    def of_text(cls, tokenizer: str, raw: bytes) -> Vocabulary:
+    def of_text(cls, tokenizer: str, raw: bytes, what: str = "the text") -> Vocabulary:
         if tokenizer == "bytes":
             return cls("bytes")
-        return cls("chars", [chr(c) for c in np.unique(_codepoints(raw, "the text"))])
+        return cls("chars", [chr(c) for c in np.unique(_codepoints(raw, what))])
 
     @property
     def size(self) -> int:
@@ -204,7 +204,7 @@ def vocabulary_for(cfg: ml_collections.ConfigDict, raw: bytes, workdir: Path | N
             raise DataError(f"{saved} holds a {vocab.tokenizer} vocabulary, the config asks for data.tokenizer="
                             f"{cfg.tokenizer}; use a new --workdir")
         return vocab
-    vocab = Vocabulary.of_text(cfg.tokenizer, raw)
+    vocab = Vocabulary.of_text(cfg.tokenizer, raw, f"the text of data.name={cfg.name}")
     if saved is not None and process_index == 0:
         vocab.save(saved)
     return vocab
