@@ -403,3 +403,25 @@ def test_a_sample_seed_past_32_bits_is_refused(tmp_path, capsys):
     assert main(["--workdir", str(tmp_path), "--seed", str(2**32)]) == EXIT_USAGE
     assert capsys.readouterr().err == ("jdp: error: --tokens must be at least 1, --top_k at least 0 and --seed in "
                                        "[0, 4294967295]\n")
+
+
+@pytest.mark.slow
+def test_a_run_whose_text_has_moved_or_changed_still_samples_and_exports(tmp_path, capsys):
+    """jdp.sample and jdp.export rebuilt the run from its text: a text moved away, or grown by a character, or
+    cut short, was "does not exist" (or a vocabulary refusal), exit 2, though the model needs only the workdir's
+    vocabulary and checkpoint."""
+    from jdp.cli import export as export_cli
+    from jdp.cli.sample import sample_workdir
+
+    text = tmp_path / "tiny.txt"
+    text.write_text("abcdefghij\n" * 200)
+    cfg = small_config("gpt", num_devices=1, data={"name": f"text:{text}"})
+    cfg.sample.tokens = 0
+    run(cfg, tmp_path / "run")
+    before = sample_workdir(tmp_path / "run", "abc", 20, temperature=0.8, top_k=0, seed=1)
+    text.write_text("abcdefghij~\n" * 200)  # grown by a character
+    capsys.readouterr()
+    assert sample_workdir(tmp_path / "run", "abc", 20, temperature=0.8, top_k=0, seed=1) == before
+    text.unlink()  # moved away
+    assert export_cli.main(["--workdir", str(tmp_path / "run"), "--out", str(tmp_path / "params.npz")]) == 0
+    assert capsys.readouterr().err.count(f"the model is rebuilt from {tmp_path / 'run' / 'vocab.json'}") == 2

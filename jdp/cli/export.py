@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = reopen.params_file_path(args.out)  # before anything is restored
         if (args.workdir / "config.json").exists():  # a python -m jdp.train run: rebuilt from its config
-            step, built, state = restore_for_inference(args.workdir)
+            step, built, state = restore_for_inference(args.workdir, reads_data=False)
             built.source.close()
             host = built.parallel.to_host(state)  # RNG streams are left out: they are not weights
             reopen.write_params_file(out, host.params, host.model_state, step)

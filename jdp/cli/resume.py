@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import tempfile
 import time
 import zipfile
 from pathlib import Path
@@ -16,6 +17,7 @@ from flax import nnx
 from jdp.checkpoint import Checkpointer, CheckpointError
 from jdp.cli import config as config_lib
 from jdp.cli.build import build
+from jdp.data.text import TEXT_PREFIX, VOCAB_FILE, Vocabulary
 from jdp.distributed import differences
 from jdp.errors import warn
 from jdp.modeldef import replace_state, state_groups
@@ -78,8 +80,23 @@ def inference_devices(cfg: ml_collections.ConfigDict) -> int:
     return n
 
 
-def restore_for_inference(workdir: Path) -> tuple[int, Engine, TrainState]:
-    """A finished or interrupted run's latest checkpoint, with its config, on this machine's devices."""
+def _built_on_its_vocabulary(cfg: ml_collections.ConfigDict, workdir: Path) -> Engine:
+    """The language model's engine on a stand-in text of its vocabulary's symbols, long enough for the run's
+    batches: what the model is built from (its block and vocabulary) without the text it trained on."""
+    symbols = "".join(Vocabulary.load(workdir / VOCAB_FILE).symbols) or "\n"  # bytes: any byte is a symbol
+    windows = 2 * max(cfg.train.global_batch_size, cfg.train.eval_batch_size) + 2
+    with tempfile.TemporaryDirectory() as folder:
+        stand_in = Path(folder) / "text.txt"
+        stand_in.write_text(symbols * (10 * windows * (cfg.data.block_size + 1) // len(symbols) + 1))
+        cfg = cfg.copy_and_resolve_references()
+        cfg.data.name = f"{TEXT_PREFIX}{stand_in}"
+        return build(cfg, workdir=workdir, inference=True)
+
+
+def restore_for_inference(workdir: Path, *, reads_data: bool = True) -> tuple[int, Engine, TrainState]:
+    """A finished or interrupted run's latest checkpoint, with its config, on this machine's devices. Without
+    `reads_data` (a sample, an export), a language model whose text has moved or changed is rebuilt from the
+    workdir's vocabulary alone."""
     saved = workdir / "config.json"
     if not saved.exists():
         raise config_lib.ConfigError(f"{saved} not found; pass the --workdir of a jdp.train run")
@@ -87,7 +104,13 @@ def restore_for_inference(workdir: Path) -> tuple[int, Engine, TrainState]:
     cfg = config_lib.load_saved_config(saved, fix="restore it (config_history.jsonl holds each run segment's "
                                                    "config): the run is rebuilt from it")
     cfg.parallel.num_devices = inference_devices(cfg)  # the state is replicated: any count restores it
-    engine = build(cfg, workdir=workdir, inference=True)
+    try:
+        engine = build(cfg, workdir=workdir, inference=True)
+    except config_lib.ConfigError as e:
+        if reads_data or not cfg.data.name.startswith(TEXT_PREFIX) or not (workdir / VOCAB_FILE).is_file():
+            raise
+        warn(f"{e}; the model is rebuilt from {workdir / VOCAB_FILE} and the run's config, which is all it needs")
+        engine = _built_on_its_vocabulary(cfg, workdir)
     with contextlib.closing(Checkpointer(workdir / "checkpoints", keep=cfg.checkpoint.keep, every_steps=0)) as ckpt:
         restored = ckpt.restore_latest(engine.abstract_state, reject_damaged=False,
                                        per_device=engine.parallel.per_device)

@@ -120,7 +120,7 @@ def sample_workdir(workdir: Path, prompt: str, num_tokens: int, *, temperature: 
                           "or shakespeare)")
     vocab = Vocabulary.load(vocab_path)
     vocab.encode(prompt, "the prompt")  # an unknown character stops here, before anything is restored
-    _, engine, state = restore_for_inference(workdir)
+    _, engine, state = restore_for_inference(workdir, reads_data=False)
     engine.source.close()
     model = engine.model.module(state.params, state.model_state, state.rng_state, train=False)
     if not hasattr(model, "decode"):
