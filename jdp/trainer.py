@@ -98,6 +98,9 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     if o.eval_batch_size > largest:
         raise FitError(f"eval_batch_size={o.eval_batch_size} is larger than the eval data needs ({source.num_eval} "
                        f"examples on {n} device(s)); use at most {largest}, or 0 (= global_batch_size)")
+    if not optional(source, "num_eval") and (o.eval_every or o.eval_fn) and jax.process_index() == 0:
+        warn(f"{'eval_every' if o.eval_every else 'eval_fn'} is set, but there is no eval data: no eval runs; "
+             "give eval_data")
     # Synced BatchNorm reduces over the devices' `data` axis (a hybrid mesh's every axis); jit without accumulation
     # sees the global batch whole, jit with it runs one lane per device on that axis (jdp.step's `accum_lanes`).
     bn_axis = device_axes(mesh) if o.bn_sync and (o.backend != "jit" or o.grad_accum_steps > 1) else None

@@ -430,3 +430,11 @@ def test_a_resume_allowed_a_change_that_no_longer_fits_and_a_workdir_that_cannot
         fit(tmp_path / "run", optax.sgd(0.1), allow_config_change=True)
     with pytest.raises(jdp.FitError, match=r"^workdir /proc/jdp_run cannot hold a run"):
         fit("/proc/jdp_run", optax.sgd(0.1))
+
+
+def test_evals_asked_for_without_eval_data_are_one_warning(capsys):
+    """eval_every (or an eval_fn) without eval data ran no eval, without a word."""
+    jdp.fit(lambda: nnx.Linear(2, 1, rngs=nnx.Rngs(0)), _mse, _data(), optimizer=optax.sgd(0.1), steps=2,
+            global_batch_size=8, num_devices=2, eval_every=1)
+    assert capsys.readouterr().err == ("jdp: warning: eval_every is set, but there is no eval data: no eval runs; "
+                                       "give eval_data\n")
