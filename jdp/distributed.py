@@ -19,6 +19,7 @@ import re
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from jdp.nested import flatten
 # jax aborts about 4 s after its own initialization_timeout; give it this much more than jdp's,
 # so that jdp's watchdog speaks first.
 JAX_TIMEOUT_MARGIN_S = 10
+LEFT_S = 1.0  # from a process's word that it leaves to its exit, at the most: os._exit right after
 _SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 # Words in the errors that a collective or the coordination service raises when a peer has gone.
 _PEER_FAILURE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "peer", "unavailable",
@@ -323,32 +325,41 @@ def _give_up(message: str) -> None:
 
 def check_same_run(settings: dict, timeout_s: float) -> None:
     """Refuses (exit 2) `settings` (JSON-able) that differ from process 0's, through the key-value store. Process 0
-    compares with every process, the others with it, so all stop rather than some waiting forever in a collective;
-    process 0, whose exit ends the store, waits until every other has compared."""
+    compares with every process, the others with it, so all stop rather than some waiting forever in a collective."""
     client, me = kvstore.client(), jax.process_index()
     if client is None:
         return
     mine = json.dumps(settings, sort_keys=True, default=str)
     client.key_value_set(f"jdp/run/{me}", mine)
     others = range(1, jax.process_count()) if me == 0 else [0]
-    refusals = []
     for other in others:
         theirs = _within(timeout_s, f"process {other} did not report its settings", client.blocking_key_value_get,
                          f"jdp/run/{other}")
         first, this, index = (json.loads(mine), json.loads(theirs), other) if me == 0 else (
             json.loads(theirs), json.loads(mine), me)
-        if differing := [f"{k}: {a!r} on process 0, {b!r} on process {index}" for k, a, b in differences(first, this)]:
-            refusals.append(f"process {index} was started with other settings than process 0 "
-                            f"({'; '.join(differing[:5])}); start every process with the same config, overrides "
-                            "and --workdir, on as many devices")
-    if me == 0:
-        for other in others:
-            _within(timeout_s, f"process {other} did not compare its settings", client.blocking_key_value_get,
-                    f"jdp/run_compared/{other}")
-    else:
-        client.key_value_set(f"jdp/run_compared/{me}", "yes")
-    if refusals:
-        raise DistributedUsageError(refusals[0])
+        differing = [f"{k}: {a!r} on process 0, {b!r} on process {index}" for k, a, b in differences(first, this)]
+        if differing:
+            raise DistributedUsageError(f"process {index} was started with other settings than process 0 "
+                                        f"({'; '.join(differing[:5])}); start every process with the same "
+                                        "config, overrides and --workdir, on as many devices")
+
+
+def leaving(timeout_s: float = 10.0) -> None:
+    """Says this process is leaving. Process 0, whose exit ends the key-value store, first waits up to `timeout_s`
+    for the others to say so too (when all stop for one reason, a peer still reading the store, a broadcast of the
+    refusal, would find it gone), then a moment more for them to be gone: JAX aborts a process that outlives its
+    coordinator. One blocked in a collective with a failed process never says so."""
+    client, me = kvstore.client(), jax.process_index()
+    deadline = time.monotonic() + timeout_s
+    try:
+        if me != 0:
+            client.key_value_set(f"jdp/leaving/{me}", "yes")
+            return
+        for other in range(1, jax.process_count()):
+            client.blocking_key_value_get(f"jdp/leaving/{other}", max(1, int((deadline - time.monotonic()) * 1000)))
+        time.sleep(LEFT_S)
+    except Exception:  # noqa: BLE001 - the store gone, or a peer that does not come: leave as it is
+        pass
 
 
 def differences(a: dict, b: dict) -> list[tuple[str, object, object]]:

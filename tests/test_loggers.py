@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -226,6 +227,29 @@ def test_a_resumed_fit_continues_the_same_runs_with_each_step_once(tmp_path, mon
     assert [r["dir_id"] for r in runs] == [runs[1]["id"]] * 2  # offline: a second directory, the same run id
     assert wandb_points(runs, "loss") == jsonl_points(workdir, "train", "loss")
     assert wandb_points(runs, "eval_loss") == jsonl_points(workdir, "eval", "loss")
+
+
+@needs_trackers
+def test_a_resumed_run_whose_eval_loss_was_not_finite_logs_each_eval_once(tmp_path, monkeypatch):
+    """MLflow's last eval step was read from eval_loss alone, which a non-finite loss never reaches: the rerun
+    logged every earlier eval line again."""
+    store, workdir = tmp_path / "mlruns", tmp_path / "run"
+    eval_data = {"x": DATA["x"][:32], "y": np.where(np.arange(32) == 3, np.inf, DATA["y"][:32]).astype(np.float32)}
+
+    def run(logger):
+        jdp.fit(make_net, lambda m, b: {**squared_error(m, b), "ok": jnp.ones(len(b["x"]))}, DATA,
+                optimizer=optax.sgd(0.05), steps=12, global_batch_size=32, workdir=workdir, eval_data=eval_data,
+                log_every=1, eval_every=6, checkpoint_every=4, callbacks=[logger])
+
+    monkeypatch.setenv("JDP_KILL_AT", "raise:7")
+    first = MLflow(tracking_uri=store.as_uri(), experiment="tests")
+    with pytest.raises(RuntimeError, match="raise:7"):
+        run(first)
+    first.close()  # what the process's exit does
+    monkeypatch.delenv("JDP_KILL_AT")
+    run(MLflow(tracking_uri=store.as_uri(), experiment="tests"))
+    (tracked,) = mlflow_runs(store, "tests")
+    assert [step for step, _ in mlflow_points(store, tracked.info.run_id, "eval_ok")] == [6, 12]
 
 
 @needs_trackers

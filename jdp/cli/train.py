@@ -225,6 +225,7 @@ def _exit_now(code: int) -> int:
     if jax.distributed.is_initialized():
         sys.stdout.flush()
         sys.stderr.flush()
+        distributed_lib.leaving()
         os._exit(code)
     return code
 

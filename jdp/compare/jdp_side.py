@@ -73,8 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--devices", type=int, default=0, help="simulated CPU devices (0: leave JAX alone)")
     args = p.parse_args(argv)
+    from jdp import UsageError
     from jdp.cli import config as config_lib
-    from jdp.errors import UsageError
 
     cfg = config_lib.load_saved_config(Path(args.config))
     args.out.mkdir(parents=True, exist_ok=True)

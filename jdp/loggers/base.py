@@ -179,6 +179,11 @@ class Tracker(Callback):
                 self._failed = True  # no run to log to: the lines are dropped, after the one warning
                 return
             self._opened = True
+            # After the client's own exit hooks (W&B's): at exit jdp's close runs before their teardown, and an
+            # uncaught jdp error stays one line (W&B's excepthook printed its traceback first).
+            atexit.unregister(self.close)
+            atexit.register(self.close)
+            preemption.install_excepthook()
             if run_id != self.state.get("run_id"):  # a new tracked run: nothing of it logged yet
                 self.state = {"run_id": run_id}
             self.state.update(self._run_state())

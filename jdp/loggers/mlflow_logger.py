@@ -63,13 +63,15 @@ class MLflow(Tracker):
 
     def _logged(self) -> dict[str, int]:
         # What the run holds, as MLflow answers: the marks written before each line was sent say one step more
-        # when a kill came before MLflow had it. `loss` is in every train and eval line.
+        # when a kill came before MLflow had it. Every key of a split counts: a non-finite loss is not sent.
         run_id = self.state.get("run_id")
-        if self._stored_run(run_id) is None:
+        if (stored := self._stored_run(run_id)) is None:
             return {}
-        marks = super()._logged()
-        for split, key in (("train", "loss"), ("eval", "eval_loss")):
-            marks[split] = max((m.step for m in self.client.get_metric_history(run_id, key)), default=-1)
+        marks, keys = super()._logged(), list(stored.data.metrics)
+        for split, ours in (("train", lambda k: not k.startswith(("eval_", "summary/"))),
+                            ("eval", lambda k: k.startswith("eval_"))):
+            marks[split] = max((m.step for key in filter(ours, keys)
+                                for m in self.client.get_metric_history(run_id, key)), default=-1)
         return marks
 
     def _open(self, run_id: str | None) -> str:
