@@ -139,9 +139,9 @@ class TrainLog(Callback):
             line.update({k: metrics[k] for k in ("lr",) if k in metrics})
             if self.noise_scale is not None:
                 line["grad_noise_scale"] = self.noise_scale.value
-            line["examples_per_sec"] = run.clock.interval_rate()
-            if run.tokens_per_example and line["examples_per_sec"] is not None:
-                line["tokens_per_sec"] = line["examples_per_sec"] * run.tokens_per_example
+            rate = line["examples_per_sec"] = run.clock.interval_rate()  # None (null) before a timed step
+            if run.tokens_per_example:
+                line["tokens_per_sec"] = None if rate is None else rate * run.tokens_per_example
             line["skipped_steps"] = int(metrics["skipped_steps"])
             line["comm_bytes_per_step"] = run.parallel.comm_bytes_per_step
             if run.parallel.comm_cross_group_bytes_per_step is not None:  # a hybrid mesh: what crosses its groups

@@ -231,14 +231,17 @@ def _records(path: Path) -> list[dict]:
 
 def _parse(path: Path) -> list[tuple[str, dict | None]]:
     """(line, record or None) for each non-empty line. An unparsable last line (a write cut short by a crash or a
-    full disk) is dropped; one elsewhere is kept as None. Both with a warning."""
-    lines = path.read_text().splitlines()
+    full disk) is dropped; one elsewhere (or a JSON value that is no record, bytes that are not UTF-8) is kept as
+    None. Both with a warning."""
+    lines = path.read_text(errors="surrogateescape").splitlines()  # written back as read (`_truncate_after`)
     parsed = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             record = json.loads(line)
+            if not isinstance(record, dict):
+                raise ValueError(f"{type(record).__name__}, not a record")
         except ValueError:
             if number == len(lines):
                 warn(f"the last line ({number}) of {path} is cut short; dropping it")
@@ -252,7 +255,7 @@ def _parse(path: Path) -> list[tuple[str, dict | None]]:
 def _truncate_after(path: Path, step: int) -> list[dict]:
     """Drops the train and eval lines past `step` and the summary lines after them (a finished run's summary stays),
     so a resumed run has no duplicates; the file is rewritten atomically if it changed. Returns the records kept."""
-    text = path.read_text()
+    text = path.read_text(errors="surrogateescape")
     kept, beyond = [], False
     for line, record in _parse(path):
         if record is not None and record.get("split") in ("train", "eval") and record.get("step", 0) > step:
@@ -261,7 +264,7 @@ def _truncate_after(path: Path, step: int) -> list[dict]:
             kept.append((line, record))
     new_text = "".join(line + "\n" for line, _ in kept)
     if new_text != text:
-        write_atomic(path, new_text)
+        write_atomic(path, new_text.encode(errors="surrogateescape"))
     return [record for _, record in kept if record is not None]
 
 

@@ -341,8 +341,9 @@ def test_gpt_on_n_devices_equals_one_device_and_learns(tmp_path):
     for got, want in zip(jax.tree.leaves(result.params), jax.tree.leaves(reference.params), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
     assert reference.losses[-1] < reference.losses[0] - 0.1
-    train = records(tmp_path / "one", "train")[-1]
+    first, *_, train = records(tmp_path / "one", "train")
     assert train["tokens_per_sec"] == pytest.approx(train["examples_per_sec"] * 8)
+    assert first["examples_per_sec"] is first["tokens_per_sec"] is None  # no timed step yet: both null, both there
     summary = records(tmp_path / "one", "summary")[0]
     assert summary["eval_perplexity"] == pytest.approx(math.exp(summary["eval_loss"]))
     assert {"eval_loss", "eval_accuracy", "tokens_per_sec"} <= set(summary)

@@ -72,3 +72,17 @@ def test_plot_whose_stdout_reader_is_gone_ends_quietly(tmp_path):
         os.close(write)
     assert (out.returncode, out.stderr) == (0, "")
     assert (tmp_path / "c.png").stat().st_size > 10_000
+
+
+def test_plot_and_a_resume_keep_a_damaged_line_of_metrics_jsonl_as_it_is(tmp_path):
+    """A line that is JSON but no record, or bytes that are not UTF-8, was an AttributeError or a
+    UnicodeDecodeError traceback, in jdp.plot and in the resume that trims the file."""
+    from jdp.metrics import _truncate_after
+
+    _write_run(tmp_path / "a", [2.0, 1.0, 0.5])
+    path = tmp_path / "a" / "metrics.jsonl"
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(lines[0] + b"5\n" + b"\xff{\n" + b"".join(lines[1:]))
+    assert main([str(tmp_path / "a"), "--out", str(tmp_path / "c.png")]) == 0
+    assert [r["step"] for r in _truncate_after(path, 1)] == [1]
+    assert path.read_bytes().splitlines()[1:3] == [b"5", b"\xff{"]  # kept as they were
