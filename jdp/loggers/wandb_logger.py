@@ -22,6 +22,8 @@ class WandB(Tracker):
     def __init__(self, project: str | None = None, *, close_timeout_s: float = CLOSE_TIMEOUT_S,
                  **init_kwargs: Any) -> None:
         super().__init__(close_timeout_s=close_timeout_s)
+        if project is not None and not isinstance(project, str):  # W&B's own check, at the run's start, names neither
+            raise UsageError(f"WandB(project={project!r}) must be a string, or None")
         for key in ("id", "resume", "project", "config", "reinit"):
             if key in init_kwargs:
                 raise UsageError(f"jdp.loggers.WandB sets wandb.init's {key!r} itself; leave it out")
