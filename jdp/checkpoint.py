@@ -43,7 +43,8 @@ def _quiet_orbax_notes(record: logging.LogRecord) -> bool:
     previous save to complete took ... seconds` (a loaded machine, close checkpoints: jdp reports that time as the
     summary's checkpoint stall, and a failed run's stderr must stay one line)."""
     message = str(record.msg)
-    if message.startswith(("Provided metadata contains unknown key", "Waiting for previous save to complete")):
+    if message.startswith(("Provided metadata contains unknown key", "Waiting for previous save to complete",
+                           "Attempted to create temporary directory")):  # a save a kill cut short: orbax redoes it
         return False
     return not (message.startswith(_UNREADABLE_METADATA) and isinstance(record.args, tuple) and record.args
                 and Path(str(record.args[0])).name == "_CHECKPOINT_METADATA")

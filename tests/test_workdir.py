@@ -33,6 +33,20 @@ from jdp.configs import base
 from jdp.metrics import MetricsWriter, read_metrics
 
 
+def test_eval_only_waits_for_no_run_it_takes_the_lock_as_training_does(tmp_path, capsys):
+    """--eval_only took no lock: beside a live run it appended its eval line into that run's metrics.jsonl, out
+    of step order."""
+    from jdp.cli.train import main
+
+    fd = os.open(tmp_path / workdir_lock.LOCK_NAME, os.O_RDWR | os.O_CREAT)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a run training there
+        assert main(["--workdir", str(tmp_path), "--eval_only"]) == 2
+    finally:
+        os.close(fd)
+    assert f"jdp: error: {tmp_path} is in use by another run" in capsys.readouterr().err
+
+
 def test_a_locked_workdir_is_refused_naming_the_holder(tmp_path):
     lock = tmp_path / workdir_lock.LOCK_NAME
     fd = os.open(lock, os.O_RDWR | os.O_CREAT)

@@ -13,7 +13,7 @@ import jax
 import ml_collections
 
 from jdp import distributed as distributed_lib
-from jdp import preemption, reopen, storage, trainer
+from jdp import preemption, reopen, storage, trainer, workdir_lock
 from jdp.checkpoint import CheckpointError
 from jdp.cli import config as config_lib
 from jdp.cli.build import build, build_task  # noqa: F401 - build is part of jdp.train's API
@@ -82,16 +82,20 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
 
 def evaluate_checkpoint(workdir: Path) -> dict[str, float]:
     """`--eval_only`: evaluate the latest checkpoint of `workdir` (a jdp.train run, or a jdp.fit run whose model,
-    loss and eval data are importable) and append the eval line."""
-    if (workdir / "config.json").exists():
-        step, engine, state = restore_for_inference(workdir)
-        metrics = engine.parallel.evaluate(engine.parallel.to_devices(state), engine.source.eval_batches())
-        engine.source.close()
-    else:
-        step, metrics = reopen.evaluate_run(workdir)
-    writer = MetricsWriter(workdir, total_steps=step, resume=False, enabled=jax.process_index() == 0)
-    writer.eval(step, metrics)
-    writer.close()
+    loss and eval data are importable) and append the eval line, under the workdir's lock: a live run's
+    metrics.jsonl is its own."""
+    if not workdir.is_dir():  # refused below, with nothing made
+        return reopen.evaluate_run(workdir)[1]
+    with workdir_lock.held(workdir):
+        if (workdir / "config.json").exists():
+            step, engine, state = restore_for_inference(workdir)
+            metrics = engine.parallel.evaluate(engine.parallel.to_devices(state), engine.source.eval_batches())
+            engine.source.close()
+        else:
+            step, metrics = reopen.evaluate_run(workdir)
+        writer = MetricsWriter(workdir, total_steps=step, resume=False, enabled=jax.process_index() == 0)
+        writer.eval(step, metrics)
+        writer.close()
     return metrics
 
 
