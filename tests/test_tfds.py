@@ -8,6 +8,7 @@ which need no TensorFlow. Every test reads through `build_source` with `data.nam
 """
 
 import json
+import logging
 import math
 import os
 import re
@@ -404,7 +405,8 @@ def test_flip_is_visible_on_large_images(make) -> None:
     assert 0 < flips.sum() < 16
 
 
-def test_an_unprepared_dataset_is_one_clear_error_without_network(make, data_dir, monkeypatch, tmp_path) -> None:
+def test_an_unprepared_dataset_is_one_clear_error_without_network(make, data_dir, monkeypatch, tmp_path,
+                                                                    caplog) -> None:
     def no_network(*args: object) -> None:
         raise AssertionError("tried the network")
 
@@ -416,6 +418,10 @@ def test_an_unprepared_dataset_is_one_clear_error_without_network(make, data_dir
             make(name, data_dir=str(tmp_path))
     with pytest.raises(ValueError, match="does not exist"):
         make("cifar10", data_dir=str(tmp_path / "missing"))
+    monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path))  # tfds's default: it logged "Variant folder ... has no
+    with caplog.at_level(logging.WARNING, logger="absl"), pytest.raises(ValueError, match="is not prepared"):
+        make("cifar10", data_dir="")  # dataset_info.json" beside jdp's one line
+    assert not [r for r in caplog.records if r.name == "absl"]
     with pytest.raises(ValueError, match=r"^data.name=tfds:tiny-cifar: Parsing builder name string tiny-cifar "
                                          r"failed. Give tfds:NAME\[/CONFIG\]\[:VERSION\], e.g. tfds:cifar10") as bad:
         make("tiny-cifar", data_dir=str(tmp_path))

@@ -7,6 +7,7 @@ Images are decoded on worker threads. No read-ahead thread: the trainer reads st
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import resource
@@ -60,14 +61,19 @@ def open_builder(name: str, data_dir: str):
     dirs = [os.fspath(d) for d in file_utils.list_data_dirs(data_dir)]
     if data_dir is not None and not Path(data_dir).is_dir():
         raise _not_prepared(name, dirs, " (that directory does not exist)")
+    absl, level = logging.getLogger("absl"), logging.getLogger("absl").level
+    absl.setLevel(logging.ERROR)  # "Variant folder ... has no dataset_info.json" beside jdp's one line
     try:
         builder = tfds.builder(name, data_dir=data_dir)
+        prepared = builder.is_prepared()
     except tfds.core.registered.DatasetNotFoundError:
         raise _not_prepared(name, dirs) from None
     except ValueError as e:  # tfds's own explanation of the name's format runs over many lines
         raise DataError(f"data.name=tfds:{name}: {one_line(e, typed=False)} Give tfds:NAME[/CONFIG][:VERSION], "
                         "e.g. tfds:cifar10 or tfds:imagenet2012:5.1.0") from None
-    if not builder.is_prepared():
+    finally:
+        absl.setLevel(level)
+    if not prepared:
         raise _not_prepared(name, dirs)
     formats = builder.info.available_file_formats() or {builder.info.file_format}
     if not formats & {tfds.core.FileFormat.ARRAY_RECORD, tfds.core.FileFormat.TFRECORD}:
