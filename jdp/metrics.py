@@ -75,7 +75,7 @@ class MetricsWriter:
         self.enabled = enabled
         self.listeners: list = []  # functions of each line written (process 0)
         self.eval_steps: set[int] = set()  # steps with an eval line in the file (process 0)
-        self.summary_written = False  # the file ends with a summary line (process 0)
+        self.summary_written = False  # a summary follows the last train line (process 0)
         self.nonfinite_evals: list[int] = []  # steps of the eval lines whose loss was not finite (null; process 0)
         if not enabled:
             return
@@ -89,7 +89,9 @@ class MetricsWriter:
             if path.exists():
                 records = _truncate_after(path, start_step) if resume else _records(path)
                 self.eval_steps = {r["step"] for r in records if r.get("split") == "eval"}
-                self.summary_written = bool(records) and records[-1].get("split") == "summary"
+                # A summary after the last train line (an --eval_only line may follow it).
+                trained = [r.get("split") for r in records if r.get("split") != "eval"]
+                self.summary_written = bool(trained) and trained[-1] == "summary"
                 self.nonfinite_evals = [r["step"] for r in records if r.get("split") == "eval"
                                         and "loss" in r and r["loss"] is None]
             self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()

@@ -126,6 +126,12 @@ def test_metrics_lines_that_do_not_parse(tmp_path, capsys):
     assert path.read_text() == "\n".join(lines) + "\n"
     assert writer.eval_steps == {2} and writer.summary_written
     assert not (tmp_path / "tensorboard").exists()  # nothing was written, so no event file either
+    with path.open("a") as f:  # an --eval_only line after the summary: the summary was still taken as missing
+        f.write(json.dumps({"step": 2, "split": "eval", "loss": 0.5}) + "\n")
+    writer = MetricsWriter(tmp_path, total_steps=2, start_step=2)
+    writer.close()
+    assert writer.summary_written
+    path.write_text("\n".join(lines) + "\n")
 
     writer = MetricsWriter(tmp_path, total_steps=5, start_step=1)  # resumed from step 1
     writer.close()
