@@ -78,7 +78,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
                             layer_view=sync.layer_view(axis, o.mesh))
     # 3. all-reduce: the sync strategy turns the local gradient into the update's input.
     reduced = sync.reduce(local, state, axis, collective=o.all_reduce)
-    _check_reduced(sync, reduced, state.params)
+    _check_reduced(sync, reduced, state.params, local.small_sq is not None)
     # 4. update, then the guard chooses the state every replica keeps.
     with optimizer_sees_slices(axis is not None and sync.optimizer_sees_slices(o.fit.backend)):
         params, opt_state = sync.update(tx, reduced.grads, state, axis)
@@ -96,9 +96,6 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
 
     metrics["weight"] = reduced.weight * (jax.lax.psum(1, collective) if collective else 1)  # the global total
     if local.small_sq is not None:  # the global gradient's norm needs no collective: every device holds it whole
-        if reduced.small_sq is None:
-            raise FitError(f"{sync!r} has noise_scale = True, but its reduce returned no small_sq; return "
-                           "averaged_sums(local, ...)['small_sq'] in its Reduced, or set noise_scale = False")
         metrics.update(noise_small_sq=reduced.small_sq, noise_big_sq=sum_of_squares(reduced.grads),
                        noise_small_batch=reduced.weight / (o.fit.grad_accum_steps if o.noise_small_batches
                                                            == "micro_batches" else 1))
@@ -118,12 +115,16 @@ def _shown(x: Any) -> str:
     return "missing" if x is None else f"{jnp.result_type(x)}{list(jnp.shape(x))}"  # float32[4, 8], as held
 
 
-def _check_reduced(sync: Sync, reduced: Any, params: Tree) -> None:
+def _check_reduced(sync: Sync, reduced: Any, params: Tree, noise_scale: bool) -> None:
     """FitError in one line unless the strategy's `reduce` returned a `Reduced` whose gradient has, for each
-    parameter, a floating leaf of its rank (a slice of it under a sharding strategy): checked as the step is traced,
-    since optax would broadcast a scalar or promote an int without a word."""
+    parameter, a floating leaf of its rank (a slice of it under a sharding strategy), and the noise scale's
+    `small_sq` where it is measured: checked as the step is traced, since optax would broadcast a scalar or promote
+    an int without a word."""
     if not isinstance(reduced, Reduced):
         raise FitError(f"{sync!r}.reduce returned {type(reduced).__name__}; it returns a jdp.sync.Reduced")
+    if noise_scale and reduced.small_sq is None:
+        raise FitError(f"{sync!r} has noise_scale = True, but its reduce returned no small_sq; return "
+                       "averaged_sums(local, ...)['small_sq'] in its Reduced, or set noise_scale = False")
     grads, wanted = _leaves(reduced.grads), _leaves(params)
     for path in [*wanted, *(grads.keys() - wanted.keys())]:
         g, p = grads.get(path), wanted.get(path)
