@@ -44,3 +44,9 @@ def write_atomically(path: Path, data: bytes) -> None:
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, data)
+
+
+def committed_steps(workdir: Path) -> list[int]:
+    """The steps of WORKDIR/checkpoints that orbax committed (renamed from their temporary names to STEP once every
+    process has written them), ascending."""
+    return sorted(int(p.name) for p in (Path(workdir) / "checkpoints").glob("*") if p.name.isdigit() and p.is_dir())

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import IO
 
 from jdp.environment import MAX_CPU_DEVICES
-from jdp.files import write_atomic
+from jdp.files import committed_steps, write_atomic
 from jdp.metrics import console_may_close
 from jdp.preemption import EXIT_PREEMPTED, LAUNCH_FAILURE_FILE
 
@@ -105,8 +105,7 @@ def resumed_from(workdir: Path | None) -> str:
     if workdir is None:
         return "its workdir's last checkpoint (pass --workdir to jdp.launch to see its step here)"
     with contextlib.suppress(OSError):
-        steps = [int(p.name) for p in (workdir / "checkpoints").iterdir() if p.name.isdigit() and p.is_dir()]
-        if steps:
+        if steps := committed_steps(workdir):
             return f"step {max(steps)} (the last committed checkpoint in {workdir})"
     return f"the start (no committed checkpoint in {workdir})"
 

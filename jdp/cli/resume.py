@@ -20,6 +20,7 @@ from jdp.cli.build import build
 from jdp.data.text import TEXT_PREFIX, VOCAB_FILE, Vocabulary
 from jdp.distributed import differences
 from jdp.errors import warn
+from jdp.files import committed_steps
 from jdp.modeldef import replace_state, state_groups
 from jdp.params_file import load_into
 from jdp.step import TrainState
@@ -41,11 +42,6 @@ def initialised_from(path: str, model: nnx.Module) -> nnx.Module:
 # A finished run given --config that meets a config.json it cannot read: passing --config again does not help.
 SAVED_CONFIG_FIX = ("it records the settings of the run this workdir holds, which a finished run's rerun is compared "
                     "with: restore it (config_history.jsonl holds each run segment's config), or move it away")
-
-
-def committed_steps(workdir: Path) -> list[int]:
-    """The steps of WORKDIR/checkpoints that orbax committed (renamed from their temporary names), ascending."""
-    return sorted(int(p.name) for p in (workdir / "checkpoints").glob("*") if p.name.isdigit())
 
 
 def record_config(cfg: ml_collections.ConfigDict, workdir: Path) -> None:

@@ -17,16 +17,11 @@ from jdp import preemption, reopen, storage, trainer, workdir_lock
 from jdp.checkpoint import CheckpointError
 from jdp.cli import config as config_lib
 from jdp.cli.build import build, build_task  # noqa: F401 - build is part of jdp.train's API
-from jdp.cli.resume import (
-    committed_steps,
-    initialised_from,
-    record_config,
-    report_finished_run,
-    restore_for_inference,
-)
+from jdp.cli.resume import initialised_from, record_config, report_finished_run, restore_for_inference
 from jdp.cli.sample import sample_text
 from jdp.environment import MAX_CPU_DEVICES, apply_communication_flags, check_environment
 from jdp.errors import DiskError, NonFiniteLossError, Preempted, ReplicaMismatchError, UsageError, one_line, warn
+from jdp.files import committed_steps
 from jdp.mesh import simulate_cpu_devices
 from jdp.metrics import MetricsWriter, console_may_close
 from jdp.modeldef import replace_state

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from jdp.data.batching import Batcher, DataError, RowDataset
-from jdp.files import cache_dir, write_atomic, write_atomically
+from jdp.files import cache_dir, committed_steps, write_atomic, write_atomically
 
 if TYPE_CHECKING:
     import ml_collections
@@ -198,7 +198,7 @@ def vocabulary_for(cfg: ml_collections.ConfigDict, raw: bytes, workdir: Path | N
     """The workdir's saved vocabulary if it has one and a checkpoint trained with it (a run and its resume share
     it), else the text's own, saved there by process 0 (a start refused before training binds no text)."""
     saved = workdir / VOCAB_FILE if workdir is not None else None
-    if saved is not None and saved.is_file() and any(p.name.isdigit() for p in (workdir / "checkpoints").glob("*")):
+    if saved is not None and saved.is_file() and committed_steps(workdir):
         vocab = Vocabulary.load(saved)
         if vocab.tokenizer != cfg.tokenizer:
             raise DataError(f"{saved} holds a {vocab.tokenizer} vocabulary, the config asks for data.tokenizer="

@@ -61,7 +61,8 @@ def open_builder(name: str, data_dir: str):
     dirs = [os.fspath(d) for d in file_utils.list_data_dirs(data_dir)]
     if data_dir is not None and not Path(data_dir).is_dir():
         raise _not_prepared(name, dirs, " (that directory does not exist)")
-    absl, level = logging.getLogger("absl"), logging.getLogger("absl").level
+    absl = logging.getLogger("absl")
+    level = absl.level
     absl.setLevel(logging.ERROR)  # "Variant folder ... has no dataset_info.json" beside jdp's one line
     try:
         builder = tfds.builder(name, data_dir=data_dir)
