@@ -98,10 +98,17 @@ def test_steps_below_the_files_warmup_shorten_it_with_a_warning(capsys, tmp_path
         "a tenth of the steps (recorded in config.json; set --config.optim.warmup_steps to choose)\n")
     record_config(command.cfg, tmp_path)
     assert json.loads((tmp_path / "config.json").read_text())["optim"]["warmup_steps"] == 10
-    longer = parse_command_line(["--config", "shakespeare_char_cpu", "--config.train.steps=2000"])
     guarded = config_lib.guarded_settings  # what jdp.fit's resume guard compares of the config
-    assert "optim.warmup_steps: 10 -> 100" in record_lib.listed_changes(guarded(command.cfg), guarded(longer.cfg),
+    elsewhere = parse_command_line(["--config", "shakespeare_char_cpu", "--config.train.steps=2000",
+                                    "--workdir", str(tmp_path / "new")])
+    assert "optim.warmup_steps: 10 -> 100" in record_lib.listed_changes(guarded(command.cfg), guarded(elsewhere.cfg),
                                                                          steps_changed=True)
+    # The same command with more steps on the run's workdir extends it: the recorded cut is kept.
+    longer = parse_command_line(["--config", "shakespeare_char_cpu", "--config.train.steps=2000",
+                                 "--workdir", str(tmp_path)])
+    assert longer.cfg.optim.warmup_steps == 10
+    assert "keeping the workdir's 10, the tenth of its train.steps=100" in capsys.readouterr().err
+    assert record_lib.listed_changes(guarded(command.cfg), guarded(longer.cfg), steps_changed=True) == []
     assert main(["--config", "shakespeare_char_cpu", "--config.train.steps=100", "--config.optim.warmup_steps=100",
                  "--workdir", str(tmp_path / "given")]) == 2
     assert capsys.readouterr().err == ("jdp: config error: optim.warmup_steps=100 is not shorter than "

@@ -298,10 +298,12 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
 
 
 def apply_command_line(cfg: ml_collections.ConfigDict, overrides: dict[str, str],
-                       warn: Callable[[str], None] | None = None) -> ml_collections.ConfigDict:
+                       warn: Callable[[str], None] | None = None,
+                       recorded: ml_collections.ConfigDict | None = None) -> ml_collections.ConfigDict:
     """`apply_overrides`, then drops the file's `model.kwargs` for another `model.name` and cuts its warmup to a tenth
     of a `train.steps` not longer than it, each with a `warn` line (docs/cli.md, "Running"); a warmup given on the
-    command line is left to `validate`."""
+    command line is left to `validate`. A workdir's `recorded` config whose warmup is that cut keeps it, so a
+    shortened run is extended by passing its command again with more steps."""
     warn = warn or errors.warn
     given = {_model_setting(key) for key in overrides}
     file_model = cfg.model.name
@@ -316,7 +318,15 @@ def apply_command_line(cfg: ml_collections.ConfigDict, overrides: dict[str, str]
                  f"model.kwargs for it ({', '.join(dropped)}) are dropped; give the new model's as "
                  "--config.model.kwargs.KEY=VALUE")
     steps, warmup = cfg.train.steps, cfg.optim.warmup_steps
-    if "optim.warmup_steps" not in given and 0 < steps <= warmup:
+    if "optim.warmup_steps" in given:
+        return cfg
+    if recorded is not None and recorded.optim.warmup_steps == recorded.train.steps // 10 < warmup and \
+            recorded.train.steps <= warmup and recorded.optim.warmup_steps < steps:
+        cfg.optim.warmup_steps = recorded.optim.warmup_steps
+        warn(f"optim.warmup_steps={warmup} from the config file: keeping the workdir's {cfg.optim.warmup_steps}, the "
+             f"tenth of its train.steps={recorded.train.steps} it was cut to (set --config.optim.warmup_steps to "
+             "choose)")
+    elif 0 < steps <= warmup:
         cfg.optim.warmup_steps = steps // 10
         warn(f"optim.warmup_steps={warmup} from the config file is not shorter than train.steps={steps}: using "
              f"{cfg.optim.warmup_steps}, a tenth of the steps (recorded in config.json; set "

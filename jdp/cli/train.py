@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import os
@@ -123,11 +124,14 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     overrides = config_lib.parse_overrides(rest)
     config_path = Path(args.config) if args.config else config_lib.DEFAULT_CONFIG
     workdir = Path(args.workdir or Path("runs") / config_path.stem)
+    recorded = None
     if args.config is None and (workdir / "config.json").exists():  # continue the run in that workdir
         cfg = config_lib.load_saved_config(workdir / "config.json")
     else:
         cfg = config_lib.load_config_file(config_path)
-    cfg = config_lib.apply_command_line(cfg, overrides)  # the file's settings the overrides make wrong
+        with contextlib.suppress(config_lib.ConfigError):  # an unreadable record is the resume's to refuse
+            recorded = config_lib.load_saved_config(workdir / "config.json")
+    cfg = config_lib.apply_command_line(cfg, overrides, recorded=recorded)  # the file's settings overrides make wrong
     if args.cpu_devices is not None:
         cfg.parallel.cpu_devices = args.cpu_devices
     config_lib.check_ranges(cfg)  # before any value is used: a negative device count, a NaN timeout
