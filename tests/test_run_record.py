@@ -505,6 +505,18 @@ def test_the_cli_refuses_a_changed_lr_with_config_json_and_run_json_deleted(cli_
     assert against_checkpoint(err.strip(), workdir / "checkpoints" / "4") == {guard_lib._SETTINGS, LR}
 
 
+@pytest.mark.parametrize("eval_only", [False, True])
+def test_a_workdir_without_its_config_json_points_to_its_history(cli_run, tmp_path, capsys, eval_only):
+    """`--workdir W` alone, config.json gone: neither the default config nor a jdp.fit run's record is tried."""
+    workdir = copy_of(cli_run, tmp_path)
+    (workdir / "config.json").unlink()
+    capsys.readouterr()
+    assert train_cli.main(["--workdir", str(workdir), *["--eval_only"] * eval_only]) == 2
+    assert capsys.readouterr().err == (f"jdp: config error: {workdir} holds a jdp.train run without its config.json; "
+                                       f"restore it from the last line of {workdir / 'config_history.jsonl'}, or "
+                                       "pass --config\n")
+
+
 def test_a_changed_step_count_on_the_cli_is_one_warning_line(cli_run, tmp_path, capsys):
     workdir = copy_of(cli_run, tmp_path)
     capsys.readouterr()

@@ -125,6 +125,10 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     config_path = Path(args.config) if args.config else config_lib.DEFAULT_CONFIG
     workdir = Path(args.workdir or Path("runs") / config_path.stem)
     recorded = None
+    history = workdir / "config_history.jsonl"
+    if args.config is None and not (workdir / "config.json").exists() and history.exists():
+        raise config_lib.ConfigError(f"{workdir} holds a jdp.train run without its config.json; restore it from the "
+                                     f"last line of {history}, or pass --config")
     if args.config is None and (workdir / "config.json").exists():  # continue the run in that workdir
         cfg = config_lib.load_saved_config(workdir / "config.json")
     else:
