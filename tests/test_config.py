@@ -135,6 +135,8 @@ BAD = {
     "missing file": (["--config", "no/such/config.py"], "config file no/such/config.py not found"),
     "mistyped key": (["--config.optim.lrr=1"],
                      "unknown config key --config.optim.lrr; did you mean --config.optim.lr?"),
+    "key in the wrong section": (["--config.train.lr=1"],  # the closest spelling would be train.log_every
+                                 "unknown config key --config.train.lr; did you mean --config.optim.lr?"),
     "wrong type": (["--config.train.steps=ten"], "--config.train.steps=ten is not a valid int"),
     "long warmup": (["--config.optim.warmup_steps=99999"], "optim.warmup_steps=99999 is not shorter than train.steps"),
     "stray argument": (["--steps=5"], "unrecognised argument --steps=5"),

@@ -13,7 +13,7 @@ import operator
 import re
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -181,9 +181,7 @@ def check_fields(cfg: ml_collections.ConfigDict, where: str) -> None:
         if key.startswith(OPEN_SECTIONS):
             continue
         if key not in known:
-            close = difflib.get_close_matches(key, list(known), n=1)
-            hint = f"did you mean {close[0]}?" if close else "see configs/base.py for the keys"
-            raise ConfigError(f"{where} sets an unknown key {key}; {hint}")
+            raise ConfigError(f"{where} sets an unknown key {key}; {_hint(key, known, '')}")
         default = known[key]
         node, leaf = _parent(cfg, key)
         if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
@@ -289,9 +287,7 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
             continue
         is_open = key.startswith(OPEN_SECTIONS) and key.count(".") == 2
         if key not in known and not is_open:
-            close = difflib.get_close_matches(key, known, n=1)
-            hint = f"did you mean --config.{close[0]}?" if close else "see configs/base.py for the keys"
-            raise ConfigError(f"unknown config key --config.{key}; {hint}")
+            raise ConfigError(f"unknown config key --config.{key}; {_hint(key, known, '--config.')}")
         node, leaf = _parent(cfg, key)
         node[leaf] = _parse_value(key, raw, node[leaf]) if leaf in node else _literal(raw)
     return cfg
@@ -332,6 +328,14 @@ def apply_command_line(cfg: ml_collections.ConfigDict, overrides: dict[str, str]
              f"{cfg.optim.warmup_steps}, a tenth of the steps (recorded in config.json; set "
              "--config.optim.warmup_steps to choose)")
     return cfg
+
+
+def _hint(key: str, known: Iterable[str], prefix: str) -> str:
+    """`did you mean KEY?`: a key of the same field name in another section (`train.lr`: `optim.lr`), else the
+    closest spelling."""
+    same_name = [k for k in known if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
+    close = same_name or difflib.get_close_matches(key, list(known), n=1)
+    return f"did you mean {prefix}{close[0]}?" if close else "see configs/base.py for the keys"
 
 
 def _literal(raw: str) -> object:
