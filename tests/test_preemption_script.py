@@ -13,6 +13,7 @@ import pytest
 
 import jdp
 from jdp import preemption
+from jdp.files import committed_steps
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -52,7 +53,8 @@ SCRIPT = textwrap.dedent("""
 
         def on_step(self, step, metrics, state):
             if step == self.step:
-                os.kill(os.getpid(), signal.SIGTERM)
+                for _ in range(int(os.environ.get("SIGTERMS", "1"))):
+                    os.kill(os.getpid(), signal.SIGTERM)
 
         def on_end(self, result):
             pass
@@ -112,6 +114,15 @@ def test_a_sigterm_in_the_steps_exits_75_in_one_line_and_the_rerun_resumes_bitwi
     resumed, uninterrupted = params(tmp_path / "run"), params(tmp_path / "uninterrupted")
     assert resumed.keys() == uninterrupted.keys() and len(resumed) == 4
     assert all(np.array_equal(resumed[k], uninterrupted[k]) for k in resumed)
+
+
+def test_a_second_sigterm_in_the_steps_exits_143_at_once_without_a_checkpoint(script, tmp_path):
+    code, _, err = script(tmp_path / "run", env={"SIGTERM_AT_STEP": "5", "SIGTERMS": "2"})
+    assert code == 128 + signal.SIGTERM, err
+    assert err.splitlines()[-1] == "jdp: second SIGTERM: exiting now, without a checkpoint"
+    assert set(committed_steps(tmp_path / "run")) <= {4}  # step 4's save, async, may have been cut short
+    code, out, err = script(tmp_path / "run")  # and the rerun resumes from what was committed
+    assert code == 0, err
 
 
 @pytest.mark.slow
