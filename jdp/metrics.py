@@ -207,14 +207,22 @@ class _ClosableStream:
 @contextlib.contextmanager
 def console_may_close(quiet: bool = False) -> Iterator[None]:
     """A run whose stdout or stderr is closed by its reader goes on (see `_ClosableStream`), with one warning unless
-    `quiet` (a command whose output is all on the console, as `jdp.sample | head -1`, ends as it would have);
-    nested, the outer one holds."""
+    `quiet` (a command whose output is all on the console, as `jdp.sample | head -1`, ends as it would have, and
+    one whose output fills its disk exits 6 in one line); nested, the outer one holds."""
     saved = sys.stdout, sys.stderr
     if not isinstance(sys.stdout, _ClosableStream):  # None (started with the stream closed, `>&-`): print skips it
         sys.stdout, sys.stderr = (None if stream is None else _ClosableStream(stream, name, quiet)
                                   for stream, name in zip(saved, ("stdout", "stderr"), strict=True))
     try:
         yield
+        if sys.stdout is not None:
+            sys.stdout.flush()  # here, not at the interpreter's exit, which would only print the error
+    except OSError as e:
+        if e.errno != errno.ENOSPC or not quiet:
+            raise
+        print(f"jdp: disk: the output cannot be written ({e.strerror}); free space, or send it elsewhere",
+              file=saved[1])
+        raise SystemExit(6) from None  # jdp's exit code for a full disk (docs/checkpoints.md)
     finally:
         sys.stdout, sys.stderr = saved
 

@@ -392,6 +392,11 @@ def test_the_readme_language_model_commands_run(tmp_path):
     finally:
         os.close(write)
     assert (closed.returncode, closed.stderr) == (0, "")
+    with open("/dev/full", "w") as full:  # `> file` on a full disk: an OSError traceback, exit 1
+        lost = subprocess.run([sys.executable, *args], cwd=tmp_path, stdout=full, stderr=subprocess.PIPE, text=True,
+                              timeout=120)
+    assert (lost.returncode, lost.stderr) == (6, "jdp: disk: the output cannot be written (No space left on device); "
+                                                 "free space, or send it elsewhere\n")
     args[args.index("--prompt") + 1] = "ROMÉO"
     out = subprocess.run([sys.executable, *args], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "'É'" in out.stderr and len(out.stderr.strip().splitlines()) == 1
