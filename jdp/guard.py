@@ -1,9 +1,6 @@
-"""The resume guard of `jdp.fit` (so of `python -m jdp.train`): a resume with settings that change the numerics or
-the data order is refused (FitError, one line) unless `allow_config_change`. It reads run.json (`jdp.record`), which
-names each differing setting, and the fingerprint each checkpoint carries under its data item's checksum, which holds
-whatever happened to run.json: docs/checkpoints.md, "Checkpoints, resume and failures". The caller's settings are
-hashed apart, as they are compared only where both runs have them; the optimizer's probe is never hashed.
-"""
+"""The resume guard of `jdp.fit`: a resume with settings that change the numerics or the data order is refused
+(FitError, one line) unless `allow_config_change`, by run.json (`jdp.record`, which names each setting) and by the
+fingerprint each checkpoint carries, which holds whatever happened to run.json (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -37,8 +34,8 @@ def fingerprint(fit_record: dict[str, Any]) -> dict[str, Any]:
 
 
 def fingerprint_changes(saved: Any, new: dict[str, Any]) -> list[str] | None:
-    """What differs between a checkpoint's fingerprint and this run's (the optimizer's probe as `jdp.record.changes`
-    names it, the hashes by name); None for a fingerprint this jdp cannot compare (none, or another version)."""
+    """What differs between a checkpoint's fingerprint and this run's (hashes by name); None for one this jdp cannot
+    compare (none, or another version)."""
     if not isinstance(saved, dict) or saved.get("version") not in (1, VERSION):
         return None
 
@@ -57,9 +54,8 @@ def refusal(workdir: Path, listed: list[str]) -> FitError:
 
 
 class Guard:
-    """One resume's check: `check_record` before the restore (run.json), `check_checkpoint` on each checkpoint read
-    (its fingerprint), then `restored(step)`, which says what is left to say and returns the steps the workdir's run
-    was given. Every process calls each together; process 0 reads and compares, and every process gets its answer."""
+    """One resume's check: `check_record` (run.json) before the restore, `check_checkpoint` on each checkpoint read,
+    then `restored(step)`. Every process calls each; process 0 reads and compares and broadcasts its answer."""
 
     def __init__(self, fit_record: dict[str, Any], workdir: Path, allow_change: bool,
                  warn: Callable[[str], None]) -> None:

@@ -1,9 +1,6 @@
-"""The run record, WORKDIR/run.json, written by `jdp.fit` at the start of each run segment (what it holds: docs/api.md,
-"The run record and resume"), and the comparison of two records that the resume guard (`jdp.guard`) makes. Sampled
-rows are hashed rounded to 5 significant digits and the optimizer's fingerprint compared to a relative tolerance,
-never as raw float bits, so a run resumes on another machine or XLA version. `run_metadata`: the versions, devices,
-flags, git SHA and command line it also holds.
-"""
+"""The run record, WORKDIR/run.json, that `jdp.fit` writes at the start of each run segment (docs/api.md, "The run
+record and resume"), and the comparison of two records the resume guard (`jdp.guard`) makes. No float is compared as
+raw bits (rows rounded, the optimizer to a tolerance), so a run resumes on another machine or XLA version."""
 
 from __future__ import annotations
 
@@ -41,9 +38,8 @@ FORMAT = 1  # of the `fit` section; a run.json without one (written before it) i
 # The sync strategy is guarded by its own record (`jdp.sync.Sync.record`: its class and parameters).
 GUARDED_OPTIONS = ("seed", "precision", "loss_scale", "loss_scale_growth_interval", "keep_fp32", "bn_sync",
                    "grad_accum_steps")
-# Optimizer-state step counts at which the optimizer is probed: the first update shows its kind, learning rate and
-# weight decay (unless a warmup starts from 0); the later ones its schedule, which a schedule built from `steps`
-# changes when `steps` does, so that part is not compared when `steps` changed.
+# Optimizer-state step counts probed: the first update shows the optimizer, the later ones its schedule (which
+# moves with `steps`, so it is not compared when `steps` changed).
 PROBE_COUNTS = {"optimizer": (0,), "schedule": (1, 10, 100, 1000, 10000)}
 
 
@@ -97,8 +93,7 @@ def hashed(value: Any) -> str:
 
 
 def describe_model(model: Any, abstract_params: Any) -> dict[str, Any]:
-    """The model's factory import path (when `fit` was given an importable factory), its class (or the factory's
-    name), parameter count and shapes."""
+    """The model's factory import path (if importable), class (or factory name), parameter count and shapes."""
     shapes = {jax.tree_util.keystr(path): list(leaf.shape)
               for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
     is_module = isinstance(model, nnx.Module)
@@ -123,11 +118,10 @@ def describe_data(source: Any, factory: Any = None) -> dict[str, Any]:
 
 
 def describe_optimizer(tx: optax.GradientTransformation, abstract_params: Any) -> dict[str, list[float]]:
-    """A fingerprint of what `tx` does: two updates in a row at one step count (momentum shows, and the count is the
-    one probed) on fixed probe parameters (the model's tree, leaves at most 3 wide) and gradients (random, then zero:
-    weight decay alone), the step counts set to each of `PROBE_COUNTS` (a schedule shows without running it). Each
-    update is kept as its L1 norm and a fixed random projection, compared to a relative tolerance (`changes`): one
-    float32 ulp away is the same optimizer. Runs on a `data` axis of one, for optimizers that reduce over devices."""
+    """A fingerprint of what `tx` does: its updates of fixed probe parameters (the model's tree, leaves at most 3
+    wide) by random then zero gradients (weight decay alone), twice in a row (momentum shows), at each step count of
+    `PROBE_COUNTS`, each kept as its L1 norm and a fixed random projection (`same_fingerprint`). On a `data` axis of
+    one, for optimizers that reduce over devices."""
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda x: rng.standard_normal([min(d, 3) for d in x.shape]).astype(np.float32),
                           abstract_params)
@@ -165,11 +159,8 @@ def same_fingerprint(a: list[float], b: list[float], rtol: float = 1e-4) -> bool
     """Fingerprints as (L1 norm, projection) pairs, each equal to `rtol` of its update's norm."""
     if len(a) != len(b):
         return False
-    for norm_a, projection_a, norm_b, projection_b in zip(a[::2], a[1::2], b[::2], b[1::2], strict=True):
-        tolerance = rtol * max(abs(norm_a), abs(norm_b))
-        if abs(norm_a - norm_b) > tolerance or abs(projection_a - projection_b) > tolerance:
-            return False
-    return True
+    a, b = np.reshape(np.asarray(a, np.float64), (-1, 2)), np.reshape(np.asarray(b, np.float64), (-1, 2))
+    return not np.any(np.abs(a - b) > rtol * np.maximum(np.abs(a[:, :1]), np.abs(b[:, :1])))
 
 
 def options_record(options: Any) -> dict[str, Any]:
@@ -192,8 +183,7 @@ def options_record(options: Any) -> dict[str, Any]:
 
 
 def read(workdir: Path) -> dict[str, Any] | None:
-    """The `fit` section of WORKDIR/run.json, or None (no record, one written before records had it, or of
-    another format); FitError for a file that cannot be read."""
+    """The `fit` section of WORKDIR/run.json; None without one of this FORMAT; FitError for an unreadable file."""
     path = workdir / RECORD_FILE
     try:
         saved = json.loads(path.read_text())
@@ -241,8 +231,8 @@ def _strategy(options: Any) -> dict[str, Any]:
 
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """What differs between two records where a resume must not change it: `key: old -> new` (fingerprints by
-    name only). The caller's settings (`fit_record`'s `settings`) are compared where both records hold them."""
+    """What differs between two records where a resume must not change it, as `key: old -> new` (fingerprints by
+    name only); the caller's `settings` only where both records hold them."""
     both = bool(old.get("settings")) and bool(new.get("settings"))
     if both:  # a key an older jdp guarded and this one does not (the sync flags, now the strategy's record)
         old = {**old, "settings": {k: v for k, v in old["settings"].items() if k in new["settings"]}}
@@ -250,9 +240,8 @@ def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
 
 
 def listed_changes(before: dict[str, Any], after: dict[str, Any], steps_changed: bool) -> list[str]:
-    """The keys of either (guarded parts, by name) whose values differ in the other. A changed schedule is not listed
-    when `steps` changed (a schedule built from `steps` moves with it, and extending a run is allowed) or the first
-    update differs (the later ones differ with it). Every update scaled alike is listed as the learning rate."""
+    """The guarded parts that differ. A schedule is not listed when `steps` changed (extending a run is allowed) or
+    the first update differs; every update scaled alike is listed as the learning rate."""
     first_differs = not same_fingerprint(before.get(FIRST) or [], after.get(FIRST) or [])
     listed = []
     for key in dict.fromkeys([*after, *before]):
@@ -261,7 +250,7 @@ def listed_changes(before: dict[str, Any], after: dict[str, Any], steps_changed:
                 else before.get(key) == after.get(key)):
             continue
         if key == LATER and (steps_changed or first_differs):
-            continue  # later updates that differ after a first that differs say nothing more about a schedule
+            continue
         if key == FIRST:  # every update scaled alike (optax.adam(1e-3) -> adam(1e-2)): name the learning rate
             parts = (FIRST,) if steps_changed else (FIRST, LATER)
             scale = _scale([v for p in parts for v in before.get(p) or []], [v for p in parts for v in after[p]])
@@ -279,8 +268,8 @@ def _shown(value: Any) -> str:
 
 
 def _scale(before: list[float], after: list[float]) -> float | None:
-    """k where the fingerprint `after` is `before` with every update k times larger (another learning rate, the
-    optimizer otherwise the same), else None."""
+    """k where the fingerprint `after` is `before` with every update k times larger (another learning rate), else
+    None."""
     if len(before) != len(after) or not before or not before[0] > 0:
         return None
     k = after[0] / before[0]
@@ -291,8 +280,7 @@ def fit_record(*, model: Any, loss_fn: Callable, optimizer: optax.GradientTransf
                abstract_params: Any, steps: int, global_batch_size: int, options: Any,
                data_factories: tuple[Any, Any], settings: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The `fit` section of a run's record. `data_factories`: the zero-argument functions the train and eval data
-    came from (None where not given so). `settings`: the caller's own {name: JSON-able value} that define the run
-    (`python -m jdp.train`'s guarded config keys), guarded with fit's."""
+    came from (or None). `settings`: the caller's own {name: JSON-able value} to guard (the CLI's config keys)."""
     train_factory, eval_factory = data_factories
     return {"format": FORMAT, "steps": steps, "global_batch_size": global_batch_size,
             "settings": json.loads(json.dumps(dict(settings), default=list)) if settings else None,

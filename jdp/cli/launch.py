@@ -1,20 +1,11 @@
 """`python -m jdp.launch --nprocs N [--cpu_devices D] -- python -m jdp.train ARGS`: N local processes, like
-`torchrun --standalone` (docs/cluster.md, "On one machine").
+`torchrun --standalone`, with torchrun's variables, the coordinator on loopback and each output line prefixed with
+the rank (docs/cluster.md, "On one machine"). SIGINT and SIGTERM go to every child. When a child fails, the others
+get SIGTERM, then SIGKILL after --grace_s, and the launch exits with the code of the child that failed by itself
+(128+N for a signal N); a command that cannot run exits 127 (not found) or 126 (not executable).
 
-Each child gets torchrun's variables (MASTER_ADDR=127.0.0.1, MASTER_PORT=a free port, RANK, WORLD_SIZE,
-LOCAL_RANK, LOCAL_WORLD_SIZE), JAX_COORDINATOR_BIND_ADDRESS=127.0.0.1:PORT (the coordinator listens on loopback
-only) and, with --cpu_devices, that many simulated CPU devices. Output lines are prefixed with the rank, `[0] ...`.
-SIGINT and SIGTERM go to every child (a jdp.train child checkpoints and exits 75); after a second one, children
-still running --grace_s later get SIGKILL. When a child fails, the launcher writes why to the file
-JDP_LAUNCH_FAILURE_FILE names (so a jdp child exits 5, "another process failed", not 75), sends the others
-SIGTERM, then SIGKILL after --grace_s, and exits with the code of the child that failed by itself, not of one that
-stopped because of it (5, 134); 128+N for a death by signal N. Otherwise it exits with the first non-zero code, or
-0. A command that cannot run is one line and exit 127 (not found) or 126 (not executable).
-
-With --max_restarts N (torchrun's --max-restarts): a child failing with code 1, 5 or 134, or by a signal, restarts
-the whole group (JDP_RESTART=1, 2, ...; 0 the first time), resuming from the workdir's last checkpoint, up to N
-times, one line per restart. Codes 2, 3, 4 and 6 (a bad config, non-finite values, replicas that differ, a full
-disk) would fail again, and 75 (preempted) is for the scheduler: they end the launch, as does a signal to it.
+--max_restarts N restarts the group after a failure with code 1, 5, 134 or a signal, up to N times (JDP_RESTART=k),
+resuming from the workdir's last checkpoint; 2, 3, 4, 6 and 75 end the launch (docs/cluster.md, "Restarts").
 """
 
 from __future__ import annotations

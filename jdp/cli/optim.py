@@ -35,35 +35,16 @@ def decay_mask(params: optax.Params) -> optax.Params:
 
 # optim.name -> (schedule, optim section, weight-decay mask) -> optax transform
 OPTIMIZERS: Registry[Callable[..., optax.GradientTransformation]] = Registry("optim.name")
-
-
-def _sgd(nesterov: bool, momentum: bool) -> Callable[..., optax.GradientTransformation]:
-    def build(lr: optax.Schedule, cfg: ml_collections.ConfigDict, mask: optax.Params) -> optax.GradientTransformation:
-        return optax.chain(optax.add_decayed_weights(cfg.weight_decay, mask),
-                           optax.sgd(lr, momentum=cfg.momentum if momentum else None, nesterov=nesterov))
-
-    return build
-
-
-OPTIMIZERS.register("sgd")(_sgd(nesterov=False, momentum=False))
-OPTIMIZERS.register("momentum")(_sgd(nesterov=False, momentum=True))
-OPTIMIZERS.register("nesterov")(_sgd(nesterov=True, momentum=True))
-
-
-@OPTIMIZERS.register("adamw")
-def _adamw(lr: optax.Schedule, cfg: ml_collections.ConfigDict, mask: optax.Params) -> optax.GradientTransformation:
-    return optax.adamw(lr, b1=cfg.momentum, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
-
-
-@OPTIMIZERS.register("lamb")
-def _lamb(lr: optax.Schedule, cfg: ml_collections.ConfigDict, mask: optax.Params) -> optax.GradientTransformation:
-    return optax.lamb(lr, b1=cfg.momentum, b2=cfg.b2, weight_decay=cfg.weight_decay, mask=mask)
-
-
-@OPTIMIZERS.register("lars")
-def _lars(lr: optax.Schedule, cfg: ml_collections.ConfigDict, mask: optax.Params) -> optax.GradientTransformation:
-    return optax.lars(lr, weight_decay=cfg.weight_decay, weight_decay_mask=mask, trust_ratio_mask=mask,
-                      momentum=cfg.momentum)
+for _name, _momentum, _nesterov in (("sgd", False, False), ("momentum", True, False), ("nesterov", True, True)):
+    OPTIMIZERS.register(_name)(lambda lr, cfg, mask, momentum=_momentum, nesterov=_nesterov: optax.chain(
+        optax.add_decayed_weights(cfg.weight_decay, mask),
+        optax.sgd(lr, momentum=cfg.momentum if momentum else None, nesterov=nesterov)))
+OPTIMIZERS.register("adamw")(lambda lr, cfg, mask: optax.adamw(lr, b1=cfg.momentum, b2=cfg.b2,
+                                                               weight_decay=cfg.weight_decay, mask=mask))
+OPTIMIZERS.register("lamb")(lambda lr, cfg, mask: optax.lamb(lr, b1=cfg.momentum, b2=cfg.b2,
+                                                             weight_decay=cfg.weight_decay, mask=mask))
+OPTIMIZERS.register("lars")(lambda lr, cfg, mask: optax.lars(lr, weight_decay=cfg.weight_decay, weight_decay_mask=mask,
+                                                             trust_ratio_mask=mask, momentum=cfg.momentum))
 
 
 def build_optimizer(cfg: ml_collections.ConfigDict, global_batch_size: int, total_steps: int, params: optax.Params,

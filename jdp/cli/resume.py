@@ -1,5 +1,5 @@
 """A train workdir: its config record (config.json, config_history.jsonl), its latest checkpoint restored for eval
-or export, and `init_from`. Resumes are checked by `jdp.fit`'s guard (`jdp.guard`), not here."""
+or export, and `init_from`. Resumes are checked by `jdp.guard`."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ SAVED_CONFIG_FIX = ("it records the settings of the run this workdir holds, whic
 
 
 def record_config(cfg: ml_collections.ConfigDict, workdir: Path) -> None:
-    """Writes config.json (what `--workdir W` alone continues with), appends to config_history.jsonl. Process 0 only."""
+    """Writes config.json (what `--workdir W` alone continues with) and appends it to config_history.jsonl."""
     config_lib.save_config(cfg, workdir / "config.json")
     line = {"time_unix": round(time.time(), 3), "latest_checkpoint_step": max(committed_steps(workdir), default=0),
             "config": cfg.to_dict()}
@@ -78,7 +78,7 @@ def inference_devices(cfg: ml_collections.ConfigDict) -> int:
 
 def _built_on_its_vocabulary(cfg: ml_collections.ConfigDict, workdir: Path) -> Engine:
     """The language model's engine on a stand-in text of its vocabulary's symbols, long enough for the run's
-    batches: what the model is built from (its block and vocabulary) without the text it trained on."""
+    batches: the model without the text it trained on."""
     symbols = "".join(Vocabulary.load(workdir / VOCAB_FILE).symbols) or "\n"  # bytes: any byte is a symbol
     windows = 2 * max(cfg.train.global_batch_size, cfg.train.eval_batch_size) + 2
     with tempfile.TemporaryDirectory() as folder:
@@ -90,13 +90,11 @@ def _built_on_its_vocabulary(cfg: ml_collections.ConfigDict, workdir: Path) -> E
 
 
 def restore_for_inference(workdir: Path, *, reads_data: bool = True) -> tuple[int, Engine, TrainState]:
-    """A finished or interrupted run's latest checkpoint, with its config, on this machine's devices. Without
-    `reads_data` (a sample, an export), a language model whose text has moved or changed is rebuilt from the
-    workdir's vocabulary alone."""
+    """A run's latest checkpoint, with its config, on this machine's devices. Without `reads_data` (a sample, an
+    export), a language model whose text has moved or changed is rebuilt from the workdir's vocabulary alone."""
     saved = workdir / "config.json"
     if not saved.exists():
         raise config_lib.ConfigError(f"{saved} not found; pass the --workdir of a jdp.train run")
-    # --eval_only and jdp.export rebuild the run from this file alone (--config plays no part).
     cfg = config_lib.load_saved_config(saved, fix="restore it (config_history.jsonl holds each run segment's "
                                                    "config): the run is rebuilt from it")
     cfg.parallel.num_devices = inference_devices(cfg)  # the state is replicated: any count restores it
@@ -113,8 +111,7 @@ def restore_for_inference(workdir: Path, *, reads_data: bool = True) -> tuple[in
     if restored is None:
         raise CheckpointError(f"no checkpoint in {ckpt.directory}; train first with python -m jdp.train")
     step, state, _ = restored
-    # Saved on more devices than restore it here, the per-device state (a strategy's error feedback, an inner
-    # optimizer's state) comes back as None; inference reads only the parameters and model state, so it stays fresh.
+    # Per-device state saved on more devices comes back as None; inference reads only the parameters: left fresh.
     if any(x is None for x in jax.tree.leaves(state, is_leaf=lambda x: x is None)):
         state = engine.parallel.sync.restart(state, engine.init_state())
     return step, engine, state

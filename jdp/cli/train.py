@@ -35,7 +35,7 @@ EXIT_PREEMPTED = preemption.EXIT_PREEMPTED
 
 def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
     """Trains `cfg` into `workdir` with `jdp.fit`, resuming from its latest checkpoint; ConfigError before anything
-    compiles. A run with nothing left to train writes only a final eval or summary line it lacks."""
+    compiles."""
     workdir = Path(workdir)
     storage.check_writable(workdir)
     task = build_task(cfg, workdir)
@@ -77,9 +77,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
 
 
 def evaluate_checkpoint(workdir: Path) -> dict[str, float]:
-    """`--eval_only`: evaluate the latest checkpoint of `workdir` (a jdp.train run, or a jdp.fit run whose model,
-    loss and eval data are importable) and append the eval line, under the workdir's lock: a live run's
-    metrics.jsonl is its own."""
+    """`--eval_only`: evaluates the latest checkpoint of `workdir` (a jdp.train run, or a jdp.fit run whose model,
+    loss and eval data are importable) and appends the eval line, under the workdir's lock."""
     if not workdir.is_dir():  # refused below, with nothing made
         return reopen.evaluate_run(workdir)[1]
     with workdir_lock.held(workdir):
@@ -143,8 +142,8 @@ def parse_command_line(argv: list[str]) -> CommandLine:
 
 
 def enable_compilation_cache(cache_dir: str) -> None:
-    """Persistent XLA cache, unless disabled or already set through JAX's own JAX_COMPILATION_CACHE_DIR. A folder
-    that cannot be made or written is one warning, and the run compiles without it (JAX warns at every program)."""
+    """Persistent XLA cache, unless disabled or set by JAX_COMPILATION_CACHE_DIR; one warning for a folder that
+    cannot be made or written (JAX would warn at every program)."""
     if not cache_dir or jax.config.jax_compilation_cache_dir:
         return
     path = Path(os.path.expanduser(cache_dir))
@@ -227,8 +226,7 @@ def _unexpected() -> int:
 
 def _exit_now(code: int) -> int:
     """`code`; in a multi-process run the process ends here: a normal exit would wait in JAX's shutdown barrier for
-    a peer that has failed, or that waits for this one in a collective, until it aborts (134) or the launcher kills
-    it (137)."""
+    a failed peer until it aborts (134) or the launcher kills it (137)."""
     if jax.distributed.is_initialized():
         sys.stdout.flush()
         sys.stderr.flush()
