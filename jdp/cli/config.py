@@ -58,8 +58,8 @@ def positive(kind: type[int] | type[float], *, zero: bool = False) -> Callable[[
         try:
             value = kind(text)
         except ValueError:
-            value = None
-        if value is None or not (0 <= value if zero else 0 < value) or not value < math.inf:
+            value = math.nan
+        if value not in (NON_NEGATIVE if zero else POSITIVE):
             raise argparse.ArgumentTypeError(f"{text!r} is not a {'non-negative' if zero else 'positive'} "
                                              f"{'integer' if kind is int else 'finite number'}")
         return value
@@ -296,10 +296,8 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
 def apply_command_line(cfg: ml_collections.ConfigDict, overrides: dict[str, str],
                        warn: Callable[[str], None] | None = None,
                        recorded: ml_collections.ConfigDict | None = None) -> ml_collections.ConfigDict:
-    """`apply_overrides`, then drops the file's `model.kwargs` for another `model.name` and cuts its warmup to a tenth
-    of a `train.steps` not longer than it, each with a `warn` line (docs/cli.md, "Running"); a warmup given on the
-    command line is left to `validate`. A workdir's `recorded` config whose warmup is that cut keeps it, so a
-    shortened run is extended by passing its command again with more steps."""
+    """`apply_overrides`, then drops the file's `model.kwargs` for another `model.name` and cuts the file's warmup to a
+    tenth of a `train.steps` not longer than it, or to the cut a workdir's `recorded` config kept (docs/cli.md)."""
     warn = warn or errors.warn
     given = {_model_setting(key) for key in overrides}
     file_model = cfg.model.name
@@ -331,16 +329,14 @@ def apply_command_line(cfg: ml_collections.ConfigDict, overrides: dict[str, str]
 
 
 def _hint(key: str, known: Iterable[str], prefix: str) -> str:
-    """`did you mean KEY?`: a key of the same field name in another section (`train.lr`: `optim.lr`), else the
-    closest spelling."""
+    """`did you mean KEY?`: the same field name in another section (`train.lr`: `optim.lr`), else the closest."""
     same_name = [k for k in known if k.rsplit(".", 1)[-1] == key.rsplit(".", 1)[-1]]
     close = same_name or difflib.get_close_matches(key, list(known), n=1)
     return f"did you mean {prefix}{close[0]}?" if close else "see configs/base.py for the keys"
 
 
 def _literal(raw: str) -> object:
-    """A new key's value: a Python literal (number, tuple, bool, dict, ...) if it is one, else JSON's (`false`,
-    `{"k": true}`), else the string."""
+    """A new key's value: a Python literal if it is one, else JSON (`false`, `{"k": true}`), else the string."""
     try:
         return ast.literal_eval(raw)
     except (ValueError, SyntaxError):
@@ -357,8 +353,7 @@ def _require(ok: bool, message: str) -> None:
 
 
 def fit_values(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """`fit`'s options as the config sets them; a `parallel.sync` that names no built-in strategy is an import path
-    (`pkg.module:Class`), built with `parallel.sync_kwargs`."""
+    """`fit`'s options as the config sets them, `parallel.sync` built (with `parallel.sync_kwargs`)."""
     from jdp.sync import flags  # JAX: once a run is checked
 
     values = {option.name: cfg[key] for key, option in CONFIG_KEYS.items()}
@@ -435,8 +430,7 @@ def save_config(cfg: ml_collections.ConfigDict, path: Path) -> None:
 
 
 def load_saved_config(path: Path, fix: str = "move it away, or pass --config") -> ml_collections.ConfigDict:
-    """A workdir's config.json back as a ConfigDict with the field types of configs/base.py; `fix` ends the line
-    of a file that does not read (the default fits `--workdir W` alone, which continues with the file)."""
+    """A workdir's config.json back as a ConfigDict of configs/base.py's types; `fix` ends the line of a bad file."""
     try:
         saved = json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -454,9 +448,8 @@ def load_saved_config(path: Path, fix: str = "move it away, or pass --config") -
 
 
 def guarded_settings(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """{dotted key: value} of the settings that change the data order or the numerics (STATE_DEFINING), for
-    `jdp.fit`'s resume guard (`trainer.run(settings=)`), which refuses a resume that changes one. The `parallel`
-    keys are not among them: fit guards the strategy they name by its own record."""
+    """{dotted key: value} of the STATE_DEFINING settings, for `jdp.fit`'s resume guard (`trainer.run(settings=)`);
+    fit guards the sync strategy the `parallel` keys name by its own record."""
     return {k: v for k, v in sorted(flatten(cfg.to_dict()).items())
             if any(k == key or (key.endswith(".") and k.startswith(key)) for key in STATE_DEFINING)}
 

@@ -37,7 +37,6 @@ def main(argv: list[str] | None = None) -> int:
             step, _ = reopen.export_params(args.workdir, out)
     except (config_lib.ConfigError, CheckpointError, FitError, DiskError) as e:
         print(f"jdp.export: {e}", file=sys.stderr)
-        # A DiskError: a checkpoint that cannot be read for a reason other than its content.
         return 6 if isinstance(e, DiskError) else 2
     print(f"wrote {out}: the parameters and model state of step {step} of {args.workdir}")
     return 0

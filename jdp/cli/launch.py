@@ -91,8 +91,7 @@ def workdir_of(command: list[str]) -> Path | None:
 
 
 def resumed_from(workdir: Path | None) -> str:
-    """Where a restarted group resumes, for the restart's line: the workdir's last committed checkpoint (orbax
-    renames a checkpoint's directory from its temporary name to STEP once every process has written it)."""
+    """Where a restarted group resumes, for the restart's line: the workdir's last committed checkpoint."""
     if workdir is None:
         return "its workdir's last checkpoint (pass --workdir to jdp.launch to see its step here)"
     with contextlib.suppress(OSError):
@@ -102,8 +101,8 @@ def resumed_from(workdir: Path | None) -> str:
 
 
 def first_failure(returncodes: list[int | None], expected: tuple[int | None, ...]) -> tuple[int, int] | None:
-    """(rank, returncode) of the failure to report among children polled together, or None: a process that
-    failed by itself rather than one that stopped because another failed (PEER_FAILED), else the lowest rank."""
+    """(rank, returncode) of the failure to report, or None: the lowest rank that failed by itself, else the
+    lowest."""
     failed = [(rank, code) for rank, code in enumerate(returncodes) if code not in expected]
     return min(failed, key=lambda failure: exit_code(failure[1]) in PEER_FAILED, default=None)
 

@@ -1,5 +1,4 @@
-"""`python -m jdp.plot RUN_DIR [RUN_DIR ...] --out curves.png`: overlay the loss and the other metrics
-curves of several runs (their metrics.jsonl) in one PNG."""
+"""`python -m jdp.plot RUN_DIR [RUN_DIR ...] --out curves.png`: the metrics curves of several runs in one PNG."""
 
 from __future__ import annotations
 
@@ -19,8 +18,7 @@ from jdp.storage import check_output_file  # noqa: E402
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> None:
-    """One panel for the loss and one for each other output of the runs' loss functions (e.g. accuracy); UsageError
-    for an `out` that cannot be written or runs with no values to plot."""
+    """One panel for the loss and one for each other eval metric; UsageError for a bad `out` or nothing to plot."""
     check_output_file(out, "curves.png")
     formats = FigureCanvasBase.get_supported_filetypes()
     if out.suffix[1:].lower() not in formats:

@@ -1,8 +1,5 @@
-"""`python -m jdp.sample`: text from a language model's latest checkpoint (docs/language_models.md). Three functions,
-each compiled once: a prefill of the prompt into a KV cache, a one-token step against it, and, past the block, a
-full forward over the last `block_size` tokens (nanoGPT's crop). Token i is drawn with fold_in(key(seed), i), so a
-sample is reproducible and the same with and without the cache.
-"""
+"""`python -m jdp.sample`: text from a language model's latest checkpoint, through a KV cache (docs/language_models.md,
+"Sampling"); past the block, a full forward over the last `block_size` tokens (nanoGPT's crop)."""
 
 from __future__ import annotations
 
@@ -26,9 +23,8 @@ EXIT_OK, EXIT_USAGE, EXIT_DISK = 0, 2, 6
 
 def _pick(logits_V: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
           vocab_size: jax.Array) -> jax.Array:
-    """A token drawn from softmax(logits / temperature) restricted to the `top_k` largest logits of the first
-    `vocab_size` ids (a model's vocabulary padded past its text's, as `data.num_classes` pads it, has ids no symbol
-    has)."""
+    """A token drawn from softmax(logits / temperature) over the `top_k` largest logits of the first `vocab_size`
+    ids (`data.num_classes` may pad the model's vocabulary with ids no symbol has)."""
     logits_V = jnp.where(jnp.arange(logits_V.shape[0]) < vocab_size, logits_V.astype(jnp.float32), -jnp.inf)
     logits_V = (logits_V - logits_V.max()) / temperature  # at most 0: a tiny temperature cannot overflow to inf
     kth_largest = jnp.sort(logits_V)[logits_V.shape[0] - top_k]
@@ -36,8 +32,7 @@ def _pick(logits_V: jax.Array, key: jax.Array, temperature: jax.Array, top_k: ja
 
 
 class Sampler:
-    """The compiled generation functions of one model (a GPT in eval mode); `vocab_size`: the ids it may draw (None:
-    all of its logits')."""
+    """The compiled generation functions of a GPT in eval mode; `vocab_size`: the ids it may draw (None: all)."""
 
     def __init__(self, model: nnx.Module, vocab_size: int | None = None) -> None:
         graph, state = nnx.split(model)
