@@ -107,16 +107,6 @@ def first_failure(returncodes: list[int | None], expected: tuple[int | None, ...
     return min(failed, key=lambda failure: exit_code(failure[1]) in PEER_FAILED, default=None)
 
 
-class CannotStart(RuntimeError):
-    """The command cannot be run: exit 127 when it is not found, 126 when it cannot be executed (a shell's codes)."""
-
-    def __init__(self, program: str, error: OSError) -> None:
-        self.code = EXIT_NOT_FOUND if isinstance(error, FileNotFoundError) else EXIT_CANNOT_EXECUTE
-        fix = ("give its path, or a program on PATH" if self.code == EXIT_NOT_FOUND else
-               "make it executable, or run it through its interpreter (-- python script.py)")
-        super().__init__(f"cannot run {program}: {error.strerror or error} (errno {error.errno}); {fix}")
-
-
 class Launcher:
     def __init__(self, command: list[str], nprocs: int, *, cpu_devices: int = 0, port: int = 0,
                  grace_s: float = 5.0, max_restarts: int = 0, workdir: Path | None = None,
@@ -148,8 +138,9 @@ class Launcher:
     def _failure_file(self) -> str:
         return os.path.join(self._dir, f"failure-{self.attempt}") if self._dir else ""
 
-    def start(self) -> None:
-        """Starts every child; CannotStart (after stopping those already started) if the command cannot run."""
+    def start(self) -> int | None:
+        """Starts every child; if the command cannot run, says why, stops those started and returns a shell's exit
+        code: 127 when it is not found, 126 when it cannot be executed."""
         self.children, self._pumps, self._kill_at, self.failure = [], [], None, None
         if self.attempt and not self._fixed_port:
             self.port = free_port()  # the last group's coordinator port may linger
@@ -163,7 +154,11 @@ class Launcher:
                                                       preexec_fn=_die_with_parent))
             except OSError as e:  # the program is missing or not executable: the same for every rank
                 self.stop_all()
-                raise CannotStart(self.command[0], e) from None
+                missing = isinstance(e, FileNotFoundError)
+                self.say(f"cannot run {self.command[0]}: {e.strerror or e} (errno {e.errno}); " + (
+                    "give its path, or a program on PATH" if missing else
+                    "make it executable, or run it through its interpreter (-- python script.py)"))
+                return EXIT_NOT_FOUND if missing else EXIT_CANNOT_EXECUTE
         for rank, child in enumerate(self.children):
             for stream, sink in ((child.stdout, self.out), (child.stderr, self.err)):
                 self._pumps.append(threading.Thread(target=self._pump, args=(rank, stream, sink), daemon=True))
@@ -254,12 +249,7 @@ class Launcher:
         try:
             with tempfile.TemporaryDirectory(prefix="jdp-launch-", ignore_cleanup_errors=True) as self._dir:
                 while True:
-                    try:
-                        self.start()
-                    except CannotStart as e:
-                        self.say(str(e))
-                        return e.code
-                    code = self.wait()
+                    code = self.start() or self.wait()
                     if not self.restart():
                         return code
         finally:
