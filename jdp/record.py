@@ -165,21 +165,17 @@ def same_fingerprint(a: list[float], b: list[float], rtol: float = 1e-4) -> bool
 
 def options_record(options: Any) -> dict[str, Any]:
     """`fit`'s options as JSON: functions and objects by name, data by its description elsewhere."""
-    record = {}
-    for field in dataclasses.fields(options):
-        value = getattr(options, field.name)
-        if field.name == "eval_data":
-            continue
-        if field.name == "callbacks":
-            value = [_name(type(c)) for c in value]
-        elif hasattr(value, "record"):  # a sync strategy object: its import path and parameters
-            value = value.record()
-        elif callable(value):
-            value = _name(value)
-        elif isinstance(value, tuple):
-            value = list(value)
-        record[field.name] = value if not isinstance(value, Path) else str(value)
-    return record
+    def recorded(name: str, value: Any) -> Any:
+        if name == "callbacks":
+            return [_name(type(c)) for c in value]
+        if hasattr(value, "record"):  # a sync strategy object: its import path and parameters
+            return value.record()
+        if callable(value):
+            return _name(value)
+        return list(value) if isinstance(value, tuple) else str(value) if isinstance(value, Path) else value
+
+    return {field.name: recorded(field.name, getattr(options, field.name)) for field in dataclasses.fields(options)
+            if field.name != "eval_data"}
 
 
 def read(workdir: Path) -> dict[str, Any] | None:

@@ -69,11 +69,9 @@ def report_finished_run(cfg: ml_collections.ConfigDict, workdir: Path, step: int
 
 def inference_devices(cfg: ml_collections.ConfigDict) -> int:
     """Devices to evaluate or export on: the run's count, or fewer on a smaller machine, so the batches still split."""
-    n = min(cfg.parallel.num_devices or len(jax.devices()), len(jax.devices()))
-    eval_batch_size = cfg.train.eval_batch_size or cfg.train.global_batch_size
-    while cfg.train.global_batch_size % (n * cfg.train.grad_accum_steps) or eval_batch_size % n:
-        n -= 1
-    return n
+    available, eval_batch_size = len(jax.devices()), cfg.train.eval_batch_size or cfg.train.global_batch_size
+    return next(n for n in range(min(cfg.parallel.num_devices or available, available), 0, -1)
+                if not cfg.train.global_batch_size % (n * cfg.train.grad_accum_steps) and not eval_batch_size % n)
 
 
 def _built_on_its_vocabulary(cfg: ml_collections.ConfigDict, workdir: Path) -> Engine:

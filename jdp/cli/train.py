@@ -177,7 +177,6 @@ def _main(argv: list[str] | None) -> int:
         command = parse_command_line(argv)
         cfg = command.cfg
         job = distributed_lib.resolve(**distributed_lib.flags_from_argv(argv))  # checked before anything waits
-        distributed_lib.check_timeouts(cfg.distributed.init_timeout_s, cfg.distributed.heartbeat_timeout_s)
         apply_communication_flags(cfg.parallel)  # before JAX initialises its backends
         simulate_cpu_devices(cfg.parallel.cpu_devices)  # before initialize, which fixes the device count
         if job is not None:
