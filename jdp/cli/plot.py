@@ -40,8 +40,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> None:
                     ax.plot(*zip(*points, strict=True), style, color=f"C{i}", markersize=3,
                             label=f"{run_dir.name} {split}")
     for ax, key in zip(axes, keys, strict=True):
-        ax.set_xlabel("step")
-        ax.set_ylabel(key)
+        ax.set(xlabel="step", ylabel=key)
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     axes[0].set_yscale("log")

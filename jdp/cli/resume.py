@@ -39,11 +39,6 @@ def initialised_from(path: str, model: nnx.Module) -> nnx.Module:
     return model
 
 
-# A finished run given --config that meets a config.json it cannot read: passing --config again does not help.
-SAVED_CONFIG_FIX = ("it records the settings of the run this workdir holds, which a finished run's rerun is compared "
-                    "with: restore it (config_history.jsonl holds each run segment's config), or move it away")
-
-
 def record_config(cfg: ml_collections.ConfigDict, workdir: Path) -> None:
     """Writes config.json (what `--workdir W` alone continues with) and appends it to config_history.jsonl."""
     config_lib.save_config(cfg, workdir / "config.json")
@@ -58,8 +53,11 @@ def report_finished_run(cfg: ml_collections.ConfigDict, workdir: Path, step: int
     saved = workdir / "config.json"
     if not saved.exists():
         return
-    changed = [f"{key}: {old!r} -> {new!r}" for key, old, new in
-               differences(config_lib.load_saved_config(saved, fix=SAVED_CONFIG_FIX).to_dict(), cfg.to_dict())
+    # Unreadable, it is no fault of --config's: its fix is not "pass --config".
+    saved = config_lib.load_saved_config(saved, fix="it records the settings of the run this workdir holds, which a "
+                                         "finished run's rerun is compared with: restore it (config_history.jsonl "
+                                         "holds each run segment's config), or move it away")
+    changed = [f"{key}: {old!r} -> {new!r}" for key, old, new in differences(saved.to_dict(), cfg.to_dict())
                if key != "train.steps"]
     if changed:
         warn(f"{workdir} holds a run finished at step {step} with other settings ({'; '.join(changed)}); "
