@@ -1,10 +1,6 @@
 """`python -m jdp.export --workdir W --out params.npz`: the latest parameters and BatchNorm statistics of a
-`python -m jdp.train` run, or of a `jdp.fit` run whose model is importable, in a framework-neutral .npz that
-`--config.init_from=params.npz` starts a run from.
-
-Keys: `params/<module path>/<name>` and `model_state/<module path>/<name>`, e.g. `params/layers/0/kernel`
-(Dense kernels (in, out), conv kernels HWIO or WIO), `model_state/bn/mean`; `step`: the step it was taken at.
-"""
+`python -m jdp.train` run, or of a `jdp.fit` run whose model is importable, as an .npz of `params/<module path>/<name>`,
+`model_state/...` and `step` (docs/checkpoints.md) that `--config.init_from=params.npz` starts a run from."""
 
 from __future__ import annotations
 

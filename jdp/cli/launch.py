@@ -33,13 +33,10 @@ from jdp.preemption import EXIT_PREEMPTED, LAUNCH_FAILURE_FILE
 # Variables of other conventions that would take precedence over the launcher's in jdp.distributed.
 _CLEARED = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID", "JAX_LOCAL_DEVICE_IDS",
             "JAX_COORDINATOR_BIND_ADDRESS")
-_PR_SET_PDEATHSIG = 1
 # Exit codes that report another process's failure: jdp.train's 5 (EXIT_DISTRIBUTED: a peer or the coordinator
 # is gone) and SIGABRT (JAX's heartbeat, or gloo when a peer's connection breaks mid-collective).
 PEER_FAILED = (5, 128 + signal.SIGABRT)
 EXIT_CANNOT_EXECUTE, EXIT_NOT_FOUND = 126, 127  # the command after --, as a shell reports it
-# Codes a restart can cure (--max_restarts): an unexpected error, a peer or start-up failure; deaths by signal too.
-RESTARTED = (1, 5)
 
 
 def free_port() -> int:
@@ -66,7 +63,7 @@ def child_env(base: dict[str, str], *, rank: int, nprocs: int, port: int, cpu_de
 def _die_with_parent() -> None:
     """In the child, before exec: SIGKILL when the launcher dies, even by SIGKILL (Linux)."""
     with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
 
 
 def exit_code(returncode: int) -> int:
@@ -76,7 +73,7 @@ def exit_code(returncode: int) -> int:
 
 def restartable(code: int) -> bool:
     """Whether --max_restarts restarts the group after a child's exit `code` (as exit_code reports it)."""
-    return code in RESTARTED or 128 < code <= 128 + 64
+    return code in (1, 5) or 128 < code <= 128 + 64  # an unexpected error, a peer or start-up failure, a signal
 
 
 def workdir_of(command: list[str]) -> Path | None:
