@@ -85,8 +85,7 @@ class Guard:
                       "wrote it): this resume checks fit's own settings only, and records the keys for the next")
         if changed and not self.allow_change:
             raise refusal(self.workdir, changed)
-        if changed:
-            self._allowed(changed)
+        self._allowed(changed)
 
     def check_checkpoint(self, step: int, data: dict[str, Any]) -> None:
         """Refuses to resume checkpoint `step` (its data item `data`, intact) under other settings than its
@@ -123,11 +122,10 @@ class Guard:
         found = self._after.get(step, {})
         if found.get("warn"):
             self.warn(found["warn"])
-        if found.get("allowed"):
-            self._allowed(found["allowed"])
+        self._allowed(found.get("allowed"))
         return self.record_steps or found.get("steps") or self.fit_record["steps"]
 
-    def _allowed(self, changed: list[str]) -> None:
-        if not self.warned:  # run.json and the checkpoint name one change: one line
+    def _allowed(self, changed: list[str] | None) -> None:
+        if changed and not self.warned:  # run.json and the checkpoint name one change: one line
             self.warn(f"resuming {self.workdir} with other settings (allow_config_change): {'; '.join(changed)}")
             self.warned = True
