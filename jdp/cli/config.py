@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import difflib
 import functools
 import importlib.util
@@ -337,14 +338,10 @@ def _hint(key: str, known: Iterable[str], prefix: str) -> str:
 
 def _literal(raw: str) -> object:
     """A new key's value: a Python literal if it is one, else JSON (`false`, `{"k": true}`), else the string."""
-    try:
-        return ast.literal_eval(raw)
-    except (ValueError, SyntaxError):
-        pass
-    try:
-        return json.loads(raw)
-    except ValueError:
-        return raw
+    for parse in (ast.literal_eval, json.loads):
+        with contextlib.suppress(ValueError, SyntaxError):
+            return parse(raw)
+    return raw
 
 
 def _require(ok: bool, message: str) -> None:
