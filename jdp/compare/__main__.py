@@ -29,7 +29,8 @@ def _parser() -> argparse.ArgumentParser:
     for name in ("parity", "speed"):
         p = sub.add_parser(name, allow_abbrev=False)
         p.add_argument("--config", help="a jdp config file (default: configs/mnist1d_cnn.py)")
-        p.add_argument("--workers", type=int, default=2, help="devices on the jdp side, ranks on the DDP side")
+        p.add_argument("--workers", type=positive(int), default=2,
+                       help="devices on the jdp side, ranks on the DDP side")
         p.add_argument("--workdir", type=Path, help="default: runs/compare-NAME (speed: runs/compare-NAME-speed)")
         p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                        help="cuda: real GPUs, NCCL and SyncBatchNorm kernels (not simulated CPU devices)")
@@ -49,9 +50,9 @@ def _parser() -> argparse.ArgumentParser:
     speed.add_argument("--torch_compile", action="store_true",
                        help="torch.compile the twin (with --config.precision=bf16 on cuda: bf16 autocast, nanoGPT's "
                             "recipe)")
-    speed.add_argument("--torch_threads", type=int, default=1,
+    speed.add_argument("--torch_threads", type=positive(int), default=1,
                        help="torch threads per DDP rank (default 1: one rank per core, as DDP runs on a CPU)")
-    speed.add_argument("--jdp_devices", type=int,
+    speed.add_argument("--jdp_devices", type=positive(int),
                        help="simulated CPU devices of the jdp process (default: --workers); e.g. --workers 1 "
                             "--torch_threads 2 --jdp_devices 2 gives each side one process and two cores")
     speed.add_argument("--compile_cache", action="store_true",
@@ -70,8 +71,6 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.config) if args.config else config_lib.DEFAULT_CONFIG
         cfg = config_lib.apply_overrides(config_lib.load_config_file(path), overrides)
         config_lib.check_ranges(cfg)  # here, in one line, rather than in a side's traceback
-        if args.workers < 1:
-            raise config_lib.ConfigError("--workers must be at least 1")
         name = path.stem
         command = "python -m jdp.compare " + " ".join(shlex.quote(a) for a in argv)
         if args.command == "parity":
@@ -100,8 +99,6 @@ def main(argv: list[str] | None = None) -> int:
             speed_lib.report_workdir(workdir)
             print(f"report: {Path(workdir) / 'speed.md'}")
             return EXIT_OK
-        if args.torch_threads < 1 or (args.jdp_devices is not None and args.jdp_devices < 1):
-            raise config_lib.ConfigError("--torch_threads and --jdp_devices must be at least 1")
         backends = tuple(b for b in args.backends.split(",") if b)
         if unknown := set(backends) - set(BACKENDS):
             raise config_lib.ConfigError(f"unknown backend(s) {', '.join(sorted(unknown))}; use "

@@ -1,8 +1,6 @@
-"""PyTorch twins of jdp's models: the same layers in the same order, padding, strides, ReLU placement, ResNet stems
-and shortcuts. Module names mirror jdp's paths (`blocks.0.conv1` is `blocks/0/conv1`), so `jdp.compare.weights`
-maps weights by name and converts the layouts; the dense layer after a conv stack, which flattens (C, H, W) in
-torch but (H, W, C) in Flax, carries `jdp_flatten_from = (C, *spatial)` for it. `prepare_input` puts jdp's
-channels-last inputs channels first. The settings and the ResNet table are jdp's own (`jdp.models`).
+"""PyTorch twins of jdp's models (`jdp.models`' settings and ResNet table): the same layers in the same order.
+Module names mirror jdp's paths (`blocks.0.conv1` is `blocks/0/conv1`) for `jdp.compare.weights`; the dense layer
+after a conv stack, which flattens (C, H, W) in torch but (H, W, C) in Flax, carries `jdp_flatten_from`.
 """
 
 from __future__ import annotations
@@ -26,13 +24,11 @@ MODEL_NAMES = ("mlp", "cnn1d", "cnn2d", *ARCHS, "gpt")
 
 
 class BatchNorm(nn.BatchNorm2d):
-    """jdp's BatchNorm (`nnx.BatchNorm(momentum=m, epsilon=1e-5)`) in torch, its buffers one to one with jdp's
-    `mean` / `var`: running statistics follow Flax (`new = m * old + (1 - m) * batch`; torch's momentum is 1 - m),
-    and `running_var` averages the *biased* batch variance, as nnx stores it (torch keeps the unbiased one).
-    `sync=True` (jdp `model.bn_sync`): the global batch's statistics, by torch's SyncBatchNorm kernels on CUDA; on
-    CPU, which nn.SyncBatchNorm refuses, the mean and mean of squares are all-reduced with autograd, as Flax's
-    `lax.pmean` (variance E[x^2] - E[x]^2, clipped at 0). `sync=False`: this rank's statistics, the running ones
-    averaged across ranks after each step (`average_bn_buffers`), as jdp does."""
+    """jdp's BatchNorm in torch, buffers one to one with jdp's `mean` / `var`: running statistics follow Flax
+    (`new = m * old + (1 - m) * batch`) and keep the *biased* batch variance, as nnx does. `sync=True` (jdp
+    `model.bn_sync`): the global batch's statistics, by SyncBatchNorm's kernels on CUDA; on CPU, which
+    nn.SyncBatchNorm refuses, by an autograd all-reduce of the mean and mean of squares, as Flax's `lax.pmean`.
+    `sync=False`: this rank's statistics, the running ones averaged across ranks per step (`average_bn_buffers`)."""
 
     def __init__(self, num_features: int, flax_momentum: float = 0.9, eps: float = 1e-5, sync: bool = False):
         super().__init__(num_features, eps=eps, momentum=1.0 - flax_momentum)
@@ -45,21 +41,17 @@ class BatchNorm(nn.BatchNorm2d):
         dims = [0, *range(2, x.ndim)]
         world = dist.get_world_size() if self.sync and dist.is_available() and dist.is_initialized() else 1
         shape = (1, -1) + (1,) * (x.ndim - 2)
-        if world > 1 and x.is_cuda:
-            y = _SyncBatchNormFn.apply(x, self.weight, self.bias, None, None, self.eps, 0.0, dist.group.WORLD, world)
-            with torch.no_grad():
-                stats = torch.stack([x.mean(dims), (x * x).mean(dims)])
-                dist.all_reduce(stats)
-                mean, mean2 = stats / world
-                var = (mean2 - mean * mean).clamp_min(0.0)
-        elif world > 1:
+        if world > 1:
             import torch.distributed.nn.functional as dist_fn
 
-            stats = dist_fn.all_reduce(torch.stack([x.mean(dims), (x * x).mean(dims)])) / world
-            mean, mean2 = stats
+            mean, mean2 = dist_fn.all_reduce(torch.stack([x.mean(dims), (x * x).mean(dims)])) / world
             var = (mean2 - mean * mean).clamp_min(0.0)
-            # Flax's order of operations: (x - mean) * (rsqrt(var + eps) * scale) + bias.
-            y = (x - mean.view(shape)) * (torch.rsqrt(var + self.eps) * self.weight).view(shape) + self.bias.view(shape)
+            if x.is_cuda:
+                y = _SyncBatchNormFn.apply(x, self.weight, self.bias, None, None, self.eps, 0.0, dist.group.WORLD,
+                                           world)
+            else:  # Flax's order of operations: (x - mean) * (rsqrt(var + eps) * scale) + bias.
+                y = ((x - mean.view(shape)) * (torch.rsqrt(var + self.eps) * self.weight).view(shape)
+                     + self.bias.view(shape))
             mean, var = mean.detach(), var.detach()
         else:
             y = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
@@ -83,6 +75,14 @@ def average_bn_buffers(buffers: list[torch.Tensor], world: int) -> None:
         b.copy_(averaged.view_as(b))
 
 
+def _dense(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    """Linear layers with ReLU between them."""
+    *hidden, head = layers
+    for layer in hidden:
+        x = F.relu(layer(x))
+    return head(x)
+
+
 class MLP(nn.Module):
     """jdp.models.MLP: Linear layers with ReLU between them on the flattened input."""
 
@@ -92,11 +92,7 @@ class MLP(nn.Module):
         self.layers = nn.ModuleList([nn.Linear(a, b) for a, b in pairwise(sizes)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.flatten(1)
-        *hidden, head = self.layers
-        for layer in hidden:
-            x = F.relu(layer(x))
-        return head(x)
+        return _dense(self.layers, x.flatten(1))
 
 
 class CNN1D(nn.Module):
@@ -137,12 +133,7 @@ class CNN2D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for conv in self.convs:
             x = F.relu(conv(x))
-        x = F.max_pool2d(x, 2)  # floor, like jdp's crop of odd sizes
-        x = x.flatten(1)
-        *hidden, head = self.dense
-        for layer in hidden:
-            x = F.relu(layer(x))
-        return head(x)
+        return _dense(self.dense, F.max_pool2d(x, 2).flatten(1))  # floor, like jdp's crop of odd sizes
 
 
 def _conv(c_in: int, c_out: int, k: int, stride: int = 1) -> nn.Conv2d:
