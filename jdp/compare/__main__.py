@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
 
             workdir = args.workdir or Path("runs") / f"compare-{name}"
             if args.report_only:
-                cfg = config_lib.load_saved_config(Path(workdir) / "config.json")
+                cfg = config_lib.load_saved_config(workdir / "config.json")
             check_supported(cfg, args.workers if not args.report_only else 1)
             chosen = {"loss": args.tolerance, "grad_norm": args.grad_tolerance, "step1": args.step1_tolerance}
             tolerance = dataclasses.replace(default_tolerance(cfg),
@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 result = parity(cfg, name=name, workers=args.workers, steps=args.steps, workdir=workdir,
                                 tolerance=tolerance, timeout_s=args.timeout, device=args.device)
-            print(f"report: {Path(workdir) / 'parity.md'}")
+            print(f"report: {workdir / 'parity.md'}")
             print(result.last_line())
             return EXIT_OK if result.passed else EXIT_OUTSIDE_TOLERANCE
         from jdp.compare import speed as speed_lib
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir or Path("runs") / f"compare-{name}-speed"
         if args.report_only:
             speed_lib.report_workdir(workdir)
-            print(f"report: {Path(workdir) / 'speed.md'}")
+            print(f"report: {workdir / 'speed.md'}")
             return EXIT_OK
         backends = tuple(b for b in args.backends.split(",") if b)
         if unknown := set(backends) - set(BACKENDS):
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                                  compile_cache=args.compile_cache, device=args.device, command=command,
                                  torch_compile=args.torch_compile, torch_threads=args.torch_threads,
                                  jdp_devices=args.jdp_devices)
-        print(f"report: {Path(workdir) / 'speed.md'}")
+        print(f"report: {workdir / 'speed.md'}")
         ddp = next(r for r in result.rows if r["run"] == "ddp")
         print("; ".join(f"{r['run']} {r['examples_per_sec']:,.0f} ex/s ({r['ratio_vs_ddp']:.2f}x)"
                         for r in result.rows if r is not ddp) + f"; ddp {ddp['examples_per_sec']:,.0f} ex/s")

@@ -1,14 +1,12 @@
 """The PyTorch DDP side: `python -m jdp.compare.ddp SPEC.json` spawns `workers` ranks (gloo over loopback on CPU,
-NCCL with one GPU per rank on CUDA), each training the config's twin under DDP from the .npz SPEC["init"] at the
-learning rates SPEC["lrs"], on the rows of each global batch jdp's device `rank` gets (jdp's own source with
-process_index=rank). Per-rank BatchNorm running statistics are averaged after each step, as jdp's step does; hence
-`broadcast_buffers=False`, or DDP would overwrite them with rank 0's at every forward.
+NCCL with one GPU per rank on CUDA), each training the config's twin under DDP on the rows of each global batch
+jdp's device `rank` gets. Per-rank BatchNorm running statistics are averaged after each step, as jdp's step does;
+hence `broadcast_buffers=False`, or DDP would overwrite them with rank 0's at every forward.
 
-SPEC keys: config (a jdp config.json), workers, steps, init, lrs, out (also for the rendezvous file), mode
-("parity": also the all-reduced loss and the gradient norm every step, eval and the final weights; "speed": the
-rank's own loss), launch_time (the parent's time.time()), device ("cpu" | "cuda"), threads, timeout_s, compile
-(torch.compile the twin), autocast (bf16 autocast of forward and loss, nanoGPT's GPU recipe; parameters and
-optimizer state stay float32). Rank 0 writes OUT/ddp_result.json (parity: and ddp_final.npz).
+SPEC keys: config (a jdp config.json), workers, steps, init (.npz), lrs (per step), out (results, rendezvous file),
+mode ("parity": also the all-reduced loss, gradient norm, eval and final weights; "speed"), launch_time (the
+parent's time.time()), device ("cpu" | "cuda"), threads, timeout_s, compile (torch.compile), autocast (bf16 autocast
+of forward and loss, nanoGPT's GPU recipe). Rank 0 writes OUT/ddp_result.json (parity: and ddp_final.npz).
 """
 
 from __future__ import annotations
@@ -37,9 +35,8 @@ OPTIMIZERS = ("sgd", "momentum", "nesterov", "adamw")
 
 def make_optimizer(optim_cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
     """jdp.cli.optim.build_optimizer's transform in torch (lr set per step): optax's sgd chain with decayed weights
-    is torch SGD with dampening 0 and coupled decay, exactly; optax adamw (eps 1e-8 outside the square root,
-    decoupled decay) is torch AdamW's update in another order, equal to rounding. Decay is masked off vectors on
-    both sides (jdp's `p.ndim > 1`). `check_supported` refuses the other optimizers."""
+    is torch SGD with dampening 0 and coupled decay; optax adamw is torch AdamW's update in another order, equal
+    to rounding. Decay is masked off vectors on both sides (jdp's `p.ndim > 1`)."""
     decay = [p for p in model.parameters() if p.ndim > 1]
     rest = [p for p in model.parameters() if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": optim_cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
@@ -64,10 +61,9 @@ def _clip_like_optax(grads: list[torch.Tensor], max_norm: float) -> None:
 
 
 def _cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Per example (classification) or per token (language models, logits (B, T, V)); the mean is over every
-    entry of the rank's rows, as jdp's weighted mean is over every entry of the global batch."""
-    losses = F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
-    return losses.view(y.shape) if reduction == "none" else losses
+    """Per example or per token (logits (B, T, V)), flattened: the mean is over every entry of the rank's rows, as
+    jdp's weighted mean is over every entry of the global batch."""
+    return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
 
 
 def _evaluate(model: torch.nn.Module, cfg, device: torch.device) -> tuple[float, float]:
@@ -83,7 +79,7 @@ def _evaluate(model: torch.nn.Module, cfg, device: torch.device) -> tuple[float,
             logits = model(torch_models.prepare_input(model, rows["x"]).to(device)).float()
             y = torch.from_numpy(rows["y"]).long().to(device)
             mask = torch.from_numpy(rows["mask"]).to(device).view(-1, *[1] * (y.ndim - 1)).expand(y.shape)
-            loss_sum += float((_cross_entropy(logits, y, reduction="none") * mask).sum())
+            loss_sum += float((_cross_entropy(logits, y, reduction="none") * mask.flatten()).sum())
             correct += float(((logits.argmax(-1) == y).float() * mask).sum())
             count += float(mask.sum())
     model.train()
@@ -203,8 +199,7 @@ def _worker(rank: int, spec: dict) -> None:
     backend = "nccl" if spec["device"] == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank)
-    # Rendezvous through a file, not a TCP port that another program could take first; gloo then
-    # connects the ranks over loopback on ports of its own choosing.
+    # Rendezvous through a file, not a TCP port that another program could take first.
     dist.init_process_group(backend, init_method=f"file://{Path(spec['out']).resolve() / 'rendezvous'}", rank=rank,
                             world_size=spec["workers"], timeout=datetime.timedelta(seconds=spec["timeout_s"]))
     result = train(rank, spec)

@@ -1,6 +1,5 @@
-"""`python -m jdp.compare speed` (docs/compare.md): throughput, step time, time to first step and peak memory of
-each jdp backend and of DDP at the same global batch, from the same init.npz, each run a fresh process. Repeat r
-runs [ddp, *backends] rotated by r, so that a slow period of the machine does not fall on one side only.
+"""`python -m jdp.compare speed` (docs/compare.md), each run a fresh process from the same init.npz. Repeat r runs
+[ddp, *backends] rotated by r, so that a slow period of the machine does not fall on one side only.
 """
 
 from __future__ import annotations

@@ -24,11 +24,9 @@ MODEL_NAMES = ("mlp", "cnn1d", "cnn2d", *ARCHS, "gpt")
 
 
 class BatchNorm(nn.BatchNorm2d):
-    """jdp's BatchNorm in torch, buffers one to one with jdp's `mean` / `var`: running statistics follow Flax
-    (`new = m * old + (1 - m) * batch`) and keep the *biased* batch variance, as nnx does. `sync=True` (jdp
-    `model.bn_sync`): the global batch's statistics, by SyncBatchNorm's kernels on CUDA; on CPU, which
-    nn.SyncBatchNorm refuses, by an autograd all-reduce of the mean and mean of squares, as Flax's `lax.pmean`.
-    `sync=False`: this rank's statistics, the running ones averaged across ranks per step (`average_bn_buffers`)."""
+    """jdp's BatchNorm, buffers one to one with jdp's `mean` / `var`: running statistics follow Flax (`new = m * old
+    + (1 - m) * batch`, the *biased* variance). `sync=True` (`model.bn_sync`): the global batch's statistics (on CPU,
+    which nn.SyncBatchNorm refuses, as Flax's `lax.pmean`); else this rank's (then `average_bn_buffers`)."""
 
     def __init__(self, num_features: int, flax_momentum: float = 0.9, eps: float = 1e-5, sync: bool = False):
         super().__init__(num_features, eps=eps, momentum=1.0 - flax_momentum)
@@ -147,36 +145,26 @@ def _shortcut(c_in: int, c_out: int, stride: int, bn: Callable[[int], BatchNorm]
     return nn.Sequential(OrderedDict(proj=_conv(c_in, c_out, 1, stride), bn=bn(c_out)))
 
 
-class BasicBlock(nn.Module):
-    expansion = 1
+class Block(nn.Module):
+    """jdp.models' BasicBlock (3x3, 3x3 convs) or BottleneckBlock (1x1, 3x3 with the stride: v1.5, 1x1 to 4x the
+    filters): `conv1` / `bn1`, ... with ReLU between them, added to the shortcut, then ReLU."""
 
-    def __init__(self, c_in: int, filters: int, stride: int, bn: Callable[[int], BatchNorm]):
+    def __init__(self, c_in: int, filters: int, stride: int, bn: Callable[[int], BatchNorm], bottleneck: bool):
         super().__init__()
-        self.conv1, self.bn1 = _conv(c_in, filters, 3, stride), bn(filters)
-        self.conv2, self.bn2 = _conv(filters, filters, 3), bn(filters)
-        self.shortcut = _shortcut(c_in, filters, stride, bn)
+        convs = ([(filters, 1, 1), (filters, 3, stride), (4 * filters, 1, 1)] if bottleneck
+                 else [(filters, 3, stride), (filters, 3, 1)])
+        self.c_out, self.depth = c_in, len(convs)
+        for i, (c_out, k, s) in enumerate(convs, 1):
+            self.add_module(f"conv{i}", _conv(self.c_out, c_out, k, s))
+            self.add_module(f"bn{i}", bn(c_out))
+            self.c_out = c_out
+        self.shortcut = _shortcut(c_in, self.c_out, stride, bn)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))
-        y = self.bn2(self.conv2(y))
-        return F.relu(y + self.shortcut(x))
-
-
-class BottleneckBlock(nn.Module):
-    expansion = 4
-
-    def __init__(self, c_in: int, filters: int, stride: int, bn: Callable[[int], BatchNorm]):
-        super().__init__()
-        c_out = filters * self.expansion
-        self.conv1, self.bn1 = _conv(c_in, filters, 1), bn(filters)
-        self.conv2, self.bn2 = _conv(filters, filters, 3, stride), bn(filters)  # v1.5
-        self.conv3, self.bn3 = _conv(filters, c_out, 1), bn(c_out)
-        self.shortcut = _shortcut(c_in, c_out, stride, bn)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))
-        y = F.relu(self.bn2(self.conv2(y)))
-        y = self.bn3(self.conv3(y))
+        y = x
+        for i in range(1, self.depth + 1):
+            y = self.get_submodule(f"bn{i}")(self.get_submodule(f"conv{i}")(y))
+            y = F.relu(y) if i < self.depth else y
         return F.relu(y + self.shortcut(x))
 
 
@@ -203,14 +191,13 @@ class ResNet(nn.Module):
         k, stride = (7, 2) if self.imagenet_stem else (3, 1)
         self.stem_conv = _conv(in_channels, width, k, stride)
         self.stem_bn = bn(width)
-        block_cls = {"basic": BasicBlock, "bottleneck": BottleneckBlock}[block]
-        blocks, c = [], width
+        blocks = []
         for i, n in enumerate(stage_sizes):
             for j in range(n):
-                blocks.append(block_cls(c, width * 2**i, 2 if i > 0 and j == 0 else 1, bn))
-                c = width * 2**i * block_cls.expansion
+                c = blocks[-1].c_out if blocks else width
+                blocks.append(Block(c, width * 2**i, 2 if i > 0 and j == 0 else 1, bn, block == "bottleneck"))
         self.blocks = nn.ModuleList(blocks)
-        self.head = nn.Linear(c, num_classes)
+        self.head = nn.Linear(blocks[-1].c_out, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.stem_bn(self.stem_conv(x)))

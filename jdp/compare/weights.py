@@ -29,8 +29,7 @@ def _entries(model: nn.Module) -> list[tuple[str, str, str, Any]]:
     """(jdp key, torch key, kind, flatten_from) for every weight of `model`."""
     out = []
     for name, module in model.named_modules():
-        found = next((v for t, v in _WEIGHTS.items() if isinstance(module, t)), None)
-        if found is None:
+        if (found := _WEIGHTS.get(type(module))) is None:
             continue
         path, (kind, weight) = name.replace(".", "/"), found
         out.append((f"params/{path}/{weight}", f"{name}.weight", kind, getattr(module, "jdp_flatten_from", None)))

@@ -6,10 +6,7 @@ interleaved; medians. At the config's global batch: examples/sec, time to the fi
 the all-reduce's cost (the step less the same step compiled without its collective), the ratio to a plain
 single-device jit step, per-device memory, MFU (`PEAK_TFLOPS` or `--peak_tflops`), the dots' dtypes and the
 scaling efficiency; a language model adds tokens/sec, the GPT its model FLOPs per token. Writes bench.json, bench.md.
-
-`--compile_only` runs nothing: per device count and remat setting, the step compiled from shapes with the state
-replicated, ZeRO-1 (shard_map only) and ZeRO-3, side by side. `--fits --memory_gb G`: which GPT shapes fit in G GB
-a device (jdp/perf/fits.py). `--predict`: step time and scaling on devices not at hand (`--predict --help`).
+`--predict`: step time and scaling on devices not at hand (`--predict --help`).
 """
 
 from __future__ import annotations
@@ -106,8 +103,7 @@ def run_bench(cfg, devices: list[int], steps: int, repeats: int, peak_tflops: fl
         r["efficiency"] = r["examples_per_sec"] / (r["devices"] * base["examples_per_sec"]) if base else None
         r["vs_single_device_jit"] = (r["examples_per_sec"] * median["jit"] / variants["jit"].batch_size
                                      if baseline else None)
-        # Model FLOPs utilisation against the peak: the GPT's model FLOPs per token x tokens/sec per device;
-        # XLA's FLOP count of one device's step over its time (the only figure for other models).
+        # MFU: the GPT's model FLOPs, else XLA's FLOP count of one device's step (the only figure for other models).
         if not peak:
             continue
         r["peak_tflops"] = peak

@@ -63,8 +63,7 @@ class Variant:
         self.state = self.parallel.to_devices(b.init_state())
         self.memory = state_memory(self.state)
         t0 = time.perf_counter()
-        # Compiled here, once, as the trainer does: the step runs this executable, and the collectives' bytes and
-        # XLA's accounting are read from it.
+        # Compiled once, as the trainer does: the step runs this executable; collectives and XLA's figures read it.
         self._lowered = self.parallel.lower_train(self.state, self.batches[0])
         self._step = self.parallel.compile_train(self.state, self.batches[0], self._lowered)
         self.state, metrics = self._step(self.state, self.batches[0])

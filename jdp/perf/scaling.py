@@ -1,7 +1,5 @@
-"""The alpha-beta model behind `python -m jdp.bench --predict`: a step's time and efficiency on N devices from the
-gradient's bytes, one device's step time and named links. Its terms (ring and hierarchical all-reduce, compute
-linear in the per-device batch, which flatters small batches, overlap 0 or 2/3, fixed beforehand):
-docs/benchmarks.md, "Scaling prediction before hardware". Plain arithmetic: no JAX, no config.
+"""The alpha-beta model behind `python -m jdp.bench --predict` (docs/benchmarks.md, "Scaling prediction before
+hardware"): a step's time and efficiency on N devices. Plain arithmetic: no JAX, no config.
 """
 
 from __future__ import annotations

@@ -1,6 +1,5 @@
-"""`python -m jdp.bench --predict --validate`: the scaling model against published results, nothing fitted: each
-case's own per-GPU throughput and batch, parameter count and network are the inputs. Weak scaling, as in the
-sources: efficiency is per-GPU throughput at `gpus` over that at `baseline_gpus`.
+"""`python -m jdp.bench --predict --validate`: the scaling model, nothing fitted, against published results (weak
+scaling, as in the sources: efficiency is per-GPU throughput at `gpus` over that at `baseline_gpus`).
 """
 
 from __future__ import annotations
