@@ -1,12 +1,12 @@
 """`python -m jdp.compare parity|speed --config configs/X.py --workers N [options] [--config.a.b=v ...]`
 
-    parity  train jdp and its PyTorch DDP twin from the same weights on the same batches; per-step loss and
-            gradient-norm differences. Exit 0 within tolerance, 1 outside, 2 usage, 3 a side failed.
-            The last line states the worst difference and the tolerance.
-    speed   examples/s, step time, time to first step and peak memory of jdp's backends and of DDP at
-            the same global batch; interleaved repeats, medians and ratios vs DDP.
+    parity  jdp and its PyTorch DDP twin from the same weights on the same batches: per-step loss and gradient-norm
+            differences; the last line states the worst and the tolerance. Exit 0 within tolerance, 1 outside,
+            2 usage, 3 a side failed.
+    speed   examples/s, step time, time to first step and peak memory of jdp's backends and of DDP at the same
+            global batch; interleaved repeats, medians and ratios vs DDP.
 
-Reports (markdown, JSON, PNG) go to --workdir (default runs/compare-NAME).
+Reports (markdown, JSON, PNG) go to --workdir (default runs/compare-NAME); docs/compare.md.
 """
 
 from __future__ import annotations
@@ -35,10 +35,10 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                        help="cuda: real GPUs, NCCL and SyncBatchNorm kernels (not simulated CPU devices)")
         p.add_argument("--timeout", type=float, default=900, help="seconds allowed to each process")
+        p.add_argument("--report_only", action="store_true",
+                       help="report (parity: judge) the results already in --workdir again, without running anything")
     parity, speed = sub.choices["parity"], sub.choices["speed"]
     parity.add_argument("--steps", type=positive(int), default=50)
-    parity.add_argument("--report_only", action="store_true",
-                        help="judge and report the results already in --workdir again, without training")
     parity.add_argument("--tolerance", type=float, help="relative, for every step's loss (default: by model and "
                         "optimizer, jdp/compare/parity.py TOLERANCES)")
     parity.add_argument("--grad_tolerance", type=float, help="relative, for every step's gradient norm")
@@ -46,7 +46,6 @@ def _parser() -> argparse.ArgumentParser:
     speed.add_argument("--steps", type=positive(int), help="steps per run (default: the config's train.steps)")
     speed.add_argument("--repeats", type=positive(int), default=3)
     speed.add_argument("--backends", default="shard_map,pmap,jit", help="comma-separated jdp backends")
-    speed.add_argument("--report_only", action="store_true", help="write the report of --workdir's speed.json again")
     speed.add_argument("--torch_compile", action="store_true",
                        help="torch.compile the twin (with --config.precision=bf16 on cuda: bf16 autocast, nanoGPT's "
                             "recipe)")

@@ -138,13 +138,6 @@ def _conv(c_in: int, c_out: int, k: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(c_in, c_out, k, stride, padding=k // 2, bias=False)  # symmetric k // 2, as jdp
 
 
-def _shortcut(c_in: int, c_out: int, stride: int, bn: Callable[[int], BatchNorm]) -> nn.Module:
-    """The identity, or a 1x1 projection and BatchNorm where the block changes the shape."""
-    if stride == 1 and c_in == c_out:
-        return nn.Identity()
-    return nn.Sequential(OrderedDict(proj=_conv(c_in, c_out, 1, stride), bn=bn(c_out)))
-
-
 class Block(nn.Module):
     """jdp.models' BasicBlock (3x3, 3x3 convs) or BottleneckBlock (1x1, 3x3 with the stride: v1.5, 1x1 to 4x the
     filters): `conv1` / `bn1`, ... with ReLU between them, added to the shortcut, then ReLU."""
@@ -158,7 +151,8 @@ class Block(nn.Module):
             self.add_module(f"conv{i}", _conv(self.c_out, c_out, k, s))
             self.add_module(f"bn{i}", bn(c_out))
             self.c_out = c_out
-        self.shortcut = _shortcut(c_in, self.c_out, stride, bn)
+        self.shortcut = (nn.Identity() if stride == 1 and c_in == self.c_out  # else a 1x1 projection and BatchNorm
+                         else nn.Sequential(OrderedDict(proj=_conv(c_in, self.c_out, 1, stride), bn=bn(self.c_out))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = x

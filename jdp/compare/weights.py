@@ -57,12 +57,10 @@ def unstacked(flat: Flat) -> Flat:
     index as an `nnx.List`'s are) split into the unrolled model's names, one per layer (`<path>/<i>/<name>`)."""
     out = {}
     for key, value in flat.items():
-        stacked = re.match(r"^(.*)/layers/(\D[^/]*(?:/.*)?)$", key)
-        if stacked is None:
+        if stacked := re.match(r"^(.*)/layers/(\D[^/]*(?:/.*)?)$", key):
+            out |= {f"{stacked[1]}/{i}/{stacked[2]}": layer for i, layer in enumerate(np.asarray(value))}
+        else:
             out[key] = value
-            continue
-        for i, layer in enumerate(np.asarray(value)):
-            out[f"{stacked[1]}/{i}/{stacked[2]}"] = layer
     return out
 
 

@@ -1,7 +1,6 @@
 """`python -m jdp.bench --predict`: a config's step time and scaling efficiency on 1, 8, 64 and 512 devices,
-predicted before the hardware exists from the gradient's bytes, one device's step time and an alpha-beta model
-of the all-reduce on named links (docs/benchmarks.md, "Scaling prediction before hardware"). `--validate` runs the
-model, nothing fitted, on published scaling results and prints predicted against published efficiency.
+predicted before the hardware exists (docs/benchmarks.md, "Scaling prediction before hardware"). `--validate`: the
+same model, nothing fitted, against published scaling results.
 """
 
 from __future__ import annotations
