@@ -1,12 +1,12 @@
 """`python -m jdp.compare parity|speed --config configs/X.py --workers N [options] [--config.a.b=v ...]`
 
-    parity  train jdp and its PyTorch DDP twin from the same weights on the same batches; per-step loss and
-            gradient-norm differences. Exit 0 within tolerance, 1 outside, 2 usage, 3 a side failed.
-            The last line states the worst difference and the tolerance.
-    speed   examples/s, step time, time to first step and peak memory of jdp's backends and of DDP at
-            the same global batch; interleaved repeats, medians and ratios vs DDP.
+    parity  jdp and its PyTorch DDP twin from the same weights on the same batches: per-step loss and gradient-norm
+            differences; the last line states the worst and the tolerance. Exit 0 within tolerance, 1 outside,
+            2 usage, 3 a side failed.
+    speed   examples/s, step time, time to first step and peak memory of jdp's backends and of DDP at the same
+            global batch; interleaved repeats, medians and ratios vs DDP.
 
-Reports (markdown, JSON, PNG) go to --workdir (default runs/compare-NAME).
+Reports (markdown, JSON, PNG) go to --workdir (default runs/compare-NAME); docs/compare.md.
 """
 
 from __future__ import annotations
@@ -29,15 +29,16 @@ def _parser() -> argparse.ArgumentParser:
     for name in ("parity", "speed"):
         p = sub.add_parser(name, allow_abbrev=False)
         p.add_argument("--config", help="a jdp config file (default: configs/mnist1d_cnn.py)")
-        p.add_argument("--workers", type=int, default=2, help="devices on the jdp side, ranks on the DDP side")
+        p.add_argument("--workers", type=positive(int), default=2,
+                       help="devices on the jdp side, ranks on the DDP side")
         p.add_argument("--workdir", type=Path, help="default: runs/compare-NAME (speed: runs/compare-NAME-speed)")
         p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                        help="cuda: real GPUs, NCCL and SyncBatchNorm kernels (not simulated CPU devices)")
         p.add_argument("--timeout", type=float, default=900, help="seconds allowed to each process")
+        p.add_argument("--report_only", action="store_true",
+                       help="report (parity: judge) the results already in --workdir again, without running anything")
     parity, speed = sub.choices["parity"], sub.choices["speed"]
     parity.add_argument("--steps", type=positive(int), default=50)
-    parity.add_argument("--report_only", action="store_true",
-                        help="judge and report the results already in --workdir again, without training")
     parity.add_argument("--tolerance", type=float, help="relative, for every step's loss (default: by model and "
                         "optimizer, jdp/compare/parity.py TOLERANCES)")
     parity.add_argument("--grad_tolerance", type=float, help="relative, for every step's gradient norm")
@@ -45,13 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     speed.add_argument("--steps", type=positive(int), help="steps per run (default: the config's train.steps)")
     speed.add_argument("--repeats", type=positive(int), default=3)
     speed.add_argument("--backends", default="shard_map,pmap,jit", help="comma-separated jdp backends")
-    speed.add_argument("--report_only", action="store_true", help="write the report of --workdir's speed.json again")
     speed.add_argument("--torch_compile", action="store_true",
                        help="torch.compile the twin (with --config.precision=bf16 on cuda: bf16 autocast, nanoGPT's "
                             "recipe)")
-    speed.add_argument("--torch_threads", type=int, default=1,
+    speed.add_argument("--torch_threads", type=positive(int), default=1,
                        help="torch threads per DDP rank (default 1: one rank per core, as DDP runs on a CPU)")
-    speed.add_argument("--jdp_devices", type=int,
+    speed.add_argument("--jdp_devices", type=positive(int),
                        help="simulated CPU devices of the jdp process (default: --workers); e.g. --workers 1 "
                             "--torch_threads 2 --jdp_devices 2 gives each side one process and two cores")
     speed.add_argument("--compile_cache", action="store_true",
@@ -70,8 +70,6 @@ def main(argv: list[str] | None = None) -> int:
         path = Path(args.config) if args.config else config_lib.DEFAULT_CONFIG
         cfg = config_lib.apply_overrides(config_lib.load_config_file(path), overrides)
         config_lib.check_ranges(cfg)  # here, in one line, rather than in a side's traceback
-        if args.workers < 1:
-            raise config_lib.ConfigError("--workers must be at least 1")
         name = path.stem
         command = "python -m jdp.compare " + " ".join(shlex.quote(a) for a in argv)
         if args.command == "parity":
@@ -79,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
             workdir = args.workdir or Path("runs") / f"compare-{name}"
             if args.report_only:
-                cfg = config_lib.load_saved_config(Path(workdir) / "config.json")
+                cfg = config_lib.load_saved_config(workdir / "config.json")
             check_supported(cfg, args.workers if not args.report_only else 1)
             chosen = {"loss": args.tolerance, "grad_norm": args.grad_tolerance, "step1": args.step1_tolerance}
             tolerance = dataclasses.replace(default_tolerance(cfg),
@@ -89,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 result = parity(cfg, name=name, workers=args.workers, steps=args.steps, workdir=workdir,
                                 tolerance=tolerance, timeout_s=args.timeout, device=args.device)
-            print(f"report: {Path(workdir) / 'parity.md'}")
+            print(f"report: {workdir / 'parity.md'}")
             print(result.last_line())
             return EXIT_OK if result.passed else EXIT_OUTSIDE_TOLERANCE
         from jdp.compare import speed as speed_lib
@@ -98,10 +96,8 @@ def main(argv: list[str] | None = None) -> int:
         workdir = args.workdir or Path("runs") / f"compare-{name}-speed"
         if args.report_only:
             speed_lib.report_workdir(workdir)
-            print(f"report: {Path(workdir) / 'speed.md'}")
+            print(f"report: {workdir / 'speed.md'}")
             return EXIT_OK
-        if args.torch_threads < 1 or (args.jdp_devices is not None and args.jdp_devices < 1):
-            raise config_lib.ConfigError("--torch_threads and --jdp_devices must be at least 1")
         backends = tuple(b for b in args.backends.split(",") if b)
         if unknown := set(backends) - set(BACKENDS):
             raise config_lib.ConfigError(f"unknown backend(s) {', '.join(sorted(unknown))}; use "
@@ -111,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
                                  compile_cache=args.compile_cache, device=args.device, command=command,
                                  torch_compile=args.torch_compile, torch_threads=args.torch_threads,
                                  jdp_devices=args.jdp_devices)
-        print(f"report: {Path(workdir) / 'speed.md'}")
+        print(f"report: {workdir / 'speed.md'}")
         ddp = next(r for r in result.rows if r["run"] == "ddp")
         print("; ".join(f"{r['run']} {r['examples_per_sec']:,.0f} ex/s ({r['ratio_vs_ddp']:.2f}x)"
                         for r in result.rows if r is not ddp) + f"; ddp {ddp['examples_per_sec']:,.0f} ex/s")

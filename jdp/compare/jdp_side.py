@@ -1,11 +1,10 @@
 """The jdp side of a comparison, in its own process for its own simulated device count.
 
     python -m jdp.compare.jdp_side init   --config CFG.json --out DIR
-        DIR/init.npz (`build(cfg).init_state()`, jdp.export key names) and DIR/lrs.json (every step's learning
-        rate, for the DDP side, which has no optax)
+        DIR/init.npz (jdp.export key names) and DIR/lrs.json (every step's learning rate, for the DDP side)
     python -m jdp.compare.jdp_side parity --config CFG.json --out DIR --devices N
-        init, then `jdp.train.run` from init.npz on N simulated CPU devices: DIR/jdp_result.json (metrics.jsonl's
-        per-step losses and `grad_norm`, the averaged gradient's before clipping) and DIR/jdp_final.npz
+        init, then `jdp.train.run` from init.npz on N simulated CPU devices: DIR/jdp_result.json (per-step
+        losses and gradient norms before clipping) and DIR/jdp_final.npz
 """
 
 from __future__ import annotations
@@ -66,7 +65,6 @@ def parity(cfg, out: Path, devices: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="python -m jdp.compare.jdp_side")
     p.add_argument("command", choices=("init", "parity"))
     p.add_argument("--config", required=True)

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import platform
 from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only; no display needed
+import matplotlib.pyplot as plt  # noqa: E402
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,35 +58,22 @@ def machine_info() -> dict:
     """CPU model, cores, memory and library versions of this machine (read without importing torch or jax)."""
     from importlib.metadata import distributions
 
-    cpu = next((line.split(":", 1)[1].strip() for line in _read("/proc/cpuinfo").splitlines()
-                if line.startswith("model name")), platform.processor() or "unknown CPU")
-    mem_kib = next((int(line.split()[1]) for line in _read("/proc/meminfo").splitlines()
-                    if line.startswith("MemTotal")), 0)
+    def proc(path: str, key: str) -> str:  # the value on the first line of a /proc file that starts with `key`
+        with contextlib.suppress(OSError), open(path) as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), "")
+        return ""
+
     versions = {package: next((d.version for d in distributions(name=package)), "not installed")
                 for package in ("jax", "flax", "optax", "torch")}
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gib": round(mem_kib / 2**20, 1),
+    return {"cpu": proc("/proc/cpuinfo", "model name") or platform.processor() or "unknown CPU",
+            "cores": len(os.sched_getaffinity(0)),
+            "memory_gib": round(int(proc("/proc/meminfo", "MemTotal").split(" ")[0] or 0) / 2**20, 1),
             "python": platform.python_version(), "os": f"{platform.system()} {platform.release()}", **versions}
-
-
-def _read(path: str) -> str:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return ""
 
 
 def _machine_line(info: dict) -> str:
     return (f"{info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB; Python {info['python']}, jax "
             f"{info['jax']}, flax {info['flax']}, optax {info['optax']}, torch {info['torch']}")
-
-
-def _plt():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def write_parity(p: Parity, workdir: Path) -> None:
@@ -127,13 +120,11 @@ def write_parity(p: Parity, workdir: Path) -> None:
 
 
 def plot_parity(p: Parity, path: Path) -> None:
-    plt = _plt()
     steps = [r["step"] for r in p.steps]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2))
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2), layout="tight")
     top.plot(steps, [r["loss_jdp"] for r in p.steps], label=f"jdp ({p.meta['jdp_backend']})", lw=2.5, alpha=0.6)
     top.plot(steps, [r["loss_ddp"] for r in p.steps], label="PyTorch DDP", lw=1, ls="--", color="k")
-    top.set_ylabel("train loss")
-    top.set_title(f"{p.name}: {p.meta['workers']} workers, {p.meta['optimizer']}")
+    top.set(ylabel="train loss", title=f"{p.name}: {p.meta['workers']} workers, {p.meta['optimizer']}")
     top.legend()
     floor = 1e-10  # identical values plot at the floor
     bottom.semilogy(steps, [max(r["loss_rel"], floor) for r in p.steps], ".-", label="loss")
@@ -141,10 +132,8 @@ def plot_parity(p: Parity, path: Path) -> None:
     bottom.axhline(p.tolerance.loss, color="C0", lw=1, ls=":", label=f"loss tolerance {p.tolerance.loss:.0e}")
     bottom.axhline(p.tolerance.grad_norm, color="C1", lw=1, ls=":",
                    label=f"gradient-norm tolerance {p.tolerance.grad_norm:.0e}")
-    bottom.set_ylabel("|jdp - DDP| / |jdp|")
-    bottom.set_xlabel("step")
+    bottom.set(ylabel="|jdp - DDP| / |jdp|", xlabel="step")
     bottom.legend(fontsize=8)
-    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -196,19 +185,16 @@ def write_speed(s: Speed, workdir: Path) -> None:
 
 
 def plot_speed(s: Speed, path: Path) -> None:
-    plt = _plt()
     names = [row["run"] for row in s.rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), layout="tight")
     colors = ["#444444" if n == "ddp" else "#1f77b4" for n in names]
     left.bar(names, [row["examples_per_sec"] for row in s.rows], color=colors, alpha=0.8)
     for i, name in enumerate(names):
         runs = [r["examples_per_sec"] for r in s.runs if r["run"] == name]
         left.plot([i] * len(runs), runs, "k.", ms=5)
-    left.set_ylabel("examples / s (steady state)")
-    left.set_title(f"{s.name}: {s.meta['workers']} workers, batch {s.meta['global_batch_size']}")
+    left.set(ylabel="examples / s (steady state)",
+             title=f"{s.name}: {s.meta['workers']} workers, batch {s.meta['global_batch_size']}")
     right.bar(names, [row["time_to_first_step_s"] for row in s.rows], color=colors, alpha=0.8)
-    right.set_ylabel("time to first step (s)")
-    right.set_title("start-up + compile")
-    fig.tight_layout()
+    right.set(ylabel="time to first step (s)", title="start-up + compile")
     fig.savefig(path, dpi=110)
     plt.close(fig)

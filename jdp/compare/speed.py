@@ -1,6 +1,5 @@
-"""`python -m jdp.compare speed` (docs/compare.md): throughput, step time, time to first step and peak memory of
-each jdp backend and of DDP at the same global batch, from the same init.npz, each run a fresh process. Repeat r
-runs [ddp, *backends] rotated by r, so that a slow period of the machine does not fall on one side only.
+"""`python -m jdp.compare speed` (docs/compare.md), each run a fresh process from the same init.npz. Repeat r runs
+[ddp, *backends] rotated by r, so that a slow period of the machine does not fall on one side only.
 """
 
 from __future__ import annotations
@@ -10,33 +9,17 @@ import json
 import os
 import shutil
 import statistics
-import time
 from pathlib import Path
 
 from jdp.cli import config as config_lib
 from jdp.compare import procs
-from jdp.compare.parity import both_sides
+from jdp.compare.parity import both_sides, run_ddp
 from jdp.compare.report import Speed, write_speed
 from jdp.data.text import is_text
 from jdp.metrics import read_metrics
 from jdp.parallel import BACKENDS
 
 _CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
-
-
-def prepare_config(cfg, *, workers: int, steps: int | None, compile_cache: bool, device: str = "cpu"):
-    steps = steps or cfg.train.steps
-    if steps < 2:
-        raise ValueError("--steps must be at least 2: the first step is left out of the throughput")
-    cfg = both_sides(cfg, workers=workers, steps=steps, device=device, bf16=device == "cuda")
-    cfg.train.update(eval_every=steps, log_every=min(cfg.train.log_every, steps))
-    if not compile_cache:
-        cfg.compile_cache_dir = ""
-    return cfg
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else float("nan")
 
 
 def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: bool) -> dict:
@@ -55,17 +38,12 @@ def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: 
             "losses": [r["loss"] for r in lines if r["split"] == "train"], "wall_s": finished.seconds}
 
 
-def _run_ddp(cfg, run_dir: Path, init: Path, lrs: list[float], workers: int, timeout_s: float,
-             device: str, torch_compile: bool = False, threads: int = 1) -> dict:
+def _run_ddp(cfg, run_dir: Path, workdir: Path, workers: int, timeout_s: float, device: str,
+             torch_compile: bool = False, threads: int = 1) -> dict:
     config_lib.save_config(cfg, run_dir / "config.json")
-    spec = {"config": str(run_dir / "config.json"), "workers": workers, "steps": cfg.train.steps,
-            "init": str(init), "lrs": lrs, "out": str(run_dir), "mode": "speed",
-            "device": device, "threads": threads, "timeout_s": timeout_s,
-            "launch_time": time.time(), "compile": torch_compile, "autocast": cfg.precision == "bf16"}
-    (run_dir / "spec.json").write_text(json.dumps(spec))
-    finished = procs.run(["-m", "jdp.compare.ddp", str(run_dir / "spec.json")], log=run_dir / "log.txt",
-                         timeout_s=timeout_s)
-    procs.check(finished, "DDP")
+    finished = run_ddp(run_dir, workdir, run_dir / "log.txt", "DDP", timeout_s, mode="speed", workers=workers,
+                       steps=cfg.train.steps, device=device, threads=threads, compile=torch_compile,
+                       autocast=cfg.precision == "bf16")
     result = json.loads((run_dir / "ddp_result.json").read_text())
     rss = result["peak_rss_mib_per_worker"]
     return {"examples_per_sec": result["examples_per_sec"],
@@ -80,7 +58,13 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
           jdp_devices: int | None = None) -> Speed:
     """Runs everything into `workdir`; writes speed.md, speed.json and speed.png. On cuda with bf16 the twin runs
     under autocast; on a CPU jdp simulates `jdp_devices` devices (default `workers`) in its one process."""
-    cfg = prepare_config(cfg, workers=workers, steps=steps, compile_cache=compile_cache, device=device)
+    steps = steps or cfg.train.steps
+    if steps < 2:
+        raise ValueError("--steps must be at least 2: the first step is left out of the throughput")
+    cfg = both_sides(cfg, workers=workers, steps=steps, device=device, bf16=device == "cuda")
+    cfg.train.update(eval_every=steps, log_every=min(cfg.train.log_every, steps))
+    if not compile_cache:
+        cfg.compile_cache_dir = ""
     if device != "cuda" and jdp_devices:
         cfg.parallel.cpu_devices = jdp_devices
     workdir = Path(workdir).resolve()
@@ -91,7 +75,6 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
                       "--out", str(workdir)], log=workdir / "logs" / "init.log", timeout_s=timeout_s)
     procs.check(init, "jdp init")
     cfg.init_from = str(workdir / "init.npz")
-    lrs = json.loads((workdir / "lrs.json").read_text())
 
     plan = ["ddp", *backends]
     runs = []
@@ -101,8 +84,7 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
             run_dir.mkdir(parents=True)
             load_before = os.getloadavg()[0]
             if kind == "ddp":
-                figures = _run_ddp(cfg, run_dir, workdir / "init.npz", lrs, workers, timeout_s, device, torch_compile,
-                                   torch_threads)
+                figures = _run_ddp(cfg, run_dir, workdir, workers, timeout_s, device, torch_compile, torch_threads)
             else:
                 figures = _run_jdp(cfg, kind, run_dir, timeout_s, compile_cache)
             runs.append({"run": kind, "repeat": rep, **figures, "load_avg_1min": [load_before, os.getloadavg()[0]]})
@@ -111,20 +93,20 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
 
     batch = cfg.train.global_batch_size
     tokens = cfg.data.block_size if is_text(cfg.data.name) else 0  # a language model's tokens per example
-    ddp_rate = _median([r["examples_per_sec"] for r in runs if r["run"] == "ddp"])
+    ddp_rate = statistics.median([r["examples_per_sec"] for r in runs if r["run"] == "ddp"])
     rows = []
     for kind in plan:
         mine = [r for r in runs if r["run"] == kind]
-        rate = _median([r["examples_per_sec"] for r in mine])
+        rate = statistics.median([r["examples_per_sec"] for r in mine])
         rows.append({"run": kind, "examples_per_sec": rate, "ratio_vs_ddp": rate / ddp_rate,
                      **({"tokens_per_sec": rate * tokens} if tokens else {}),
                      "step_time_ms": 1000 * batch / rate,
-                     **{key: _median([r[key] for r in mine])
+                     **{key: statistics.median([r[key] for r in mine])
                         for key in ("time_to_first_step_s", "peak_rss_mib_per_worker", "peak_rss_mib_total")}})
     loads = [load for r in runs for load in r["load_avg_1min"]]
     meta = {"config": name, "model": cfg.model.name, "workers": workers, "steps": cfg.train.steps,
             "torch_threads": torch_threads, "jdp_devices": cfg.parallel.cpu_devices or cfg.parallel.num_devices,
-            "load_avg_1min_median": _median(loads), "load_avg_1min_max": max(loads),
+            "load_avg_1min_median": statistics.median(loads), "load_avg_1min_max": max(loads),
             "repeats": repeats, "global_batch_size": batch, "tokens_per_example": tokens, "device": device,
             "compile_cache": compile_cache, "precision": cfg.precision, "torch_compile": torch_compile,
             "command": command}

@@ -1,8 +1,6 @@
-"""PyTorch twins of jdp's models: the same layers in the same order, padding, strides, ReLU placement, ResNet stems
-and shortcuts. Module names mirror jdp's paths (`blocks.0.conv1` is `blocks/0/conv1`), so `jdp.compare.weights`
-maps weights by name and converts the layouts; the dense layer after a conv stack, which flattens (C, H, W) in
-torch but (H, W, C) in Flax, carries `jdp_flatten_from = (C, *spatial)` for it. `prepare_input` puts jdp's
-channels-last inputs channels first. The settings and the ResNet table are jdp's own (`jdp.models`).
+"""PyTorch twins of jdp's models (`jdp.models`' settings and ResNet table): the same layers in the same order.
+Module names mirror jdp's paths (`blocks.0.conv1` is `blocks/0/conv1`) for `jdp.compare.weights`; the dense layer
+after a conv stack, which flattens (C, H, W) in torch but (H, W, C) in Flax, carries `jdp_flatten_from`.
 """
 
 from __future__ import annotations
@@ -26,13 +24,9 @@ MODEL_NAMES = ("mlp", "cnn1d", "cnn2d", *ARCHS, "gpt")
 
 
 class BatchNorm(nn.BatchNorm2d):
-    """jdp's BatchNorm (`nnx.BatchNorm(momentum=m, epsilon=1e-5)`) in torch, its buffers one to one with jdp's
-    `mean` / `var`: running statistics follow Flax (`new = m * old + (1 - m) * batch`; torch's momentum is 1 - m),
-    and `running_var` averages the *biased* batch variance, as nnx stores it (torch keeps the unbiased one).
-    `sync=True` (jdp `model.bn_sync`): the global batch's statistics, by torch's SyncBatchNorm kernels on CUDA; on
-    CPU, which nn.SyncBatchNorm refuses, the mean and mean of squares are all-reduced with autograd, as Flax's
-    `lax.pmean` (variance E[x^2] - E[x]^2, clipped at 0). `sync=False`: this rank's statistics, the running ones
-    averaged across ranks after each step (`average_bn_buffers`), as jdp does."""
+    """jdp's BatchNorm, buffers one to one with jdp's `mean` / `var`: running statistics follow Flax (`new = m * old
+    + (1 - m) * batch`, the *biased* variance). `sync=True` (`model.bn_sync`): the global batch's statistics (on CPU,
+    which nn.SyncBatchNorm refuses, as Flax's `lax.pmean`); else this rank's (then `average_bn_buffers`)."""
 
     def __init__(self, num_features: int, flax_momentum: float = 0.9, eps: float = 1e-5, sync: bool = False):
         super().__init__(num_features, eps=eps, momentum=1.0 - flax_momentum)
@@ -45,21 +39,17 @@ class BatchNorm(nn.BatchNorm2d):
         dims = [0, *range(2, x.ndim)]
         world = dist.get_world_size() if self.sync and dist.is_available() and dist.is_initialized() else 1
         shape = (1, -1) + (1,) * (x.ndim - 2)
-        if world > 1 and x.is_cuda:
-            y = _SyncBatchNormFn.apply(x, self.weight, self.bias, None, None, self.eps, 0.0, dist.group.WORLD, world)
-            with torch.no_grad():
-                stats = torch.stack([x.mean(dims), (x * x).mean(dims)])
-                dist.all_reduce(stats)
-                mean, mean2 = stats / world
-                var = (mean2 - mean * mean).clamp_min(0.0)
-        elif world > 1:
+        if world > 1:
             import torch.distributed.nn.functional as dist_fn
 
-            stats = dist_fn.all_reduce(torch.stack([x.mean(dims), (x * x).mean(dims)])) / world
-            mean, mean2 = stats
+            mean, mean2 = dist_fn.all_reduce(torch.stack([x.mean(dims), (x * x).mean(dims)])) / world
             var = (mean2 - mean * mean).clamp_min(0.0)
-            # Flax's order of operations: (x - mean) * (rsqrt(var + eps) * scale) + bias.
-            y = (x - mean.view(shape)) * (torch.rsqrt(var + self.eps) * self.weight).view(shape) + self.bias.view(shape)
+            if x.is_cuda:
+                y = _SyncBatchNormFn.apply(x, self.weight, self.bias, None, None, self.eps, 0.0, dist.group.WORLD,
+                                           world)
+            else:  # Flax's order of operations: (x - mean) * (rsqrt(var + eps) * scale) + bias.
+                y = ((x - mean.view(shape)) * (torch.rsqrt(var + self.eps) * self.weight).view(shape)
+                     + self.bias.view(shape))
             mean, var = mean.detach(), var.detach()
         else:
             y = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
@@ -83,6 +73,14 @@ def average_bn_buffers(buffers: list[torch.Tensor], world: int) -> None:
         b.copy_(averaged.view_as(b))
 
 
+def _dense(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    """Linear layers with ReLU between them."""
+    *hidden, head = layers
+    for layer in hidden:
+        x = F.relu(layer(x))
+    return head(x)
+
+
 class MLP(nn.Module):
     """jdp.models.MLP: Linear layers with ReLU between them on the flattened input."""
 
@@ -92,11 +90,7 @@ class MLP(nn.Module):
         self.layers = nn.ModuleList([nn.Linear(a, b) for a, b in pairwise(sizes)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.flatten(1)
-        *hidden, head = self.layers
-        for layer in hidden:
-            x = F.relu(layer(x))
-        return head(x)
+        return _dense(self.layers, x.flatten(1))
 
 
 class CNN1D(nn.Module):
@@ -137,55 +131,34 @@ class CNN2D(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for conv in self.convs:
             x = F.relu(conv(x))
-        x = F.max_pool2d(x, 2)  # floor, like jdp's crop of odd sizes
-        x = x.flatten(1)
-        *hidden, head = self.dense
-        for layer in hidden:
-            x = F.relu(layer(x))
-        return head(x)
+        return _dense(self.dense, F.max_pool2d(x, 2).flatten(1))  # floor, like jdp's crop of odd sizes
 
 
 def _conv(c_in: int, c_out: int, k: int, stride: int = 1) -> nn.Conv2d:
     return nn.Conv2d(c_in, c_out, k, stride, padding=k // 2, bias=False)  # symmetric k // 2, as jdp
 
 
-def _shortcut(c_in: int, c_out: int, stride: int, bn: Callable[[int], BatchNorm]) -> nn.Module:
-    """The identity, or a 1x1 projection and BatchNorm where the block changes the shape."""
-    if stride == 1 and c_in == c_out:
-        return nn.Identity()
-    return nn.Sequential(OrderedDict(proj=_conv(c_in, c_out, 1, stride), bn=bn(c_out)))
+class Block(nn.Module):
+    """jdp.models' BasicBlock (3x3, 3x3 convs) or BottleneckBlock (1x1, 3x3 with the stride: v1.5, 1x1 to 4x the
+    filters): `conv1` / `bn1`, ... with ReLU between them, added to the shortcut, then ReLU."""
 
-
-class BasicBlock(nn.Module):
-    expansion = 1
-
-    def __init__(self, c_in: int, filters: int, stride: int, bn: Callable[[int], BatchNorm]):
+    def __init__(self, c_in: int, filters: int, stride: int, bn: Callable[[int], BatchNorm], bottleneck: bool):
         super().__init__()
-        self.conv1, self.bn1 = _conv(c_in, filters, 3, stride), bn(filters)
-        self.conv2, self.bn2 = _conv(filters, filters, 3), bn(filters)
-        self.shortcut = _shortcut(c_in, filters, stride, bn)
+        convs = ([(filters, 1, 1), (filters, 3, stride), (4 * filters, 1, 1)] if bottleneck
+                 else [(filters, 3, stride), (filters, 3, 1)])
+        self.c_out, self.depth = c_in, len(convs)
+        for i, (c_out, k, s) in enumerate(convs, 1):
+            self.add_module(f"conv{i}", _conv(self.c_out, c_out, k, s))
+            self.add_module(f"bn{i}", bn(c_out))
+            self.c_out = c_out
+        self.shortcut = (nn.Identity() if stride == 1 and c_in == self.c_out  # else a 1x1 projection and BatchNorm
+                         else nn.Sequential(OrderedDict(proj=_conv(c_in, self.c_out, 1, stride), bn=bn(self.c_out))))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))
-        y = self.bn2(self.conv2(y))
-        return F.relu(y + self.shortcut(x))
-
-
-class BottleneckBlock(nn.Module):
-    expansion = 4
-
-    def __init__(self, c_in: int, filters: int, stride: int, bn: Callable[[int], BatchNorm]):
-        super().__init__()
-        c_out = filters * self.expansion
-        self.conv1, self.bn1 = _conv(c_in, filters, 1), bn(filters)
-        self.conv2, self.bn2 = _conv(filters, filters, 3, stride), bn(filters)  # v1.5
-        self.conv3, self.bn3 = _conv(filters, c_out, 1), bn(c_out)
-        self.shortcut = _shortcut(c_in, c_out, stride, bn)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.relu(self.bn1(self.conv1(x)))
-        y = F.relu(self.bn2(self.conv2(y)))
-        y = self.bn3(self.conv3(y))
+        y = x
+        for i in range(1, self.depth + 1):
+            y = self.get_submodule(f"bn{i}")(self.get_submodule(f"conv{i}")(y))
+            y = F.relu(y) if i < self.depth else y
         return F.relu(y + self.shortcut(x))
 
 
@@ -212,14 +185,13 @@ class ResNet(nn.Module):
         k, stride = (7, 2) if self.imagenet_stem else (3, 1)
         self.stem_conv = _conv(in_channels, width, k, stride)
         self.stem_bn = bn(width)
-        block_cls = {"basic": BasicBlock, "bottleneck": BottleneckBlock}[block]
-        blocks, c = [], width
+        blocks = []
         for i, n in enumerate(stage_sizes):
             for j in range(n):
-                blocks.append(block_cls(c, width * 2**i, 2 if i > 0 and j == 0 else 1, bn))
-                c = width * 2**i * block_cls.expansion
+                c = blocks[-1].c_out if blocks else width
+                blocks.append(Block(c, width * 2**i, 2 if i > 0 and j == 0 else 1, bn, block == "bottleneck"))
         self.blocks = nn.ModuleList(blocks)
-        self.head = nn.Linear(c, num_classes)
+        self.head = nn.Linear(blocks[-1].c_out, num_classes)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.stem_bn(self.stem_conv(x)))

@@ -1,10 +1,7 @@
 """Weights both ways between jdp (pure dicts of params / model_state, or flat `jdp.export` names such as
 `params/layers/0/kernel`) and a `jdp.compare.torch_models` twin's state_dict. Each conversion is a transpose or a
-permutation, so both round trips are exact: Dense (in, out) <-> Linear (out, in), after a conv stack with its
-inputs permuted (H, W, C) <-> (C, H, W); conv HWIO / WIO <-> OIHW / OIW; norms' `scale` <-> `weight`; `embedding`
-<-> `weight`; BatchNorm `mean` / `var` <-> `running_mean` / `running_var`. A scanned model's stacked layers map to
-the twin's unrolled ones (`unstacked`). torch's `num_batches_tracked` has no jdp counterpart: the model keeps its
-own.
+permutation (Dense <-> Linear, conv HWIO <-> OIHW, `scale` / `embedding` <-> `weight`, BatchNorm `mean` / `var` <->
+`running_mean` / `running_var`), so both round trips are exact. torch's `num_batches_tracked` stays the twin's own.
 """
 
 from __future__ import annotations
@@ -32,8 +29,7 @@ def _entries(model: nn.Module) -> list[tuple[str, str, str, Any]]:
     """(jdp key, torch key, kind, flatten_from) for every weight of `model`."""
     out = []
     for name, module in model.named_modules():
-        found = next((v for t, v in _WEIGHTS.items() if isinstance(module, t)), None)
-        if found is None:
+        if (found := _WEIGHTS.get(type(module))) is None:
             continue
         path, (kind, weight) = name.replace(".", "/"), found
         out.append((f"params/{path}/{weight}", f"{name}.weight", kind, getattr(module, "jdp_flatten_from", None)))
@@ -44,29 +40,16 @@ def _entries(model: nn.Module) -> list[tuple[str, str, str, Any]]:
     return out
 
 
-def _flatten_permutation(flatten_from: tuple[int, ...]) -> np.ndarray:
-    """perm[j] = the jdp (channels-last) row of the torch (channels-first) flattened feature j."""
-    c, *spatial = flatten_from
-    jdp_index = np.arange(int(np.prod(flatten_from))).reshape(*spatial, c)
-    return np.moveaxis(jdp_index, -1, 0).reshape(-1)
-
-
-def _to_torch(kind: str, value: np.ndarray, flatten_from) -> np.ndarray:
-    if kind == "linear":
-        return (value[_flatten_permutation(flatten_from)] if flatten_from else value).T
-    if kind == "conv":  # (*spatial, I, O) -> (O, I, *spatial)
+def _convert(kind: str, value: np.ndarray, flatten_from, to_torch: bool) -> np.ndarray:
+    """One weight from jdp's layout to torch's (`to_torch`) or back."""
+    if kind == "conv":  # (*spatial, I, O) <-> (O, I, *spatial)
         nd = value.ndim - 2
-        return np.transpose(value, (nd + 1, nd, *range(nd)))
-    return value
-
-
-def _to_jdp(kind: str, value: np.ndarray, flatten_from) -> np.ndarray:
-    if kind == "linear":  # the inverse permutation of _to_torch's rows
-        return value.T[np.argsort(_flatten_permutation(flatten_from))] if flatten_from else value.T
-    if kind == "conv":  # (O, I, *spatial) -> (*spatial, I, O)
-        nd = value.ndim - 2
-        return np.transpose(value, (*range(2, 2 + nd), 1, 0))
-    return value
+        return np.transpose(value, (nd + 1, nd, *range(nd)) if to_torch else (*range(2, 2 + nd), 1, 0))
+    if kind == "linear" and flatten_from:  # perm[j]: the jdp (channels-last) row of torch's flattened feature j
+        c, *spatial = flatten_from
+        perm = np.moveaxis(np.arange(int(np.prod(flatten_from))).reshape(*spatial, c), -1, 0).reshape(-1)
+        return value[perm].T if to_torch else value.T[np.argsort(perm)]
+    return value.T if kind == "linear" else value
 
 
 def unstacked(flat: Flat) -> Flat:
@@ -74,24 +57,21 @@ def unstacked(flat: Flat) -> Flat:
     index as an `nnx.List`'s are) split into the unrolled model's names, one per layer (`<path>/<i>/<name>`)."""
     out = {}
     for key, value in flat.items():
-        stacked = re.match(r"^(.*)/layers/(\D[^/]*(?:/.*)?)$", key)
-        if stacked is None:
+        if stacked := re.match(r"^(.*)/layers/(\D[^/]*(?:/.*)?)$", key):
+            out |= {f"{stacked[1]}/{i}/{stacked[2]}": layer for i, layer in enumerate(np.asarray(value))}
+        else:
             out[key] = value
-            continue
-        for i, layer in enumerate(np.asarray(value)):
-            out[f"{stacked[1]}/{i}/{stacked[2]}"] = layer
     return out
 
 
 def flat_to_torch(flat: Flat, model: nn.Module) -> dict[str, torch.Tensor]:
-    """Export-named arrays (stacked layers too) -> a complete state_dict for `model` (strict=True); ValueError
-    naming the first key missing or of the wrong shape."""
+    """Export-named arrays (stacked too) -> `model`'s state_dict; ValueError naming a missing or misshapen key."""
     flat = unstacked(flat)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for jdp_key, torch_key, kind, flatten_from in _entries(model):
         if jdp_key not in flat:
             raise ValueError(f"no {jdp_key} for the twin's {torch_key}; is it the same model and config?")
-        value = np.ascontiguousarray(_to_torch(kind, np.asarray(flat[jdp_key]), flatten_from))
+        value = np.ascontiguousarray(_convert(kind, np.asarray(flat[jdp_key]), flatten_from, True))
         if tuple(value.shape) != tuple(state[torch_key].shape):
             raise ValueError(f"{jdp_key} gives {torch_key} the shape {value.shape}, the twin has "
                              f"{tuple(state[torch_key].shape)}")
@@ -103,17 +83,9 @@ def torch_to_flat(state_dict: dict[str, torch.Tensor], model: nn.Module) -> Flat
     """A twin's state_dict -> arrays with jdp.export key names (what `--config.init_from` reads)."""
     flat = {}
     for jdp_key, torch_key, kind, flatten_from in _entries(model):
-        if torch_key not in state_dict:
-            raise ValueError(f"the state_dict has no {torch_key}")
         value = state_dict[torch_key].detach().cpu().numpy()
-        flat[jdp_key] = np.ascontiguousarray(_to_jdp(kind, value, flatten_from))
+        flat[jdp_key] = np.ascontiguousarray(_convert(kind, value, flatten_from, False))
     return flat
-
-
-def unflatten_tree(flat: Flat, prefix: str) -> dict:
-    """The inverse of jdp.params_file.flatten; numeric path parts become int keys, as in nnx.to_pure_dict."""
-    return traverse_util.unflatten_dict({tuple(int(p) if p.isdigit() else p for p in key.split("/")[1:]): value
-                                         for key, value in flat.items() if key.startswith(prefix + "/")})
 
 
 def jdp_to_torch(params: dict, model_state: dict, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -122,9 +94,11 @@ def jdp_to_torch(params: dict, model_state: dict, model: nn.Module) -> dict[str,
 
 
 def torch_to_jdp(state_dict: dict[str, torch.Tensor], model: nn.Module) -> tuple[dict, dict]:
-    """A twin's state_dict -> (params, model_state) pure dicts shaped like jdp's."""
+    """A twin's state_dict -> (params, model_state) pure dicts shaped like jdp's (as nnx.to_pure_dict's)."""
     flat = torch_to_flat(state_dict, model)
-    return unflatten_tree(flat, "params"), unflatten_tree(flat, "model_state")
+    return tuple(traverse_util.unflatten_dict({tuple(int(p) if p.isdigit() else p for p in key.split("/")[1:]): value
+                                               for key, value in flat.items() if key.startswith(prefix + "/")})
+                 for prefix in ("params", "model_state"))
 
 
 def load_npz(model: nn.Module, path) -> None:

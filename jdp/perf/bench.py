@@ -1,21 +1,12 @@
 """`python -m jdp.bench --config configs/X.py [--devices 1,2,4,8]`: where a data-parallel step's time goes
-(docs/performance.md, "Making it fast").
+(docs/performance.md, "Making it fast"; the columns: docs/benchmarks.md).
 
-Each variant (device count, with or without its collective) is compiled once (persistent cache on) and timed
-`--repeats` times, interleaved; medians. At the config's global batch: steady-state examples/sec on batches
-already on the devices and the time to the first step (compile); the host input pipeline's time per batch; the
-all-reduce's cost, the step's time less that of the same step compiled without its collective (not on one
-device); the ratio to a plain single-device jit step; per-device memory of parameters, gradients and optimizer
-state, and XLA's `memory_analysis()`; MFU from XLA's FLOP count against the peak of the precision that runs
-(`PEAK_TFLOPS` for known GPUs, or `--peak_tflops`); the dtypes the step's dots and convolutions produce; the
-scaling efficiency throughput_N / (N x throughput_1). A language model adds tokens/sec, the GPT its model FLOPs
-per token, 6N + 12 x layers x block x width (N: parameters without the position embedding, the tied embedding
-once; the attention term of PaLM's appendix), MFU from it and XLA's count per token. Writes bench.json, bench.md.
-
-`--compile_only` runs nothing: per device count and remat setting, the step compiled from shapes with the state
-replicated, ZeRO-1 (shard_map only) and ZeRO-3, side by side: per-device state bytes, XLA's `memory_analysis()`
-and compile time, for models too big to run here. `--fits --memory_gb G`: which GPT shapes fit in G GB a device
-(jdp/perf/fits.py). `--predict`: step time and scaling on devices not at hand (`--predict --help`).
+Each variant (device count, with or without its collective) is compiled once and timed `--repeats` times,
+interleaved; medians. At the config's global batch: examples/sec, time to the first step, input time per batch,
+the all-reduce's cost (the step less the same step compiled without its collective), the ratio to a plain
+single-device jit step, per-device memory, MFU (`PEAK_TFLOPS` or `--peak_tflops`), the dots' dtypes and the
+scaling efficiency; a language model adds tokens/sec, the GPT its model FLOPs per token. Writes bench.json, bench.md.
+`--predict`: step time and scaling on devices not at hand (`--predict --help`).
 """
 
 from __future__ import annotations
@@ -45,11 +36,9 @@ from jdp.perf.measure import SHARDINGS, Variant, compiled_memory
 COMM_DOMINATES = 0.5  # warn when the collective takes more than this share of the step
 
 
-# Dense peak TFLOP/s per GPU, by device kind (`jax.devices()[0].device_kind`, matched by substring, first match
-# wins): bf16/fp16 tensor cores, and TF32, which XLA uses for float32 matmuls on these GPUs by default.
-# NVIDIA datasheets list H100/H200 figures "with sparsity"; dense is half: H100 SXM and H200 SXM 1,979 bf16 and
-# 989 TF32 (nvidia.com/en-us/data-center/h100, /h200), H100 PCIe 1,513 and 756, H200 NVL 1,671 and 835; A100
-# dense 312 bf16, 156 TF32 (A100 datasheet). Sustained matmul rates are lower (~790 bf16 measured on an H200).
+# Dense peak TFLOP/s per GPU, by device kind (matched by substring, first match wins): bf16/fp16, and TF32, which
+# XLA uses for float32 matmuls on these GPUs. NVIDIA's datasheets (nvidia.com/en-us/data-center/h100, /h200, A100)
+# list H100/H200 "with sparsity": dense is half. Sustained matmul rates are lower (~790 bf16 measured on an H200).
 PEAK_TFLOPS: dict[str, dict[str, float]] = {
     "H100 PCIe": {"bf16": 756.5, "fp16": 756.5, "fp32": 378.0},
     "H200 NVL": {"bf16": 835.5, "fp16": 835.5, "fp32": 417.5},
@@ -114,8 +103,7 @@ def run_bench(cfg, devices: list[int], steps: int, repeats: int, peak_tflops: fl
         r["efficiency"] = r["examples_per_sec"] / (r["devices"] * base["examples_per_sec"]) if base else None
         r["vs_single_device_jit"] = (r["examples_per_sec"] * median["jit"] / variants["jit"].batch_size
                                      if baseline else None)
-        # Model FLOPs utilisation against the peak: the GPT's model FLOPs per token x tokens/sec per device;
-        # XLA's FLOP count of one device's step over its time (the only figure for other models).
+        # MFU: the GPT's model FLOPs, else XLA's FLOP count of one device's step (the only figure for other models).
         if not peak:
             continue
         r["peak_tflops"] = peak
@@ -206,8 +194,7 @@ def _results_folder(out: Path) -> Path:
 
 
 def _write(out: Path, name: str, data, table: str, *warnings: str) -> int:
-    """OUT/NAME.json and OUT/NAME.md (OUT from `_results_folder`); prints the table, then `warnings`; the exit
-    code."""
+    """Writes OUT/NAME.json and OUT/NAME.md; prints the table, then `warnings`; the exit code."""
     (out / f"{name}.json").write_text(json.dumps(data, indent=2, default=list))
     (out / f"{name}.md").write_text(table)
     print(table, flush=True)
@@ -258,27 +245,22 @@ def main(argv: list[str] | None = None) -> int:
             return _write(out, "fits", rows, table)
         cfg = config_lib.load_config_file(args.config)
         cfg = config_lib.apply_overrides(cfg, config_lib.parse_overrides(rest))
-        devices = args.devices
         out = _results_folder(args.out or Path("runs") / f"bench-{args.config.stem}")
-    except UsageError as e:
-        print(f"jdp.bench: {e}", file=sys.stderr)
-        return 2
-    with contextlib.suppress(RuntimeError):  # called from Python after JAX started: the devices are already fixed
-        simulate_cpu_devices(cfg.parallel.cpu_devices or max(devices))  # a CPU-only machine's; accelerators ignore it
-    enable_compilation_cache(cfg.compile_cache_dir)
-    try:
+        with contextlib.suppress(RuntimeError):  # called from Python after JAX started: the devices are fixed
+            simulate_cpu_devices(cfg.parallel.cpu_devices or max(args.devices))  # a CPU-only machine's
+        enable_compilation_cache(cfg.compile_cache_dir)
         if args.compile_only and cfg.parallel.backend == "pmap":
             raise config_lib.ConfigError("--compile_only compiles the shard_map or jit step; use "
                                          "--config.parallel.backend=shard_map")
         if args.compile_only:  # by default every remat setting of a model that takes one (the GPT, the ResNet)
             remats = REMAT_POLICIES if "remat" in settings(cfg.model.name, cfg.model.kwargs.to_dict()) else ("",)
             rows = [{**compiled_memory(cfg, n, sharding, remat), "remat": remat or "-"}
-                    for n in devices for sharding in SHARDINGS
+                    for n in args.devices for sharding in SHARDINGS
                     for remat in (args.remat.split(",") if args.remat else remats)
                     if not (sharding == "zero1" and cfg.parallel.backend == "jit")]  # ZeRO-1 is shard_map's
         else:
-            rows = run_bench(cfg, devices, args.steps, args.repeats, args.peak_tflops, args.baseline)
-    except UsageError as e:  # a config the step refuses, more devices than there are
+            rows = run_bench(cfg, args.devices, args.steps, args.repeats, args.peak_tflops, args.baseline)
+    except UsageError as e:  # a bad argument, a config the step refuses, more devices than there are
         print(f"jdp.bench: {e}", file=sys.stderr)
         return 2
     table = memory_markdown(cfg, rows) if args.compile_only else to_markdown(cfg, rows)

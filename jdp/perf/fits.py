@@ -1,8 +1,7 @@
 """`python -m jdp.bench --fits --memory_gb G --devices N`: which GPT shapes fit in G GB a device under each of
-STRATEGIES, each step compiled from shapes (`compiled_memory`) in a capped child process, with its host RSS. The
-figure is XLA's compiled peak, activations included (DeepSpeed's estimator counts the model states only); on a
-CPU, XLA:CPU's, within tens of percent of a GPU compiler's (docs/performance.md, "Making a model fit"). Shapes
-past GPT-2 medium are compiled scanned, as an unrolled compile grows with depth.
+STRATEGIES: XLA's compiled peak, activations included, of each step compiled from shapes in a capped child process
+(docs/performance.md, "Making a model fit"). Shapes past GPT-2 medium are compiled scanned, as an unrolled compile
+grows with depth.
 """
 
 from __future__ import annotations
@@ -28,17 +27,6 @@ STRATEGIES = {"plain": ("plain", "none", False), "ZeRO-1": ("zero1", "none", Fal
               "ZeRO-3": ("zero3", "none", False), "ZeRO-3 + scan + remat": ("zero3", "full", True)}
 
 
-def shape_of(name: str) -> tuple[int, int, int]:
-    """(layers, heads, width) of a SHAPES name, or of "LxHxW" (e.g. 2x2x16)."""
-    if name in SHAPES:
-        return SHAPES[name]
-    try:
-        layers, heads, width = (int(part) for part in name.split("x"))
-    except ValueError:
-        raise ValueError(f"unknown GPT shape {name!r}: one of {', '.join(SHAPES)}, or LAYERSxHEADSxWIDTH") from None
-    return layers, heads, width
-
-
 def measure_one(shape: str, strategy: str, devices: int) -> dict:
     """One compile, in this process (the child's side)."""
     from jdp.cli import config as config_lib
@@ -49,7 +37,7 @@ def measure_one(shape: str, strategy: str, devices: int) -> dict:
     with contextlib.suppress(RuntimeError):  # JAX already started (called in-process): its devices stand
         simulate_cpu_devices(devices)
     sharding, remat, scanned = STRATEGIES[strategy]
-    layers, heads, width = shape_of(shape)
+    layers, heads, width = SHAPES[shape] if shape in SHAPES else map(int, shape.split("x"))  # or "LxHxW": 2x2x16
     large = shape not in SHAPES or list(SHAPES).index(shape) > list(SHAPES).index(UNROLLED_UP_TO)
     cfg = config_lib.load_config_file(gpt2_small.__file__)
     cfg.model.kwargs.update(num_layers=layers, num_heads=heads, embed_dim=width, remat=remat,

@@ -11,10 +11,9 @@ import jax
 
 from jdp import precision
 from jdp.cli.build import build
+from jdp.cli.config import with_default_sync
 from jdp.memory import memory_analysis, state_memory
 from jdp.memory import per_device_bytes as per_device_bytes  # re-exported: where the bench's figures come from
-from jdp.options import BY_NAME
-from jdp.sync.flags import FLAGS
 
 # The state's sharding on the devices, as `python -m jdp.bench --compile_only` compares them: sync strategy names.
 SHARDINGS = {"plain": "allreduce", "zero1": "zero1", "zero3": "zero3"}
@@ -23,13 +22,11 @@ SHARDINGS = {"plain": "allreduce", "zero1": "zero1", "zero3": "zero3"}
 def compiled_memory(cfg, num_devices: int, sharding: str, remat: str = "") -> dict:
     """Per-device memory and compile time of the config's step on `num_devices`, state sharded as `sharding` (a
     SHARDINGS name), with `remat` if given: compiled from shapes, never run, for models too big to run here."""
-    cfg = cfg.copy_and_resolve_references()
+    cfg = with_default_sync(cfg)  # the strategy named alone, whatever the config's flags chose
     cfg.parallel.num_devices = num_devices
+    cfg.parallel.sync = SHARDINGS[sharding]
     if remat:
         cfg.model.kwargs.remat = remat
-    for flag in FLAGS:  # the strategy named alone, whatever the config's flags chose
-        cfg.parallel[flag] = BY_NAME[flag].default
-    cfg.parallel.sync = SHARDINGS[sharding]
     b = build(cfg)
     state = b.parallel.step_shapes(b.abstract_state)
     batch = b.parallel.shard_batch(b.source.train_batch(0))
@@ -63,8 +60,7 @@ class Variant:
         self.state = self.parallel.to_devices(b.init_state())
         self.memory = state_memory(self.state)
         t0 = time.perf_counter()
-        # Compiled here, once, as the trainer does: the step runs this executable, and the collectives' bytes and
-        # XLA's accounting are read from it.
+        # Compiled once, as the trainer does: the step runs this executable; collectives and XLA's figures read it.
         self._lowered = self.parallel.lower_train(self.state, self.batches[0])
         self._step = self.parallel.compile_train(self.state, self.batches[0], self._lowered)
         self.state, metrics = self._step(self.state, self.batches[0])

@@ -1,9 +1,6 @@
 """`python -m jdp.bench --predict`: a config's step time and scaling efficiency on 1, 8, 64 and 512 devices,
-predicted before the hardware exists from the gradient's bytes, one device's step time and an alpha-beta model
-of the all-reduce on named links (docs/benchmarks.md, "Scaling prediction before hardware").
-
-`--validate` runs the same model, nothing fitted, on published scaling results (their own per-GPU throughput,
-batch and network as inputs) and prints predicted against published efficiency (jdp/perf/validation.py).
+predicted before the hardware exists (docs/benchmarks.md, "Scaling prediction before hardware"). `--validate`: the
+same model, nothing fitted, against published scaling results.
 """
 
 from __future__ import annotations
@@ -63,10 +60,6 @@ def gradient_bytes(cfg, input_shape: tuple[int, ...] | None = None, num_classes:
     return params, params * ALLREDUCE_BYTES[config_lib.sync_strategy(config_lib.fit_values(cfg))[0].dtype_name]
 
 
-def _shape(text: str) -> tuple[int, ...]:
-    return tuple(int(d) for d in text.split(","))
-
-
 def parser() -> argparse.ArgumentParser:
     p = config_lib.ArgumentParser(prog="python -m jdp.bench --predict", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -80,8 +73,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--scaling", default="strong", choices=("strong", "weak"),
                    help="strong: the config's global batch split over the devices (jdp's contract); weak: each "
                         "device keeps the config's global batch (the global batch grows N-fold)")
-    p.add_argument("--input_shape", type=_shape, help="one example's shape, e.g. 224,224,3: with --num_classes, "
-                   "the model is built without reading the config's data")
+    p.add_argument("--input_shape", type=config_lib.counts, help="one example's shape, e.g. 224,224,3: with "
+                   "--num_classes, the model is built without reading the config's data")
     p.add_argument("--num_classes", type=int, default=0)
     p.add_argument("--steps", type=config_lib.positive(int), default=20,
                    help="timed steps per measurement (without --step_ms)")
@@ -97,11 +90,10 @@ def main(argv: list[str]) -> int:
         if args.validate:
             print(validation.to_markdown(validation.validate()))
             return 0
-        devices = args.devices
         cfg = config_lib.load_config_file(args.config)
         cfg = config_lib.apply_overrides(cfg, config_lib.parse_overrides(rest))
         topo = Topology(args.per_node, INTRA_LINKS[args.intra], INTER_LINKS[args.inter])
-        for n in devices:
+        for n in args.devices:
             hierarchical_allreduce_s(0.0, n, topo)  # device counts that do not fill nodes, refused up front
         params, nbytes = gradient_bytes(cfg, args.input_shape, args.num_classes)
         one_step = (args.step_ms / 1e3 if args.step_ms  # else jdp.bench's one-device step, timed here
@@ -110,7 +102,7 @@ def main(argv: list[str]) -> int:
         print(f"jdp.bench --predict: {e}", file=sys.stderr)
         return 2
     batch = cfg.train.global_batch_size
-    rows = predict(nbytes, one_step, batch, devices, topo, args.scaling)
+    rows = predict(nbytes, one_step, batch, args.devices, topo, args.scaling)
     measured = "given" if args.step_ms else "measured here by jdp.bench"
     strategy = config_lib.sync_strategy(config_lib.fit_values(cfg))[0]
     print(f"{args.config.name}: {cfg.model.name}, {params:,} parameters, all-reduce in {strategy.dtype_name}; "

@@ -1,7 +1,5 @@
-"""The alpha-beta model behind `python -m jdp.bench --predict`: a step's time and efficiency on N devices from the
-gradient's bytes, one device's step time and named links. Its terms (ring and hierarchical all-reduce, compute
-linear in the per-device batch, which flatters small batches, overlap 0 or 2/3, fixed beforehand):
-docs/benchmarks.md, "Scaling prediction before hardware". Plain arithmetic: no JAX, no config.
+"""The alpha-beta model behind `python -m jdp.bench --predict` (docs/benchmarks.md, "Scaling prediction before
+hardware"): a step's time and efficiency on N devices. Plain arithmetic: no JAX, no config.
 """
 
 from __future__ import annotations
@@ -9,17 +7,15 @@ from __future__ import annotations
 import dataclasses
 
 BACKWARD_SHARE = 2 / 3  # the overlap: backward FLOPs are 2x the forward's (Kaplan et al. 2020, C ~ 6N per token)
-# A strategy's dtype -> bytes per gradient element sent. int8 and int4 add a float32 scale per 256 values
-# (the int8/int4 all-reduce's default block); their all-to-all and all-gather move, per device, what a ring
-# all-reduce of as many bytes moves: 2 (N - 1) / N of them.
+# A strategy's dtype -> bytes per gradient element sent; int8 and int4 add a float32 scale per 256 values (their
+# default block), and their all-to-all and all-gather move what a ring all-reduce of as many bytes moves.
 ALLREDUCE_BYTES = {"fp32": 4, "bf16": 2, "int8": 1 + 4 / 256, "int4": 0.5 + 4 / 256}
 DEFAULT_DEVICES = (1, 8, 64, 512)
 
 
 @dataclasses.dataclass(frozen=True)
 class Link:
-    """One link of the alpha-beta model: achieved bus bandwidth (bytes/s; per GPU within a node, per node
-    between nodes) and latency per ring step (seconds)."""
+    """Achieved bus bandwidth (bytes/s; per GPU within a node, per node between nodes), latency per ring step (s)."""
 
     bandwidth: float
     latency: float
@@ -28,16 +24,11 @@ class Link:
 
 GB = 1e9
 GBIT = 1e9 / 8
-# Latency per ring step: NCCL's own tuning model (src/graph/tuning.cc, hwLat, Ring with the Simple protocol,
-# used for large messages): NVLink 5.7 us, PCIe 5.7 us, network 6.6 us. TCP without RDMA has higher latency
-# (tens of us), which matters only for small gradients.
+# The sources of these figures: docs/benchmarks.md, "Scaling prediction before hardware". Latency per ring step:
+# NCCL's own tuning model (src/graph/tuning.cc, hwLat, Ring, Simple protocol).
 NVLINK_LAT, PCIE_LAT, NET_LAT = 5.7e-6, 5.7e-6, 6.6e-6
-# Achieved share of the datasheet's one-direction bandwidth, from DGX A100: NVIDIA's nccl-tests all-reduce bus
-# bandwidth of about 230 GB/s against NVLink3's 300 GB/s per direction (600 GB/s bidirectional, A100 datasheet).
-NVLINK_ACHIEVED = 230 / 300
-# Between nodes, NCCL over RDMA (InfiniBand or RoCE) is assumed to reach 90% of the line rate (protocol headers);
-# an assumption, not measured here. TCP Ethernet without RDMA reaches less.
-NET_ACHIEVED = 0.9
+NVLINK_ACHIEVED = 230 / 300  # DGX A100: nccl-tests' ~230 GB/s all-reduce bus bandwidth / NVLink3's 300 per direction
+NET_ACHIEVED = 0.9  # NCCL over RDMA (InfiniBand, RoCE) against the line rate: assumed, not measured
 
 INTRA_LINKS = {
     "nvlink-a100": Link(230 * GB, NVLINK_LAT, "A100 NVLink3 + NVSwitch (DGX A100): 300 GB/s per direction "

@@ -1,6 +1,5 @@
-"""`python -m jdp.bench --predict --validate`: the scaling model against published results, nothing fitted: each
-case's own per-GPU throughput and batch, parameter count and network are the inputs. Weak scaling, as in the
-sources: efficiency is per-GPU throughput at `gpus` over that at `baseline_gpus`.
+"""`python -m jdp.bench --predict --validate`: the scaling model, nothing fitted, against published results (weak
+scaling, as in the sources: efficiency is per-GPU throughput at `gpus` over that at `baseline_gpus`).
 """
 
 from __future__ import annotations
@@ -9,28 +8,19 @@ import dataclasses
 
 from jdp.perf.scaling import BACKWARD_SHARE, INTER_LINKS, INTRA_LINKS, Topology, hierarchical_allreduce_s, step_s
 
-# Parameter counts: the Keras Applications table (keras.io/api/applications): ResNet50 25.6M, ResNet101 44.7M,
-# InceptionV3 23.9M, VGG16 138.4M. Gradients are all-reduced in float32 in every case (4 bytes each; PyTorch AMP
-# keeps float32 parameters, so their gradients are float32 too).
+# Each figure's source: docs/benchmarks.md, "Validation against published scaling results". Parameter counts: the
+# Keras Applications table; gradients are all-reduced in float32 in every case (AMP keeps float32 parameters).
 RESNET50, RESNET101, INCEPTION_V3, VGG16 = 25.6e6, 44.7e6, 23.9e6, 138.4e6
 
-# One P100's throughput, tf_cnn_benchmarks, synthetic data, batch 64 per GPU (TensorFlow's published benchmarks,
-# "Details for NVIDIA DGX-1 (NVIDIA Tesla P100)", May 2017): InceptionV3 142, ResNet-50 219, ResNet-152 91.8,
-# VGG16 154 images/s. ResNet-101 is not in that table: its time per image is interpolated between ResNet-50's
-# and ResNet-152's by FLOPs (He et al. 2016, Table 1: 3.8, 7.6 and 11.3 GFLOPs), which gives 129 images/s.
+# One P100's images/s, tf_cnn_benchmarks at batch 64 (TensorFlow's published benchmarks, DGX-1, May 2017).
+# ResNet-101 is not in that table: interpolated between ResNet-50 and ResNet-152 by GFLOPs (He et al. 2016).
 P100_TF = {"InceptionV3": 142.0, "VGG16": 154.0}
 _T50, _T152 = 1 / 219, 1 / 91.8
 P100_TF["ResNet-101"] = 1 / (_T50 + (7.6 - 3.8) / (11.3 - 3.8) * (_T152 - _T50))
 
-# Goyal et al. 2017 ("Accurate, Large Minibatch SGD", arXiv:1706.02677): ResNet-50, 32 images per GPU, Big Basin
-# servers of 8 P100 (NVLink) on 50 Gb/s Ethernet, ~90% scaling efficiency from 8 to 256 GPUs. Per-GPU throughput:
-# the baseline run, 90 epochs of ImageNet (1,281,167 images) at a minibatch of 256 on 8 GPUs in 29 hours (as
-# summarised by NVIDIA, developer.nvidia.com/facebook-trains-imagenet-1-hour): 138 images/s per GPU.
+# Goyal et al. 2017 (arXiv:1706.02677): the baseline, 90 ImageNet epochs on 8 GPUs in 29 hours, per GPU.
 GOYAL_IMAGES_PER_S = 90 * 1_281_167 / (29 * 3600) / 8
 
-# NVIDIA DeepLearningExamples, PyTorch ResNet50 v1.5 README, "Training performance: NVIDIA DGX A100 (8x A100
-# 80GB)": mixed precision 2,470 img/s on 1 GPU and 16,621 on 8; TF32 938 and 7,248; batch 256 per GPU for both
-# (configs.yml, DGXA100).
 HOROVOD_README_2017 = "Horovod README (2017): 32 servers x 4 Pascal GPUs, RoCE 25 Gbit/s"
 HOROVOD_DOCS = "Horovod docs/benchmarks: 128 servers x 4 Pascal GPUs, RoCE 25 Gbit/s"
 
