@@ -1,12 +1,7 @@
-"""Host-side image preprocessing for the tfds source: decode, random numbers, large-image crops (PIL).
-
-Images of height <= 64 are cropped and flipped on the device (`jdp.data.device_input`) from the offsets and
-flips drawn here; eval uses them as stored. Larger ones (or of variable size) get torchvision's RandomResizedCrop
-(ten tries, then a centre fallback), or in eval the centre square of 0.875 x the shorter side (= resize to
-S / 0.875, crop S), resized to S x S on the source's worker threads. Every number is drawn up front from
-(seed, step) for the whole global batch, so no augmentation depends on the process count or the thread schedule
-(docs/datasets.md).
-"""
+"""Host-side image preprocessing for the tfds source: decode, random numbers, large-image crops (PIL). Images of
+height <= 64 are cropped and flipped on the device (`jdp.data.device_input`); larger ones get torchvision's
+RandomResizedCrop, or in eval the centre crop, on the worker threads. Every number is drawn from (seed, step) for the
+whole global batch: no augmentation depends on the process count or the thread schedule (docs/datasets.md)."""
 
 from __future__ import annotations
 
@@ -80,13 +75,8 @@ def random_resized_box(height: int, width: int, uniforms: np.ndarray) -> tuple[f
             top = int(uniforms[-2] * (height - h + 1))
             left = int(uniforms[-1] * (width - w + 1))
             return left, top, left + w, top + h
-    ratio = width / height  # fallback: the centre crop with the aspect ratio clamped into range
-    if ratio < RRC_RATIO[0]:
-        w, h = width, round(width / RRC_RATIO[0])
-    elif ratio > RRC_RATIO[1]:
-        w, h = round(height * RRC_RATIO[1]), height
-    else:
-        w, h = width, height
+    # Fallback: the centre crop with the aspect ratio clamped into range.
+    w, h = min(width, round(height * RRC_RATIO[1])), min(height, round(width / RRC_RATIO[0]))
     top, left = (height - h) // 2, (width - w) // 2
     return left, top, left + w, top + h
 
@@ -109,9 +99,8 @@ def _opencv():
 
 
 def decode(value: bytes | np.ndarray, channels: int, k: int = 1) -> np.ndarray:
-    """An encoded image (PNG, JPEG, ...) or a decoded array -> (H, W, channels) uint8; with k > 1, a JPEG decoded at
-    about 1/k of its size (each side rounded up). OpenCV and PIL may differ by a unit on JPEGs only; both ignore
-    EXIF orientation, as tfds's decoders do."""
+    """An encoded image or a decoded array -> (H, W, channels) uint8; with k > 1, a JPEG decoded at about 1/k of its
+    size. EXIF orientation is ignored, as tfds's decoders do."""
     if not isinstance(value, bytes | bytearray | memoryview):
         image = np.asarray(value, np.uint8)
         return image if image.ndim == 3 else image[..., None]
@@ -153,9 +142,8 @@ def reduction(box: tuple[float, float, float, float], size: int) -> int:
 
 def decode_crop(value: bytes | np.ndarray, channels: int,
                 box_of: Callable[[int, int], tuple[float, float, float, float]], size: int, flip: bool) -> np.ndarray:
-    """The large-image crop: box `box_of(height, width)` (stored pixels) resized to size x size, mirrored if `flip`.
-    A JPEG is decoded at 1/k of its size where `reduction` allows, its box scaled to match; the box is drawn from
-    the stored size (read from the header), so it is the same either way."""
+    """The box `box_of(height, width)` resized to size x size, mirrored if `flip`. A JPEG is decoded at 1/k of its
+    size where `reduction` allows; the box is drawn from the stored size (the header's): the same either way."""
     if isinstance(value, bytes | bytearray | memoryview) and bytes(value[:2]) == b"\xff\xd8":
         from PIL import Image
 

@@ -92,23 +92,7 @@ class DataError(UsageError):
     """Data that cannot be trained on: the message is one line naming what is wrong and the fix."""
 
 
-class RowDataset:
-    """Rows read by index: `keys`, `len()` and `rows(ids)` -> {key: array with one entry per id}."""
-
-    keys: tuple[str, ...]
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        raise NotImplementedError
-
-    def first_row(self) -> dict[str, np.ndarray]:
-        """Row 0, whose values' types the batches will have."""
-        return self.rows(np.zeros(1, np.int64))
-
-
-class ArrayDataset(RowDataset):
+class ArrayDataset:
     """A dict of arrays that share a leading length: row i is {key: array[i]}."""
 
     def __init__(self, arrays: Mapping[str, Any], what: str = "the data") -> None:
@@ -129,6 +113,9 @@ class ArrayDataset(RowDataset):
     def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         return {k: self.arrays[k][ids] for k in self.keys}
 
+    def first_row(self) -> dict[str, np.ndarray]:  # row 0, whose values' types the batches will have
+        return self.rows(np.zeros(1, np.int64))
+
 
 def _is_rows(got: Any) -> bool:
     return isinstance(got, Sequence) and not isinstance(got, (str, bytes))
@@ -148,7 +135,7 @@ def _describe(got: Any, keys: tuple[str, ...]) -> str:
     return f"a {type(got).__name__} of {len(got)} whose item {bad} is {item}"
 
 
-class RandomAccessDataset(RowDataset):
+class RandomAccessDataset:
     """Any object with `__len__` and `__getitem__(i)` returning a dict of arrays (e.g. `grain.MapDataset`,
     `tfds.data_source`); `__getitems__(ids)`, where it exists, reads a batch of rows at once and returns
     either a list of row dicts or a dict of arrays stacked along a leading axis of len(ids)."""
@@ -194,9 +181,9 @@ class RandomAccessDataset(RowDataset):
         return np.stack(values)
 
 
-def as_dataset(data: Any, what: str = "the data") -> RowDataset:
-    """A dict of arrays or a random-access dataset, as a `RowDataset` that reads rows by index."""
-    if isinstance(data, RowDataset):
+def as_dataset(data: Any, what: str = "the data") -> ArrayDataset | RandomAccessDataset:
+    """A dict of arrays or a random-access dataset, as one that reads rows by index: `keys`, `len()`, `rows(ids)`."""
+    if isinstance(data, ArrayDataset | RandomAccessDataset):
         return data
     return ArrayDataset(data, what) if isinstance(data, Mapping) else RandomAccessDataset(data, what)
 

@@ -1,8 +1,5 @@
 """Image preprocessing inside the compiled step: the pad-crop-flip and normalisation of the tfds source's uint8
-pixels (a quarter of float32's bytes). On a small host, CPU time is taken from the step (XLA:CPU uses every
-core); on the device these are a few elementwise passes. The offsets and flips are the host's, drawn from
-(seed, step) for the whole global batch, so the model's input does not depend on the device count.
-"""
+pixels (a quarter of float32's bytes to send), from the host's offsets and flips for the whole global batch."""
 
 from __future__ import annotations
 

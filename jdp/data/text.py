@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jdp.data.batching import Batcher, DataError, RowDataset
+from jdp.data.batching import Batcher, DataError
 from jdp.files import cache_dir, committed_steps, write_atomic, write_atomically
 
 if TYPE_CHECKING:
@@ -176,23 +176,6 @@ def _codepoints(raw: bytes, what: str) -> np.ndarray:
 # --------------------------------------------------------------------------------------------- the windows
 
 
-class TokenWindows(RowDataset):
-    """Row i: `x` = tokens[s:s+T], `y` = tokens[s+1:s+T+1] with s = i * stride (one window of T + 1 tokens)."""
-
-    keys = ("x", "y")
-
-    def __init__(self, tokens: np.ndarray, block_size: int, stride: int) -> None:
-        self.tokens, self.block_size, self.stride = tokens, block_size, stride
-        self._offsets = np.arange(block_size + 1)
-
-    def __len__(self) -> int:
-        return max(0, (len(self.tokens) - self.block_size - 1) // self.stride + 1)
-
-    def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        windows = self.tokens[np.asarray(ids)[:, None] * self.stride + self._offsets]
-        return {"x": windows[:, :-1], "y": windows[:, 1:]}
-
-
 def vocabulary_for(cfg: ml_collections.ConfigDict, raw: bytes, workdir: Path | None,
                    process_index: int) -> Vocabulary:
     """The workdir's saved vocabulary if it has one and a checkpoint trained with it (a run and its resume share
@@ -227,12 +210,16 @@ def text_source(cfg: ml_collections.ConfigDict, *, seed: int, global_batch_size:
     tokens.setflags(write=False)
     split = int(len(tokens) * TRAIN_FRACTION)
     val_end = split + cfg.eval_windows * block + 1 if cfg.eval_windows > 0 else len(tokens)
-    train, val = TokenWindows(tokens[:split], block, 1), TokenWindows(tokens[split:val_end], block, block)
-    if len(train) == 0 or len(val) == 0:
+    train, val = tokens[:split], tokens[split:val_end]
+    if len(train) <= block or len(val) <= block:
+        short = "train" if len(train) <= block else "validation"
         raise DataError(f"data.name={cfg.name} has {len(tokens)} tokens: its 90/10 split leaves no window of "
-                        f"data.block_size + 1 = {block + 1} tokens in {'train' if not len(train) else 'validation'}; "
-                        "give more text or lower data.block_size")
-    source = Batcher(train, val, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
+                        f"data.block_size + 1 = {block + 1} tokens in {short}; give more text or lower data.block_size")
+    # Row i: x = tokens[s:s+T], y = tokens[s+1:s+T+1] with s = i * stride: views of the tokens, copied by batch.
+    train, val = (np.lib.stride_tricks.sliding_window_view(t, block + 1)[::stride]
+                  for t, stride in ((train, 1), (val, block)))
+    source = Batcher({"x": train[:, :-1], "y": train[:, 1:]}, {"x": val[:, :-1], "y": val[:, 1:]}, seed=seed,
+                     global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
                      process_index=process_index, process_count=process_count)
     source.vocabulary, source.input_shape, source.num_classes = vocab, (block,), vocab.size
     source.tokens_per_example = block

@@ -1,8 +1,6 @@
-"""`data.name=tfds:NAME`: a prepared tensorflow-datasets copy read by random access without TensorFlow (array_record
-through `tfds.data_source`, tfrecord through `jdp.data.tfrecord`), in `RowOrder`'s batches; nothing is downloaded.
-Images are decoded on worker threads. No read-ahead thread: the trainer reads step i+1's batch while step i runs
-(dispatch is asynchronous), and on a 2-core host a thread measured no faster. The rest: docs/datasets.md.
-"""
+"""`data.name=tfds:NAME`: a prepared tensorflow-datasets copy read by random access without TensorFlow, nothing
+downloaded; images decoded on worker threads. No read-ahead thread: the trainer reads step i+1's batch while step i
+runs (dispatch is asynchronous). The rest: docs/datasets.md."""
 
 from __future__ import annotations
 
@@ -154,17 +152,6 @@ class _Records:
         return [(f[self._image_key].bytes_list.value[0], f[self._label_key].int64_list.value[0]) for f in features]
 
 
-class _DecodedCache:
-    """Decoded small images of one split, filled as rows are first read (`data.cache_decoded_mb`), allocated up front
-    but its pages touched only as rows arrive. Written by the calling thread once the workers are done, rows before
-    their flags."""
-
-    def __init__(self, num_rows: int, shape: tuple[int, ...]) -> None:
-        self.pixels = np.empty((num_rows, *shape), np.uint8)
-        self.labels = np.empty(num_rows, np.int32)
-        self.filled = np.zeros(num_rows, bool)
-
-
 class TfdsSource(RowOrder):
     """This process's rows of every global batch of a prepared tfds dataset; the interface of `Batcher`."""
 
@@ -224,8 +211,10 @@ class TfdsSource(RowOrder):
             raise ValueError(f"data.cache_decoded_mb={cfg.cache_decoded_mb} must be >= 0 (0 = no cache)")
         decoded_mb = (self.num_train + self.num_eval) * math.prod(self.input_shape) / 2**20
         cached = self._small and decoded_mb <= cfg.cache_decoded_mb
-        self._train_cache = _DecodedCache(self.num_train, self.input_shape) if cached else None
-        self._eval_cache = _DecodedCache(self.num_eval, self.input_shape) if cached else None
+        # Decoded small images (pixels, labels, filled), whose pages are touched only as rows are first read.
+        self._train_cache, self._eval_cache = ((np.empty((n, *self.input_shape), np.uint8), np.empty(n, np.int32),
+                                                np.zeros(n, bool)) if cached else None
+                                               for n in (self.num_train, self.num_eval))
 
         self._threads = num_threads or min(os.cpu_count() or 1, 16)
         self._workers = ThreadPoolExecutor(self._threads, thread_name_prefix="jdp-tfds")
@@ -259,16 +248,16 @@ class TfdsSource(RowOrder):
                             "info), or use a labelled split (imagenet2012's test split has none)")
         return pixels, labels
 
-    def _read_small(self, source: _Records, cache: _DecodedCache | None, rows: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray]:
+    def _read_small(self, source: _Records, cache: tuple | None, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Small images as stored: decoded once, then served from `cache` if there is one."""
         if cache is None:
             return self._read(source, rows, self._as_stored)
-        missing = np.unique(rows[~cache.filled[rows]])
-        if len(missing):
-            cache.pixels[missing], cache.labels[missing] = self._read(source, missing, self._as_stored)
-            cache.filled[missing] = True
-        return cache.pixels[rows], cache.labels[rows]
+        pixels, labels, filled = cache
+        missing = np.unique(rows[~filled[rows]])
+        if len(missing):  # written once the workers are done, rows before their flags
+            pixels[missing], labels[missing] = self._read(source, missing, self._as_stored)
+            filled[missing] = True
+        return pixels[rows], labels[rows]
 
     def _as_stored(self, image: bytes | np.ndarray, i: int) -> np.ndarray:
         return augment.decode(image, self._channels)

@@ -1,11 +1,7 @@
-"""Random access to the records of a tfds split stored as tfrecord files, without TensorFlow.
-
-A tfrecord file is a sequence of frames: a little-endian uint64 length, a uint32 CRC of it, the record, a uint32
-CRC of the record. Reading each frame header once gives each record's offset; then a record is one thread-safe
-`os.pread`, so a tfrecord copy is read by step like an array_record one (`tfds.load` streams: a process would read
-every row to reach its own). Frame lengths are checked against the file size, record counts against tfds's dataset
-info; CRCs are not verified (a damaged record fails when its proto is parsed). Index cost: docs/datasets.md.
-"""
+"""Random access to the records of a tfds split stored as tfrecord files, without TensorFlow (`tfds.load` streams:
+a process would read every row to reach its own). A frame is a uint64 length, its uint32 CRC, the record and its
+uint32 CRC; the headers, read once, index the records, each then one thread-safe `os.pread`. CRCs are not verified:
+a damaged record fails when its proto is parsed."""
 
 from __future__ import annotations
 

@@ -47,6 +47,8 @@ class WandB(Tracker):
         # Its own run beside any the user has open.
         self.run = wandb.init(project=self.project, id=run_id, resume="allow",
                               config=self.params(), reinit="create_new", **kwargs)
+        sync_file = str(self.run.settings.sync_file)  # each segment's run file, read by `_logged`
+        self.state["files"] = [*(f for f in self.state.get("files", []) if f != sync_file), sync_file]
         return self.run.id
 
     def _logged(self) -> dict[str, int]:
@@ -54,10 +56,6 @@ class WandB(Tracker):
         # than it wrote. The summary is set again whole each time, never twice in a curve.
         files = self.state.get("files")
         return wandb_records.logged_steps([Path(f) for f in files]) if files else super()._logged()
-
-    def _run_state(self) -> dict[str, Any]:
-        files = [f for f in self.state.get("files", []) if f != str(self.run.settings.sync_file)]
-        return {"files": [*files, str(self.run.settings.sync_file)]}
 
     def _log(self, split: str, step: int, line: dict[str, Any]) -> None:
         if split == "summary":

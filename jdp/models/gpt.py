@@ -1,10 +1,6 @@
 """nanoGPT's GPT (docs/language_models.md, "Model"); for sampling, `decode` runs new tokens against a KV cache.
-
-`scan_layers=True` makes the blocks once, stacked (`jdp.layers.Stack`): the unrolled model's parameters on a leading
-layer axis (a parameter file of either layout loads into the other, `jdp.params_file`) and the same function, but
-other dropout masks: each stacked block draws from its own split of the `dropout` stream, where unrolled blocks
-share one stream and draw in turn.
-"""
+`scan_layers=True` stacks the blocks (`jdp.layers.Stack`): the same function and parameters on a leading layer axis,
+but other dropout masks (each stacked block draws from its own split of the `dropout` stream)."""
 
 from __future__ import annotations
 

@@ -20,9 +20,8 @@ ARCHS: dict[str, tuple[str, tuple[int, ...]]] = {
 
 
 class BatchNorm(nnx.BatchNorm):
-    """`nnx.BatchNorm` whose output keeps its input's dtype. Flax promotes the input to the dtype of the float32
-    running statistics, so statistics and normalisation stay float32 and the next convolution still gets the
-    compute dtype (bf16 in a bf16 step) rather than float32."""
+    """`nnx.BatchNorm` whose output keeps its input's dtype: the statistics and normalisation in float32 (Flax
+    promotes to the running statistics' dtype), the next convolution still in the compute dtype."""
 
     def __call__(self, x: jax.Array, **kwargs: Any) -> jax.Array:
         return super().__call__(x, **kwargs).astype(x.dtype)
