@@ -37,10 +37,6 @@ def channel_stats(dataset: str, channels: int) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(mean, np.float32), np.asarray(std, np.float32)
 
 
-def is_small(image_shape: tuple[int | None, ...]) -> bool:
-    return image_shape[0] is not None and image_shape[1] is not None and image_shape[0] <= SMALL_IMAGE_MAX_HEIGHT
-
-
 @dataclasses.dataclass(frozen=True)
 class BatchParams:
     """Random numbers for every row of one global batch; `rows(block)` cuts this process's share."""

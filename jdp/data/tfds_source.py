@@ -188,7 +188,7 @@ class TfdsSource(RowOrder):
 
         stored = tuple(features[image_key].shape)
         self._channels = channels = stored[-1] or 3
-        self._small = augment.is_small(stored)
+        self._small = None not in stored[:2] and stored[0] <= augment.SMALL_IMAGE_MAX_HEIGHT
         self._augment = bool(cfg.augment)
         if not self._small and cfg.image_size <= 0:
             raise ValueError(f"data.image_size={cfg.image_size} must be positive")
