@@ -5,11 +5,11 @@ whole global batch: no augmentation depends on the process count or the thread s
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import io
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -37,24 +37,21 @@ def channel_stats(dataset: str, channels: int) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(mean, np.float32), np.asarray(std, np.float32)
 
 
-@dataclasses.dataclass(frozen=True)
-class BatchParams:
-    """Random numbers for every row of one global batch; `rows(block)` cuts this process's share."""
+class BatchParams(NamedTuple):
+    """Random numbers for rows of one global batch."""
 
     uniforms: np.ndarray  # (B, 2 * RRC_TRIES + 2): RRC scale and log-ratio tries, then top and left
     offsets: np.ndarray  # (B, 2) int: small-image crop offsets in [0, 2 * CROP_PADDING]
     flips: np.ndarray  # (B,) bool
 
-    def rows(self, block: slice) -> BatchParams:
-        return BatchParams(self.uniforms[block], self.offsets[block], self.flips[block])
 
-
-def batch_params(seed: int, step: int, global_batch_size: int) -> BatchParams:
+def batch_params(seed: int, step: int, global_batch_size: int, rows: slice = slice(None)) -> BatchParams:
+    """The numbers drawn for the whole global batch at `step`, of its `rows` (this process's)."""
     rng = np.random.default_rng([seed, step, _AUGMENT_STREAM])
     return BatchParams(
-        uniforms=rng.random((global_batch_size, 2 * RRC_TRIES + 2)),
-        offsets=rng.integers(0, 2 * CROP_PADDING + 1, (global_batch_size, 2)),
-        flips=rng.random(global_batch_size) < 0.5,
+        uniforms=rng.random((global_batch_size, 2 * RRC_TRIES + 2))[rows],
+        offsets=rng.integers(0, 2 * CROP_PADDING + 1, (global_batch_size, 2))[rows],
+        flips=(rng.random(global_batch_size) < 0.5)[rows],
     )
 
 

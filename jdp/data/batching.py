@@ -13,8 +13,7 @@ from jdp.split import process_block
 
 
 class Source(Protocol):
-    """What `fit` reads data through (docs/api.md, "`jdp.Source`"): made for one layout of the run, it hands this
-    process its own rows of every global batch."""
+    """What `fit` reads data through (docs/api.md, "`jdp.Source`"): this process's rows of every global batch."""
 
     num_train: int  # train examples
     steps_per_epoch: int
@@ -41,10 +40,9 @@ def optional(source: Source, name: str) -> Any:
 
 
 class RowOrder:
-    """Which rows of each split this process reads, by step: the contract every source shares (`Batcher` and
-    `TfdsSource` are RowOrders that read the rows, `_eval_rows`). Train: a (seed, epoch) permutation cut into
-    consecutive global batches (an epoch's last partial one dropped), process p taking its contiguous block of each.
-    Eval: the split in order, the last batch padded (`real` False on padding rows)."""
+    """Which rows of each split this process reads, by step (`Batcher` and `TfdsSource` read them, `_eval_rows`).
+    Train: a (seed, epoch) permutation cut into global batches (an epoch's last partial one dropped), process p
+    taking its contiguous block of each. Eval: the split in order, the last batch padded (`real` False)."""
 
     def __init__(self, *, seed: int, num_train: int, num_eval: int, global_batch_size: int, eval_batch_size: int,
                  process_index: int, process_count: int, train_split: str = "the train split") -> None:
@@ -189,8 +187,7 @@ def as_dataset(data: Any, what: str = "the data") -> ArrayDataset | RandomAccess
 
 
 class Batcher(RowOrder):
-    """Global permutation -> this process's rows, for train and eval, of any `Dataset`s (jdp's `Source`
-    for dicts of arrays, random-access datasets and jdp's in-memory datasets)."""
+    """jdp's `Source` of dicts of arrays or random-access datasets: this process's rows of each train and eval batch."""
 
     def __init__(
         self,
@@ -242,8 +239,7 @@ class Batcher(RowOrder):
         return self._same_shapes("eval", self._eval.rows(np.where(real, ids, 0)))
 
     def _same_shapes(self, split: str, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """`batch`, refused in one line where a key's rows have another shape than in the split's first batch (a
-        dataset that pads each batch to its longest row): the step is compiled for that one."""
+        """`batch`, refused where a key's rows change shape from the first batch's (the compiled step's)."""
         first = self._shapes.setdefault(split, {k: v.shape[1:] for k, v in batch.items()})
         if changed := next((k for k, v in batch.items() if v.shape[1:] != first[k]), None):
             raise DataError(f"the {split} data's rows of {changed!r} have shape {batch[changed].shape[1:]} in this "

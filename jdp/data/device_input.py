@@ -12,8 +12,7 @@ CROP_PADDING = 4  # small images: crop a window of the image zero-padded by this
 
 
 def pad_crop_flip(x_BxHxWxC: jax.Array, offsets_Bx2: jax.Array, flips_B: jax.Array) -> jax.Array:
-    """Row i: the HxW window at offsets[i] = (y, x) of the image zero-padded by CROP_PADDING, mirrored
-    left-right where flips[i]."""
+    """Row i: the HxW window at offsets[i] = (y, x) of the zero-padded image, mirrored where flips[i]."""
     _, h, w, c = x_BxHxWxC.shape
     p = CROP_PADDING
     padded = jnp.pad(x_BxHxWxC, ((0, 0), (p, p), (p, p), (0, 0)))

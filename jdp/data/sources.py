@@ -28,8 +28,7 @@ _SYNTHETIC_SEED = 0  # fixed: the synthetic task is the same for every run seed
 
 @functools.cache
 def _mnist1d() -> tuple[Split, Split]:
-    """Standard MNIST-1D (4000 train / 1000 test, 40 features, 10 classes), generated, never downloaded, and
-    kept in the cache folder: generating it takes seconds that every later process saves."""
+    """Standard MNIST-1D (4000 train / 1000 test, 40 features, 10 classes), generated once into the cache folder."""
     path = cache_dir() / "mnist1d-standard.npz"
     try:
         with np.load(path) as stored:

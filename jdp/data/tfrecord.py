@@ -22,8 +22,8 @@ class UnreadableFileError(ValueError):
 
 
 def frames(path: str, read: Callable[[int, int], bytes], size: int) -> Iterator[tuple[int, int]]:
-    """(offset of each record's data, its length) for every frame of the `size`-byte file `path` (`read(n, offset)`
-    reads n bytes of it); a frame cut short raises UnreadableFileError, after the frames before it."""
+    """(offset, length) of each record of the `size`-byte file `path`, read by `read(n, offset)`; a frame cut short
+    raises UnreadableFileError."""
     pos = 0
     while pos < size:
         header = read(_HEADER, pos)

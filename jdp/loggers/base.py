@@ -38,24 +38,22 @@ def installed(package: str) -> bool:
 
 
 def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts as `a.b.c` keys; a dict with a key that is not a plain name (parameter paths, such as the model's
-    shapes) and any list stay one value each, as JSON."""
+    """Nested dicts as `a.b.c` keys; lists, and dicts keyed by more than plain names (the model's shapes), as JSON."""
     flat = nested.flatten(record, prefix, into=lambda value: isinstance(value, dict) and value and all(
         isinstance(k, str) and k.replace("_", "").replace("-", "").isalnum() for k in value))
     return {k: json.dumps(v, default=str) if isinstance(v, (dict, list, tuple)) else v for k, v in flat.items()}
 
 
 def numbers(line: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    """A metrics.jsonl line's numeric fields as tracker metrics: its own time (`wall_time`, reset by each resume) and
-    the nulls of non-finite values left out; each tracker stamps its own time."""
+    """A metrics.jsonl line's finite numbers as tracker metrics, but `wall_time` (reset by each resume)."""
     return {f"{prefix}{k}": float(v) for k, v in line.items()
             if k not in ("step", "split", "wall_time") and isinstance(v, (int, float)) and not isinstance(v, bool)
             and math.isfinite(v)}
 
 
 class Tracker(Callback):
-    """A logger of metrics.jsonl's lines to an experiment tracker, as a `jdp.Callback`. Subclasses' `_open`, `_log`
-    and `_close` run on the worker thread, never the training thread; `close_timeout_s` bounds the wait at the end."""
+    """A logger of metrics.jsonl's lines to an experiment tracker, as a `jdp.Callback`; subclasses' `_open`, `_log`
+    and `_close` run on the worker thread."""
 
     name = ""  # jdp.loggers.LOGGERS's name; the state file's and the extra's name
     package = ""  # what the tracker's client imports as
@@ -114,8 +112,8 @@ class Tracker(Callback):
         self.close(ok=True)
 
     def close(self, ok: bool = False) -> None:
-        """Ends the tracked run (finished when `ok`, else stopped early) within `close_timeout_s`; past that the
-        worker is left behind, with one line saying so. Called by `on_end`, and at exit when the run raised."""
+        """Ends the tracked run (finished when `ok`, else stopped early) within `close_timeout_s`, else warns and
+        leaves the worker behind. Called by `on_end`, and at exit when the run raised."""
         thread, self._thread = self._thread, None
         if thread is None:
             return
@@ -186,8 +184,8 @@ class Tracker(Callback):
         self._guard(self._log, split, step, line)
 
     def _missing(self, logged: dict[str, int]) -> list[tuple[str, int, dict[str, Any]]]:
-        """The train and eval lines of metrics.jsonl up to the start step that the tracked run lacks (a tracker
-        that buffers loses its last ones to a SIGKILL), as the file held them at the start."""
+        """The train and eval lines of metrics.jsonl up to the start step that the tracked run lacks (a buffering
+        tracker loses its last ones to a SIGKILL)."""
         if self.workdir is None or not self._jsonl_size:
             return []
         with open(self.workdir / "metrics.jsonl", "rb") as f:
@@ -250,8 +248,8 @@ class Tracker(Callback):
     # What each tracker does.
 
     def _logged(self) -> dict[str, int]:
-        """The last step of each split the tracked run already holds, as the tracker answers (this default, and
-        the fallback when a tracker cannot answer: the last steps handed to it, recorded before each was sent)."""
+        """The last step of each split the tracked run already holds; by default (and when the tracker cannot say)
+        the last steps handed to it."""
         return {split: self.state[split] for split in SPLITS if isinstance(self.state.get(split), int)}
 
     def _prepare(self) -> None:
@@ -270,8 +268,8 @@ class Tracker(Callback):
 
 @contextlib.contextmanager
 def _client_logs(tracker: Tracker) -> Iterator[None]:
-    """What this (the worker) thread makes the client's libraries log at WARNING or above (urllib3's `Retrying ...`,
-    one per retry while a server does not answer) becomes the tracker's one warning; other threads' records pass."""
+    """What this (the worker) thread's client libraries log at WARNING or above (urllib3's `Retrying ...`, once per
+    retry) becomes the tracker's one warning."""
     thread = threading.get_ident()
 
     def keep(record: logging.LogRecord) -> bool:

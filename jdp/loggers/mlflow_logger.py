@@ -15,8 +15,7 @@ MAX_KEY, MAX_VALUE = 250, 6000  # MLflow's limits on a param's key and value
 
 
 def tracking_uri_problem(uri: str) -> str | None:
-    """Why `uri` is no tracking URI, or None: a URI (`SCHEME://...`, `file:...`) or a path without a colon, which
-    `_prepare` makes a file store (`::::` would otherwise become a directory named `::::`)."""
+    """Why `uri` is no tracking URI (neither `SCHEME://...`, `file:...` nor a path without a colon), or None."""
     if "://" in uri or uri.startswith("file:") or ":" not in uri:
         return None
     return ("is neither a URI (SCHEME://..., e.g. http://HOST:5000) nor a path; give a tracking server's URI, "
@@ -50,8 +49,7 @@ class MLflow(Tracker):
         self.uri = uri
 
     def _stored_run(self, run_id: str | None) -> Any:
-        """The MLflow run `run_id` (a new client on the store), or None when the store has none by that id (deleted,
-        or another tracking URI): a new run then, which gets every line."""
+        """The MLflow run `run_id` (a new client on the store), or None where the store has none by that id."""
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 

@@ -51,8 +51,7 @@ def items(updates: Any) -> dict[str, Any]:
 
 
 def logged_steps(paths: list[Path]) -> dict[str, int]:
-    """The last step with train metrics and the last with eval metrics (`eval_<key>`) over the history rows of
-    `paths`, the files that exist."""
+    """The last step with train metrics and the last with eval metrics (`eval_<key>`) in the run files `paths`."""
     last = {"train": -1, "eval": -1}
     for record in (record for path in paths if Path(path).is_file() for record in read_records(path)):
         if record.WhichOneof("record_type") == "history":

@@ -106,8 +106,7 @@ def gpt(*, input_shape: tuple[int, ...], num_classes: int, num_layers: int = 6, 
 
 def build_model(name: str, kwargs: dict[str, Any], input_shape: tuple[int, ...], num_classes: int, *,
                 seed: int) -> nnx.Module:
-    """The model `name` names (registered, or an import path), built with `kwargs` for inputs of
-    `input_shape` (no batch axis) and `num_classes` outputs."""
+    """Model `name` (registered, or an import path) built with `kwargs` for `input_shape` and `num_classes`."""
     factory = MODELS.get(name)
     signature = _signature(factory)
     parameters = signature.parameters if signature is not None else {}  # none to read: pass only what was asked for
@@ -132,8 +131,7 @@ def settings(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _signature(factory: Callable[..., nnx.Module]) -> inspect.Signature | None:
-    """What a model factory takes: a class's own __init__ (NNX's metaclass hides the class's signature); None
-    where there is no signature to read (a C extension)."""
+    """A factory's signature (a class's __init__'s: NNX's metaclass hides the class's), or None (a C extension)."""
     try:
         return inspect.signature(factory.__init__ if isinstance(factory, type) else factory)
     except (TypeError, ValueError):

@@ -24,8 +24,7 @@ def attention_implementation(dtype: jnp.dtype) -> str:
 
 
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, **kwargs: Any) -> jax.Array:
-    """`jax.nn.dot_product_attention`, float16 on CPU in float32: XLA's CPU dot has no float16 inputs with a float32
-    accumulator, which it asks for."""
+    """`jax.nn.dot_product_attention`, float16 on CPU in float32 (XLA:CPU has no float16 dot with float32 sums)."""
     if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         kwargs.pop("implementation", None)
         return jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), **kwargs).astype(q.dtype)
@@ -63,8 +62,7 @@ class CausalSelfAttention(nnx.Module):
         return self.resid_dropout(self.proj(y.reshape(b, t, d))), (k, v)
 
     def _explicit(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        """Causal softmax attention written out, for dropout on its weights (dot_product_attention has none);
-        the softmax in float32."""
+        """Causal attention written out, for dropout on its weights (dot_product_attention has none)."""
         t = q.shape[1]
         scores_BxHxTxT = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
         causal = jnp.tril(jnp.ones((t, t), bool))
@@ -193,8 +191,7 @@ class GPT(nnx.Module):
 
 
 def non_embedding_params(params: dict) -> int:
-    """Parameters of a GPT's pure parameter dict without the position embedding (the tied token embedding
-    counted once): the N of the 6N FLOPs-per-token estimate."""
+    """The N of the 6N FLOPs-per-token estimate: a GPT's parameters but the position embedding."""
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))  # arrays or shapes (ShapeDtypeStruct)
     return total - math.prod(params["wpe"]["embedding"].shape)
 
