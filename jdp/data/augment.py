@@ -1,7 +1,5 @@
-"""Host-side image preprocessing for the tfds source: decode, random numbers, large-image crops (PIL). Images of
-height <= 64 are cropped and flipped on the device (`jdp.data.device_input`); larger ones get torchvision's
-RandomResizedCrop, or in eval the centre crop, on the worker threads. Every number is drawn from (seed, step) for the
-whole global batch: no augmentation depends on the process count or the thread schedule (docs/datasets.md)."""
+"""Host-side image preprocessing for the tfds source (docs/datasets.md): decode, random numbers drawn from (seed,
+step) for the whole global batch, and large images' crops (small ones are cropped on the device)."""
 
 from __future__ import annotations
 

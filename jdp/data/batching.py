@@ -79,8 +79,8 @@ class RowOrder:
         return math.ceil(self.num_eval / self.eval_batch_size)
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
-        """The eval split once, in order, padding rows (`mask` 0) in the last batch only. Every process yields
-        num_eval_batches() items, so collectives over eval batches stay in lockstep."""
+        """The eval split once, in order, padding rows (`mask` 0) in the last batch only; as many batches on every
+        process (collectives stay in lockstep)."""
         for i in range(self.num_eval_batches()):
             ids, real = self.eval_rows(i)
             yield {**self._eval_rows(ids, real), "mask": real.astype(np.float32)}
@@ -200,8 +200,8 @@ class Batcher(RowOrder):
         process_index: int = 0,
         process_count: int = 1,
     ) -> None:
-        """`train` and `eval`: dicts of arrays or random-access datasets (see `as_dataset`); no `eval`, no
-        eval batches. `eval_batch_size` 0 = `global_batch_size`."""
+        """`train` and `eval` (None: no eval batches): dicts of arrays or random-access datasets; `eval_batch_size`
+        0 = `global_batch_size`."""
         self._train = as_dataset(train, "the train data")
         self._eval = None if eval is None else as_dataset(eval, "the eval data")
         if self._eval is not None and len(self._eval) == 0:

@@ -1,6 +1,5 @@
 """Offline data sources by `data.name`: MNIST-1D, scikit-learn digits and a synthetic task in memory, text
-(`jdp.data.text`) and `tfds:NAME` (`jdp.data.tfds_source`). Heavy libraries are imported inside the loader that
-needs them, so the synthetic source runs with numpy alone."""
+(`jdp.data.text`) and `tfds:NAME` (`jdp.data.tfds_source`), each importing its heavy libraries itself."""
 
 import functools
 import io
@@ -83,17 +82,10 @@ def _synthetic(
     if num_classes < 2:
         raise ValueError(f"the synthetic source needs data.num_classes >= 2, got {num_classes}")
     dim = int(np.prod(shape))
-
-    def normal(stream: int, size: tuple[int, ...]) -> np.ndarray:
-        return np.random.default_rng([_SYNTHETIC_SEED, stream]).standard_normal(size, dtype=np.float32)
-
-    teacher = normal(0, (dim, num_classes))
-
-    def split(stream: int, n: int) -> Split:
-        x = normal(stream, (n, *shape))
-        return {"x": x, "y": np.argmax(x.reshape(n, dim) @ teacher, axis=1).astype(np.int32)}
-
-    return split(1, num_train), split(2, num_eval)
+    sizes = ((dim, num_classes), (num_train, *shape), (num_eval, *shape))  # streams 0, 1 and 2
+    teacher, *xs = (np.random.default_rng([_SYNTHETIC_SEED, stream]).standard_normal(size, dtype=np.float32)
+                    for stream, size in enumerate(sizes))
+    return tuple({"x": x, "y": np.argmax(x.reshape(len(x), dim) @ teacher, axis=1).astype(np.int32)} for x in xs)
 
 
 # data.name -> (the data section) -> (train, eval) splits in memory; `tfds:NAME` is read by TfdsSource.

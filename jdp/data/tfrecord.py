@@ -1,7 +1,6 @@
-"""Random access to the records of a tfds split stored as tfrecord files, without TensorFlow (`tfds.load` streams:
-a process would read every row to reach its own). A frame is a uint64 length, its uint32 CRC, the record and its
-uint32 CRC; the headers, read once, index the records, each then one thread-safe `os.pread`. CRCs are not verified:
-a damaged record fails when its proto is parsed."""
+"""Random access to a tfds split's tfrecord files without TensorFlow (`tfds.load` streams): frame headers (a uint64
+length and its CRC, the record, its CRC), read once, index the records, each then one `os.pread`. CRCs are not
+verified: a damaged record fails when its proto is parsed."""
 
 from __future__ import annotations
 

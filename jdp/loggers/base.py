@@ -1,6 +1,5 @@
 """What every tracker logger shares: process 0 only, metrics.jsonl's lines as written, the run id and logged steps in
-WORKDIR/trackers/NAME.json, and a worker thread behind a bounded queue (docs/trackers.md, "A tracker that fails or
-never answers")."""
+WORKDIR/trackers/NAME.json, and a worker thread behind a bounded queue (docs/trackers.md)."""
 
 from __future__ import annotations
 
@@ -87,7 +86,6 @@ class Tracker(Callback):
         self._queue: queue.Queue = queue.Queue()
         self._warned = self._abandoned = False
         self._write_failure: Exception | None = None  # the worker's failed write to the workdir (it then stopped)
-        self._prepare()
         # Started now, so that the client's import (seconds) overlaps the compilation; the tracked run opens with
         # the first line to log, so a rerun with nothing to log opens none.
         self._thread = threading.Thread(target=self._work, name=f"jdp-{self.name}-logger", daemon=True)
@@ -251,9 +249,6 @@ class Tracker(Callback):
         """The last step of each split the tracked run already holds; by default (and when the tracker cannot say)
         the last steps handed to it."""
         return {split: self.state[split] for split in SPLITS if isinstance(self.state.get(split), int)}
-
-    def _prepare(self) -> None:
-        """On the training thread at the start, before anything is logged (cheap: no import, no network)."""
 
     def _open(self, run_id: str | None) -> str:
         """Opens the tracked run `run_id` (None: a new one) and records its settings; returns its id."""

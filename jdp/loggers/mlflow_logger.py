@@ -40,13 +40,14 @@ class MLflow(Tracker):
         self.client: Any = None
         self.uri = self.run_id = ""
 
-    def _prepare(self) -> None:
+    def on_start(self, *args: Any) -> None:
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (Path.cwd() / "mlruns").as_uri()
         if "://" not in uri and not uri.startswith("file:"):
             uri = Path(uri).absolute().as_uri()  # a plain path is a file store
         if uri.startswith("file:"):  # MLflow >= 3.13 refuses file stores unless told they are wanted
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.uri = uri
+        super().on_start(*args)
 
     def _stored_run(self, run_id: str | None) -> Any:
         """The MLflow run `run_id` (a new client on the store), or None where the store has none by that id."""

@@ -1,6 +1,5 @@
-"""W&B's run files (`run-ID.wandb`, what `wandb sync` uploads), read with wandb's own record definitions: the steps
-a run's earlier segments really wrote. W&B's client buffers what it is given (up to a 32 KiB block of the file, and
-longer online), so after a SIGKILL its files, not what was handed to it, say where a resumed segment goes on."""
+"""W&B's run files (`run-ID.wandb`), read with wandb's own record definitions: W&B's client buffers, so after a
+SIGKILL its files, not what was handed to it, say which steps a resumed segment still has to log."""
 
 from __future__ import annotations
 

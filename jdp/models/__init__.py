@@ -1,6 +1,5 @@
-"""Model families, and the model registry: `model.name` (a built-in name or `package.module:Name`) plus
-`model.kwargs` -> a model. Every entry is called the same way, as `obj(**kwargs, rngs=nnx.Rngs(seed))`, plus
-`input_shape=` and `num_classes=` when its signature names them."""
+"""Model families and their registry: `model.name` (a built-in name or `package.module:Name`) called with
+`model.kwargs`, `rngs=nnx.Rngs(seed)`, and `input_shape=` and `num_classes=` where its signature names them."""
 
 import inspect
 import math
