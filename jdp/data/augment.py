@@ -19,8 +19,7 @@ RRC_SCALE = (0.08, 1.0)
 RRC_RATIO = (3 / 4, 4 / 3)
 RRC_TRIES = 10
 
-# Per-channel mean and std of pixels scaled to [0, 1], by the tfds name's first matching prefix (imagenette too);
-# other datasets, or other channel counts, get 0.5 / 0.5.
+# Per-channel mean and std of pixels in [0, 1] by the tfds name's first matching prefix; others get 0.5 / 0.5.
 _CHANNEL_STATS = (("cifar100", ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))),
                   ("cifar10", ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))),
                   ("imagenet", ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))))
@@ -125,8 +124,7 @@ JPEG_REDUCTIONS = (8, 4, 2)  # libjpeg's DCT scaling: decode at 1/8, 1/4 or 1/2 
 
 
 def reduction(box: tuple[float, float, float, float], size: int) -> int:
-    """The largest JPEG scale-down k that keeps `box` at least `size` pixels on its shorter side (1 = none):
-    the crop's resize to size x size still only shrinks, so the result barely changes."""
+    """The largest JPEG scale-down k (1 = none) after which the crop of `box` to size x size still only shrinks."""
     shorter = min(box[2] - box[0], box[3] - box[1])
     return next((k for k in JPEG_REDUCTIONS if shorter / k >= size), 1)
 
@@ -141,12 +139,9 @@ def decode_crop(value: bytes | np.ndarray, channels: int,
         with Image.open(io.BytesIO(value), formats=("JPEG",)) as im:  # reads the header only
             width, height = im.size
         box = box_of(height, width)
-        k = reduction(box, size)
-        image = decode(value, channels, k)
-        if k > 1:  # the box in the reduced image's pixels
-            sx, sy = image.shape[1] / width, image.shape[0] / height
-            box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-        return resize_box(image, box, size, flip)
+        image = decode(value, channels, reduction(box, size))
+        sx, sy = image.shape[1] / width, image.shape[0] / height  # 1 unless reduced
+        return resize_box(image, (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy), size, flip)
     image = decode(value, channels)
     return resize_box(image, box_of(image.shape[0], image.shape[1]), size, flip)
 

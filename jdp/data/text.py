@@ -80,9 +80,8 @@ def shakespeare_from_markdown(plays: list[Path]) -> str:
 
 
 def read_text(name: str, *, utf8: bool = True, workdir: Path | None = None) -> bytes:
-    """The text `data.name` names: the file, or every file under the directory (by sorted path, hidden ones left
-    out), concatenated; with `utf8`, a directory's file that is not UTF-8 is named. A `workdir` inside the directory
-    is refused: its checkpoints would become text."""
+    """The text `data.name` names: the file, or the directory's files (by sorted path, hidden ones left out) joined;
+    with `utf8`, a file that is not UTF-8 is named. A `workdir` inside the directory is refused."""
     if name.strip() == TEXT_PREFIX:
         raise DataError(f"data.name={name} names no file; give data.name=text:PATH, a UTF-8 text file or a "
                         "directory of them")

@@ -30,15 +30,6 @@ MIN_ROWS_PER_TASK = 16  # fewer rows than this per thread cost more in hand-offs
 TFDS_PREFIX = "tfds:"  # data.name=tfds:NAME is any prepared tensorflow-datasets dataset
 
 
-def _import_tfds():
-    try:
-        import tensorflow_datasets as tfds
-    except ImportError as e:
-        raise ValueError(f"data.name=tfds:... needs tensorflow-datasets ({e}); install it with "
-                         "pip install -e '.[tfds]'") from None
-    return tfds
-
-
 def _not_prepared(name: str, dirs: list[str], why: str = "") -> ValueError:
     target = dirs[0] if len(dirs) == 1 else "DIR"
     manual = " --manual_dir=DIR_WITH_THE_TAR_FILES" if name.startswith("imagenet2012") else ""
@@ -52,7 +43,11 @@ def _not_prepared(name: str, dirs: list[str], why: str = "") -> ValueError:
 
 def open_builder(name: str, data_dir: str):
     """The prepared builder for `name` in `data_dir` ("" = tfds's default directories), or a ValueError."""
-    tfds = _import_tfds()
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as e:
+        raise ValueError(f"data.name=tfds:... needs tensorflow-datasets ({e}); install it with "
+                         "pip install -e '.[tfds]'") from None
     from tensorflow_datasets.core.utils import file_utils
 
     data_dir = os.path.expanduser(data_dir) if data_dir else None
@@ -162,8 +157,8 @@ class TfdsSource(RowOrder):
     ) -> None:
         """`num_threads` decode images in parallel; 0 = one per CPU core (at most 16)."""
         self.name = cfg.name[len(TFDS_PREFIX):]
-        tfds = _import_tfds()
         builder = open_builder(self.name, cfg.data_dir)
+        import tensorflow_datasets as tfds  # imported by open_builder
         image_key, label_key = _feature_keys(builder)
         features = builder.info.features
 

@@ -86,8 +86,7 @@ class Tracker(Callback):
         self._queue: queue.Queue = queue.Queue()
         self._warned = self._abandoned = False
         self._write_failure: Exception | None = None  # the worker's failed write to the workdir (it then stopped)
-        # Started now, so that the client's import (seconds) overlaps the compilation; the tracked run opens with
-        # the first line to log, so a rerun with nothing to log opens none.
+        # Started now: the client's import (seconds) overlaps the compilation. The run opens with the first line.
         self._thread = threading.Thread(target=self._work, name=f"jdp-{self.name}-logger", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -153,8 +152,7 @@ class Tracker(Callback):
                         logged = Tracker._logged(self) if logged is None else logged
                         for earlier in self._missing(logged):
                             self._send(*earlier)
-                    # Logged by an earlier segment, which a kill may have left past its last checkpoint: the steps
-                    # it replays go in once. A run with nothing new to log (a finished run's rerun) opens none.
+                    # Steps an earlier segment logged past its last checkpoint (then killed) go in once.
                     if step > logged.get(split, -1):
                         self._send(split, step, line)
         except Exception as e:  # noqa: BLE001 - a write to the workdir failed (_save_state, `_fails_workdir`)

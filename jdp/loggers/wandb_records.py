@@ -15,9 +15,8 @@ FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 
 def read_records(path: Path) -> Iterator[Any]:
-    """The records of a W&B run file, in order: a 7-byte header, then 32 KiB blocks of chunks, each with a 7-byte
-    header (CRC, length, type: full, or the first, middle or last part of a record) of `wandb_internal_pb2.Record`s.
-    A record cut short by a kill ends the file."""
+    """The `wandb_internal_pb2.Record`s of a W&B run file: a header, then 32 KiB blocks of chunks, each with a 7-byte
+    header (CRC, length, type: full, first, middle or last part of a record); one cut short by a kill ends it."""
     from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2
 

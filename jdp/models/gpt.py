@@ -4,6 +4,7 @@ but other dropout masks (each stacked block draws from its own split of the `dro
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -123,9 +124,7 @@ class GPT(nnx.Module):
         self.wte = nnx.Embed(vocab_size, embed_dim, embedding_init=normal, dtype=dtype, rngs=rngs)
         self.wpe = nnx.Embed(block_size, embed_dim, embedding_init=normal, dtype=dtype, rngs=rngs)
         self.drop = nnx.Dropout(dropout, rngs=rngs)
-        def block(rngs: nnx.Rngs) -> Block:
-            return Block(embed_dim, num_heads, dropout, bias, residual_std, dtype, rngs)
-
+        block = functools.partial(Block, embed_dim, num_heads, dropout, bias, residual_std, dtype)  # of rngs
         self.blocks = (Stack(block, num_layers, rngs=rngs, remat=remat) if scan_layers
                        else nnx.List([block(rngs) for _ in range(num_layers)]))
         self.ln_f = nnx.LayerNorm(embed_dim, epsilon=1e-5, use_bias=bias, dtype=dtype, rngs=rngs)
