@@ -29,8 +29,7 @@ class Source(Protocol):
         """Release threads and files."""
 
 
-# What a Source may also have, and jdp's default without it: the eval examples (the eval batch's bound), tokens per
-# example (tokens/s), and the batch the loss sees, made on the device from the one sent (uint8 pixels -> floats).
+# What a Source may also have, and jdp's default without it (`device_input`: run on the device, docs/api.md).
 SOURCE_OPTIONAL = {"num_eval": 0, "tokens_per_example": 0, "device_input": lambda batch: batch}
 
 

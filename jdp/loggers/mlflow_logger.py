@@ -40,14 +40,14 @@ class MLflow(Tracker):
         self.client: Any = None
         self.uri = self.run_id = ""
 
-    def on_start(self, *args: Any) -> None:
+    def on_start(self, start: int, workdir: Path | None, record: dict[str, Any] | None) -> None:
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (Path.cwd() / "mlruns").as_uri()
         if "://" not in uri and not uri.startswith("file:"):
             uri = Path(uri).absolute().as_uri()  # a plain path is a file store
         if uri.startswith("file:"):  # MLflow >= 3.13 refuses file stores unless told they are wanted
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.uri = uri
-        super().on_start(*args)
+        super().on_start(start, workdir, record)
 
     def _stored_run(self, run_id: str | None) -> Any:
         """The MLflow run `run_id` (a new client on the store), or None where the store has none by that id."""
@@ -61,8 +61,7 @@ class MLflow(Tracker):
             return None
 
     def _logged(self) -> dict[str, int]:
-        # What the run holds, as MLflow answers: the marks written before each line was sent say one step more
-        # when a kill came before MLflow had it. Every key of a split counts: a non-finite loss is not sent.
+        # As MLflow answers (a kill may have come between a mark and its send), over every key of a split.
         run_id = self.state.get("run_id")
         if (stored := self._stored_run(run_id)) is None:
             return {}
@@ -80,8 +79,7 @@ class MLflow(Tracker):
             logged = stored.data.params
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
-            # Params cannot change: a second resume from the same step (a requeue before the next checkpoint)
-            # gets a prefix of its own, or its log_batch fails and the segment logs nothing.
+            # Params cannot change: a second resume from the same step gets a prefix of its own.
             prefix, n = f"resume_{self.start}", 1
             while any(key.startswith(f"{prefix}.") for key in logged):
                 n += 1

@@ -105,15 +105,15 @@ def gpt(*, input_shape: tuple[int, ...], num_classes: int, num_layers: int = 6, 
 
 def build_model(name: str, kwargs: dict[str, Any], input_shape: tuple[int, ...], num_classes: int, *,
                 seed: int) -> nnx.Module:
-    """Model `name` (registered, or an import path) built with `kwargs` for `input_shape` and `num_classes`."""
+    """Model `name` (registered, or an import path) built with `kwargs` for `input_shape` (no batch axis) and
+    `num_classes` outputs."""
     factory = MODELS.get(name)
     signature = _signature(factory)
     parameters = signature.parameters if signature is not None else {}  # none to read: pass only what was asked for
     given = {key: value for key, value in (("input_shape", tuple(input_shape)), ("num_classes", num_classes))
              if key in parameters and key not in kwargs}
     call = {**kwargs, **given, "rngs": nnx.Rngs(seed)}
-    # Checked before the call, since a TypeError raised inside the constructor (a JAX shape error, say) is the
-    # model's own failure, not a wrong setting. No signature to read: the call reports a mismatch itself.
+    # Checked before the call: a TypeError raised inside the constructor is the model's own failure.
     try:
         if signature is not None:
             signature.bind(*((None,) if isinstance(factory, type) else ()), **call)  # None stands for self

@@ -160,8 +160,7 @@ class GPT(nnx.Module):
         if t > self.block_size:
             raise ValueError(f"gpt: a sequence of {t} tokens is longer than block_size {self.block_size}")
         positions = start + jnp.arange(t)
-        # Looked up and projected by hand, not through nnx.Embed, whose dtype=None means float32: the model
-        # computes in its `dtype`, else in its parameters' (bf16 when the train step casts them).
+        # By hand, not through nnx.Embed (whose dtype=None means float32): in `dtype`, else the parameters' dtype.
         wte = self.wte.embedding[...]
         dtype = self.dtype or wte.dtype
         x = self.drop((wte[tokens_BxT] + self.wpe.embedding[...][positions][None]).astype(dtype))
