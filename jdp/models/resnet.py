@@ -90,8 +90,7 @@ STEMS = ("cifar", "imagenet")
 
 
 class ResNet(nnx.Module):
-    """ResNet on (B, H, W, C) or (B, H, W) images; float32 logits whatever it computes in. `dtype` None computes in
-    the dtype of the input and parameters given (jdp's step: the run's precision in training, float32 in eval).
+    """ResNet on (B, H, W[, C]) images; float32 logits. `dtype` None computes in the input's and parameters' dtype;
     `remat` ("none", "full", "dots") checkpoints each residual block (`jdp.layers.remat`). Stems: 'cifar' =
     conv3x3 + BN + ReLU; 'imagenet' = conv7x7/2 + BN + ReLU + maxpool 3x3/2 (SAME)."""
 
