@@ -1,20 +1,13 @@
-"""Host-side image preprocessing for the tfds source: decode, random numbers, large-image crops (PIL).
-
-Images of height <= 64 are cropped and flipped on the device (`jdp.data.device_input`) from the offsets and
-flips drawn here; eval uses them as stored. Larger ones (or of variable size) get torchvision's RandomResizedCrop
-(ten tries, then a centre fallback), or in eval the centre square of 0.875 x the shorter side (= resize to
-S / 0.875, crop S), resized to S x S on the source's worker threads. Every number is drawn up front from
-(seed, step) for the whole global batch, so no augmentation depends on the process count or the thread schedule
-(docs/datasets.md).
-"""
+"""Host-side image preprocessing for the tfds source (docs/datasets.md): decode, random numbers drawn from (seed,
+step) for the whole global batch, and large images' crops (small ones are cropped on the device)."""
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import io
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -26,8 +19,7 @@ RRC_SCALE = (0.08, 1.0)
 RRC_RATIO = (3 / 4, 4 / 3)
 RRC_TRIES = 10
 
-# Per-channel mean and std of pixels scaled to [0, 1], by the tfds name's first matching prefix (imagenette too);
-# other datasets, or other channel counts, get 0.5 / 0.5.
+# Per-channel mean and std of pixels in [0, 1] by the tfds name's first matching prefix; others get 0.5 / 0.5.
 _CHANNEL_STATS = (("cifar100", ((0.5071, 0.4865, 0.4409), (0.2673, 0.2564, 0.2762))),
                   ("cifar10", ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))),
                   ("imagenet", ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))))
@@ -42,28 +34,21 @@ def channel_stats(dataset: str, channels: int) -> tuple[np.ndarray, np.ndarray]:
     return np.asarray(mean, np.float32), np.asarray(std, np.float32)
 
 
-def is_small(image_shape: tuple[int | None, ...]) -> bool:
-    return image_shape[0] is not None and image_shape[1] is not None and image_shape[0] <= SMALL_IMAGE_MAX_HEIGHT
-
-
-@dataclasses.dataclass(frozen=True)
-class BatchParams:
-    """Random numbers for every row of one global batch; `rows(block)` cuts this process's share."""
+class BatchParams(NamedTuple):
+    """Random numbers for rows of one global batch."""
 
     uniforms: np.ndarray  # (B, 2 * RRC_TRIES + 2): RRC scale and log-ratio tries, then top and left
     offsets: np.ndarray  # (B, 2) int: small-image crop offsets in [0, 2 * CROP_PADDING]
     flips: np.ndarray  # (B,) bool
 
-    def rows(self, block: slice) -> BatchParams:
-        return BatchParams(self.uniforms[block], self.offsets[block], self.flips[block])
 
-
-def batch_params(seed: int, step: int, global_batch_size: int) -> BatchParams:
+def batch_params(seed: int, step: int, global_batch_size: int, rows: slice = slice(None)) -> BatchParams:
+    """The numbers drawn for the whole global batch at `step`, of its `rows` (this process's)."""
     rng = np.random.default_rng([seed, step, _AUGMENT_STREAM])
     return BatchParams(
-        uniforms=rng.random((global_batch_size, 2 * RRC_TRIES + 2)),
-        offsets=rng.integers(0, 2 * CROP_PADDING + 1, (global_batch_size, 2)),
-        flips=rng.random(global_batch_size) < 0.5,
+        uniforms=rng.random((global_batch_size, 2 * RRC_TRIES + 2))[rows],
+        offsets=rng.integers(0, 2 * CROP_PADDING + 1, (global_batch_size, 2))[rows],
+        flips=(rng.random(global_batch_size) < 0.5)[rows],
     )
 
 
@@ -80,13 +65,8 @@ def random_resized_box(height: int, width: int, uniforms: np.ndarray) -> tuple[f
             top = int(uniforms[-2] * (height - h + 1))
             left = int(uniforms[-1] * (width - w + 1))
             return left, top, left + w, top + h
-    ratio = width / height  # fallback: the centre crop with the aspect ratio clamped into range
-    if ratio < RRC_RATIO[0]:
-        w, h = width, round(width / RRC_RATIO[0])
-    elif ratio > RRC_RATIO[1]:
-        w, h = round(height * RRC_RATIO[1]), height
-    else:
-        w, h = width, height
+    # Fallback: the centre crop with the aspect ratio clamped into range.
+    w, h = min(width, round(height * RRC_RATIO[1])), min(height, round(width / RRC_RATIO[0]))
     top, left = (height - h) // 2, (width - w) // 2
     return left, top, left + w, top + h
 
@@ -109,9 +89,8 @@ def _opencv():
 
 
 def decode(value: bytes | np.ndarray, channels: int, k: int = 1) -> np.ndarray:
-    """An encoded image (PNG, JPEG, ...) or a decoded array -> (H, W, channels) uint8; with k > 1, a JPEG decoded at
-    about 1/k of its size (each side rounded up). OpenCV and PIL may differ by a unit on JPEGs only; both ignore
-    EXIF orientation, as tfds's decoders do."""
+    """An encoded image or a decoded array -> (H, W, channels) uint8; with k > 1, a JPEG decoded at about 1/k of its
+    size. EXIF orientation is ignored, as tfds's decoders do."""
     if not isinstance(value, bytes | bytearray | memoryview):
         image = np.asarray(value, np.uint8)
         return image if image.ndim == 3 else image[..., None]
@@ -145,29 +124,24 @@ JPEG_REDUCTIONS = (8, 4, 2)  # libjpeg's DCT scaling: decode at 1/8, 1/4 or 1/2 
 
 
 def reduction(box: tuple[float, float, float, float], size: int) -> int:
-    """The largest JPEG scale-down k that keeps `box` at least `size` pixels on its shorter side (1 = none):
-    the crop's resize to size x size still only shrinks, so the result barely changes."""
+    """The largest JPEG scale-down k (1 = none) after which the crop of `box` to size x size still only shrinks."""
     shorter = min(box[2] - box[0], box[3] - box[1])
     return next((k for k in JPEG_REDUCTIONS if shorter / k >= size), 1)
 
 
 def decode_crop(value: bytes | np.ndarray, channels: int,
                 box_of: Callable[[int, int], tuple[float, float, float, float]], size: int, flip: bool) -> np.ndarray:
-    """The large-image crop: box `box_of(height, width)` (stored pixels) resized to size x size, mirrored if `flip`.
-    A JPEG is decoded at 1/k of its size where `reduction` allows, its box scaled to match; the box is drawn from
-    the stored size (read from the header), so it is the same either way."""
+    """The box `box_of(height, width)` resized to size x size, mirrored if `flip`. A JPEG is decoded at 1/k of its
+    size where `reduction` allows; the box is drawn from the stored size (the header's): the same either way."""
     if isinstance(value, bytes | bytearray | memoryview) and bytes(value[:2]) == b"\xff\xd8":
         from PIL import Image
 
         with Image.open(io.BytesIO(value), formats=("JPEG",)) as im:  # reads the header only
             width, height = im.size
         box = box_of(height, width)
-        k = reduction(box, size)
-        image = decode(value, channels, k)
-        if k > 1:  # the box in the reduced image's pixels
-            sx, sy = image.shape[1] / width, image.shape[0] / height
-            box = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
-        return resize_box(image, box, size, flip)
+        image = decode(value, channels, reduction(box, size))
+        sx, sy = image.shape[1] / width, image.shape[0] / height  # 1 unless reduced
+        return resize_box(image, (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy), size, flip)
     image = decode(value, channels)
     return resize_box(image, box_of(image.shape[0], image.shape[1]), size, flip)
 

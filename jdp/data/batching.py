@@ -13,8 +13,7 @@ from jdp.split import process_block
 
 
 class Source(Protocol):
-    """What `fit` reads data through (docs/api.md, "`jdp.Source`"): made for one layout of the run, it hands this
-    process its own rows of every global batch."""
+    """What `fit` reads data through (docs/api.md, "`jdp.Source`"): this process's rows of every global batch."""
 
     num_train: int  # train examples
     steps_per_epoch: int
@@ -30,8 +29,7 @@ class Source(Protocol):
         """Release threads and files."""
 
 
-# What a Source may also have, and jdp's default without it: the eval examples (the eval batch's bound), tokens per
-# example (tokens/s), and the batch the loss sees, made on the device from the one sent (uint8 pixels -> floats).
+# What a Source may also have, and jdp's default without it (`device_input`: run on the device, docs/api.md).
 SOURCE_OPTIONAL = {"num_eval": 0, "tokens_per_example": 0, "device_input": lambda batch: batch}
 
 
@@ -41,10 +39,9 @@ def optional(source: Source, name: str) -> Any:
 
 
 class RowOrder:
-    """Which rows of each split this process reads, by step: the contract every source shares (`Batcher` and
-    `TfdsSource` are RowOrders that read the rows, `_eval_rows`). Train: a (seed, epoch) permutation cut into
-    consecutive global batches (an epoch's last partial one dropped), process p taking its contiguous block of each.
-    Eval: the split in order, the last batch padded (`real` False on padding rows)."""
+    """Which rows of each split this process reads, by step (`Batcher` and `TfdsSource` read them, `_eval_rows`).
+    Train: a (seed, epoch) permutation cut into global batches (an epoch's last partial one dropped), process p
+    taking its contiguous block of each. Eval: the split in order, the last batch padded (`real` False)."""
 
     def __init__(self, *, seed: int, num_train: int, num_eval: int, global_batch_size: int, eval_batch_size: int,
                  process_index: int, process_count: int, train_split: str = "the train split") -> None:
@@ -81,8 +78,8 @@ class RowOrder:
         return math.ceil(self.num_eval / self.eval_batch_size)
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
-        """The eval split once, in order, padding rows (`mask` 0) in the last batch only. Every process yields
-        num_eval_batches() items, so collectives over eval batches stay in lockstep."""
+        """The eval split once, in order, padding rows (`mask` 0) in the last batch only; as many batches on every
+        process (collectives stay in lockstep)."""
         for i in range(self.num_eval_batches()):
             ids, real = self.eval_rows(i)
             yield {**self._eval_rows(ids, real), "mask": real.astype(np.float32)}
@@ -92,23 +89,7 @@ class DataError(UsageError):
     """Data that cannot be trained on: the message is one line naming what is wrong and the fix."""
 
 
-class RowDataset:
-    """Rows read by index: `keys`, `len()` and `rows(ids)` -> {key: array with one entry per id}."""
-
-    keys: tuple[str, ...]
-
-    def __len__(self) -> int:
-        raise NotImplementedError
-
-    def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        raise NotImplementedError
-
-    def first_row(self) -> dict[str, np.ndarray]:
-        """Row 0, whose values' types the batches will have."""
-        return self.rows(np.zeros(1, np.int64))
-
-
-class ArrayDataset(RowDataset):
+class ArrayDataset:
     """A dict of arrays that share a leading length: row i is {key: array[i]}."""
 
     def __init__(self, arrays: Mapping[str, Any], what: str = "the data") -> None:
@@ -129,6 +110,9 @@ class ArrayDataset(RowDataset):
     def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         return {k: self.arrays[k][ids] for k in self.keys}
 
+    def first_row(self) -> dict[str, np.ndarray]:  # row 0, whose values' types the batches will have
+        return self.rows(np.zeros(1, np.int64))
+
 
 def _is_rows(got: Any) -> bool:
     return isinstance(got, Sequence) and not isinstance(got, (str, bytes))
@@ -148,7 +132,7 @@ def _describe(got: Any, keys: tuple[str, ...]) -> str:
     return f"a {type(got).__name__} of {len(got)} whose item {bad} is {item}"
 
 
-class RandomAccessDataset(RowDataset):
+class RandomAccessDataset:
     """Any object with `__len__` and `__getitem__(i)` returning a dict of arrays (e.g. `grain.MapDataset`,
     `tfds.data_source`); `__getitems__(ids)`, where it exists, reads a batch of rows at once and returns
     either a list of row dicts or a dict of arrays stacked along a leading axis of len(ids)."""
@@ -194,16 +178,15 @@ class RandomAccessDataset(RowDataset):
         return np.stack(values)
 
 
-def as_dataset(data: Any, what: str = "the data") -> RowDataset:
-    """A dict of arrays or a random-access dataset, as a `RowDataset` that reads rows by index."""
-    if isinstance(data, RowDataset):
+def as_dataset(data: Any, what: str = "the data") -> ArrayDataset | RandomAccessDataset:
+    """A dict of arrays or a random-access dataset, as one that reads rows by index: `keys`, `len()`, `rows(ids)`."""
+    if isinstance(data, ArrayDataset | RandomAccessDataset):
         return data
     return ArrayDataset(data, what) if isinstance(data, Mapping) else RandomAccessDataset(data, what)
 
 
 class Batcher(RowOrder):
-    """Global permutation -> this process's rows, for train and eval, of any `Dataset`s (jdp's `Source`
-    for dicts of arrays, random-access datasets and jdp's in-memory datasets)."""
+    """jdp's `Source` of dicts of arrays or random-access datasets: this process's rows of each train and eval batch."""
 
     def __init__(
         self,
@@ -216,8 +199,8 @@ class Batcher(RowOrder):
         process_index: int = 0,
         process_count: int = 1,
     ) -> None:
-        """`train` and `eval`: dicts of arrays or random-access datasets (see `as_dataset`); no `eval`, no
-        eval batches. `eval_batch_size` 0 = `global_batch_size`."""
+        """`train` and `eval` (None: no eval batches): dicts of arrays or random-access datasets; `eval_batch_size`
+        0 = `global_batch_size`."""
         self._train = as_dataset(train, "the train data")
         self._eval = None if eval is None else as_dataset(eval, "the eval data")
         if self._eval is not None and len(self._eval) == 0:
@@ -255,8 +238,7 @@ class Batcher(RowOrder):
         return self._same_shapes("eval", self._eval.rows(np.where(real, ids, 0)))
 
     def _same_shapes(self, split: str, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """`batch`, refused in one line where a key's rows have another shape than in the split's first batch (a
-        dataset that pads each batch to its longest row): the step is compiled for that one."""
+        """`batch`, refused where a key's rows change shape from the first batch's (the compiled step's)."""
         first = self._shapes.setdefault(split, {k: v.shape[1:] for k, v in batch.items()})
         if changed := next((k for k, v in batch.items() if v.shape[1:] != first[k]), None):
             raise DataError(f"the {split} data's rows of {changed!r} have shape {batch[changed].shape[1:]} in this "

@@ -1,8 +1,5 @@
 """Image preprocessing inside the compiled step: the pad-crop-flip and normalisation of the tfds source's uint8
-pixels (a quarter of float32's bytes). On a small host, CPU time is taken from the step (XLA:CPU uses every
-core); on the device these are a few elementwise passes. The offsets and flips are the host's, drawn from
-(seed, step) for the whole global batch, so the model's input does not depend on the device count.
-"""
+pixels (a quarter of float32's bytes to send), from the host's offsets and flips for the whole global batch."""
 
 from __future__ import annotations
 
@@ -15,8 +12,7 @@ CROP_PADDING = 4  # small images: crop a window of the image zero-padded by this
 
 
 def pad_crop_flip(x_BxHxWxC: jax.Array, offsets_Bx2: jax.Array, flips_B: jax.Array) -> jax.Array:
-    """Row i: the HxW window at offsets[i] = (y, x) of the image zero-padded by CROP_PADDING, mirrored
-    left-right where flips[i]."""
+    """Row i: the HxW window at offsets[i] = (y, x) of the zero-padded image, mirrored where flips[i]."""
     _, h, w, c = x_BxHxWxC.shape
     p = CROP_PADDING
     padded = jnp.pad(x_BxHxWxC, ((0, 0), (p, p), (p, p), (0, 0)))

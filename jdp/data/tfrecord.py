@@ -1,11 +1,6 @@
-"""Random access to the records of a tfds split stored as tfrecord files, without TensorFlow.
-
-A tfrecord file is a sequence of frames: a little-endian uint64 length, a uint32 CRC of it, the record, a uint32
-CRC of the record. Reading each frame header once gives each record's offset; then a record is one thread-safe
-`os.pread`, so a tfrecord copy is read by step like an array_record one (`tfds.load` streams: a process would read
-every row to reach its own). Frame lengths are checked against the file size, record counts against tfds's dataset
-info; CRCs are not verified (a damaged record fails when its proto is parsed). Index cost: docs/datasets.md.
-"""
+"""Random access to a tfds split's tfrecord files without TensorFlow (`tfds.load` streams): frame headers (a uint64
+length and its CRC, the record, its CRC), read once, index the records, each then one `os.pread`. CRCs are not
+verified: a damaged record fails when its proto is parsed."""
 
 from __future__ import annotations
 
@@ -26,8 +21,8 @@ class UnreadableFileError(ValueError):
 
 
 def frames(path: str, read: Callable[[int, int], bytes], size: int) -> Iterator[tuple[int, int]]:
-    """(offset of each record's data, its length) for every frame of the `size`-byte file `path` (`read(n, offset)`
-    reads n bytes of it); a frame cut short raises UnreadableFileError, after the frames before it."""
+    """(offset, length) of each record of the `size`-byte file `path`, read by `read(n, offset)`; a frame cut short
+    raises UnreadableFileError."""
     pos = 0
     while pos < size:
         header = read(_HEADER, pos)

@@ -1,6 +1,5 @@
-"""Experiment trackers beside metrics.jsonl and TensorBoard: `jdp.loggers.WandB` and `jdp.loggers.MLflow`, callbacks
-for `fit(callbacks=...)`, or `metrics.loggers = "wandb,mlflow"` in a config, whose `metrics.NAME_ARG` keys are
-the logger's keyword arguments (`jdp.cli.config.make_loggers`; docs/trackers.md)."""
+"""Experiment trackers: `jdp.loggers.WandB` and `jdp.loggers.MLflow`, callbacks for `fit(callbacks=...)`, or
+`metrics.loggers = "wandb,mlflow"` in a config (docs/trackers.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
 """What every tracker logger shares: process 0 only, metrics.jsonl's lines as written, the run id and logged steps in
-WORKDIR/trackers/NAME.json, and a worker thread behind a bounded queue (docs/trackers.md, "A tracker that fails or
-never answers")."""
+WORKDIR/trackers/NAME.json, and a worker thread behind a bounded queue (docs/trackers.md)."""
 
 from __future__ import annotations
 
@@ -12,8 +11,8 @@ import json
 import logging
 import math
 import queue
-import sys
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -34,30 +33,26 @@ _IMPORTS = threading.Lock()
 
 def installed(package: str) -> bool:
     """Whether `package` can be imported, without importing it (a tracker's import costs seconds)."""
-    if package in sys.modules:
-        return sys.modules[package] is not None
-    return importlib.util.find_spec(package) is not None
+    return importlib.util.find_spec(package) is not None  # None where sys.modules holds None
 
 
 def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    """Nested dicts as `a.b.c` keys; a dict with a key that is not a plain name (parameter paths, such as the model's
-    shapes) and any list stay one value each, as JSON."""
+    """Nested dicts as `a.b.c` keys; lists, and dicts keyed by more than plain names (the model's shapes), as JSON."""
     flat = nested.flatten(record, prefix, into=lambda value: isinstance(value, dict) and value and all(
         isinstance(k, str) and k.replace("_", "").replace("-", "").isalnum() for k in value))
     return {k: json.dumps(v, default=str) if isinstance(v, (dict, list, tuple)) else v for k, v in flat.items()}
 
 
 def numbers(line: dict[str, Any], prefix: str = "") -> dict[str, float]:
-    """A metrics.jsonl line's numeric fields as tracker metrics: its own time (`wall_time`, reset by each resume) and
-    the nulls of non-finite values left out; each tracker stamps its own time."""
+    """A metrics.jsonl line's finite numbers as tracker metrics, but `wall_time` (reset by each resume)."""
     return {f"{prefix}{k}": float(v) for k, v in line.items()
             if k not in ("step", "split", "wall_time") and isinstance(v, (int, float)) and not isinstance(v, bool)
             and math.isfinite(v)}
 
 
 class Tracker(Callback):
-    """A logger of metrics.jsonl's lines to an experiment tracker, as a `jdp.Callback`. Subclasses' `_open`, `_log`
-    and `_close` run on the worker thread, never the training thread; `close_timeout_s` bounds the wait at the end."""
+    """A logger of metrics.jsonl's lines to an experiment tracker, as a `jdp.Callback`; subclasses' `_open`, `_log`
+    and `_close` run on the worker thread."""
 
     name = ""  # jdp.loggers.LOGGERS's name; the state file's and the extra's name
     package = ""  # what the tracker's client imports as
@@ -72,14 +67,8 @@ class Tracker(Callback):
         self.close_timeout_s = close_timeout_s
         self.active = False
         self.workdir: Path | None = None
-        self.start = 0
-        self.record: dict[str, Any] | None = None
-        self.state: dict[str, Any] = {}  # the run id and the last step of each split sent (the worker's)
-        self._queue: queue.Queue = queue.Queue()
         self._thread: threading.Thread | None = None
-        self._warned = self._abandoned = self._opened = self._failed = False
-        self._last_step = self._jsonl_size = 0
-        self._write_failure: Exception | None = None  # the worker's failed write to the workdir (it then stopped)
+        self._warned = self._abandoned = False
 
     # The training thread's side: decide, enqueue, return.
 
@@ -89,14 +78,15 @@ class Tracker(Callback):
         if not self.active:
             return
         self.workdir, self.start, self.record = workdir, start, record
-        self.state = self._read_state()
+        self._state_file = workdir / STATE_DIR / f"{self.name}.json" if workdir is not None else None
+        self.state: dict[str, Any] = self._read_state()  # the run id and the last step of each split sent
         self._last_step = start
         jsonl = workdir / "metrics.jsonl" if workdir is not None else None
         self._jsonl_size = jsonl.stat().st_size if jsonl is not None and jsonl.is_file() else 0
-        self._queue, self._warned, self._abandoned, self._write_failure = queue.Queue(), False, False, None
-        self._prepare()
-        # Started now, so that the client's import (seconds) overlaps the compilation; the tracked run opens with
-        # the first line to log, so a rerun with nothing to log opens none.
+        self._queue: queue.Queue = queue.Queue()
+        self._warned = self._abandoned = False
+        self._write_failure: Exception | None = None  # the worker's failed write to the workdir (it then stopped)
+        # Started now: the client's import (seconds) overlaps the compilation. The run opens with the first line.
         self._thread = threading.Thread(target=self._work, name=f"jdp-{self.name}-logger", daemon=True)
         self._thread.start()
         atexit.register(self.close)
@@ -119,8 +109,8 @@ class Tracker(Callback):
         self.close(ok=True)
 
     def close(self, ok: bool = False) -> None:
-        """Ends the tracked run (finished when `ok`, else stopped early) within `close_timeout_s`; past that the
-        worker is left behind, with one line saying so. Called by `on_end`, and at exit when the run raised."""
+        """Ends the tracked run (finished when `ok`, else stopped early) within `close_timeout_s`, else warns and
+        leaves the worker behind. Called by `on_end`, and at exit when the run raised."""
         thread, self._thread = self._thread, None
         if thread is None:
             return
@@ -135,8 +125,7 @@ class Tracker(Callback):
                  f"(close_timeout_s); going on without it, with {max(0, self._queue.qsize() - 1)} more line(s) waiting")
 
     def _raise_write_failure(self) -> None:
-        """A write to the workdir that failed on the worker (a full disk, the workdir deleted) stops the run, as
-        any other write to the workdir does: raised here, on the training thread, once."""
+        """A write to the workdir that failed on the worker (a full disk) stops the run: raised here, once."""
         failure, self._write_failure = self._write_failure, None
         if failure is not None:
             raise failure
@@ -147,7 +136,7 @@ class Tracker(Callback):
         self._opened = self._failed = False
         logged: dict[str, int] | None = None
         try:
-            with _ClientLogs(self):
+            with _client_logs(self):
                 # One client's import at a time: wandb and mlflow share packages, and two threads importing them at
                 # once can see each other's half-initialised modules. A failed one fails again in `_open`, which warns.
                 with _IMPORTS, contextlib.suppress(Exception):
@@ -163,8 +152,7 @@ class Tracker(Callback):
                         logged = Tracker._logged(self) if logged is None else logged
                         for earlier in self._missing(logged):
                             self._send(*earlier)
-                    # Logged by an earlier segment, which a kill may have left past its last checkpoint: the steps
-                    # it replays go in once. A run with nothing new to log (a finished run's rerun) opens none.
+                    # Steps an earlier segment logged past its last checkpoint (then killed) go in once.
                     if step > logged.get(split, -1):
                         self._send(split, step, line)
         except Exception as e:  # noqa: BLE001 - a write to the workdir failed (_save_state, `_fails_workdir`)
@@ -186,15 +174,14 @@ class Tracker(Callback):
             preemption.install_excepthook()
             if run_id != self.state.get("run_id"):  # a new tracked run: nothing of it logged yet
                 self.state = {"run_id": run_id}
-            self.state.update(self._run_state())
         # Recorded (with the run id) before it is sent: a kill in between loses this point rather than logging it twice.
         self.state[split] = step
         self._save_state()
         self._guard(self._log, split, step, line)
 
     def _missing(self, logged: dict[str, int]) -> list[tuple[str, int, dict[str, Any]]]:
-        """The train and eval lines of metrics.jsonl up to the start step that the tracked run lacks (a tracker
-        that buffers loses its last ones to a SIGKILL), as the file held them at the start."""
+        """The train and eval lines of metrics.jsonl up to the start step that the tracked run lacks (a buffering
+        tracker loses its last ones to a SIGKILL)."""
         if self.workdir is None or not self._jsonl_size:
             return []
         with open(self.workdir / "metrics.jsonl", "rb") as f:
@@ -220,8 +207,7 @@ class Tracker(Callback):
             return None
 
     def _fails_workdir(self, error: Exception) -> bool:
-        """Whether a tracker client's `error` is a write into the workdir that failed for the storage's reason (a
-        full disk, an I/O error): that stops the run, as jdp's own writes there do."""
+        """Whether the client's `error` is a failed write into the workdir (a full disk): that stops the run."""
         failure = storage.disk_failure(error) if self.workdir is not None else None
         return bool(failure and failure[1]) and Path(failure[1]).absolute().is_relative_to(self.workdir.absolute())
 
@@ -231,7 +217,7 @@ class Tracker(Callback):
             warn(f"{self.name} logger: {message} (this warning is shown once)")
 
     def _read_state(self) -> dict[str, Any]:
-        path = self._state_path()
+        path = self._state_file
         if path is None or not path.is_file():
             return {}
         try:
@@ -242,13 +228,9 @@ class Tracker(Callback):
         return state if isinstance(state, dict) else {}
 
     def _save_state(self) -> None:
-        path = self._state_path()
-        if path is not None and not self._abandoned:
-            path.parent.mkdir(exist_ok=True)
-            write_atomic(path, json.dumps(self.state, indent=1) + "\n")
-
-    def _state_path(self) -> Path | None:
-        return None if self.workdir is None else self.workdir / STATE_DIR / f"{self.name}.json"
+        if self._state_file is not None and not self._abandoned:
+            self._state_file.parent.mkdir(exist_ok=True)
+            write_atomic(self._state_file, json.dumps(self.state, indent=1) + "\n")
 
     def params(self) -> dict[str, Any]:
         """What the tracked run records as its settings: the run record (run.json's) and the CLI's config, if any."""
@@ -262,16 +244,9 @@ class Tracker(Callback):
     # What each tracker does.
 
     def _logged(self) -> dict[str, int]:
-        """The last step of each split the tracked run already holds, as the tracker answers (this default, and
-        the fallback when a tracker cannot answer: the last steps handed to it, recorded before each was sent)."""
+        """The last step of each split the tracked run already holds; by default (and when the tracker cannot say)
+        the last steps handed to it."""
         return {split: self.state[split] for split in SPLITS if isinstance(self.state.get(split), int)}
-
-    def _run_state(self) -> dict[str, Any]:
-        """What the state file keeps beside the run id, once the run is open."""
-        return {}
-
-    def _prepare(self) -> None:
-        """On the training thread at the start, before anything is logged (cheap: no import, no network)."""
 
     def _open(self, run_id: str | None) -> str:
         """Opens the tracked run `run_id` (None: a new one) and records its settings; returns its id."""
@@ -284,29 +259,24 @@ class Tracker(Callback):
         raise NotImplementedError
 
 
-class _ClientLogs(logging.Filter):
-    """What a tracker's worker thread makes its client's libraries log at WARNING or above (urllib3's `Retrying ...`,
-    one per retry while a server does not answer) becomes the tracker's one warning; other threads' records pass."""
+@contextlib.contextmanager
+def _client_logs(tracker: Tracker) -> Iterator[None]:
+    """What this (the worker) thread's client libraries log at WARNING or above (urllib3's `Retrying ...`, once per
+    retry) becomes the tracker's one warning."""
+    thread = threading.get_ident()
 
-    LOGGERS = ("urllib3.connectionpool", "urllib3.util.retry", "urllib3.response")
-
-    def __init__(self, tracker: Tracker) -> None:
-        super().__init__()
-        self.tracker, self.thread = tracker, threading.get_ident()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.thread != self.thread or record.levelno < logging.WARNING:
+    def keep(record: logging.LogRecord) -> bool:
+        if record.thread != thread or record.levelno < logging.WARNING:
             return True
         with contextlib.suppress(Exception):  # a record that does not format: dropped all the same
-            self.tracker._warn(f"{record.name}: {record.getMessage()[:300]}; training goes on, the tracker may miss "
-                               "lines")
+            tracker._warn(f"{record.name}: {record.getMessage()[:300]}; training goes on, the tracker may miss lines")
         return False
 
-    def __enter__(self) -> _ClientLogs:
-        for name in self.LOGGERS:
-            logging.getLogger(name).addFilter(self)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for name in self.LOGGERS:
-            logging.getLogger(name).removeFilter(self)
+    loggers = [logging.getLogger(name) for name in ("urllib3.connectionpool", "urllib3.util.retry", "urllib3.response")]
+    for logger in loggers:
+        logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(keep)

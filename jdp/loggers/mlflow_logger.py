@@ -15,8 +15,7 @@ MAX_KEY, MAX_VALUE = 250, 6000  # MLflow's limits on a param's key and value
 
 
 def tracking_uri_problem(uri: str) -> str | None:
-    """Why `uri` is no tracking URI, or None: a URI (`SCHEME://...`, `file:...`) or a path without a colon, which
-    `_prepare` makes a file store (`::::` would otherwise become a directory named `::::`)."""
+    """Why `uri` is no tracking URI (neither `SCHEME://...`, `file:...` nor a path without a colon), or None."""
     if "://" in uri or uri.startswith("file:") or ":" not in uri:
         return None
     return ("is neither a URI (SCHEME://..., e.g. http://HOST:5000) nor a path; give a tracking server's URI, "
@@ -41,17 +40,17 @@ class MLflow(Tracker):
         self.client: Any = None
         self.uri = self.run_id = ""
 
-    def _prepare(self) -> None:
+    def on_start(self, start: int, workdir: Path | None, record: dict[str, Any] | None) -> None:
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (Path.cwd() / "mlruns").as_uri()
         if "://" not in uri and not uri.startswith("file:"):
             uri = Path(uri).absolute().as_uri()  # a plain path is a file store
         if uri.startswith("file:"):  # MLflow >= 3.13 refuses file stores unless told they are wanted
             os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
         self.uri = uri
+        super().on_start(start, workdir, record)
 
     def _stored_run(self, run_id: str | None) -> Any:
-        """The MLflow run `run_id` (a new client on the store), or None when the store has none by that id (deleted,
-        or another tracking URI): a new run then, which gets every line."""
+        """The MLflow run `run_id` (a new client on the store), or None where the store has none by that id."""
         from mlflow.exceptions import MlflowException
         from mlflow.tracking import MlflowClient
 
@@ -62,8 +61,7 @@ class MLflow(Tracker):
             return None
 
     def _logged(self) -> dict[str, int]:
-        # What the run holds, as MLflow answers: the marks written before each line was sent say one step more
-        # when a kill came before MLflow had it. Every key of a split counts: a non-finite loss is not sent.
+        # As MLflow answers (a kill may have come between a mark and its send), over every key of a split.
         run_id = self.state.get("run_id")
         if (stored := self._stored_run(run_id)) is None:
             return {}
@@ -81,8 +79,7 @@ class MLflow(Tracker):
             logged = stored.data.params
             self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
-            # Params cannot change: a second resume from the same step (a requeue before the next checkpoint)
-            # gets a prefix of its own, or its log_batch fails and the segment logs nothing.
+            # Params cannot change: a second resume from the same step gets a prefix of its own.
             prefix, n = f"resume_{self.start}", 1
             while any(key.startswith(f"{prefix}.") for key in logged):
                 n += 1

@@ -24,9 +24,8 @@ class WandB(Tracker):
         super().__init__(close_timeout_s=close_timeout_s)
         if project is not None and not isinstance(project, str):  # W&B's own check, at the run's start, names neither
             raise UsageError(f"WandB(project={project!r}) must be a string, or None")
-        for key in ("id", "resume", "project", "config", "reinit"):
-            if key in init_kwargs:
-                raise UsageError(f"jdp.loggers.WandB sets wandb.init's {key!r} itself; leave it out")
+        if key := next((k for k in ("id", "resume", "project", "config", "reinit") if k in init_kwargs), None):
+            raise UsageError(f"jdp.loggers.WandB sets wandb.init's {key!r} itself; leave it out")
         self.project, self.init_kwargs = project, init_kwargs
         self.run: Any = None
 
@@ -39,25 +38,21 @@ class WandB(Tracker):
                 kwargs["dir"] = str(self.workdir)
             kwargs.setdefault("name", self.workdir.name)
         if run_id is None:  # W&B ids are lower-case letters and digits
-            # Recorded before wandb.init, which takes seconds and writes its run directory at once: a kill meanwhile
-            # leaves that directory, and the rerun continues the same id rather than opening another.
+            # Recorded before wandb.init (which writes its run directory at once): a rerun after a kill keeps this id.
             run_id = secrets.token_hex(4)
             self.state = {"run_id": run_id}
             self._save_state()
         # Its own run beside any the user has open.
         self.run = wandb.init(project=self.project, id=run_id, resume="allow",
                               config=self.params(), reinit="create_new", **kwargs)
+        sync_file = str(self.run.settings.sync_file)  # each segment's run file, read by `_logged`
+        self.state["files"] = [*(f for f in self.state.get("files", []) if f != sync_file), sync_file]
         return self.run.id
 
     def _logged(self) -> dict[str, int]:
-        # What the run's files hold: W&B's client buffers, so after a SIGKILL the steps handed to it are more
-        # than it wrote. The summary is set again whole each time, never twice in a curve.
+        # What the run's files hold: W&B buffers, so a SIGKILL loses steps handed to it.
         files = self.state.get("files")
         return wandb_records.logged_steps([Path(f) for f in files]) if files else super()._logged()
-
-    def _run_state(self) -> dict[str, Any]:
-        files = [f for f in self.state.get("files", []) if f != str(self.run.settings.sync_file)]
-        return {"files": [*files, str(self.run.settings.sync_file)]}
 
     def _log(self, split: str, step: int, line: dict[str, Any]) -> None:
         if split == "summary":

@@ -1,6 +1,5 @@
-"""W&B's run files (`run-ID.wandb`, what `wandb sync` uploads), read with wandb's own record definitions: the steps
-a run's earlier segments really wrote. W&B's client buffers what it is given (up to a 32 KiB block of the file, and
-longer online), so after a SIGKILL its files, not what was handed to it, say where a resumed segment goes on."""
+"""W&B's run files (`run-ID.wandb`), read with wandb's own record definitions: W&B's client buffers, so after a
+SIGKILL its files, not what was handed to it, say which steps a resumed segment still has to log."""
 
 from __future__ import annotations
 
@@ -16,9 +15,8 @@ FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 
 def read_records(path: Path) -> Iterator[Any]:
-    """The records of a W&B run file, in order: a 7-byte header, then 32 KiB blocks of chunks, each with a 7-byte
-    header (CRC, length, type: full, or the first, middle or last part of a record) of `wandb_internal_pb2.Record`s.
-    A record cut short by a kill ends the file."""
+    """The `wandb_internal_pb2.Record`s of a W&B run file: a header, then 32 KiB blocks of chunks, each with a 7-byte
+    header (CRC, length, type: full, first, middle or last part of a record); one cut short by a kill ends it."""
     from google.protobuf.message import DecodeError
     from wandb.proto import wandb_internal_pb2
 
@@ -51,8 +49,7 @@ def items(updates: Any) -> dict[str, Any]:
 
 
 def logged_steps(paths: list[Path]) -> dict[str, int]:
-    """The last step with train metrics and the last with eval metrics (`eval_<key>`) over the history rows of
-    `paths`, the files that exist."""
+    """The last step with train metrics and the last with eval metrics (`eval_<key>`) in the run files `paths`."""
     last = {"train": -1, "eval": -1}
     for record in (record for path in paths if Path(path).is_file() for record in read_records(path)):
         if record.WhichOneof("record_type") == "history":

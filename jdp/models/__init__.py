@@ -1,6 +1,5 @@
-"""Model families, and the model registry: `model.name` (a built-in name or `package.module:Name`) plus
-`model.kwargs` -> a model. Every entry is called the same way, as `obj(**kwargs, rngs=nnx.Rngs(seed))`, plus
-`input_shape=` and `num_classes=` when its signature names them."""
+"""Model families and their registry: `model.name` (a built-in name or `package.module:Name`) called with
+`model.kwargs`, `rngs=nnx.Rngs(seed)`, and `input_shape=` and `num_classes=` where its signature names them."""
 
 import inspect
 import math
@@ -106,16 +105,15 @@ def gpt(*, input_shape: tuple[int, ...], num_classes: int, num_layers: int = 6, 
 
 def build_model(name: str, kwargs: dict[str, Any], input_shape: tuple[int, ...], num_classes: int, *,
                 seed: int) -> nnx.Module:
-    """The model `name` names (registered, or an import path), built with `kwargs` for inputs of
-    `input_shape` (no batch axis) and `num_classes` outputs."""
+    """Model `name` (registered, or an import path) built with `kwargs` for `input_shape` (no batch axis) and
+    `num_classes` outputs."""
     factory = MODELS.get(name)
     signature = _signature(factory)
     parameters = signature.parameters if signature is not None else {}  # none to read: pass only what was asked for
     given = {key: value for key, value in (("input_shape", tuple(input_shape)), ("num_classes", num_classes))
              if key in parameters and key not in kwargs}
     call = {**kwargs, **given, "rngs": nnx.Rngs(seed)}
-    # Checked before the call, since a TypeError raised inside the constructor (a JAX shape error, say) is the
-    # model's own failure, not a wrong setting. No signature to read: the call reports a mismatch itself.
+    # Checked before the call: a TypeError raised inside the constructor is the model's own failure.
     try:
         if signature is not None:
             signature.bind(*((None,) if isinstance(factory, type) else ()), **call)  # None stands for self
@@ -132,8 +130,7 @@ def settings(name: str, kwargs: dict[str, Any]) -> dict[str, Any]:
 
 
 def _signature(factory: Callable[..., nnx.Module]) -> inspect.Signature | None:
-    """What a model factory takes: a class's own __init__ (NNX's metaclass hides the class's signature); None
-    where there is no signature to read (a C extension)."""
+    """A factory's signature (a class's __init__'s: NNX's metaclass hides the class's), or None (a C extension)."""
     try:
         return inspect.signature(factory.__init__ if isinstance(factory, type) else factory)
     except (TypeError, ValueError):

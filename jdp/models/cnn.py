@@ -8,16 +8,14 @@ from flax import nnx
 
 
 def max_pool_2x2(x: jax.Array) -> jax.Array:
-    """2x2 max-pool, stride 2, VALID (odd sizes cropped) on (B, H, W, C): `nnx.max_pool(x, (2, 2), (2, 2))`, but
-    reshape + max differentiates much faster than reduce_window on XLA:CPU."""
+    """`nnx.max_pool(x, (2, 2), (2, 2))` as reshape + max, which differentiates much faster on XLA:CPU."""
     b, h, w, c = x.shape
     x = x[:, : h // 2 * 2, : w // 2 * 2]
     return x.reshape(b, h // 2, 2, w // 2, 2, c).max(axis=(2, 4))
 
 
 class CNN1D(nnx.Module):
-    """Conv1d stack (padding 1, ReLU after each), flatten, one Dense: the MNIST-1D paper's ConvBase, on (B, L, C)
-    or (B, L)."""
+    """The MNIST-1D paper's ConvBase: Conv1d stack (padding 1, ReLU), flatten, one Dense; on (B, L, C) or (B, L)."""
 
     def __init__(
         self,
@@ -53,8 +51,7 @@ class CNN1D(nnx.Module):
 
 
 class CNN2D(nnx.Module):
-    """3x3 VALID convs with ReLU, one 2x2 max-pool, flatten (H, W, C order), Dense+ReLU layers, Dense head; on
-    (B, H, W, C) or (B, H, W)."""
+    """3x3 VALID convs + ReLU, a 2x2 max-pool, flatten, Dense + ReLU layers, Dense head; on (B, H, W[, C])."""
 
     def __init__(
         self,

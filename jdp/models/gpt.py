@@ -1,13 +1,10 @@
 """nanoGPT's GPT (docs/language_models.md, "Model"); for sampling, `decode` runs new tokens against a KV cache.
-
-`scan_layers=True` makes the blocks once, stacked (`jdp.layers.Stack`): the unrolled model's parameters on a leading
-layer axis (a parameter file of either layout loads into the other, `jdp.params_file`) and the same function, but
-other dropout masks: each stacked block draws from its own split of the `dropout` stream, where unrolled blocks
-share one stream and draw in turn.
-"""
+`scan_layers=True` stacks the blocks (`jdp.layers.Stack`): the same function and parameters on a leading layer axis,
+but other dropout masks (each stacked block draws from its own split of the `dropout` stream)."""
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -28,8 +25,7 @@ def attention_implementation(dtype: jnp.dtype) -> str:
 
 
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, **kwargs: Any) -> jax.Array:
-    """`jax.nn.dot_product_attention`, float16 on CPU in float32: XLA's CPU dot has no float16 inputs with a float32
-    accumulator, which it asks for."""
+    """`jax.nn.dot_product_attention`, float16 on CPU in float32 (XLA:CPU has no float16 dot with float32 sums)."""
     if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
         kwargs.pop("implementation", None)
         return jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), **kwargs).astype(q.dtype)
@@ -67,8 +63,7 @@ class CausalSelfAttention(nnx.Module):
         return self.resid_dropout(self.proj(y.reshape(b, t, d))), (k, v)
 
     def _explicit(self, q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-        """Causal softmax attention written out, for dropout on its weights (dot_product_attention has none);
-        the softmax in float32."""
+        """Causal attention written out, for dropout on its weights (dot_product_attention has none)."""
         t = q.shape[1]
         scores_BxHxTxT = jnp.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
         causal = jnp.tril(jnp.ones((t, t), bool))
@@ -129,9 +124,7 @@ class GPT(nnx.Module):
         self.wte = nnx.Embed(vocab_size, embed_dim, embedding_init=normal, dtype=dtype, rngs=rngs)
         self.wpe = nnx.Embed(block_size, embed_dim, embedding_init=normal, dtype=dtype, rngs=rngs)
         self.drop = nnx.Dropout(dropout, rngs=rngs)
-        def block(rngs: nnx.Rngs) -> Block:
-            return Block(embed_dim, num_heads, dropout, bias, residual_std, dtype, rngs)
-
+        block = functools.partial(Block, embed_dim, num_heads, dropout, bias, residual_std, dtype)  # of rngs
         self.blocks = (Stack(block, num_layers, rngs=rngs, remat=remat) if scan_layers
                        else nnx.List([block(rngs) for _ in range(num_layers)]))
         self.ln_f = nnx.LayerNorm(embed_dim, epsilon=1e-5, use_bias=bias, dtype=dtype, rngs=rngs)
@@ -167,8 +160,7 @@ class GPT(nnx.Module):
         if t > self.block_size:
             raise ValueError(f"gpt: a sequence of {t} tokens is longer than block_size {self.block_size}")
         positions = start + jnp.arange(t)
-        # Looked up and projected by hand, not through nnx.Embed, whose dtype=None means float32: the model
-        # computes in its `dtype`, else in its parameters' (bf16 when the train step casts them).
+        # By hand, not through nnx.Embed (whose dtype=None means float32): in `dtype`, else the parameters' dtype.
         wte = self.wte.embedding[...]
         dtype = self.dtype or wte.dtype
         x = self.drop((wte[tokens_BxT] + self.wpe.embedding[...][positions][None]).astype(dtype))
@@ -197,8 +189,7 @@ class GPT(nnx.Module):
 
 
 def non_embedding_params(params: dict) -> int:
-    """Parameters of a GPT's pure parameter dict without the position embedding (the tied token embedding
-    counted once): the N of the 6N FLOPs-per-token estimate."""
+    """The N of the 6N FLOPs-per-token estimate: a GPT's parameters but the position embedding."""
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))  # arrays or shapes (ShapeDtypeStruct)
     return total - math.prod(params["wpe"]["embedding"].shape)
 

@@ -20,9 +20,8 @@ ARCHS: dict[str, tuple[str, tuple[int, ...]]] = {
 
 
 class BatchNorm(nnx.BatchNorm):
-    """`nnx.BatchNorm` whose output keeps its input's dtype. Flax promotes the input to the dtype of the float32
-    running statistics, so statistics and normalisation stay float32 and the next convolution still gets the
-    compute dtype (bf16 in a bf16 step) rather than float32."""
+    """`nnx.BatchNorm` whose output keeps its input's dtype: the statistics and normalisation in float32 (Flax
+    promotes to the running statistics' dtype), the next convolution still in the compute dtype."""
 
     def __call__(self, x: jax.Array, **kwargs: Any) -> jax.Array:
         return super().__call__(x, **kwargs).astype(x.dtype)
@@ -91,8 +90,7 @@ STEMS = ("cifar", "imagenet")
 
 
 class ResNet(nnx.Module):
-    """ResNet on (B, H, W, C) or (B, H, W) images; float32 logits whatever it computes in. `dtype` None computes in
-    the dtype of the input and parameters given (jdp's step: the run's precision in training, float32 in eval).
+    """ResNet on (B, H, W[, C]) images; float32 logits. `dtype` None computes in the input's and parameters' dtype;
     `remat` ("none", "full", "dots") checkpoints each residual block (`jdp.layers.remat`). Stems: 'cifar' =
     conv3x3 + BN + ReLU; 'imagenet' = conv7x7/2 + BN + ReLU + maxpool 3x3/2 (SAME)."""
 
