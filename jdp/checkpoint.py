@@ -36,9 +36,8 @@ _UNREADABLE_METADATA = ("Metadata file does not exist", "Failed to read Metadata
 
 
 def _quiet_orbax(record: logging.LogRecord) -> bool:
-    """Drops orbax's lines that only alarm (about its step metadata file, which jdp does not read, and the wait for a
-    previous save, which jdp reports as the checkpoint stall), and its warnings and errors once the workdir or its
-    checkpoints directory is gone (jdp says so once)."""
+    """Drops orbax's lines that only alarm (its step metadata, which jdp does not read; the wait for a previous save,
+    reported as the checkpoint stall), and its warnings once the workdir is gone (jdp says so once)."""
     if record.levelno >= logging.WARNING and (_VANISHED or any(c.vanished() for c in list(_OPEN))):
         return False
     message = str(record.msg)
@@ -142,8 +141,7 @@ def read_arrays(directory: Path, step: int | None = None) -> tuple[int, dict[str
 
 
 def _data_problem(directory: Path, step: int, data: Any) -> str | None:
-    """What shows checkpoint `step`'s data item damaged, or None; CheckpointError for an intact one of another
-    format."""
+    """What shows checkpoint `step`'s data item damaged, or None; CheckpointError for another format."""
     if not isinstance(data, dict):
         return "its data item is not a JSON object (damaged bytes)"
     if digest.seal_broken(data):

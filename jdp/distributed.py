@@ -102,14 +102,13 @@ def check_bind_address(raw: str) -> str:
     return _address("distributed.bind_address", raw)
 
 
-def _port(name: str, raw: str) -> int:
+def _port(name: str, raw: str) -> None:
     try:
-        port = int(raw.strip())
+        port = int(raw)
     except ValueError:
         port = 0
     if not 1 <= port <= 65535:
         raise DistributedUsageError(f"{name}={raw!r} is not a port number; use an integer in 1-65535")
-    return port
 
 
 def _first(*candidates: tuple[str, object | None]) -> tuple[str, object] | None:
@@ -220,8 +219,7 @@ def listen_address(job: Job, bind_address: str = "", env: Mapping[str, str] | No
         return Listen(listen, f"the host of the coordinator address, from {source}")
     if not ip.is_loopback:
         return Listen(listen, f"{name}, as this host resolves it")
-    hosts = _hosts(env)
-    if hosts is not None and hosts > 1:
+    if (hosts := _hosts(env) or 1) > 1:
         raise DistributedUsageError(
             f"the coordinator's host {name} resolves to {ip} on process 0's host, a loopback address, but the job "
             f"spans {hosts} hosts, which cannot reach it; set the coordinator address (MASTER_ADDR, --coordinator) "

@@ -154,8 +154,11 @@ def lost_directory(error: BaseException, workdir: Path | None = None) -> tuple[P
             if workdir is not None and not Path(workdir).is_dir():
                 return Path(workdir), path or None
             inside = workdir is not None and path and Path(path).absolute().is_relative_to(Path(workdir).absolute())
-            if inside and not Path(path).exists():
-                return _highest_missing(Path(path).absolute(), Path(workdir).absolute()), path
+            if inside and not Path(path).exists():  # the highest missing directory below the workdir
+                gone = Path(path).absolute()
+                while gone.parent != Path(workdir).absolute() and not gone.parent.exists():
+                    gone = gone.parent
+                return gone, path
             # orbax names some files of its temporary directory relative to it ('commit_success.txt')
             if workdir is None and path and (_ORBAX_TMP in path or not Path(path).is_absolute()
                                              or not Path(path).parent.exists()):
@@ -165,9 +168,8 @@ def lost_directory(error: BaseException, workdir: Path | None = None) -> tuple[P
 
 def lost_workdir(error: BaseException, workdir: Path, vanished: Callable[[], Path | None],
                  settle_s: float = 2.0) -> tuple[Path, str | None] | None:
-    """What of `workdir` is gone if `error` came of its deletion or move, per `lost_directory` or `vanished()`; asked
-    again for up to `settle_s` after an ENOENT or an error inside orbax (`rm -r` may not have reached the directories
-    yet)."""
+    """What of `workdir` is gone if `error` came of its deletion or move; asked again for up to `settle_s` after an
+    ENOENT or an error inside orbax (`rm -r` may not have reached the directories yet)."""
     settles = any(_enoent_path(e) is not None or any("/orbax/" in frame.filename for frame in
                                                      traceback.extract_tb(e.__traceback__)) for e in _chain(error))
     deadline = time.monotonic() + (settle_s if settles else 0.0)
@@ -208,16 +210,6 @@ def _enoent_path(error: BaseException) -> str | None:
     if isinstance(error, ValueError) and "does not exist" in text and (named := _ABSOLUTE_PATH.search(text)):
         return named[1].rstrip(".")
     return None
-
-
-def _highest_missing(path: Path, within: Path) -> Path:
-    """`path`, or the highest of its directories below `within` that is missing."""
-    highest = path
-    for directory in path.parents:
-        if directory == within or not directory.is_relative_to(within) or directory.exists():
-            break
-        highest = directory
-    return highest
 
 
 def lost_error(lost: tuple[Path, str | None], workdir: Path) -> DiskError:
