@@ -1,6 +1,5 @@
-"""Orbax checkpoints in WORKDIR/checkpoints: the train state, the data position, a digest of every leaf
-(`jdp.digest`) and the run's settings' fingerprint (`jdp.guard`). Restore falls back past damaged checkpoints
-(docs/checkpoints.md, "Checkpoints, resume and failures").
+"""Orbax checkpoints in WORKDIR/checkpoints: the train state, the data position, leaf digests (`jdp.digest`) and the
+run's settings' fingerprint (`jdp.guard`); restore falls back past damaged checkpoints (docs/checkpoints.md).
 """
 
 from __future__ import annotations

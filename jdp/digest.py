@@ -1,6 +1,5 @@
-"""Digests of a train state's leaves, saved with each checkpoint and checked on restore, and the checksum of the
-JSON item that holds them. A split leaf's digest is word sums computed where its parts live: integer sums do not
-depend on the order of addition, so it is the same on any device count."""
+"""Digests of a train state's leaves, checked on restore, and the checksum of the JSON item that holds them. A split
+leaf's digest is integer word sums computed where its parts live: the same on any device count."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Multi-process start-up: this process's place in the job (from flags or the environment, docs/cluster.md), and
-`jax.distributed.initialize` with time limits that end in one clear line instead of a hang or an abort. JAX's cluster
-detection is on only where a SLURM setting is used.
+"""Multi-process start-up (docs/cluster.md): this process's place in the job, and `jax.distributed.initialize` with
+time limits that end in one clear line instead of a hang or an abort.
 """
 
 from __future__ import annotations
