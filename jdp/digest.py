@@ -1,7 +1,5 @@
-"""Digests of a train state's leaves, saved with each checkpoint and checked against the restored arrays, and the
-checksum of the JSON item that holds them (docs/checkpoints.md, "Checkpoints, resume and failures"). A split leaf's
-digest, word sums ("words:" + hex), is computed on the devices where its parts live: integer sums do not depend on
-the order of addition, so it is the same on any device count."""
+"""Digests of a train state's leaves, checked on restore, and the checksum of the JSON item that holds them. A split
+leaf's digest is integer word sums computed where its parts live: the same on any device count."""
 
 from __future__ import annotations
 
@@ -29,18 +27,12 @@ def of_leaf(x: np.ndarray) -> list:
     return [x.dtype.name, list(x.shape), hashlib.blake2b(data, digest_size=16).hexdigest()]
 
 
-def of_tree(tree: Any) -> dict[str, list]:
-    """{leaf path: [dtype, shape, hash]} of a tree of host arrays."""
-    return {path: of_leaf(np.asarray(leaf)) for path, leaf in _leaves(tree)}
-
-
 def _is_split(x: Any) -> bool:
     return isinstance(x, jax.Array) and not x.sharding.is_fully_replicated
 
 
 def _words(x: Any, xp: Any) -> Any:
-    """A leaf's bytes as uint32 words: one per element of 1, 2 or 4 bytes, two per 8-byte element (in memory
-    order); `xp` is numpy or jax.numpy."""
+    """A leaf's bytes as uint32 words (two per 8-byte element); `xp` is numpy or jax.numpy."""
     x = x.astype(xp.uint8) if x.dtype == xp.bool_ else x  # bitcast takes no booleans
     size = x.dtype.itemsize
     if xp is np:
@@ -51,8 +43,8 @@ def _words(x: Any, xp: Any) -> Any:
 
 
 def sums_on_device(x: jax.Array) -> jax.Array:
-    """[sum of words, sum of words x (row-major position + 1)], wrapping, on the devices where `x`'s parts are:
-    positions come from iotas in `x`'s own shape, so nothing is reshaped across devices."""
+    """[sum of words, sum of words x (row-major position + 1)], wrapping, where `x`'s parts are (positions from iotas
+    in `x`'s own shape: nothing is reshaped across devices)."""
     words = _words(x, jnp)
     position = jnp.zeros(words.shape, jnp.uint32)
     stride = 1
@@ -66,7 +58,7 @@ _word_sums = jax.jit(lambda leaves: jnp.stack([sums_on_device(x) for x in leaves
 
 
 def _sums_on_host(x: np.ndarray) -> np.ndarray:
-    """`sums_on_device` of a numpy array, on the host (uint32 arithmetic wraps as the device's does)."""
+    """`sums_on_device` of a numpy array, on the host."""
     words = _words(np.asarray(x), np).reshape(-1)
     position = np.arange(1, words.size + 1, dtype=np.uint64).astype(np.uint32)
     return np.array([words.sum(dtype=np.uint32), (words * position).sum(dtype=np.uint32)], np.uint32)
@@ -77,9 +69,8 @@ def _of_words(x: Any, sums: np.ndarray) -> list:
 
 
 def pending(tree: Any, host: bool = True) -> Callable[[], dict[str, list] | None]:
-    """Starts a train state's digests, returning what completes them on a save thread: split leaves' word sums start
-    on their devices now (one collective program: every process calls this together), replicated leaves are hashed
-    later on the host. `host` False (not the writing process): only the collective part; the result is None."""
+    """Starts a train state's digests (split leaves' word sums, on their devices: every process calls this together),
+    returning what completes them on a save thread (hashes of the rest); `host` False: that returns None."""
     leaves = _leaves(tree)
     split = [(path, x) for path, x in leaves if _is_split(x)]
     sums = _word_sums([x for _, x in split]) if split else None
@@ -109,8 +100,7 @@ def layout_difference(digests: dict[str, list], abstract: Any) -> str | None:
 
 
 def mismatch(digests: dict[str, list], tree: Any) -> str | None:
-    """A line naming the first leaf of `tree` (host or device arrays; paths matched by `_plain`) whose digest differs
-    from `digests`, or None. Word sums are computed where the arrays are (every process calls this together)."""
+    """A line naming the first leaf of `tree` whose digest differs from `digests`, or None; a collective."""
     leaves, digests = _leaves(tree), {_plain(path): value for path, value in digests.items()}
     counted = [(path, x) for path, x in leaves if str(digests.get(_plain(path), [None] * 3)[2]).startswith(WORDS)]
     on_devices = [(path, x) for path, x in counted if isinstance(x, jax.Array)]
@@ -125,8 +115,7 @@ def mismatch(digests: dict[str, list], tree: Any) -> str | None:
 
 
 def _checksum(item: dict) -> str:
-    """BLAKE2b of `item` without its checksum, as canonical JSON: the parsed values, not the file's bytes, so that
-    any JSON writer's spacing or key order gives the same checksum."""
+    """BLAKE2b of `item` without its checksum, as canonical JSON (any writer's spacing and key order alike)."""
     text = json.dumps({k: v for k, v in item.items() if k != "checksum"}, sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
 
@@ -145,8 +134,8 @@ _KEY = re.compile(r"""\.(\w+)|\[(-?\d+)\]|\['((?:[^'\\]|\\.)*)'\]|\["((?:[^"\\]|
 
 
 def _plain(path: str) -> str:
-    """A leaf's path as its keys joined by "/", whatever tree spelled it: the TrainState's `.opt_state[0].mu['w']`
-    and orbax's restored dict's `['opt_state'][0]['mu']['w']` are both `opt_state/0/mu/w`."""
+    """A leaf's path as its keys joined by "/": `.opt_state[0].mu['w']` and `['opt_state'][0]['mu']['w']` are both
+    `opt_state/0/mu/w`."""
     return "/".join(next(g for g in m.groups() if g is not None) for m in _KEY.finditer(path))
 
 
@@ -157,17 +146,18 @@ def stored_layout(metadata: Any) -> dict[str, list]:
 
 
 def layout_disagreement(digests: dict[str, list], stored: dict[str, list]) -> str | None:
-    """The first leaf whose dtype or shape in `digests` differs from orbax's metadata of the arrays saved beside
-    them (`stored_layout`), or that only one of them lists: both were written from one state, so it is damage."""
+    """The first leaf whose dtype or shape in `digests` differs from `stored_layout` of the arrays saved beside them,
+    or that only one lists: both were written from one state, so it is damage."""
     listed = {_plain(path): value[:2] for path, value in digests.items()}
     for path in [*listed, *(p for p in stored if p not in listed)]:
         mine, theirs = listed.get(path), stored.get(path)
         if mine is None:
-            return f"its arrays hold {path}, which its digests do not list"
+            return f"its arrays hold {path}, which its digests do not list (damaged bytes)"
         if theirs is None:
-            return f"its digests list {path}, which its arrays do not hold"
+            return f"its digests list {path}, which its arrays do not hold (damaged bytes)"
         if mine != theirs:
-            return f"its digests give {path} as {mine[0]}{tuple(mine[1])}, its arrays as {theirs[0]}{tuple(theirs[1])}"
+            return (f"its digests give {path} as {mine[0]}{tuple(mine[1])}, its arrays as {theirs[0]}"
+                    f"{tuple(theirs[1])} (damaged bytes)")
     return None
 
 

@@ -1,10 +1,5 @@
-"""Multi-process start-up: this process's place in the job (from flags or the environment), and
-`jax.distributed.initialize` with time limits that end in one clear line instead of a hang or an abort.
-
-Which flag or variable sets each setting: docs/cluster.md, its opening ("Where each process is"); where process 0's
-coordinator listens: its "What the coordinator exposes". Where a SLURM setting is used, JAX detects the job itself
-(its coordinator address is worked out here by JAX's rule, so jdp knows where it listens); otherwise JAX's cluster
-detection is off. Nothing set, or a process count of 1, is a single process: `initialize` is not called.
+"""Multi-process start-up (docs/cluster.md): this process's place in the job, and `jax.distributed.initialize` with
+time limits that end in one clear line instead of a hang or an abort.
 """
 
 from __future__ import annotations
@@ -17,7 +12,6 @@ import math
 import os
 import re
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -30,9 +24,9 @@ import jax
 from jdp import kvstore
 from jdp.errors import UsageError, one_line
 from jdp.nested import flatten
+from jdp.preemption import exit_now
 
-# jax aborts about 4 s after its own initialization_timeout; give it this much more than jdp's,
-# so that jdp's watchdog speaks first.
+# jax aborts about 4 s after its own initialization_timeout: jdp's watchdog speaks first.
 JAX_TIMEOUT_MARGIN_S = 10
 LEFT_S = 1.0  # from a process's word that it leaves to its exit, at the most: os._exit right after
 _SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
@@ -107,14 +101,13 @@ def check_bind_address(raw: str) -> str:
     return _address("distributed.bind_address", raw)
 
 
-def _port(name: str, raw: str) -> int:
+def _port(name: str, raw: str) -> None:
     try:
-        port = int(raw.strip())
+        port = int(raw)
     except ValueError:
         port = 0
     if not 1 <= port <= 65535:
         raise DistributedUsageError(f"{name}={raw!r} is not a port number; use an integer in 1-65535")
-    return port
 
 
 def _first(*candidates: tuple[str, object | None]) -> tuple[str, object] | None:
@@ -123,8 +116,7 @@ def _first(*candidates: tuple[str, object | None]) -> tuple[str, object] | None:
 
 def resolve(env: Mapping[str, str] | None = None, *, coordinator: str | None = None,
             num_processes: int | None = None, process_id: int | None = None) -> Job | None:
-    """This process's Job from the flags and `env` (default os.environ), or None for a single process;
-    DistributedUsageError names a setting that is missing, malformed or inconsistent."""
+    """This process's Job from the flags and `env` (default os.environ), or None for a single process."""
     env = os.environ if env is None else env
     get = {k: (v if v.strip() else None) for k, v in env.items()}.get
     slurm = all(get(k) is not None for k in _SLURM_VARIABLES)
@@ -138,8 +130,7 @@ def resolve(env: Mapping[str, str] | None = None, *, coordinator: str | None = N
                  ("WORLD_SIZE", get("WORLD_SIZE")))
     pid = _first(("--process_id", process_id), ("JAX_PROCESS_ID", get("JAX_PROCESS_ID")), ("RANK", get("RANK")))
 
-    # Half of torchrun's pairs (RANK without WORLD_SIZE, MASTER_ADDR without MASTER_PORT, or the reverse), where no
-    # flag or JAX variable stands for the missing half, is a broken launch script, even under SLURM.
+    # Half of one of torchrun's pairs, with no flag or JAX variable for the other half, is a broken launch script.
     pairs = (("MASTER_ADDR", "MASTER_PORT", coord or master_port, "--coordinator HOST:PORT"),
              ("MASTER_PORT", "MASTER_ADDR", coord or master_addr, "--coordinator HOST:PORT"),
              ("RANK", "WORLD_SIZE", num, "--num_processes N"), ("WORLD_SIZE", "RANK", pid, "--process_id I"))
@@ -153,17 +144,17 @@ def resolve(env: Mapping[str, str] | None = None, *, coordinator: str | None = N
     if coord is None and num is None and pid is None:
         return None
 
-    names = {"num": "--num_processes / JAX_NUM_PROCESSES / WORLD_SIZE",
-             "pid": "--process_id / JAX_PROCESS_ID / RANK"}
     set_names = [name for name, _ in filter(None, (coord, num, pid))]
     given = f"{' and '.join(set_names)} {'is' if len(set_names) == 1 else 'are'}"
     if num is None:
-        raise DistributedUsageError(f"{given} set but the number of processes is missing; set one of {names['num']}")
+        raise DistributedUsageError(f"{given} set but the number of processes is missing; set one of "
+                                     "--num_processes / JAX_NUM_PROCESSES / WORLD_SIZE")
     count = _integer(num[0], num[1], 1)
     if pid is None:
         if count == 1:
             return None
-        raise DistributedUsageError(f"{given} set but this process's id is missing; set one of {names['pid']}")
+        raise DistributedUsageError(f"{given} set but this process's id is missing; set one of "
+                                    "--process_id / JAX_PROCESS_ID / RANK")
     rank = _integer(pid[0], pid[1], 0)
     if rank >= count:
         raise DistributedUsageError(f"{pid[0]}={rank} is not below {num[0]}={count}: process ids run from 0 to "
@@ -182,9 +173,7 @@ def resolve(env: Mapping[str, str] | None = None, *, coordinator: str | None = N
 
 
 def slurm_coordinator(env: Mapping[str, str]) -> str | None:
-    """HOST:PORT of the coordinator of a SLURM job step by JAX's rule (its SlurmCluster, jax 0.10): the first
-    host of SLURM_STEP_NODELIST (`node[001-004],gpu7` -> node001), port JAX_COORDINATOR_PORT or SLURM_JOB_ID's in
-    61440-65535. None outside SLURM or when the variables do not read."""
+    """HOST:PORT of a SLURM job step's coordinator by JAX's rule (SlurmCluster, jax 0.10); None outside SLURM."""
     if not all(env.get(k) for k in _SLURM_VARIABLES):
         return None
     match = re.match(r"([^,\[]+)(?:\[([^,\-\]]+))?", env["SLURM_STEP_NODELIST"].strip())
@@ -194,7 +183,6 @@ def slurm_coordinator(env: Mapping[str, str]) -> str | None:
     return f"{first}:{port}" if first and port else None
 
 
-# Bind addresses that mean every interface: only ever used when asked for.
 _EVERY_INTERFACE = ("0.0.0.0", "::", "[::]")
 
 
@@ -206,9 +194,7 @@ class Listen:
 
 
 def listen_address(job: Job, bind_address: str = "", env: Mapping[str, str] | None = None) -> Listen:
-    """Where process 0's coordinator listens, by the rules of docs/cluster.md, "What the coordinator exposes". A
-    hostname that resolves to loopback only, in a job that spans hosts, is a DistributedUsageError at once rather
-    than a time-out."""
+    """Where process 0's coordinator listens (docs/cluster.md, "What the coordinator exposes")."""
     env = os.environ if env is None else env
     for name, value in (("distributed.bind_address", bind_address), ("JAX_COORDINATOR_BIND_ADDRESS",
                                                                      env.get("JAX_COORDINATOR_BIND_ADDRESS", ""))):
@@ -232,8 +218,7 @@ def listen_address(job: Job, bind_address: str = "", env: Mapping[str, str] | No
         return Listen(listen, f"the host of the coordinator address, from {source}")
     if not ip.is_loopback:
         return Listen(listen, f"{name}, as this host resolves it")
-    hosts = _hosts(env)
-    if hosts is not None and hosts > 1:
+    if (hosts := _hosts(env) or 1) > 1:
         raise DistributedUsageError(
             f"the coordinator's host {name} resolves to {ip} on process 0's host, a loopback address, but the job "
             f"spans {hosts} hosts, which cannot reach it; set the coordinator address (MASTER_ADDR, --coordinator) "
@@ -274,9 +259,8 @@ def check_timeouts(init_timeout_s: float, heartbeat_timeout_s: float) -> None:
 
 
 def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, bind_address: str = "") -> None:
-    """`jax.distributed.initialize` for `job`; must run before JAX touches a device. Not all joined within
-    `init_timeout_s`: one line and exit 5 (JAX would abort later, misleadingly). `heartbeat_timeout_s` also bounds
-    JAX's shutdown barrier (JAX's default: 300 s). `bind_address`: see `listen_address`."""
+    """`jax.distributed.initialize` for `job`, before JAX touches a device. Not all joined within `init_timeout_s`:
+    one line and exit 5 (JAX would abort later, misleadingly). `heartbeat_timeout_s` also bounds the shutdown."""
     check_timeouts(init_timeout_s, heartbeat_timeout_s)
     if bind_address:
         check_bind_address(bind_address)
@@ -289,11 +273,10 @@ def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, b
     message = (f"jdp: distributed: not all {job.num_processes} processes joined within {init_timeout_s:g} s "
                f"({job.describe()}{bound}); start every process with the same coordinator and process count, check "
                "that the coordinator is reachable from every host, or raise distributed.init_timeout_s")
-    watchdog = threading.Timer(init_timeout_s, _give_up, args=(message,))
+    watchdog = threading.Timer(init_timeout_s, exit_now, args=(message, 5))
     watchdog.daemon = True
     watchdog.start()
-    # JAX's preemption notifier would take SIGTERM from jdp's handler until `fit` installed it again: a signal in
-    # the start-up (the data, the model, a restore, --eval_only) was dropped. jdp agrees on its own stop step.
+    # JAX's preemption notifier would take SIGTERM from jdp's handler; jdp agrees on its own stop step.
     jax.config.update("jax_enable_preemption_service", False)
     try:
         jax.distributed.initialize(
@@ -317,15 +300,8 @@ def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, b
         print(f"jdp: distributed: all {job.num_processes} processes joined ({job.describe()})", flush=True)
 
 
-def _give_up(message: str) -> None:
-    sys.stdout.flush()
-    print(message, file=sys.stderr, flush=True)
-    os._exit(5)
-
-
 def check_same_run(settings: dict, timeout_s: float) -> None:
-    """Refuses (exit 2) `settings` (JSON-able) that differ from process 0's, through the key-value store. Process 0
-    compares with every process, the others with it, so all stop rather than some waiting forever in a collective."""
+    """Refuses (exit 2), on every process, `settings` that differ from process 0's."""
     client, me = kvstore.client(), jax.process_index()
     if client is None:
         return
@@ -346,9 +322,7 @@ def check_same_run(settings: dict, timeout_s: float) -> None:
 
 def leaving(timeout_s: float = 10.0) -> None:
     """Says this process is leaving. Process 0, whose exit ends the key-value store, first waits up to `timeout_s`
-    for the others to say so too (when all stop for one reason, a peer still reading the store, a broadcast of the
-    refusal, would find it gone), then a moment more for them to be gone: JAX aborts a process that outlives its
-    coordinator. One blocked in a collective with a failed process never says so."""
+    for the others to say so, then a moment more: JAX aborts a process that outlives its coordinator."""
     client, me = kvstore.client(), jax.process_index()
     deadline = time.monotonic() + timeout_s
     try:
@@ -401,19 +375,14 @@ def _within(timeout_s: float, failure: str, wait: Callable[[str, int], Any], key
 
 
 def run_settings(cfg_dict: dict, workdir: Path) -> dict:
-    """What must be the same in every process: the config (but the per-host compile cache), the workdir and the
-    devices of each (a host with a GPU missing: the mesh and the checkpoints assume equal ones)."""
+    """What must be the same in every process: the config (but the per-host compile cache), workdir, device count."""
     return {"config": {k: v for k, v in cfg_dict.items() if k != "compile_cache_dir"},
             "workdir": str(Path(workdir).absolute()), "local_devices": jax.local_device_count()}
 
 
 class StopAgreement:
-    """The step at which every process stops after a SIGTERM or SIGINT reached any of them (alone: at once).
-
-    A process stopping alone would leave the others in the next collective for ever, and signals arrive at different
-    steps: the first to see one proposes `step + LOOKAHEAD_STEPS` in the key-value store, which every process looks
-    up once per step. Processes run at most two steps apart (metrics are fetched one step late), so all learn it
-    in time."""
+    """The step at which every process stops after a SIGTERM or SIGINT reached any of them (alone: at once). The
+    first to see one proposes `step + LOOKAHEAD_STEPS`; processes run at most two steps apart, so all learn it."""
 
     LOOKAHEAD_STEPS = 4
     KEY = "jdp/stop_at_step/"  # a directory: looking it up never raises

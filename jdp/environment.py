@@ -1,7 +1,5 @@
 """The variables JAX and XLA read at start-up, checked before JAX is imported (no JAX here), so that a bad value is
-one line, not JAX's import-time ValueError (JAX_NUM_CPU_DEVICES=abc: 25 lines) or XLA's C++ abort on an unknown flag
-in XLA_FLAGS. No Python code catches that abort, so XLA_FLAGS is tried in a child process (`check_xla_flags`).
-The flags jdp adds itself go in through `add_xla_flags`.
+one line, not JAX's import-time traceback or XLA's C++ abort (hence XLA_FLAGS is tried in a child process).
 """
 
 from __future__ import annotations
@@ -15,17 +13,13 @@ from typing import Any
 
 from jdp.errors import UsageError
 
-# The most simulated CPU devices jdp asks XLA:CPU for (--cpu_devices, parallel.cpu_devices, JAX_NUM_CPU_DEVICES,
-# jdp.launch --cpu_devices). XLA sets up every device when it starts, about 100 KB and some threads each, inside C++
-# where no signal stops it: 1024 take 3 s and 280 MB, 100000 grew past 10 GB and could not be interrupted.
+# The most simulated CPU devices: XLA sets each up at start, where no signal stops it (1024 take 3 s and 280 MB).
 MAX_CPU_DEVICES = 1024
 
-# The flags jdp itself adds to XLA_FLAGS (`apply_communication_flags`, jdp.mesh), always with values XLA reads: a
-# run in a process where jdp already set them (a second in-process run, a test) needs no probe for them.
+# The flags jdp itself adds to XLA_FLAGS, always with values XLA reads: they need no probe.
 _JDP_FLAGS = re.compile(r"--(xla_gpu_enable_latency_hiding_scheduler=(true|false)|"
                         r"xla_gpu_all_reduce_combine_threshold_bytes=\d+|xla_cpu_multi_thread_eigen=false)")
-# Building compile options makes XLA parse XLA_FLAGS (and abort on a bad one) without starting any backend, so no
-# device, GPU included, is touched.
+# Building compile options makes XLA parse XLA_FLAGS without starting any backend.
 _PROBE = "import jaxlib._jax as xla; xla.CompileOptions()"
 PROBE_TIMEOUT_S = 60.0
 _UNKNOWN = re.compile(r"Unknown flags? in XLA_FLAGS: (.+)")
@@ -40,8 +34,7 @@ class BadEnvironment(UsageError):
 
 
 def check_environment(env: Mapping[str, str] | None = None) -> None:
-    """JAX_NUM_CPU_DEVICES and XLA_FLAGS of `env` (default os.environ); BadEnvironment names the first bad one.
-    Must run before JAX is imported to catch JAX_NUM_CPU_DEVICES=abc, and before JAX starts a backend for the rest."""
+    """JAX_NUM_CPU_DEVICES and XLA_FLAGS of `env` (default os.environ), before JAX is imported."""
     env = os.environ if env is None else env
     check_cpu_device_count(env.get("JAX_NUM_CPU_DEVICES"))
     check_xla_flags(env.get("XLA_FLAGS", ""), env)
@@ -63,9 +56,7 @@ def check_cpu_device_count(raw: str | None) -> None:
 
 
 def check_xla_flags(value: str, env: Mapping[str, str] | None = None) -> None:
-    """XLA_FLAGS as XLA reads it, tried in a child process unless it holds only flags jdp writes (see _JDP_FLAGS).
-    A probe that fails for any other reason (no jaxlib of this layout, a timeout) lets the run go on: XLA itself
-    then reports what it finds."""
+    """XLA_FLAGS tried in a child process; a probe failing for another reason (a timeout) lets the run go on."""
     if not value.strip() or value in _accepted or all(_JDP_FLAGS.fullmatch(flag) for flag in value.split()):
         return
     env = dict(os.environ if env is None else env, XLA_FLAGS=value)
@@ -97,17 +88,14 @@ def _problem(stderr: str) -> str | None:
 
 
 def add_xla_flags(flags: dict[str, str]) -> None:
-    """Adds each flag=value to XLA_FLAGS unless XLA_FLAGS sets that flag already (the user's setting wins). Apply
-    before JAX starts its backends."""
+    """Adds each flag=value to XLA_FLAGS unless it sets that flag already, before JAX starts its backends."""
     current = os.environ.get("XLA_FLAGS", "")
     present = {flag.split("=", 1)[0] for flag in current.split()}
     os.environ["XLA_FLAGS"] = " ".join([current, *(f"{k}={v}" for k, v in flags.items() if k not in present)]).strip()
 
 
 def apply_communication_flags(parallel: Any) -> None:
-    """The config's parallel section's XLA flags, for GPUs (XLA:CPU runs collectives in-process): the all-reduce
-    combine threshold (DDP's bucket size, 25 MB there; 0 keeps XLA's default) and the latency-hiding scheduler, which
-    overlaps the gradient all-reduce with the backward."""
+    """The parallel section's XLA flags for GPUs (a combine threshold of 0 keeps XLA's default)."""
     threshold = parallel.allreduce_combine_threshold_bytes
     add_xla_flags({**({"--xla_gpu_all_reduce_combine_threshold_bytes": str(threshold)} if threshold else {}),
                    "--xla_gpu_enable_latency_hiding_scheduler": str(parallel.latency_hiding_scheduler).lower()})

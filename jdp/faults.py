@@ -1,12 +1,5 @@
 """Deterministic faults for the crash-safety tests: `JDP_KILL_AT=POINT:STEP`, or `POINT:STEP@PROCESS` for one
-process. Only the first attempt of `jdp.launch --max_restarts` (`JDP_RESTART` 0 or unset) has them: a fault fires once.
-
-| POINT   | what happens                                                                                   |
-|---------|------------------------------------------------------------------------------------------------|
-| `save`  | SIGKILL in the middle of writing checkpoint STEP (its asynchronous write started, not finished) |
-| `step`  | SIGKILL right after step STEP, once checkpoint writes are complete, before that step's eval    |
-| `raise` | a RuntimeError right after step STEP: an unexpected exception                                  |
-| `restore` | SIGTERM to itself while restoring (STEP is ignored): a signal during start-up                |
+process, with POINT `save`, `step`, `raise` or `restore` (docs/checkpoints.md); only where `JDP_RESTART` is 0 or unset.
 """
 
 from __future__ import annotations
@@ -18,7 +11,7 @@ from collections.abc import Callable
 
 def _requested(point: str) -> int | None:
     """STEP of `JDP_KILL_AT=POINT:STEP[@PROCESS]` when it names `point` (and this process), else None."""
-    if os.environ.get("JDP_RESTART", "0").strip() not in ("", "0"):  # a restart by jdp.launch: the fault has fired
+    if os.environ.get("JDP_RESTART", "0").strip() not in ("", "0"):  # a restart by jdp.launch: it has fired
         return None
     spec = os.environ.get("JDP_KILL_AT", "")
     name, _, rest = spec.partition(":")

@@ -1,6 +1,5 @@
-"""Whole-file rewrites that a crash or a concurrent reader never sees half done: write a temporary file beside
-the target, fsync it, rename it over the target, fsync the directory. (Appends, such as metrics.jsonl, stay
-appends.) Generated datasets are kept between runs in `cache_dir()`."""
+"""Whole-file rewrites that a crash or a concurrent reader never sees half done (a temporary file beside the target,
+fsynced and renamed over it), and where generated datasets are kept between runs (`cache_dir()`)."""
 
 from __future__ import annotations
 
@@ -39,14 +38,12 @@ def cache_dir() -> Path:
 
 
 def write_atomically(path: Path, data: bytes) -> None:
-    """`write_atomic` into a folder made if needed; an unwritable folder only means the next process makes the data
-    again."""
+    """`write_atomic` into a folder made if needed; a failure only means the next process makes the data again."""
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(path, data)
 
 
 def committed_steps(workdir: Path) -> list[int]:
-    """The steps of WORKDIR/checkpoints that orbax committed (renamed from their temporary names to STEP once every
-    process has written them), ascending."""
+    """The steps of WORKDIR/checkpoints that orbax committed, ascending."""
     return sorted(int(p.name) for p in (Path(workdir) / "checkpoints").glob("*") if p.name.isdigit() and p.is_dir())

@@ -1,6 +1,5 @@
 """SIGTERM/SIGINT: in training the first checkpoints and stops after the current step, a second exits at once;
-outside training either exits 75 at once. How a `jdp.fit` script and an interactive session end: docs/checkpoints.md,
-"Checkpoints, resume and failures"."""
+outside training either exits 75 at once (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -19,17 +18,21 @@ from jdp.errors import Preempted, UsageError
 
 EXIT_PREEMPTED = 75  # safe to requeue: the rerun resumes from the last checkpoint, or starts over without one
 EXIT_USAGE = 2  # a refusal or bad input: the same again fails the same way
-
-
 EXIT_PEER_FAILED = 5  # jdp.cli.train's EXIT_DISTRIBUTED: another process (or the coordinator) failed
 # Set by jdp.launch for its children: the file it writes, before its SIGTERM, when it stops them because one failed.
 LAUNCH_FAILURE_FILE = "JDP_LAUNCH_FAILURE_FILE"
 
 
+def exit_now(message: str, code: int) -> None:
+    """`message` on stderr and exit `code` at once, from any thread (what is printed already flushed)."""
+    sys.stdout.flush()
+    print(message, file=sys.stderr, flush=True)
+    os._exit(code)
+
+
 def _exit_if_peer_failed() -> None:
-    """A SIGTERM from jdp.launch after another process failed is no preemption: one line and exit 5 at once (a
-    requeue policy must not take a crash for a preemption; the peer is gone, so no checkpoint can be written).
-    Without a launcher, or for a SIGTERM it passed on (a preemption), it has written no file: nothing happens."""
+    """A SIGTERM from jdp.launch after another process failed is no preemption: one line and exit 5 at once, so
+    that a requeue policy does not take a crash for one. Without that file, nothing happens."""
     path = os.environ.get(LAUNCH_FAILURE_FILE)
     if not path:
         return
@@ -37,17 +40,14 @@ def _exit_if_peer_failed() -> None:
         failure = Path(path).read_text().strip() or "another process failed"
     except OSError:
         return
-    sys.stdout.flush()
-    print(f"jdp: distributed: process {os.environ.get('RANK', '?')} stopped because another process failed "
-          f"(jdp.launch: {failure}); exiting with code {EXIT_PEER_FAILED}, not {EXIT_PREEMPTED}: this is no "
-          "preemption (a rerun resumes from the last checkpoint)", file=sys.stderr, flush=True)
-    os._exit(EXIT_PEER_FAILED)
+    exit_now(f"jdp: distributed: process {os.environ.get('RANK', '?')} stopped because another process failed "
+             f"(jdp.launch: {failure}); exiting with code {EXIT_PEER_FAILED}, not {EXIT_PREEMPTED}: this is no "
+             "preemption (a rerun resumes from the last checkpoint)", EXIT_PEER_FAILED)
 
 
 def _watch_for_peer_failure() -> None:
-    """Under jdp.launch, once: its SIGTERM after a peer failed also ends a process blocked in a collective with that
-    peer. Python runs a handler only when the main thread, which the collective holds, gets back to Python; the
-    signal's byte on the wakeup fd wakes this thread at once (`_exit_if_peer_failed`)."""
+    """Under jdp.launch: its SIGTERM after a peer failed also ends a process blocked in a collective, whose main
+    thread would not run the handler; the signal's byte on the wakeup fd wakes this thread at once."""
     if not os.environ.get(LAUNCH_FAILURE_FILE) or threading.current_thread() is not threading.main_thread():
         return
     read, write = os.pipe()
@@ -65,10 +65,9 @@ def _watch_for_peer_failure() -> None:
 
 def _exit_at_once(signum: int, frame: FrameType | None) -> None:
     _exit_if_peer_failed()
-    print(f"jdp: preempted: {signal.Signals(signum).name} outside the training steps; exiting with code "
-          f"{EXIT_PREEMPTED} (no step was lost: a rerun resumes from the last checkpoint, or starts over without one)",
-          file=sys.stderr, flush=True)
-    os._exit(EXIT_PREEMPTED)
+    exit_now(f"jdp: preempted: {signal.Signals(signum).name} outside the training steps; exiting with code "
+             f"{EXIT_PREEMPTED} (no step was lost: a rerun resumes from the last checkpoint, or starts over without "
+             "one)", EXIT_PREEMPTED)
 
 
 def exit_on_signal() -> None:
@@ -79,8 +78,7 @@ def exit_on_signal() -> None:
 
 
 class ExitOnSignal:
-    """Context manager: `exit_on_signal` inside, the previous handlers restored after (main thread only: signals can
-    only be caught there)."""
+    """Context manager: SIGTERM or SIGINT exits 75 inside, the previous handlers restored after (main thread only)."""
 
     SIGNALS = (signal.SIGTERM, signal.SIGINT)
     _previous: dict[int, object] = {}
@@ -106,8 +104,7 @@ class PreemptionRequest(ExitOnSignal):
         _exit_if_peer_failed()
         name = signal.Signals(signum).name
         if self.signal_name is not None:
-            print(f"jdp: second {name}: exiting now, without a checkpoint", file=sys.stderr, flush=True)
-            os._exit(128 + signum)
+            exit_now(f"jdp: second {name}: exiting now, without a checkpoint", 128 + signum)
         self.signal_name = name
         print(f"jdp: {name} received: finishing the current step and writing a checkpoint "
               "(send it again to exit at once)", file=sys.stderr, flush=True)
@@ -121,9 +118,8 @@ def interactive() -> bool:
 
 
 class _PreemptedExits:
-    """`sys.excepthook`: in a script, an uncaught `Preempted` is one line and exit 75, and an uncaught `jdp.FitError`
-    (any `jdp.UsageError`: a refused resume, bad input) one line and exit 2, as in `python -m jdp.train`; anything
-    else goes to the previous hook. IPython and Jupyter show a cell's errors without this hook."""
+    """`sys.excepthook`: in a script, an uncaught `Preempted` is one line and exit 75, an uncaught `jdp.UsageError`
+    one line and exit 2, as in `python -m jdp.train`; anything else goes to the previous hook."""
 
     def __init__(self, previous: Callable[[type[BaseException], BaseException, TracebackType | None], object]) -> None:
         self.previous = previous
@@ -134,8 +130,7 @@ class _PreemptedExits:
             return
         preempted = issubclass(kind, Preempted)
         print(f"jdp: {'preempted' if preempted else 'error'}: {error}", file=sys.stderr)
-        # The interpreter fixes the status of an uncaught exception at 1: end the process here, after what a normal
-        # exit runs first (atexit: loggers, trackers, JAX's distributed shutdown).
+        # The interpreter's status for an uncaught exception is 1: exit here, after what a normal exit runs first.
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -143,18 +138,15 @@ class _PreemptedExits:
 
 
 def install_excepthook() -> None:
-    """`_PreemptedExits` as `sys.excepthook`, once (called by `jdp.fit`, `jdp.restore`, `jdp.evaluate` and
-    `jdp.export_params`), so a script that leaves jdp's one-line errors uncaught ends as the CLI does."""
-    if not isinstance(sys.excepthook, _PreemptedExits):  # installed once: later calls find it
+    """`_PreemptedExits` as `sys.excepthook`, once: a script leaving jdp's errors uncaught ends as the CLI does."""
+    if not isinstance(sys.excepthook, _PreemptedExits):
         sys.excepthook = _PreemptedExits(sys.excepthook)
 
 
 @contextlib.contextmanager
 def during_fit() -> Iterator[None]:
-    """`jdp.fit`'s whole call. In a script a signal outside the training steps exits 75 at once, as in the CLI:
-    raising there is unsafe (`except Exception` blocks, such as the restore's, would take it for a damaged checkpoint,
-    and one process of several would wait for the others in a barrier). Interactive, the handlers stay (SIGINT
-    raises KeyboardInterrupt)."""
+    """`jdp.fit`'s whole call. In a script a signal outside the training steps exits 75 at once, as in the CLI
+    (raising there is unsafe: `except Exception` blocks would take it for a failure). Interactive, the handlers stay."""
     install_excepthook()
     with contextlib.nullcontext() if interactive() else ExitOnSignal():
         yield

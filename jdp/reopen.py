@@ -1,6 +1,5 @@
 """A run reopened from Python: `jdp.restore`, `jdp.evaluate` and `jdp.export_params` (docs/api.md, "Reopening a
-run"). A run's model is rebuilt from its record (`jdp.record`) when `fit` was given an importable factory.
-"""
+run")."""
 
 from __future__ import annotations
 
@@ -16,7 +15,7 @@ from flax import nnx
 
 from jdp import preemption, storage, trainer
 from jdp import record as record_lib
-from jdp.checkpoint import CheckpointError, read_arrays
+from jdp.checkpoint import read_arrays
 from jdp.data.batching import as_dataset
 from jdp.errors import DiskError, FitError, UsageError, one_line
 from jdp.files import write_atomic
@@ -44,8 +43,7 @@ def restore(workdir: str | Path, model: nnx.Module | Callable[[], nnx.Module] | 
 
 def _restored(workdir: Path, model: nnx.Module | Callable[[], nnx.Module] | None, step: int | None,
               call: str = "jdp.restore(workdir, model)") -> tuple[int, nnx.Module]:
-    """The step and the model of the run's checkpoint; `model` None: the importable factory the run's record names
-    (FitError, saying what to pass instead, when it names none). `call` is how the caller's function takes the model."""
+    """The step and the model of the run's checkpoint; `call`: how the caller passes a model, for messages."""
     if not workdir.is_dir():
         raise FitError(f"workdir {workdir} {'is not a directory' if workdir.exists() else 'does not exist'}; pass "
                        "the workdir of a run")
@@ -65,10 +63,7 @@ def _restored(workdir: Path, model: nnx.Module | Callable[[], nnx.Module] | None
         model = model()
     if not (workdir / "checkpoints").is_dir():
         raise FitError(f"{workdir / 'checkpoints'} not found; pass the workdir of a run that saved a checkpoint")
-    try:
-        step, arrays = read_arrays(workdir / "checkpoints", step)
-    except CheckpointError as e:
-        raise FitError(str(e)) from None
+    step, arrays = read_arrays(workdir / "checkpoints", step)  # CheckpointError: a FitError
     params, model_state = state_groups(model)
     for name, have, saved in (("parameters", params, arrays["params"]), ("state", model_state, arrays["model_state"])):
         shapes = jax.tree.map(np.shape, have), jax.tree.map(np.shape, saved)
@@ -95,7 +90,6 @@ def evaluate(model: nnx.Module, loss_fn: LossFn, data: Any, *, global_batch_size
     rows = len(data)
     if rows < n:
         raise FitError(f"evaluate needs at least one row per device: {rows} row(s), {n} device(s)")
-    # A batch past the data only pads: the data in one batch at most, and by default up to 1024 rows per device.
     batch = min(global_batch_size or 1024 * n, trainer.eval_batch_limit(rows, n))
     if batch % n:
         raise FitError(f"evaluate's global_batch_size={global_batch_size} is not divisible by the {n} devices")
@@ -122,8 +116,7 @@ def export_params(workdir: str | Path, path: str | Path,
 
 
 def params_file_path(path: str | Path) -> Path:
-    """The file a parameter file `path` is written to (".npz" added, as np.savez adds it), its folder checked before
-    anything is restored: FitError where it cannot be written."""
+    """`path` with ".npz" added as np.savez adds it; FitError where it cannot be written."""
     given = Path(path)
     path = given if given.suffix == ".npz" else given.with_name(given.name + ".npz")
     try:
@@ -134,8 +127,7 @@ def params_file_path(path: str | Path) -> Path:
 
 
 def write_params_file(path: Path, params: Any, model_state: Any, step: int) -> None:
-    """`params/...`, `model_state/...` and `step` written atomically to `path` (from `params_file_path`); a failed
-    write is a DiskError (a full disk, an I/O error) or a FitError, in one line."""
+    """`params/...`, `model_state/...` and `step` written atomically to `path`."""
     arrays = {**flatten(params, "params"), **flatten(model_state, "model_state"), "step": np.int64(step)}
     buffer = io.BytesIO()
     np.savez(buffer, **arrays)
@@ -149,8 +141,8 @@ def write_params_file(path: Path, params: Any, model_state: Any, step: int) -> N
 
 
 def evaluate_run(workdir: Path) -> tuple[int, dict[str, float]]:
-    """A `jdp.fit` run's latest checkpoint evaluated as `fit` evaluates it (`python -m jdp.train --eval_only`):
-    needs an importable model, loss (or eval_fn) and eval data in its record; FitError naming what is not."""
+    """A `jdp.fit` run's latest checkpoint evaluated as `fit` evaluates it (`python -m jdp.train --eval_only`), from
+    the importable model, loss and eval data its record names."""
     fit_record = record_lib.read(workdir)
     if fit_record is None:
         raise FitError(f"{workdir} holds neither config.json nor a jdp.fit record ({record_lib.RECORD_FILE}); pass "
@@ -169,7 +161,6 @@ def evaluate_run(workdir: Path) -> tuple[int, dict[str, float]]:
     available = len(jax.devices())
     n = next(k for k in range(min(options["num_devices"] or available, available), 0, -1) if batch % k == 0)
     derived = imports["eval_derived"]
-    # A loss or derived-metrics function loads as itself (with its recorded keyword arguments); data is called.
     metrics = evaluate(model, imported(needed["loss"], "loss"), imported(needed["eval data"], "eval data")(),
                        global_batch_size=batch, num_devices=n, backend=options["backend"],
                        derived=None if derived is None else imported(derived, "eval_derived"))

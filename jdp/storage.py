@@ -1,6 +1,5 @@
-"""The workdir's filesystem: checked writable before a run starts, a full disk or an I/O error while writing
-reported as one line naming the path and the free space, and a read that fails for a reason other than the bytes
-read (a permission, a stale handle) retried, then reported as one line naming the file (`DiskError`, exit 6)."""
+"""The workdir's filesystem: checked writable before a run starts; a failed write (a full disk), or a read failing
+for a reason other than its bytes (retried first), is one line naming the path (`DiskError`, exit 6)."""
 
 from __future__ import annotations
 
@@ -22,24 +21,20 @@ T = TypeVar("T")
 
 # errno values that mean the storage, not the program, failed.
 DISK_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS, errno.EFBIG}
-# orbax reports a failed tensorstore write as a ValueError whose text carries the errno, e.g.
-# `... Failed writing: "PATH": Failed to write 733997 bytes to file 12: No space left on device [os_error_code='28']`
+# orbax reports a failed tensorstore write as a ValueError whose text carries the errno: [os_error_code='28']
 _OS_ERROR_CODE = re.compile(r"os_error_code='(\d+)'")
 _WRITTEN_PATH = re.compile(r'(?:Failed writing|local file): "([^"]+)"')
 
-# errno values of a read that say nothing about the bytes read: access (a permission, perhaps a network
-# filesystem's brief EACCES while credentials refresh), the storage or the network to it (NFS's ESTALE, Lustre's EIO
-# while a server fails over, timeouts), or this machine's resources. A checkpoint that fails to read with one of
-# them is not damaged, so it is never moved aside; each may pass, so the read is retried (`read_retrying`).
+# errno values of a read that say nothing about the bytes read: not damage, so retried (`read_retrying`), not rejected.
 READ_ERRNOS = {errno.EACCES, errno.EPERM, errno.ESTALE, errno.EIO, errno.EAGAIN, errno.EINTR, errno.EBUSY,
                errno.ETIMEDOUT, errno.ENOTCONN, errno.EHOSTDOWN, errno.ECONNRESET, errno.ECONNREFUSED,
                errno.ENETDOWN, errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EMFILE, errno.ENFILE, errno.ENOMEM}
-# tensorstore's status codes for those errors, where its text names no errno (a remote kvstore).
+# tensorstore's status codes for those errors, where its text names no errno.
 _READ_STATUSES = {"PERMISSION_DENIED": errno.EACCES, "UNAVAILABLE": errno.EAGAIN, "DEADLINE_EXCEEDED": errno.ETIMEDOUT}
 _STATUS = re.compile(r"^([A-Z_]+): ")
 # `Failed to open: "PATH": Permission denied [os_error_code='13'] [tensorstore_spec=...`, or without the errno
 _FAILED_PATH = re.compile(r'"([^"]+)": [^"\[]*\[(?:os_error_code|tensorstore_spec)=')
-# A brief failure passes within seconds: 4 tries over 3.5 s; a lasting one costs no more before exit 6.
+# A brief failure passes within seconds; a lasting one costs no more before exit 6.
 READ_RETRY_DELAYS_S = (0.5, 1.0, 2.0)
 
 
@@ -73,8 +68,7 @@ def check_writable(workdir: str | Path, flag: str = "--workdir") -> None:
 
 
 def check_output_file(path: Path, example: str) -> None:
-    """Refuse, in one line, a file to be written (an export, a plot) that is a folder (`example`: a file name to
-    suggest inside it) or whose folder is missing or read-only; before the work that makes its content."""
+    """Refuse, in one line, an output file that cannot be written (`example`: a file name to suggest)."""
     if path.is_dir():
         raise UsageError(f"cannot write {path}: it is a folder; give a file path such as {path / example}")
     if not path.parent.is_dir():
@@ -90,8 +84,7 @@ RUN_FILES = ("jdp.lock", "run.json", "metrics.jsonl", "config.json", "config_his
 
 
 def not_a_directory(path: Path) -> str | None:
-    """Why `path`, where a directory is made or expected, cannot be one (a file, a symbolic link loop, a link to
-    nothing), or None: a directory, or nothing there."""
+    """Why `path`, where a directory is made or expected, cannot be one, or None."""
     if path.is_dir():
         return None
     if path.is_symlink():
@@ -100,7 +93,7 @@ def not_a_directory(path: Path) -> str | None:
 
 
 def not_a_file(path: Path) -> str | None:
-    """Why `path`, where a file is written, cannot be one (a directory, a symbolic link loop), or None."""
+    """Why `path`, where a file is written, cannot be one, or None."""
     if path.is_dir():
         return "is a directory"
     return _broken_link(path, path) if _loops(path) else None
@@ -124,13 +117,25 @@ def _broken_link(link: Path, workdir: Path) -> str:
 
 def disk_failure(error: BaseException) -> tuple[int, str | None] | None:
     """(errno, path) if `error`, or an error it was raised from, is a storage failure (see DISK_ERRNOS)."""
+    return _failure(error, DISK_ERRNOS, _WRITTEN_PATH)
+
+
+def read_failure(error: BaseException) -> tuple[int, str | None] | None:
+    """(errno, path) if `error`, or an error it was raised from, is a read failure of READ_ERRNOS."""
+    return _failure(error, READ_ERRNOS, _FAILED_PATH)
+
+
+def _failure(error: BaseException, errnos: set[int], path_pattern: re.Pattern) -> tuple[int, str | None] | None:
+    """(errno, path) of the first error in `error`'s chain (an OSError, or tensorstore's text) with one of `errnos`."""
     for cause in _chain(error, unreported=True):
-        if isinstance(cause, OSError) and cause.errno in DISK_ERRNOS:
+        if isinstance(cause, OSError) and cause.errno in errnos:
             return cause.errno, cause.filename
-        code = _OS_ERROR_CODE.search(str(cause))
-        if code and int(code[1]) in DISK_ERRNOS:
-            path = _WRITTEN_PATH.search(str(cause))
-            return int(code[1]), path[1] if path else None
+        text = str(cause)
+        code, status = _OS_ERROR_CODE.search(text), _STATUS.match(text)
+        found = int(code[1]) if code else _READ_STATUSES.get(status[1]) if status else None
+        if found in errnos:
+            path = path_pattern.search(text)
+            return found, path[1] if path else None
     return None
 
 
@@ -141,17 +146,19 @@ _ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax's temporary directory of a save in
 
 def lost_directory(error: BaseException, workdir: Path | None = None) -> tuple[Path, str | None] | None:
     """(what is gone, the path written or None) if `error` or its cause is an ENOENT write into something deleted or
-    moved meanwhile (jdp and orbax make every directory they write into). With `workdir`: the workdir if gone, else
-    the highest missing directory of a path in it (or the path, while a deletion is under way). Without: a path whose
-    directory is missing or that lies in orbax's temporary directory of a save (what orbax's threads log)."""
+    moved meanwhile: with `workdir`, the workdir or the highest missing directory in it; without (what orbax's
+    threads log), a path whose directory is missing or in orbax's temporary directory."""
     for cause in _chain(error, unreported=True):
         path = _enoent_path(cause)
         if path is not None:
             if workdir is not None and not Path(workdir).is_dir():
                 return Path(workdir), path or None
             inside = workdir is not None and path and Path(path).absolute().is_relative_to(Path(workdir).absolute())
-            if inside and not Path(path).exists():
-                return _highest_missing(Path(path).absolute(), Path(workdir).absolute()), path
+            if inside and not Path(path).exists():  # the highest missing directory below the workdir
+                gone = Path(path).absolute()
+                while gone.parent != Path(workdir).absolute() and not gone.parent.exists():
+                    gone = gone.parent
+                return gone, path
             # orbax names some files of its temporary directory relative to it ('commit_success.txt')
             if workdir is None and path and (_ORBAX_TMP in path or not Path(path).is_absolute()
                                              or not Path(path).parent.exists()):
@@ -161,9 +168,8 @@ def lost_directory(error: BaseException, workdir: Path | None = None) -> tuple[P
 
 def lost_workdir(error: BaseException, workdir: Path, vanished: Callable[[], Path | None],
                  settle_s: float = 2.0) -> tuple[Path, str | None] | None:
-    """What of `workdir` is gone if `error` came of its deletion or move, per `lost_directory` or `vanished()`. For an
-    ENOENT or an error raised inside orbax both are asked again for up to `settle_s`: a deletion under way (`rm -r`)
-    may have reached the files written, not yet their directories."""
+    """What of `workdir` is gone if `error` came of its deletion or move; asked again for up to `settle_s` after an
+    ENOENT or an error inside orbax (`rm -r` may not have reached the directories yet)."""
     settles = any(_enoent_path(e) is not None or any("/orbax/" in frame.filename for frame in
                                                      traceback.extract_tb(e.__traceback__)) for e in _chain(error))
     deadline = time.monotonic() + (settle_s if settles else 0.0)
@@ -176,7 +182,7 @@ def lost_workdir(error: BaseException, workdir: Path, vanished: Callable[[], Pat
 
 
 def _chain(error: BaseException | None, unreported: bool = False) -> list[BaseException]:
-    """`error` and those it was raised from; `unreported`: up to a DiskError (one jdp has reported)."""
+    """`error` and those it was raised from; `unreported`: up to a DiskError (already reported)."""
     chain: list[BaseException] = []
     while error is not None and all(error is not e for e in chain):
         if unreported and isinstance(error, DiskError):
@@ -187,8 +193,7 @@ def _chain(error: BaseException | None, unreported: bool = False) -> list[BaseEx
 
 
 def _enoent_path(error: BaseException) -> str | None:
-    """The path named by an ENOENT `error` (an OSError; tensorstore's text for one; orbax's FileNotFoundError, or
-    ValueError, saying that a directory "does not exist"), "" for one naming none; None for any other error."""
+    """The path named by an ENOENT `error`, "" for one naming none; None for any other error."""
     text = str(error)
     if isinstance(error, OSError):
         if error.errno != errno.ENOENT and not (error.errno is None and isinstance(error, FileNotFoundError)):
@@ -207,19 +212,8 @@ def _enoent_path(error: BaseException) -> str | None:
     return None
 
 
-def _highest_missing(path: Path, within: Path) -> Path:
-    """`path`, or the highest of its directories below `within` that is missing."""
-    highest = path
-    for directory in path.parents:
-        if directory == within or not directory.is_relative_to(within) or directory.exists():
-            break
-        highest = directory
-    return highest
-
-
 def lost_error(lost: tuple[Path, str | None], workdir: Path) -> DiskError:
-    """The one-line error for `lost` (from `lost_directory`, or `Checkpointer.vanished`): the workdir, or something
-    in it, deleted or moved while the run wrote it."""
+    """The one-line error for `lost` (`lost_directory`, `Checkpointer.vanished`)."""
     gone, path = lost
     written = f"no such file or directory writing {path}" if path and Path(path) != gone else ""
     if gone == workdir:
@@ -230,24 +224,8 @@ def lost_error(lost: tuple[Path, str | None], workdir: Path) -> DiskError:
                      "start afresh if none is")
 
 
-def read_failure(error: BaseException) -> tuple[int, str | None] | None:
-    """(errno, path) if `error`, or an error it was raised from, is a read failure that is not about the bytes read
-    (see READ_ERRNOS): an OSError, or tensorstore's text for one."""
-    for cause in _chain(error, unreported=True):
-        if isinstance(cause, OSError) and cause.errno in READ_ERRNOS:
-            return cause.errno, cause.filename
-        text = str(cause)
-        code, status = _OS_ERROR_CODE.search(text), _STATUS.match(text)
-        found = int(code[1]) if code else _READ_STATUSES.get(status[1]) if status else None
-        if found in READ_ERRNOS:
-            path = _FAILED_PATH.search(text)
-            return found, path[1] if path else None
-    return None
-
-
 def read_retrying(read: Callable[[], T], what: Path) -> T:
-    """`read()`, retried after each failure that `read_failure` names (READ_RETRY_DELAYS_S); a last one is a
-    DiskError naming `what`, the file and the error. Any other failure is raised as it is."""
+    """`read()`, retried after each failure that `read_failure` names; a last one is a DiskError naming `what`."""
     for delay in (*READ_RETRY_DELAYS_S, None):
         try:
             return read()
@@ -288,8 +266,7 @@ def disk_error(failure: tuple[int, str | None], workdir: Path, last_checkpoint: 
 
 
 def _fullest(workdir: Path) -> Path:
-    """Where a failed write that named no path most likely was: the workdir, or a directory of the run in it that
-    has less free space (a filesystem of its own)."""
+    """Where a failed write that named no path most likely was: the workdir or a run directory, the fullest."""
     def free(path: Path) -> float:
         try:
             return shutil.disk_usage(path).free if path.is_dir() else math.inf
@@ -314,8 +291,7 @@ def _free(path: Path) -> str:
 
 
 class QuietDiskFailures(logging.Filter):
-    """Drops the tracebacks orbax's threads log for each failed write, and asyncio for each read task orbax gave up
-    on, when they are a storage failure (`disk_failure`, `lost_directory`, `read_failure`): jdp reports it once."""
+    """Drops the tracebacks orbax's threads and asyncio log for a storage failure: jdp reports it once."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.levelno < logging.ERROR:

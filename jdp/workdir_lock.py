@@ -1,6 +1,5 @@
-"""One run per workdir: an exclusive `fcntl.flock` on WORKDIR/jdp.lock, which holds the holder's host:pid (see
-docs/checkpoints.md, "Checkpoints, resume and failures"). Process 0 takes it and tells the others the outcome, so
-every process of a second run stops (WorkdirLocked, exit 2).
+"""One run per workdir: an exclusive `fcntl.flock` on WORKDIR/jdp.lock, which holds the holder's host:pid. Process 0
+takes it and tells the others the outcome, so every process of a second run stops (WorkdirLocked, exit 2).
 """
 
 from __future__ import annotations
@@ -72,7 +71,7 @@ def _acquire(path: Path) -> tuple[int | None, str]:
 
 
 def _holder(path: Path) -> str:
-    """host:pid written by the holder (which writes it right after locking: look again briefly if empty)."""
+    """host:pid written by the holder right after locking (looked at again briefly while empty)."""
     for _ in range(10):
         with contextlib.suppress(OSError):
             text = path.read_text().strip()

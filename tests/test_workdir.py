@@ -232,7 +232,7 @@ def test_the_settings_a_resume_may_not_change_are_named_by_their_keys():
 
 def test_digests_name_the_damaged_leaf_and_a_changed_layout():
     state = {"params": {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}, "step": np.int32(4)}
-    saved = digest.of_tree(state)
+    saved = digest.pending(state)()
     assert saved["['step']"][:2] == ["int32", []]
     assert digest.mismatch(saved, state) is None
     flipped = {**state, "params": {"w": state["params"]["w"].copy()}}
