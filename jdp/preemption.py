@@ -52,8 +52,10 @@ def _watch_for_peer_failure() -> None:
         return
     read, write = os.pipe()
     os.set_blocking(write, False)
-    if signal.set_wakeup_fd(write, warn_on_full_buffer=False) != -1:  # taken (an event loop): leave it to its owner
-        signal.set_wakeup_fd(-1)
+    if (owner := signal.set_wakeup_fd(write, warn_on_full_buffer=False)) != -1:  # an event loop's: give it back
+        signal.set_wakeup_fd(owner)
+        os.close(read)
+        os.close(write)
         return
 
     def watch() -> None:

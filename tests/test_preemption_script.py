@@ -218,3 +218,19 @@ def test_fit_puts_the_signal_handlers_back(monkeypatch):
     monkeypatch.setattr(sys, "ps1", ">>> ", raising=False)
     with preemption.during_fit():  # interactive: the handlers stay (SIGINT raises KeyboardInterrupt)
         assert {s: signal.getsignal(s) for s in preemption.PreemptionRequest.SIGNALS} == before
+
+
+def test_under_jdp_launch_an_event_loops_wakeup_fd_is_left_to_it(monkeypatch, tmp_path):
+    """The peer-failure watch needs the signal wakeup fd; where an event loop holds it, the loop keeps it (it was
+    cleared to -1, so the loop no longer woke on signals)."""
+    monkeypatch.setenv(preemption.LAUNCH_FAILURE_FILE, str(tmp_path / "failure"))
+    read, write = os.pipe()
+    os.set_blocking(write, False)
+    signal.set_wakeup_fd(write)
+    try:
+        preemption._watch_for_peer_failure()
+        assert signal.set_wakeup_fd(-1) == write
+    finally:
+        signal.set_wakeup_fd(-1)
+        os.close(read)
+        os.close(write)
