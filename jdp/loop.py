@@ -1,5 +1,5 @@
-"""The training loop of one `jdp.fit` call: restore or initialise, then for every step the four steps of data
-parallelism and the callbacks (`jdp.callbacks`: jdp's own and the user's), then the summary."""
+"""The training loop of one `jdp.fit` call: restore or initialise, the four steps and the callbacks of every step,
+the summary."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,8 +36,7 @@ STOPPED_TOGETHER = (NonFiniteLossError, Preempted, ReplicaMismatchError)  # ever
 
 @dataclasses.dataclass
 class Engine:
-    """Everything a run compiles, checked before anything compiles: shared by `fit` and by tools that
-    drive the step themselves (`jdp.bench`, the tests)."""
+    """Everything a run compiles, checked: `fit`'s, and that of tools that drive the step (`jdp.bench`)."""
 
     parallel: DataParallel
     source: Source
@@ -67,16 +67,12 @@ class FitResult:
 def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int, fit_record: dict | None = None,
           on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None
           ) -> tuple[FitResult, Any]:
-    """Runs `engine` to `steps`, holding the workdir's lock throughout. A resumed run calls `on_resume()`, then passes
-    the resume guard (`jdp.guard`); `fit_record` is written as its record, its fingerprint into every checkpoint.
-    `on_start(step)` gets the start (or resumed) step before anything else is written; a run already at `steps`
-    writes at most a final eval or summary line it lacks. A full disk or an I/O error raises `DiskError`. Returns the
-    result and the final logical state (numpy)."""
+    """Runs `engine` to `steps` under the workdir's lock (`jdp.trainer.run` says what the hooks get); a full disk
+    raises `DiskError`. Returns the result and the final logical state (numpy)."""
     workdir = Path(options.workdir) if options.workdir is not None else None
     with workdir_lock.held(workdir) if workdir is not None else contextlib.nullcontext():
         checkpointer = None
         try:
-            # Every checkpoint carries the fingerprint of this run's settings (`jdp.guard`).
             checkpointer = (Checkpointer(workdir / "checkpoints", keep=options.keep_checkpoints,
                                          every_steps=options.checkpoint_every,
                                          fingerprint=guard_lib.fingerprint(fit_record) if fit_record else None)
@@ -102,7 +98,7 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
     t_start = time.perf_counter()
     parallel, source = engine.parallel, engine.source
     is_main = jax.process_index() == 0
-    echo, caution = (print, warn) if is_main else (_silent, _silent)
+    echo, caution = (print, warn) if is_main else (lambda _: None,) * 2  # every process would say the same
     start, logical, record = _begin(engine, options, steps, workdir, checkpointer, fit_record, on_resume, echo,
                                     caution)
     on_start(start)
@@ -111,8 +107,7 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
                           parallel.to_devices(logical), optional(source, "tokens_per_example"))
     _header(run, engine, options)
     callbacks = [callbacks_lib.as_callback(c) for c in options.callbacks]
-    if is_main:
-        writer.listeners = [c.on_line for c in callbacks]
+    writer.listeners = [c.on_line for c in callbacks]  # called by process 0 alone, which writes the lines
     for callback in callbacks:
         callback.on_start(start, workdir, record)
     log = callbacks_lib.TrainLog(run, options.log_every, options.precision)
@@ -160,15 +155,10 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
                      run.clock.rate()), final
 
 
-def _silent(_: str) -> None:
-    """What a process other than 0 prints of a run's lines: every process would say the same."""
-
-
 def _begin(engine: Engine, options: FitOptions, steps: int, workdir: Path | None, checkpointer: Checkpointer | None,
            fit_record: dict | None, on_resume: Callable[[], None], echo: Callable[[str], None],
            caution: Callable[[str], None]) -> tuple[int, Any, dict | None]:
-    """(the start step, the logical state to start from, the record as written to run.json or None): a resumed
-    run checked and restored, a new one initialised, and the record written where there is something to train."""
+    """(start step, logical state, the record as written to run.json or None): restored and guarded, or fresh."""
     resuming = checkpointer is not None and bool(checkpointer.steps())
     guard = (guard_lib.Guard(fit_record, workdir, options.allow_config_change, caution) if fit_record and resuming
              else None)
@@ -198,7 +188,7 @@ def _begin(engine: Engine, options: FitOptions, steps: int, workdir: Path | None
 
 def _missing_results(run: callbacks_lib.Run, eval_every: int) -> tuple[bool, bool]:
     """(the eval due at the resume step has no line, the finished run has no summary line), as process 0 reads
-    metrics.jsonl; every process gets its answer, since an eval runs on all of them."""
+    metrics.jsonl, for every process."""
     if run.workdir is None or run.start == 0:
         return False, False
     finished = run.start >= run.steps
@@ -245,8 +235,7 @@ def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> N
 
 def _restore_or_init(engine: Engine, checkpointer: Checkpointer | None, echo, caution,
                      check: Callable[[int, dict], None] | None = None) -> tuple[int, Any]:
-    """The latest usable checkpoint of the workdir (`check` called with each one's step and intact data item before
-    its arrays are read: the resume guard), else a fresh state; logical layout."""
+    """The latest usable checkpoint (`check`: the resume guard), else a fresh state; logical layout."""
     if checkpointer is not None:
         restored = checkpointer.restore_latest(engine.abstract_state, per_device=engine.parallel.per_device,
                                                check=check)
@@ -277,7 +266,7 @@ def _header(run: callbacks_lib.Run, engine: Engine, options: FitOptions) -> None
 
 def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: callbacks_lib.Evaluation,
              checkpoints: callbacks_lib.Checkpoints | None, total_time_s: float) -> None:
-    stall = checkpoints.mean_stall() if checkpoints else 0.0
+    stall = statistics.fmean(checkpoints.stalls) if checkpoints and checkpoints.stalls else 0.0
     # Waited for here, so that a summary line means the final checkpoint is committed.
     final_save = checkpoints.finish_final() if checkpoints else 0.0
     rate = run.clock.rate()
