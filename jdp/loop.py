@@ -130,8 +130,7 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
             if summary_missing:  # the timings died with the process that trained; the eval results are known
                 writer.summary(**{f"eval_{k}": v for k, v in evaluation.metrics.items()})
     except NonFiniteLossError:
-        # The compiled step froze the state before the bad update: keep it for inspection and resume, if the
-        # replicas agree on it (under local SGD they do at sync points only).
+        # The compiled step froze the state before the bad update: saved, where the replicas agree on it.
         logical = parallel.to_logical(run.state)
         halted = int(logical.step.addressable_data(0))
         if checkpoints is not None and halted % parallel.sync.agrees_every == 0:
@@ -139,9 +138,8 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
         raise
     except BaseException as e:
         if jax.process_count() > 1 and not isinstance(e, STOPPED_TOGETHER):
-            # Only this process failed; the others wait for it in the step's collective. The checkpointer's closing
-            # barrier (a device collective) would meet theirs out of order and abort them; the checkpoints already
-            # committed stay, and the launcher stops the others.
+            # Only this process failed: the checkpointer's closing barrier would meet the others' step collective
+            # out of order and abort them; the launcher stops them.
             checkpointer = None
         raise
     finally:

@@ -94,8 +94,7 @@ class MetricsWriter:
 
     def _write(self, record: dict) -> None:
         record["wall_time"] = round(time.time() - self._start, 3)
-        # A summary has no step of its own: at the step it closes, so that a run extended by raising its steps
-        # keeps one summary event per segment at distinct steps (and a resume purges it with the steps past).
+        # A summary's TensorBoard step is the one it closes: one per segment of an extended run.
         self._step = record.get("step", self._step)
         # Strict JSON: a value that is not a finite number (a NaN loss, a rate not yet measured) is null.
         record = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
@@ -103,9 +102,8 @@ class MetricsWriter:
             self._file.write(json.dumps(record, allow_nan=False) + "\n")
         for listener in self.listeners:  # callbacks' `on_line`: the line as written (trackers log these)
             listener(dict(record))
-        if self._tb is None and self._summary_writer is not None:  # opened on the first line: a rerun with
-            # nothing to do leaves no event file. tensorboardX names the file by the second it opens it, and
-            # truncates a file of that name: a segment resumed within the same second would blank the last one's.
+        if self._tb is None and self._summary_writer is not None:  # on the first line; named to the nanosecond:
+            # tensorboardX's name, to the second, would truncate the file of a segment resumed within it.
             self._tb = self._summary_writer(str(self._workdir / "tensorboard"),
                                             filename_suffix=f".{time.time_ns() % 10**9:09d}")
         if self._tb:

@@ -50,12 +50,11 @@ def fold_in(key: jax.Array, value: jax.Array | int) -> jax.Array:
     return jax.random.fold_in(key, value) if key.ndim == 0 else jax.vmap(lambda k: fold_in(k, value))(key)
 
 
-def set_batchnorm_axis(model: nnx.Module, axis_name: str | None) -> dict[nnx.BatchNorm, str | None]:
-    """Point every `nnx.BatchNorm` of `model` at `axis_name`; returns what they had."""
-    before = {module: module.axis_name for _, module in nnx.iter_modules(model) if isinstance(module, nnx.BatchNorm)}
-    for module in before:
-        module.axis_name = axis_name
-    return before
+def set_batchnorm_axis(model: nnx.Module, axis_name: str | None) -> None:
+    """Point every `nnx.BatchNorm` of `model` at `axis_name` (like torch's `convert_sync_batchnorm`)."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.BatchNorm):
+            module.axis_name = axis_name
 
 
 def _key_impl(key: Any) -> Any:
@@ -88,18 +87,16 @@ class ModelDef:
                                  f"{leaf.dtype}, and parameters are trained by their gradient, which needs a float "
                                  "dtype; hold it as an nnx.Variable (model state) or a plain attribute")
         nnx.pop(model, nnx.Intermediate)
-        before = set_batchnorm_axis(model, bn_axis)
-        modes = {(module, name): getattr(module, name) for _, module in nnx.iter_modules(model)
-                 for name in _MODE_ATTRIBUTES if hasattr(module, name)}
+        kept = {(module, name): getattr(module, name) for _, module in nnx.iter_modules(model)
+                for name in (*_MODE_ATTRIBUTES, "axis_name") if hasattr(module, name)}
+        set_batchnorm_axis(model, bn_axis)
         try:
             model.train()
             train_graph = nnx.graphdef(model)
             model.eval()
             eval_graph = nnx.graphdef(model)
         finally:
-            for module, axis_name in before.items():
-                module.axis_name = axis_name
-            for (module, name), value in modes.items():  # the caller's model keeps its mode
+            for (module, name), value in kept.items():  # the caller's model keeps its mode and BatchNorm axes
                 setattr(module, name, value)
         keys = jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.RngKey)))
         return cls(train_graph, eval_graph, tuple(_key_impl(k) for k in keys), seed)

@@ -77,8 +77,12 @@ BACKENDS: dict[str, Callable] = {"shard_map": _shard_map, "pmap": _pmap, "jit": 
 class DataParallel:
     """The train and eval steps compiled for one backend, plus the layout of state and batches."""
 
-    # Read from the train step compiled by `compile_train`: its per-device bytes (`jdp.memory.step_memory`).
+    # Read from the train step compiled by `compile_train`: its per-device bytes of memory (`jdp.memory`) and of
+    # collectives per step (`jdp.hlo`; of those, what crosses a hybrid mesh's groups), the strategy's warning.
     memory: dict[str, int] | None = None
+    comm_bytes_per_step: float | None = None
+    comm_cross_group_bytes_per_step: float | None = None
+    compiled_warning: str | None = None
     _compiled_train: jax.stages.Compiled | None = None  # what `train_step` runs once `compile_train` made it
 
     def __init__(self, mesh: Mesh, model: ModelDef, loss_fn: LossFn, tx: optax.GradientTransformation,
@@ -87,10 +91,6 @@ class DataParallel:
         backend, eval_fn, schedule = options.fit.backend, options.fit.eval_fn or loss_fn, options.fit.schedule
         self.backend, self.mesh, self.sync = backend, mesh, sync
         self._eval_derived = options.fit.eval_derived  # more eval metrics from the eval means
-        self.comm_bytes_per_step: float | None = None  # read from the compiled step by `read_collectives`
-        # Of those, the bytes of collectives that cross the mesh's groups (a hybrid mesh's; None on the 1-D mesh).
-        self.comm_cross_group_bytes_per_step: float | None = None
-        self.compiled_warning: str | None = None  # the strategy's word on the compiled program (`Sync`)
         if device_axes(mesh) != DATA_AXIS and backend != "shard_map":
             raise ValueError(f"a mesh of axes {mesh.axis_names} needs shard_map, not {backend}")
         shards = shard_count(mesh)  # the devices a sharded leaf is split over: all, or one group's

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from jdp import callbacks, loop, metrics, preemption, storage
 from jdp import distributed as distributed_lib
@@ -23,7 +24,7 @@ from jdp import sync as sync_lib
 from jdp.data.batching import Batcher, Source, optional
 from jdp.errors import FitError, UsageError, one_line, warn
 from jdp.loop import Engine, FitResult
-from jdp.mesh import DATA_AXIS, device_axes, make_mesh, mesh_devices
+from jdp.mesh import device_axes, make_mesh, mesh_devices
 from jdp.modeldef import LossFn, ModelDef
 from jdp.options import FitOptions
 from jdp.parallel import DataParallel
@@ -99,8 +100,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     if not optional(source, "num_eval") and (o.eval_every or o.eval_fn) and jax.process_index() == 0:
         warn(f"{'eval_every' if o.eval_every else 'eval_fn'} is set, but there is no eval data: no eval runs; "
              "give eval_data")
-    # Synced BatchNorm reduces over the devices' `data` axis (a hybrid mesh's every axis); jit without accumulation
-    # sees the global batch whole, jit with it runs one lane per device on that axis (jdp.step's `accum_lanes`).
+    # Synced BatchNorm reduces over the devices' axes, but jit without accumulation sees the global batch whole.
     bn_axis = device_axes(mesh) if o.bn_sync and (o.backend != "jit" or o.grad_accum_steps > 1) else None
     make = model if callable(model) and not isinstance(model, nnx.Module) else None
     module = _abstract_model(make) if make else model
@@ -109,8 +109,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     except ValueError as e:
         raise FitError(str(e)) from None
     sync = sync.bind(module, o.seed)
-    # A module's state goes in as host copies (an argument, not constants baked into the program); the
-    # devices' replicated buffers then never alias the caller's.
+    # A module's state goes in as host copies (an argument, not constants), never aliased by the devices' buffers.
     initial = () if make else (jax.tree.map(np.asarray, ModelDef.split(model, o.seed)),)
 
     def init_state(*given: Any) -> TrainState:
@@ -121,12 +120,10 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
                           zero_, loss_scale, zero_, sync.init_state(params, n))
 
     abstract = jax.eval_shape(init_state, *initial)
-    device_input = optional(source, "device_input")
-    _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, device_input, n, global_batch_size, o,
-                device_axes(mesh))
+    _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, mesh, global_batch_size, o)
     sync.check_optimizer(optimizer, abstract.params, n, o.backend, what)
     step_options = StepOptions(
-        o, bn_groups=1 if o.bn_sync else n, all_reduce=all_reduce, device_input=device_input,
+        o, bn_groups=1 if o.bn_sync else n, all_reduce=all_reduce, device_input=optional(source, "device_input"),
         noise_small_batches=("micro_batches" if n == 1 else "devices") if o.log_noise_scale else "")
     parallel = DataParallel(mesh, model_def, loss_fn, optimizer, abstract, step_options, sync)
     abstract = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract,
@@ -180,8 +177,7 @@ def eval_batch_limit(num_eval: int, num_devices: int) -> float:
 
 
 def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract: TrainState, source: Source,
-                device_input: Callable, n: int, global_batch_size: int, options: FitOptions,
-                axes: str | tuple[str, ...] = DATA_AXIS) -> None:
+                mesh: Mesh, global_batch_size: int, options: FitOptions) -> None:
     """The loss contract (`jdp.loss`), checked on shapes alone; under bf16 or fp16 the train trace casts as the
     step does."""
     rows = source.train_batch(0)
@@ -196,7 +192,7 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
     first_eval = next(iter(source.eval_batches()), None) if optional(source, "num_eval") else None
     eval_rows = {k: v for k, v in first_eval.items() if k != "mask"} if first_eval else rows
     compute_dtype = COMPUTE_DTYPES[options.precision]
-    names = (axes,) if isinstance(axes, str) else axes
+    names, n, device_input = mesh.axis_names, mesh.size, optional(source, "device_input")
     for name, fn, train, batch in (("loss_fn", loss_fn, True, rows), ("eval_fn", eval_fn, False, eval_rows)):
         local = {k: jax.ShapeDtypeStruct((v.shape[0] // max(1, n // jax.process_count()), *v.shape[1:]), v.dtype)
                  for k, v in batch.items()}
@@ -207,7 +203,7 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
                 params = cast_floating(params, compute_dtype)
                 batch = {k: v if k in options.keep_fp32 else cast_floating(v, compute_dtype) for k, v in batch.items()}
             return run_loss(model_def, fn, params, state.model_state, state.rng_state, batch, train=train)[0]
-        try:  # vmapped over a `data` axis of one (each of `axes`), which synced BatchNorm reduces over
+        try:  # vmapped over an axis of one for each mesh axis, which synced BatchNorm reduces over
             per_device = call
             for axis in names:
                 per_device = jax.vmap(per_device, in_axes=(None, 0), axis_name=axis)
