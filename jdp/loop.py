@@ -98,9 +98,7 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
     t_start = time.perf_counter()
     parallel, source = engine.parallel, engine.source
     is_main = jax.process_index() == 0
-    echo, caution = (print, warn) if is_main else (lambda _: None,) * 2  # every process would say the same
-    start, logical, record = _begin(engine, options, steps, workdir, checkpointer, fit_record, on_resume, echo,
-                                    caution)
+    start, logical, record = _begin(engine, options, steps, workdir, checkpointer, fit_record, on_resume)
     on_start(start)
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=is_main)
     run = callbacks_lib.Run(parallel, source, writer, ThroughputClock(), workdir, steps, start, global_batch_size,
@@ -154,9 +152,9 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
 
 
 def _begin(engine: Engine, options: FitOptions, steps: int, workdir: Path | None, checkpointer: Checkpointer | None,
-           fit_record: dict | None, on_resume: Callable[[], None], echo: Callable[[str], None],
-           caution: Callable[[str], None]) -> tuple[int, Any, dict | None]:
+           fit_record: dict | None, on_resume: Callable[[], None]) -> tuple[int, Any, dict | None]:
     """(start step, logical state, the record as written to run.json or None): restored and guarded, or fresh."""
+    echo, caution = (print, warn) if jax.process_index() == 0 else (lambda _: None,) * 2  # all would say the same
     resuming = checkpointer is not None and bool(checkpointer.steps())
     guard = (guard_lib.Guard(fit_record, workdir, options.allow_config_change, caution) if fit_record and resuming
              else None)

@@ -158,10 +158,6 @@ class DataParallel:
             return new_state, jnp.stack([jnp.reshape(v, ()).astype(jnp.float32) for v in metrics.values()])
         return packed
 
-    def init_state(self, init_fn: Callable[..., step_lib.TrainState], *args: Tree) -> step_lib.TrainState:
-        """Creates the logical state directly on the devices, laid out as it lives there."""
-        return jax.jit(init_fn, out_shardings=self.logical_shardings)(*args)
-
     def to_devices(self, state: Tree) -> Tree:
         """Logical state -> the compiled step's layout (pmap's stacked copy; sharded leaves padded and split)."""
         return self._to_step_layout(state) if self._relayout else state

@@ -128,7 +128,8 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     parallel = DataParallel(mesh, model_def, loss_fn, optimizer, abstract, step_options, sync)
     abstract = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract,
                             parallel.logical_shardings)
-    return Engine(parallel, source, model_def, lambda: parallel.init_state(init_state, *initial), abstract)
+    init_on_devices = jax.jit(init_state, out_shardings=parallel.logical_shardings)  # laid out as it lives there
+    return Engine(parallel, source, model_def, lambda: init_on_devices(*initial), abstract)
 
 
 def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
