@@ -69,20 +69,21 @@ def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: in
           ) -> tuple[FitResult, Any]:
     """Runs `engine` to `steps` under the workdir's lock (`jdp.trainer.run` says what the hooks get); a full disk
     raises `DiskError`. Returns the result and the final logical state (numpy)."""
-    workdir = Path(options.workdir) if options.workdir is not None else None
-    with workdir_lock.held(workdir) if workdir is not None else contextlib.nullcontext():
+    hooks = on_resume or (lambda: None), on_start or (lambda start: None)
+    if options.workdir is None:
+        return _train(engine, options, steps, global_batch_size, None, None, fit_record, *hooks)
+    workdir = Path(options.workdir)
+    with workdir_lock.held(workdir):
         checkpointer = None
         try:
-            checkpointer = (Checkpointer(workdir / "checkpoints", keep=options.keep_checkpoints,
-                                         every_steps=options.checkpoint_every,
-                                         fingerprint=guard_lib.fingerprint(fit_record) if fit_record else None)
-                            if workdir is not None else None)
-            return _train(engine, options, steps, global_batch_size, workdir, checkpointer, fit_record,
-                          on_resume or (lambda: None), on_start or (lambda start: None))
+            checkpointer = Checkpointer(workdir / "checkpoints", keep=options.keep_checkpoints,
+                                        every_steps=options.checkpoint_every,
+                                        fingerprint=guard_lib.fingerprint(fit_record) if fit_record else None)
+            return _train(engine, options, steps, global_batch_size, workdir, checkpointer, fit_record, *hooks)
         except Exception as e:
-            failure = storage.disk_failure(e) if workdir is not None else None
+            failure = storage.disk_failure(e)
             # Else: the workdir, or something in it, deleted or moved meanwhile?
-            lost = None if failure or workdir is None else storage.lost_workdir(
+            lost = None if failure else storage.lost_workdir(
                 e, workdir.absolute(), checkpointer.vanished if checkpointer is not None else lambda: None)
             if lost is not None:
                 raise storage.lost_error(lost, workdir.absolute()) from None

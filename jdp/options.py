@@ -53,7 +53,6 @@ def _number(x: float) -> str:
 
 POSITIVE, NON_NEGATIVE, AT_LEAST_1 = Range(0, low_open=True), Range(0), Range(1)
 _PHRASES = {POSITIVE: "must be positive", NON_NEGATIVE: "must not be negative", AT_LEAST_1: "must be at least 1"}
-_SAME = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,11 +63,11 @@ class Option:
     default: Any
     help: str
     valid: Range | tuple[str, ...] | None = None
-    config_default: Any = _SAME  # configs/base.py's default, where it differs from fit's
+    config_default: Any = None  # configs/base.py's default, where it differs from fit's (never None)
 
     @property
     def config_value(self) -> Any:
-        return self.default if self.config_default is _SAME else self.config_default
+        return self.default if self.config_default is None else self.config_default
 
 
 OPTIONS: tuple[Option, ...] = (
