@@ -99,8 +99,7 @@ def as_callback(given: Any) -> Callback:
 
 
 class TrainLog(Callback):
-    """Per-step losses, the throughput clock (started after the first step: compilation), the noise scale, and a
-    train line every `every` steps: means over the steps since the previous line."""
+    """Per-step losses, the clock (from the first step's end), the noise scale; train lines of means every `every`."""
 
     def __init__(self, run: Run, every: int, precision: str) -> None:
         self.run, self.log_every, self.precision = run, every, precision
@@ -328,8 +327,7 @@ class StopOnSignal(Callback):
 
 
 class KillAfterStep(Callback):
-    """`JDP_KILL_AT=step:STEP` or `raise:STEP` (`jdp.faults`): SIGKILL or an exception after step STEP's
-    checkpoint."""
+    """`JDP_KILL_AT=step:STEP` or `raise:STEP` (`jdp.faults`): SIGKILL or an exception after STEP's checkpoint."""
 
     def __init__(self, step: int, checkpoints: Checkpoints | None) -> None:
         self.step, self.checkpoints = step, checkpoints

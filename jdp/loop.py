@@ -1,5 +1,4 @@
-"""The training loop of one `jdp.fit` call: restore or initialise, the four steps and the callbacks of every step,
-the summary."""
+"""One `jdp.fit` run: restore or initialise, the four steps and the callbacks of every step, the summary."""
 
 from __future__ import annotations
 
@@ -184,8 +183,7 @@ def _begin(engine: Engine, options: FitOptions, steps: int, workdir: Path | None
 
 
 def _missing_results(run: callbacks_lib.Run, eval_every: int) -> tuple[bool, bool]:
-    """(the eval due at the resume step has no line, the finished run has no summary line), as process 0 reads
-    metrics.jsonl, for every process."""
+    """(the resume step's due eval has no line, the finished run no summary), as process 0's metrics.jsonl says."""
     if run.workdir is None or run.start == 0:
         return False, False
     finished = run.start >= run.steps

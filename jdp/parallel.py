@@ -1,8 +1,6 @@
-"""Runs the one step of `jdp.step` under the chosen backend: shard_map and pmap call it once per device with
-`axis_name="data"` (the tuple of a strategy's mesh axes), jit once on the global batch with `axis_name=None`.
-Outside the step the state is logical, every leaf at its own shape (what checkpoints hold), laid out as the sync
-strategy declares (`jdp.sync.base`). The backends compared: docs/performance.md, 'Backends (`parallel.backend`)'.
-"""
+"""Runs the one step of `jdp.step` under the chosen backend: shard_map and pmap once per device (`axis_name`
+"data", or a strategy's mesh axes), jit once on the global batch (`axis_name=None`); outside the step the state is
+logical, every leaf at its own shape. Compared: docs/performance.md, 'Backends (`parallel.backend`)'."""
 
 from __future__ import annotations
 

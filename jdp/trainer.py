@@ -1,5 +1,4 @@
-"""`jdp.fit` (docs/api.md): `prepare` checks the input and builds the run before anything compiles; `jdp.loop`
-runs it."""
+"""`jdp.fit` (docs/api.md): `prepare` checks the input and builds the run before anything compiles."""
 
 from __future__ import annotations
 
@@ -179,8 +178,7 @@ def eval_batch_limit(num_eval: int, num_devices: int) -> float:
 
 def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract: TrainState, source: Source,
                 mesh: Mesh, global_batch_size: int, options: FitOptions) -> None:
-    """The loss contract (`jdp.loss`), checked on shapes alone; under bf16 or fp16 the train trace casts as the
-    step does."""
+    """The loss contract (`jdp.loss`), checked on shapes alone, the train trace cast as the step casts."""
     rows = source.train_batch(0)
     read = len(next(iter(rows.values()))) * jax.process_count()
     if read != global_batch_size:
