@@ -1,8 +1,4 @@
-"""The one hook protocol, `jdp.Callback` (docs/api.md, `jdp.fit`'s "Callbacks"), and jdp's own callbacks: train
-lines, the non-finite guard, replica checks, checkpoints, eval, profiling, the agreed stop after a signal and fault
-injection, registered by `builtin`. A step that some callback is `due` at is waited for and its metrics delivered
-then; otherwise the host reads each step's metrics one step late, so it never stalls the devices.
-"""
+"""The hook protocol `jdp.Callback` (docs/api.md, "Callbacks") and jdp's own callbacks, registered by `builtin`."""
 
 from __future__ import annotations
 
@@ -103,9 +99,7 @@ def as_callback(given: Any) -> Callback:
 
 
 class TrainLog(Callback):
-    """Per-step losses, the throughput clock (started after the first step: it includes compilation), the
-    gradient noise scale's moving averages when the step reports its inputs, and a train line every `every`
-    steps: means over the steps since the previous line."""
+    """Per-step losses, the clock (from the first step's end), the noise scale; train lines of means every `every`."""
 
     def __init__(self, run: Run, every: int, precision: str) -> None:
         self.run, self.log_every, self.precision = run, every, precision
@@ -157,10 +151,8 @@ FIXES = "optax.clip_by_global_norm; --config.optim.lr, --config.optim.grad_clip_
 
 
 class NonFiniteGuard(Callback):
-    """`halt`: stop at the first non-finite step (the compiled step froze the state before its update; the loop
-    saves it when the replicas agree on it, which under local SGD is at sync points only). `skip`: warn and go
-    on, but stop once more than `max_skipped_fraction` of the last `WINDOW` steps were skipped, so a run cannot
-    skip its way to the end (fp16 loss-scale overflows are not counted: they are not failures)."""
+    """`halt`: stop at the first non-finite step (the loop saves the state from before it). `skip`: warn and go on,
+    but stop once more than `max_skipped_fraction` of the last `WINDOW` steps were skipped."""
 
     WINDOW = 100
 
@@ -198,8 +190,7 @@ class NonFiniteGuard(Callback):
                                  "skipped, as later ones will be (counted as skipped_steps in the train lines)")
 
     def _cause(self, step: int, metrics: dict[str, float]) -> str:
-        """What was not finite, as far as the host can tell: this process's rows of the batch (read again, a
-        function of the step), else the loss (the global mean), else the gradients."""
+        """What was not finite: this process's rows of the batch (read again), else the loss, else the gradients."""
         loss = metrics["loss"]
         bad_keys = [k for k, v in self.run.source.train_batch(step - 1).items()
                     if np.issubdtype(np.asarray(v).dtype, np.floating) and not np.isfinite(v).all()]
@@ -214,8 +205,7 @@ class NonFiniteGuard(Callback):
 
 
 class ReplicaCheck(Every):
-    """Each device checksums its copy of the parameters, model state, RNG state and the sync strategy's replicated
-    state; a mismatch stops the run."""
+    """Each device checksums its copy of the replicated state; a mismatch stops the run."""
 
     reads_devices = True  # `run.state`, not the logical state
 
@@ -252,13 +242,8 @@ class Checkpoints(Every):
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
         self.save(step, state)
 
-    def mean_stall(self) -> float:
-        """The mean blocking time of the saves made during training (0 without any)."""
-        return sum(self.stalls) / len(self.stalls) if self.stalls else 0.0
-
     def finish_final(self) -> float:
-        """Waits for the final save's commit; returns that save's time (its blocking call and the wait for its
-        commit that the final eval did not hide; 0 without a final save)."""
+        """Waits for the final save's commit; returns that save's blocking time (0 without a final save)."""
         if self.final_call_s is None:
             return 0.0
         with self.run.clock.paused():
@@ -288,8 +273,7 @@ class Evaluation(Every):
                     self.run.writer.warn(self._nonfinite(step, result["loss"]))
 
     def _nonfinite(self, step: int, loss: float) -> str:
-        """Why the eval loss is not finite, as far as this process's rows of the eval split tell (read only now:
-        the check costs nothing while the loss is finite)."""
+        """Why the eval loss is not finite, as this process's rows of the eval split tell."""
         bad = sorted({k for batch in self.run.source.eval_batches() for k, v in batch.items()
                       if np.issubdtype(np.asarray(v).dtype, np.floating) and not np.isfinite(v).all()})
         noted = "(null in metrics.jsonl; the summary line lists such evals under nonfinite_eval_steps)"
@@ -319,8 +303,8 @@ class Profile(Callback):
 
 
 class StopOnSignal(Callback):
-    """SIGTERM or SIGINT to any process: every process stops at the same step, checkpoints there and raises
-    Preempted. Under local SGD the replicas agree only at sync points: the stop waits for the next one."""
+    """SIGTERM or SIGINT to any process: every process stops at the same step (a sync point), checkpoints there and
+    raises Preempted."""
 
     def __init__(self, run: Run, preemption: PreemptionRequest, checkpoints: Checkpoints | None,
                  sync_period: int) -> None:
@@ -343,8 +327,7 @@ class StopOnSignal(Callback):
 
 
 class KillAfterStep(Callback):
-    """`JDP_KILL_AT=step:STEP` or `raise:STEP` (`jdp.faults`): SIGKILL or an exception after step STEP, once
-    checkpoints are written (before that step's eval)."""
+    """`JDP_KILL_AT=step:STEP` or `raise:STEP` (`jdp.faults`): SIGKILL or an exception after STEP's checkpoint."""
 
     def __init__(self, step: int, checkpoints: Checkpoints | None) -> None:
         self.step, self.checkpoints = step, checkpoints
@@ -360,8 +343,7 @@ class KillAfterStep(Callback):
 
 def builtin(run: Run, options: Any, checkpoints: Checkpoints | None, preemption: PreemptionRequest,
             log: TrainLog, evaluation: Evaluation) -> list[Callback]:
-    """jdp's own callbacks with their periods from `options` (`jdp.FitOptions`) and the sync strategy's (its
-    state can be saved every `agrees_every` steps), in the order they run."""
+    """jdp's own callbacks, in the order they run."""
     kill_at = faults.requested_step()
     every = run.parallel.sync.agrees_every
     return [log, NonFiniteGuard(run, options.on_nonfinite, options.max_skipped_fraction, every, options.precision),

@@ -13,8 +13,7 @@ def warn(line: str) -> None:
 
 
 def one_line(error: BaseException, *, typed: bool = True) -> str:
-    """`Type: first line of the message` (at most 400 characters; without `typed`, the first line alone, or the
-    type when the message is empty): another error, quoted in one of jdp's lines."""
+    """`Type: first line of the message`, at most 400 characters (without `typed`: the line, else the type)."""
     lines = str(error).strip().splitlines()
     if not typed:
         return (lines[0] if lines else type(error).__name__)[:400]

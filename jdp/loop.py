@@ -1,5 +1,4 @@
-"""The training loop of one `jdp.fit` call: restore or initialise, then for every step the four steps of data
-parallelism and the callbacks (`jdp.callbacks`: jdp's own and the user's), then the summary."""
+"""One `jdp.fit` run: restore or initialise, the four steps and the callbacks of every step, the summary."""
 
 from __future__ import annotations
 
@@ -7,6 +6,7 @@ import contextlib
 import dataclasses
 import json
 import math
+import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -35,8 +35,7 @@ STOPPED_TOGETHER = (NonFiniteLossError, Preempted, ReplicaMismatchError)  # ever
 
 @dataclasses.dataclass
 class Engine:
-    """Everything a run compiles, checked before anything compiles: shared by `fit` and by tools that
-    drive the step themselves (`jdp.bench`, the tests)."""
+    """Everything a run compiles, checked: `fit`'s, and that of tools that drive the step (`jdp.bench`)."""
 
     parallel: DataParallel
     source: Source
@@ -67,26 +66,23 @@ class FitResult:
 def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int, fit_record: dict | None = None,
           on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None
           ) -> tuple[FitResult, Any]:
-    """Runs `engine` to `steps`, holding the workdir's lock throughout. A resumed run calls `on_resume()`, then passes
-    the resume guard (`jdp.guard`); `fit_record` is written as its record, its fingerprint into every checkpoint.
-    `on_start(step)` gets the start (or resumed) step before anything else is written; a run already at `steps`
-    writes at most a final eval or summary line it lacks. A full disk or an I/O error raises `DiskError`. Returns the
-    result and the final logical state (numpy)."""
-    workdir = Path(options.workdir) if options.workdir is not None else None
-    with workdir_lock.held(workdir) if workdir is not None else contextlib.nullcontext():
+    """Runs `engine` to `steps` under the workdir's lock (`jdp.trainer.run` says what the hooks get); a full disk
+    raises `DiskError`. Returns the result and the final logical state (numpy)."""
+    hooks = on_resume or (lambda: None), on_start or (lambda start: None)
+    if options.workdir is None:
+        return _train(engine, options, steps, global_batch_size, None, None, fit_record, *hooks)
+    workdir = Path(options.workdir)
+    with workdir_lock.held(workdir):
         checkpointer = None
         try:
-            # Every checkpoint carries the fingerprint of this run's settings (`jdp.guard`).
-            checkpointer = (Checkpointer(workdir / "checkpoints", keep=options.keep_checkpoints,
-                                         every_steps=options.checkpoint_every,
-                                         fingerprint=guard_lib.fingerprint(fit_record) if fit_record else None)
-                            if workdir is not None else None)
-            return _train(engine, options, steps, global_batch_size, workdir, checkpointer, fit_record,
-                          on_resume or (lambda: None), on_start or (lambda start: None))
+            checkpointer = Checkpointer(workdir / "checkpoints", keep=options.keep_checkpoints,
+                                        every_steps=options.checkpoint_every,
+                                        fingerprint=guard_lib.fingerprint(fit_record) if fit_record else None)
+            return _train(engine, options, steps, global_batch_size, workdir, checkpointer, fit_record, *hooks)
         except Exception as e:
-            failure = storage.disk_failure(e) if workdir is not None else None
+            failure = storage.disk_failure(e)
             # Else: the workdir, or something in it, deleted or moved meanwhile?
-            lost = None if failure or workdir is None else storage.lost_workdir(
+            lost = None if failure else storage.lost_workdir(
                 e, workdir.absolute(), checkpointer.vanished if checkpointer is not None else lambda: None)
             if lost is not None:
                 raise storage.lost_error(lost, workdir.absolute()) from None
@@ -102,17 +98,14 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
     t_start = time.perf_counter()
     parallel, source = engine.parallel, engine.source
     is_main = jax.process_index() == 0
-    echo, caution = (print, warn) if is_main else (_silent, _silent)
-    start, logical, record = _begin(engine, options, steps, workdir, checkpointer, fit_record, on_resume, echo,
-                                    caution)
+    start, logical, record = _begin(engine, options, steps, workdir, checkpointer, fit_record, on_resume)
     on_start(start)
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=is_main)
     run = callbacks_lib.Run(parallel, source, writer, ThroughputClock(), workdir, steps, start, global_batch_size,
                           parallel.to_devices(logical), optional(source, "tokens_per_example"))
     _header(run, engine, options)
     callbacks = [callbacks_lib.as_callback(c) for c in options.callbacks]
-    if is_main:
-        writer.listeners = [c.on_line for c in callbacks]
+    writer.listeners = [c.on_line for c in callbacks]  # called by process 0 alone, which writes the lines
     for callback in callbacks:
         callback.on_start(start, workdir, record)
     log = callbacks_lib.TrainLog(run, options.log_every, options.precision)
@@ -135,8 +128,7 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
             if summary_missing:  # the timings died with the process that trained; the eval results are known
                 writer.summary(**{f"eval_{k}": v for k, v in evaluation.metrics.items()})
     except NonFiniteLossError:
-        # The compiled step froze the state before the bad update: keep it for inspection and resume, if the
-        # replicas agree on it (under local SGD they do at sync points only).
+        # The compiled step froze the state before the bad update: saved, where the replicas agree on it.
         logical = parallel.to_logical(run.state)
         halted = int(logical.step.addressable_data(0))
         if checkpoints is not None and halted % parallel.sync.agrees_every == 0:
@@ -144,9 +136,8 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
         raise
     except BaseException as e:
         if jax.process_count() > 1 and not isinstance(e, STOPPED_TOGETHER):
-            # Only this process failed; the others wait for it in the step's collective. The checkpointer's closing
-            # barrier (a device collective) would meet theirs out of order and abort them; the checkpoints already
-            # committed stay, and the launcher stops the others.
+            # Only this process failed: the checkpointer's closing barrier would meet the others' step collective
+            # out of order and abort them; the launcher stops them.
             checkpointer = None
         raise
     finally:
@@ -160,15 +151,10 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
                      run.clock.rate()), final
 
 
-def _silent(_: str) -> None:
-    """What a process other than 0 prints of a run's lines: every process would say the same."""
-
-
 def _begin(engine: Engine, options: FitOptions, steps: int, workdir: Path | None, checkpointer: Checkpointer | None,
-           fit_record: dict | None, on_resume: Callable[[], None], echo: Callable[[str], None],
-           caution: Callable[[str], None]) -> tuple[int, Any, dict | None]:
-    """(the start step, the logical state to start from, the record as written to run.json or None): a resumed
-    run checked and restored, a new one initialised, and the record written where there is something to train."""
+           fit_record: dict | None, on_resume: Callable[[], None]) -> tuple[int, Any, dict | None]:
+    """(start step, logical state, the record as written to run.json or None): restored and guarded, or fresh."""
+    echo, caution = (print, warn) if jax.process_index() == 0 else (lambda _: None,) * 2  # all would say the same
     resuming = checkpointer is not None and bool(checkpointer.steps())
     guard = (guard_lib.Guard(fit_record, workdir, options.allow_config_change, caution) if fit_record and resuming
              else None)
@@ -197,8 +183,7 @@ def _begin(engine: Engine, options: FitOptions, steps: int, workdir: Path | None
 
 
 def _missing_results(run: callbacks_lib.Run, eval_every: int) -> tuple[bool, bool]:
-    """(the eval due at the resume step has no line, the finished run has no summary line), as process 0 reads
-    metrics.jsonl; every process gets its answer, since an eval runs on all of them."""
+    """(the resume step's due eval has no line, the finished run no summary), as process 0's metrics.jsonl says."""
     if run.workdir is None or run.start == 0:
         return False, False
     finished = run.start >= run.steps
@@ -245,8 +230,7 @@ def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> N
 
 def _restore_or_init(engine: Engine, checkpointer: Checkpointer | None, echo, caution,
                      check: Callable[[int, dict], None] | None = None) -> tuple[int, Any]:
-    """The latest usable checkpoint of the workdir (`check` called with each one's step and intact data item before
-    its arrays are read: the resume guard), else a fresh state; logical layout."""
+    """The latest usable checkpoint (`check`: the resume guard), else a fresh state; logical layout."""
     if checkpointer is not None:
         restored = checkpointer.restore_latest(engine.abstract_state, per_device=engine.parallel.per_device,
                                                check=check)
@@ -277,7 +261,7 @@ def _header(run: callbacks_lib.Run, engine: Engine, options: FitOptions) -> None
 
 def _summary(run: callbacks_lib.Run, log: callbacks_lib.TrainLog, evaluation: callbacks_lib.Evaluation,
              checkpoints: callbacks_lib.Checkpoints | None, total_time_s: float) -> None:
-    stall = checkpoints.mean_stall() if checkpoints else 0.0
+    stall = statistics.fmean(checkpoints.stalls) if checkpoints and checkpoints.stalls else 0.0
     # Waited for here, so that a summary line means the final checkpoint is committed.
     final_save = checkpoints.finish_final() if checkpoints else 0.0
     rate = run.clock.rate()

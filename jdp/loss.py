@@ -1,8 +1,5 @@
-"""The loss contract: `loss_fn` on the model merged from its state, and the weighted sums jdp averages.
-
-`loss_fn(model, batch)` (or with `rngs`, `jdp.modeldef.call_loss`) returns one value per example (or per example
-and token) under each key, `"loss"` among them, and optionally a `"weight"` of the same shape.
-"""
+"""The loss contract: `loss_fn(model, batch)` returns one value per example (or per example and token) under each
+key, `"loss"` among them, and optionally a `"weight"` of the same shape; jdp averages their weighted sums."""
 
 from __future__ import annotations
 
@@ -18,8 +15,7 @@ Tree = Any
 
 def weighted_sums(outputs: dict[str, jax.Array], mask_B: jax.Array | None = None
                   ) -> tuple[dict[str, jax.Array], jax.Array]:
-    """Each key's weighted sum (float32) and the weight total, `outputs` as the module docstring says; `mask_B`
-    zeroes padding rows."""
+    """Each key's weighted sum (float32) and the weight total; `mask_B` zeroes padding rows."""
     outputs = dict(outputs)
     weight = outputs.pop("weight", None)
     weight = jnp.ones(outputs["loss"].shape, jnp.float32) if weight is None else weight.astype(jnp.float32)
@@ -31,11 +27,9 @@ def weighted_sums(outputs: dict[str, jax.Array], mask_B: jax.Array | None = None
 def run_loss(model: ModelDef, loss_fn: LossFn, params: Tree, model_state: Tree, rng_state: Tree,
              batch: dict[str, jax.Array], *, train: bool, folds: tuple[jax.Array, ...] = (), groups: int = 1,
              micro: jax.Array | int = 0) -> tuple[dict[str, jax.Array], Tree, Tree]:
-    """(`loss_fn`'s outputs, the new model state, the RNG counts), the model merged from its state. `folds` (the
-    step, then the device or group) go into every RNG stream's key; a loss's call-time `rngs` also get the
-    micro-batch index `micro`, so no two micro-batches, steps or devices draw the same masks. `groups > 1` runs that
-    many equal groups of rows as separate models, so BatchNorm normalises each alone (jit's per-device BatchNorm);
-    group g folds g into its keys, as device g does under shard_map, and the running statistics are averaged."""
+    """(`loss_fn`'s outputs, the new model state, the RNG counts). `folds` (the step, then the device or group)
+    and, for a loss's `rngs`, the micro-batch `micro` go into the keys. `groups > 1` runs that many groups of rows
+    as separate models (jit's per-device BatchNorm), group g folding g as device g does under shard_map."""
     if groups > 1:
         grouped = jax.tree.map(lambda a: a.reshape(groups, -1, *a.shape[1:]), batch)
 

@@ -1,5 +1,4 @@
-"""Devices -> the mesh (the 1-D `data` mesh, or a sync strategy's groups x `data`), its shardings, and host batches
--> global arrays."""
+"""Devices -> the mesh (the 1-D `data` mesh, or a sync strategy's groups x `data`) and its shardings."""
 
 from __future__ import annotations
 
@@ -16,19 +15,16 @@ from jdp.environment import MAX_CPU_DEVICES, add_xla_flags
 from jdp.errors import UsageError
 
 DATA_AXIS = "data"
-# Hybrid sharding's outer axis (`jdp.sync.hybrid`): its mesh is groups x `data`, a group's devices consecutive
-# along `data` (the axis its state is split on), the groups along this one (across which it is replicated).
-GROUPS_AXIS = "groups"
+GROUPS_AXIS = "groups"  # hybrid sharding's outer axis (`jdp.sync.hybrid`): the state is replicated across it
 
 
 ONE_THREAD_PER_DEVICE = "--xla_cpu_multi_thread_eigen=false"
 
 
 def simulate_cpu_devices(count: int) -> None:
-    """Ask XLA:CPU for `count` devices; must run before JAX touches a device (0 leaves JAX alone). When they fill
-    the usable cores, each device's ops run on one thread (unless XLA_FLAGS sets the flag): side by side, not
-    contending for XLA's shared intra-op pool, which on 2 cores made the GPT's all-reduce wait 17.5 ms for the
-    slower device instead of 2.3 ms (docs/benchmarks.md)."""
+    """Ask XLA:CPU for `count` devices (0: leave JAX alone) before JAX touches one. When they fill the usable cores,
+    each device's ops run on one thread: contending for XLA's shared pool, the GPT's all-reduce waited 17.5 ms for
+    the slower device instead of 2.3 ms (docs/benchmarks.md)."""
     if count <= 0:
         return
     if count > MAX_CPU_DEVICES:  # XLA would set them all up in C++, for minutes and gigabytes, deaf to signals
@@ -39,8 +35,7 @@ def simulate_cpu_devices(count: int) -> None:
 
 
 def mesh_devices(num_devices: int = 0) -> list[jax.Device]:
-    """The first `num_devices` devices (0 = all), ordered so that each process's devices are contiguous:
-    process p then holds a contiguous block of every global batch."""
+    """The first `num_devices` devices (0 = all), each process's contiguous (as is its block of a global batch)."""
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     if not isinstance(num_devices, numbers.Integral) or num_devices < 0:  # -1 took all devices but the last
         raise UsageError(f"num_devices={num_devices!r} must be a whole number of devices, or 0 for all of them")
@@ -52,22 +47,20 @@ def mesh_devices(num_devices: int = 0) -> list[jax.Device]:
 
 
 def make_mesh(num_devices: int = 0, shape: dict[str, int] | None = None) -> Mesh:
-    """The 1-D `data` mesh over `mesh_devices(num_devices)`, or with `shape` (a sync strategy's `mesh_shape`, axis
-    name -> size) the same devices in the same order, reshaped: flattened row-major, it is the 1-D mesh's order."""
+    """The 1-D `data` mesh over `mesh_devices(num_devices)`, or the same devices reshaped to `shape` (a sync
+    strategy's `mesh_shape`)."""
     devices = np.array(mesh_devices(num_devices))
     shape = shape or {DATA_AXIS: devices.size}
     return Mesh(devices.reshape(tuple(shape.values())), tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
 
 
 def device_axes(mesh: Mesh) -> str | tuple[str, ...]:
-    """The axis name of all the mesh's devices, as the step's collectives and the batch's split take it: `data` on
-    the 1-D mesh, the tuple of every axis otherwise (its index over the tuple is the 1-D mesh's device index)."""
+    """The axis name of all the mesh's devices: `data` on the 1-D mesh, else the tuple of every axis."""
     return DATA_AXIS if mesh.axis_names == (DATA_AXIS,) else tuple(mesh.axis_names)
 
 
 def shard_count(mesh: Mesh) -> int:
-    """The devices a sharded leaf of the train state is split over, along `data`: all of them on the 1-D mesh, one
-    group's on a hybrid one."""
+    """The devices a sharded leaf is split over, along `data`: all, or a hybrid mesh's group."""
     return mesh.shape[DATA_AXIS]
 
 
@@ -76,14 +69,12 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def data_sharded(mesh: Mesh) -> NamedSharding:
-    """Leading axis split across devices: step 1 of data parallelism (on a hybrid mesh, over all its axes, in the
-    1-D mesh's device order)."""
+    """Leading axis split across all the devices: step 1 of data parallelism."""
     return NamedSharding(mesh, P(device_axes(mesh)))
 
 
 def to_numpy(x: jax.Array | np.ndarray) -> np.ndarray:
-    """An array whole on the host: a replicated one from this process's first copy, a split one assembled from its
-    parts (in several processes, from every process's: all call this together)."""
+    """An array whole on the host (a split one in several processes: all call this together)."""
     if not isinstance(x, jax.Array):
         return np.asarray(x)
     if x.sharding.is_fully_replicated:
@@ -92,10 +83,8 @@ def to_numpy(x: jax.Array | np.ndarray) -> np.ndarray:
 
 
 def split_whole(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
-    """A whole array split across the devices on an axis that divides by their count: the first, else the longest.
-    Else as far as its axes share factors with the count, over a view of the devices with one axis per prime
-    factor (250 x 10 on 8 devices: 2 x 2 ways), replicated when none does (JAX splits only evenly). How a sharded
-    leaf whose step axis does not divide lives outside the step: checkpoints then restore on any device count."""
+    """A whole array split across the devices on an axis that divides by their count (the first, else the longest),
+    else as far as its axes share factors with it (docs/performance.md, "Checkpoints and callbacks")."""
     if mesh.size == 1:
         return replicated(mesh)
     axes = sorted((i for i, size in enumerate(shape) if size % mesh.size == 0), key=lambda i: (i != 0, -shape[i]))

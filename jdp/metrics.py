@@ -25,28 +25,22 @@ class ThroughputClock:
 
     def __init__(self) -> None:
         self.examples, self.seconds = 0, 0.0
-        self._interval_examples, self._interval_seconds = 0, 0.0
+        self._mark = (0, 0.0)  # (examples, seconds) at the previous `interval_rate`
         self._started: float | None = None
 
     def start(self) -> None:
         self._started = time.perf_counter()
 
-    def pause(self) -> None:
-        if self._started is not None:
-            elapsed = time.perf_counter() - self._started
-            self.seconds += elapsed
-            self._interval_seconds += elapsed
-            self._started = None
-
     def add(self, examples: int) -> None:
         self.examples += examples
-        self._interval_examples += examples
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
-        """Not training time (eval, checkpoints, checks): stopped for the block, then running again if it was."""
+        """Stopped for the block, then running again if it was."""
         running = self._started is not None
-        self.pause()
+        if running:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
         try:
             yield
         finally:
@@ -56,22 +50,20 @@ class ThroughputClock:
     def interval_rate(self) -> float | None:
         """Examples/sec since the previous call (the clock keeps running); None before any timed step."""
         with self.paused():
-            rate = self._interval_examples / self._interval_seconds if self._interval_examples else None
-            self._interval_examples, self._interval_seconds = 0, 0.0
-        return rate
+            examples, seconds = self.examples - self._mark[0], self.seconds - self._mark[1]
+            self._mark = (self.examples, self.seconds)
+        return examples / seconds if examples else None
 
     def rate(self) -> float:
         return self.examples / self.seconds if self.seconds else float("nan")
 
 
 class MetricsWriter:
-    """Writes one JSON object per line to WORKDIR/metrics.jsonl, mirrors it to TensorBoard, and
-    shows progress. On processes other than 0 every method is a no-op."""
+    """One JSON object per line to WORKDIR/metrics.jsonl (without a workdir, progress only), mirrored to TensorBoard;
+    `resume` drops the lines past `start_step` an interrupted run wrote. A no-op on processes other than 0."""
 
     def __init__(self, workdir: Path | None, *, total_steps: int, start_step: int = 0, resume: bool = True,
                  enabled: bool = True) -> None:
-        """`resume`: drop the lines past `start_step` that an interrupted run wrote, then append.
-        Without a `workdir` only progress is shown."""
         self.enabled = enabled
         self.listeners: list = []  # functions of each line written (process 0)
         self.eval_steps: set[int] = set()  # steps with an eval line in the file (process 0)
@@ -87,13 +79,13 @@ class MetricsWriter:
         if workdir is not None:
             path = workdir / "metrics.jsonl"
             if path.exists():
-                records = _truncate_after(path, start_step) if resume else _records(path)
-                self.eval_steps = {r["step"] for r in records if r.get("split") == "eval"}
+                records = _truncate_after(path, start_step) if resume else read_metrics(workdir)
+                evals = [r for r in records if r.get("split") == "eval"]
+                self.eval_steps = {r["step"] for r in evals}
+                self.nonfinite_evals = [r["step"] for r in evals if r.get("loss", 0) is None]
                 # A summary after the last train line (an --eval_only line may follow it).
                 trained = [r.get("split") for r in records if r.get("split") != "eval"]
                 self.summary_written = bool(trained) and trained[-1] == "summary"
-                self.nonfinite_evals = [r["step"] for r in records if r.get("split") == "eval"
-                                        and "loss" in r and r["loss"] is None]
             self._file = open(path, "a", buffering=1)  # noqa: SIM115 - closed in close()
             if resume:
                 _purge_events(workdir / "tensorboard", start_step)
@@ -102,8 +94,7 @@ class MetricsWriter:
 
     def _write(self, record: dict) -> None:
         record["wall_time"] = round(time.time() - self._start, 3)
-        # A summary has no step of its own: at the step it closes, so that a run extended by raising its steps
-        # keeps one summary event per segment at distinct steps (and a resume purges it with the steps past).
+        # A summary's TensorBoard step is the one it closes: one per segment of an extended run.
         self._step = record.get("step", self._step)
         # Strict JSON: a value that is not a finite number (a NaN loss, a rate not yet measured) is null.
         record = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in record.items()}
@@ -111,9 +102,8 @@ class MetricsWriter:
             self._file.write(json.dumps(record, allow_nan=False) + "\n")
         for listener in self.listeners:  # callbacks' `on_line`: the line as written (trackers log these)
             listener(dict(record))
-        if self._tb is None and self._summary_writer is not None:  # opened on the first line: a rerun with
-            # nothing to do leaves no event file. tensorboardX names the file by the second it opens it, and
-            # truncates a file of that name: a segment resumed within the same second would blank the last one's.
+        if self._tb is None and self._summary_writer is not None:  # on the first line; named to the nanosecond:
+            # tensorboardX's name, to the second, would truncate the file of a segment resumed within it.
             self._tb = self._summary_writer(str(self._workdir / "tensorboard"),
                                             filename_suffix=f".{time.time_ns() % 10**9:09d}")
         if self._tb:
@@ -170,10 +160,8 @@ class MetricsWriter:
 
 
 class _ClosableStream:
-    """sys.stdout or sys.stderr whose reader may go away (`| head`) or whose file fills its disk (`> log`): from the
-    first broken pipe (or, in a run, full disk) on, the stream writes to /dev/null and the run goes on, its lines
-    kept in metrics.jsonl. Python would raise at that print (ending the run with a traceback) and at every print
-    after it."""
+    """sys.stdout or sys.stderr that, from the first broken pipe (`| head`) or, in a run, full disk on, writes to
+    /dev/null: the run goes on (its lines are in metrics.jsonl), where Python would raise at every print."""
 
     def __init__(self, stream: Any, name: str, quiet: bool) -> None:
         self._stream, self._name, self._quiet = stream, name, quiet
@@ -206,9 +194,8 @@ class _ClosableStream:
 
 @contextlib.contextmanager
 def console_may_close(quiet: bool = False) -> Iterator[None]:
-    """A run whose stdout or stderr is closed by its reader goes on (see `_ClosableStream`), with one warning unless
-    `quiet` (a command whose output is all on the console, as `jdp.sample | head -1`, ends as it would have, and
-    one whose output fills its disk exits 6 in one line); nested, the outer one holds."""
+    """A run whose stdout or stderr is closed goes on (`_ClosableStream`), with one warning unless `quiet` (a
+    command whose output is all on the console: `jdp.sample | head -1` ends, a full disk exits 6 in one line)."""
     saved = sys.stdout, sys.stderr
     if not isinstance(sys.stdout, _ClosableStream):  # None (started with the stream closed, `>&-`): print skips it
         sys.stdout, sys.stderr = (None if stream is None else _ClosableStream(stream, name, quiet)
@@ -232,17 +219,12 @@ def read_metrics(run_dir: Path) -> list[dict]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found; pass run directories written by python -m jdp.train")
-    return _records(path)
-
-
-def _records(path: Path) -> list[dict]:
     return [record for _, record in _parse(path) if record is not None]
 
 
 def _parse(path: Path) -> list[tuple[str, dict | None]]:
-    """(line, record or None) for each non-empty line. An unparsable last line (a write cut short by a crash or a
-    full disk) is dropped; one elsewhere (or a JSON value that is no record, bytes that are not UTF-8) is kept as
-    None. Both with a warning."""
+    """(line, record or None) for each non-empty line, with a warning for one that is no JSON record: the last line
+    is dropped (a write cut short), another kept as None."""
     lines = path.read_text(errors="surrogateescape").splitlines()  # written back as read (`_truncate_after`)
     parsed = []
     for number, line in enumerate(lines, 1):
@@ -263,8 +245,8 @@ def _parse(path: Path) -> list[tuple[str, dict | None]]:
 
 
 def _truncate_after(path: Path, step: int) -> list[dict]:
-    """Drops the train and eval lines past `step` and the summary lines after them (a finished run's summary stays),
-    so a resumed run has no duplicates; the file is rewritten atomically if it changed. Returns the records kept."""
+    """Drops the train and eval lines past `step` and the summary lines after them, rewriting the file atomically
+    if it changed; returns the records kept."""
     text = path.read_text(errors="surrogateescape")
     kept, beyond = [], False
     for line, record in _parse(path):
@@ -279,9 +261,8 @@ def _truncate_after(path: Path, step: int) -> list[dict]:
 
 
 def _purge_events(directory: Path, step: int) -> None:
-    """Drops the events past `step` (and a record cut short at a file's end) from the TensorBoard event files, as
-    `_truncate_after` does for metrics.jsonl: tensorboardX's `purge_step` marker only hides the replayed steps from
-    TensorBoard's own loader. Each file that changes is rewritten atomically."""
+    """`_truncate_after` for the TensorBoard event files (tensorboardX's `purge_step` only hides the replayed steps
+    from TensorBoard's own loader)."""
     if not directory.is_dir():
         return
     try:
@@ -305,13 +286,10 @@ FLUSH_S = 120.0  # how often the event file's buffered records are pushed to the
 
 
 class _EventFile:
-    """A TensorBoard event file in tensorboardX's format, written on the caller's thread: tensorboardX's SummaryWriter
-    writes on its own thread, where a failed write (a full disk) ends that thread and the next lines, and the exit, wait
-    forever on its full queue. Here a failed write raises where the line is written, naming the file; the buffer is
-    flushed every FLUSH_S and at close."""
+    """A TensorBoard event file written on the caller's thread: on SummaryWriter's own thread a failed write (a full
+    disk) ends that thread, and the exit waits forever on its full queue. Here it raises, naming the file."""
 
     def __init__(self, logdir: str, filename_suffix: str = "") -> None:
-        # Imported by `_tensorboard_class` at start-up.
         from tensorboardX.event_file_writer import EventsWriter
         from tensorboardX.proto.event_pb2 import Event
         from tensorboardX.summary import scalar
@@ -332,7 +310,7 @@ class _EventFile:
         self._named(self._events.close)
 
     def _named(self, write: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        """`write(*args, **kwargs)`; an OSError without a path (a buffered write's) names the event file."""
+        """`write(*args, **kwargs)`, naming the event file in an OSError without a path (a buffered write's)."""
         try:
             return write(*args, **kwargs)
         except OSError as e:
@@ -343,9 +321,8 @@ class _EventFile:
 
 
 def _tensorboard_class() -> type | None:
-    """The event file's writer (`_EventFile`), or None where tensorboardX is not installed (optional: a bare GPU
-    box may lack it). tensorboardX imports torch when it is installed (2-3 s at every start) only to accept torch
-    tensors; jdp writes Python floats, so torch is hidden from that import."""
+    """`_EventFile`, or None without tensorboardX (optional). Torch is hidden from its import, which would take
+    2-3 s only to accept torch tensors."""
     hide_torch = "torch" not in sys.modules
     if hide_torch:
         sys.modules["torch"] = None

@@ -1,9 +1,6 @@
-"""Any Flax NNX model as pure data for the compiled step: graph definitions in training and eval mode (NNX's
-`model.train()` / `model.eval()`) and three pure dicts: `params` (the `nnx.Param` leaves), `model_state`
-(everything else but RNG streams, averaged across replicas) and `rng_state` (each stream's counter, and its key as
-raw `key_data`, so that checkpoints and collectives see plain uint32; never averaged or cast). A key may have
-leading axes (vmapped or scanned layers): every fold applies to each. Sown values (`nnx.Intermediate`) are
-dropped. A loss taking `rngs`: docs/api.md, `jdp.fit`, "Randomness".
+"""Any Flax NNX model as pure data for the compiled step: its graphs in train and eval mode and three pure dicts,
+`params`, `model_state` (the rest but RNG streams) and `rng_state` (counters, and keys as raw `key_data`: plain
+uint32 for checkpoints and collectives). Sown values are dropped. A loss taking `rngs`: docs/api.md, "Randomness".
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ _MODE_ATTRIBUTES = ("deterministic", "use_running_average")  # what `Module.trai
 
 
 def _rngs_parameter(loss_fn: Callable) -> str | None:
-    """How `loss_fn` takes an `nnx.Rngs`: "keyword" (a parameter named `rngs`), "positional" (a third positional
-    parameter), or None (the two-argument form)."""
+    """How `loss_fn` takes an `nnx.Rngs`: "keyword" (`rngs=`), "positional" (third), or None (not at all)."""
     try:
         parameters = list(inspect.signature(loss_fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or C callable: the two-argument form
@@ -40,8 +36,8 @@ def _rngs_parameter(loss_fn: Callable) -> str | None:
 
 
 def call_loss(loss_fn: LossFn, module: nnx.Module, batch: dict[str, jax.Array], key: jax.Array) -> dict:
-    """`loss_fn(module, batch)`, or with `rngs` (an `nnx.Rngs` of `key`, made here: inside the differentiated
-    function, as NNX requires) when it takes them."""
+    """`loss_fn(module, batch)`, with an `nnx.Rngs` of `key` when it takes one (made inside the differentiated
+    function, as NNX requires)."""
     how = _rngs_parameter(loss_fn)
     if how is None:
         return loss_fn(module, batch)
@@ -54,13 +50,11 @@ def fold_in(key: jax.Array, value: jax.Array | int) -> jax.Array:
     return jax.random.fold_in(key, value) if key.ndim == 0 else jax.vmap(lambda k: fold_in(k, value))(key)
 
 
-def set_batchnorm_axis(model: nnx.Module, axis_name: str | None) -> dict[nnx.BatchNorm, str | None]:
-    """Point every `nnx.BatchNorm` of `model` at `axis_name` (like torch's `convert_sync_batchnorm`);
-    returns what they had."""
-    before = {module: module.axis_name for _, module in nnx.iter_modules(model) if isinstance(module, nnx.BatchNorm)}
-    for module in before:
-        module.axis_name = axis_name
-    return before
+def set_batchnorm_axis(model: nnx.Module, axis_name: str | None) -> None:
+    """Point every `nnx.BatchNorm` of `model` at `axis_name` (like torch's `convert_sync_batchnorm`)."""
+    for _, module in nnx.iter_modules(model):
+        if isinstance(module, nnx.BatchNorm):
+            module.axis_name = axis_name
 
 
 def _key_impl(key: Any) -> Any:
@@ -85,26 +79,24 @@ class ModelDef:
 
     @classmethod
     def of(cls, model: nnx.Module, bn_axis: str | None, seed: int = 0) -> ModelDef:
-        """The graphs of `model` (concrete or from `nnx.eval_shape`), with its BatchNorms on `bn_axis`; values
-        sown by an earlier call are removed from it; ValueError for a parameter no gradient reaches."""
+        """The graphs of `model` (concrete or abstract), its BatchNorms on `bn_axis`; ValueError for a parameter no
+        gradient reaches."""
         for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]:
             if not jnp.issubdtype(leaf.dtype, jnp.inexact):
                 raise ValueError(f"model parameter {jax.tree_util.keystr(path, simple=True, separator='.')} is "
                                  f"{leaf.dtype}, and parameters are trained by their gradient, which needs a float "
                                  "dtype; hold it as an nnx.Variable (model state) or a plain attribute")
         nnx.pop(model, nnx.Intermediate)
-        before = set_batchnorm_axis(model, bn_axis)
-        modes = {(module, name): getattr(module, name) for _, module in nnx.iter_modules(model)
-                 for name in _MODE_ATTRIBUTES if hasattr(module, name)}
+        kept = {(module, name): getattr(module, name) for _, module in nnx.iter_modules(model)
+                for name in (*_MODE_ATTRIBUTES, "axis_name") if hasattr(module, name)}
+        set_batchnorm_axis(model, bn_axis)
         try:
             model.train()
             train_graph = nnx.graphdef(model)
             model.eval()
             eval_graph = nnx.graphdef(model)
         finally:
-            for module, axis_name in before.items():
-                module.axis_name = axis_name
-            for (module, name), value in modes.items():  # the caller's model keeps its mode
+            for (module, name), value in kept.items():  # the caller's model keeps its mode and BatchNorm axes
                 setattr(module, name, value)
         keys = jax.tree.leaves(nnx.to_pure_dict(nnx.state(model, nnx.RngKey)))
         return cls(train_graph, eval_graph, tuple(_key_impl(k) for k in keys), seed)
@@ -138,8 +130,8 @@ class ModelDef:
         return nnx.to_pure_dict(rest), nnx.to_pure_dict(counts)
 
     def load_into(self, model: nnx.Module, params: Tree, model_state: Tree, rng_state: Tree) -> None:
-        """Write trained state back into the caller's model object. What a call in train mode updates in place (the
-        RNG counts, BatchNorm's statistics) is copied: the host's copies of device arrays are read-only."""
+        """Write trained state back into the caller's model (as writable copies: a train call updates some in
+        place)."""
         keys = self._keys(jax.tree.map(jnp.asarray, rng_state["keys"]), ())
         replace_state(model, params, jax.tree.map(np.array, model_state), keys,
                       jax.tree.map(np.array, rng_state["counts"]))

@@ -1,7 +1,5 @@
-"""Every training option, once: its `jdp.fit` keyword, config key (where the CLI has one), default(s), valid values
-and help. `jdp.FitOptions`, configs/base.py's matching sections, `--config.X` and the checks of both (`check`) come
-from this table, and nothing else defines or validates them. Where `fit` and the config differ in an option's name
-(`checkpoint_every`, `checkpoint.every_steps`) or default (eval at the end, or every 500 steps), both are here."""
+"""Every training option, once: its `jdp.fit` keyword, config key, default(s), valid values and help.
+`jdp.FitOptions`, configs/base.py's sections, `--config.X` and the checks of both (`check`) come from this table."""
 
 from __future__ import annotations
 
@@ -55,7 +53,6 @@ def _number(x: float) -> str:
 
 POSITIVE, NON_NEGATIVE, AT_LEAST_1 = Range(0, low_open=True), Range(0), Range(1)
 _PHRASES = {POSITIVE: "must be positive", NON_NEGATIVE: "must not be negative", AT_LEAST_1: "must be at least 1"}
-_SAME = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,11 +63,11 @@ class Option:
     default: Any
     help: str
     valid: Range | tuple[str, ...] | None = None
-    config_default: Any = _SAME  # configs/base.py's default, where it differs from fit's
+    config_default: Any = None  # configs/base.py's default, where it differs from fit's (never None)
 
     @property
     def config_value(self) -> Any:
-        return self.default if self.config_default is _SAME else self.config_default
+        return self.default if self.config_default is None else self.config_default
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -151,8 +148,8 @@ CONFIG_KEYS = {option.key: option for option in OPTIONS if option.key}
 
 @dataclasses.dataclass(frozen=True)
 class View:
-    """How a check names an option and its fix: by `fit` keyword (`eval_every`, "use backend='shard_map'"), or with
-    `config`, by config key (`train.eval_every`, "use --config.parallel.backend=shard_map")."""
+    """How a check names an option and its fix: by `fit` keyword (`backend='jit'`), or by config key
+    (`--config.parallel.backend=jit`)."""
 
     config: bool = False
 
@@ -174,9 +171,8 @@ _KINDS = {int: (numbers.Integral, "an int"), float: (numbers.Real, "a number"), 
 
 
 def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception] = FitError) -> tuple[Any, str]:
-    """The valid values of every option in `values` (by `fit` keyword) and the rules between them; raises
-    `error` with one line naming the options as `view` names them. Returns (the strategy they choose, how `view`
-    names it)."""
+    """Checks every option in `values` (by `fit` keyword) and the rules between them, raising `error` in one line;
+    returns (the strategy they choose, how `view` names it)."""
     def require(condition: bool, message: str) -> None:
         if not condition:
             raise error(message)

@@ -1,10 +1,6 @@
-"""Runs the one step of `jdp.step` under the chosen backend: shard_map and pmap call it once per device with
-`axis_name="data"` (on a strategy's mesh of more axes, shard_map only, the tuple of them, the batch split over
-all), jit once on the global batch with `axis_name=None`. Outside the step the state is always logical, every leaf
-at its own shape for every backend and device count (what checkpoints hold), laid out as the sync strategy
-declares (`jdp.sync.base`); pmap alone keeps a stacked copy, converted at its boundary. The backends compared:
-docs/performance.md, 'Backends (`parallel.backend`)'.
-"""
+"""Runs the one step of `jdp.step` under the chosen backend: shard_map and pmap once per device (`axis_name`
+"data", or a strategy's mesh axes), jit once on the global batch (`axis_name=None`); outside the step the state is
+logical, every leaf at its own shape. Compared: docs/performance.md, 'Backends (`parallel.backend`)'."""
 
 from __future__ import annotations
 
@@ -34,8 +30,7 @@ from jdp.sync.base import PER_DEVICE, REPLICATED, SHARDED, spec_on
 Tree = step_lib.Tree
 
 
-# backend -> (train, eval), from (mesh, state specs, which leaves are per device, step_for, eval_for);
-# `step_for(axis_name)` and `eval_for(axis_name)` give the one step over `axis_name` (None: the arrays are global).
+# backend -> (train, eval); `step_for(axis_name)` and `eval_for(axis_name)`: the one step over `axis_name`.
 
 def _jit(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
          ) -> tuple[Callable, Callable]:
@@ -48,9 +43,9 @@ def _jit(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, ev
 
 def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
                ) -> tuple[Callable, Callable]:
-    """One call per device on its rows; a per-device leaf reaches the step without its device axis of one, as under
-    pmap. check_vma=False: with it on, a replicated parameter's gradient arrives summed over devices, and the step's
-    pmean would leave it N times too large."""
+    """One call per device on its rows, a per-device leaf without its device axis of one. check_vma=False: with it,
+    a replicated parameter's gradient arrives summed over devices, and the step's pmean would leave it N times too
+    large."""
     axes = device_axes(mesh)
     train = step_for(axes)
 
@@ -80,25 +75,20 @@ BACKENDS: dict[str, Callable] = {"shard_map": _shard_map, "pmap": _pmap, "jit": 
 class DataParallel:
     """The train and eval steps compiled for one backend, plus the layout of state and batches."""
 
-    # Read from the train step compiled by `compile_train`: its per-device bytes (`jdp.memory.step_memory`).
+    # Read from the train step compiled by `compile_train`: its per-device bytes of memory (`jdp.memory`) and of
+    # collectives per step (`jdp.hlo`; of those, what crosses a hybrid mesh's groups), the strategy's warning.
     memory: dict[str, int] | None = None
+    comm_bytes_per_step: float | None = None
+    comm_cross_group_bytes_per_step: float | None = None
+    compiled_warning: str | None = None
     _compiled_train: jax.stages.Compiled | None = None  # what `train_step` runs once `compile_train` made it
 
-    def __init__(self, backend: str, mesh: Mesh, model: ModelDef, loss_fn: LossFn, eval_fn: LossFn,
-                 tx: optax.GradientTransformation, schedule: optax.Schedule | None,
-                 abstract_state: step_lib.TrainState, options: step_lib.StepOptions | None = None,
-                 eval_derived: Callable[[dict[str, float]], dict[str, float]] | None = None, sync: Sync | None = None):
-        """`options.axis_name` and `accum_lanes` are set here from the backend; `options.bn_groups` applies to jit
-        only (the others see one device's rows). `eval_derived` adds eval metrics from the eval means (perplexity =
-        exp(loss)). `sync` (default: the mean all-reduce) also lays out the state inside the step."""
-        self.backend, self.mesh = backend, mesh
-        self.sync = sync = sync or Sync()
-        self._eval_derived = eval_derived
-        options = options or step_lib.StepOptions()
-        self.comm_bytes_per_step: float | None = None  # read from the compiled step by `read_collectives`
-        # Of those, the bytes of collectives that cross the mesh's groups (a hybrid mesh's; None on the 1-D mesh).
-        self.comm_cross_group_bytes_per_step: float | None = None
-        self.compiled_warning: str | None = None  # the strategy's word on the compiled program (`Sync`)
+    def __init__(self, mesh: Mesh, model: ModelDef, loss_fn: LossFn, tx: optax.GradientTransformation,
+                 abstract_state: step_lib.TrainState, options: step_lib.StepOptions, sync: Sync):
+        """The backend, eval function and schedule are `options.fit`'s; `options.bn_groups` applies to jit only."""
+        backend, eval_fn, schedule = options.fit.backend, options.fit.eval_fn or loss_fn, options.fit.schedule
+        self.backend, self.mesh, self.sync = backend, mesh, sync
+        self._eval_derived = options.fit.eval_derived  # more eval metrics from the eval means
         if device_axes(mesh) != DATA_AXIS and backend != "shard_map":
             raise ValueError(f"a mesh of axes {mesh.axis_names} needs shard_map, not {backend}")
         shards = shard_count(mesh)  # the devices a sharded leaf is split over: all, or one group's
@@ -110,9 +100,8 @@ class DataParallel:
                            "'shard_map' or 'pmap', not jit")
         if backend == "pmap" and SHARDED in jax.tree.leaves(layouts):
             raise FitError(f"{sync!r} keeps sharded state, which needs backend 'shard_map' or 'jit', not pmap")
-        # Where each leaf of the logical state lives: whole on every device, a per-device leaf split on `data`, a
-        # sharded one split on the step's own axis when that needs no padding (its parts are then the step's
-        # slices), else whole-shaped and split as evenly as its axes allow (`jdp.mesh.split_whole`).
+        # A sharded leaf of the logical state is split on the step's own axis when that needs no padding, else as
+        # evenly as its axes allow (`jdp.mesh.split_whole`).
         def logical(layout: str, x: Any, axis: int | None) -> NamedSharding:
             if layout != SHARDED:
                 return {REPLICATED: replicated(mesh), PER_DEVICE: data_sharded(mesh)}[layout]
@@ -122,7 +111,6 @@ class DataParallel:
 
         self.logical_shardings = jax.tree.map(logical, layouts, abstract_state,
                                               sync.shard_axes(abstract_state, shards))
-        self._relayout = any(spec != P() for spec in jax.tree.leaves(self._state_specs))  # else the layout is logical
 
         def step_for(axis_name: str | None) -> Callable:
             groups = options.bn_groups if axis_name is None else 1  # per-device rows need no grouping
@@ -139,15 +127,20 @@ class DataParallel:
                            layer_view=sync.layer_view(axis_name, mesh if axis_name is None else None))
 
         self._train, self.eval_step = BACKENDS[backend](mesh, self._state_specs, self.per_device, step_for, eval_for)
-        n = mesh.size
-        self._stack = jax.jit(lambda t: jax.tree.map(lambda x, p: x if p else jnp.broadcast_to(x, (n, *x.shape)), t,
-                                                     self.per_device), out_shardings=data_sharded(mesh))
-        self._unstack = jax.jit(lambda t: jax.tree.map(lambda x, p: x if p else x[0], t, self.per_device),
-                                out_shardings=self.logical_shardings)
-        self._to_step_layout = jax.jit(lambda t: sync.to_step_layout(t, shards),
-                                       out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec),
-                                                                  self._state_specs))
-        self._to_logical = jax.jit(lambda t: sync.to_logical(t, abstract_state), out_shardings=self.logical_shardings)
+        # The layout conversions at the step's boundary: pmap's stacked copy, or the strategy's padded slices.
+        if backend == "pmap":
+            self._to_step_layout = jax.jit(lambda t: jax.tree.map(
+                lambda x, p: x if p else jnp.broadcast_to(x, (mesh.size, *x.shape)), t, self.per_device),
+                out_shardings=data_sharded(mesh))
+            self._to_logical = jax.jit(lambda t: jax.tree.map(lambda x, p: x if p else x[0], t, self.per_device),
+                                       out_shardings=self.logical_shardings)
+        else:
+            self._to_step_layout = jax.jit(lambda t: sync.to_step_layout(t, shards),
+                                           out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec),
+                                                                      self._state_specs))
+            self._to_logical = jax.jit(lambda t: sync.to_logical(t, abstract_state),
+                                       out_shardings=self.logical_shardings)
+        self._relayout = backend == "pmap" or any(spec != P() for spec in jax.tree.leaves(self._state_specs))
         # Each device checksums the bits of its own copy; pmax != pmin flags a leaf that differs.
         state_spec = P(DATA_AXIS) if backend == "pmap" else P()
         self._differing_leaves = jax.jit(jax.shard_map(partial(_differing_leaves, axis_name=device_axes(mesh)),
@@ -155,35 +148,26 @@ class DataParallel:
                                                        check_vma=False))
 
     def _packed(self, step: Callable) -> Callable:
-        """The step with its scalar metrics as one float32 vector: the host fetches a step's metrics in one
-        transfer, not one per metric (~75 us a step less of host work, which on a busy CPU is the step's time too).
-        Their names are fixed by the step and read while it is traced; counts stay exact below 2**24."""
+        """The step with its scalar metrics as one float32 vector, fetched in one transfer (~75 us a step less of
+        host work); their names are read while it is traced."""
         def packed(state: Tree, batch: Tree) -> tuple[Tree, jax.Array]:
             new_state, metrics = step(state, batch)
             self._metric_names = tuple(metrics)
             return new_state, jnp.stack([jnp.reshape(v, ()).astype(jnp.float32) for v in metrics.values()])
         return packed
 
-    def init_state(self, init_fn: Callable[..., step_lib.TrainState], *args: Tree) -> step_lib.TrainState:
-        """Creates the logical state directly on the devices, laid out as it lives there."""
-        return jax.jit(init_fn, out_shardings=self.logical_shardings)(*args)
-
     def to_devices(self, state: Tree) -> Tree:
         """Logical state -> the compiled step's layout (pmap's stacked copy; sharded leaves padded and split)."""
-        if self.backend == "pmap":
-            return self._stack(state)
         return self._to_step_layout(state) if self._relayout else state
 
     def step_shapes(self, abstract_state: step_lib.TrainState) -> step_lib.TrainState:
-        """The shapes and shardings of the state the compiled step takes, from the logical state's (shard_map and
-        jit: to compile the step without putting anything on the devices)."""
+        """The shapes and shardings of the state the compiled step takes (shard_map and jit)."""
         shapes = jax.eval_shape(self.to_devices, abstract_state)
         return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
             self.mesh, spec)), shapes, self._state_specs)
 
     def _global(self, tree: Tree) -> Tree:
-        """pmap's outputs are process-local in a multi-process run (leading axis = this process's
-        devices): view them as the global arrays, split on `data`, that the other jitted functions take."""
+        """pmap's process-local outputs (in a multi-process run) as the global arrays, split on `data`."""
         if self.backend != "pmap" or jax.process_count() == 1:
             return tree
         sharding = data_sharded(self.mesh)
@@ -191,10 +175,8 @@ class DataParallel:
             (self.mesh.size, *x.shape[1:]), sharding, [s.data for s in x.addressable_shards]), tree)
 
     def to_logical(self, state: Tree) -> Tree:
-        """The compiled step's layout -> the logical, replicated state."""
-        if self.backend == "pmap":
-            return self._unstack(self._global(state))
-        return self._to_logical(state) if self._relayout else state
+        """The compiled step's layout -> the logical state."""
+        return self._to_logical(self._global(state)) if self._relayout else state
 
     def shard_batch(self, local_rows: dict[str, np.ndarray]) -> dict[str, jax.Array | np.ndarray]:
         """Step 1, split (`jdp.split`): this process's rows of the global batch -> what the compiled steps take."""
@@ -202,13 +184,12 @@ class DataParallel:
 
     def train_step(self, state: step_lib.TrainState, batch: dict[str, jax.Array]
                    ) -> tuple[step_lib.TrainState, jax.Array]:
-        """Steps 2-4 on the devices: the new state, and the step's metrics packed for `fetch`. Runs the executable
-        `compile_train` made, once it has (the jitted step, compiling on its first call, before)."""
+        """Steps 2-4 on the devices: the new state, and the step's metrics packed for `fetch`."""
         return (self._compiled_train or self._train)(state, batch)
 
     def evaluate(self, state: step_lib.TrainState, batches: Iterable[dict[str, np.ndarray]]) -> dict[str, float]:
-        """Weighted means of the eval function's outputs over `batches` (this process's rows of each eval
-        batch, with a `mask`; {} when there are none): padded rows weigh nothing."""
+        """Weighted means of the eval function's outputs over `batches` (this process's rows, with a `mask`; {}
+        when there are none)."""
         totals: dict[str, float] = {}
         pending = None
 
@@ -234,30 +215,27 @@ class DataParallel:
 
     def compile_train(self, state: step_lib.TrainState, batch: dict[str, jax.Array],
                       lowered: jax.stages.Lowered | None = None) -> jax.stages.Compiled:
-        """Compiles the train step for `state` and `batch` in the step's layout, or `lowered` (`lower_train` of
-        them), once: `train_step` runs it from then on, and `comm_bytes_per_step` and `memory` are read from it."""
+        """Compiles the train step (or `lowered`, `lower_train` of it) once: `train_step` runs it from then on, and
+        `comm_bytes_per_step` and `memory` are read from it."""
         compiled = (lowered if lowered is not None else self.lower_train(state, batch)).compile()
         self._compiled_train, text = compiled, compiled.as_text()
-        if device_axes(self.mesh) == DATA_AXIS:
-            self.comm_bytes_per_step = hlo.collective_bytes(text, self.mesh.size, self.sync.every)
-        else:  # a hybrid mesh: a group is `shard_count` consecutive devices along `data`
-            sent = hlo.collectives(text, self.mesh.size, self.sync.every, group_size=shard_count(self.mesh))
-            self.comm_bytes_per_step, self.comm_cross_group_bytes_per_step = sent.total, sent.cross_group
+        hybrid = device_axes(self.mesh) != DATA_AXIS  # a group is `shard_count` consecutive devices along `data`
+        sent = hlo.collectives(text, self.mesh.size, self.sync.every, shard_count(self.mesh) if hybrid else None)
+        self.comm_bytes_per_step = sent.total
+        self.comm_cross_group_bytes_per_step = sent.cross_group if hybrid else None
         self.compiled_warning = self.sync.compiled_warning(text, self.mesh.size)
         self.memory = memory_lib.step_memory(state, compiled)
         return compiled
 
     def read_collectives(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> float:
-        """`comm_bytes_per_step`: the bytes each device hands the compiled train step's collectives per step, in the
-        steady state (`jdp.hlo`), read from `compile_train`'s executable (compiled now if not yet)."""
+        """`comm_bytes_per_step` (`jdp.hlo`), compiling the train step if not yet."""
         if self._compiled_train is None:
             self.compile_train(state, batch)
         return self.comm_bytes_per_step
 
     def to_host(self, tree: Tree) -> Tree:
-        """A logical tree as numpy: this process's first copy of each replicated leaf; of a train state's per-device
-        leaf, the rows of this process's devices; any other split leaf whole, assembled on the host from its parts
-        (in several processes, from every process: all call this together)."""
+        """A logical tree as numpy (`jdp.mesh.to_numpy`; all processes call it together); of a train state's
+        per-device leaf, the rows of this process's devices."""
         def host(x: jax.Array, layout: str) -> np.ndarray:
             if layout == PER_DEVICE and not x.sharding.is_fully_replicated:
                 return np.concatenate([np.asarray(s.data) for s in x.addressable_shards])
@@ -278,8 +256,7 @@ class DataParallel:
         return jax.tree.map(lambda x, layout: x if layout == REPLICATED else None, state, self._layouts)
 
     def first_differing_leaf(self, tree: Tree) -> str | None:
-        """The path of the first leaf whose copies differ across devices (compared with a collective
-        on bit checksums, cheap enough to run every few hundred steps), or None."""
+        """The path of the first leaf whose copies differ across devices (bit checksums), or None."""
         if not jax.tree.leaves(tree):
             return None
         differs = np.asarray(self._differing_leaves(self._global(tree)).addressable_data(0))
@@ -293,8 +270,8 @@ def _differing_leaves(tree: Tree, axis_name: str | tuple[str, ...] = DATA_AXIS) 
 
 
 def _checked_layouts(sync: Sync, abstract_state: Any, num_devices: int) -> Any:
-    """`sync.layouts(abstract_state)`, or FitError in one line where it is not one layout a leaf of the train state,
-    or a per-device leaf has no row per device (the devices would each get a slice of something else)."""
+    """`sync.layouts(abstract_state)`, or FitError where it is not one layout a leaf, or a per-device leaf has no
+    row per device."""
     layouts = sync.layouts(abstract_state)
     try:
         kinds = jax.tree.structure(abstract_state).flatten_up_to(layouts)

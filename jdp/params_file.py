@@ -21,8 +21,8 @@ def flatten(tree: Any, prefix: str) -> dict[str, np.ndarray]:
 
 
 def load_into(path: str | Path, params: Any, model_state: Any) -> tuple[Any, Any]:
-    """Values from an exported .npz in the structure of `params` and `model_state`; every key must be
-    present with the same shape. Raises ValueError naming the first key that does not fit."""
+    """Values from an exported .npz in the structure of `params` and `model_state`; ValueError naming the first
+    key missing or of another shape."""
     open(path, "rb").close()  # a missing file or a folder: its own OSError
     if not zipfile.is_zipfile(path):  # np.load would read a .npy's one array, or offer to unpickle anything else
         raise ValueError(f"{path} is not an .npz file (a zip of named arrays)")

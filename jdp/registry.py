@@ -1,5 +1,5 @@
-"""Names -> objects, one registry per kind (models, datasets, optimizers, losses), and import paths
-(`package.module:Name`) for objects that live in a user's own code."""
+"""Names -> objects, one registry per kind (models, datasets, optimizers, losses), or import paths
+(`package.module:Name`)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Step 1 of data parallelism, split: each global batch is cut along the device axis `data`.
-
-- Across processes: process p reads only its contiguous block of every global batch (`process_block`), which
-  every source (jdp's own and a `jdp.Source`) hands `fit`.
-- Across a process's devices: those rows become the compiled step's input, split on `data` (`data_sharded`,
-  the input sharding of the jit and shard_map steps; `shard_batch` for what the step is called with).
-"""
+"""Step 1 of data parallelism, split: each global batch is cut along the device axis `data`, across processes
+(`process_block`: what every source hands `fit`), then across a process's devices (`shard_batch`)."""
 
 from __future__ import annotations
 
@@ -24,9 +19,8 @@ def process_block(global_size: int, process_index: int, process_count: int, what
 
 
 def shard_batch(local_rows: dict[str, np.ndarray], backend: str, mesh: Mesh) -> dict[str, jax.Array | np.ndarray]:
-    """This process's rows of the global batch -> what the compiled step takes: in one process the host rows, which
-    the step's input sharding splits as it is called, at a fraction of `jax.device_put`'s cost (docs/benchmarks.md,
-    "Fixed per-step costs"); in several, one global array on `data`; for pmap, a leading axis of local devices."""
+    """This process's rows of the global batch -> what the compiled step takes: in one process the host rows (split
+    by the step's input sharding, cheaper than `jax.device_put`: docs/benchmarks.md), in several a global array."""
     if backend == "pmap":
         local_devices = sum(d.process_index == jax.process_index() for d in mesh.devices.flat)
         local_rows = {k: v.reshape(local_devices, -1, *v.shape[1:]) for k, v in local_rows.items()}

@@ -28,8 +28,7 @@ def classification_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[
 
 @LOSSES.register("lm")
 def language_model_loss(model: nnx.Module, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
-    """Next-token cross-entropy and accuracy per token (B, T), token means over the global batch by jdp's weighted
-    mean; the classification loss over the vocabulary, its softmax in float32 whatever the compute dtype."""
+    """Next-token cross-entropy and accuracy per token (B, T): the classification loss over the vocabulary."""
     return classification_loss(model, batch)
 
 

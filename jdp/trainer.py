@@ -1,9 +1,7 @@
-"""`jdp.fit` (docs/api.md): `prepare` checks the input and builds the run (model split, data, compiled steps) before
-anything compiles; `jdp.loop` runs it."""
+"""`jdp.fit` (docs/api.md): `prepare` checks the input and builds the run before anything compiles."""
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import difflib
 import math
@@ -16,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.sharding import Mesh
 
 from jdp import callbacks, loop, metrics, preemption, storage
 from jdp import distributed as distributed_lib
@@ -24,7 +23,7 @@ from jdp import sync as sync_lib
 from jdp.data.batching import Batcher, Source, optional
 from jdp.errors import FitError, UsageError, one_line, warn
 from jdp.loop import Engine, FitResult
-from jdp.mesh import DATA_AXIS, device_axes, make_mesh, mesh_devices
+from jdp.mesh import device_axes, make_mesh, mesh_devices
 from jdp.modeldef import LossFn, ModelDef
 from jdp.options import FitOptions
 from jdp.parallel import DataParallel
@@ -43,7 +42,6 @@ def _options(kwargs: dict[str, Any]) -> FitOptions:
 
 
 def _check_joined() -> None:
-    """A multi-process environment must be joined (`jdp.initialize()`) before JAX starts."""
     try:
         job = distributed_lib.resolve()
     except UsageError:
@@ -54,7 +52,7 @@ def _check_joined() -> None:
 
 
 def is_factory(data: Any) -> bool:
-    """Data given as a zero-argument function returning it (recorded by import path, so tools can rebuild it)."""
+    """Data given as a zero-argument function returning it (recorded by import path)."""
     return callable(data) and not hasattr(data, "__getitem__") and not hasattr(data, "train_batch")
 
 
@@ -101,8 +99,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     if not optional(source, "num_eval") and (o.eval_every or o.eval_fn) and jax.process_index() == 0:
         warn(f"{'eval_every' if o.eval_every else 'eval_fn'} is set, but there is no eval data: no eval runs; "
              "give eval_data")
-    # Synced BatchNorm reduces over the devices' `data` axis (a hybrid mesh's every axis); jit without accumulation
-    # sees the global batch whole, jit with it runs one lane per device on that axis (jdp.step's `accum_lanes`).
+    # Synced BatchNorm reduces over the devices' axes, but jit without accumulation sees the global batch whole.
     bn_axis = device_axes(mesh) if o.bn_sync and (o.backend != "jit" or o.grad_accum_steps > 1) else None
     make = model if callable(model) and not isinstance(model, nnx.Module) else None
     module = _abstract_model(make) if make else model
@@ -111,8 +108,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     except ValueError as e:
         raise FitError(str(e)) from None
     sync = sync.bind(module, o.seed)
-    # A module's state goes in as host copies (an argument, not constants baked into the program); the
-    # devices' replicated buffers then never alias the caller's.
+    # A module's state goes in as host copies (an argument, not constants), never aliased by the devices' buffers.
     initial = () if make else (jax.tree.map(np.asarray, ModelDef.split(model, o.seed)),)
 
     def init_state(*given: Any) -> TrainState:
@@ -123,22 +119,19 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
                           zero_, loss_scale, zero_, sync.init_state(params, n))
 
     abstract = jax.eval_shape(init_state, *initial)
-    device_input = optional(source, "device_input")
-    _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, device_input, n, global_batch_size, o,
-                device_axes(mesh))
+    _check_loss(model_def, loss_fn, o.eval_fn or loss_fn, abstract, source, mesh, global_batch_size, o)
     sync.check_optimizer(optimizer, abstract.params, n, o.backend, what)
     step_options = StepOptions(
-        o, bn_groups=1 if o.bn_sync else n, all_reduce=all_reduce, device_input=device_input,
+        o, bn_groups=1 if o.bn_sync else n, all_reduce=all_reduce, device_input=optional(source, "device_input"),
         noise_small_batches=("micro_batches" if n == 1 else "devices") if o.log_noise_scale else "")
-    parallel = DataParallel(o.backend, mesh, model_def, loss_fn, o.eval_fn or loss_fn, optimizer, o.schedule,
-                            abstract, step_options, eval_derived=o.eval_derived, sync=sync)
+    parallel = DataParallel(mesh, model_def, loss_fn, optimizer, abstract, step_options, sync)
     abstract = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract,
                             parallel.logical_shardings)
-    return Engine(parallel, source, model_def, lambda: parallel.init_state(init_state, *initial), abstract)
+    init_on_devices = jax.jit(init_state, out_shardings=parallel.logical_shardings)  # laid out as it lives there
+    return Engine(parallel, source, model_def, lambda: init_on_devices(*initial), abstract)
 
 
 def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
-    """What is not a model or an optimizer at all, named before it fails deep inside JAX or optax."""
     if not isinstance(model, nnx.Module) and not callable(model):
         raise FitError(f"model is of type {type(model).__name__}; give an nnx.Module, or a function of no "
                        "arguments that returns one (e.g. lambda: MyNet(nnx.Rngs(0)))")
@@ -149,24 +142,18 @@ def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
         hint = f"build it, e.g. optax.{optimizer}(1e-3)"
     elif isinstance(optimizer, tuple) and optimizer and all(isinstance(f, optax.GradientTransformation)
                                                             for f in optimizer):
-        # (clip, sgd), or Sliceable(clip, sgd): transforms where one transform's init and update go
         hint = "its items are transforms; chain them: " + (
             "optax.chain(...)" if type(optimizer) is tuple else f"{type(optimizer).__name__}(*optax.chain(...))")
     elif callable(optimizer):  # optax.adam itself, uncalled
         hint = f"call {getattr(optimizer, '__name__', 'it')} with its settings, e.g. optax.adamw(1e-3)"
-    raise FitError(f"optimizer={_short_repr(optimizer)} is of type {type(optimizer).__name__}, not an "
-                   f"optax.GradientTransformation; {hint}")
-
-
-def _short_repr(value: Any) -> str:
-    """A value as a line may quote it: a literal as written, a function or class by name, else its type."""
-    plain = value is None or isinstance(value, (str, int, float))
-    text = repr(value) if plain else getattr(value, "__name__", type(value).__name__)
-    return text if len(text) <= 60 else text[:57] + "..."
+    shown = (repr(optimizer) if optimizer is None or isinstance(optimizer, (str, int, float))
+             else getattr(optimizer, "__name__", type(optimizer).__name__))  # a literal, else a name or the type
+    raise FitError(f"optimizer={shown if len(shown) <= 60 else shown[:57] + '...'} is of type "
+                   f"{type(optimizer).__name__}, not an optax.GradientTransformation; {hint}")
 
 
 def _abstract_model(make: Callable[[], Any]) -> nnx.Module:
-    """`make()` with shapes for arrays: the model a function given as `model` builds (FitError if it cannot)."""
+    """`make()` with shapes for arrays (FitError if it fails)."""
     name = getattr(make, "__name__", None) or getattr(getattr(make, "func", None), "__name__", type(make).__name__)
 
     def checked() -> nnx.Module:  # what it returned, seen before eval_shape turns it into shapes
@@ -185,17 +172,13 @@ def _abstract_model(make: Callable[[], Any]) -> nnx.Module:
 
 
 def eval_batch_limit(num_eval: int, num_devices: int) -> float:
-    """The largest useful eval batch: the eval split in one batch, rounded up to a multiple of the devices
-    (a larger one only pads); any size goes without eval data."""
+    """The eval split in one batch, rounded up to a multiple of the devices; any size goes without eval data."""
     return -(-num_eval // num_devices) * num_devices if num_eval else math.inf
 
 
 def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract: TrainState, source: Source,
-                device_input: Callable, n: int, global_batch_size: int, options: FitOptions,
-                axes: str | tuple[str, ...] = DATA_AXIS) -> None:
-    """The loss contract, checked on shapes alone: a dict with a per-example `"loss"`, every value (and the
-    optional `"weight"`) of one shape whose leading axis is the batch. Under bf16 or fp16, the train trace
-    casts as the step does, and a model whose dots and convolutions all stay float32 is warned about."""
+                mesh: Mesh, global_batch_size: int, options: FitOptions) -> None:
+    """The loss contract (`jdp.loss`), checked on shapes alone, the train trace cast as the step casts."""
     rows = source.train_batch(0)
     read = len(next(iter(rows.values()))) * jax.process_count()
     if read != global_batch_size:
@@ -208,7 +191,7 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
     first_eval = next(iter(source.eval_batches()), None) if optional(source, "num_eval") else None
     eval_rows = {k: v for k, v in first_eval.items() if k != "mask"} if first_eval else rows
     compute_dtype = COMPUTE_DTYPES[options.precision]
-    names = (axes,) if isinstance(axes, str) else axes
+    names, n, device_input = mesh.axis_names, mesh.size, optional(source, "device_input")
     for name, fn, train, batch in (("loss_fn", loss_fn, True, rows), ("eval_fn", eval_fn, False, eval_rows)):
         local = {k: jax.ShapeDtypeStruct((v.shape[0] // max(1, n // jax.process_count()), *v.shape[1:]), v.dtype)
                  for k, v in batch.items()}
@@ -219,7 +202,7 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
                 params = cast_floating(params, compute_dtype)
                 batch = {k: v if k in options.keep_fp32 else cast_floating(v, compute_dtype) for k, v in batch.items()}
             return run_loss(model_def, fn, params, state.model_state, state.rng_state, batch, train=train)[0]
-        try:  # vmapped over a `data` axis of one (each of `axes`), which synced BatchNorm reduces over
+        try:  # vmapped over an axis of one for each mesh axis, which synced BatchNorm reduces over
             per_device = call
             for axis in names:
                 per_device = jax.vmap(per_device, in_axes=(None, 0), axis_name=axis)
@@ -241,22 +224,17 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
             if value.shape != shape:
                 raise FitError(f"{name}'s {key!r} has shape {value.shape}, 'loss' has {shape}; every output needs "
                                "the loss's shape (one value per example, or per example and token)")
-        if train and compute_dtype != jnp.float32:
-            _warn_if_float32(jaxpr_matmul_dtypes(jaxpr), options.precision)
+        # Layers built with `dtype=jnp.float32` promote the cast parameters back: the step runs at float32 speed.
+        matmuls = jaxpr_matmul_dtypes(jaxpr) if train and compute_dtype != jnp.float32 else None
+        if matmuls and set(matmuls) == {"float32"} and jax.process_index() == 0:
+            warn(f"precision={options.precision}, but all {sum(matmuls.values())} dots/convolutions of the model's "
+                 "forward compute in float32: build its layers with dtype=None (Flax's default, which follows the "
+                 "inputs and parameters jdp casts) rather than dtype=jnp.float32")
         if not train and options.eval_derived is not None:  # called with the eval means' keys, at 1.0 each
             try:
                 options.eval_derived({k: 1.0 for k in outputs if k != "weight"})
             except Exception as e:  # noqa: BLE001 - the user's function: one line, before anything trains
                 raise FitError(f"eval_derived failed on eval means of {sorted(outputs)}: {one_line(e)}") from e
-
-
-def _warn_if_float32(matmuls: collections.Counter[str], precision: str) -> None:
-    """Flax layers built with `dtype=jnp.float32` (or float32 constants mixed in) promote the cast
-    parameters back to float32: the step would run at float32 speed."""
-    if matmuls and set(matmuls) == {"float32"} and jax.process_index() == 0:
-        warn(f"precision={precision}, but all {sum(matmuls.values())} dots/convolutions of the model's forward "
-             "compute in float32: build its layers with dtype=None (Flax's default, which follows the inputs and "
-             "parameters jdp casts) rather than dtype=jnp.float32")
 
 
 def fit(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
@@ -278,10 +256,9 @@ def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
         optimizer: optax.GradientTransformation, steps: int, global_batch_size: int, options: FitOptions,
         on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None,
         settings: dict[str, Any] | None = None) -> FitResult:
-    """`fit` with its options gathered (what `python -m jdp.train` calls). `on_resume()`: when the workdir holds
-    checkpoints, under its lock, before fit's resume check; `on_start(step)`: with the start (or resumed) step, before
-    anything is written to the workdir. `settings`: the caller's settings that define the run ({name: JSON-able
-    value}), recorded in run.json and each checkpoint's fingerprint and guarded like fit's own."""
+    """`fit` with its options gathered (what `python -m jdp.train` calls). `on_resume()`: before the resume check,
+    when there are checkpoints; `on_start(step)`: before anything is written to the workdir. `settings`: the
+    caller's settings that define the run, recorded in run.json and guarded like fit's own."""
     _check_joined()
     strategy, what = sync_lib.strategy(options)  # a periodic strategy's replicas agree only at sync points
     for name, count in (("steps", steps), ("global_batch_size", global_batch_size)):
