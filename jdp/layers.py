@@ -60,13 +60,18 @@ def saved_residual_bytes(fn: Callable, *args: Any) -> int:
 
 
 @contextlib.contextmanager
-def viewing(view: LayerView | None) -> Iterator[None]:
-    """Every `Stack` traced inside computes each layer with `view` of its parameters (None: as held)."""
-    token = _layer_view.set(view)
+def context(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
+    """`var` set to `value` inside the block (usable as a decorator too)."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _layer_view.reset(token)
+        var.reset(token)
+
+
+def viewing(view: LayerView | None) -> Any:
+    """Every `Stack` traced inside computes each layer with `view` of its parameters (None: as held)."""
+    return context(_layer_view, view)
 
 
 class Stack(nnx.Module):
