@@ -39,8 +39,8 @@ def is_sharded(leaf: Any) -> bool:
 
 
 def shard_axis(shape: tuple[int, ...], n: int, first: int = 0) -> int:
-    """The axis a sharded leaf of `shape` splits on over `n` devices: the longest from `first` on that divides by
-    `n` (no padding), else the longest from `first` on (zero-padded to a multiple of `n`)."""
+    """The axis a sharded leaf of `shape` splits on over `n` devices: the longest from `first` on that `n` divides,
+    else the longest (zero-padded to a multiple of `n`)."""
     axes = range(first, len(shape))
     return max([a for a in axes if shape[a] % n == 0] or axes, key=lambda a: (shape[a], -a))
 
@@ -72,15 +72,14 @@ def spec_on(axis: int | None, ndim: int) -> P:
 
 
 def whole_number(name: str, value: Any, least: int, unit: str = "") -> int:
-    """`value` as an int: ValueError in one line unless it is an integral number (numpy's too; a bool is none) of at
-    least `least`."""
+    """`value` as an int: ValueError in one line unless it is an integral number (not a bool) of at least `least`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         raise ValueError(f"{name}={value!r} must be an int of at least {least}{unit}")
     return int(value)
 
 
 def real_number(name: str, value: Any) -> float:
-    """`value` as a float: ValueError in one line unless it is a real number (numpy's too; a bool is none)."""
+    """`value` as a float: ValueError in one line unless it is a real number (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name}={value!r} must be a number")
     return float(value)
@@ -88,14 +87,13 @@ def real_number(name: str, value: Any) -> float:
 
 def checked_group_size(group_size: Any) -> int | None:
     """`group_size` (the devices of a group, a node's) as an int, or None; ValueError in one line otherwise."""
-    if group_size is None:
-        return None
-    return whole_number("group_size", group_size, 1, " (devices in a group), or None for one process's devices")
+    return None if group_size is None else whole_number("group_size", group_size, 1, " (devices in a group), or None "
+                                                                                     "for one process's devices")
 
 
 def group_mesh(strategy: Sync, group_size: int | None, num_devices: int) -> dict[str, int]:
-    """The groups x `data` mesh (`Sync.mesh_shape`) of `num_devices` in groups of `group_size` consecutive devices
-    (None: one process's, a node's, in a multi-process run); FitError in one line where there is none."""
+    """The groups x `data` mesh of `num_devices` in groups of `group_size` consecutive devices (None: one process's);
+    FitError in one line where there is none."""
     k = group_size
     if k is None:
         if jax.process_count() == 1:
@@ -139,7 +137,7 @@ class Reduced(NamedTuple):
 
 
 def all_reduce_mean(tree: Tree, axis_name: str | None) -> Tree:
-    """The mean over `axis_name`, one collective (None, under jit: a no-op; XLA inserts the collective itself)."""
+    """The mean over `axis_name`, one collective (None, under jit: a no-op)."""
     return tree if axis_name is None else jax.lax.pmean(tree, axis_name)
 
 
@@ -162,8 +160,8 @@ def cast(tree: Tree, dtype: Any) -> Tree:
 
 
 def averaged_sums(local: Local, axis_name: str | None, **extra: Tree) -> dict[str, Any]:
-    """The mean over `axis_name`, in one collective, of what rides beside a gradient (the floating model state, the
-    loss sums, the weight total and, where measured, the noise scale's squares) and of `extra`."""
+    """The mean over `axis_name`, in one collective, of `extra` and what rides beside a gradient: the floating model
+    state, the loss sums, the weight total and, where measured, `small_sq`."""
     payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight, **extra}
     return all_reduce_mean(payload if local.small_sq is None else {**payload, "small_sq": local.small_sq}, axis_name)
 
@@ -214,7 +212,7 @@ class Sync:
         plain = json.loads(json.dumps(self.params(), default=_plain))
         return {"class": f"{type(self).__module__}:{type(self).__qualname__}", **plain}
 
-    def __repr__(self) -> str:  # an array parameter by its dtype and shape: a message stays one line
+    def __repr__(self) -> str:  # an array parameter by its dtype and shape
         shown = {k: f"{v.dtype}{list(v.shape)}" if isinstance(v, np.ndarray | jax.Array) and v.ndim else repr(v)
                  for k, v in self.params().items()}
         return f"{type(self).__name__}({', '.join(f'{k}={v}' for k, v in shown.items())})"
@@ -225,8 +223,8 @@ class Sync:
         return self
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Callable[[bool, str], None]) -> None:
-        """Refuses, with `require(condition, one line)`, the options (`fit` keyword -> value; `view` names them
-        and their fixes, `jdp.options.View`) it cannot run with; `what` is how the run named the strategy."""
+        """Refuses, with `require(condition, one line)`, the options (`fit` keyword -> value; `view` names them,
+        `jdp.options.View`) it cannot run with; `what` is how the run named the strategy."""
         if self.dtype_name == "bf16":
             require(options["backend"] in ("shard_map", "pmap"),
                     f"{what} needs an explicit collective; use {view.use('backend', 'shard_map')}")
@@ -243,8 +241,7 @@ class Sync:
         return None
 
     def ddp_twin(self) -> DDPTwin | None:
-        """How DDP computes the same, for the PyTorch twin (`jdp.compare`); None: it has no such hook. ValueError
-        in one line for settings torch's hook refuses."""
+        """How DDP computes the same, for `jdp.compare` (None: no such hook; ValueError: settings torch refuses)."""
         return None
 
     def mesh_shape(self, num_devices: int) -> dict[str, int]:

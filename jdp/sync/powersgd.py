@@ -10,6 +10,7 @@ Which leaves are matrices, the start step and the rest: docs/communication.md, '
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -152,15 +153,13 @@ class PowerSGD(Sync):
         def whole(local: Local, state: Any) -> Reduced:
             return super(PowerSGD, self).reduce(local, state, axis_name, collective)._replace(sync_state=state.sync)
 
-        def compressed(local: Local, state: Any) -> Reduced:
-            return self._compressed(local, state, axis_name if collective else None)
-
+        compressed = functools.partial(self._compressed, axis_name if collective else None)
         if not self.start_step:
             return compressed(local, state)
         # The steady state in the true branch, where `jdp.hlo` counts a conditional's bytes.
         return jax.lax.cond(state.step >= self.start_step, compressed, whole, local, state)
 
-    def _compressed(self, local: Local, state: Any, axis: str | None) -> Reduced:
+    def _compressed(self, axis: str | None, local: Local, state: Any) -> Reduced:
         grads = {".".join(map(str, path_keys(path))): g for path, g in jax.tree_util.tree_flatten_with_path(
             local.grads)[0]}
         q, error = state.sync["q"], state.sync["error"]
