@@ -86,9 +86,8 @@ def shape_bytes(text: str) -> int:
 
 
 def collectives(hlo_text: str, num_devices: int, period: int = 1, group_size: int | None = None) -> CommBytes:
-    """The operand bytes per device of the program's collectives per step (see the module docstring).
-    `num_devices`: the devices of a collective without replica groups; `period`: how many steps apart a
-    conditional's steady branch runs; `group_size`: the devices of one group (None: all are cross-group)."""
+    """The operand bytes per device of the program's collectives per step. `num_devices`: those of a collective
+    without replica groups; `period`: steps between a conditional's runs; `group_size`: None, all cross-group."""
     sent: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # computation -> in-group, cross-group bytes
     calls: dict[str, list[tuple[str, float]]] = defaultdict(list)  # computation -> (callee, runs per run of it)
     entry = computation = None

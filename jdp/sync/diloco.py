@@ -1,8 +1,6 @@
-"""DiLoCo (Douillard et al., 2023): each device runs `every` inner steps of the optimizer on its own data; then the
-outer gradient, anchor - mean(parameters after the round), takes an outer optimizer step, and every device goes on
-from the new anchor. The inner optimizer state stays per device; the anchor and the outer state are replicated.
-Quantized outer gradients (`bits`), a learner per group of devices (`group_size`) and the bytes:
-docs/communication.md, 'DiLoCo'.
+"""DiLoCo (Douillard et al., 2023): each device runs `every` inner steps on its own data; then the outer gradient,
+anchor - mean(parameters after the round), takes an outer optimizer step, and every device goes on from the new
+anchor. Quantized outer gradients, groups of devices and the bytes: docs/communication.md, 'DiLoCo'.
 """
 
 from __future__ import annotations
@@ -60,7 +58,7 @@ class DiLoCo(LocalSGD):
                 f"a two-axis mesh under shard_map only; use {view.use('backend', 'shard_map')}")
 
     def reduce(self, local: Local, state: Any, axis_name: Any, collective: bool = True) -> Reduced:
-        """Local SGD's, but on a groups x `data` mesh the gradient is the group's mean (an all-reduce in it)."""
+        """Local SGD's, but on a groups x `data` mesh the gradient is the group's mean."""
         reduced = super().reduce(local, state, axis_name, collective)
         if not isinstance(axis_name, tuple):  # every device is its own replica
             return reduced
@@ -78,8 +76,7 @@ class DiLoCo(LocalSGD):
         return layouts._replace(opt_state=jax.tree.map(lambda _: PER_DEVICE, abstract_state.opt_state))
 
     def outer_step(self, anchor: Tree, params: Tree, outer_state: Any, axis_name: str | None) -> tuple[Tree, Any]:
-        """(the new anchor, the outer optimizer's state) from the devices' `params` after a round: the outer
-        gradient anchor - mean(params), in float32 or quantized at `bits`."""
+        """(the new anchor, the outer optimizer's state) from the devices' `params` after a round."""
         if isinstance(axis_name, tuple):  # groups x data: across the groups each device sends its 1/k slice
             groups, inner = axis_name
             flat, unravel = ravel_pytree(jax.tree.map(lambda a, p: a - p, anchor, params))

@@ -48,9 +48,8 @@ def dequantize(q: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def quantized_all_gather(x: jax.Array, axis_name: Any, axis: int, bits: int, grad_bits: int, block: int
                          ) -> jax.Array:
-    """`lax.all_gather(x, axis_name, axis=axis, tiled=True)` sending `x` block-quantized at `bits` (qwZ; 32: as is);
-    its gradient, the reduce-scatter, is sent at `grad_bits` (32: float32; 8 or 4: quantized through an all-to-all,
-    each device summing its part in float32, as qgZ)."""
+    """`lax.all_gather(x, axis_name, axis=axis, tiled=True)` sending `x` block-quantized at `bits` (qwZ; 32: as is),
+    its gradient's reduce-scatter at `grad_bits` (quantized through an all-to-all, as qgZ)."""
     if bits == 32:
         return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
     moved = jnp.moveaxis(x, axis, 0)

@@ -86,19 +86,13 @@ class StreamingDiLoCo(DiLoCo):
         return state._replace(params=state.sync["local"], sync={**state.sync, "global": state.params})
 
     def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
-        """Fragment f's outer step once its round ends at step f H/F + k H (counted from the step before): after its
-        update or, with an overlap, from the next step's start, merged tau steps later."""
+        """Fragment f's outer step once its round ends at step f H/F + k H, merged at once or tau steps later."""
         # The global parameters and outer states as the step began: an overlapped sync reads nothing it computed.
         global_leaves, treedef = jax.tree.flatten(previous.sync["global"])
         local_leaves, outers = jax.tree.leaves(state.params), list(previous.sync["outer"])
         began = jax.tree.leaves(previous.params)  # each device's own, as this step began
 
-        def outer_step(carry: tuple) -> tuple:
-            anchor, local, outer_state = carry  # DiLoCo's outer step: one fragment is DiLoCo bit for bit
-            return (*self.outer_step(anchor, local, outer_state, axis_name),)
-
-        def merge(carry: tuple) -> list:
-            anchor, local = carry
+        def merge(anchor: list, local: list) -> list:
             w = self.local_weight
             return [a if not w else w * x + (1 - w) * a for a, x in zip(anchor, local, strict=True)]
 
@@ -106,11 +100,14 @@ class StreamingDiLoCo(DiLoCo):
         ended, sent = (done - 1, began) if tau else (done, local_leaves)  # the steps done when `sent` was
         for f, fragment in enumerate(fragments_of(state.params, self.fragments)):
             end = f * (self.every // self.fragments)  # fragment f's rounds end at steps end + k H
-            carry = ([global_leaves[i] for i in fragment], [sent[i] for i in fragment], outers[f])
-            anchor, outers[f] = jax.lax.cond((ended % self.every == end) & (ended > 0), outer_step,
-                                             lambda carry: carry[::2], carry)
-            merged = jax.lax.cond(((done - tau) % self.every == end) & (done > tau), merge, lambda carry: carry[1],
-                                  (anchor, [local_leaves[i] for i in fragment]))
+            # DiLoCo's outer step: one fragment is DiLoCo bit for bit
+            anchor, outers[f] = jax.lax.cond((ended % self.every == end) & (ended > 0),
+                                             lambda *carry: self.outer_step(*carry, axis_name),
+                                             lambda anchor, _, outer: (anchor, outer),
+                                             [global_leaves[i] for i in fragment], [sent[i] for i in fragment],
+                                             outers[f])
+            merged = jax.lax.cond(((done - tau) % self.every == end) & (done > tau), merge, lambda _, local: local,
+                                  anchor, [local_leaves[i] for i in fragment])
             for i, new_global, new_local in zip(fragment, anchor, merged, strict=True):
                 global_leaves[i], local_leaves[i] = new_global, new_local
         return state._replace(params=jax.tree.unflatten(treedef, global_leaves),

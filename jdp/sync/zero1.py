@@ -1,7 +1,6 @@
 """ZeRO-1, the sharded optimizer ("cross-replica weight-update sharding", Xu et al. 2020): the gradient
-reduce-scattered into 1/N slices (`jdp.sync.base.shard_axis`), each device updating its slice of the parameters
-and optimizer state, then the parameters all-gathered. Scalar leaves stay whole, updated on every device.
-"""
+reduce-scattered into 1/N slices, each device updating its slice of the parameters and optimizer state, then the
+parameters all-gathered."""
 
 from __future__ import annotations
 
@@ -35,19 +34,6 @@ from jdp.sync.base import (
 )
 
 
-def reduce_scatter_mean(grads: Tree, axis_name: str) -> Tree:
-    """Each device receives the cross-device mean of its own slice of every gradient (of a scalar: all of it)."""
-    n = jax.lax.psum(1, axis_name)
-
-    def scatter(g: jax.Array) -> jax.Array:
-        if not is_sharded(g):
-            return jax.lax.pmean(g, axis_name)
-        axis = shard_axis(g.shape, n)
-        return jax.lax.psum_scatter(padded(g, n, axis), axis_name, scatter_dimension=axis, tiled=True) / n
-
-    return jax.tree.map(scatter, grads)
-
-
 def local_slice(tree: Tree, axis_name: str) -> Tree:
     """This device's slice of each (replicated) leaf; scalars whole, like their optimizer state."""
     n, i = jax.lax.psum(1, axis_name), jax.lax.axis_index(axis_name)
@@ -65,7 +51,7 @@ def local_slice(tree: Tree, axis_name: str) -> Tree:
 def all_gather_like(slices: Tree, like: Tree, axis_name: str, axes: Tree = None,
                     all_gather: Callable = jax.lax.all_gather) -> Tree:
     """Whole leaves shaped like `like` from every device's slice (a scalar as it is); `axes`: each leaf's split axis
-    (default: `shard_axis`); `all_gather`: lax's, or one of its signature that sends less."""
+    (default: `shard_axis`); `all_gather`: lax's, or one of its signature."""
     n = jax.lax.psum(1, axis_name)
 
     def gather(s: jax.Array, x: Any, axis: int | None) -> jax.Array:
@@ -87,15 +73,14 @@ def global_norm(tree: Tree, axis_name: str | None = None) -> jax.Array:
 
 
 class ZeRO1(Sync):
-    """The gradient reduce-scattered in `dtype` ("fp32" or "bf16"), beside the one all-reduce of the loss sums; each
-    device updates its slice of the parameters and optimizer state, then all-gathers the parameters."""
+    """The gradient reduce-scattered in `dtype` ("fp32" or "bf16"); each device updates its slice of the parameters
+    and optimizer state, then all-gathers the parameters."""
 
     per_device_update = True
     shards_optimizer = True
 
     def record(self) -> dict[str, Any]:
-        # Sharding changes where the state lives, not what is computed: a run resumes sharded or not (a subclass
-        # written elsewhere may compute otherwise: its own record).
+        # Sharding changes where the state lives, not what is computed (a subclass written elsewhere may differ).
         if type(self).__module__.startswith("jdp.sync."):
             return AllReduce(self.dtype_name).record()
         return super().record()
@@ -119,7 +104,15 @@ class ZeRO1(Sync):
 
     def sliced_mean(self, grads: Tree, axis_name: str | None) -> Tree:
         """This device's slice of each leaf's cross-device mean gradient (of a scalar: all of it), float32."""
-        return cast(reduce_scatter_mean(cast(grads, self.dtype), axis_name), jnp.float32)
+        n = jax.lax.psum(1, axis_name)
+
+        def scatter(g: jax.Array) -> jax.Array:
+            if not is_sharded(g):
+                return jax.lax.pmean(g, axis_name)
+            axis = shard_axis(g.shape, n)
+            return jax.lax.psum_scatter(padded(g, n, axis), axis_name, scatter_dimension=axis, tiled=True) / n
+
+        return cast(jax.tree.map(scatter, cast(grads, self.dtype)), jnp.float32)
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         return self._reduced(self.sliced_mean(local.grads, axis_name), local,
@@ -163,8 +156,7 @@ def clip_by_global_norm(max_norm: float, axis_name: str | None = None) -> optax.
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: int,
-                    what: str = "shard_optimizer=True", sliced: bool = True) -> None:
+def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: int, what: str, sliced: bool) -> None:
     """Refuses a transform whose first two updates on each device's slice of every leaf (`sliced`), or on the leaves
     zero-padded to a multiple of `n`, differ from those on the logical leaves (two: Adam's first is blind to scale)."""
     if isinstance(tx, Sliceable):
@@ -186,17 +178,15 @@ def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: i
             updates.append(update)
         return updates
 
-    def part(x: np.ndarray, axis: int | None, i: int) -> np.ndarray:  # what device i's optimizer sees
-        if axis is None:
-            return x
-        whole = np.asarray(padded(x, n, axis))
-        return np.split(whole, n, axis=axis)[i] if sliced else whole
+    parts = n if sliced else 1  # what device i's optimizer sees: part i of the padded leaf
 
     def on_device(tree: Tree, i: int) -> Tree:
-        return jax.tree.map(lambda x, axis: part(x, axis, i), tree, axes, is_leaf=lambda x: x is None)
+        return jax.tree.map(lambda x, axis: x if axis is None else np.split(np.asarray(padded(x, n, axis)), parts,
+                                                                            axis=axis)[i],
+                            tree, axes, is_leaf=lambda x: x is None)
 
     expected, real = two_updates(params, grads), jax.tree.map(np.ones_like, params)  # real: 0 on the padding
-    for i in sorted({0, n - 1} if sliced else {0}):  # the first device, and the last, which holds most padding
+    for i in sorted({0, parts - 1}):  # the first device, and the last, which holds most padding
         seen = two_updates(on_device(params, i), [on_device(g, i) for g in grads])
         mask = jax.tree.leaves(on_device(real, i))
         if not all(np.allclose(np.asarray(a)[m > 0], np.asarray(b)[m > 0], rtol=1e-4, atol=1e-5) for step in range(2)

@@ -85,8 +85,7 @@ class ZeRO3(ZeRO1):
                             self.abstract_params, self.per_layer)
 
     def shard_axes(self, abstract_state: Any, num_devices: int) -> Any:
-        """As ZeRO-1, but a stacked leaf splits on a non-layer axis, and so does every optimizer leaf that mirrors it
-        (its path ends with the parameter's)."""
+        """As ZeRO-1, but a stacked leaf splits on a non-layer axis, as does each optimizer leaf mirroring one."""
         axes = super().shard_axes(abstract_state, num_devices)
         params = {path_keys(path): (x.shape, axis) for (path, x), axis in zip(
             jax.tree_util.tree_flatten_with_path(self.abstract_params)[0],
@@ -119,8 +118,7 @@ class ZeRO3(ZeRO1):
             all_gather=self._all_gather()))
 
     def sliced_mean(self, grads: Tree, axis_name: str | None) -> Tree:
-        # A sliced leaf's gradient is summed over the devices already (the all-gather's transpose); a whole scalar's
-        # is each device's own. Under jit the arrays are global.
+        # A sliced leaf's gradient is summed over the devices already (the all-gather's transpose); a scalar's is not.
         if axis_name is None:
             return grads
         n = jax.lax.psum(1, axis_name)
