@@ -63,8 +63,7 @@ class StepOptions:
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDef, loss_fn: LossFn,
                tx: optax.GradientTransformation, sync: Sync, schedule: optax.Schedule | None,
                options: StepOptions) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One data-parallel step on this device's rows (`batch`, split already): the gradient of the loss's weighted
-    mean over the whole global batch, whatever the number of real entries each device holds."""
+    """One data-parallel step on this device's rows: the gradient of the loss's weighted mean over the global batch."""
     o, axis = options, options.axis_name
     collective = axis if o.all_reduce else None  # None: jdp.bench's step compiled without its collectives
     stored, state = state, sync.forward_state(state)
@@ -143,8 +142,7 @@ def eval_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDef
               axis_name: str | None, device_input: Callable[[dict[str, jax.Array]], dict[str, jax.Array]],
               params_view: Callable[[Tree], Tree] = lambda params: params,
               layer_view: LayerView | None = None) -> dict[str, jax.Array]:
-    """Weighted sums of `loss_fn`'s outputs and the weight total over the global batch, the model in eval mode;
-    padding rows (`mask` 0) weigh nothing."""
+    """Weighted sums of `loss_fn`'s outputs and the weight total over the global batch, padding rows weighing 0."""
     rows = {k: v for k, v in batch.items() if k != "mask"}
     with viewing(layer_view):
         outputs, _, _ = run_loss(model, loss_fn, params_view(state.params), state.model_state, state.rng_state,

@@ -218,8 +218,7 @@ class Sync:
         return f"{type(self).__name__}({', '.join(f'{k}={v}' for k, v in shown.items())})"
 
     def bind(self, model: Any, seed: int) -> Sync:
-        """The strategy for this model (an `nnx.Module`, maybe abstract) and seed: itself, or a copy holding what
-        it derives from them."""
+        """The strategy for this model (maybe abstract) and seed: itself, or a copy holding what it derives."""
         return self
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Callable[[bool, str], None]) -> None:
@@ -322,8 +321,7 @@ class Sync:
         return self
 
     def restart(self, restored: Any, fresh: Any) -> Any:
-        """A restored train state whose per-device leaves (None: saved on another device count) start afresh, from
-        `fresh`."""
+        """`restored` with its per-device leaves saved on another device count (None) afresh from `fresh`."""
         return jax.tree.map(lambda x, new: new if x is None else x, restored, fresh, is_leaf=lambda x: x is None)
 
     def forward_state(self, state: Any) -> Any:
