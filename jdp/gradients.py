@@ -1,8 +1,6 @@
 """Step 2, compute: forward and backward on this device's slice of the global batch, plain or accumulated over
-micro-batches. Float32 master parameters are cast for the forward; gradients come back float32. The loss is the
-slice's weighted sum over its static row count, not over the weight: the weight total is global, known only after
-the collective, and this keeps gradients near a mean's scale (fp16 loss scaling, bf16 all-reduce). The sync
-strategy rescales by the weight total.
+micro-batches. The loss is the slice's weighted sum over its static row count (the weight total is known only after
+the collective, and this keeps gradients near a mean's scale); the sync strategy rescales by the weight total.
 """
 
 from __future__ import annotations
@@ -32,9 +30,7 @@ def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef,
                     layer_view: LayerView | None = None) -> Local:
     """The gradient of this device's slice (`params_view`, `layer_view`: from the sync strategy). With
     `options.accum_lanes` (jit with accumulation) the micro-batch loop runs one lane per device, vmapped over a
-    `data` axis laid on the devices, so that XLA all-reduces once, not each micro-batch's partial sum over the
-    devices' rows; a lane folds in its index as a device does under shard_map, and synced BatchNorm reduces over
-    the lanes' axis."""
+    `data` axis laid on the devices, so that XLA all-reduces once, not once per micro-batch."""
     o = options
     dtype = COMPUTE_DTYPES[o.fit.precision]
     scale = state.loss_scale[0] if o.fit.precision == "fp16" else 1.0
@@ -63,8 +59,7 @@ def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef,
         return sum_of_squares(grads) * (rows / scale / jnp.where(weight > 0, weight, 1.0)) ** 2
 
     def accumulate_all(micros: dict[str, jax.Array], folds: tuple[jax.Array, ...], groups: int):
-        """The micro-batches one after another: summed gradients, weighted sums and weight; the state after the
-        last; each micro-batch's |gradient|^2 (for the noise scale over micro-batches)."""
+        """The micro-batches one after another: the sums, the state after the last, each one's |gradient|^2."""
         def accumulate(carry, indexed):
             grads_sum, model_state, counts, sums_sum, weight_sum = carry
             index, micro = indexed
@@ -98,11 +93,8 @@ def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef,
         model_state = jax.tree.map(lambda s: s.mean(0).astype(s.dtype), model_state)
         counts = jax.tree.map(lambda c: c[0], counts)
         micro_sqs = micro_sqs[0]  # per micro-batch noise is asked for on one device only: one lane
-    small_sq = None
-    if o.noise_small_batches == "micro_batches":
-        small_sq = jnp.mean(micro_sqs)
-    elif o.noise_small_batches:
-        small_sq = mean_grad_sq(grads, weight)
+    small_sq = (jnp.mean(micro_sqs) if o.noise_small_batches == "micro_batches"
+                else mean_grad_sq(grads, weight) if o.noise_small_batches else None)
     if o.fit.precision == "fp16":
         grads = jax.tree.map(lambda g: g / scale, grads)
     return Local(grads, sums, weight, model_state, counts, rows, small_sq)

@@ -1,18 +1,11 @@
-"""What a compiled program sends, read from its HLO text after XLA's passes (`compiled.as_text()`): under jit the
-collectives exist only once the program is partitioned, and XLA may combine them or change their element type.
-The count is the operand bytes each device hands its collectives (all-reduce, reduce-scatter, all-gather,
-all-to-all, ragged-all-to-all, collective-permute, and their `-start` forms) per step, in the steady state:
-- each is sized within its replica groups (none, or `{}`: all devices): an all-gather's operand is its result /
-  the group's size, a reduce-scatter's its result * the group's size, a ragged-all-to-all's its output buffer (the
-  most it may move); a group of one device sends nothing; one in the entry computation runs every step;
-- a conditional of two branches (`lax.cond`: {false, true}) counts its true branch, a strategy's steady state,
-  once every `period` steps, and not the other (a start-up path, or nothing); one of more branches (`lax.switch`, a
-  staggered sync, each branch run once a period) counts every branch 1/`period`, as the HLO marks none idle (a
-  staggered sync of two branches would read as `lax.cond`);
-- a while loop's body counts its known trip count times (once when XLA does not know it).
-A collective is in-group when each replica group (a collective-permute's: each source-target pair) lies within one
-block of `group_size` consecutive logical device ids (the mesh's devices in order: a process's or node's), else
-cross-group.
+"""What a compiled program sends, read from its HLO text after XLA's passes (`compiled.as_text()`): the operand
+bytes each device hands its collectives per step, in the steady state (the rules: docs/communication.md):
+- each is sized within its replica groups: an all-gather's operand is its result / the group's size, a
+  reduce-scatter's its result * the group's size, a ragged-all-to-all's its output buffer; a group of one sends none;
+- a `lax.cond` counts its true branch (the steady state) once every `period` steps, a `lax.switch` every branch
+  1/`period`; a while loop's body its known trip count times (else once).
+A collective is in-group when each replica group (or source-target pair) lies within one block of `group_size`
+consecutive device ids, else cross-group.
 """
 
 from __future__ import annotations
@@ -93,10 +86,8 @@ def shape_bytes(text: str) -> int:
 
 
 def collectives(hlo_text: str, num_devices: int, period: int = 1, group_size: int | None = None) -> CommBytes:
-    """The operand bytes per device of the program's collectives per step (see the module docstring).
-    `num_devices`: the devices of a collective without replica groups; `period`: how many steps apart a
-    conditional's steady branch runs; `group_size`: the devices of one group (None: every collective is
-    cross-group, as under flat data parallelism)."""
+    """The operand bytes per device of the program's collectives per step. `num_devices`: those of a collective
+    without replica groups; `period`: steps between a conditional's runs; `group_size`: None, all cross-group."""
     sent: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # computation -> in-group, cross-group bytes
     calls: dict[str, list[tuple[str, float]]] = defaultdict(list)  # computation -> (callee, runs per run of it)
     entry = computation = None

@@ -1,8 +1,6 @@
-"""Layers that make a deep model fit: activation checkpointing (`remat`) and scanned layers (`Stack`). A trainer
-that splits the parameters across devices sets a `LayerView` with `viewing`: each `Stack` then gathers a layer's
-parameters inside the scan's body, one layer at a time, and again in the backward rather than keeping them. The
-policies, and what each saves: docs/performance.md, 'Making a model fit: ZeRO-3, scanned layers, activation
-checkpointing'.
+"""Layers that make a deep model fit: activation checkpointing (`remat`) and scanned layers (`Stack`), whose layers
+a trainer splitting the parameters gathers one at a time (`viewing`). The policies, and what each saves:
+docs/performance.md, 'Making a model fit: ZeRO-3, scanned layers, activation checkpointing'.
 """
 
 from __future__ import annotations
@@ -51,8 +49,7 @@ def remat(fn: Callable, policy: str) -> Callable:
 
 
 def saved_residual_bytes(fn: Callable, *args: Any) -> int:
-    """Bytes of what JAX saves from the forward of `fn(*args)` for its backward (`print_saved_residuals`, read):
-    what remat trades for recomputation, before XLA's buffer assignment."""
+    """Bytes of what JAX saves from the forward of `fn(*args)` for its backward, before XLA's buffer assignment."""
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
         print_saved_residuals(fn, *args)
@@ -60,13 +57,18 @@ def saved_residual_bytes(fn: Callable, *args: Any) -> int:
 
 
 @contextlib.contextmanager
-def viewing(view: LayerView | None) -> Iterator[None]:
-    """Every `Stack` traced inside computes each layer with `view` of its parameters (None: as held)."""
-    token = _layer_view.set(view)
+def context(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
+    """`var` set to `value` inside the block (usable as a decorator too)."""
+    token = var.set(value)
     try:
         yield
     finally:
-        _layer_view.reset(token)
+        var.reset(token)
+
+
+def viewing(view: LayerView | None) -> Any:
+    """Every `Stack` traced inside computes each layer with `view` of its parameters (None: as held)."""
+    return context(_layer_view, view)
 
 
 class Stack(nnx.Module):
@@ -105,8 +107,7 @@ class Stack(nnx.Module):
         policy = REMAT_POLICIES[self.remat]
 
         def never_saving_gathers(prim: Any, *avals: Any, **params: Any) -> bool:
-            """`remat`'s policy (none: save everything), but never the all-gathers and slices (a padding cut off):
-            a gathered layer parameter is recomputed from its slice in the backward, never kept whole."""
+            """`remat`'s policy, but never saving the all-gathers and slices: the backward gathers a layer again."""
             return prim.name not in ("all_gather", "slice") and (policy is None or policy(prim, *avals, **params))
 
         body = remat(body, self.remat) if view.params is None else nnx.remat(body, policy=never_saving_gathers)

@@ -1,7 +1,5 @@
-"""Per-device memory of a train step, as the trainer reports it before the first step and `jdp.bench` measures it:
-the state's bytes (from the arrays' shardings) and the compiled step's peak, argument + output + temporary -
-aliased bytes (outputs written into donated arguments count once) from `memory_analysis()`. XLA's own
-`peak_memory_in_bytes` read below the temporaries on XLA:CPU, so it is not used."""
+"""Per-device memory of a train step: the state's bytes and the compiled step's peak, argument + output + temporary -
+aliased bytes (XLA's own `peak_memory_in_bytes` reads below the temporaries on XLA:CPU)."""
 
 from __future__ import annotations
 
@@ -27,8 +25,7 @@ def state_memory(state) -> dict[str, int]:
 
 
 def memory_analysis(compiled) -> dict[str, int]:
-    """XLA's accounting of a compiled program's bytes per device (the CPU compiler's own on CPU devices):
-    argument, output, temporary and aliased bytes and the `peak_bytes` they make; {} where XLA gives none."""
+    """XLA's accounting of a compiled program's bytes per device and the `peak_bytes` they make; {} where none."""
     memory = compiled.memory_analysis()
     if memory is None:
         return {}

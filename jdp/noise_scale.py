@@ -25,8 +25,7 @@ def estimate(small_sq: float, big_sq: float, b: float, big_b: float) -> tuple[fl
 class NoiseScale:
     """Moving averages of tr(S) and |G|^2 over the steps whose update was kept."""
 
-    def __init__(self, decay: float = EMA_DECAY) -> None:
-        self.decay = decay
+    def __init__(self) -> None:
         self.trace = self.true_sq = 0.0
         self.global_batch = math.nan  # the latest step's, in the same weight units as the noise scale
 
@@ -34,8 +33,8 @@ class NoiseScale:
         """One step's `noise_small_sq`, `noise_big_sq`, `noise_small_batch` and `weight` (the global batch)."""
         trace, true_sq = estimate(metrics["noise_small_sq"], metrics["noise_big_sq"], metrics["noise_small_batch"],
                                   metrics["weight"])
-        self.trace = self.decay * self.trace + (1 - self.decay) * trace
-        self.true_sq = self.decay * self.true_sq + (1 - self.decay) * true_sq
+        self.trace = EMA_DECAY * self.trace + (1 - EMA_DECAY) * trace
+        self.true_sq = EMA_DECAY * self.true_sq + (1 - EMA_DECAY) * true_sq
         self.global_batch = metrics["weight"]
 
     @property

@@ -1,8 +1,5 @@
-"""Mixed precision: the cast to the compute dtype, and what a program's matrix products (dots and
-convolutions, where nearly all of a step's FLOPs are) actually compute in.
-
-XLA:CPU upcasts bfloat16 products to float32 in its own passes, so the program jdp asks for (jaxpr, or the
-lowered HLO before XLA's passes) is the one to judge: on a GPU that is what runs on the tensor cores.
+"""Mixed precision: the cast to the compute dtype, and what a program's dots and convolutions compute in, judged on
+the program jdp asks for (jaxpr, or HLO before XLA's passes: XLA:CPU upcasts bfloat16 products in its own).
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.extend.core import subjaxprs
 
 COMPUTE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16, "fp16": jnp.float16}  # of each `precision`
 _MATMUL_PRIMITIVES = ("dot_general", "conv_general_dilated")
@@ -42,15 +40,11 @@ def hlo_matmul_dtypes(hlo_text: str) -> collections.Counter[str]:
 
 def jaxpr_matmul_dtypes(jaxpr: Any) -> collections.Counter[str]:
     """The same count on a (closed) jaxpr, nested jaxprs (jit, custom_vjp, scan, ...) included."""
-    counts: collections.Counter[str] = collections.Counter()
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in _MATMUL_PRIMITIVES:
-            counts.update(str(v.aval.dtype) for v in eqn.outvars)
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, tuple | list) else (param,):
-                if hasattr(sub, "eqns") or hasattr(getattr(sub, "jaxpr", None), "eqns"):
-                    counts += jaxpr_matmul_dtypes(sub)
+    counts = collections.Counter(str(v.aval.dtype) for eqn in jaxpr.eqns if eqn.primitive.name in _MATMUL_PRIMITIVES
+                                 for v in eqn.outvars)
+    for sub in subjaxprs(jaxpr):
+        counts += jaxpr_matmul_dtypes(sub)
     return counts
 
 

@@ -1,7 +1,6 @@
 """The per-device training step, written once: compute (`jdp.gradients`) -> sync (`jdp.sync`) -> update, with its
-guard (`jdp.update`). Pure functions with no jit and no knowledge of devices: `jdp.parallel` runs them per device
-under shard_map or pmap (`axis_name="data"`), or once on the global batch under jit (`axis_name=None`; XLA
-inserts the collectives).
+guard (`jdp.update`). Pure functions: `jdp.parallel` runs them per device under shard_map or pmap
+(`axis_name="data"`), or once on the global batch under jit (`axis_name=None`).
 """
 
 from __future__ import annotations
@@ -44,8 +43,7 @@ class TrainState(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class StepOptions:
-    """How the one step runs: `fit`'s options, and what jdp derives from them, the backend and the mesh. Every
-    field has the plain data-parallel default."""
+    """How the one step runs: `fit`'s options, and what jdp derives from them, the backend and the mesh."""
 
     fit: FitOptions = FitOptions()
     # "data" under shard_map/pmap (a hybrid mesh's tuple of axes, ("groups", "data")), None under jit
@@ -58,28 +56,23 @@ class StepOptions:
     # For `jdp.noise_scale`, the small batches whose gradients' squared norms are reported beside the global one's:
     # "devices" (each device's slice), "micro_batches" (each accumulation micro-batch, on one device), "": none.
     noise_small_batches: str = ""
-    # The batch the loss sees, made on the device from the batch that was sent: as it is, or e.g. uint8
-    # pixels -> cropped, normalised floats (a source's `device_input`).
+    # The batch the loss sees, made on the device from the one sent (a source's `device_input`).
     device_input: Callable[[dict[str, jax.Array]], dict[str, jax.Array]] = lambda batch: batch
 
 
 def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDef, loss_fn: LossFn,
                tx: optax.GradientTransformation, sync: Sync, schedule: optax.Schedule | None,
                options: StepOptions) -> tuple[TrainState, dict[str, jax.Array]]:
-    """One data-parallel step on this device's rows (`batch`, split already). The gradient is that of the loss's
-    weighted mean over the whole global batch: the weighted sums and weight total travel with the gradient, so
-    devices holding different numbers of real entries still give the one-device gradient."""
+    """One data-parallel step on this device's rows: the gradient of the loss's weighted mean over the global batch."""
     o, axis = options, options.axis_name
     collective = axis if o.all_reduce else None  # None: jdp.bench's step compiled without its collectives
     stored, state = state, sync.forward_state(state)
-    # 2. compute: forward and backward on the local slice, in `grad_accum_steps` micro-batches.
+    # 2. compute, 3. sync, 4. update, then the guard chooses the state every replica keeps.
     local = local_gradients(state, batch, model=model, loss_fn=loss_fn, options=o,
                             params_view=lambda params: sync.params_view(params, axis),
                             layer_view=sync.layer_view(axis, o.mesh))
-    # 3. all-reduce: the sync strategy turns the local gradient into the update's input.
     reduced = sync.reduce(local, state, axis, collective=o.all_reduce)
     _check_reduced(sync, reduced, state.params, local.small_sq is not None)
-    # 4. update, then the guard chooses the state every replica keeps.
     with optimizer_sees_slices(axis is not None and sync.optimizer_sees_slices(o.fit.backend)):
         params, opt_state = sync.update(tx, reduced.grads, state, axis)
     empty = reduced.weight <= 0
@@ -116,10 +109,8 @@ def _shown(x: Any) -> str:
 
 
 def _check_reduced(sync: Sync, reduced: Any, params: Tree, noise_scale: bool) -> None:
-    """FitError in one line unless the strategy's `reduce` returned a `Reduced` whose gradient has, for each
-    parameter, a floating leaf of its rank (a slice of it under a sharding strategy), and the noise scale's
-    `small_sq` where it is measured: checked as the step is traced, since optax would broadcast a scalar or promote
-    an int without a word."""
+    """FitError in one line unless the strategy's `reduce` returned a `Reduced` with, for each parameter, a floating
+    gradient leaf of its rank, and `small_sq` where measured (optax would broadcast or promote without a word)."""
     if not isinstance(reduced, Reduced):
         raise FitError(f"{sync!r}.reduce returned {type(reduced).__name__}; it returns a jdp.sync.Reduced")
     if noise_scale and reduced.small_sq is None:
@@ -136,8 +127,8 @@ def _check_reduced(sync: Sync, reduced: Any, params: Tree, noise_scale: bool) ->
 
 
 def _check_kept(sync: Sync, before: TrainState, after: TrainState, by: str) -> TrainState:
-    """`after`, or FitError in one line naming the first leaf of the train state that the strategy's `by` left of
-    another dtype or shape than `before` holds it (the guard's select would broadcast or promote it silently)."""
+    """`after`, or FitError in one line naming the first train-state leaf that the strategy's `by` left of another
+    dtype or shape than `before` (the guard's select would broadcast or promote it silently)."""
     was, now = _leaves(before), _leaves(after)
     for path in [*was, *(now.keys() - was.keys())]:
         if _shown(was.get(path)) != _shown(now.get(path)):
@@ -151,8 +142,7 @@ def eval_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDef
               axis_name: str | None, device_input: Callable[[dict[str, jax.Array]], dict[str, jax.Array]],
               params_view: Callable[[Tree], Tree] = lambda params: params,
               layer_view: LayerView | None = None) -> dict[str, jax.Array]:
-    """Weighted sums of `loss_fn`'s outputs and the weight total over the global batch, the model in eval mode;
-    padding rows (`mask` 0) weigh nothing. `params_view`, `layer_view`: from the sync strategy, as in training."""
+    """Weighted sums of `loss_fn`'s outputs and the weight total over the global batch, padding rows weighing 0."""
     rows = {k: v for k, v in batch.items() if k != "mask"}
     with viewing(layer_view):
         outputs, _, _ = run_loss(model, loss_fn, params_view(state.params), state.model_state, state.rng_state,

@@ -25,9 +25,9 @@ def updates_applied(state: Any) -> jax.Array:
 
 def guard(state: Any, updated: Any, loss_finite: jax.Array, grads_finite: jax.Array,
            empty: jax.Array, o: Any) -> tuple[Any, dict[str, jax.Array]]:
-    """Which state every replica keeps: the updated one; the old one when the loss or gradient is not finite; the
-    old one a step on when the batch weighed nothing (`empty`), or under fp16 with a halved loss scale when only the
-    gradients overflowed (not a failure). The flags must be replica-identical."""
+    """Which state every replica keeps (the flags must be replica-identical): the updated one; the old one when the
+    loss or gradient is not finite; the old one a step on when the batch weighed nothing or only fp16's gradients
+    overflowed."""
     metrics = {}
     loss_scale = state.loss_scale
     if o.fit.precision == "fp16":  # the guard sees the loss; gradient overflow only lowers the loss scale

@@ -1,8 +1,6 @@
 """Step 3 of data parallelism, the gradient sync, as strategies behind one interface (`jdp.sync.Sync`), like DDP's
-communication hooks: `AllReduce` (the default), `ZeRO1`, `ZeRO3`, `HybridShard`, `LocalSGD`, `DiLoCo`,
-`StreamingDiLoCo`, `PowerSGD`, `QuantizedAllReduce`. `fit(sync=...)` takes one of them, a `Sync` subclass of your
-own, or a name; the older flags map onto them in `jdp.sync.flags`. What each sends and keeps, and a strategy
-written outside jdp: docs/communication.md."""
+communication hooks. `fit(sync=...)` takes one of them, a `Sync` subclass of your own, or a name; the older flags map
+onto them in `jdp.sync.flags`. What each sends and keeps, and a strategy of your own: docs/communication.md."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The sync-strategy interface: how each device's local gradient becomes the update's input (step 3). Every method
-runs inside the compiled step, on one device's slice (`axis_name` "data"), or once on the global batch under jit
-(`axis_name` None: the arrays are global and XLA inserts the collectives). On a mesh of more axes than `data`
-(`mesh_shape`) `axis_name` is the tuple of them, over which a collective spans every device; sharded leaves split
-on `data`. Writing a strategy: docs/communication.md, 'A strategy of your own'.
+"""The sync-strategy interface (step 3). Its methods run in the compiled step on one device's slice (`axis_name`
+"data", or the tuple of a wider mesh's axes), or once on the global batch under jit (`axis_name` None: XLA inserts
+the collectives). Writing a strategy: docs/communication.md, 'A strategy of your own'.
 """
 
 from __future__ import annotations
@@ -28,24 +26,21 @@ from jdp.mesh import DATA_AXIS, GROUPS_AXIS
 
 Tree = Any
 
-# How a leaf of the logical train state lives on the devices (`Sync.layouts`); checkpoints, the replica check and
-# export follow it. REPLICATED: one whole copy on every device, the same bits. PER_DEVICE: a leading device axis,
-# a row per device (PowerSGD's error feedback): no replicas to compare, restores on the same device count only.
-# SHARDED: one array split across the devices; in the step on one axis (`shard_axis`), zero-padded to a multiple
-# of N, device i holding block i; outside at its own shape (`jdp.mesh.split_whole`), restoring on any device count.
+# How a leaf of the logical train state lives on the devices (`Sync.layouts`). REPLICATED: the same copy on every
+# device. PER_DEVICE: a leading device axis, a row per device; restores on the same device count only. SHARDED:
+# split on one axis (`shard_axis`), zero-padded to a multiple of N inside the step; restores on any device count.
 REPLICATED, PER_DEVICE, SHARDED = "replicated", "per_device", "sharded"
 ALLREDUCE_DTYPES = {"fp32": jnp.float32, "bf16": jnp.bfloat16}  # what a gradient collective sends
 
 
 def is_sharded(leaf: Any) -> bool:
-    """Whether a sharding strategy splits `leaf`: arrays with an axis and an element (scalars such as step counts,
-    and empty arrays, which no collective can split, stay whole)."""
+    """Whether a sharding strategy splits `leaf`: scalars and empty arrays stay whole."""
     return len(leaf.shape) > 0 and math.prod(leaf.shape) > 0
 
 
 def shard_axis(shape: tuple[int, ...], n: int, first: int = 0) -> int:
-    """The axis a sharded leaf of `shape` splits on over `n` devices: the longest from `first` on that divides by
-    `n` (no padding), else the longest from `first` on (zero-padded to a multiple of `n`)."""
+    """The axis a sharded leaf of `shape` splits on over `n` devices: the longest from `first` on that `n` divides,
+    else the longest (zero-padded to a multiple of `n`)."""
     axes = range(first, len(shape))
     return max([a for a in axes if shape[a] % n == 0] or axes, key=lambda a: (shape[a], -a))
 
@@ -77,15 +72,14 @@ def spec_on(axis: int | None, ndim: int) -> P:
 
 
 def whole_number(name: str, value: Any, least: int, unit: str = "") -> int:
-    """`value` as an int: ValueError in one line unless it is an integral number (numpy's too; a bool is none) of at
-    least `least`."""
+    """`value` as an int: ValueError in one line unless it is an integral number (not a bool) of at least `least`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         raise ValueError(f"{name}={value!r} must be an int of at least {least}{unit}")
     return int(value)
 
 
 def real_number(name: str, value: Any) -> float:
-    """`value` as a float: ValueError in one line unless it is a real number (numpy's too; a bool is none)."""
+    """`value` as a float: ValueError in one line unless it is a real number (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name}={value!r} must be a number")
     return float(value)
@@ -93,14 +87,13 @@ def real_number(name: str, value: Any) -> float:
 
 def checked_group_size(group_size: Any) -> int | None:
     """`group_size` (the devices of a group, a node's) as an int, or None; ValueError in one line otherwise."""
-    if group_size is None:
-        return None
-    return whole_number("group_size", group_size, 1, " (devices in a group), or None for one process's devices")
+    return None if group_size is None else whole_number("group_size", group_size, 1, " (devices in a group), or None "
+                                                                                     "for one process's devices")
 
 
 def group_mesh(strategy: Sync, group_size: int | None, num_devices: int) -> dict[str, int]:
-    """The groups x `data` mesh (`Sync.mesh_shape`) of `num_devices` in groups of `group_size` consecutive devices
-    (None: one process's, a node's, in a multi-process run); FitError in one line where there is none."""
+    """The groups x `data` mesh of `num_devices` in groups of `group_size` consecutive devices (None: one process's);
+    FitError in one line where there is none."""
     k = group_size
     if k is None:
         if jax.process_count() == 1:
@@ -144,21 +137,13 @@ class Reduced(NamedTuple):
 
 
 def all_reduce_mean(tree: Tree, axis_name: str | None) -> Tree:
-    """The mean over `axis_name`, one collective (None, under jit: a no-op; XLA inserts the collective itself)."""
+    """The mean over `axis_name`, one collective (None, under jit: a no-op)."""
     return tree if axis_name is None else jax.lax.pmean(tree, axis_name)
 
 
-def sum_of_squares(tree: Tree, axis_name: str | None = None, sliced: Any = None) -> jax.Array:
-    """The squared L2 norm of all leaves (float32); with `axis_name`, the leaves `sliced(leaf)` picks are slices
-    held by each device, and their squares are summed across devices."""
-    def squares(leaves: list[jax.Array]) -> jax.Array:
-        return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in leaves), jnp.float32(0))
-
-    leaves = jax.tree.leaves(tree)
-    if axis_name is None or sliced is None:
-        return squares(leaves)
-    return (jax.lax.psum(squares([x for x in leaves if sliced(x)]), axis_name)
-            + squares([x for x in leaves if not sliced(x)]))
+def sum_of_squares(tree: Tree) -> jax.Array:
+    """The squared L2 norm of all leaves, in float32."""
+    return sum((jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)), jnp.float32(0))
 
 
 def floating(tree: Tree) -> Tree:
@@ -175,17 +160,15 @@ def cast(tree: Tree, dtype: Any) -> Tree:
 
 
 def averaged_sums(local: Local, axis_name: str | None, **extra: Tree) -> dict[str, Any]:
-    """The mean over `axis_name`, in one collective, of what rides beside a gradient (the floating model state, the
-    loss sums, the weight total and, where measured, the noise scale's squares) and of `extra`."""
+    """The mean over `axis_name`, in one collective, of `extra` and what rides beside a gradient: the floating model
+    state, the loss sums, the weight total and, where measured, `small_sq`."""
     payload = {"model_state": floating(local.model_state), "sums": local.sums, "weight": local.weight, **extra}
     return all_reduce_mean(payload if local.small_sq is None else {**payload, "small_sq": local.small_sq}, axis_name)
 
 
 def _plain(value: Any) -> Any:
-    """A strategy parameter as its record holds it, where JSON has no such type (a tuple is already a list): an
-    array or numpy scalar as its numbers; a function or class by its import path (its `str` has an address that
-    differs in every process), a `functools.partial` with its arguments; anything else by `str`, unless that is
-    an object's default one, whose address differs in every run."""
+    """A strategy parameter JSON has no type for, as its record holds it: arrays as numbers, functions and classes
+    by import path, a partial with its arguments, else `str`, unless that is the default one holding an address."""
     if isinstance(value, type):  # a class's `str` names it alike in every process (np.float32 has a `tolist`)
         return str(value)
     if hasattr(value, "tolist"):
@@ -201,18 +184,15 @@ def _plain(value: Any) -> Any:
 
 
 class Sync:
-    """The strategy interface, behaving as data parallelism's mean all-reduce; a strategy overrides what it changes.
-    One collective carries the gradient (in `dtype`: fp32, or bf16 as DDP's `bf16_compress_hook`), the loss sums,
-    the weight total and the floating model state (which keeps per-device BatchNorm statistics identical across
-    replicas). No state of its own: every leaf is replicated."""
+    """The strategy interface, behaving as data parallelism's mean all-reduce (one collective carries the gradient in
+    `dtype`, the loss sums, the weight total and the floating model state); a strategy overrides what it changes."""
 
     per_device_update = False  # True: each device updates from its own gradient (the guard then decides alike)
     every = 1  # steps between two runs of a periodic sync's collectives (local SGD, DiLoCo)
 
     @property
     def agrees_every(self) -> int:
-        """Steps between two states a checkpoint can hold whole (the replicas agree, or each keeps its own): the
-        points a signal or a halt saves at. `every` unless a strategy keeps every step's state whole."""
+        """Steps between two states a checkpoint can hold whole, where a signal or a halt saves."""
         return self.every
     dtype_name, dtype = "fp32", jnp.float32  # what the gradient's collective sends (`__init__` sets them)
     noise_scale = False  # True: `reduce` returns the small batches' `small_sq` (`log_noise_scale`), via `averaged_sums`
@@ -223,30 +203,27 @@ class Sync:
             raise ValueError(f"dtype={dtype!r} is not one of {', '.join(ALLREDUCE_DTYPES)}")
         self.dtype_name, self.dtype = dtype, ALLREDUCE_DTYPES[dtype]
 
-    # The strategy as its user names it: its parameters, its record, its rules.
     def params(self) -> dict[str, Any]:
         """The scalar parameters that define the strategy's numerics, by keyword (its record, its start-up line)."""
         return {"dtype": self.dtype_name}
 
     def record(self) -> dict[str, Any]:
-        """What the resume guard compares: the class's import path and its parameters, as JSON (`_plain`), so that
-        a record read back equals the live one."""
+        """What the resume guard compares: the class's import path and its parameters, as JSON (`_plain`)."""
         plain = json.loads(json.dumps(self.params(), default=_plain))
         return {"class": f"{type(self).__module__}:{type(self).__qualname__}", **plain}
 
-    def __repr__(self) -> str:  # an array parameter by its dtype and shape: a message stays one line
+    def __repr__(self) -> str:  # an array parameter by its dtype and shape
         shown = {k: f"{v.dtype}{list(v.shape)}" if isinstance(v, np.ndarray | jax.Array) and v.ndim else repr(v)
                  for k, v in self.params().items()}
         return f"{type(self).__name__}({', '.join(f'{k}={v}' for k, v in shown.items())})"
 
     def bind(self, model: Any, seed: int) -> Sync:
-        """The strategy for this model (an `nnx.Module`, maybe abstract) and seed: itself, or a copy holding what
-        it derives from them (PowerSGD's matrices, ZeRO-3's shapes)."""
+        """The strategy for this model (maybe abstract) and seed: itself, or a copy holding what it derives."""
         return self
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Callable[[bool, str], None]) -> None:
-        """Refuses, with `require(condition, one line)`, the options (`fit` keyword -> value; `view` names them
-        and their fixes, `jdp.options.View`) it cannot run with; `what` is how the run named the strategy."""
+        """Refuses, with `require(condition, one line)`, the options (`fit` keyword -> value; `view` names them,
+        `jdp.options.View`) it cannot run with; `what` is how the run named the strategy."""
         if self.dtype_name == "bf16":
             require(options["backend"] in ("shard_map", "pmap"),
                     f"{what} needs an explicit collective; use {view.use('backend', 'shard_map')}")
@@ -263,13 +240,12 @@ class Sync:
         return None
 
     def ddp_twin(self) -> DDPTwin | None:
-        """How DDP computes the same, for the PyTorch twin (`jdp.compare`); None: it has no such hook. ValueError
-        in one line for settings torch's hook refuses."""
+        """How DDP computes the same, for `jdp.compare` (None: no such hook; ValueError: settings torch refuses)."""
         return None
 
     def mesh_shape(self, num_devices: int) -> dict[str, int]:
-        """The mesh the step runs on, axis name -> size (`jdp.mesh.make_mesh`); more axes keep `data` last (sharded
-        leaves split on it) in the 1-D mesh's device order. FitError in one line for a device count it cannot use."""
+        """The mesh the step runs on, axis name -> size, `data` last (sharded leaves split on it); FitError in one line
+        for a device count it cannot use."""
         return {DATA_AXIS: num_devices}
 
     def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
@@ -288,16 +264,15 @@ class Sync:
         """REPLICATED, PER_DEVICE or SHARDED for each leaf of the logical train state."""
         return jax.tree.map(lambda _: REPLICATED, abstract_state)
 
-    # The state inside the step, and the conversions to and from the logical one (a sharded leaf padded on its axis).
     def shard_axes(self, abstract_state: Any, num_devices: int) -> Any:
         """The axis each sharded leaf splits on inside the step (`shard_axis`); None for the other leaves."""
         return jax.tree.map(lambda layout, x: shard_axis(x.shape, num_devices) if layout == SHARDED else None,
                             self.layouts(abstract_state), abstract_state)
 
     def state_specs(self, abstract_state: Any, num_devices: int, devices: Any = DATA_AXIS) -> Any:
-        """The PartitionSpec of each leaf inside the step: a per-device leaf's rows split over `devices` (the axis
-        name of every device, as the batch's), a sharded leaf on its axis over `data`."""
-        # A tree of axes has None where a leaf has no axis: it goes after a tree whose leaves are all there.
+        """The PartitionSpec of each leaf inside the step: a per-device leaf's rows split over `devices`, a sharded
+        leaf on its axis over `data`."""
+        # The tree of axes, whose None leaves would not match a tree, goes last.
         return jax.tree.map(lambda layout, x, axis: P(devices) if layout == PER_DEVICE else spec_on(axis, x.ndim),
                             self.layouts(abstract_state), abstract_state, self.shard_axes(abstract_state, num_devices))
 
@@ -313,15 +288,13 @@ class Sync:
         return params
 
     def layer_view(self, axis_name: str | None, mesh: Mesh | None = None) -> LayerView | None:
-        """How a scanned model's layer computes, from its parameters as the forward holds them
-        (`jdp.layers.LayerView`; `mesh`: the devices, under jit; None: as held)."""
+        """How a scanned model's layer computes (`jdp.layers.LayerView`; `mesh`: under jit; None: as held)."""
         return None
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
-        """Local gradient -> the update's input (`state`: the train state the step began with; a strategy with
-        state of its own reads `state.sync` and returns its successor). `collective` False compiles the step
-        without its collective (`jdp.bench`'s with/without), keeping the layout of the update."""
-        # One collective for all of it: each costs a rendezvous.
+        """Local gradient -> the update's input (`state`: the train state the step began with; its `sync`'s
+        successor goes in `Reduced.sync_state`). `collective` False leaves out the collectives (`jdp.bench`), keeping
+        the update's layout."""
         averaged = averaged_sums(local, axis_name if collective else None, grads=cast(local.grads, self.dtype))
         return self._reduced(cast(averaged["grads"], jnp.float32), local, averaged)
 
@@ -331,8 +304,7 @@ class Sync:
         return jax.tree.map(lambda g: g * (rows / jnp.where(weight > 0, weight, 1.0)), grads)
 
     def _reduced(self, grads: Tree, local: Local, averaged: dict[str, Any], sync_state: Tree = None) -> Reduced:
-        """The update's input from `grads` (d(weighted sum)/rows, averaged over devices) and `averaged`, the
-        all-reduced sums, weight total, floating model state and, where it carried them, the noise scale's squares."""
+        """The update's input from `grads` (d(weighted sum)/rows, averaged over devices) and `averaged_sums`' result."""
         weight = averaged["weight"]
         return Reduced(self._of_mean(grads, local.rows, weight), averaged["sums"], weight,
                        merge_floating(averaged["model_state"], local.model_state), averaged.get("small_sq"),
@@ -345,23 +317,19 @@ class Sync:
         return optax.apply_updates(state.params, updates), opt_state
 
     def for_inference(self) -> Sync:
-        """The strategy that restores this one's checkpoints to evaluate or export them on any device count:
-        itself, or one with the same logical state and no rule on the device count."""
+        """The strategy that restores this one's checkpoints to evaluate or export them on any device count."""
         return self
 
     def restart(self, restored: Any, fresh: Any) -> Any:
-        """A restored train state whose per-device leaves (None) were saved on another device count, completed:
-        they start afresh, from `fresh` (the run's initial state)."""
+        """`restored` with its per-device leaves saved on another device count (None) afresh from `fresh`."""
         return jax.tree.map(lambda x, new: new if x is None else x, restored, fresh, is_leaf=lambda x: x is None)
 
     def forward_state(self, state: Any) -> Any:
-        """The train state the step computes on, from the one it is given (Streaming DiLoCo: each device's own
-        parameters in place of the global ones); `after_update` hands back the stored one."""
+        """The train state the step computes on, from the stored one (which `after_update` hands back)."""
         return state
 
     def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
-        """After the guard has chosen the state every replica keeps (`previous`: the state the step began with;
-        local SGD averages here)."""
+        """After the guard has chosen the state every replica keeps (`previous`: the state the step began with)."""
         return state
 
     def grad_norm(self, grads: Tree, axis_name: str | None, collective: bool = True) -> jax.Array:

@@ -1,8 +1,6 @@
-"""DiLoCo (Douillard et al., 2023): each device runs `every` inner steps of the optimizer on its own data; then the
-outer gradient, anchor - mean(parameters after the round), takes an outer optimizer step, and every device goes on
-from the new anchor. The inner optimizer state stays per device; the anchor and the outer state are replicated.
-Quantized outer gradients (`bits`), a learner per group of devices (`group_size`) and the bytes:
-docs/communication.md, 'DiLoCo'.
+"""DiLoCo (Douillard et al., 2023): each device runs `every` inner steps on its own data; then the outer gradient,
+anchor - mean(parameters after the round), takes an outer optimizer step, and every device goes on from the new
+anchor. Quantized outer gradients, groups of devices and the bytes: docs/communication.md, 'DiLoCo'.
 """
 
 from __future__ import annotations
@@ -24,7 +22,7 @@ from jdp.sync.zero1 import all_gather_like, local_slice
 class DiLoCo(LocalSGD):
     """`outer` "sgd": anchor - outer_lr * g, "nesterov": the paper's outer Nesterov momentum (optax's); `bits` 8 or 4:
     the outer gradient block-quantized per `block` values; `group_size` k: a learner is a group of k devices (None:
-    one process's). State: {"anchor": the parameters at the round's start, "outer": the outer optimizer's state}."""
+    one process's). State: {"anchor": the round's starting parameters, "outer": the outer optimizer's state}."""
 
     def __init__(self, every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9, outer: str = "nesterov",
                  bits: int = 32, block: int = 256, group_size: int | None = 1) -> None:
@@ -39,12 +37,12 @@ class DiLoCo(LocalSGD):
         if not (0 < outer_lr < math.inf and 0 <= outer_momentum < 1):
             raise ValueError(f"outer_lr={outer_lr} must be positive and finite, and outer_momentum={outer_momentum} "
                              "in [0, 1)")
-        self.outer_name, self.outer_lr, self.outer_momentum = outer, float(outer_lr), float(outer_momentum)
+        self.outer_name, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
         self.outer = (optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True) if outer == "nesterov"
                       else optax.sgd(outer_lr))
 
     def params(self) -> dict[str, Any]:
-        # bits and group_size at their defaults are left out: a record without them still matches on resume.
+        # Left out at their defaults: a record without them still matches on resume.
         quantized = {"bits": self.bits, "block": self.block} if self.bits != 32 else {}
         grouped = {"group_size": self.group_size} if self.group_size != 1 else {}
         return {"every": self.every, "outer_lr": self.outer_lr, "outer_momentum": self.outer_momentum,
@@ -60,7 +58,7 @@ class DiLoCo(LocalSGD):
                 f"a two-axis mesh under shard_map only; use {view.use('backend', 'shard_map')}")
 
     def reduce(self, local: Local, state: Any, axis_name: Any, collective: bool = True) -> Reduced:
-        """Local SGD's, but on a groups x `data` mesh the gradient is the group's mean (an all-reduce in it)."""
+        """Local SGD's, but on a groups x `data` mesh the gradient is the group's mean."""
         reduced = super().reduce(local, state, axis_name, collective)
         if not isinstance(axis_name, tuple):  # every device is its own replica
             return reduced
@@ -78,10 +76,14 @@ class DiLoCo(LocalSGD):
         return layouts._replace(opt_state=jax.tree.map(lambda _: PER_DEVICE, abstract_state.opt_state))
 
     def outer_step(self, anchor: Tree, params: Tree, outer_state: Any, axis_name: str | None) -> tuple[Tree, Any]:
-        """(the new anchor, the outer optimizer's state) from the devices' `params` after a round: the outer
-        gradient anchor - mean(params), in float32 or quantized at `bits`."""
-        if isinstance(axis_name, tuple):  # groups x data
-            gradient = self._mean_across_groups(jax.tree.map(lambda a, p: a - p, anchor, params), *axis_name)
+        """(the new anchor, the outer optimizer's state) from the devices' `params` after a round."""
+        if isinstance(axis_name, tuple):  # groups x data: across the groups each device sends its 1/k slice
+            groups, inner = axis_name
+            flat, unravel = ravel_pytree(jax.tree.map(lambda a, p: a - p, anchor, params))
+            mine = local_slice(flat.astype(jnp.float32), inner)
+            mean = (all_reduce_mean(mine, groups) if self.bits == 32
+                    else quantized_mean([mine], groups, self.bits, self.block)[0][0])
+            gradient = unravel(all_gather_like(mean, flat, inner))
         elif self.bits == 32:
             gradient = jax.tree.map(lambda a, p: a - p, anchor, all_reduce_mean(params, axis_name))
         else:
@@ -89,15 +91,6 @@ class DiLoCo(LocalSGD):
                                          axis_name, self.bits, self.block)
         updates, outer_state = self.outer.update(gradient, outer_state, anchor)
         return optax.apply_updates(anchor, updates), outer_state
-
-    def _mean_across_groups(self, tree: Tree, groups: str, inner: str) -> Tree:
-        """The mean over the groups of `tree` (the same on every device of a group), each device sending across
-        the groups only its 1/k slice of it (at `bits`), then all-gathering the group's slices."""
-        flat, unravel = ravel_pytree(tree)
-        mine = local_slice(flat.astype(jnp.float32), inner)
-        mean = (all_reduce_mean(mine, groups) if self.bits == 32
-                else quantized_mean([mine], groups, self.bits, self.block)[0][0])
-        return unravel(all_gather_like(mean, flat, inner))
 
     def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
         """At a round's end (counted from the step before, whatever the guard kept): the outer step."""

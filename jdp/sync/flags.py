@@ -1,6 +1,5 @@
 """The one mapping from the strategy flags of `fit` and the config (`sync` naming one of `NAMES`, and `FLAGS`) to a
-strategy object. `sync` may instead be a strategy object; then every flag of `FLAGS` must stay at its default.
-"""
+strategy object."""
 
 from __future__ import annotations
 
@@ -43,18 +42,17 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None]) -
     if o["shard_optimizer"]:
         require(h == 1, f"{n('shard_optimizer')}=True and {n('sync_every')} > 1 (local SGD) cannot be combined")
     zero1 = f"{n('shard_optimizer')}=True" if o["shard_optimizer"] else f"{n('sync')}=zero1" if sync == "zero1" else ""
+    zero3 = f"{n('shard_params')}=True" if o["shard_params"] else f"{n('sync')}=zero3" if sync == "zero3" else ""
     if zero1:
         require(dtype in ("fp32", "bf16"), f"{zero1} reduce-scatters the gradient in fp32 or bf16, not {dtype}; use "
                 f"{view.use('allreduce_dtype', 'fp32')}")
-    if sync == "zero3":
-        require(dtype == "fp32", f"{n('sync')}=zero3 reduce-scatters the gradient in the parameters' dtype (the "
-                f"gather's transpose); use {view.use('allreduce_dtype', 'fp32')}")
     if o["shard_params"]:
         require(h == 1 and sync == "allreduce",
                 f"{n('shard_params')}=True reduce-scatters each step's gradient, so it cannot be combined with "
                 f"{n('sync_every')} > 1 (local SGD, DiLoCo) or {n('sync')}=powersgd; set {n('shard_params')}=False")
-        require(dtype == "fp32", f"{n('shard_params')}=True reduce-scatters the gradient in the parameters' dtype "
-                                 f"(the gather's transpose); use {view.use('allreduce_dtype', 'fp32')}")
+    if zero3:
+        require(dtype == "fp32", f"{zero3} reduce-scatters the gradient in the parameters' dtype (the gather's "
+                f"transpose); use {view.use('allreduce_dtype', 'fp32')}")
     diloco = h > 1 and (sync == "diloco" or o["outer_optimizer"] != "none")
     if (k := o["shard_group"]) and not diloco:
         require(h == 1 and sync in ("allreduce", "zero1", "zero3"),
@@ -83,8 +81,8 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None]) -
             return (DiLoCo(h, o["outer_lr"], o["outer_momentum"], outer, bits, group_size=k or 1),
                     f"{n('sync_every')}={h}" + (f", {n('shard_group')}={k}" if k else ""))
         return LocalSGD(h), f"{n('sync_every')}={h}"
-    if o["shard_params"] or sync == "zero3":
-        return ZeRO3(), f"{n('shard_params')}=True" if o["shard_params"] else f"{n('sync')}=zero3"
+    if zero3:
+        return ZeRO3(), zero3
     if zero1:
         return ZeRO1(dtype), zero1
     if dtype in ("int8", "int4"):

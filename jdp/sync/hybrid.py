@@ -1,9 +1,6 @@
 """Hybrid sharding (HSDP: PyTorch FSDP's HYBRID_SHARD, FSDP2's 2-D mesh): ZeRO-3 (or ZeRO-1, `stage=1`) inside groups
 of k devices on a groups x `data` mesh, and across the groups one mean all-reduce of each device's 1/k gradient
-slice, the loss sums riding in it. The sharded state is split on `data` alone (`shard_axis` with N = k) and
-replicated across the groups; a scalar parameter, held whole, crosses whole. Stage 1 keeps the parameters whole:
-each device updates its slice of them and of the optimizer state, then all-gathers them in the group.
-Mesh, bytes and what is refused: docs/communication.md, 'Hybrid sharding (HSDP)'.
+slice, the loss sums riding in it. Mesh, bytes and what is refused: docs/communication.md, 'Hybrid sharding (HSDP)'.
 """
 
 from __future__ import annotations
@@ -20,15 +17,13 @@ from jdp.sync.zero1 import ZeRO1, global_norm
 from jdp.sync.zero3 import ZeRO3
 
 
-def _inner(axis_name: Any) -> str | None:
-    """The in-group axis of the step's axis name (the tuple ("groups", "data")): `data`."""
+def _inner(axis_name: Any) -> str | None:  # `data` of ("groups", "data")
     return None if axis_name is None else axis_name[-1]
 
 
 class HybridShard(ZeRO3):
     """ZeRO-`stage` (3: parameters, gradients and optimizer state sharded; 1: the optimizer state) inside groups of
-    `group_size` devices, which must divide the device count (None: one process's devices, a node; on one process
-    it must be given). Config: `parallel.shard_group=k` (with `parallel.shard_optimizer=True` for stage 1)."""
+    `group_size` devices, which must divide the device count (None: one process's devices)."""
 
     def __init__(self, group_size: int | None = None, stage: int = 3) -> None:
         super().__init__()
@@ -38,8 +33,6 @@ class HybridShard(ZeRO3):
 
     def params(self) -> dict[str, Any]:
         return {"group_size": self.group_size, "stage": self.stage}
-
-    # The record (what a resume compares) is ZeRO's: the mean all-reduce's, so a run resumes under any strategy.
 
     def for_inference(self) -> Sync:
         return ZeRO3() if self.stage == 3 else ZeRO1()  # the same logical state, on any device count
@@ -66,19 +59,15 @@ class HybridShard(ZeRO3):
 
     def reduce(self, local: Local, state: Any, axis_name: Any, collective: bool = True) -> Reduced:
         groups, inner = axis_name
-        # In the group: each device's slice of the group's mean gradient (stage 3: the gathers' transpose summed it).
         grads = (ZeRO3 if self.stage == 3 else ZeRO1).sliced_mean(self, local.grads, inner)
-        # (jdp.bench compiles the step without the sums' and the cross-group collectives)
         payload = averaged_sums(local, inner if collective else None)
-        if collective:
-            # Across the groups: one all-reduce of the slices, the group's sums riding in it.
+        if collective:  # across the groups: one all-reduce of the slices, the group's sums riding in it
             payload = all_reduce_mean({**payload, "grads": grads}, groups)
             grads = payload.pop("grads")
         return self._reduced(grads, local, payload)
 
     def update(self, tx: optax.GradientTransformation, grads: Tree, state: Any, axis_name: Any
                ) -> tuple[Tree, Any]:
-        # Stage 3: on the slices, which the next forward gathers; stage 1: then all-gathered in the group.
         return (ZeRO3 if self.stage == 3 else ZeRO1).update(self, tx, grads, state, _inner(axis_name))
 
     def grad_norm(self, grads: Tree, axis_name: Any, collective: bool = True) -> jax.Array:

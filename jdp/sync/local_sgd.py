@@ -15,6 +15,7 @@ from jdp.sync.base import (
     Tree,
     all_reduce_mean,
     averaged_sums,
+    floating,
     merge_floating,
     sum_of_squares,
     whole_number,
@@ -46,14 +47,10 @@ class LocalSGD(Sync):
                        merge_floating(averaged["model_state"], local.model_state), None)
 
     def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
-        """At a sync point, counted from the step before, whatever the guard kept (a sync step whose update was
-        dropped or held still syncs): the floating leaves averaged; the optimizer's step counts agree already."""
-        def average(tree: Tree) -> Tree:
-            return jax.tree.map(lambda x: all_reduce_mean(x, axis_name) if jnp.issubdtype(x.dtype, jnp.floating)
-                                else x, tree)
-
-        at_sync = (previous.step + 1) % self.every == 0
-        params, opt_state = jax.lax.cond(at_sync, average, lambda t: t, (state.params, state.opt_state))
+        """At a sync point (counted from the step before, whatever the guard kept) the floating leaves averaged."""
+        params, opt_state = jax.lax.cond((previous.step + 1) % self.every == 0,
+                                         lambda t: merge_floating(all_reduce_mean(floating(t), axis_name), t),
+                                         lambda t: t, (state.params, state.opt_state))
         return state._replace(params=params, opt_state=opt_state)
 
     def grad_norm(self, grads: Tree, axis_name: str | None, collective: bool = True) -> jax.Array:

@@ -4,15 +4,13 @@ warm-started from the last step's Q (`mean` over the devices):
 
     M = grad + error;  P = mean(M Q);  P = orthonormal(P);  Q = mean(M^T P);  input = P Q^T;  error = M - P Q^T
 
-Which leaves are matrices: a parameter has the rank its Flax module gives it (Linear and Embed 2, Conv its kernel
-size + 2, biases and norms 1; any other its own ndim); extra leading axes are stacked layers, compressed one by one;
-a matrix is (all axes but the last, the last), a conv kernel HWIO (H W I, O). Vectors, and matrices for which
-r (n + m) >= n m, go whole, beside the loss sums. The start step and the rest: docs/communication.md, 'PowerSGD'.
+Which leaves are matrices, the start step and the rest: docs/communication.md, 'PowerSGD'.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -98,9 +96,8 @@ def needs(what: str, view: Any) -> str:
 
 class PowerSGD(Sync):
     """Every gradient goes whole before `start_step`, and a matrix always if r (n + m) floats do not shrink it by
-    `min_compression_rate` (torch's PowerSGDState `start_powerSGD_iter` and `min_compression_rate`; torch's default
-    rate is 2). Bound to a model (`bind`), it holds the matrices it compresses. State: {"q": {name: (layers, m, r)},
-    replicated, "error": {name: (devices, layers, n, m)}, per device: it restores on the same device count only}."""
+    `min_compression_rate` (torch's PowerSGDState `start_powerSGD_iter` and `min_compression_rate`). State:
+    {"q": {name: (layers, m, r)}, replicated, "error": {name: (devices, layers, n, m)}, per device}."""
 
     matrices: dict[str, Matrix] = {}
     seed = 0
@@ -114,11 +111,9 @@ class PowerSGD(Sync):
 
     def params(self) -> dict[str, Any]:
         rate = {"min_compression_rate": self.min_compression_rate} if self.min_compression_rate != 1 else {}
-        return {"rank": self.rank, "start_step": self.start_step, **rate}  # rate 1 left out: records without it match
+        return {"rank": self.rank, "start_step": self.start_step, **rate}  # left out at 1: old records match
 
     def ddp_twin(self) -> DDPTwin:
-        """torch's `powerSGD_hook` at this rank and start, deciding as jdp does which matrices to compress
-        (r (n + m) min_compression_rate < n m), with jdp's Gram-Schmidt epsilon."""
         if self.start_step < 2:
             raise ValueError(f"{self!r}: DDP's powerSGD_hook starts compressing at step 2 at the earliest (its error "
                              "feedback needs a step before); start at step 2 or later")
@@ -158,15 +153,13 @@ class PowerSGD(Sync):
         def whole(local: Local, state: Any) -> Reduced:
             return super(PowerSGD, self).reduce(local, state, axis_name, collective)._replace(sync_state=state.sync)
 
-        def compressed(local: Local, state: Any) -> Reduced:
-            return self._compressed(local, state, axis_name if collective else None)
-
+        compressed = functools.partial(self._compressed, axis_name if collective else None)
         if not self.start_step:
             return compressed(local, state)
         # The steady state in the true branch, where `jdp.hlo` counts a conditional's bytes.
         return jax.lax.cond(state.step >= self.start_step, compressed, whole, local, state)
 
-    def _compressed(self, local: Local, state: Any, axis: str | None) -> Reduced:
+    def _compressed(self, axis: str | None, local: Local, state: Any) -> Reduced:
         grads = {".".join(map(str, path_keys(path))): g for path, g in jax.tree_util.tree_flatten_with_path(
             local.grads)[0]}
         q, error = state.sync["q"], state.sync["error"]

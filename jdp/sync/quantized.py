@@ -1,7 +1,6 @@
-"""The mean all-reduce with int8 or int4 gradients, as ZeRO++'s qgZ (Wang et al. 2023) sends them: a reduce-scatter
-through an all-to-all, then an all-gather, each of integers with one float32 scale per `block` values; and qwZ's
-quantized all-gather of ZeRO-3's weights. Error feedback keeps what each device's first quantization lost (the
-mean's own error is not fed back). The scheme, its error and its bytes: docs/communication.md, 'Quantized gradients'.
+"""The mean all-reduce with int8 or int4 gradients, as ZeRO++'s qgZ (Wang et al. 2023) sends them, and qwZ's
+quantized all-gather of ZeRO-3's weights. The scheme, its error and its bytes: docs/communication.md, 'Quantized
+gradients'.
 """
 
 from __future__ import annotations
@@ -49,9 +48,8 @@ def dequantize(q: jax.Array, scale: jax.Array, bits: int) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def quantized_all_gather(x: jax.Array, axis_name: Any, axis: int, bits: int, grad_bits: int, block: int
                          ) -> jax.Array:
-    """`lax.all_gather(x, axis_name, axis=axis, tiled=True)` sending `x` block-quantized at `bits` (qwZ; 32: as is);
-    its gradient, the reduce-scatter, is sent at `grad_bits` (32: float32; 8 or 4: quantized through an all-to-all,
-    each device summing its part in float32, as qgZ)."""
+    """`lax.all_gather(x, axis_name, axis=axis, tiled=True)` sending `x` block-quantized at `bits` (qwZ; 32: as is),
+    its gradient's reduce-scatter at `grad_bits` (quantized through an all-to-all, as qgZ)."""
     if bits == 32:
         return jax.lax.all_gather(x, axis_name, axis=axis, tiled=True)
     moved = jnp.moveaxis(x, axis, 0)
@@ -81,8 +79,8 @@ quantized_all_gather.defvjp(lambda *args: (quantized_all_gather(*args), None), _
 
 
 def quantized_mean(tree: Tree, axis_name: str | None, bits: int, block: int) -> tuple[Tree, Tree]:
-    """(the mean over `axis_name` of each device's `tree` (float32 leaves: one vector in N chunks), sent as qgZ sends
-    it; what this device's own quantization lost)."""
+    """(the mean over `axis_name` of each device's `tree` of float32 leaves, sent as qgZ sends it: a reduce-scatter
+    through an all-to-all, then an all-gather; what this device's own quantization lost)."""
     flat, unflatten = ravel_pytree(tree)
     n = jax.lax.psum(1, axis_name) if axis_name else 1
     chunk = math.ceil(flat.size / (n * block)) * block

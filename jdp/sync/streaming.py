@@ -1,9 +1,8 @@
 """Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication"): DiLoCo whose leaves
 are cut in order into F fragments of about equal size, fragment f synced at inner steps f H/F + k H with its own
-outer optimizer state, so that a round's bytes are spread over it (F = 1 is DiLoCo, bit for bit). No step has all
-replicas agree, so `TrainState.params` holds the global parameters and the strategy's state each device's own (the
-step computes on those, `Sync.forward_state`): every step's state is whole. The state, the overlap and what it
-does not model: docs/communication.md, 'Streaming DiLoCo'.
+outer optimizer state (F = 1 is DiLoCo, bit for bit). `TrainState.params` holds the global parameters, the
+strategy's state each device's own. The state, the overlap and what it does not model: docs/communication.md,
+'Streaming DiLoCo'.
 """
 
 from __future__ import annotations
@@ -20,8 +19,7 @@ from jdp.sync.diloco import DiLoCo
 
 
 def fragments_of(tree: Tree, count: int) -> list[list[int]]:
-    """The indices of `tree`'s leaves in each of `count` fragments: the leaves in order, cut into groups of about
-    equal size (each leaf in the group its middle element falls in)."""
+    """The indices of `tree`'s leaves in each of `count` fragments of about equal size (by each leaf's middle)."""
     sizes = [x.size for x in jax.tree.leaves(tree)]
     total, starts = sum(sizes), [sum(sizes[:i]) for i in range(len(sizes))]
     owner = [min(count - 1, int(count * (start + size / 2) / total)) for start, size in zip(starts, sizes,
@@ -30,9 +28,8 @@ def fragments_of(tree: Tree, count: int) -> list[list[int]]:
 
 
 class StreamingDiLoCo(DiLoCo):
-    """`StreamingDiLoCo(every=H, fragments=F, outer_lr=0.7, outer_momentum=0.9, outer="nesterov", bits=32,
-    overlap=0, local_weight=0.0)`: F must divide H, and the overlap tau is below H. Its state: `{"local": each
-    device's parameters, "outer": each fragment's outer optimizer state}`."""
+    """F `fragments` must divide H (`every`), and the `overlap` tau is below H. Its state: `{"local": each device's
+    parameters, "outer": each fragment's outer optimizer state}`."""
 
     def __init__(self, every: int, fragments: int = 2, outer_lr: float = 0.7, outer_momentum: float = 0.9,
                  outer: str = "nesterov", bits: int = 32, block: int = 256, overlap: int = 0,
@@ -64,7 +61,6 @@ class StreamingDiLoCo(DiLoCo):
         return super().bind(model, seed)
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
-        # The state is whole at every step: evals, checkpoints and replica checks may come at any.
         require(options["backend"] in ("shard_map", "pmap"),
                 f"{what} keeps each device's own parameters; use {view.use('backend', 'shard_map')} or pmap")
 
@@ -90,20 +86,13 @@ class StreamingDiLoCo(DiLoCo):
         return state._replace(params=state.sync["local"], sync={**state.sync, "global": state.params})
 
     def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
-        """Fragment f's outer step once its round ends at step f H/F + k H (counted from the step before, whatever
-        the guard kept): after its update or, with an overlap, from the next step's start, merged tau steps later."""
-        # The global parameters and outer states as the step began (the guard's choice leaves them as they were, but
-        # it depends on the step's gradient): an overlapped sync reads nothing the step computed.
+        """Fragment f's outer step once its round ends at step f H/F + k H, merged at once or tau steps later."""
+        # The global parameters and outer states as the step began: an overlapped sync reads nothing it computed.
         global_leaves, treedef = jax.tree.flatten(previous.sync["global"])
         local_leaves, outers = jax.tree.leaves(state.params), list(previous.sync["outer"])
         began = jax.tree.leaves(previous.params)  # each device's own, as this step began
 
-        def outer_step(carry: tuple) -> tuple:
-            anchor, local, outer_state = carry  # DiLoCo's outer step: one fragment is DiLoCo bit for bit
-            return (*self.outer_step(anchor, local, outer_state, axis_name),)
-
-        def merge(carry: tuple) -> list:
-            anchor, local = carry
+        def merge(anchor: list, local: list) -> list:
             w = self.local_weight
             return [a if not w else w * x + (1 - w) * a for a, x in zip(anchor, local, strict=True)]
 
@@ -111,11 +100,14 @@ class StreamingDiLoCo(DiLoCo):
         ended, sent = (done - 1, began) if tau else (done, local_leaves)  # the steps done when `sent` was
         for f, fragment in enumerate(fragments_of(state.params, self.fragments)):
             end = f * (self.every // self.fragments)  # fragment f's rounds end at steps end + k H
-            carry = ([global_leaves[i] for i in fragment], [sent[i] for i in fragment], outers[f])
-            anchor, outers[f] = jax.lax.cond((ended % self.every == end) & (ended > 0), outer_step,
-                                             lambda carry: carry[::2], carry)
-            merged = jax.lax.cond(((done - tau) % self.every == end) & (done > tau), merge, lambda carry: carry[1],
-                                  (anchor, [local_leaves[i] for i in fragment]))
+            # DiLoCo's outer step: one fragment is DiLoCo bit for bit
+            anchor, outers[f] = jax.lax.cond((ended % self.every == end) & (ended > 0),
+                                             lambda *carry: self.outer_step(*carry, axis_name),
+                                             lambda anchor, _, outer: (anchor, outer),
+                                             [global_leaves[i] for i in fragment], [sent[i] for i in fragment],
+                                             outers[f])
+            merged = jax.lax.cond(((done - tau) % self.every == end) & (done > tau), merge, lambda _, local: local,
+                                  anchor, [local_leaves[i] for i in fragment])
             for i, new_global, new_local in zip(fragment, anchor, merged, strict=True):
                 global_leaves[i], local_leaves[i] = new_global, new_local
         return state._replace(params=jax.tree.unflatten(treedef, global_leaves),

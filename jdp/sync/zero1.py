@@ -1,13 +1,10 @@
 """ZeRO-1, the sharded optimizer ("cross-replica weight-update sharding", Xu et al. 2020): the gradient
-reduce-scattered into 1/N slices (`jdp.sync.base.shard_axis`), each device updating its slice of the parameters
-and optimizer state, then the parameters all-gathered. Scalar leaves stay whole, updated on every device with
-their mean gradient. The optimizer state is `SHARDED`: checkpoints hold it unpadded and restore on any N.
-"""
+reduce-scattered into 1/N slices, each device updating its slice of the parameters and optimizer state, then the
+parameters all-gathered."""
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
 
@@ -17,6 +14,7 @@ import numpy as np
 import optax
 
 from jdp.errors import FitError
+from jdp.layers import context
 from jdp.mesh import DATA_AXIS
 from jdp.sync.base import (
     AllReduce,
@@ -36,19 +34,6 @@ from jdp.sync.base import (
 )
 
 
-def reduce_scatter_mean(grads: Tree, axis_name: str) -> Tree:
-    """Each device receives the cross-device mean of its own slice of every gradient (of a scalar: all of it)."""
-    n = jax.lax.psum(1, axis_name)
-
-    def scatter(g: jax.Array) -> jax.Array:
-        if not is_sharded(g):
-            return jax.lax.pmean(g, axis_name)
-        axis = shard_axis(g.shape, n)
-        return jax.lax.psum_scatter(padded(g, n, axis), axis_name, scatter_dimension=axis, tiled=True) / n
-
-    return jax.tree.map(scatter, grads)
-
-
 def local_slice(tree: Tree, axis_name: str) -> Tree:
     """This device's slice of each (replicated) leaf; scalars whole, like their optimizer state."""
     n, i = jax.lax.psum(1, axis_name), jax.lax.axis_index(axis_name)
@@ -57,9 +42,8 @@ def local_slice(tree: Tree, axis_name: str) -> Tree:
         if not is_sharded(x):
             return x
         axis = shard_axis(x.shape, n)
-        whole = padded(x, n, axis)
-        size = whole.shape[axis] // n
-        return jax.lax.dynamic_slice_in_dim(whole, i * size, size, axis=axis)
+        size = -(-x.shape[axis] // n)
+        return jax.lax.dynamic_slice_in_dim(padded(x, n, axis), i * size, size, axis=axis)
 
     return jax.tree.map(cut, tree)
 
@@ -67,7 +51,7 @@ def local_slice(tree: Tree, axis_name: str) -> Tree:
 def all_gather_like(slices: Tree, like: Tree, axis_name: str, axes: Tree = None,
                     all_gather: Callable = jax.lax.all_gather) -> Tree:
     """Whole leaves shaped like `like` from every device's slice (a scalar as it is); `axes`: each leaf's split axis
-    (default: `shard_axis`); `all_gather`: lax's, or one of its signature that sends less."""
+    (default: `shard_axis`); `all_gather`: lax's, or one of its signature."""
     n = jax.lax.psum(1, axis_name)
 
     def gather(s: jax.Array, x: Any, axis: int | None) -> jax.Array:
@@ -81,20 +65,22 @@ def all_gather_like(slices: Tree, like: Tree, axis_name: str, axes: Tree = None,
 
 def global_norm(tree: Tree, axis_name: str | None = None) -> jax.Array:
     """The L2 norm of all leaves; with `axis_name`, of the whole leaves whose slices the devices hold."""
-    return jnp.sqrt(sum_of_squares(tree, axis_name, sliced=is_sharded))
+    if axis_name is None:
+        return jnp.sqrt(sum_of_squares(tree))
+    leaves = jax.tree.leaves(tree)
+    return jnp.sqrt(jax.lax.psum(sum_of_squares([x for x in leaves if is_sharded(x)]), axis_name)
+                    + sum_of_squares([x for x in leaves if not is_sharded(x)]))
 
 
 class ZeRO1(Sync):
-    """The gradient reduce-scattered in `dtype` ("fp32" or "bf16"), beside the one all-reduce of the loss sums; each
-    device updates its slice of the parameters and optimizer state, then all-gathers the parameters."""
+    """The gradient reduce-scattered in `dtype` ("fp32" or "bf16"); each device updates its slice of the parameters
+    and optimizer state, then all-gathers the parameters."""
 
     per_device_update = True
     shards_optimizer = True
 
     def record(self) -> dict[str, Any]:
-        # Sharding changes where the state lives, not what is computed: jdp's sharded strategies record the mean
-        # all-reduce's numerics, so a run resumes sharded or not, on any device count (the state restores
-        # resharded). A subclass written elsewhere may change what is computed: its own class and parameters.
+        # Sharding changes where the state lives, not what is computed (a subclass written elsewhere may differ).
         if type(self).__module__.startswith("jdp.sync."):
             return AllReduce(self.dtype_name).record()
         return super().record()
@@ -110,8 +96,6 @@ class ZeRO1(Sync):
 
     def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
                         backend: str, what: str) -> None:
-        # Each device's optimizer sees 1/k of each leaf, k the devices a leaf splits over (a hybrid mesh's group);
-        # under jit, the whole leaf padded to a multiple of k.
         check_sliceable(tx, abstract_params, self.mesh_shape(num_devices)[DATA_AXIS], what,
                         self.optimizer_sees_slices(backend))
 
@@ -120,10 +104,17 @@ class ZeRO1(Sync):
 
     def sliced_mean(self, grads: Tree, axis_name: str | None) -> Tree:
         """This device's slice of each leaf's cross-device mean gradient (of a scalar: all of it), float32."""
-        return cast(reduce_scatter_mean(cast(grads, self.dtype), axis_name), jnp.float32)
+        n = jax.lax.psum(1, axis_name)
+
+        def scatter(g: jax.Array) -> jax.Array:
+            if not is_sharded(g):
+                return jax.lax.pmean(g, axis_name)
+            axis = shard_axis(g.shape, n)
+            return jax.lax.psum_scatter(padded(g, n, axis), axis_name, scatter_dimension=axis, tiled=True) / n
+
+        return cast(jax.tree.map(scatter, cast(grads, self.dtype)), jnp.float32)
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
-        # The layout of the update is kept even when the bench compiles the collectives out.
         return self._reduced(self.sliced_mean(local.grads, axis_name), local,
                              averaged_sums(local, axis_name if collective else None))
 
@@ -142,24 +133,18 @@ class Sliceable(optax.GradientTransformation):
     `clip_by_global_norm(max_norm, "data")`): `jdp.fit` skips its slicing probe. `Sliceable(*tx)` vouches for `tx`."""
 
 
-# Whether the optimizer a training step runs sees slices of the leaves (the strategy's `optimizer_sees_slices`):
-# read by `clip_by_global_norm` when it runs, so one chain clips right under every strategy and backend.
+# Whether the step's optimizer sees slices of the leaves (`Sync.optimizer_sees_slices`), read by
+# `clip_by_global_norm`, so one chain clips right under every strategy and backend.
 _optimizer_sees_slices: ContextVar[bool] = ContextVar("jdp_optimizer_sees_slices", default=True)
 
 
-@contextlib.contextmanager
-def optimizer_sees_slices(sliced: bool) -> Iterator[None]:
-    token = _optimizer_sees_slices.set(sliced)
-    try:
-        yield
-    finally:
-        _optimizer_sees_slices.reset(token)
+def optimizer_sees_slices(sliced: bool) -> Any:
+    return context(_optimizer_sees_slices, sliced)
 
 
 def clip_by_global_norm(max_norm: float, axis_name: str | None = None) -> optax.GradientTransformation:
-    """optax's global-norm clipping; with `axis_name`, each device holds a slice of every gradient
-    (a sharded optimizer) and the squared norms of the slices are summed across devices. In a `jdp.fit` step
-    whose optimizer sees whole leaves (no sharding, or ZeRO-3 under jit) it takes their norm, summing nothing."""
+    """optax's global-norm clipping; with `axis_name`, the squared norms of each device's slices are summed across
+    devices, unless the `jdp.fit` step's optimizer sees whole leaves (no sharding, or ZeRO-3 under jit)."""
     if axis_name is None:
         return optax.clip_by_global_norm(max_norm)
 
@@ -171,12 +156,9 @@ def clip_by_global_norm(max_norm: float, axis_name: str | None = None) -> optax.
     return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
 
 
-def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: int,
-                    what: str = "shard_optimizer=True", sliced: bool = True) -> None:
-    """ZeRO runs the optimizer on each device's slice of every leaf (`sliced`), or under jit on the whole leaves
-    zero-padded to a multiple of `n`: refuse a transform whose two first updates there differ from those on the
-    logical leaves (global norms, per-leaf means, trust ratios, shape-dependent masks). Two updates, as Adam's
-    first is blind to a scale such as a clipping factor; gradients large enough that clipping takes effect."""
+def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: int, what: str, sliced: bool) -> None:
+    """Refuses a transform whose first two updates on each device's slice of every leaf (`sliced`), or on the leaves
+    zero-padded to a multiple of `n`, differ from those on the logical leaves (two: Adam's first is blind to scale)."""
     if isinstance(tx, Sliceable):
         return
     rng = np.random.default_rng(0)
@@ -196,17 +178,15 @@ def check_sliceable(tx: optax.GradientTransformation, abstract_params: Any, n: i
             updates.append(update)
         return updates
 
-    def part(x: np.ndarray, axis: int | None, i: int) -> np.ndarray:  # what device i's optimizer sees
-        if axis is None:
-            return x
-        whole = np.asarray(padded(x, n, axis))
-        return np.split(whole, n, axis=axis)[i] if sliced else whole
+    parts = n if sliced else 1  # what device i's optimizer sees: part i of the padded leaf
 
     def on_device(tree: Tree, i: int) -> Tree:
-        return jax.tree.map(lambda x, axis: part(x, axis, i), tree, axes, is_leaf=lambda x: x is None)
+        return jax.tree.map(lambda x, axis: x if axis is None else np.split(np.asarray(padded(x, n, axis)), parts,
+                                                                            axis=axis)[i],
+                            tree, axes, is_leaf=lambda x: x is None)
 
     expected, real = two_updates(params, grads), jax.tree.map(np.ones_like, params)  # real: 0 on the padding
-    for i in sorted({0, n - 1} if sliced else {0}):  # the first device, and the last, which holds most padding
+    for i in sorted({0, parts - 1}):  # the first device, and the last, which holds most padding
         seen = two_updates(on_device(params, i), [on_device(g, i) for g in grads])
         mask = jax.tree.leaves(on_device(real, i))
         if not all(np.allclose(np.asarray(a)[m > 0], np.asarray(b)[m > 0], rtol=1e-4, atol=1e-5) for step in range(2)

@@ -1,9 +1,6 @@
 """ZeRO-3, fully sharded data parallelism (Rajbhandari et al. 2020; PyTorch's FSDP): the parameters, gradients and
-optimizer state live as 1/N slices. Under shard_map the forward all-gathers the parameters (`params_view`), and
-differentiating through the gather reduce-scatters the gradient, so the strategy adds no collective but the loss
-sums' all-reduce; under jit XLA places both. A scanned model's (`jdp.layers.Stack`) stacked layers split on a
-non-layer axis and are gathered one at a time inside the scan (`layer_view`), and again in the backward. Each
-device updates its own slices; the next forward gathers them. Design, accumulation and bytes: docs/performance.md,
+optimizer state live as 1/N slices. The forward all-gathers the parameters (`params_view`; a scanned model's layers
+one at a time, `layer_view`), whose transpose reduce-scatters the gradient. Design and bytes: docs/performance.md,
 'Making a model fit: ZeRO-3, scanned layers, activation checkpointing'.
 """
 
@@ -28,8 +25,7 @@ from jdp.sync.zero1 import ZeRO1, all_gather_like
 class ZeRO3(ZeRO1):
     """ZeRO-1's sharded optimizer state plus sharded parameters, gathered for each forward. `weight_bits` and
     `grad_bits` 8 or 4 block-quantize (per `block` values) the gather and its reduce-scatter, as ZeRO++'s qwZ and
-    qgZ (32: not). Bound to a model (`bind`), it holds the parameters' logical shapes and which leaves are a scanned
-    model's stacked layers, gathered one layer at a time."""
+    qgZ (32: not)."""
 
     abstract_params: Tree = None
     per_layer: Tree = None
@@ -55,8 +51,6 @@ class ZeRO3(ZeRO1):
         return None if self.quantized else super().ddp_twin()
 
     def _all_gather(self) -> Callable:
-        """The parameters' all-gather: lax's, or with `weight_bits` and `grad_bits` (8 or 4) its weights and its
-        gradient's reduce-scatter block-quantized, as ZeRO++'s qwZ and qgZ."""
         if not self.quantized:
             return jax.lax.all_gather
         return lambda x, axis_name, axis, tiled: quantized_all_gather(x, axis_name, axis, self.weight_bits,
@@ -66,8 +60,7 @@ class ZeRO3(ZeRO1):
         bound = copy.copy(self)
         bound.abstract_params = jax.tree.map(lambda v: jax.ShapeDtypeStruct(v.shape, v.dtype),
                                              nnx.to_pure_dict(nnx.state(model, nnx.Param)))
-        # The paths of the `Stack`s' stacked layers: a leaf there with an axis besides the layer axis is split on one
-        # of those and gathered per layer.
+        # A `Stack`'s leaf with an axis besides the layer axis splits on one of those and is gathered per layer.
         stacked = [(*path, "layers") for path, module in nnx.iter_modules(model) if isinstance(module, Stack)]
         bound.per_layer = jax.tree_util.tree_map_with_path(
             lambda path, x: x.ndim >= 2 and any(path_keys(path)[:len(p)] == p for p in stacked), bound.abstract_params)
@@ -92,8 +85,7 @@ class ZeRO3(ZeRO1):
                             self.abstract_params, self.per_layer)
 
     def shard_axes(self, abstract_state: Any, num_devices: int) -> Any:
-        """As ZeRO-1, but a stacked leaf splits on a non-layer axis, and so does every optimizer leaf that mirrors
-        it (its path ends with the parameter's): the optimizer's slices line up with the parameters'."""
+        """As ZeRO-1, but a stacked leaf splits on a non-layer axis, as does each optimizer leaf mirroring one."""
         axes = super().shard_axes(abstract_state, num_devices)
         params = {path_keys(path): (x.shape, axis) for (path, x), axis in zip(
             jax.tree_util.tree_flatten_with_path(self.abstract_params)[0],
@@ -120,15 +112,13 @@ class ZeRO3(ZeRO1):
             return None if mesh is None else LayerView(carry=lambda x: jax.lax.with_sharding_constraint(
                 x, data_sharded(mesh)))
 
-        # A layer's scalar or empty leaf came whole from `params_view`; any other is split on the axis `_param_axes`
-        # chose (even one whose slice has the logical shape: a size-1 axis padded to n).
+        # Every leaf but a scalar or empty one is split (even a size-1 axis, padded to n).
         return LayerView(params=lambda leaves, shapes: all_gather_like(
             leaves, [jax.ShapeDtypeStruct(s, x.dtype) for x, s in zip(leaves, shapes, strict=True)], axis_name,
             all_gather=self._all_gather()))
 
     def sliced_mean(self, grads: Tree, axis_name: str | None) -> Tree:
-        # A sliced leaf's gradient is already summed over the devices (the all-gather's transpose); a scalar
-        # parameter, used whole, has each device's own gradient. Under jit the arrays are global already.
+        # A sliced leaf's gradient is summed over the devices already (the all-gather's transpose); a scalar's is not.
         if axis_name is None:
             return grads
         n = jax.lax.psum(1, axis_name)
