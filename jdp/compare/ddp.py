@@ -213,16 +213,12 @@ def _worker(rank: int, spec: dict) -> None:
     os._exit(0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m jdp.compare.ddp SPEC.json", file=sys.stderr)
-        return 2
-    spec = json.loads(Path(argv[0]).read_text())
+def main(spec_path: str) -> None:
+    spec = json.loads(Path(spec_path).read_text())
     (Path(spec["out"]) / "rendezvous").unlink(missing_ok=True)  # a stale store file would hang the rendezvous
     # A failed rank ends the others and raises here; the time limit is the parent's (`procs.run` kills the group).
     mp.start_processes(_worker, args=(spec,), nprocs=spec["workers"], start_method="spawn")
-    return 0
 
-if __name__ == "__main__":
-    sys.exit(main())
+
+if __name__ == "__main__":  # python -m jdp.compare.ddp SPEC.json
+    main(sys.argv[1])

@@ -124,10 +124,8 @@ def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance
     shutil.rmtree(workdir / "jdp_run", ignore_errors=True)  # jdp would resume from an old run's checkpoints
     config_lib.save_config(cfg, workdir / "config.json")
 
-    jdp_run = procs.run(["-m", "jdp.compare.jdp_side", "parity", "--config", str(workdir / "config.json"),
-                         "--out", str(workdir), "--devices", str(cfg.parallel.cpu_devices)],
-                        log=workdir / "logs" / "jdp.log", timeout_s=timeout_s)
-    procs.check(jdp_run, "the jdp side")
+    jdp_run = procs.run(["-m", "jdp.compare.jdp_side", "parity", str(workdir / "config.json"), str(workdir)],
+                        "the jdp side", log=workdir / "logs" / "jdp.log", timeout_s=timeout_s)
     ddp_run = run_ddp(workdir, workdir, workdir / "logs" / "ddp.log", "the DDP side", timeout_s, mode="parity",
                       workers=workers, steps=steps, device=device, threads=1)
     (workdir / "sides.json").write_text(json.dumps({"name": name, "workers": workers, "device": device,
@@ -140,9 +138,7 @@ def run_ddp(out: Path, init: Path, log: Path, what: str, timeout_s: float, **spe
     spec |= {"config": str(out / "config.json"), "out": str(out), "init": str(init / "init.npz"),
              "lrs": json.loads((init / "lrs.json").read_text()), "timeout_s": timeout_s, "launch_time": time.time()}
     (out / "ddp_spec.json").write_text(json.dumps(spec))
-    finished = procs.run(["-m", "jdp.compare.ddp", str(out / "ddp_spec.json")], log=log, timeout_s=timeout_s)
-    procs.check(finished, what)
-    return finished
+    return procs.run(["-m", "jdp.compare.ddp", str(out / "ddp_spec.json")], what, log=log, timeout_s=timeout_s)
 
 
 def report_workdir(workdir: Path, tolerance: Tolerance | None = None) -> Parity:

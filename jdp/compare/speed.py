@@ -27,9 +27,8 @@ def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: 
     cfg.parallel.backend = backend
     config_lib.save_config(cfg, run_dir / "config.json")  # `--workdir` without `--config` trains this config
     finished = procs.run(["-m", "jdp.train", "--workdir", str(run_dir), "--cpu_devices", str(cfg.parallel.cpu_devices)],
-                         log=run_dir / "log.txt", timeout_s=timeout_s,
+                         f"jdp ({backend})", log=run_dir / "log.txt", timeout_s=timeout_s,
                          env=procs.child_env(drop=() if compile_cache else _CACHE_ENV))
-    procs.check(finished, f"jdp ({backend})")
     lines = read_metrics(run_dir)
     summary = next(r for r in lines if r["split"] == "summary")
     return {"examples_per_sec": summary["examples_per_sec"], "compile_time_s": summary["compile_time_s"],
@@ -71,9 +70,8 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
     shutil.rmtree(workdir / "runs", ignore_errors=True)
     workdir.mkdir(parents=True, exist_ok=True)
     config_lib.save_config(cfg, workdir / "config.json")
-    init = procs.run(["-m", "jdp.compare.jdp_side", "init", "--config", str(workdir / "config.json"),
-                      "--out", str(workdir)], log=workdir / "logs" / "init.log", timeout_s=timeout_s)
-    procs.check(init, "jdp init")
+    procs.run(["-m", "jdp.compare.jdp_side", "init", str(workdir / "config.json"), str(workdir)], "jdp init",
+              log=workdir / "logs" / "init.log", timeout_s=timeout_s)
     cfg.init_from = str(workdir / "init.npz")
 
     plan = ["ddp", *backends]
