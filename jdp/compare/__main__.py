@@ -12,7 +12,6 @@ Reports (markdown, JSON, PNG) go to --workdir (default runs/compare-NAME); docs/
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shlex
 import sys
 from pathlib import Path
@@ -73,15 +72,11 @@ def main(argv: list[str] | None = None) -> int:
         name = path.stem
         command = "python -m jdp.compare " + " ".join(shlex.quote(a) for a in argv)
         if args.command == "parity":
-            from jdp.compare.parity import check_supported, default_tolerance, parity, report_workdir
+            from jdp.compare.parity import parity, report_workdir
 
             workdir = args.workdir or Path("runs") / f"compare-{name}"
-            if args.report_only:
-                cfg = config_lib.load_saved_config(workdir / "config.json")
-            check_supported(cfg, args.workers if not args.report_only else 1)
             chosen = {"loss": args.tolerance, "grad_norm": args.grad_tolerance, "step1": args.step1_tolerance}
-            tolerance = dataclasses.replace(default_tolerance(cfg),
-                                            **{k: v for k, v in chosen.items() if v is not None})
+            tolerance = {k: v for k, v in chosen.items() if v is not None}
             if args.report_only:
                 result = report_workdir(workdir, tolerance)
             else:

@@ -6,6 +6,7 @@ each a subprocess, trained from the same init.npz on the same batches and compar
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import shutil
@@ -109,9 +110,10 @@ def compare(name: str, jdp: dict, ddp: dict, jdp_final: dict, ddp_final: dict, t
                   first, passed, meta or {})
 
 
-def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance: Tolerance | None = None,
+def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance: dict | None = None,
            timeout_s: float = 900, device: str = "cpu") -> Parity:
-    """Runs both sides into `workdir` and reports there (`report_workdir`; `tolerance` None: `default_tolerance`)."""
+    """Runs both sides into `workdir` and reports there (`report_workdir`: `tolerance`'s fields override
+    `default_tolerance`'s)."""
     cfg = both_sides(cfg, workers=workers, steps=steps, device=device)  # every loss logged, eval only at the end
     if cfg.model.kwargs.get("dropout", 0.0):
         raise ValueError(f"model.dropout={cfg.model.kwargs.dropout}: the two sides draw different dropout "
@@ -141,12 +143,13 @@ def run_ddp(out: Path, init: Path, log: Path, what: str, timeout_s: float, **spe
     return procs.run(["-m", "jdp.compare.ddp", str(out / "ddp_spec.json")], what, log=log, timeout_s=timeout_s)
 
 
-def report_workdir(workdir: Path, tolerance: Tolerance | None = None) -> Parity:
-    """Compares the results a parity run left in `workdir` and writes its report (`--report_only`)."""
+def report_workdir(workdir: Path, tolerance: dict | None = None) -> Parity:
+    """Compares the results a parity run left in `workdir` and writes its report (`--report_only`); `tolerance`:
+    Tolerance fields that override `default_tolerance`'s."""
     workdir = Path(workdir)
     cfg = config_lib.load_saved_config(workdir / "config.json")
     sides = json.loads((workdir / "sides.json").read_text())
-    tolerance = tolerance or default_tolerance(cfg)
+    tolerance = dataclasses.replace(default_tolerance(cfg), **(tolerance or {}))
     jdp = json.loads((workdir / "jdp_result.json").read_text())
     ddp = json.loads((workdir / "ddp_result.json").read_text())
     from jdp.compare.ddp import ddp_twin
