@@ -127,7 +127,8 @@ def train(rank: int, spec: dict) -> dict:
                           process_count=world)
     model = torch_models.build_twin(cfg.model, source.input_shape, cfg.data.num_classes or source.num_classes,
                                     sync_bn=cfg.model.bn_sync and world > 1)
-    weights.load_npz(model, spec["init"])
+    with np.load(spec["init"]) as init:
+        model.load_state_dict(weights.flat_to_torch(dict(init), model), strict=True)
     model.to(device)
     compiled = torch.compile(model) if spec.get("compile") else model  # the same parameters
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bool(spec.get("autocast")))
@@ -142,10 +143,6 @@ def train(rank: int, spec: dict) -> dict:
         b for m in model.modules() if isinstance(m, torch_models.BatchNorm) for b in (m.running_mean, m.running_var)]
     lrs, clip = spec["lrs"], cfg.optim.grad_clip_norm
     losses, grad_norms = [], []
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
     for step in range(steps):
         rows = source.train_batch(step)
@@ -171,9 +168,11 @@ def train(rank: int, spec: dict) -> dict:
             loss /= world
         losses.append(loss)  # rank-local in speed mode; read after the loop, so no step waits on it
         if step == 0:
-            sync()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             t_first = time.time()
-    sync()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     t_end = time.time()
 
     result = {"losses": [float(loss) for loss in losses], "grad_norms": grad_norms, "world": world,

@@ -99,9 +99,3 @@ def torch_to_jdp(state_dict: dict[str, torch.Tensor], model: nn.Module) -> tuple
     return tuple(traverse_util.unflatten_dict({tuple(int(p) if p.isdigit() else p for p in key.split("/")[1:]): value
                                                for key, value in flat.items() if key.startswith(prefix + "/")})
                  for prefix in ("params", "model_state"))
-
-
-def load_npz(model: nn.Module, path) -> None:
-    """Load a jdp.export-format .npz (or the parity/speed init file) into the twin."""
-    with np.load(path) as stored:
-        model.load_state_dict(flat_to_torch(dict(stored), model), strict=True)
