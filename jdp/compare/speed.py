@@ -57,6 +57,8 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
           jdp_devices: int | None = None) -> Speed:
     """Runs everything into `workdir`; writes speed.md, speed.json and speed.png. On cuda with bf16 the twin runs
     under autocast; on a CPU jdp simulates `jdp_devices` devices (default `workers`) in its one process."""
+    if unknown := set(backends) - set(BACKENDS):
+        raise ValueError(f"unknown backend(s) {', '.join(sorted(unknown))}; use {','.join(BACKENDS)}")
     steps = steps or cfg.train.steps
     if steps < 2:
         raise ValueError("--steps must be at least 2: the first step is left out of the throughput")

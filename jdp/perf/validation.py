@@ -21,9 +21,6 @@ P100_TF["ResNet-101"] = 1 / (_T50 + (7.6 - 3.8) / (11.3 - 3.8) * (_T152 - _T50))
 # Goyal et al. 2017 (arXiv:1706.02677): the baseline, 90 ImageNet epochs on 8 GPUs in 29 hours, per GPU.
 GOYAL_IMAGES_PER_S = 90 * 1_281_167 / (29 * 3600) / 8
 
-HOROVOD_README_2017 = "Horovod README (2017): 32 servers x 4 Pascal GPUs, RoCE 25 Gbit/s"
-HOROVOD_DOCS = "Horovod docs/benchmarks: 128 servers x 4 Pascal GPUs, RoCE 25 Gbit/s"
-
 
 @dataclasses.dataclass(frozen=True)
 class Published:
@@ -51,8 +48,8 @@ def _horovod(source: str, gpus: int, efficiencies: tuple[float, float, float]) -
 CASES = [
     Published("Goyal et al. 2017 ResNet-50", "arXiv:1706.02677, 8 -> 256 P100, 50 Gb/s Ethernet", RESNET50, 32,
               GOYAL_IMAGES_PER_S, 256, 8, 8, "nvlink-p100", "net-50g", 0.90),
-    *_horovod(HOROVOD_README_2017, 128, (0.90, 0.90, 0.79)),
-    *_horovod(HOROVOD_DOCS, 512, (0.90, 0.90, 0.68)),
+    *_horovod("Horovod README (2017): 32 servers x 4 Pascal GPUs, RoCE 25 Gbit/s", 128, (0.90, 0.90, 0.79)),
+    *_horovod("Horovod docs/benchmarks: 128 servers x 4 Pascal GPUs, RoCE 25 Gbit/s", 512, (0.90, 0.90, 0.68)),
     Published("NVIDIA ResNet-50 v1.5, mixed precision", "DeepLearningExamples, DGX A100", RESNET50, 256, 2470.0,
               8, 1, 8, "nvlink-a100", "net-200g", 16621 / (8 * 2470)),
     Published("NVIDIA ResNet-50 v1.5, TF32", "DeepLearningExamples, DGX A100", RESNET50, 256, 938.0,
