@@ -26,9 +26,8 @@ def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: 
     cfg = copy.deepcopy(cfg)
     cfg.parallel.backend = backend
     config_lib.save_config(cfg, run_dir / "config.json")  # `--workdir` without `--config` trains this config
-    finished = procs.run(["-m", "jdp.train", "--workdir", str(run_dir), "--cpu_devices", str(cfg.parallel.cpu_devices)],
-                         f"jdp ({backend})", log=run_dir / "log.txt", timeout_s=timeout_s,
-                         env=procs.child_env(drop=() if compile_cache else _CACHE_ENV))
+    finished = procs.run(["-m", "jdp.train", "--workdir", str(run_dir)], f"jdp ({backend})", log=run_dir / "log.txt",
+                         timeout_s=timeout_s, env=procs.child_env(drop=() if compile_cache else _CACHE_ENV))
     lines = read_metrics(run_dir)
     summary = next(r for r in lines if r["split"] == "summary")
     return {"examples_per_sec": summary["examples_per_sec"], "compile_time_s": summary["compile_time_s"],

@@ -50,7 +50,6 @@ class BatchNorm(nn.BatchNorm2d):
             else:  # Flax's order of operations: (x - mean) * (rsqrt(var + eps) * scale) + bias.
                 y = ((x - mean.view(shape)) * (torch.rsqrt(var + self.eps) * self.weight).view(shape)
                      + self.bias.view(shape))
-            mean, var = mean.detach(), var.detach()
         else:
             y = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
             with torch.no_grad():

@@ -65,16 +65,13 @@ def unstacked(flat: Flat) -> Flat:
 
 
 def flat_to_torch(flat: Flat, model: nn.Module) -> dict[str, torch.Tensor]:
-    """Export-named arrays (stacked too) -> `model`'s state_dict; ValueError naming a missing or misshapen key."""
+    """Export-named arrays (stacked too) -> `model`'s state_dict; ValueError naming a missing key."""
     flat = unstacked(flat)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for jdp_key, torch_key, kind, flatten_from in _entries(model):
         if jdp_key not in flat:
             raise ValueError(f"no {jdp_key} for the twin's {torch_key}; is it the same model and config?")
         value = np.ascontiguousarray(_convert(kind, np.asarray(flat[jdp_key]), flatten_from, True))
-        if tuple(value.shape) != tuple(state[torch_key].shape):
-            raise ValueError(f"{jdp_key} gives {torch_key} the shape {value.shape}, the twin has "
-                             f"{tuple(state[torch_key].shape)}")
         state[torch_key] = torch.tensor(value, dtype=state[torch_key].dtype)
     return state
 
