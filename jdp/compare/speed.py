@@ -115,9 +115,7 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
     return result
 
 
-def report_workdir(workdir: Path) -> Speed:
+def report_workdir(workdir: Path) -> None:
     """Writes the report of the speed.json a run left in `workdir` again."""
     stored = json.loads((Path(workdir) / "speed.json").read_text())
-    result = Speed(stored["name"], stored["rows"], stored["runs"], stored["meta"])
-    write_speed(result, Path(workdir))
-    return result
+    write_speed(Speed(stored["name"], stored["rows"], stored["runs"], stored["meta"]), Path(workdir))

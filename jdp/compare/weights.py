@@ -7,6 +7,7 @@ permutation (Dense <-> Linear, conv HWIO <-> OIHW, `scale` / `embedding` <-> `we
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -25,19 +26,17 @@ _WEIGHTS = {nn.Linear: ("linear", "kernel"), nn.Conv1d: ("conv", "kernel"), nn.C
             nn.Embedding: ("copy", "embedding"), nn.LayerNorm: ("copy", "scale"), BatchNorm: ("copy", "scale")}
 
 
-def _entries(model: nn.Module) -> list[tuple[str, str, str, Any]]:
+def _entries(model: nn.Module) -> Iterator[tuple[str, str, str, Any]]:
     """(jdp key, torch key, kind, flatten_from) for every weight of `model`."""
-    out = []
     for name, module in model.named_modules():
         if (found := _WEIGHTS.get(type(module))) is None:
             continue
         path, (kind, weight) = name.replace(".", "/"), found
-        out.append((f"params/{path}/{weight}", f"{name}.weight", kind, getattr(module, "jdp_flatten_from", None)))
+        yield f"params/{path}/{weight}", f"{name}.weight", kind, getattr(module, "jdp_flatten_from", None)
         if getattr(module, "bias", None) is not None:
-            out.append((f"params/{path}/bias", f"{name}.bias", "copy", None))
+            yield f"params/{path}/bias", f"{name}.bias", "copy", None
         if isinstance(module, BatchNorm):
-            out += [(f"model_state/{path}/{s}", f"{name}.running_{s}", "copy", None) for s in ("mean", "var")]
-    return out
+            yield from ((f"model_state/{path}/{s}", f"{name}.running_{s}", "copy", None) for s in ("mean", "var"))
 
 
 def _convert(kind: str, value: np.ndarray, flatten_from, to_torch: bool) -> np.ndarray:
@@ -78,11 +77,8 @@ def flat_to_torch(flat: Flat, model: nn.Module) -> dict[str, torch.Tensor]:
 
 def torch_to_flat(state_dict: dict[str, torch.Tensor], model: nn.Module) -> Flat:
     """A twin's state_dict -> arrays with jdp.export key names (what `--config.init_from` reads)."""
-    flat = {}
-    for jdp_key, torch_key, kind, flatten_from in _entries(model):
-        value = state_dict[torch_key].detach().cpu().numpy()
-        flat[jdp_key] = np.ascontiguousarray(_convert(kind, value, flatten_from, False))
-    return flat
+    return {jdp_key: np.ascontiguousarray(_convert(kind, state_dict[key].detach().cpu().numpy(), flatten_from, False))
+            for jdp_key, key, kind, flatten_from in _entries(model)}
 
 
 def jdp_to_torch(params: dict, model_state: dict, model: nn.Module) -> dict[str, torch.Tensor]:
