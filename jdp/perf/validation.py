@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jdp.perf.scaling import BACKWARD_SHARE, INTER_LINKS, INTRA_LINKS, Topology, hierarchical_allreduce_s, step_s
+from jdp.perf.scaling import BACKWARD_SHARE, INTER_LINKS, INTRA_LINKS, Topology, predict
 
 # Each figure's source: docs/benchmarks.md, "Validation against published scaling results". Parameter counts: the
 # Keras Applications table; gradients are all-reduced in float32 in every case (AMP keeps float32 parameters).
@@ -57,17 +57,16 @@ CASES = [
 ]
 
 
-def predicted_efficiency(case: Published, overlap: float) -> float:
-    topo = Topology(case.per_node, INTRA_LINKS[case.intra], INTER_LINKS[case.inter])
-    compute = case.batch / case.images_per_s
-    base, scaled = (step_s(compute, hierarchical_allreduce_s(case.params * 4, n, topo), overlap)
-                    for n in (case.baseline_gpus, case.gpus))
-    return base / scaled
-
-
 def validate() -> list[dict]:
-    return [{"case": c, "no_overlap": predicted_efficiency(c, 0.0),
-             "overlap": predicted_efficiency(c, BACKWARD_SHARE)} for c in CASES]
+    """Each case's efficiency as `--predict` computes it (weak scaling), relative to its baseline GPU count."""
+    rows = []
+    for c in CASES:
+        topo = Topology(c.per_node, INTRA_LINKS[c.intra], INTER_LINKS[c.inter])
+        base, scaled = predict(c.params * 4, c.batch / c.images_per_s, c.batch, [c.baseline_gpus, c.gpus], topo,
+                               "weak")
+        rows.append({"case": c, "no_overlap": scaled["efficiency"] / base["efficiency"],
+                     "overlap": scaled["efficiency_overlap"] / base["efficiency_overlap"]})
+    return rows
 
 
 def to_markdown(rows: list[dict]) -> str:
