@@ -1,12 +1,10 @@
 """The PyTorch DDP side: `python -m jdp.compare.ddp SPEC.json` spawns `workers` ranks (gloo over loopback on CPU,
 NCCL with one GPU per rank on CUDA), each training the config's twin under DDP on the rows of each global batch
-jdp's device `rank` gets. Per-rank BatchNorm running statistics are averaged after each step, as jdp's step does;
-hence `broadcast_buffers=False`, or DDP would overwrite them with rank 0's at every forward.
+jdp's device `rank` gets, BatchNorm running statistics averaged after each step as jdp's step averages them.
 
-SPEC keys: config (a jdp config.json), workers, steps, init (.npz), lrs (per step), out (results, rendezvous file),
-mode ("parity": also the all-reduced loss, gradient norm, eval and final weights; "speed"), launch_time (the
-parent's time.time()), device ("cpu" | "cuda"), threads, timeout_s, compile (torch.compile), autocast (bf16 autocast
-of forward and loss, nanoGPT's GPU recipe). Rank 0 writes OUT/ddp_result.json (parity: and ddp_final.npz).
+SPEC (`parity.run_ddp`): config (a jdp config.json), workers, steps, init (.npz), lrs (per step), out, mode
+("parity" adds the all-reduced loss, gradient norm, eval and final weights; "speed"), launch_time, device, threads,
+timeout_s, compile (torch.compile), autocast (bf16, nanoGPT's GPU recipe). Rank 0 writes OUT/ddp_result.json.
 """
 
 from __future__ import annotations
@@ -132,8 +130,8 @@ def train(rank: int, spec: dict) -> dict:
     model.to(device)
     compiled = torch.compile(model) if spec.get("compile") else model  # the same parameters
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bool(spec.get("autocast")))
-    with warnings.catch_warnings():  # torch 2.13 deprecates it, but advises it for rank-local buffers
-        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+    with warnings.catch_warnings():  # broadcast_buffers=True: rank 0's BatchNorm statistics on every rank at each step
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)  # torch 2.13 on
         ddp = DDP(compiled, device_ids=[rank] if device.type == "cuda" else None, broadcast_buffers=False)
     twin = ddp_twin(cfg)
     comm_bytes = _low_rank(ddp, twin.settings, cfg.seed) if twin.hook == "powerSGD_hook" else None
