@@ -123,11 +123,10 @@ def plot_parity(p: Parity, path: Path) -> None:
     top.set(ylabel="train loss", title=f"{p.name}: {p.meta['workers']} workers, {p.meta['optimizer']}")
     top.legend()
     floor = 1e-10  # identical values plot at the floor
-    bottom.semilogy(steps, [max(r["loss_rel"], floor) for r in p.steps], ".-", label="loss")
-    bottom.semilogy(steps, [max(r["grad_rel"], floor) for r in p.steps], ".-", label="gradient norm")
-    bottom.axhline(p.tolerance.loss, color="C0", lw=1, ls=":", label=f"loss tolerance {p.tolerance.loss:.0e}")
-    bottom.axhline(p.tolerance.grad_norm, color="C1", lw=1, ls=":",
-                   label=f"gradient-norm tolerance {p.tolerance.grad_norm:.0e}")
+    for key, what, bound, color in (("loss_rel", "loss", p.tolerance.loss, "C0"),
+                                    ("grad_rel", "gradient norm", p.tolerance.grad_norm, "C1")):
+        bottom.semilogy(steps, [max(r[key], floor) for r in p.steps], ".-", color=color, label=what)
+        bottom.axhline(bound, color=color, lw=1, ls=":", label=f"{what} tolerance {bound:.0e}")
     bottom.set(ylabel="|jdp - DDP| / |jdp|", xlabel="step")
     bottom.legend(fontsize=8)
     fig.savefig(path, dpi=110)

@@ -43,8 +43,7 @@ def measure_one(shape: str, strategy: str, devices: int) -> dict:
     cfg.model.kwargs.update(num_layers=layers, num_heads=heads, embed_dim=width, remat=remat,
                             scan_layers=scanned or large)
     cfg.compile_cache_dir = ""
-    row = compiled_memory(cfg, devices, sharding)
-    return {**row, "scanned": cfg.model.kwargs.scan_layers, "remat": remat,
+    return {**compiled_memory(cfg, devices, sharding), "scanned": cfg.model.kwargs.scan_layers, "remat": remat,
             "host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 

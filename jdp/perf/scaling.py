@@ -57,9 +57,7 @@ class Topology:
 
 
 def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce of `nbytes` over `n` devices: 2(n-1) steps, each sending nbytes/n."""
-    if n <= 1:
-        return 0.0
+    """Ring all-reduce of `nbytes` over `n` devices: 2(n-1) steps, each sending nbytes/n (none on one device)."""
     return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
 
 
