@@ -210,12 +210,8 @@ def _worker(rank: int, spec: dict) -> None:
     os._exit(0)
 
 
-def main(spec_path: str) -> None:
-    spec = json.loads(Path(spec_path).read_text())
+if __name__ == "__main__":  # python -m jdp.compare.ddp SPEC.json
+    spec = json.loads(Path(sys.argv[1]).read_text())
     (Path(spec["out"]) / "rendezvous").unlink(missing_ok=True)  # a stale store file would hang the rendezvous
     # A failed rank ends the others and raises here; the time limit is the parent's (`procs.run` kills the group).
     mp.start_processes(_worker, args=(spec,), nprocs=spec["workers"], start_method="spawn")
-
-
-if __name__ == "__main__":  # python -m jdp.compare.ddp SPEC.json
-    main(sys.argv[1])
