@@ -1,12 +1,10 @@
 """The PyTorch DDP side: `python -m jdp.compare.ddp SPEC.json` spawns `workers` ranks (gloo over loopback on CPU,
 NCCL with one GPU per rank on CUDA), each training the config's twin under DDP on the rows of each global batch
-jdp's device `rank` gets. Per-rank BatchNorm running statistics are averaged after each step, as jdp's step does;
-hence `broadcast_buffers=False`, or DDP would overwrite them with rank 0's at every forward.
+jdp's device `rank` gets, BatchNorm running statistics averaged after each step as jdp's step averages them.
 
-SPEC keys: config (a jdp config.json), workers, steps, init (.npz), lrs (per step), out (results, rendezvous file),
-mode ("parity": also the all-reduced loss, gradient norm, eval and final weights; "speed"), launch_time (the
-parent's time.time()), device ("cpu" | "cuda"), threads, timeout_s, compile (torch.compile), autocast (bf16 autocast
-of forward and loss, nanoGPT's GPU recipe). Rank 0 writes OUT/ddp_result.json (parity: and ddp_final.npz).
+SPEC (`parity.run_ddp`): config (a jdp config.json), workers, steps, init (.npz), lrs (per step), out, mode
+("parity" adds the all-reduced loss, gradient norm, eval and final weights; "speed"), launch_time, device, threads,
+timeout_s, compile (torch.compile), autocast (bf16, nanoGPT's GPU recipe). Rank 0 writes OUT/ddp_result.json.
 """
 
 from __future__ import annotations
@@ -127,12 +125,13 @@ def train(rank: int, spec: dict) -> dict:
                           process_count=world)
     model = torch_models.build_twin(cfg.model, source.input_shape, cfg.data.num_classes or source.num_classes,
                                     sync_bn=cfg.model.bn_sync and world > 1)
-    weights.load_npz(model, spec["init"])
+    with np.load(spec["init"]) as init:
+        model.load_state_dict(weights.flat_to_torch(dict(init), model), strict=True)
     model.to(device)
     compiled = torch.compile(model) if spec.get("compile") else model  # the same parameters
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bool(spec.get("autocast")))
-    with warnings.catch_warnings():  # torch 2.13 deprecates it, but advises it for rank-local buffers
-        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)
+    with warnings.catch_warnings():  # broadcast_buffers=True: rank 0's BatchNorm statistics on every rank at each step
+        warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)  # torch 2.13 on
         ddp = DDP(compiled, device_ids=[rank] if device.type == "cuda" else None, broadcast_buffers=False)
     twin = ddp_twin(cfg)
     comm_bytes = _low_rank(ddp, twin.settings, cfg.seed) if twin.hook == "powerSGD_hook" else None
@@ -142,10 +141,6 @@ def train(rank: int, spec: dict) -> dict:
         b for m in model.modules() if isinstance(m, torch_models.BatchNorm) for b in (m.running_mean, m.running_var)]
     lrs, clip = spec["lrs"], cfg.optim.grad_clip_norm
     losses, grad_norms = [], []
-
-    def sync() -> None:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
 
     for step in range(steps):
         rows = source.train_batch(step)
@@ -171,9 +166,11 @@ def train(rank: int, spec: dict) -> dict:
             loss /= world
         losses.append(loss)  # rank-local in speed mode; read after the loop, so no step waits on it
         if step == 0:
-            sync()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
             t_first = time.time()
-    sync()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     t_end = time.time()
 
     result = {"losses": [float(loss) for loss in losses], "grad_norms": grad_norms, "world": world,
@@ -213,16 +210,8 @@ def _worker(rank: int, spec: dict) -> None:
     os._exit(0)
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m jdp.compare.ddp SPEC.json", file=sys.stderr)
-        return 2
-    spec = json.loads(Path(argv[0]).read_text())
+if __name__ == "__main__":  # python -m jdp.compare.ddp SPEC.json
+    spec = json.loads(Path(sys.argv[1]).read_text())
     (Path(spec["out"]) / "rendezvous").unlink(missing_ok=True)  # a stale store file would hang the rendezvous
     # A failed rank ends the others and raises here; the time limit is the parent's (`procs.run` kills the group).
     mp.start_processes(_worker, args=(spec,), nprocs=spec["workers"], start_method="spawn")
-    return 0
-
-if __name__ == "__main__":
-    sys.exit(main())

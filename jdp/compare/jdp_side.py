@@ -1,15 +1,14 @@
 """The jdp side of a comparison, in its own process for its own simulated device count.
 
-    python -m jdp.compare.jdp_side init   --config CFG.json --out DIR
+    python -m jdp.compare.jdp_side init CFG.json DIR
         DIR/init.npz (jdp.export key names) and DIR/lrs.json (every step's learning rate, for the DDP side)
-    python -m jdp.compare.jdp_side parity --config CFG.json --out DIR --devices N
-        init, then `jdp.train.run` from init.npz on N simulated CPU devices: DIR/jdp_result.json (per-step
-        losses and gradient norms before clipping) and DIR/jdp_final.npz
+    python -m jdp.compare.jdp_side parity CFG.json DIR
+        init, then `jdp.train.run` from init.npz on the config's parallel.cpu_devices: DIR/jdp_result.json
+        (per-step losses and gradient norms before clipping) and DIR/jdp_final.npz
 """
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import sys
@@ -22,18 +21,17 @@ def write_init(cfg, out: Path) -> None:
     """init.npz and lrs.json for `cfg` (uses one device)."""
     from jdp.cli.build import build
     from jdp.cli.optim import learning_rate
-    from jdp.params_file import flatten
+    from jdp.reopen import write_params_file
 
     one = copy.deepcopy(cfg)
     one.parallel.num_devices, one.init_from = 1, ""
     state = build(one).init_state()
-    arrays = {**flatten(state.params, "params"), **flatten(state.model_state, "model_state"), "step": np.int64(0)}
-    np.savez(out / "init.npz", **arrays)
+    write_params_file(out / "init.npz", state.params, state.model_state, 0)
     schedule = learning_rate(cfg.optim, cfg.train.global_batch_size, cfg.train.steps)
     (out / "lrs.json").write_text(json.dumps([float(schedule(t)) for t in range(cfg.train.steps)]))
 
 
-def parity(cfg, out: Path, devices: int) -> None:
+def parity(cfg, out: Path) -> None:
     import jax
 
     from jdp.cli.train import enable_compilation_cache, run
@@ -41,8 +39,7 @@ def parity(cfg, out: Path, devices: int) -> None:
     from jdp.metrics import read_metrics
     from jdp.params_file import flatten
 
-    if devices:
-        simulate_cpu_devices(devices)
+    simulate_cpu_devices(cfg.parallel.cpu_devices)  # 0 (cuda): the real devices
     enable_compilation_cache(cfg.compile_cache_dir)
     write_init(cfg, out)
     cfg.init_from = str(out / "init.npz")
@@ -65,21 +62,15 @@ def parity(cfg, out: Path, devices: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m jdp.compare.jdp_side")
-    p.add_argument("command", choices=("init", "parity"))
-    p.add_argument("--config", required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--devices", type=int, default=0, help="simulated CPU devices (0: leave JAX alone)")
-    args = p.parse_args(argv)
+    command, config, out = sys.argv[1:] if argv is None else argv
     from jdp import UsageError
     from jdp.cli import config as config_lib
 
-    cfg = config_lib.load_saved_config(Path(args.config))
-    args.out.mkdir(parents=True, exist_ok=True)
+    cfg = config_lib.load_saved_config(Path(config))
     try:
-        (write_init(cfg, args.out) if args.command == "init" else parity(cfg, args.out, args.devices))
+        (write_init if command == "init" else parity)(cfg, Path(out))
     except UsageError as e:  # the config's own checks, which need its data: one line, as jdp.train's
-        print(f"jdp: error: {e}", file=sys.stderr)  # read back by `procs.check`
+        print(f"jdp: error: {e}", file=sys.stderr)  # read back by `procs.run`
         return 2
     return 0
 

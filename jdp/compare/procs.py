@@ -16,11 +16,9 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # for `configs`, which jdp's sa
 
 @dataclasses.dataclass
 class Finished:
-    returncode: int  # 124: killed at the time limit
     seconds: float
     peak_rss_mib: float  # ru_maxrss of the child itself (not of its own children)
     launch_time: float  # time.time() just before the start
-    log: Path
 
 
 class SideFailed(RuntimeError):
@@ -34,9 +32,10 @@ def child_env(drop: tuple[str, ...] = ()) -> dict[str, str]:
     return env
 
 
-def run(args: list[str], *, log: Path, timeout_s: float, env: dict[str, str] | None = None) -> Finished:
-    """`python -m ...` in its own session with stdout+stderr to `log`; the whole process group is
-    killed at `timeout_s`. Peak memory from os.wait4, so it is this child's alone."""
+def run(args: list[str], what: str, *, log: Path, timeout_s: float, env: dict[str, str] | None = None) -> Finished:
+    """`python -m ...` in its own session with stdout+stderr to `log`; the whole process group is killed at
+    `timeout_s`. Peak memory from os.wait4, so it is this child's alone. ValueError when the child (`what`) refused
+    its config in jdp's one line, else SideFailed when it failed."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         launch, t0 = time.time(), time.monotonic()
@@ -49,17 +48,13 @@ def run(args: list[str], *, log: Path, timeout_s: float, env: dict[str, str] | N
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, signal.SIGKILL)
     _, status, usage = os.wait4(proc.pid, 0) if timed_out else waited
-    proc.returncode = 124 if timed_out else os.waitstatus_to_exitcode(status)
-    return Finished(proc.returncode, time.monotonic() - t0, usage.ru_maxrss / 1024, launch, log)
-
-
-def check(finished: Finished, what: str) -> None:
-    if finished.returncode == 0:
-        return
-    lines = finished.log.read_text(errors="replace").splitlines()
-    if finished.returncode == 2 and lines and lines[-1].startswith("jdp: error: "):  # jdp_side's refusal
+    proc.returncode = 124 if timed_out else os.waitstatus_to_exitcode(status)  # reaped: Popen need not wait
+    seconds = time.monotonic() - t0
+    if proc.returncode == 0:
+        return Finished(seconds, usage.ru_maxrss / 1024, launch)
+    lines = log.read_text(errors="replace").splitlines()
+    if proc.returncode == 2 and lines and lines[-1].startswith("jdp: error: "):  # jdp_side's refusal
         raise ValueError(f"{what} refused the config: {lines[-1].removeprefix('jdp: error: ')}")
     tail = "\n".join(lines[-25:])
-    why = (f"ran past its time limit ({finished.seconds:.0f} s)" if finished.returncode == 124
-           else f"exited {finished.returncode}")
-    raise SideFailed(f"{what} {why}; log {finished.log}:\n{tail}")
+    why = f"ran past its time limit ({seconds:.0f} s)" if proc.returncode == 124 else f"exited {proc.returncode}"
+    raise SideFailed(f"{what} {why}; log {log}:\n{tail}")

@@ -91,11 +91,8 @@ def write_parity(p: Parity, workdir: Path) -> None:
         f"simulated devices in one process, DDP on {m['workers']} processes ({m['ddp_backend']}, 1 thread "
         f"each); BatchNorm sync: {m['bn_sync']}.",
         f"Machine: {_machine_line(info)}.",
-        f"**{'PASS' if p.passed else 'FAIL'}**: worst per-step loss difference {p.worst_loss[0]:.2e} (step "
-        f"{p.worst_loss[1]}), worst gradient-norm difference {p.worst_grad[0]:.2e} (step {p.worst_grad[1]}), "
-        f"step 1 (same weights, same batch) {p.first_step:.1e}; tolerances: loss {p.tolerance.loss:.0e}, gradient "
-        f"norm {p.tolerance.grad_norm:.0e}, step 1 {p.tolerance.step1:.0e} (relative, |jdp - ddp| / |jdp|; why "
-        "these: jdp/compare/parity.py, TOLERANCES).",
+        f"**{'PASS' if p.passed else 'FAIL'}**. {p.last_line()}. Differences are relative, |jdp - ddp| / |jdp|; step 1 "
+        "has the same weights and batch on both sides; why these tolerances: jdp/compare/parity.py, TOLERANCES.",
         f"After the last step: largest parameter / BatchNorm-statistic difference {p.final_params_rel:.2e} "
         f"relative to the tensor's largest value (`{p.final_worst_tensor}`); eval loss jdp "
         f"{p.eval['loss_jdp']:.6f} vs DDP {p.eval['loss_ddp']:.6f} ({p.eval['loss_rel']:.1e} relative), "
@@ -113,9 +110,8 @@ def write_parity(p: Parity, workdir: Path) -> None:
     ]
     (workdir / "parity.md").write_text("\n\n".join(paragraphs) + "\n")
     (workdir / "parity.json").write_text(json.dumps({**dataclasses.asdict(p), "machine": info}, indent=1))
-    header = "step,loss_jdp,loss_ddp,loss_rel,grad_norm_jdp,grad_norm_ddp,grad_rel"
-    (workdir / "parity_steps.csv").write_text("\n".join(
-        [header] + [",".join(repr(r[k]) for k in header.split(",")) for r in p.steps]) + "\n")
+    (workdir / "parity_steps.csv").write_text("\n".join(  # the columns of `compare`'s rows, in their order
+        [",".join(p.steps[0])] + [",".join(map(repr, r.values())) for r in p.steps]) + "\n")
     plot_parity(p, workdir / "parity_loss.png")
 
 
@@ -127,11 +123,10 @@ def plot_parity(p: Parity, path: Path) -> None:
     top.set(ylabel="train loss", title=f"{p.name}: {p.meta['workers']} workers, {p.meta['optimizer']}")
     top.legend()
     floor = 1e-10  # identical values plot at the floor
-    bottom.semilogy(steps, [max(r["loss_rel"], floor) for r in p.steps], ".-", label="loss")
-    bottom.semilogy(steps, [max(r["grad_rel"], floor) for r in p.steps], ".-", label="gradient norm")
-    bottom.axhline(p.tolerance.loss, color="C0", lw=1, ls=":", label=f"loss tolerance {p.tolerance.loss:.0e}")
-    bottom.axhline(p.tolerance.grad_norm, color="C1", lw=1, ls=":",
-                   label=f"gradient-norm tolerance {p.tolerance.grad_norm:.0e}")
+    for key, what, bound, color in (("loss_rel", "loss", p.tolerance.loss, "C0"),
+                                    ("grad_rel", "gradient norm", p.tolerance.grad_norm, "C1")):
+        bottom.semilogy(steps, [max(r[key], floor) for r in p.steps], ".-", color=color, label=what)
+        bottom.axhline(bound, color=color, lw=1, ls=":", label=f"{what} tolerance {bound:.0e}")
     bottom.set(ylabel="|jdp - DDP| / |jdp|", xlabel="step")
     bottom.legend(fontsize=8)
     fig.savefig(path, dpi=110)

@@ -50,7 +50,6 @@ class BatchNorm(nn.BatchNorm2d):
             else:  # Flax's order of operations: (x - mean) * (rsqrt(var + eps) * scale) + bias.
                 y = ((x - mean.view(shape)) * (torch.rsqrt(var + self.eps) * self.weight).view(shape)
                      + self.bias.view(shape))
-            mean, var = mean.detach(), var.detach()
         else:
             y = F.batch_norm(x, None, None, self.weight, self.bias, True, 0.0, self.eps)
             with torch.no_grad():
@@ -282,10 +281,8 @@ def prepare_input(model: nn.Module, x: np.ndarray) -> torch.Tensor:
     """jdp's channels-last batch -> the twin's layout: (N, L[, C]) -> (N, C, L); (N, H, W[, C]) -> (N, C, H, W);
     the MLP takes it as is (it flattens in the same order as jdp)."""
     t = torch.from_numpy(np.ascontiguousarray(x))
-    if isinstance(model, CNN1D):
-        return t[:, None, :] if t.ndim == 2 else t.permute(0, 2, 1).contiguous()
-    if isinstance(model, (CNN2D, ResNet)):
-        return t[:, None] if t.ndim == 3 else t.permute(0, 3, 1, 2).contiguous()
+    if isinstance(model, (CNN1D, CNN2D, ResNet)):  # no channel axis (N, L) or (N, H, W): one channel
+        return t[:, None] if t.ndim == (2 if isinstance(model, CNN1D) else 3) else t.movedim(-1, 1).contiguous()
     if isinstance(model, GPT):  # token ids
         return t.long()
     return t

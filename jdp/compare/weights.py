@@ -1,12 +1,12 @@
 """Weights both ways between jdp (pure dicts of params / model_state, or flat `jdp.export` names such as
 `params/layers/0/kernel`) and a `jdp.compare.torch_models` twin's state_dict. Each conversion is a transpose or a
-permutation (Dense <-> Linear, conv HWIO <-> OIHW, `scale` / `embedding` <-> `weight`, BatchNorm `mean` / `var` <->
-`running_mean` / `running_var`), so both round trips are exact. torch's `num_batches_tracked` stays the twin's own.
+permutation (`_WEIGHTS`), so both round trips are exact; torch's `num_batches_tracked` stays the twin's own.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -25,19 +25,17 @@ _WEIGHTS = {nn.Linear: ("linear", "kernel"), nn.Conv1d: ("conv", "kernel"), nn.C
             nn.Embedding: ("copy", "embedding"), nn.LayerNorm: ("copy", "scale"), BatchNorm: ("copy", "scale")}
 
 
-def _entries(model: nn.Module) -> list[tuple[str, str, str, Any]]:
+def _entries(model: nn.Module) -> Iterator[tuple[str, str, str, Any]]:
     """(jdp key, torch key, kind, flatten_from) for every weight of `model`."""
-    out = []
     for name, module in model.named_modules():
         if (found := _WEIGHTS.get(type(module))) is None:
             continue
         path, (kind, weight) = name.replace(".", "/"), found
-        out.append((f"params/{path}/{weight}", f"{name}.weight", kind, getattr(module, "jdp_flatten_from", None)))
+        yield f"params/{path}/{weight}", f"{name}.weight", kind, getattr(module, "jdp_flatten_from", None)
         if getattr(module, "bias", None) is not None:
-            out.append((f"params/{path}/bias", f"{name}.bias", "copy", None))
+            yield f"params/{path}/bias", f"{name}.bias", "copy", None
         if isinstance(module, BatchNorm):
-            out += [(f"model_state/{path}/{s}", f"{name}.running_{s}", "copy", None) for s in ("mean", "var")]
-    return out
+            yield from ((f"model_state/{path}/{s}", f"{name}.running_{s}", "copy", None) for s in ("mean", "var"))
 
 
 def _convert(kind: str, value: np.ndarray, flatten_from, to_torch: bool) -> np.ndarray:
@@ -65,27 +63,21 @@ def unstacked(flat: Flat) -> Flat:
 
 
 def flat_to_torch(flat: Flat, model: nn.Module) -> dict[str, torch.Tensor]:
-    """Export-named arrays (stacked too) -> `model`'s state_dict; ValueError naming a missing or misshapen key."""
+    """Export-named arrays (stacked too) -> `model`'s state_dict; ValueError naming a missing key."""
     flat = unstacked(flat)
     state = {k: v.detach().clone() for k, v in model.state_dict().items()}
     for jdp_key, torch_key, kind, flatten_from in _entries(model):
         if jdp_key not in flat:
             raise ValueError(f"no {jdp_key} for the twin's {torch_key}; is it the same model and config?")
         value = np.ascontiguousarray(_convert(kind, np.asarray(flat[jdp_key]), flatten_from, True))
-        if tuple(value.shape) != tuple(state[torch_key].shape):
-            raise ValueError(f"{jdp_key} gives {torch_key} the shape {value.shape}, the twin has "
-                             f"{tuple(state[torch_key].shape)}")
         state[torch_key] = torch.tensor(value, dtype=state[torch_key].dtype)
     return state
 
 
 def torch_to_flat(state_dict: dict[str, torch.Tensor], model: nn.Module) -> Flat:
     """A twin's state_dict -> arrays with jdp.export key names (what `--config.init_from` reads)."""
-    flat = {}
-    for jdp_key, torch_key, kind, flatten_from in _entries(model):
-        value = state_dict[torch_key].detach().cpu().numpy()
-        flat[jdp_key] = np.ascontiguousarray(_convert(kind, value, flatten_from, False))
-    return flat
+    return {jdp_key: np.ascontiguousarray(_convert(kind, state_dict[key].detach().cpu().numpy(), flatten_from, False))
+            for jdp_key, key, kind, flatten_from in _entries(model)}
 
 
 def jdp_to_torch(params: dict, model_state: dict, model: nn.Module) -> dict[str, torch.Tensor]:
@@ -99,9 +91,3 @@ def torch_to_jdp(state_dict: dict[str, torch.Tensor], model: nn.Module) -> tuple
     return tuple(traverse_util.unflatten_dict({tuple(int(p) if p.isdigit() else p for p in key.split("/")[1:]): value
                                                for key, value in flat.items() if key.startswith(prefix + "/")})
                  for prefix in ("params", "model_state"))
-
-
-def load_npz(model: nn.Module, path) -> None:
-    """Load a jdp.export-format .npz (or the parity/speed init file) into the twin."""
-    with np.load(path) as stored:
-        model.load_state_dict(flat_to_torch(dict(stored), model), strict=True)

@@ -2,10 +2,8 @@
 (docs/performance.md, "Making it fast"; the columns: docs/benchmarks.md).
 
 Each variant (device count, with or without its collective) is compiled once and timed `--repeats` times,
-interleaved; medians. At the config's global batch: examples/sec, time to the first step, input time per batch,
-the all-reduce's cost (the step less the same step compiled without its collective), the ratio to a plain
-single-device jit step, per-device memory, MFU (`PEAK_TFLOPS` or `--peak_tflops`), the dots' dtypes and the
-scaling efficiency; a language model adds tokens/sec, the GPT its model FLOPs per token. Writes bench.json, bench.md.
+interleaved; medians at the config's global batch. The all-reduce's cost is the step less the same step compiled
+without its collective; MFU is over `PEAK_TFLOPS` or `--peak_tflops`. Writes bench.json, bench.md.
 `--predict`: step time and scaling on devices not at hand (`--predict --help`).
 """
 

@@ -21,7 +21,6 @@ SHAPES = {  # name: (layers, heads, width); block 1024, vocabulary 50,257, GPT-2
     "GPT 2.7B": (32, 32, 2560),
     "GPT 6.7B": (32, 32, 4096),
 }
-UNROLLED_UP_TO = "GPT-2 medium"
 # name: (jdp.perf.measure.SHARDINGS entry, remat, scanned whatever the shape)
 STRATEGIES = {"plain": ("plain", "none", False), "ZeRO-1": ("zero1", "none", False),
               "ZeRO-3": ("zero3", "none", False), "ZeRO-3 + scan + remat": ("zero3", "full", True)}
@@ -38,13 +37,12 @@ def measure_one(shape: str, strategy: str, devices: int) -> dict:
         simulate_cpu_devices(devices)
     sharding, remat, scanned = STRATEGIES[strategy]
     layers, heads, width = SHAPES[shape] if shape in SHAPES else map(int, shape.split("x"))  # or "LxHxW": 2x2x16
-    large = shape not in SHAPES or list(SHAPES).index(shape) > list(SHAPES).index(UNROLLED_UP_TO)
+    large = shape not in ("GPT-2 small", "GPT-2 medium")  # unrolled up to GPT-2 medium; "LxHxW" shapes scanned
     cfg = config_lib.load_config_file(gpt2_small.__file__)
     cfg.model.kwargs.update(num_layers=layers, num_heads=heads, embed_dim=width, remat=remat,
                             scan_layers=scanned or large)
     cfg.compile_cache_dir = ""
-    row = compiled_memory(cfg, devices, sharding)
-    return {**row, "scanned": cfg.model.kwargs.scan_layers, "remat": remat,
+    return {**compiled_memory(cfg, devices, sharding), "scanned": cfg.model.kwargs.scan_layers, "remat": remat,
             "host_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
 
 

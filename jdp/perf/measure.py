@@ -52,13 +52,11 @@ class Variant:
         self.tokens_per_example = getattr(source, "tokens_per_example", 0)  # language models
         self.abstract_params = b.abstract_state.params
         t0 = time.perf_counter()
-        rows = [source.train_batch(i) for i in range(4)]
-        self.batches = [self.parallel.shard_batch(r) for r in rows]
+        self.batches = [self.parallel.shard_batch(source.train_batch(i)) for i in range(4)]
         jax.block_until_ready(self.batches)
-        self.input_s = (time.perf_counter() - t0) / len(rows)
+        self.input_s = (time.perf_counter() - t0) / len(self.batches)
         source.close()
         self.state = self.parallel.to_devices(b.init_state())
-        self.memory = state_memory(self.state)
         t0 = time.perf_counter()
         # Compiled once, as the trainer does: the step runs this executable; collectives and XLA's figures read it.
         self._lowered = self.parallel.lower_train(self.state, self.batches[0])
@@ -93,7 +91,7 @@ class Variant:
     def row(self, step_s: float) -> dict:
         return {"devices": self.num_devices, "first_step_s": self.first_step_s, "step_s": step_s,
                 "input_s": self.input_s, "examples_per_sec": self.batch_size / step_s,
-                "comm_bytes_per_step": self.parallel.comm_bytes_per_step, **self.memory}
+                "comm_bytes_per_step": self.parallel.comm_bytes_per_step, **state_memory(self.state)}
 
 
 def one_device_step_s(cfg, steps: int, repeats: int) -> float:

@@ -14,23 +14,13 @@ from flax import nnx
 
 from jdp.cli import build as build_lib
 from jdp.cli import config as config_lib
-from jdp.perf import measure, validation
-from jdp.perf.scaling import (
-    ALLREDUCE_BYTES,
-    BACKWARD_SHARE,
-    DEFAULT_DEVICES,
-    INTER_LINKS,
-    INTRA_LINKS,
-    Topology,
-    hierarchical_allreduce_s,
-    predict,
-)
+from jdp.perf import measure, scaling, validation
 
 
 def to_markdown(rows: list[dict], grad_bytes: float, topo_names: str) -> str:
     lines = [f"gradient {grad_bytes / 1e6:,.2f} MB per all-reduce; {topo_names}", "",
              "| devices | nodes | batch/device | compute ms | all-reduce ms | step ms (no overlap) | efficiency | "
-             f"step ms (overlap {BACKWARD_SHARE:.2f}) | efficiency | all-reduce > compute below batch/device "
+             f"step ms (overlap {scaling.BACKWARD_SHARE:.2f}) | efficiency | all-reduce > compute below batch/device "
              "| all-reduce > compute above gradient MB |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -57,19 +47,19 @@ def gradient_bytes(cfg, input_shape: tuple[int, ...] | None = None, num_classes:
         build_lib.check_names(cfg)
         make_model = build_lib.model_maker(cfg, input_shape, num_classes)
     params = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(build_lib.abstract_model(make_model), nnx.Param)))
-    return params, params * ALLREDUCE_BYTES[config_lib.sync_strategy(config_lib.fit_values(cfg))[0].dtype_name]
+    return params, params * scaling.ALLREDUCE_BYTES[config_lib.sync_strategy(config_lib.fit_values(cfg))[0].dtype_name]
 
 
-def parser() -> argparse.ArgumentParser:
+def main(argv: list[str]) -> int:
     p = config_lib.ArgumentParser(prog="python -m jdp.bench --predict", description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", type=Path, default=config_lib.DEFAULT_CONFIG)
     p.add_argument("--step_ms", type=config_lib.positive(float, zero=True), default=0.0,
                    help="one device's step time at the config's global batch (default: measured here by jdp.bench)")
-    p.add_argument("--devices", type=config_lib.counts, default=",".join(map(str, DEFAULT_DEVICES)))
+    p.add_argument("--devices", type=config_lib.counts, default=",".join(map(str, scaling.DEFAULT_DEVICES)))
     p.add_argument("--per_node", type=config_lib.positive(int), default=8, help="devices per node (default 8)")
-    p.add_argument("--intra", default="nvlink-a100", choices=sorted(INTRA_LINKS), help="link within a node")
-    p.add_argument("--inter", default="net-100g", choices=sorted(INTER_LINKS), help="link between nodes")
+    p.add_argument("--intra", default="nvlink-a100", choices=sorted(scaling.INTRA_LINKS), help="link within a node")
+    p.add_argument("--inter", default="net-100g", choices=sorted(scaling.INTER_LINKS), help="link between nodes")
     p.add_argument("--scaling", default="strong", choices=("strong", "weak"),
                    help="strong: the config's global batch split over the devices (jdp's contract); weak: each "
                         "device keeps the config's global batch (the global batch grows N-fold)")
@@ -81,20 +71,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=config_lib.positive(int), default=3)
     p.add_argument("--validate", action="store_true",
                    help="predict published scaling results instead (no config) and print the error")
-    return p
-
-
-def main(argv: list[str]) -> int:
     try:
-        args, rest = parser().parse_known_args(argv)
+        args, rest = p.parse_known_args(argv)
         if args.validate:
             print(validation.to_markdown(validation.validate()))
             return 0
         cfg = config_lib.load_config_file(args.config)
         cfg = config_lib.apply_overrides(cfg, config_lib.parse_overrides(rest))
-        topo = Topology(args.per_node, INTRA_LINKS[args.intra], INTER_LINKS[args.inter])
+        topo = scaling.Topology(args.per_node, scaling.INTRA_LINKS[args.intra], scaling.INTER_LINKS[args.inter])
         for n in args.devices:
-            hierarchical_allreduce_s(0.0, n, topo)  # device counts that do not fill nodes, refused up front
+            scaling.hierarchical_allreduce_s(0.0, n, topo)  # device counts that do not fill nodes, refused up front
         params, nbytes = gradient_bytes(cfg, args.input_shape, args.num_classes)
         one_step = (args.step_ms / 1e3 if args.step_ms  # else jdp.bench's one-device step, timed here
                     else measure.one_device_step_s(cfg, args.steps, args.repeats))
@@ -102,7 +88,7 @@ def main(argv: list[str]) -> int:
         print(f"jdp.bench --predict: {e}", file=sys.stderr)
         return 2
     batch = cfg.train.global_batch_size
-    rows = predict(nbytes, one_step, batch, args.devices, topo, args.scaling)
+    rows = scaling.predict(nbytes, one_step, batch, args.devices, topo, args.scaling)
     measured = "given" if args.step_ms else "measured here by jdp.bench"
     strategy = config_lib.sync_strategy(config_lib.fit_values(cfg))[0]
     print(f"{args.config.name}: {cfg.model.name}, {params:,} parameters, all-reduce in {strategy.dtype_name}; "

@@ -39,10 +39,8 @@ INTRA_LINKS = {
     "nvlink-p100": Link(2 * 20 * GB * NVLINK_ACHIEVED, NVLINK_LAT,
                         "P100 NVLink1 hybrid cube mesh (DGX-1, Big Basin): 20 GB/s per link and direction "
                         "(datasheet: 4 links, 160 GB/s bidirectional), two rings x 0.77 achieved"),
-    "pcie3": Link(15.75 * GB * NVLINK_ACHIEVED, PCIE_LAT,
-                  "PCIe 3.0 x16: 15.75 GB/s per direction (PCI-SIG) x 0.77 achieved"),
-    "pcie4": Link(31.5 * GB * NVLINK_ACHIEVED, PCIE_LAT,
-                  "PCIe 4.0 x16: 31.5 GB/s per direction (PCI-SIG) x 0.77 achieved"),
+    **{f"pcie{gen}": Link(rate * GB * NVLINK_ACHIEVED, PCIE_LAT, f"PCIe {gen}.0 x16: {rate} GB/s per direction "
+                          "(PCI-SIG) x 0.77 achieved") for gen, rate in ((3, 15.75), (4, 31.5))},
 }
 INTER_LINKS = {  # one NIC per node at the line rate named (a DGX A100 has 8 x 200 Gb/s: pass --inter net-1600g)
     f"net-{rate}g": Link(rate * GBIT * NET_ACHIEVED, NET_LAT,
@@ -59,9 +57,7 @@ class Topology:
 
 
 def ring_allreduce_s(nbytes: float, n: int, link: Link) -> float:
-    """Ring all-reduce of `nbytes` over `n` devices: 2(n-1) steps, each sending nbytes/n."""
-    if n <= 1:
-        return 0.0
+    """Ring all-reduce of `nbytes` over `n` devices: 2(n-1) steps, each sending nbytes/n (none on one device)."""
     return 2 * (n - 1) / n * nbytes / link.bandwidth + 2 * (n - 1) * link.latency
 
 

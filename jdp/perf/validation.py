@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from jdp.perf.scaling import BACKWARD_SHARE, INTER_LINKS, INTRA_LINKS, Topology, hierarchical_allreduce_s, step_s
+from jdp.perf.scaling import BACKWARD_SHARE, INTER_LINKS, INTRA_LINKS, Topology, predict
 
 # Each figure's source: docs/benchmarks.md, "Validation against published scaling results". Parameter counts: the
 # Keras Applications table; gradients are all-reduced in float32 in every case (AMP keeps float32 parameters).
@@ -20,9 +20,6 @@ P100_TF["ResNet-101"] = 1 / (_T50 + (7.6 - 3.8) / (11.3 - 3.8) * (_T152 - _T50))
 
 # Goyal et al. 2017 (arXiv:1706.02677): the baseline, 90 ImageNet epochs on 8 GPUs in 29 hours, per GPU.
 GOYAL_IMAGES_PER_S = 90 * 1_281_167 / (29 * 3600) / 8
-
-HOROVOD_README_2017 = "Horovod README (2017): 32 servers x 4 Pascal GPUs, RoCE 25 Gbit/s"
-HOROVOD_DOCS = "Horovod docs/benchmarks: 128 servers x 4 Pascal GPUs, RoCE 25 Gbit/s"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +48,8 @@ def _horovod(source: str, gpus: int, efficiencies: tuple[float, float, float]) -
 CASES = [
     Published("Goyal et al. 2017 ResNet-50", "arXiv:1706.02677, 8 -> 256 P100, 50 Gb/s Ethernet", RESNET50, 32,
               GOYAL_IMAGES_PER_S, 256, 8, 8, "nvlink-p100", "net-50g", 0.90),
-    *_horovod(HOROVOD_README_2017, 128, (0.90, 0.90, 0.79)),
-    *_horovod(HOROVOD_DOCS, 512, (0.90, 0.90, 0.68)),
+    *_horovod("Horovod README (2017): 32 servers x 4 Pascal GPUs, RoCE 25 Gbit/s", 128, (0.90, 0.90, 0.79)),
+    *_horovod("Horovod docs/benchmarks: 128 servers x 4 Pascal GPUs, RoCE 25 Gbit/s", 512, (0.90, 0.90, 0.68)),
     Published("NVIDIA ResNet-50 v1.5, mixed precision", "DeepLearningExamples, DGX A100", RESNET50, 256, 2470.0,
               8, 1, 8, "nvlink-a100", "net-200g", 16621 / (8 * 2470)),
     Published("NVIDIA ResNet-50 v1.5, TF32", "DeepLearningExamples, DGX A100", RESNET50, 256, 938.0,
@@ -60,17 +57,16 @@ CASES = [
 ]
 
 
-def predicted_efficiency(case: Published, overlap: float) -> float:
-    topo = Topology(case.per_node, INTRA_LINKS[case.intra], INTER_LINKS[case.inter])
-    compute = case.batch / case.images_per_s
-    base, scaled = (step_s(compute, hierarchical_allreduce_s(case.params * 4, n, topo), overlap)
-                    for n in (case.baseline_gpus, case.gpus))
-    return base / scaled
-
-
 def validate() -> list[dict]:
-    return [{"case": c, "no_overlap": predicted_efficiency(c, 0.0),
-             "overlap": predicted_efficiency(c, BACKWARD_SHARE)} for c in CASES]
+    """Each case's efficiency as `--predict` computes it (weak scaling), relative to its baseline GPU count."""
+    rows = []
+    for c in CASES:
+        topo = Topology(c.per_node, INTRA_LINKS[c.intra], INTER_LINKS[c.inter])
+        base, scaled = predict(c.params * 4, c.batch / c.images_per_s, c.batch, [c.baseline_gpus, c.gpus], topo,
+                               "weak")
+        rows.append({"case": c, "no_overlap": scaled["efficiency"] / base["efficiency"],
+                     "overlap": scaled["efficiency_overlap"] / base["efficiency_overlap"]})
+    return rows
 
 
 def to_markdown(rows: list[dict]) -> str:
