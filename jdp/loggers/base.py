@@ -68,7 +68,6 @@ class Tracker(Callback):
         self.active = False
         self.workdir: Path | None = None
         self._thread: threading.Thread | None = None
-        self._warned = self._abandoned = False
 
     # The training thread's side: decide, enqueue, return.
 
@@ -155,7 +154,7 @@ class Tracker(Callback):
                     # Steps an earlier segment logged past its last checkpoint (then killed) go in once.
                     if step > logged.get(split, -1):
                         self._send(split, step, line)
-        except Exception as e:  # noqa: BLE001 - a write to the workdir failed (_save_state, `_fails_workdir`)
+        except Exception as e:  # noqa: BLE001 - a write to the workdir failed (_save_state, `_guard`)
             self._write_failure = e  # the training thread raises it; the worker stops, and the lines are dropped
 
     def _send(self, split: str, step: int, line: dict[str, Any]) -> None:
@@ -201,15 +200,11 @@ class Tracker(Callback):
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - a tracker's failure must not stop the training
-            if self._fails_workdir(e):
-                raise
+            failure = storage.disk_failure(e) if self.workdir is not None else None
+            if failure and failure[1] and Path(failure[1]).absolute().is_relative_to(self.workdir.absolute()):
+                raise  # the client's failed write into the workdir (a full disk) stops the run
             self._warn(f"{one_line(e)}; training goes on, the tracker may miss lines")
             return None
-
-    def _fails_workdir(self, error: Exception) -> bool:
-        """Whether the client's `error` is a failed write into the workdir (a full disk): that stops the run."""
-        failure = storage.disk_failure(error) if self.workdir is not None else None
-        return bool(failure and failure[1]) and Path(failure[1]).absolute().is_relative_to(self.workdir.absolute())
 
     def _warn(self, message: str) -> None:
         if not self._warned and not self._abandoned:
@@ -235,10 +230,9 @@ class Tracker(Callback):
     def params(self) -> dict[str, Any]:
         """What the tracked run records as its settings: the run record (run.json's) and the CLI's config, if any."""
         params = dict(self.record or {})
-        config = self.workdir / "config.json" if self.workdir is not None else None
-        if config is not None and config.is_file():
-            with contextlib.suppress(OSError, ValueError):
-                params["config"] = json.loads(config.read_text())
+        if self.workdir is not None:
+            with contextlib.suppress(OSError, ValueError):  # no config.json: a run of the API
+                params["config"] = json.loads((self.workdir / "config.json").read_text())
         return params
 
     # What each tracker does.
