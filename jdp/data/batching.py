@@ -102,6 +102,7 @@ class ArrayDataset:
             raise DataError(f"{what}: the arrays' leading lengths differ ({listed}); every array needs one row "
                             "per example")
         self.keys = tuple(self.arrays)
+        self.dtypes = {k: v.dtype for k, v in self.arrays.items()}
         self._length = next(iter(lengths.values()))
 
     def __len__(self) -> int:
@@ -109,9 +110,6 @@ class ArrayDataset:
 
     def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         return {k: self.arrays[k][ids] for k in self.keys}
-
-    def first_row(self) -> dict[str, np.ndarray]:  # row 0, whose values' types the batches will have
-        return self.rows(np.zeros(1, np.int64))
 
 
 def _is_rows(got: Any) -> bool:
@@ -146,12 +144,10 @@ class RandomAccessDataset:
         if not isinstance(first, Mapping):
             raise DataError(f"{what}[0] is a {type(first).__name__}, not a dict of arrays")
         self.keys = tuple(first)
+        self.dtypes = {k: np.asarray(v).dtype for k, v in first.items()}
 
     def __len__(self) -> int:
         return len(self._data)
-
-    def first_row(self) -> dict[str, np.ndarray]:  # read alone: a bad __getitems__ is named at the first batch
-        return {k: np.asarray(v) for k, v in self._data[0].items()}
 
     def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         ids, n = [int(i) for i in ids], len(ids)
@@ -211,14 +207,14 @@ class Batcher(RowOrder):
         if self._eval is not None and set(self._eval.keys) != set(self._train.keys):
             raise DataError(f"the eval data's keys {sorted(self._eval.keys)} differ from the train data's "
                             f"{sorted(self._train.keys)}; give both the same keys")
-        first = self._train.first_row() if len(self._train) else {}
-        if unusable := [f"{k!r} ({column.dtype})" for k, column in first.items() if column.dtype.kind not in "biufc"]:
+        dtypes = self._train.dtypes
+        if unusable := [f"{k!r} ({dtype})" for k, dtype in dtypes.items() if dtype.kind not in "biufc"]:
             # A tfds record's `id`, say: no compiled step takes strings (JAX refused them at the step's lowering).
             one = len(unusable) == 1
             warn(f"the data's {'key' if one else 'keys'} {', '.join(unusable)} {'holds' if one else 'hold'} strings or "
                  "objects, which a compiled step cannot take: left out of the batches")
             for dataset in filter(None, (self._train, self._eval)):
-                dataset.keys = tuple(k for k in dataset.keys if k in first and first[k].dtype.kind in "biufc")
+                dataset.keys = tuple(k for k in dataset.keys if dtypes[k].kind in "biufc")
         self._shapes: dict[str, dict[str, tuple]] = {}  # each split's rows' shapes, as its first batch had them
         super().__init__(seed=seed, num_train=len(self._train),
                          num_eval=len(self._eval) if self._eval is not None else 0, global_batch_size=global_batch_size,
