@@ -108,8 +108,7 @@ class Tracker(Callback):
         self.close(ok=True)
 
     def close(self, ok: bool = False) -> None:
-        """Ends the tracked run (finished when `ok`, else stopped early) within `close_timeout_s`, else warns and
-        leaves the worker behind. Called by `on_end`, and at exit when the run raised."""
+        """Ends the tracked run (finished if `ok`, else killed), past `close_timeout_s` without it (a warning)."""
         thread, self._thread = self._thread, None
         if thread is None:
             return
@@ -179,8 +178,7 @@ class Tracker(Callback):
         self._guard(self._log, split, step, line)
 
     def _missing(self, logged: dict[str, int]) -> list[tuple[str, int, dict[str, Any]]]:
-        """The train and eval lines of metrics.jsonl up to the start step that the tracked run lacks (a buffering
-        tracker loses its last ones to a SIGKILL)."""
+        """metrics.jsonl's train and eval lines up to the start step that the tracked run lacks (lost to a SIGKILL)."""
         if self.workdir is None or not self._jsonl_size:
             return []
         with open(self.workdir / "metrics.jsonl", "rb") as f:
@@ -235,11 +233,8 @@ class Tracker(Callback):
                 params["config"] = json.loads((self.workdir / "config.json").read_text())
         return params
 
-    # What each tracker does.
-
     def _logged(self) -> dict[str, int]:
-        """The last step of each split the tracked run already holds; by default (and when the tracker cannot say)
-        the last steps handed to it."""
+        """The last step of each split the tracked run holds; by default (or when the tracker fails) the last sent."""
         return {split: self.state[split] for split in SPLITS if isinstance(self.state.get(split), int)}
 
     def _open(self, run_id: str | None) -> str:

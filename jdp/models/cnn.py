@@ -28,18 +28,12 @@ class CNN1D(nnx.Module):
         *,
         rngs: nnx.Rngs,
     ):
-        # Explicit padding 1 gives the same output lengths as torch Conv1d(padding=1).
-        self.convs = nnx.List(
-            [
-                nnx.Conv(c_in, c_out, (k,), (s,), padding=((1, 1),), rngs=rngs)
-                for c_in, c_out, k, s in zip(
-                    [in_channels, *channels[:-1]], channels, kernel_sizes, strides, strict=True
-                )
-            ]
-        )
-        length = in_length
-        for k, s in zip(kernel_sizes, strides, strict=True):
+        convs, length = [], in_length
+        for c_in, c_out, k, s in zip([in_channels, *channels[:-1]], channels, kernel_sizes, strides, strict=True):
+            # Explicit padding 1 gives the same output lengths as torch Conv1d(padding=1).
+            convs.append(nnx.Conv(c_in, c_out, (k,), (s,), padding=((1, 1),), rngs=rngs))
             length = (length + 2 - k) // s + 1
+        self.convs = nnx.List(convs)
         self.head = nnx.Linear(length * channels[-1], num_classes, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -26,8 +26,7 @@ def attention_implementation(dtype: jnp.dtype) -> str:
 
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, **kwargs: Any) -> jax.Array:
     """`jax.nn.dot_product_attention`, float16 on CPU in float32 (XLA:CPU has no float16 dot with float32 sums)."""
-    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
-        kwargs.pop("implementation", None)
+    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":  # where the implementation is "xla"
         return jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), **kwargs).astype(q.dtype)
     return jax.nn.dot_product_attention(q, k, v, **kwargs)
 
