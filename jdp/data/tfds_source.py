@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jdp.data import augment
+from jdp.data.augment import ImageInput
 from jdp.data.batching import DataError, RowOrder
-from jdp.data.device_input import ImageInput
 from jdp.data.tfrecord import TfrecordRecords
 from jdp.errors import one_line
 
