@@ -78,7 +78,13 @@ class Tracker(Callback):
             return
         self.workdir, self.start, self.record = workdir, start, record
         self._state_file = workdir / STATE_DIR / f"{self.name}.json" if workdir is not None else None
-        self.state: dict[str, Any] = self._read_state()  # the run id and the last step of each split sent
+        self.state: dict[str, Any] = {}  # the run id and the last step of each split sent
+        if self._state_file is not None and self._state_file.is_file():
+            try:
+                state = json.loads(self._state_file.read_text())
+                self.state = state if isinstance(state, dict) else {}
+            except (OSError, ValueError) as e:
+                warn(f"{self._state_file} cannot be read ({one_line(e)}); the {self.name} logger opens a new run")
         self._last_step = start
         jsonl = workdir / "metrics.jsonl" if workdir is not None else None
         self._jsonl_size = jsonl.stat().st_size if jsonl is not None and jsonl.is_file() else 0
@@ -208,17 +214,6 @@ class Tracker(Callback):
         if not self._warned and not self._abandoned:
             self._warned = True
             warn(f"{self.name} logger: {message} (this warning is shown once)")
-
-    def _read_state(self) -> dict[str, Any]:
-        path = self._state_file
-        if path is None or not path.is_file():
-            return {}
-        try:
-            state = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            warn(f"{path} cannot be read ({one_line(e)}); the {self.name} logger opens a new run")
-            return {}
-        return state if isinstance(state, dict) else {}
 
     def _save_state(self) -> None:
         if self._state_file is not None and not self._abandoned:
