@@ -78,8 +78,7 @@ class RowOrder:
         return math.ceil(self.num_eval / self.eval_batch_size)
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
-        """The eval split once, in order, padding rows (`mask` 0) in the last batch only; as many batches on every
-        process (collectives stay in lockstep)."""
+        """The eval split once, in order, padded (`mask` 0) at its end; as many batches on every process (lockstep)."""
         for i in range(self.num_eval_batches()):
             ids, real = self.eval_rows(i)
             yield {**self._eval_rows(ids, real), "mask": real.astype(np.float32)}
@@ -131,9 +130,8 @@ def _describe(got: Any, keys: tuple[str, ...]) -> str:
 
 
 class RandomAccessDataset:
-    """Any object with `__len__` and `__getitem__(i)` returning a dict of arrays (e.g. `grain.MapDataset`,
-    `tfds.data_source`); `__getitems__(ids)`, where it exists, reads a batch of rows at once and returns
-    either a list of row dicts or a dict of arrays stacked along a leading axis of len(ids)."""
+    """Any object with `__len__` and `__getitem__(i)` returning a dict of arrays (e.g. `grain.MapDataset`); its
+    `__getitems__(ids)`, if any, reads a batch: a list of row dicts, or a dict of arrays of leading length len(ids)."""
 
     def __init__(self, data: Any, what: str = "the data") -> None:
         if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):

@@ -208,8 +208,7 @@ class TfdsSource(RowOrder):
 
     def _read(self, source: _Records, rows: np.ndarray, transform: Callable[[bytes | np.ndarray, int], np.ndarray]
               ) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of `source` -> (pixels uint8, labels int32), `transform(stored image, i)` decoding row i: one chunk
-        per worker thread, each written into its own slots (no dependence on the schedule)."""
+        """(pixels uint8, labels int32) of `rows`, row i decoded by `transform(image, i)`, a chunk per worker thread."""
         n = len(rows)
         pixels = np.empty((n, *self.input_shape), np.uint8)
         labels = np.empty(n, np.int32)

@@ -66,7 +66,6 @@ class Tracker(Callback):
             raise UsageError(f"close_timeout_s={close_timeout_s!r} must be a number of seconds, at least 0")
         self.close_timeout_s = close_timeout_s
         self.active = False
-        self.workdir: Path | None = None
         self._thread: threading.Thread | None = None
 
     # The training thread's side: decide, enqueue, return.

@@ -33,7 +33,6 @@ class WandB(Tracker):
         if key := next((k for k in ("id", "resume", "project", "config", "reinit") if k in init_kwargs), None):
             raise UsageError(f"jdp.loggers.WandB sets wandb.init's {key!r} itself; leave it out")
         self.project, self.init_kwargs = project, init_kwargs
-        self.run: Any = None
 
     def _open(self, run_id: str | None) -> str:
         import wandb

@@ -72,9 +72,8 @@ class CausalSelfAttention(nnx.Module):
 
 
 def gelu(x: jax.Array) -> jax.Array:
-    """The exact GELU as PyTorch computes it, x/2 (1 + erf(x/sqrt 2)). Equal to jax.nn.gelu(approximate=False)
-    (x/2 erfc(-x/sqrt 2)) to float rounding, but its gradient is one cheap fusion where erfc's is a costly one:
-    the CPU config's fwd+bwd takes ~25% less time (docs/benchmarks.md, "Where the GPT's step time goes")."""
+    """The exact GELU as PyTorch computes it, x/2 (1 + erf(x/sqrt 2)): jax.nn.gelu(approximate=False)'s erfc form has a
+    costly gradient, ~25% of the CPU config's fwd+bwd (docs/benchmarks.md, "Where the GPT's step time goes")."""
     return 0.5 * x * (1 + jax.lax.erf(x * (1 / math.sqrt(2))).astype(x.dtype))
 
 
