@@ -25,7 +25,6 @@ from jdp.files import write_atomic
 
 CLOSE_TIMEOUT_S = 30.0  # the most a run's end (or its exit after an error or a signal) waits for a tracker
 QUEUE_LINES = 10_000  # lines held for a tracker that lags; past that, lines are dropped (with the one warning)
-STATE_DIR = "trackers"
 SPLITS = ("train", "eval", "summary")
 _END = object()
 _IMPORTS = threading.Lock()
@@ -76,7 +75,7 @@ class Tracker(Callback):
         if not self.active:
             return
         self.workdir, self.start, self.record = workdir, start, record
-        self._state_file = workdir / STATE_DIR / f"{self.name}.json" if workdir is not None else None
+        self._state_file = workdir / "trackers" / f"{self.name}.json" if workdir is not None else None
         self.state: dict[str, Any] = {}  # the run id and the last step of each split sent
         if self._state_file is not None and self._state_file.is_file():
             try:
