@@ -39,9 +39,9 @@ def optional(source: Source, name: str) -> Any:
 
 
 class RowOrder:
-    """Which rows of each split this process reads, by step (`Batcher` and `TfdsSource` read them, `_eval_rows`).
-    Train: a (seed, epoch) permutation cut into global batches (an epoch's last partial one dropped), process p
-    taking its contiguous block of each. Eval: the split in order, the last batch padded (`real` False)."""
+    """Which rows of each split this process reads, by step. Train: a (seed, epoch) permutation cut into global
+    batches (an epoch's last partial one dropped), process p taking its contiguous block of each. Eval: the split in
+    order, the last batch padded (`real` False); subclasses read the rows (`_eval_rows`)."""
 
     def __init__(self, *, seed: int, num_train: int, num_eval: int, global_batch_size: int, eval_batch_size: int,
                  process_index: int, process_count: int, train_split: str = "the train split") -> None:

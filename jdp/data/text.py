@@ -167,9 +167,7 @@ def _codepoints(raw: bytes, what: str) -> np.ndarray:
 def text_source(cfg: ml_collections.ConfigDict, workdir: Path | None = None, **layout: int) -> Batcher:
     """The `Batcher` of train windows at every position of the first 90%, validation windows side by side over the
     rest; with `vocabulary`, `input_shape`, `num_classes` and `tokens_per_example`."""
-    block = cfg.block_size
-    if block < 1:
-        raise DataError(f"data.block_size={block} must be at least 1")
+    block = cfg.block_size  # at least 1 (jdp.cli.config's ranges)
     raw = read_text(cfg.name, utf8=cfg.tokenizer == "chars", workdir=workdir)
     # The workdir's saved vocabulary if a checkpoint trained with it (a run and its resume share it), else the text's
     # own, saved there by process 0 (a start refused before training binds no text).

@@ -50,8 +50,8 @@ def numbers(line: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 class Tracker(Callback):
-    """A logger of metrics.jsonl's lines to an experiment tracker, as a `jdp.Callback`; subclasses' `_open`, `_log`
-    and `_close` run on the worker thread."""
+    """A logger of metrics.jsonl's lines to an experiment tracker, as a `jdp.Callback`: the training thread queues
+    them and returns; a worker thread sends them (subclasses' `_open`, `_log` and `_close`)."""
 
     name = ""  # jdp.loggers.LOGGERS's name; the state file's and the extra's name
     package = ""  # what the tracker's client imports as
@@ -66,8 +66,6 @@ class Tracker(Callback):
         self.close_timeout_s = close_timeout_s
         self.active = False
         self._thread: threading.Thread | None = None
-
-    # The training thread's side: decide, enqueue, return.
 
     def on_start(self, start: int, workdir: Path | None, record: dict[str, Any] | None) -> None:
         self.close()  # a logger passed to a second fit: the first one's run ends first
@@ -131,8 +129,6 @@ class Tracker(Callback):
         failure, self._write_failure = self._write_failure, None
         if failure is not None:
             raise failure
-
-    # The worker thread's side.
 
     def _work(self) -> None:
         self._opened = self._failed = False
