@@ -29,7 +29,7 @@ from jdp.cli import launch
 from jdp.cli.train import main
 from jdp.errors import UsageError
 from jdp.loggers import MLflow, WandB
-from jdp.loggers.wandb_records import items, read_records
+from jdp.loggers.wandb_logger import items, read_records
 from tests.helpers import records, small_config
 from tests.test_golden import MLP  # 6 -> 16 -> 1
 

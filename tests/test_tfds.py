@@ -27,7 +27,7 @@ else:
 
 from jdp.configs import base  # noqa: E402
 from jdp.data import TfdsSource, augment, build_source  # noqa: E402
-from jdp.data.device_input import CROP_PADDING, pad_crop_flip  # noqa: E402
+from jdp.data.augment import CROP_PADDING, pad_crop_flip  # noqa: E402
 from tests.helpers import max_abs_diff, small_config  # noqa: E402
 
 FIXTURES = Path(__file__).parent / "fixtures" / "tfds"

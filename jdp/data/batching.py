@@ -39,9 +39,9 @@ def optional(source: Source, name: str) -> Any:
 
 
 class RowOrder:
-    """Which rows of each split this process reads, by step (`Batcher` and `TfdsSource` read them, `_eval_rows`).
-    Train: a (seed, epoch) permutation cut into global batches (an epoch's last partial one dropped), process p
-    taking its contiguous block of each. Eval: the split in order, the last batch padded (`real` False)."""
+    """Which rows of each split this process reads, by step. Train: a (seed, epoch) permutation cut into global
+    batches (an epoch's last partial one dropped), process p taking its contiguous block of each. Eval: the split in
+    order, the last batch padded (`real` False); subclasses read the rows (`_eval_rows`)."""
 
     def __init__(self, *, seed: int, num_train: int, num_eval: int, global_batch_size: int, eval_batch_size: int,
                  process_index: int, process_count: int, train_split: str = "the train split") -> None:
@@ -78,8 +78,7 @@ class RowOrder:
         return math.ceil(self.num_eval / self.eval_batch_size)
 
     def eval_batches(self) -> Iterator[dict[str, np.ndarray]]:
-        """The eval split once, in order, padding rows (`mask` 0) in the last batch only; as many batches on every
-        process (collectives stay in lockstep)."""
+        """The eval split once, in order, padded (`mask` 0) at its end; as many batches on every process (lockstep)."""
         for i in range(self.num_eval_batches()):
             ids, real = self.eval_rows(i)
             yield {**self._eval_rows(ids, real), "mask": real.astype(np.float32)}
@@ -102,6 +101,7 @@ class ArrayDataset:
             raise DataError(f"{what}: the arrays' leading lengths differ ({listed}); every array needs one row "
                             "per example")
         self.keys = tuple(self.arrays)
+        self.dtypes = {k: v.dtype for k, v in self.arrays.items()}
         self._length = next(iter(lengths.values()))
 
     def __len__(self) -> int:
@@ -109,9 +109,6 @@ class ArrayDataset:
 
     def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         return {k: self.arrays[k][ids] for k in self.keys}
-
-    def first_row(self) -> dict[str, np.ndarray]:  # row 0, whose values' types the batches will have
-        return self.rows(np.zeros(1, np.int64))
 
 
 def _is_rows(got: Any) -> bool:
@@ -133,9 +130,8 @@ def _describe(got: Any, keys: tuple[str, ...]) -> str:
 
 
 class RandomAccessDataset:
-    """Any object with `__len__` and `__getitem__(i)` returning a dict of arrays (e.g. `grain.MapDataset`,
-    `tfds.data_source`); `__getitems__(ids)`, where it exists, reads a batch of rows at once and returns
-    either a list of row dicts or a dict of arrays stacked along a leading axis of len(ids)."""
+    """Any object with `__len__` and `__getitem__(i)` returning a dict of arrays (e.g. `grain.MapDataset`); its
+    `__getitems__(ids)`, if any, reads a batch: a list of row dicts, or a dict of arrays of leading length len(ids)."""
 
     def __init__(self, data: Any, what: str = "the data") -> None:
         if not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
@@ -146,12 +142,10 @@ class RandomAccessDataset:
         if not isinstance(first, Mapping):
             raise DataError(f"{what}[0] is a {type(first).__name__}, not a dict of arrays")
         self.keys = tuple(first)
+        self.dtypes = {k: np.asarray(v).dtype for k, v in first.items()}
 
     def __len__(self) -> int:
         return len(self._data)
-
-    def first_row(self) -> dict[str, np.ndarray]:  # read alone: a bad __getitems__ is named at the first batch
-        return {k: np.asarray(v) for k, v in self._data[0].items()}
 
     def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
         ids, n = [int(i) for i in ids], len(ids)
@@ -211,14 +205,14 @@ class Batcher(RowOrder):
         if self._eval is not None and set(self._eval.keys) != set(self._train.keys):
             raise DataError(f"the eval data's keys {sorted(self._eval.keys)} differ from the train data's "
                             f"{sorted(self._train.keys)}; give both the same keys")
-        first = self._train.first_row() if len(self._train) else {}
-        if unusable := [f"{k!r} ({column.dtype})" for k, column in first.items() if column.dtype.kind not in "biufc"]:
+        dtypes = self._train.dtypes
+        if unusable := [f"{k!r} ({dtype})" for k, dtype in dtypes.items() if dtype.kind not in "biufc"]:
             # A tfds record's `id`, say: no compiled step takes strings (JAX refused them at the step's lowering).
             one = len(unusable) == 1
             warn(f"the data's {'key' if one else 'keys'} {', '.join(unusable)} {'holds' if one else 'hold'} strings or "
                  "objects, which a compiled step cannot take: left out of the batches")
             for dataset in filter(None, (self._train, self._eval)):
-                dataset.keys = tuple(k for k in dataset.keys if k in first and first[k].dtype.kind in "biufc")
+                dataset.keys = tuple(k for k in dataset.keys if dtypes[k].kind in "biufc")
         self._shapes: dict[str, dict[str, tuple]] = {}  # each split's rows' shapes, as its first batch had them
         super().__init__(seed=seed, num_train=len(self._train),
                          num_eval=len(self._eval) if self._eval is not None else 0, global_batch_size=global_batch_size,

@@ -164,35 +164,27 @@ def _codepoints(raw: bytes, what: str) -> np.ndarray:
     return np.frombuffer(text.encode("utf-32-le"), np.uint32)
 
 
-def vocabulary_for(cfg: ml_collections.ConfigDict, raw: bytes, workdir: Path | None,
-                   process_index: int) -> Vocabulary:
-    """The workdir's saved vocabulary if it has one and a checkpoint trained with it (a run and its resume share
-    it), else the text's own, saved there by process 0 (a start refused before training binds no text)."""
+def text_source(cfg: ml_collections.ConfigDict, workdir: Path | None = None, **layout: int) -> Batcher:
+    """The `Batcher` of train windows at every position of the first 90%, validation windows side by side over the
+    rest; with `vocabulary`, `input_shape`, `num_classes` and `tokens_per_example`."""
+    block = cfg.block_size  # at least 1 (jdp.cli.config's ranges)
+    raw = read_text(cfg.name, utf8=cfg.tokenizer == "chars", workdir=workdir)
+    # The workdir's saved vocabulary if a checkpoint trained with it (a run and its resume share it), else the text's
+    # own, saved there by process 0 (a start refused before training binds no text).
     saved = workdir / VOCAB_FILE if workdir is not None else None
     if saved is not None and saved.is_file() and committed_steps(workdir):
         vocab = Vocabulary.load(saved)
         if vocab.tokenizer != cfg.tokenizer:
             raise DataError(f"{saved} holds a {vocab.tokenizer} vocabulary, the config asks for data.tokenizer="
                             f"{cfg.tokenizer}; use a new --workdir")
-        return vocab
-    vocab = Vocabulary.of_text(cfg.tokenizer, raw, f"the text of data.name={cfg.name}")
-    if saved is not None and process_index == 0:
-        vocab.save(saved)
-    return vocab
-
-
-def text_source(cfg: ml_collections.ConfigDict, workdir: Path | None = None, **layout: int) -> Batcher:
-    """The `Batcher` of train windows at every position of the first 90%, validation windows side by side over the
-    rest; with `vocabulary`, `input_shape`, `num_classes` and `tokens_per_example`."""
-    block = cfg.block_size
-    if block < 1:
-        raise DataError(f"data.block_size={block} must be at least 1")
-    raw = read_text(cfg.name, utf8=cfg.tokenizer == "chars", workdir=workdir)
-    vocab = vocabulary_for(cfg, raw, workdir, layout["process_index"])
+    else:
+        vocab = Vocabulary.of_text(cfg.tokenizer, raw, f"the text of data.name={cfg.name}")
+        if saved is not None and layout["process_index"] == 0:
+            vocab.save(saved)
     try:
         tokens = vocab.encode(raw, f"the text of data.name={cfg.name}")
     except DataError as e:  # only a saved vocabulary can lack a character of the text it was not built from
-        raise DataError(f"{e}, {workdir / VOCAB_FILE}, built from the text this run started on; restore that "
+        raise DataError(f"{e}, {saved}, built from the text this run started on; restore that "
                         "text, or use a new --workdir") from None
     tokens.setflags(write=False)
     split = int(len(tokens) * TRAIN_FRACTION)

@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from jdp.data import augment
+from jdp.data.augment import ImageInput
 from jdp.data.batching import DataError, RowOrder
-from jdp.data.device_input import ImageInput
 from jdp.data.tfrecord import TfrecordRecords
 from jdp.errors import one_line
 
@@ -88,17 +88,6 @@ def _allow_open_files(shards: int) -> None:
                                                     hard))
 
 
-def _feature_keys(builder) -> tuple[str, str]:
-    keys = builder.info.supervised_keys
-    if isinstance(keys, tuple) and len(keys) == 2 and all(isinstance(k, str) for k in keys):
-        return keys
-    features = builder.info.features
-    if "image" in features and "label" in features:
-        return "image", "label"
-    raise ValueError(f"tfds dataset {builder.name!r} has no supervised (image, label) keys and no 'image' and "
-                     f"'label' features (it has {', '.join(features)})")
-
-
 class _Records:
     """Random access to one split's (image, label) pairs, the image still encoded. A `tfds.features.Image`'s records
     are parsed here as `tf.train.Example` protos, ~10x cheaper than tfds's per-feature decoding."""
@@ -132,8 +121,8 @@ class _Records:
             self._source.close()
 
     def __getitems__(self, rows: np.ndarray) -> list[tuple[Any, int]]:
-        """The (image, label) pairs at `rows`, one record at a time: on CIFAR-sized records ~4x cheaper than the data
-        source's `__getitems__`, which starts a thread pool per call (the parallelism is our worker threads')."""
+        """The (image, label) pairs at `rows`, read one by one: ~4x cheaper on CIFAR than the data source's
+        `__getitems__`, which starts a thread pool per call (the parallelism is our worker threads')."""
         records = [self._source[int(r)] for r in rows]
         if not self._fast:
             return [(d[self._image_key], d[self._label_key]) for d in map(self._decode, records)]
@@ -159,8 +148,13 @@ class TfdsSource(RowOrder):
         self.name = cfg.name[len(TFDS_PREFIX):]
         builder = open_builder(self.name, cfg.data_dir)
         import tensorflow_datasets as tfds  # imported by open_builder
-        image_key, label_key = _feature_keys(builder)
-        features = builder.info.features
+        features, keys = builder.info.features, builder.info.supervised_keys
+        if not (isinstance(keys, tuple) and len(keys) == 2 and all(isinstance(k, str) for k in keys)):
+            if "image" not in features or "label" not in features:
+                raise ValueError(f"tfds dataset {builder.name!r} has no supervised (image, label) keys and no "
+                                 f"'image' and 'label' features (it has {', '.join(features)})")
+            keys = "image", "label"
+        image_key, label_key = keys
 
         shards = 0
         for key in ("train_split", "eval_split"):
@@ -177,8 +171,6 @@ class TfdsSource(RowOrder):
         self._channels = channels = stored[-1] or 3
         self._small = None not in stored[:2] and stored[0] <= augment.SMALL_IMAGE_MAX_HEIGHT
         self._augment = bool(cfg.augment)
-        if not self._small and cfg.image_size <= 0:
-            raise ValueError(f"data.image_size={cfg.image_size} must be positive")
         self.input_shape = (*(stored[:2] if self._small else (cfg.image_size,) * 2), channels)
         mean, std = augment.channel_stats(self.name, channels) if cfg.normalize else ((0,) * channels, (1,) * channels)
         self.device_input = ImageInput(tuple(map(float, mean)), tuple(map(float, std)))
@@ -208,8 +200,7 @@ class TfdsSource(RowOrder):
 
     def _read(self, source: _Records, rows: np.ndarray, transform: Callable[[bytes | np.ndarray, int], np.ndarray]
               ) -> tuple[np.ndarray, np.ndarray]:
-        """Rows of `source` -> (pixels uint8, labels int32), `transform(stored image, i)` decoding row i: one chunk
-        per worker thread, each written into its own slots (no dependence on the schedule)."""
+        """(pixels uint8, labels int32) of `rows`, row i decoded by `transform(image, i)`, a chunk per worker thread."""
         n = len(rows)
         pixels = np.empty((n, *self.input_shape), np.uint8)
         labels = np.empty(n, np.int32)

@@ -25,7 +25,6 @@ from jdp.files import write_atomic
 
 CLOSE_TIMEOUT_S = 30.0  # the most a run's end (or its exit after an error or a signal) waits for a tracker
 QUEUE_LINES = 10_000  # lines held for a tracker that lags; past that, lines are dropped (with the one warning)
-STATE_DIR = "trackers"
 SPLITS = ("train", "eval", "summary")
 _END = object()
 _IMPORTS = threading.Lock()
@@ -51,8 +50,8 @@ def numbers(line: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 class Tracker(Callback):
-    """A logger of metrics.jsonl's lines to an experiment tracker, as a `jdp.Callback`; subclasses' `_open`, `_log`
-    and `_close` run on the worker thread."""
+    """A logger of metrics.jsonl's lines to an experiment tracker, as a `jdp.Callback`: the training thread queues
+    them and returns; a worker thread sends them (subclasses' `_open`, `_log` and `_close`)."""
 
     name = ""  # jdp.loggers.LOGGERS's name; the state file's and the extra's name
     package = ""  # what the tracker's client imports as
@@ -66,11 +65,7 @@ class Tracker(Callback):
             raise UsageError(f"close_timeout_s={close_timeout_s!r} must be a number of seconds, at least 0")
         self.close_timeout_s = close_timeout_s
         self.active = False
-        self.workdir: Path | None = None
         self._thread: threading.Thread | None = None
-        self._warned = self._abandoned = False
-
-    # The training thread's side: decide, enqueue, return.
 
     def on_start(self, start: int, workdir: Path | None, record: dict[str, Any] | None) -> None:
         self.close()  # a logger passed to a second fit: the first one's run ends first
@@ -78,8 +73,14 @@ class Tracker(Callback):
         if not self.active:
             return
         self.workdir, self.start, self.record = workdir, start, record
-        self._state_file = workdir / STATE_DIR / f"{self.name}.json" if workdir is not None else None
-        self.state: dict[str, Any] = self._read_state()  # the run id and the last step of each split sent
+        self._state_file = workdir / "trackers" / f"{self.name}.json" if workdir is not None else None
+        self.state: dict[str, Any] = {}  # the run id and the last step of each split sent
+        if self._state_file is not None and self._state_file.is_file():
+            try:
+                state = json.loads(self._state_file.read_text())
+                self.state = state if isinstance(state, dict) else {}
+            except (OSError, ValueError) as e:
+                warn(f"{self._state_file} cannot be read ({one_line(e)}); the {self.name} logger opens a new run")
         self._last_step = start
         jsonl = workdir / "metrics.jsonl" if workdir is not None else None
         self._jsonl_size = jsonl.stat().st_size if jsonl is not None and jsonl.is_file() else 0
@@ -109,8 +110,7 @@ class Tracker(Callback):
         self.close(ok=True)
 
     def close(self, ok: bool = False) -> None:
-        """Ends the tracked run (finished when `ok`, else stopped early) within `close_timeout_s`, else warns and
-        leaves the worker behind. Called by `on_end`, and at exit when the run raised."""
+        """Ends the tracked run (finished if `ok`, else killed), past `close_timeout_s` without it (a warning)."""
         thread, self._thread = self._thread, None
         if thread is None:
             return
@@ -129,8 +129,6 @@ class Tracker(Callback):
         failure, self._write_failure = self._write_failure, None
         if failure is not None:
             raise failure
-
-    # The worker thread's side.
 
     def _work(self) -> None:
         self._opened = self._failed = False
@@ -155,7 +153,7 @@ class Tracker(Callback):
                     # Steps an earlier segment logged past its last checkpoint (then killed) go in once.
                     if step > logged.get(split, -1):
                         self._send(split, step, line)
-        except Exception as e:  # noqa: BLE001 - a write to the workdir failed (_save_state, `_fails_workdir`)
+        except Exception as e:  # noqa: BLE001 - a write to the workdir failed (_save_state, `_guard`)
             self._write_failure = e  # the training thread raises it; the worker stops, and the lines are dropped
 
     def _send(self, split: str, step: int, line: dict[str, Any]) -> None:
@@ -180,8 +178,7 @@ class Tracker(Callback):
         self._guard(self._log, split, step, line)
 
     def _missing(self, logged: dict[str, int]) -> list[tuple[str, int, dict[str, Any]]]:
-        """The train and eval lines of metrics.jsonl up to the start step that the tracked run lacks (a buffering
-        tracker loses its last ones to a SIGKILL)."""
+        """metrics.jsonl's train and eval lines up to the start step that the tracked run lacks (lost to a SIGKILL)."""
         if self.workdir is None or not self._jsonl_size:
             return []
         with open(self.workdir / "metrics.jsonl", "rb") as f:
@@ -201,31 +198,16 @@ class Tracker(Callback):
         try:
             return fn(*args)
         except Exception as e:  # noqa: BLE001 - a tracker's failure must not stop the training
-            if self._fails_workdir(e):
-                raise
+            failure = storage.disk_failure(e) if self.workdir is not None else None
+            if failure and failure[1] and Path(failure[1]).absolute().is_relative_to(self.workdir.absolute()):
+                raise  # the client's failed write into the workdir (a full disk) stops the run
             self._warn(f"{one_line(e)}; training goes on, the tracker may miss lines")
             return None
-
-    def _fails_workdir(self, error: Exception) -> bool:
-        """Whether the client's `error` is a failed write into the workdir (a full disk): that stops the run."""
-        failure = storage.disk_failure(error) if self.workdir is not None else None
-        return bool(failure and failure[1]) and Path(failure[1]).absolute().is_relative_to(self.workdir.absolute())
 
     def _warn(self, message: str) -> None:
         if not self._warned and not self._abandoned:
             self._warned = True
             warn(f"{self.name} logger: {message} (this warning is shown once)")
-
-    def _read_state(self) -> dict[str, Any]:
-        path = self._state_file
-        if path is None or not path.is_file():
-            return {}
-        try:
-            state = json.loads(path.read_text())
-        except (OSError, ValueError) as e:
-            warn(f"{path} cannot be read ({one_line(e)}); the {self.name} logger opens a new run")
-            return {}
-        return state if isinstance(state, dict) else {}
 
     def _save_state(self) -> None:
         if self._state_file is not None and not self._abandoned:
@@ -235,17 +217,13 @@ class Tracker(Callback):
     def params(self) -> dict[str, Any]:
         """What the tracked run records as its settings: the run record (run.json's) and the CLI's config, if any."""
         params = dict(self.record or {})
-        config = self.workdir / "config.json" if self.workdir is not None else None
-        if config is not None and config.is_file():
-            with contextlib.suppress(OSError, ValueError):
-                params["config"] = json.loads(config.read_text())
+        if self.workdir is not None:
+            with contextlib.suppress(OSError, ValueError):  # no config.json: a run of the API
+                params["config"] = json.loads((self.workdir / "config.json").read_text())
         return params
 
-    # What each tracker does.
-
     def _logged(self) -> dict[str, int]:
-        """The last step of each split the tracked run already holds; by default (and when the tracker cannot say)
-        the last steps handed to it."""
+        """The last step of each split the tracked run holds; by default (or when the tracker fails) the last sent."""
         return {split: self.state[split] for split in SPLITS if isinstance(self.state.get(split), int)}
 
     def _open(self, run_id: str | None) -> str:

@@ -37,8 +37,6 @@ class MLflow(Tracker):
         if tracking_uri and tracking_uri_problem(tracking_uri):
             raise UsageError(f"MLflow(tracking_uri={tracking_uri!r}) {tracking_uri_problem(tracking_uri)}")
         self.tracking_uri, self.experiment = tracking_uri, experiment
-        self.client: Any = None
-        self.uri = self.run_id = ""
 
     def on_start(self, start: int, workdir: Path | None, record: dict[str, Any] | None) -> None:
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (Path.cwd() / "mlruns").as_uri()

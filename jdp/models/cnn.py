@@ -28,18 +28,12 @@ class CNN1D(nnx.Module):
         *,
         rngs: nnx.Rngs,
     ):
-        # Explicit padding 1 gives the same output lengths as torch Conv1d(padding=1).
-        self.convs = nnx.List(
-            [
-                nnx.Conv(c_in, c_out, (k,), (s,), padding=((1, 1),), rngs=rngs)
-                for c_in, c_out, k, s in zip(
-                    [in_channels, *channels[:-1]], channels, kernel_sizes, strides, strict=True
-                )
-            ]
-        )
-        length = in_length
-        for k, s in zip(kernel_sizes, strides, strict=True):
+        convs, length = [], in_length
+        for (c_in, c_out), k, s in zip(pairwise([in_channels, *channels]), kernel_sizes, strides, strict=True):
+            # Explicit padding 1 gives the same output lengths as torch Conv1d(padding=1).
+            convs.append(nnx.Conv(c_in, c_out, (k,), (s,), padding=((1, 1),), rngs=rngs))
             length = (length + 2 - k) // s + 1
+        self.convs = nnx.List(convs)
         self.head = nnx.Linear(length * channels[-1], num_classes, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -63,12 +57,7 @@ class CNN2D(nnx.Module):
         rngs: nnx.Rngs,
     ):
         h, w, c = in_shape
-        self.convs = nnx.List(
-            [
-                nnx.Conv(c_in, c_out, (3, 3), padding="VALID", rngs=rngs)
-                for c_in, c_out in zip([c, *channels[:-1]], channels, strict=True)
-            ]
-        )
+        self.convs = nnx.List([nnx.Conv(a, b, (3, 3), padding="VALID", rngs=rngs) for a, b in pairwise([c, *channels])])
         h, w = (h - 2 * len(channels)) // 2, (w - 2 * len(channels)) // 2
         sizes = [h * w * channels[-1], *dense_sizes, num_classes]
         self.dense = nnx.List([nnx.Linear(a, b, rngs=rngs) for a, b in pairwise(sizes)])

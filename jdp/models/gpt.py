@@ -26,8 +26,7 @@ def attention_implementation(dtype: jnp.dtype) -> str:
 
 def _attention(q: jax.Array, k: jax.Array, v: jax.Array, **kwargs: Any) -> jax.Array:
     """`jax.nn.dot_product_attention`, float16 on CPU in float32 (XLA:CPU has no float16 dot with float32 sums)."""
-    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":
-        kwargs.pop("implementation", None)
+    if q.dtype == jnp.float16 and jax.default_backend() == "cpu":  # where the implementation is "xla"
         return jax.nn.dot_product_attention(*(x.astype(jnp.float32) for x in (q, k, v)), **kwargs).astype(q.dtype)
     return jax.nn.dot_product_attention(q, k, v, **kwargs)
 
@@ -73,9 +72,8 @@ class CausalSelfAttention(nnx.Module):
 
 
 def gelu(x: jax.Array) -> jax.Array:
-    """The exact GELU as PyTorch computes it, x/2 (1 + erf(x/sqrt 2)). Equal to jax.nn.gelu(approximate=False)
-    (x/2 erfc(-x/sqrt 2)) to float rounding, but its gradient is one cheap fusion where erfc's is a costly one:
-    the CPU config's fwd+bwd takes ~25% less time (docs/benchmarks.md, "Where the GPT's step time goes")."""
+    """The exact GELU as PyTorch computes it, x/2 (1 + erf(x/sqrt 2)): jax.nn.gelu(approximate=False)'s erfc form has a
+    costly gradient, ~25% of the CPU config's fwd+bwd (docs/benchmarks.md, "Where the GPT's step time goes")."""
     return 0.5 * x * (1 + jax.lax.erf(x * (1 / math.sqrt(2))).astype(x.dtype))
 
 
@@ -118,6 +116,7 @@ class GPT(nnx.Module):
         """`dtype`: the compute dtype (None: the parameters'), parameters being float32. `remat`: "none", "full" or
         "dots" (each block's activations checkpointed); `scan_layers`: the blocks stacked and scanned."""
         self.block_size, self.dtype, self.remat = block_size, dtype, check_remat(remat)
+        self.num_layers, self.num_heads, self.scanned = num_layers, num_heads, scan_layers
         # GPT-2: normal(0.02), the projections into the residual stream scaled by 1/sqrt(2 x layers).
         residual_std = 0.02 / math.sqrt(2 * num_layers)
         normal = nnx.initializers.normal(0.02)
@@ -132,22 +131,10 @@ class GPT(nnx.Module):
     def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
         return self.decode(tokens_BxT, None, 0)[0]
 
-    @property
-    def scanned(self) -> bool:
-        return isinstance(self.blocks, Stack)
-
-    @property
-    def num_layers(self) -> int:
-        return self.blocks.depth if self.scanned else len(self.blocks)
-
-    def _first_attention(self) -> CausalSelfAttention:  # its static settings are every block's
-        return self.blocks.layers.attn if self.scanned else self.blocks[0].attn
-
     def empty_cache(self, batch: int) -> Cache:
         """Zero keys and values for `block_size` positions of every block, in the compute dtype."""
-        attn = self._first_attention()
         d = self.wte.embedding[...].shape[1]
-        shape = (batch, self.block_size, attn.num_heads, d // attn.num_heads)
+        shape = (batch, self.block_size, self.num_heads, d // self.num_heads)
         dtype = self.dtype or self.wte.embedding[...].dtype
         if self.scanned:
             return jnp.zeros((self.num_layers, *shape), dtype), jnp.zeros((self.num_layers, *shape), dtype)
@@ -180,9 +167,8 @@ class GPT(nnx.Module):
         return x @ wte.T.astype(x.dtype), new_cache  # the head is the token embedding, transposed
 
     def describe(self) -> str:
-        dropout = self._first_attention().attn_dropout.rate if self.num_layers else 0.0
         path = attention_implementation(self.dtype or jnp.float32)
-        explicit = "; explicit softmax while training (attention dropout)" if dropout > 0 else ""
+        explicit = "; explicit softmax while training (attention dropout)" if self.drop.rate and self.num_layers else ""
         layers = (f"; {self.num_layers} blocks scanned" if self.scanned else "") + (
             f"; remat {self.remat}" if self.remat != "none" else "")
         return f"attention: jax.nn.dot_product_attention ({path}){explicit}{layers}"

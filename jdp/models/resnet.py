@@ -3,6 +3,7 @@ them at the `data` axis when BatchNorm is synced."""
 
 import functools
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import jax
@@ -27,22 +28,15 @@ class BatchNorm(nnx.BatchNorm):
         return super().__call__(x, **kwargs).astype(x.dtype)
 
 
-class _Layers:
-    """Conv / BatchNorm constructors sharing one configuration."""
-
-    def __init__(self, bn_momentum: float, dtype: Any, rngs: nnx.Rngs):
-        self.bn = functools.partial(BatchNorm, momentum=bn_momentum, epsilon=1e-5, dtype=dtype, rngs=rngs)
-        self._conv = functools.partial(nnx.Conv, use_bias=False, dtype=dtype, rngs=rngs)
-
-    def conv(self, c_in: int, c_out: int, k: int, stride: int = 1) -> nnx.Conv:
-        # Symmetric padding k // 2, as in torchvision, rather than SAME (asymmetric for stride 2).
-        return self._conv(c_in, c_out, (k, k), (stride, stride), padding=((k // 2, k // 2),) * 2)
+def _conv(c_in: int, c_out: int, k: int, stride: int = 1, **kwargs: Any) -> nnx.Conv:
+    # Symmetric padding k // 2, as in torchvision, rather than SAME (asymmetric for stride 2).
+    return nnx.Conv(c_in, c_out, (k, k), (stride, stride), padding=((k // 2, k // 2),) * 2, use_bias=False, **kwargs)
 
 
 class _Shortcut(nnx.Module):
     """Identity, or 1x1 conv + BN when the shape changes."""
 
-    def __init__(self, c_in: int, c_out: int, stride: int, layers: _Layers):
+    def __init__(self, c_in: int, c_out: int, stride: int, layers: SimpleNamespace):
         project = stride != 1 or c_in != c_out
         self.proj = layers.conv(c_in, c_out, 1, stride) if project else None
         self.bn = layers.bn(c_out) if project else None
@@ -54,7 +48,7 @@ class _Shortcut(nnx.Module):
 class BasicBlock(nnx.Module):
     expansion = 1
 
-    def __init__(self, c_in: int, filters: int, stride: int, layers: _Layers):
+    def __init__(self, c_in: int, filters: int, stride: int, layers: SimpleNamespace):
         self.conv1, self.bn1 = layers.conv(c_in, filters, 3, stride), layers.bn(filters)
         self.conv2, self.bn2 = layers.conv(filters, filters, 3), layers.bn(filters)
         self.shortcut = _Shortcut(c_in, filters, stride, layers)
@@ -68,7 +62,7 @@ class BasicBlock(nnx.Module):
 class BottleneckBlock(nnx.Module):
     expansion = 4
 
-    def __init__(self, c_in: int, filters: int, stride: int, layers: _Layers):
+    def __init__(self, c_in: int, filters: int, stride: int, layers: SimpleNamespace):
         c_out = filters * self.expansion
         self.conv1, self.bn1 = layers.conv(c_in, filters, 1), layers.bn(filters)
         self.conv2, self.bn2 = layers.conv(filters, filters, 3, stride), layers.bn(filters)
@@ -112,7 +106,8 @@ class ResNet(nnx.Module):
             raise ValueError(f"unknown ResNet block {block!r}; choose from {tuple(BLOCKS)}")
         if stem not in STEMS:
             raise ValueError(f"unknown ResNet stem {stem!r}; choose from {STEMS}")
-        layers = _Layers(bn_momentum, dtype, rngs)
+        layers = SimpleNamespace(conv=functools.partial(_conv, dtype=dtype, rngs=rngs), bn=functools.partial(
+            BatchNorm, momentum=bn_momentum, epsilon=1e-5, dtype=dtype, rngs=rngs))  # shared by every block
         self.remat = check_remat(remat)  # of each residual block: BatchNorm statistics still update once
         self.imagenet_stem = stem == "imagenet"
         k, stride = (7, 2) if self.imagenet_stem else (3, 1)
