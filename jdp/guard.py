@@ -25,12 +25,10 @@ _SETTINGS = "the config's guarded keys" + record_lib.BY_HASH  # trainer.run's `s
 def fingerprint(fit_record: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint carries of the settings its run was saved under (JSON)."""
     guarded = record_lib.guarded(fit_record, with_settings=False)
+    first, later = guarded.pop(record_lib.FIRST), guarded.pop(record_lib.LATER)  # compared to a tolerance, not hashed
     settings = fit_record.get("settings")
-    return {"version": VERSION, "steps": fit_record["steps"],
-            "fit": record_lib.hashed({k: v for k, v in guarded.items() if k not in (record_lib.FIRST,
-                                                                                       record_lib.LATER)}),
-            "settings": record_lib.hashed(settings) if settings else None,
-            "optimizer": guarded[record_lib.FIRST], "schedule": guarded[record_lib.LATER]}
+    return {"version": VERSION, "steps": fit_record["steps"], "fit": record_lib.hashed(guarded),
+            "settings": record_lib.hashed(settings) if settings else None, "optimizer": first, "schedule": later}
 
 
 def fingerprint_changes(saved: Any, new: dict[str, Any]) -> list[str] | None:
@@ -73,11 +71,10 @@ class Guard:
             try:
                 old = record_lib.read(self.workdir)
             except FitError as e:  # decided by the checkpoint's fingerprint; without one, refused (below)
-                found = ([], None, str(e), False)
-            else:
-                if old is not None:
-                    unrecorded = bool(self.fit_record.get("settings")) and not old.get("settings")
-                    found = (record_lib.changes(old, self.fit_record), old["steps"], None, unrecorded)
+                old, found = None, ([], None, str(e), False)
+            if old is not None:
+                unrecorded = bool(self.fit_record.get("settings")) and not old.get("settings")
+                found = (record_lib.changes(old, self.fit_record), old["steps"], None, unrecorded)
         changed, self.record_steps, self.unreadable, unrecorded = json.loads(
             distributed_lib.broadcast("record checked", json.dumps(found), RESULTS_TIMEOUT_S))
         if unrecorded:  # a workdir of a jdp from before run.json held the caller's settings

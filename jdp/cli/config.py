@@ -20,11 +20,11 @@ from typing import Any
 
 import ml_collections
 
-from jdp import errors, loggers, models
+from jdp import loggers, models
 from jdp.configs import base
 from jdp.distributed import check_bind_address, flatten
 from jdp.environment import MAX_CPU_DEVICES
-from jdp.errors import UsageError, one_line
+from jdp.errors import UsageError, one_line, warn
 from jdp.files import write_atomic
 from jdp.loggers.base import installed
 from jdp.loggers.mlflow_logger import tracking_uri_problem
@@ -123,12 +123,10 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
     path, shipped = Path(path), DEFAULT_CONFIG.parent / Path(path).with_suffix(".py").name
     if not path.is_file() and shipped.is_file() and path.parent == Path():
         path = shipped
-    if path.is_dir():
-        raise ConfigError(f"config file {path} is a directory; pass --config PATH.py, a Python file defining "
-                          "get_config(), or the name of a shipped config")
     if path.exists() and not path.is_file():
-        raise ConfigError(f"config file {path} is not a regular file (a device or a pipe); pass --config PATH.py, "
-                          "a Python file defining get_config()")
+        what = "a directory" if path.is_dir() else "not a regular file (a device or a pipe)"
+        raise ConfigError(f"config file {path} is {what}; pass --config PATH.py, a Python file defining get_config(), "
+                          "or the name of a shipped config")
     if not path.is_file():
         names = sorted(p.stem for p in DEFAULT_CONFIG.parent.glob("[!_]*.py") if p.stem != "base")
         raise ConfigError(f"config file {path} not found; pass --config PATH.py or the name of a shipped config "
@@ -295,11 +293,9 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
 
 
 def apply_command_line(cfg: ml_collections.ConfigDict, overrides: dict[str, str],
-                       warn: Callable[[str], None] | None = None,
                        recorded: ml_collections.ConfigDict | None = None) -> ml_collections.ConfigDict:
     """`apply_overrides`, then drops the file's `model.kwargs` for another `model.name` and cuts the file's warmup to a
     tenth of a `train.steps` not longer than it, or to the cut a workdir's `recorded` config kept (docs/cli.md)."""
-    warn = warn or errors.warn
     given = {_model_setting(key) for key in overrides}
     file_model = cfg.model.name
     apply_overrides(cfg, overrides)

@@ -67,28 +67,21 @@ class Sampler:
             raise UsageError("the prompt is empty; give at least one character")
         if not 0 < temperature < math.inf:  # nan drew the same token every time
             raise UsageError(f"temperature={temperature} must be a positive finite number, e.g. 0.8")
-        key = jax.random.key(seed)
-        tokens = [int(t) for t in prompt]
-        window, length = self._window(tokens)
-        if use_cache:
-            logits, cache = self._prefill(self._state, window, length)
-        else:
-            logits = self._window_logits(self._state, window, length)
-        vocab_size = min(self.vocab_size or logits.shape[0], logits.shape[0])
-        k = jnp.int32(min(top_k, vocab_size) if top_k > 0 else vocab_size)
-        position = length  # where the next token's keys and values go in the cache
+        key, tokens, cache = jax.random.key(seed), [int(t) for t in prompt], None
         for i in range(num_tokens):
-            token = int(self._pick(logits, jax.random.fold_in(key, i), jnp.float32(temperature), k,
-                                   jnp.int32(vocab_size)))
-            tokens.append(token)
-            if i == num_tokens - 1:
-                break
-            if use_cache and position < self.block_size:
-                logits, cache = self._step(self._state, jnp.full((1, 1), token, jnp.int32), jnp.int32(position), cache)
-                position += 1
-            else:  # the context is longer than the block: the last block_size tokens, in full
+            if cache is not None and len(tokens) <= self.block_size:  # the last token's keys and values into the cache
+                logits, cache = self._step(self._state, jnp.full((1, 1), tokens[-1], jnp.int32),
+                                           jnp.int32(len(tokens) - 1), cache)
+            else:  # the prompt, or a context longer than the block: the last block_size tokens, in full
                 window, length = self._window(tokens)
-                logits = self._window_logits(self._state, window, length)
+                if use_cache and cache is None:
+                    logits, cache = self._prefill(self._state, window, length)
+                else:
+                    logits = self._window_logits(self._state, window, length)
+            vocab_size = min(self.vocab_size or logits.shape[0], logits.shape[0])
+            k = jnp.int32(min(top_k, vocab_size) if top_k > 0 else vocab_size)
+            tokens.append(int(self._pick(logits, jax.random.fold_in(key, i), jnp.float32(temperature), k,
+                                         jnp.int32(vocab_size))))
         return tokens[len(prompt):]
 
 

@@ -123,17 +123,16 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     overrides = config_lib.parse_overrides(rest)
     config_path = Path(args.config) if args.config else config_lib.DEFAULT_CONFIG
     workdir = Path(args.workdir or Path("runs") / config_path.stem)
-    recorded = None
-    history = workdir / "config_history.jsonl"
-    if args.config is None and not (workdir / "config.json").exists() and history.exists():
+    saved, history, recorded = workdir / "config.json", workdir / "config_history.jsonl", None
+    if args.config is None and saved.exists():  # continue the run in that workdir
+        cfg = config_lib.load_saved_config(saved)
+    elif args.config is None and history.exists():
         raise config_lib.ConfigError(f"{workdir} holds a jdp.train run without its config.json; restore it from the "
                                      f"last line of {history}, or pass --config")
-    if args.config is None and (workdir / "config.json").exists():  # continue the run in that workdir
-        cfg = config_lib.load_saved_config(workdir / "config.json")
     else:
         cfg = config_lib.load_config_file(config_path)
         with contextlib.suppress(config_lib.ConfigError):  # an unreadable record is the resume's to refuse
-            recorded = config_lib.load_saved_config(workdir / "config.json")
+            recorded = config_lib.load_saved_config(saved)
     cfg = config_lib.apply_command_line(cfg, overrides, recorded=recorded)  # the file's settings overrides make wrong
     if args.cpu_devices is not None:
         cfg.parallel.cpu_devices = args.cpu_devices
