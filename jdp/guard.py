@@ -32,8 +32,7 @@ def fingerprint(fit_record: dict[str, Any]) -> dict[str, Any]:
 
 
 def fingerprint_changes(saved: Any, new: dict[str, Any]) -> list[str] | None:
-    """What differs between a checkpoint's fingerprint and this run's (hashes by name); None for one this jdp cannot
-    compare (none, or another version)."""
+    """What differs from a checkpoint's fingerprint (hashes by name); None for none, or one of another version."""
     if not isinstance(saved, dict) or saved.get("version") not in (1, VERSION):
         return None
 

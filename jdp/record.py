@@ -44,8 +44,8 @@ PROBE_COUNTS = {"optimizer": (0,), "schedule": (1, 10, 100, 1000, 10000)}
 
 
 def import_path(obj: Any) -> dict[str, Any] | None:
-    """{"path": "module:qualname", "kwargs": {...}} of a module-level class or function, or of a `functools.partial`
-    of one with JSON-able keyword arguments only; None when it cannot be imported back (None itself among them)."""
+    """{"path": "module:qualname", "kwargs": {...}} of a module-level class or function, or a `functools.partial` of
+    one with JSON-able keywords; None when it cannot be imported back (None itself among them)."""
     kwargs: dict[str, Any] = {}
     if isinstance(obj, functools.partial):
         if obj.args:
@@ -203,8 +203,7 @@ BY_HASH = " (by fingerprint)"  # ends the name of a part compared by its hash al
 
 
 def guarded(fit_record: dict[str, Any], with_settings: bool = True) -> dict[str, Any]:
-    """The parts of a record a resume must keep, by the name a refusal gives them: the caller's settings (a config's
-    keys, where the record holds them and `with_settings`), then fit's own."""
+    """A record's parts a resume must keep, by the name a refusal gives them: the caller's settings, then fit's."""
     model, data = fit_record["model"], fit_record["data"]["train"]
     settings = (fit_record.get("settings") or {}) if with_settings else {}
     return {**settings, "model": model["class"], "model parameter shapes": model["shapes"],
@@ -227,8 +226,7 @@ def _strategy(options: Any) -> dict[str, Any]:
 
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """What differs between two records where a resume must not change it, as `key: old -> new` (fingerprints by
-    name only); the caller's `settings` only where both records hold them."""
+    """`listed_changes` of two records; the caller's `settings` compared only where both records hold them."""
     both = bool(old.get("settings")) and bool(new.get("settings"))
     if both:  # a key an older jdp guarded and this one does not (the sync flags, now the strategy's record)
         old = {**old, "settings": {k: v for k, v in old["settings"].items() if k in new["settings"]}}
@@ -264,8 +262,7 @@ def _shown(value: Any) -> str:
 
 
 def _scale(before: list[float], after: list[float]) -> float | None:
-    """k where the fingerprint `after` is `before` with every update k times larger (another learning rate), else
-    None."""
+    """k where fingerprint `after` is `before` with every update k times larger (a learning rate), else None."""
     if len(before) != len(after) or not before or not before[0] > 0:
         return None
     k = after[0] / before[0]

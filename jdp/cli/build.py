@@ -50,8 +50,7 @@ def check_names(cfg: ml_collections.ConfigDict) -> None:
 
 def model_maker(cfg: ml_collections.ConfigDict, input_shape: tuple[int, ...],
                 num_classes: int) -> Callable[[], nnx.Module]:
-    """The model's constructor, by keyword so that the run's record names it as importable code (jdp.restore). No
-    dtype: the layers follow the step's cast (bf16 in training, float32 in eval)."""
+    """The model's constructor, by keyword: the run's record names it as importable code; no dtype (the step casts)."""
     return functools.partial(models.build_model, name=cfg.model.name, kwargs=cfg.model.kwargs.to_dict(),
                              input_shape=tuple(input_shape), num_classes=num_classes, seed=cfg.seed)
 
@@ -123,8 +122,7 @@ def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None
 
 def build(cfg: ml_collections.ConfigDict, *, all_reduce: bool = True, workdir: str | Path | None = None,
           inference: bool = False) -> trainer.Engine:
-    """The compiled steps, data and state factory of `cfg`'s run; `inference`: with a strategy that restores its
-    checkpoints on any device count."""
+    """`cfg`'s run prepared by `jdp.trainer.prepare`; `inference`: its strategy restores on any device count."""
     task = build_task(cfg, workdir)
     options = for_inference(task.options) if inference else task.options
     return trainer.prepare(task.make_model, task.loss_fn, task.source, optimizer=task.optimizer,

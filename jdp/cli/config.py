@@ -9,7 +9,6 @@ import difflib
 import functools
 import importlib.util
 import json
-import math
 import operator
 import re
 import sys
@@ -37,7 +36,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 OPEN_SECTIONS = ("model.kwargs.", "parallel.sync_kwargs.")
 MODEL_FIELDS = ("name", "kwargs", "bn_sync")  # configs/base.py's model section; any other model.X is model.kwargs.X
 # Settings that change what a run computes (its data order or its numerics): changing them when resuming a
-# workdir is refused by default. Paths, caches, lengths and periods are not among them.
+# workdir is refused by default. Not paths, caches, lengths, periods, nor `parallel.` (fit guards its strategy).
 STATE_DEFINING = ("model.", "optim.", "task.", "loss_scale.", "seed", "precision", "train.global_batch_size",
                   "train.grad_accum_steps", "data.name", "data.shape", "data.num_classes", "data.num_examples",
                   "data.normalize", "data.augment", "data.image_size", "data.train_split", "data.block_size",
@@ -56,14 +55,11 @@ class ArgumentParser(argparse.ArgumentParser):
 def positive(kind: type[int] | type[float], *, zero: bool = False) -> Callable[[str], int | float]:
     """An argparse `type`: a positive finite int or float (or 0, with `zero`), refused by its text otherwise."""
     def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = math.nan
-        if value not in (NON_NEGATIVE if zero else POSITIVE):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {'non-negative' if zero else 'positive'} "
-                                             f"{'integer' if kind is int else 'finite number'}")
-        return value
+        with contextlib.suppress(ValueError):
+            if (value := kind(text)) in (NON_NEGATIVE if zero else POSITIVE):
+                return value
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {'non-negative' if zero else 'positive'} "
+                                         f"{'integer' if kind is int else 'finite number'}")
     return parse
 
 
@@ -118,8 +114,7 @@ def check_ranges(cfg: ml_collections.ConfigDict) -> None:
 
 
 def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
-    """A config file by path, or a shipped config by name (`mnist1d_cnn`). The file's folder becomes
-    importable, so a config beside the user's code can name it (`model.name = "nets:ViT"`)."""
+    """A config file by path, or a shipped config by name; its folder becomes importable (`model.name="nets:ViT"`)."""
     path, shipped = Path(path), DEFAULT_CONFIG.parent / Path(path).with_suffix(".py").name
     if not path.is_file() and shipped.is_file() and path.parent == Path():
         path = shipped
@@ -441,8 +436,7 @@ def load_saved_config(path: Path, fix: str = "move it away, or pass --config") -
 
 
 def guarded_settings(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """{dotted key: value} of the STATE_DEFINING settings, for `jdp.fit`'s resume guard (`trainer.run(settings=)`);
-    fit guards the sync strategy the `parallel` keys name by its own record."""
+    """{dotted key: value} of the STATE_DEFINING settings, which `jdp.fit`'s resume guard keeps (`settings=`)."""
     return {k: v for k, v in sorted(flatten(cfg.to_dict()).items())
             if any(k == key or (key.endswith(".") and k.startswith(key)) for key in STATE_DEFINING)}
 

@@ -98,8 +98,7 @@ def resumed_from(workdir: Path | None) -> str:
 
 
 def first_failure(returncodes: list[int | None], expected: tuple[int | None, ...]) -> tuple[int, int] | None:
-    """(rank, returncode) of the failure to report, or None: the lowest rank that failed by itself, else the
-    lowest."""
+    """(rank, returncode) to report, or None: the lowest rank that failed by itself, else the lowest."""
     failed = [(rank, code) for rank, code in enumerate(returncodes) if code not in expected]
     return min(failed, key=lambda failure: exit_code(failure[1]) in PEER_FAILED, default=None)
 

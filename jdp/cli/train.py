@@ -34,8 +34,7 @@ EXIT_PREEMPTED = preemption.EXIT_PREEMPTED
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
-    """Trains `cfg` into `workdir` with `jdp.fit`, resuming from its latest checkpoint; ConfigError before anything
-    compiles."""
+    """Trains `cfg` into `workdir` with `jdp.fit`, resumed from its last checkpoint; ConfigError before compiling."""
     workdir = Path(workdir)
     storage.check_writable(workdir)
     task = build_task(cfg, workdir)
