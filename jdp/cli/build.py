@@ -81,7 +81,7 @@ def abstract_model(make_model: Callable[[], nnx.Module]) -> nnx.Module:
 def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None) -> Task:
     """`cfg`'s task, checked before anything compiles (ConfigError); a text source keeps its vocabulary in `workdir`."""
     num_devices = len(mesh_devices(cfg.parallel.num_devices))  # the mesh itself is fit's
-    config_lib.validate(cfg, num_devices=num_devices)
+    values, strategy = config_lib.validate(cfg, num_devices=num_devices)  # `values`: the config's view of fit's options
     check_names(cfg)
     batch_size = cfg.train.global_batch_size
     try:
@@ -106,8 +106,6 @@ def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None
     make_model = model_maker(cfg, source.input_shape, cfg.data.num_classes or source.num_classes)
     model = abstract_model(make_model)
     params = nnx.state(model, nnx.Param)
-    values = config_lib.fit_values(cfg)  # the config's view of fit's options
-    strategy, _ = config_lib.sync_strategy(values)
     tx, schedule = build_optimizer(cfg.optim, batch_size, cfg.train.steps, nnx.to_pure_dict(params),
                                    sharded_axis=DATA_AXIS if strategy.optimizer_sees_slices(cfg.parallel.backend)
                                    else None)

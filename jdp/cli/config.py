@@ -369,8 +369,8 @@ def with_default_sync(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     return cfg
 
 
-def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
-    """Check the config before anything compiles. `num_devices` is the device count the run will use."""
+def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) -> tuple[dict[str, Any], Any]:
+    """Checks the config before anything compiles, on the run's `num_devices`; returns (`fit_values`, its strategy)."""
     check_ranges(cfg)
     _require(cfg.optim.schedule in SCHEDULES,
              f"optim.schedule={cfg.optim.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
@@ -400,6 +400,7 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
         _require(cfg.train.global_batch_size % (num_devices * k) == 0,
                  f"train.global_batch_size={cfg.train.global_batch_size} does not split into {k} micro-batches "
                  f"on each of {num_devices} devices; use a multiple of {num_devices * k}")
+    return values, strategy
 
 
 def profile_steps(spec: str) -> tuple[int, int] | None:

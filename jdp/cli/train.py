@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import errno
@@ -93,14 +94,8 @@ def evaluate_checkpoint(workdir: Path) -> dict[str, float]:
     return metrics
 
 
-@dataclasses.dataclass
-class CommandLine:
-    cfg: ml_collections.ConfigDict
-    workdir: Path
-    eval_only: bool
-
-
-def parse_command_line(argv: list[str]) -> CommandLine:
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """The arguments, with the `cfg` they give and the `workdir` (a Path) resolved."""
     parser = config_lib.ArgumentParser(prog="python -m jdp.train", allow_abbrev=False,
                                        description="Data-parallel training. Override any config field with "
                                                    "--config.SECTION.KEY=VALUE, e.g. --config.train.steps=500.")
@@ -136,7 +131,8 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     if args.cpu_devices is not None:
         cfg.parallel.cpu_devices = args.cpu_devices
     config_lib.check_ranges(cfg)  # before any value is used: a negative device count, a NaN timeout
-    return CommandLine(cfg, workdir, args.eval_only)
+    args.cfg, args.workdir = cfg, workdir
+    return args
 
 
 def enable_compilation_cache(cache_dir: str) -> None:
