@@ -86,9 +86,7 @@ class Guard:
     def check_checkpoint(self, step: int, data: dict[str, Any]) -> None:
         """Refuses to resume checkpoint `step` (its data item `data`, intact) under other settings than its
         fingerprint's; without a fingerprint, under a run.json that cannot be read."""
-        answer: dict[str, Any] = {}
-        if jax.process_index() == 0:
-            answer = self._compare(step, data.get("fingerprint"))
+        answer = self._compare(step, data.get("fingerprint")) if jax.process_index() == 0 else {}
         answer = json.loads(distributed_lib.broadcast("checkpoint settings checked", json.dumps(answer),
                                                       RESULTS_TIMEOUT_S))
         if answer.get("refuse"):

@@ -31,9 +31,7 @@ class Task:
     loss_fn: LossFn
     source: trainer.Source
     optimizer: optax.GradientTransformation
-    options: trainer.FitOptions
-    steps: int
-    global_batch_size: int
+    options: trainer.FitOptions  # steps and global_batch_size: the config's train section's
 
 
 def check_names(cfg: ml_collections.ConfigDict) -> None:
@@ -115,7 +113,7 @@ def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None
         eval_derived=DERIVED_EVAL_METRICS.get(cfg.task.loss),
         description=f"{cfg.model.name} on {cfg.data.name} ({source.num_eval} eval examples)"
                     + (f"; {model.describe()}" if hasattr(model, "describe") else ""))
-    return Task(make_model, LOSSES.get(cfg.task.loss), source, tx, options, cfg.train.steps, batch_size)
+    return Task(make_model, LOSSES.get(cfg.task.loss), source, tx, options)
 
 
 def build(cfg: ml_collections.ConfigDict, *, all_reduce: bool = True, workdir: str | Path | None = None,
@@ -124,4 +122,4 @@ def build(cfg: ml_collections.ConfigDict, *, all_reduce: bool = True, workdir: s
     task = build_task(cfg, workdir)
     options = for_inference(task.options) if inference else task.options
     return trainer.prepare(task.make_model, task.loss_fn, task.source, optimizer=task.optimizer,
-                           global_batch_size=task.global_batch_size, options=options, all_reduce=all_reduce)
+                           global_batch_size=cfg.train.global_batch_size, options=options, all_reduce=all_reduce)

@@ -53,13 +53,6 @@ class Sampler:
         self._window_logits, self._prefill = jax.jit(window_logits), jax.jit(prefill)
         self._step, self._pick = jax.jit(step, donate_argnums=3), jax.jit(_pick)
 
-    def _window(self, tokens: list[int]) -> tuple[jax.Array, int]:
-        """The last block_size tokens, padded at the end to block_size (causal: padding changes nothing before it)."""
-        context = tokens[-self.block_size:]
-        window = np.zeros((1, self.block_size), np.int32)
-        window[0, : len(context)] = context
-        return jnp.asarray(window), len(context)
-
     def generate(self, prompt: Sequence[int], num_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
                  seed: int = 0, use_cache: bool = True) -> list[int]:
         """`num_tokens` new token ids after `prompt` (top_k 0 = every token)."""
@@ -73,11 +66,12 @@ class Sampler:
                 logits, cache = self._step(self._state, jnp.full((1, 1), tokens[-1], jnp.int32),
                                            jnp.int32(len(tokens) - 1), cache)
             else:  # the prompt, or a context longer than the block: the last block_size tokens, in full
-                window, length = self._window(tokens)
+                context = np.asarray(tokens[-self.block_size:], np.int32)  # then padded: causal, so unseen
+                window = jnp.asarray(np.pad(context, (0, self.block_size - len(context)))[None])
                 if use_cache and cache is None:
-                    logits, cache = self._prefill(self._state, window, length)
+                    logits, cache = self._prefill(self._state, window, len(context))
                 else:
-                    logits = self._window_logits(self._state, window, length)
+                    logits = self._window_logits(self._state, window, len(context))
             vocab_size = min(self.vocab_size or logits.shape[0], logits.shape[0])
             k = jnp.int32(min(top_k, vocab_size) if top_k > 0 else vocab_size)
             tokens.append(int(self._pick(logits, jax.random.fold_in(key, i), jnp.float32(temperature), k,

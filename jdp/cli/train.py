@@ -60,8 +60,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
             if jax.devices()[0].platform == "gpu":
                 print(f"jdp: XLA_FLAGS in force: {os.environ.get('XLA_FLAGS', '')}")
 
-    result = trainer.run(model, task.loss_fn, task.source, optimizer=task.optimizer, steps=task.steps,
-                         global_batch_size=task.global_batch_size,
+    result = trainer.run(model, task.loss_fn, task.source, optimizer=task.optimizer, steps=cfg.train.steps,
+                         global_batch_size=cfg.train.global_batch_size,
                          options=dataclasses.replace(task.options, workdir=workdir, callbacks=(
                              *task.options.callbacks, *config_lib.make_loggers(cfg.metrics))), on_start=on_start,
                          settings=config_lib.guarded_settings(cfg))
