@@ -82,11 +82,6 @@ def _name(obj: Any) -> str | None:
     return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__qualname__)}"
 
 
-def _rounded(x: Any) -> list:
-    """Values to 5 significant digits, -0.0 as 0.0: equal on any machine for the same computation."""
-    return [float(f"{v:.5g}") + 0.0 for v in np.ravel(np.asarray(x, np.float64))]
-
-
 def hashed(value: Any) -> str:
     """BLAKE2b (12 bytes, hex) of a JSON-able value, as canonical JSON."""
     return hashlib.blake2b(json.dumps(value, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
@@ -110,8 +105,9 @@ def describe_data(source: Any, factory: Any = None) -> dict[str, Any]:
     else:
         second = source.train_batch(1)
         sample = {k: np.stack([first[k][0], second[k][0]]) for k in first}
-    rows = {k: _rounded(v) if np.issubdtype(v.dtype, np.floating) else np.asarray(v).tolist()
-            for k, v in sorted(sample.items())}
+    # Floats to 5 significant digits, -0.0 as 0.0: equal on any machine for the same computation.
+    rows = {k: [float(f"{x:.5g}") + 0.0 for x in np.ravel(np.asarray(v, np.float64))]
+            if np.issubdtype(v.dtype, np.floating) else np.asarray(v).tolist() for k, v in sorted(sample.items())}
     return {"keys": sorted(first), "shapes": {k: list(v.shape[1:]) for k, v in first.items()},
             "dtypes": {k: np.dtype(v.dtype).name for k, v in first.items()}, "length": int(source.num_train),
             "sample_hash": hashed(rows), "factory": import_path(factory)}
@@ -247,9 +243,10 @@ def listed_changes(before: dict[str, Any], after: dict[str, Any], steps_changed:
             continue
         if key == FIRST:  # every update scaled alike (optax.adam(1e-3) -> adam(1e-2)): name the learning rate
             parts = (FIRST,) if steps_changed else (FIRST, LATER)
-            scale = _scale([v for p in parts for v in before.get(p) or []], [v for p in parts for v in after[p]])
-            if scale is not None:
-                listed.append(f"learning rate: every update is {scale:.3g}x the recorded run's")
+            old, new = [v for p in parts for v in before.get(p) or []], [v for p in parts for v in after[p]]
+            k = new[0] / old[0] if len(old) == len(new) and old and old[0] > 0 else 1  # k: the scale, 1 for none
+            if 0 < k < np.inf and k != 1 and same_fingerprint([k * v for v in old], new):
+                listed.append(f"learning rate: every update is {k:.3g}x the recorded run's")
                 continue
         hidden = key in _BY_NAME or key.endswith(BY_HASH)
         listed.append(key if hidden else f"{key}: {_shown(before.get(key))} -> {_shown(after.get(key))}")
@@ -259,14 +256,6 @@ def listed_changes(before: dict[str, Any], after: dict[str, Any], steps_changed:
 def _shown(value: Any) -> str:
     """A recorded value as it was given: a list (JSON's tuple) as a tuple."""
     return repr(tuple(value) if isinstance(value, list) else value)
-
-
-def _scale(before: list[float], after: list[float]) -> float | None:
-    """k where fingerprint `after` is `before` with every update k times larger (a learning rate), else None."""
-    if len(before) != len(after) or not before or not before[0] > 0:
-        return None
-    k = after[0] / before[0]
-    return k if 0 < k < np.inf and k != 1 and same_fingerprint([k * v for v in before], after) else None
 
 
 def fit_record(*, model: Any, loss_fn: Callable, optimizer: optax.GradientTransformation, source: Any,

@@ -114,10 +114,7 @@ class Launcher:
         self.children: list[subprocess.Popen] = []
         self._write_lock = threading.Lock()
         self._signals: list[int] = []
-        self._pumps: list[threading.Thread] = []
-        self._kill_at: float | None = None
         self.attempt = 0  # restarts so far: JDP_RESTART of the children
-        self.failure: tuple[int, int] | None = None  # (rank, exit code) of the failure that stopped the group
         self._dir: str | None = None  # the launcher's own files (the failure file)
 
     def say(self, line: str) -> None:
@@ -137,6 +134,7 @@ class Launcher:
     def start(self) -> int | None:
         """Starts every child; if the command cannot run, says why, stops those started and returns a shell's exit
         code: 127 when it is not found, 126 when it cannot be executed."""
+        # `failure`: (rank, exit code) of the failure that stops the group; `_kill_at`: when a second signal's SIGKILL
         self.children, self._pumps, self._kill_at, self.failure = [], [], None, None
         if self.attempt and not self._fixed_port:
             self.port = free_port()  # the last group's coordinator port may linger

@@ -80,8 +80,7 @@ def _built_on_its_vocabulary(cfg: ml_collections.ConfigDict, workdir: Path) -> E
     with tempfile.TemporaryDirectory() as folder:
         stand_in = Path(folder) / "text.txt"
         stand_in.write_text(symbols * (10 * windows * (cfg.data.block_size + 1) // len(symbols) + 1))
-        cfg = cfg.copy_and_resolve_references()
-        cfg.data.name = f"{TEXT_PREFIX}{stand_in}"
+        cfg.data.name = f"{TEXT_PREFIX}{stand_in}"  # `cfg`: restore_for_inference's own copy
         return build(cfg, workdir=workdir, inference=True)
 
 

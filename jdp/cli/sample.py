@@ -41,17 +41,13 @@ class Sampler:
         def window_logits(state, window_1xT, length):
             return nnx.merge(graph, state)(window_1xT)[0, length - 1]
 
-        def prefill(state, window_1xT, length):
+        def decode(state, tokens_1xT, position, cache, last):  # cache None: the prompt's, into an empty one
             model = nnx.merge(graph, state)
-            logits, cache = model.decode(window_1xT, model.empty_cache(1), 0)
-            return logits[0, length - 1], cache
+            logits, cache = model.decode(tokens_1xT, model.empty_cache(1) if cache is None else cache, position)
+            return logits[0, last], cache
 
-        def step(state, token_1x1, position, cache):
-            logits, cache = nnx.merge(graph, state).decode(token_1x1, cache, position)
-            return logits[0, 0], cache
-
-        self._window_logits, self._prefill = jax.jit(window_logits), jax.jit(prefill)
-        self._step, self._pick = jax.jit(step, donate_argnums=3), jax.jit(_pick)
+        self._window_logits, self._decode = jax.jit(window_logits), jax.jit(decode, donate_argnums=3)
+        self._pick = jax.jit(_pick)
 
     def generate(self, prompt: Sequence[int], num_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
                  seed: int = 0, use_cache: bool = True) -> list[int]:
@@ -63,13 +59,13 @@ class Sampler:
         key, tokens, cache = jax.random.key(seed), [int(t) for t in prompt], None
         for i in range(num_tokens):
             if cache is not None and len(tokens) <= self.block_size:  # the last token's keys and values into the cache
-                logits, cache = self._step(self._state, jnp.full((1, 1), tokens[-1], jnp.int32),
-                                           jnp.int32(len(tokens) - 1), cache)
+                logits, cache = self._decode(self._state, jnp.full((1, 1), tokens[-1], jnp.int32),
+                                             jnp.int32(len(tokens) - 1), cache, 0)
             else:  # the prompt, or a context longer than the block: the last block_size tokens, in full
                 context = np.asarray(tokens[-self.block_size:], np.int32)  # then padded: causal, so unseen
                 window = jnp.asarray(np.pad(context, (0, self.block_size - len(context)))[None])
                 if use_cache and cache is None:
-                    logits, cache = self._prefill(self._state, window, len(context))
+                    logits, cache = self._decode(self._state, window, 0, None, len(context) - 1)
                 else:
                     logits = self._window_logits(self._state, window, len(context))
             vocab_size = min(self.vocab_size or logits.shape[0], logits.shape[0])
