@@ -426,10 +426,9 @@ def load_saved_config(path: Path, fix: str = "move it away, or pass --config") -
         raise ConfigError(f"{path} is not a readable jdp config ({one_line(e)}); {fix}") from None
     if not isinstance(saved, dict):
         raise ConfigError(f"{path} holds a {type(saved).__name__}, not a jdp config; {fix}")
-    flat = flatten(saved)
     try:
         cfg = apply_overrides(base.get_config(),
-                              {k: repr(tuple(v)) if isinstance(v, list) else str(v) for k, v in flat.items()})
+                              {k: repr(tuple(v)) if isinstance(v, list) else str(v) for k, v in flatten(saved).items()})
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}; {fix}") from None
     _importable(cfg.code_dir)

@@ -48,12 +48,11 @@ def free_port() -> int:
 
 def child_env(base: dict[str, str], *, rank: int, nprocs: int, port: int, cpu_devices: int, restart: int = 0,
               failure_file: str = "") -> dict[str, str]:
-    env = {k: v for k, v in base.items() if k not in (*_CLEARED, LAUNCH_FAILURE_FILE)}  # and an outer launcher's file
+    env = {k: v for k, v in base.items() if k not in _CLEARED}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nprocs),
                LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs), PYTHONUNBUFFERED="1",
-               JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}", JDP_RESTART=str(restart))
-    if failure_file:
-        env[LAUNCH_FAILURE_FILE] = failure_file
+               JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}", JDP_RESTART=str(restart),
+               **{LAUNCH_FAILURE_FILE: failure_file})  # "" (none) where an outer launcher's file was
     if cpu_devices:
         env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
         env.setdefault("JAX_PLATFORMS", "cpu")

@@ -1,5 +1,4 @@
-"""A train workdir: its config record (config.json, config_history.jsonl), its latest checkpoint restored for eval
-or export, and `init_from`. Resumes are checked by `jdp.guard`."""
+"""A train workdir: its config.json and config_history.jsonl, its checkpoint restored for eval or export, init_from."""
 
 from __future__ import annotations
 
