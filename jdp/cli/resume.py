@@ -72,8 +72,7 @@ def inference_devices(cfg: ml_collections.ConfigDict) -> int:
 
 
 def _built_on_its_vocabulary(cfg: ml_collections.ConfigDict, workdir: Path) -> Engine:
-    """The language model's engine on a stand-in text of its vocabulary's symbols, long enough for the run's
-    batches: the model without the text it trained on."""
+    """The language model's engine on a stand-in text of its vocabulary's symbols: the model without its own text."""
     symbols = "".join(Vocabulary.load(workdir / VOCAB_FILE).symbols) or "\n"  # bytes: any byte is a symbol
     windows = 2 * max(cfg.train.global_batch_size, cfg.train.eval_batch_size) + 2
     with tempfile.TemporaryDirectory() as folder:

@@ -77,8 +77,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
 
 
 def evaluate_checkpoint(workdir: Path) -> dict[str, float]:
-    """`--eval_only`: evaluates the latest checkpoint of `workdir` (a jdp.train run, or a jdp.fit run whose model,
-    loss and eval data are importable) and appends the eval line, under the workdir's lock."""
+    """`--eval_only`: the eval line of the latest checkpoint of a jdp.train run, or of an importable jdp.fit run."""
     if not workdir.is_dir():  # refused below, with nothing made
         return reopen.evaluate_run(workdir)[1]
     with workdir_lock.held(workdir):
@@ -136,8 +135,7 @@ def parse_command_line(argv: list[str]) -> argparse.Namespace:
 
 
 def enable_compilation_cache(cache_dir: str) -> None:
-    """Persistent XLA cache, unless disabled or set by JAX_COMPILATION_CACHE_DIR; one warning for a folder that
-    cannot be made or written (JAX would warn at every program)."""
+    """Persistent XLA cache, unless off or set by JAX_COMPILATION_CACHE_DIR; a bad folder: one warning, not JAX's."""
     if not cache_dir or jax.config.jax_compilation_cache_dir:
         return
     path = Path(os.path.expanduser(cache_dir))
@@ -192,14 +190,16 @@ def _main(argv: list[str] | None) -> int:
         return code if code in (EXIT_NONFINITE, EXIT_PREEMPTED) else _exit_now(code)
     except jax.errors.JaxRuntimeError as e:  # a collective or barrier whose peer is gone
         if not distributed_lib.is_peer_failure(e):
-            return _unexpected()
+            traceback.print_exc()
+            return _exit_now(EXIT_UNEXPECTED)
         print(f"jdp: distributed: process {jax.process_index()} of {jax.process_count()} stopped: another process "
               f"or the coordinator failed ({one_line(e, typed=False)})", file=sys.stderr)
         return _exit_now(EXIT_DISTRIBUTED)
     except Exception as e:  # noqa: BLE001 - a full disk or an I/O error outside the training loop, or a bug
         failure = storage.disk_failure(e)
-        if failure is None:
-            return _unexpected()
+        if failure is None:  # a bug: its traceback
+            traceback.print_exc()
+            return _exit_now(EXIT_UNEXPECTED)
         # Without a path in the error (os.write on a descriptor, say), the workdir is where this run writes.
         where = command.workdir if command is not None else Path.cwd()
         fix = f"{storage.remedy(failure[0])} and rerun"
@@ -209,12 +209,6 @@ def _main(argv: list[str] | None) -> int:
         print(f"jdp: disk: {storage.describe(failure, where)}; {fix}", file=sys.stderr)
         return _exit_now(EXIT_DISK)
     return EXIT_OK
-
-
-def _unexpected() -> int:
-    """One traceback and exit code 1, at once in a multi-process run (`_exit_now`)."""
-    traceback.print_exc()
-    return _exit_now(EXIT_UNEXPECTED)
 
 
 def _exit_now(code: int) -> int:
