@@ -1,6 +1,5 @@
-"""The resume guard of `jdp.fit`: a resume with settings that change the numerics or the data order is refused
-(FitError, one line) unless `allow_config_change`, by run.json (`jdp.record`, which names each setting) and by the
-fingerprint each checkpoint carries, which holds whatever happened to run.json (docs/checkpoints.md)."""
+"""`jdp.fit`'s resume guard: settings that change the numerics or the data order are refused (FitError) unless
+`allow_config_change`, by run.json (`jdp.record`) and by each checkpoint's fingerprint (docs/checkpoints.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The run record, WORKDIR/run.json, that `jdp.fit` writes at the start of each run segment (docs/api.md, "The run
-record and resume"), and the comparison of two records the resume guard (`jdp.guard`) makes. No float is compared as
-raw bits (rows rounded, the optimizer to a tolerance), so a run resumes on another machine or XLA version."""
+"""WORKDIR/run.json, the run record `jdp.fit` writes at each run segment's start (docs/api.md, "The run record and
+resume"), and its comparison for `jdp.guard`: floats rounded or to a tolerance, so a run resumes on another machine."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ PROBE_COUNTS = {"optimizer": (0,), "schedule": (1, 10, 100, 1000, 10000)}
 
 
 def import_path(obj: Any) -> dict[str, Any] | None:
-    """{"path": "module:qualname", "kwargs": {...}} of a module-level class or function, or a `functools.partial` of
-    one with JSON-able keywords; None when it cannot be imported back (None itself among them)."""
+    """{"path": "module:qualname", "kwargs": {...}} of an importable function, class or JSON-kwargs partial; or None."""
     kwargs: dict[str, Any] = {}
     if isinstance(obj, functools.partial):
         if obj.args:

@@ -131,8 +131,7 @@ class Launcher:
         return os.path.join(self._dir, f"failure-{self.attempt}") if self._dir else ""
 
     def start(self) -> int | None:
-        """Starts every child; if the command cannot run, says why, stops those started and returns a shell's exit
-        code: 127 when it is not found, 126 when it cannot be executed."""
+        """Starts every child, or says why the command cannot run, returning 127 (not found) or 126 (not executable)."""
         # `failure`: (rank, exit code) of the failure that stops the group; `_kill_at`: when a second signal's SIGKILL
         self.children, self._pumps, self._kill_at, self.failure = [], [], None, None
         if self.attempt and not self._fixed_port:
