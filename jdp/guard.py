@@ -1,6 +1,5 @@
-"""The resume guard of `jdp.fit`: a resume with settings that change the numerics or the data order is refused
-(FitError, one line) unless `allow_config_change`, by run.json (`jdp.record`, which names each setting) and by the
-fingerprint each checkpoint carries, which holds whatever happened to run.json (docs/checkpoints.md)."""
+"""`jdp.fit`'s resume guard: settings that change the numerics or the data order are refused (FitError) unless
+`allow_config_change`, by run.json (`jdp.record`) and by each checkpoint's fingerprint (docs/checkpoints.md)."""
 
 from __future__ import annotations
 
@@ -25,17 +24,14 @@ _SETTINGS = "the config's guarded keys" + record_lib.BY_HASH  # trainer.run's `s
 def fingerprint(fit_record: dict[str, Any]) -> dict[str, Any]:
     """What a checkpoint carries of the settings its run was saved under (JSON)."""
     guarded = record_lib.guarded(fit_record, with_settings=False)
+    first, later = guarded.pop(record_lib.FIRST), guarded.pop(record_lib.LATER)  # compared to a tolerance, not hashed
     settings = fit_record.get("settings")
-    return {"version": VERSION, "steps": fit_record["steps"],
-            "fit": record_lib.hashed({k: v for k, v in guarded.items() if k not in (record_lib.FIRST,
-                                                                                       record_lib.LATER)}),
-            "settings": record_lib.hashed(settings) if settings else None,
-            "optimizer": guarded[record_lib.FIRST], "schedule": guarded[record_lib.LATER]}
+    return {"version": VERSION, "steps": fit_record["steps"], "fit": record_lib.hashed(guarded),
+            "settings": record_lib.hashed(settings) if settings else None, "optimizer": first, "schedule": later}
 
 
 def fingerprint_changes(saved: Any, new: dict[str, Any]) -> list[str] | None:
-    """What differs between a checkpoint's fingerprint and this run's (hashes by name); None for one this jdp cannot
-    compare (none, or another version)."""
+    """What differs from a checkpoint's fingerprint (hashes by name); None for none, or one of another version."""
     if not isinstance(saved, dict) or saved.get("version") not in (1, VERSION):
         return None
 
@@ -73,11 +69,10 @@ class Guard:
             try:
                 old = record_lib.read(self.workdir)
             except FitError as e:  # decided by the checkpoint's fingerprint; without one, refused (below)
-                found = ([], None, str(e), False)
-            else:
-                if old is not None:
-                    unrecorded = bool(self.fit_record.get("settings")) and not old.get("settings")
-                    found = (record_lib.changes(old, self.fit_record), old["steps"], None, unrecorded)
+                old, found = None, ([], None, str(e), False)
+            if old is not None:
+                unrecorded = bool(self.fit_record.get("settings")) and not old.get("settings")
+                found = (record_lib.changes(old, self.fit_record), old["steps"], None, unrecorded)
         changed, self.record_steps, self.unreadable, unrecorded = json.loads(
             distributed_lib.broadcast("record checked", json.dumps(found), RESULTS_TIMEOUT_S))
         if unrecorded:  # a workdir of a jdp from before run.json held the caller's settings
@@ -90,9 +85,7 @@ class Guard:
     def check_checkpoint(self, step: int, data: dict[str, Any]) -> None:
         """Refuses to resume checkpoint `step` (its data item `data`, intact) under other settings than its
         fingerprint's; without a fingerprint, under a run.json that cannot be read."""
-        answer: dict[str, Any] = {}
-        if jax.process_index() == 0:
-            answer = self._compare(step, data.get("fingerprint"))
+        answer = self._compare(step, data.get("fingerprint")) if jax.process_index() == 0 else {}
         answer = json.loads(distributed_lib.broadcast("checkpoint settings checked", json.dumps(answer),
                                                       RESULTS_TIMEOUT_S))
         if answer.get("refuse"):

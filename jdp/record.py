@@ -1,6 +1,5 @@
-"""The run record, WORKDIR/run.json, that `jdp.fit` writes at the start of each run segment (docs/api.md, "The run
-record and resume"), and the comparison of two records the resume guard (`jdp.guard`) makes. No float is compared as
-raw bits (rows rounded, the optimizer to a tolerance), so a run resumes on another machine or XLA version."""
+"""WORKDIR/run.json, the run record `jdp.fit` writes at each run segment's start (docs/api.md, "The run record and
+resume"), and its comparison for `jdp.guard`: floats rounded or to a tolerance, so a run resumes on another machine."""
 
 from __future__ import annotations
 
@@ -44,8 +43,7 @@ PROBE_COUNTS = {"optimizer": (0,), "schedule": (1, 10, 100, 1000, 10000)}
 
 
 def import_path(obj: Any) -> dict[str, Any] | None:
-    """{"path": "module:qualname", "kwargs": {...}} of a module-level class or function, or of a `functools.partial`
-    of one with JSON-able keyword arguments only; None when it cannot be imported back (None itself among them)."""
+    """{"path": "module:qualname", "kwargs": {...}} of an importable function, class or JSON-kwargs partial; or None."""
     kwargs: dict[str, Any] = {}
     if isinstance(obj, functools.partial):
         if obj.args:
@@ -82,11 +80,6 @@ def _name(obj: Any) -> str | None:
     return f"{getattr(target, '__module__', '?')}:{getattr(target, '__qualname__', type(target).__qualname__)}"
 
 
-def _rounded(x: Any) -> list:
-    """Values to 5 significant digits, -0.0 as 0.0: equal on any machine for the same computation."""
-    return [float(f"{v:.5g}") + 0.0 for v in np.ravel(np.asarray(x, np.float64))]
-
-
 def hashed(value: Any) -> str:
     """BLAKE2b (12 bytes, hex) of a JSON-able value, as canonical JSON."""
     return hashlib.blake2b(json.dumps(value, sort_keys=True, default=str).encode(), digest_size=12).hexdigest()
@@ -110,8 +103,9 @@ def describe_data(source: Any, factory: Any = None) -> dict[str, Any]:
     else:
         second = source.train_batch(1)
         sample = {k: np.stack([first[k][0], second[k][0]]) for k in first}
-    rows = {k: _rounded(v) if np.issubdtype(v.dtype, np.floating) else np.asarray(v).tolist()
-            for k, v in sorted(sample.items())}
+    # Floats to 5 significant digits, -0.0 as 0.0: equal on any machine for the same computation.
+    rows = {k: [float(f"{x:.5g}") + 0.0 for x in np.ravel(np.asarray(v, np.float64))]
+            if np.issubdtype(v.dtype, np.floating) else np.asarray(v).tolist() for k, v in sorted(sample.items())}
     return {"keys": sorted(first), "shapes": {k: list(v.shape[1:]) for k, v in first.items()},
             "dtypes": {k: np.dtype(v.dtype).name for k, v in first.items()}, "length": int(source.num_train),
             "sample_hash": hashed(rows), "factory": import_path(factory)}
@@ -203,8 +197,7 @@ BY_HASH = " (by fingerprint)"  # ends the name of a part compared by its hash al
 
 
 def guarded(fit_record: dict[str, Any], with_settings: bool = True) -> dict[str, Any]:
-    """The parts of a record a resume must keep, by the name a refusal gives them: the caller's settings (a config's
-    keys, where the record holds them and `with_settings`), then fit's own."""
+    """A record's parts a resume must keep, by the name a refusal gives them: the caller's settings, then fit's."""
     model, data = fit_record["model"], fit_record["data"]["train"]
     settings = (fit_record.get("settings") or {}) if with_settings else {}
     return {**settings, "model": model["class"], "model parameter shapes": model["shapes"],
@@ -227,8 +220,7 @@ def _strategy(options: Any) -> dict[str, Any]:
 
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    """What differs between two records where a resume must not change it, as `key: old -> new` (fingerprints by
-    name only); the caller's `settings` only where both records hold them."""
+    """`listed_changes` of two records; the caller's `settings` compared only where both records hold them."""
     both = bool(old.get("settings")) and bool(new.get("settings"))
     if both:  # a key an older jdp guarded and this one does not (the sync flags, now the strategy's record)
         old = {**old, "settings": {k: v for k, v in old["settings"].items() if k in new["settings"]}}
@@ -249,9 +241,10 @@ def listed_changes(before: dict[str, Any], after: dict[str, Any], steps_changed:
             continue
         if key == FIRST:  # every update scaled alike (optax.adam(1e-3) -> adam(1e-2)): name the learning rate
             parts = (FIRST,) if steps_changed else (FIRST, LATER)
-            scale = _scale([v for p in parts for v in before.get(p) or []], [v for p in parts for v in after[p]])
-            if scale is not None:
-                listed.append(f"learning rate: every update is {scale:.3g}x the recorded run's")
+            old, new = [v for p in parts for v in before.get(p) or []], [v for p in parts for v in after[p]]
+            k = new[0] / old[0] if len(old) == len(new) and old and old[0] > 0 else 1  # k: the scale, 1 for none
+            if 0 < k < np.inf and k != 1 and same_fingerprint([k * v for v in old], new):
+                listed.append(f"learning rate: every update is {k:.3g}x the recorded run's")
                 continue
         hidden = key in _BY_NAME or key.endswith(BY_HASH)
         listed.append(key if hidden else f"{key}: {_shown(before.get(key))} -> {_shown(after.get(key))}")
@@ -261,15 +254,6 @@ def listed_changes(before: dict[str, Any], after: dict[str, Any], steps_changed:
 def _shown(value: Any) -> str:
     """A recorded value as it was given: a list (JSON's tuple) as a tuple."""
     return repr(tuple(value) if isinstance(value, list) else value)
-
-
-def _scale(before: list[float], after: list[float]) -> float | None:
-    """k where the fingerprint `after` is `before` with every update k times larger (another learning rate), else
-    None."""
-    if len(before) != len(after) or not before or not before[0] > 0:
-        return None
-    k = after[0] / before[0]
-    return k if 0 < k < np.inf and k != 1 and same_fingerprint([k * v for v in before], after) else None
 
 
 def fit_record(*, model: Any, loss_fn: Callable, optimizer: optax.GradientTransformation, source: Any,

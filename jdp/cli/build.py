@@ -31,9 +31,7 @@ class Task:
     loss_fn: LossFn
     source: trainer.Source
     optimizer: optax.GradientTransformation
-    options: trainer.FitOptions
-    steps: int
-    global_batch_size: int
+    options: trainer.FitOptions  # steps and global_batch_size: the config's train section's
 
 
 def check_names(cfg: ml_collections.ConfigDict) -> None:
@@ -50,8 +48,7 @@ def check_names(cfg: ml_collections.ConfigDict) -> None:
 
 def model_maker(cfg: ml_collections.ConfigDict, input_shape: tuple[int, ...],
                 num_classes: int) -> Callable[[], nnx.Module]:
-    """The model's constructor, by keyword so that the run's record names it as importable code (jdp.restore). No
-    dtype: the layers follow the step's cast (bf16 in training, float32 in eval)."""
+    """The model's constructor, by keyword: the run's record names it as importable code; no dtype (the step casts)."""
     return functools.partial(models.build_model, name=cfg.model.name, kwargs=cfg.model.kwargs.to_dict(),
                              input_shape=tuple(input_shape), num_classes=num_classes, seed=cfg.seed)
 
@@ -82,7 +79,7 @@ def abstract_model(make_model: Callable[[], nnx.Module]) -> nnx.Module:
 def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None) -> Task:
     """`cfg`'s task, checked before anything compiles (ConfigError); a text source keeps its vocabulary in `workdir`."""
     num_devices = len(mesh_devices(cfg.parallel.num_devices))  # the mesh itself is fit's
-    config_lib.validate(cfg, num_devices=num_devices)
+    values, strategy = config_lib.validate(cfg, num_devices=num_devices)  # `values`: the config's view of fit's options
     check_names(cfg)
     batch_size = cfg.train.global_batch_size
     try:
@@ -107,8 +104,6 @@ def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None
     make_model = model_maker(cfg, source.input_shape, cfg.data.num_classes or source.num_classes)
     model = abstract_model(make_model)
     params = nnx.state(model, nnx.Param)
-    values = config_lib.fit_values(cfg)  # the config's view of fit's options
-    strategy, _ = config_lib.sync_strategy(values)
     tx, schedule = build_optimizer(cfg.optim, batch_size, cfg.train.steps, nnx.to_pure_dict(params),
                                    sharded_axis=DATA_AXIS if strategy.optimizer_sees_slices(cfg.parallel.backend)
                                    else None)
@@ -118,14 +113,13 @@ def build_task(cfg: ml_collections.ConfigDict, workdir: str | Path | None = None
         eval_derived=DERIVED_EVAL_METRICS.get(cfg.task.loss),
         description=f"{cfg.model.name} on {cfg.data.name} ({source.num_eval} eval examples)"
                     + (f"; {model.describe()}" if hasattr(model, "describe") else ""))
-    return Task(make_model, LOSSES.get(cfg.task.loss), source, tx, options, cfg.train.steps, batch_size)
+    return Task(make_model, LOSSES.get(cfg.task.loss), source, tx, options)
 
 
 def build(cfg: ml_collections.ConfigDict, *, all_reduce: bool = True, workdir: str | Path | None = None,
           inference: bool = False) -> trainer.Engine:
-    """The compiled steps, data and state factory of `cfg`'s run; `inference`: with a strategy that restores its
-    checkpoints on any device count."""
+    """`cfg`'s run prepared by `jdp.trainer.prepare`; `inference`: its strategy restores on any device count."""
     task = build_task(cfg, workdir)
     options = for_inference(task.options) if inference else task.options
     return trainer.prepare(task.make_model, task.loss_fn, task.source, optimizer=task.optimizer,
-                           global_batch_size=task.global_batch_size, options=options, all_reduce=all_reduce)
+                           global_batch_size=cfg.train.global_batch_size, options=options, all_reduce=all_reduce)

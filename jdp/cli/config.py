@@ -9,7 +9,6 @@ import difflib
 import functools
 import importlib.util
 import json
-import math
 import operator
 import re
 import sys
@@ -20,11 +19,11 @@ from typing import Any
 
 import ml_collections
 
-from jdp import errors, loggers, models
+from jdp import loggers, models
 from jdp.configs import base
 from jdp.distributed import check_bind_address, flatten
 from jdp.environment import MAX_CPU_DEVICES
-from jdp.errors import UsageError, one_line
+from jdp.errors import UsageError, one_line, warn
 from jdp.files import write_atomic
 from jdp.loggers.base import installed
 from jdp.loggers.mlflow_logger import tracking_uri_problem
@@ -37,7 +36,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 OPEN_SECTIONS = ("model.kwargs.", "parallel.sync_kwargs.")
 MODEL_FIELDS = ("name", "kwargs", "bn_sync")  # configs/base.py's model section; any other model.X is model.kwargs.X
 # Settings that change what a run computes (its data order or its numerics): changing them when resuming a
-# workdir is refused by default. Paths, caches, lengths and periods are not among them.
+# workdir is refused by default. Not paths, caches, lengths, periods, nor `parallel.` (fit guards its strategy).
 STATE_DEFINING = ("model.", "optim.", "task.", "loss_scale.", "seed", "precision", "train.global_batch_size",
                   "train.grad_accum_steps", "data.name", "data.shape", "data.num_classes", "data.num_examples",
                   "data.normalize", "data.augment", "data.image_size", "data.train_split", "data.block_size",
@@ -56,14 +55,11 @@ class ArgumentParser(argparse.ArgumentParser):
 def positive(kind: type[int] | type[float], *, zero: bool = False) -> Callable[[str], int | float]:
     """An argparse `type`: a positive finite int or float (or 0, with `zero`), refused by its text otherwise."""
     def parse(text: str) -> int | float:
-        try:
-            value = kind(text)
-        except ValueError:
-            value = math.nan
-        if value not in (NON_NEGATIVE if zero else POSITIVE):
-            raise argparse.ArgumentTypeError(f"{text!r} is not a {'non-negative' if zero else 'positive'} "
-                                             f"{'integer' if kind is int else 'finite number'}")
-        return value
+        with contextlib.suppress(ValueError):
+            if (value := kind(text)) in (NON_NEGATIVE if zero else POSITIVE):
+                return value
+        raise argparse.ArgumentTypeError(f"{text!r} is not a {'non-negative' if zero else 'positive'} "
+                                         f"{'integer' if kind is int else 'finite number'}")
     return parse
 
 
@@ -118,17 +114,14 @@ def check_ranges(cfg: ml_collections.ConfigDict) -> None:
 
 
 def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
-    """A config file by path, or a shipped config by name (`mnist1d_cnn`). The file's folder becomes
-    importable, so a config beside the user's code can name it (`model.name = "nets:ViT"`)."""
+    """A config file by path, or a shipped config by name; its folder becomes importable (`model.name="nets:ViT"`)."""
     path, shipped = Path(path), DEFAULT_CONFIG.parent / Path(path).with_suffix(".py").name
     if not path.is_file() and shipped.is_file() and path.parent == Path():
         path = shipped
-    if path.is_dir():
-        raise ConfigError(f"config file {path} is a directory; pass --config PATH.py, a Python file defining "
-                          "get_config(), or the name of a shipped config")
     if path.exists() and not path.is_file():
-        raise ConfigError(f"config file {path} is not a regular file (a device or a pipe); pass --config PATH.py, "
-                          "a Python file defining get_config()")
+        what = "a directory" if path.is_dir() else "not a regular file (a device or a pipe)"
+        raise ConfigError(f"config file {path} is {what}; pass --config PATH.py, a Python file defining get_config(), "
+                          "or the name of a shipped config")
     if not path.is_file():
         names = sorted(p.stem for p in DEFAULT_CONFIG.parent.glob("[!_]*.py") if p.stem != "base")
         raise ConfigError(f"config file {path} not found; pass --config PATH.py or the name of a shipped config "
@@ -295,11 +288,9 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
 
 
 def apply_command_line(cfg: ml_collections.ConfigDict, overrides: dict[str, str],
-                       warn: Callable[[str], None] | None = None,
                        recorded: ml_collections.ConfigDict | None = None) -> ml_collections.ConfigDict:
     """`apply_overrides`, then drops the file's `model.kwargs` for another `model.name` and cuts the file's warmup to a
     tenth of a `train.steps` not longer than it, or to the cut a workdir's `recorded` config kept (docs/cli.md)."""
-    warn = warn or errors.warn
     given = {_model_setting(key) for key in overrides}
     file_model = cfg.model.name
     apply_overrides(cfg, overrides)
@@ -378,8 +369,8 @@ def with_default_sync(cfg: ml_collections.ConfigDict) -> ml_collections.ConfigDi
     return cfg
 
 
-def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
-    """Check the config before anything compiles. `num_devices` is the device count the run will use."""
+def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) -> tuple[dict[str, Any], Any]:
+    """Checks the config before anything compiles, on the run's `num_devices`; returns (`fit_values`, its strategy)."""
     check_ranges(cfg)
     _require(cfg.optim.schedule in SCHEDULES,
              f"optim.schedule={cfg.optim.schedule!r} is unknown; choose one of {', '.join(SCHEDULES)}")
@@ -409,6 +400,7 @@ def validate(cfg: ml_collections.ConfigDict, *, num_devices: int | None = None) 
         _require(cfg.train.global_batch_size % (num_devices * k) == 0,
                  f"train.global_batch_size={cfg.train.global_batch_size} does not split into {k} micro-batches "
                  f"on each of {num_devices} devices; use a multiple of {num_devices * k}")
+    return values, strategy
 
 
 def profile_steps(spec: str) -> tuple[int, int] | None:
@@ -434,10 +426,9 @@ def load_saved_config(path: Path, fix: str = "move it away, or pass --config") -
         raise ConfigError(f"{path} is not a readable jdp config ({one_line(e)}); {fix}") from None
     if not isinstance(saved, dict):
         raise ConfigError(f"{path} holds a {type(saved).__name__}, not a jdp config; {fix}")
-    flat = flatten(saved)
     try:
         cfg = apply_overrides(base.get_config(),
-                              {k: repr(tuple(v)) if isinstance(v, list) else str(v) for k, v in flat.items()})
+                              {k: repr(tuple(v)) if isinstance(v, list) else str(v) for k, v in flatten(saved).items()})
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}; {fix}") from None
     _importable(cfg.code_dir)
@@ -445,8 +436,7 @@ def load_saved_config(path: Path, fix: str = "move it away, or pass --config") -
 
 
 def guarded_settings(cfg: ml_collections.ConfigDict) -> dict[str, Any]:
-    """{dotted key: value} of the STATE_DEFINING settings, for `jdp.fit`'s resume guard (`trainer.run(settings=)`);
-    fit guards the sync strategy the `parallel` keys name by its own record."""
+    """{dotted key: value} of the STATE_DEFINING settings, which `jdp.fit`'s resume guard keeps (`settings=`)."""
     return {k: v for k, v in sorted(flatten(cfg.to_dict()).items())
             if any(k == key or (key.endswith(".") and k.startswith(key)) for key in STATE_DEFINING)}
 

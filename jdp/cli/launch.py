@@ -48,12 +48,11 @@ def free_port() -> int:
 
 def child_env(base: dict[str, str], *, rank: int, nprocs: int, port: int, cpu_devices: int, restart: int = 0,
               failure_file: str = "") -> dict[str, str]:
-    env = {k: v for k, v in base.items() if k not in (*_CLEARED, LAUNCH_FAILURE_FILE)}  # and an outer launcher's file
+    env = {k: v for k, v in base.items() if k not in _CLEARED}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(nprocs),
                LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(nprocs), PYTHONUNBUFFERED="1",
-               JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}", JDP_RESTART=str(restart))
-    if failure_file:
-        env[LAUNCH_FAILURE_FILE] = failure_file
+               JAX_COORDINATOR_BIND_ADDRESS=f"127.0.0.1:{port}", JDP_RESTART=str(restart),
+               **{LAUNCH_FAILURE_FILE: failure_file})  # "" (none) where an outer launcher's file was
     if cpu_devices:
         env["JAX_NUM_CPU_DEVICES"] = str(cpu_devices)
         env.setdefault("JAX_PLATFORMS", "cpu")
@@ -98,8 +97,7 @@ def resumed_from(workdir: Path | None) -> str:
 
 
 def first_failure(returncodes: list[int | None], expected: tuple[int | None, ...]) -> tuple[int, int] | None:
-    """(rank, returncode) of the failure to report, or None: the lowest rank that failed by itself, else the
-    lowest."""
+    """(rank, returncode) to report, or None: the lowest rank that failed by itself, else the lowest."""
     failed = [(rank, code) for rank, code in enumerate(returncodes) if code not in expected]
     return min(failed, key=lambda failure: exit_code(failure[1]) in PEER_FAILED, default=None)
 
@@ -115,10 +113,7 @@ class Launcher:
         self.children: list[subprocess.Popen] = []
         self._write_lock = threading.Lock()
         self._signals: list[int] = []
-        self._pumps: list[threading.Thread] = []
-        self._kill_at: float | None = None
         self.attempt = 0  # restarts so far: JDP_RESTART of the children
-        self.failure: tuple[int, int] | None = None  # (rank, exit code) of the failure that stopped the group
         self._dir: str | None = None  # the launcher's own files (the failure file)
 
     def say(self, line: str) -> None:
@@ -136,8 +131,8 @@ class Launcher:
         return os.path.join(self._dir, f"failure-{self.attempt}") if self._dir else ""
 
     def start(self) -> int | None:
-        """Starts every child; if the command cannot run, says why, stops those started and returns a shell's exit
-        code: 127 when it is not found, 126 when it cannot be executed."""
+        """Starts every child, or says why the command cannot run, returning 127 (not found) or 126 (not executable)."""
+        # `failure`: (rank, exit code) of the failure that stops the group; `_kill_at`: when a second signal's SIGKILL
         self.children, self._pumps, self._kill_at, self.failure = [], [], None, None
         if self.attempt and not self._fixed_port:
             self.port = free_port()  # the last group's coordinator port may linger

@@ -28,11 +28,6 @@ def learning_rate(cfg: ml_collections.ConfigDict, global_batch_size: int, total_
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])
 
 
-def decay_mask(params: optax.Params) -> optax.Params:
-    """Decay for parameters of 2+ dimensions (kernels, embeddings: nanoGPT's rule), not biases or norm scales."""
-    return jax.tree.map(lambda p: p.ndim > 1, params)
-
-
 # optim.name -> (schedule, optim section, weight-decay mask) -> optax transform
 OPTIMIZERS: Registry[Callable[..., optax.GradientTransformation]] = Registry("optim.name")
 for _name, _momentum, _nesterov in (("sgd", False, False), ("momentum", True, False), ("nesterov", True, True)):
@@ -52,7 +47,8 @@ def build_optimizer(cfg: ml_collections.ConfigDict, global_batch_size: int, tota
     """The optax transform and its schedule (also logged as `lr`). It runs after the all-reduce, so clipping sees
     the averaged gradient; `params` (shapes suffice) fixes the decay mask before a sharded optimizer slices them."""
     lr = learning_rate(cfg, global_batch_size, total_steps)
-    tx = OPTIMIZERS.get(cfg.name)(lr, cfg, decay_mask(params))
+    # Decay for parameters of 2+ dimensions (kernels, embeddings: nanoGPT's rule), not biases or norm scales.
+    tx = OPTIMIZERS.get(cfg.name)(lr, cfg, jax.tree.map(lambda p: p.ndim > 1, params))
     if cfg.grad_clip_norm > 0:
         tx = optax.chain(clip_by_global_norm(cfg.grad_clip_norm, sharded_axis), tx)
     return (Sliceable(*tx) if sharded_axis else tx), lr

@@ -1,5 +1,4 @@
-"""A train workdir: its config record (config.json, config_history.jsonl), its latest checkpoint restored for eval
-or export, and `init_from`. Resumes are checked by `jdp.guard`."""
+"""A train workdir: its config.json and config_history.jsonl, its checkpoint restored for eval or export, init_from."""
 
 from __future__ import annotations
 
@@ -73,15 +72,13 @@ def inference_devices(cfg: ml_collections.ConfigDict) -> int:
 
 
 def _built_on_its_vocabulary(cfg: ml_collections.ConfigDict, workdir: Path) -> Engine:
-    """The language model's engine on a stand-in text of its vocabulary's symbols, long enough for the run's
-    batches: the model without the text it trained on."""
+    """The language model's engine on a stand-in text of its vocabulary's symbols: the model without its own text."""
     symbols = "".join(Vocabulary.load(workdir / VOCAB_FILE).symbols) or "\n"  # bytes: any byte is a symbol
     windows = 2 * max(cfg.train.global_batch_size, cfg.train.eval_batch_size) + 2
     with tempfile.TemporaryDirectory() as folder:
         stand_in = Path(folder) / "text.txt"
         stand_in.write_text(symbols * (10 * windows * (cfg.data.block_size + 1) // len(symbols) + 1))
-        cfg = cfg.copy_and_resolve_references()
-        cfg.data.name = f"{TEXT_PREFIX}{stand_in}"
+        cfg.data.name = f"{TEXT_PREFIX}{stand_in}"  # `cfg`: restore_for_inference's own copy
         return build(cfg, workdir=workdir, inference=True)
 
 

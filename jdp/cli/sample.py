@@ -41,24 +41,13 @@ class Sampler:
         def window_logits(state, window_1xT, length):
             return nnx.merge(graph, state)(window_1xT)[0, length - 1]
 
-        def prefill(state, window_1xT, length):
+        def decode(state, tokens_1xT, position, cache, last):  # cache None: the prompt's, into an empty one
             model = nnx.merge(graph, state)
-            logits, cache = model.decode(window_1xT, model.empty_cache(1), 0)
-            return logits[0, length - 1], cache
+            logits, cache = model.decode(tokens_1xT, model.empty_cache(1) if cache is None else cache, position)
+            return logits[0, last], cache
 
-        def step(state, token_1x1, position, cache):
-            logits, cache = nnx.merge(graph, state).decode(token_1x1, cache, position)
-            return logits[0, 0], cache
-
-        self._window_logits, self._prefill = jax.jit(window_logits), jax.jit(prefill)
-        self._step, self._pick = jax.jit(step, donate_argnums=3), jax.jit(_pick)
-
-    def _window(self, tokens: list[int]) -> tuple[jax.Array, int]:
-        """The last block_size tokens, padded at the end to block_size (causal: padding changes nothing before it)."""
-        context = tokens[-self.block_size:]
-        window = np.zeros((1, self.block_size), np.int32)
-        window[0, : len(context)] = context
-        return jnp.asarray(window), len(context)
+        self._window_logits, self._decode = jax.jit(window_logits), jax.jit(decode, donate_argnums=3)
+        self._pick = jax.jit(_pick)
 
     def generate(self, prompt: Sequence[int], num_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
                  seed: int = 0, use_cache: bool = True) -> list[int]:
@@ -67,28 +56,22 @@ class Sampler:
             raise UsageError("the prompt is empty; give at least one character")
         if not 0 < temperature < math.inf:  # nan drew the same token every time
             raise UsageError(f"temperature={temperature} must be a positive finite number, e.g. 0.8")
-        key = jax.random.key(seed)
-        tokens = [int(t) for t in prompt]
-        window, length = self._window(tokens)
-        if use_cache:
-            logits, cache = self._prefill(self._state, window, length)
-        else:
-            logits = self._window_logits(self._state, window, length)
-        vocab_size = min(self.vocab_size or logits.shape[0], logits.shape[0])
-        k = jnp.int32(min(top_k, vocab_size) if top_k > 0 else vocab_size)
-        position = length  # where the next token's keys and values go in the cache
+        key, tokens, cache = jax.random.key(seed), [int(t) for t in prompt], None
         for i in range(num_tokens):
-            token = int(self._pick(logits, jax.random.fold_in(key, i), jnp.float32(temperature), k,
-                                   jnp.int32(vocab_size)))
-            tokens.append(token)
-            if i == num_tokens - 1:
-                break
-            if use_cache and position < self.block_size:
-                logits, cache = self._step(self._state, jnp.full((1, 1), token, jnp.int32), jnp.int32(position), cache)
-                position += 1
-            else:  # the context is longer than the block: the last block_size tokens, in full
-                window, length = self._window(tokens)
-                logits = self._window_logits(self._state, window, length)
+            if cache is not None and len(tokens) <= self.block_size:  # the last token's keys and values into the cache
+                logits, cache = self._decode(self._state, jnp.full((1, 1), tokens[-1], jnp.int32),
+                                             jnp.int32(len(tokens) - 1), cache, 0)
+            else:  # the prompt, or a context longer than the block: the last block_size tokens, in full
+                context = np.asarray(tokens[-self.block_size:], np.int32)  # then padded: causal, so unseen
+                window = jnp.asarray(np.pad(context, (0, self.block_size - len(context)))[None])
+                if use_cache and cache is None:
+                    logits, cache = self._decode(self._state, window, 0, None, len(context) - 1)
+                else:
+                    logits = self._window_logits(self._state, window, len(context))
+            vocab_size = min(self.vocab_size or logits.shape[0], logits.shape[0])
+            k = jnp.int32(min(top_k, vocab_size) if top_k > 0 else vocab_size)
+            tokens.append(int(self._pick(logits, jax.random.fold_in(key, i), jnp.float32(temperature), k,
+                                         jnp.int32(vocab_size))))
         return tokens[len(prompt):]
 
 

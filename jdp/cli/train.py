@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import dataclasses
 import errno
@@ -34,8 +35,7 @@ EXIT_PREEMPTED = preemption.EXIT_PREEMPTED
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
-    """Trains `cfg` into `workdir` with `jdp.fit`, resuming from its latest checkpoint; ConfigError before anything
-    compiles."""
+    """Trains `cfg` into `workdir` with `jdp.fit`, resumed from its last checkpoint; ConfigError before compiling."""
     workdir = Path(workdir)
     storage.check_writable(workdir)
     task = build_task(cfg, workdir)
@@ -60,8 +60,8 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
             if jax.devices()[0].platform == "gpu":
                 print(f"jdp: XLA_FLAGS in force: {os.environ.get('XLA_FLAGS', '')}")
 
-    result = trainer.run(model, task.loss_fn, task.source, optimizer=task.optimizer, steps=task.steps,
-                         global_batch_size=task.global_batch_size,
+    result = trainer.run(model, task.loss_fn, task.source, optimizer=task.optimizer, steps=cfg.train.steps,
+                         global_batch_size=cfg.train.global_batch_size,
                          options=dataclasses.replace(task.options, workdir=workdir, callbacks=(
                              *task.options.callbacks, *config_lib.make_loggers(cfg.metrics))), on_start=on_start,
                          settings=config_lib.guarded_settings(cfg))
@@ -77,8 +77,7 @@ def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
 
 
 def evaluate_checkpoint(workdir: Path) -> dict[str, float]:
-    """`--eval_only`: evaluates the latest checkpoint of `workdir` (a jdp.train run, or a jdp.fit run whose model,
-    loss and eval data are importable) and appends the eval line, under the workdir's lock."""
+    """`--eval_only`: the eval line of the latest checkpoint of a jdp.train run, or of an importable jdp.fit run."""
     if not workdir.is_dir():  # refused below, with nothing made
         return reopen.evaluate_run(workdir)[1]
     with workdir_lock.held(workdir):
@@ -94,14 +93,8 @@ def evaluate_checkpoint(workdir: Path) -> dict[str, float]:
     return metrics
 
 
-@dataclasses.dataclass
-class CommandLine:
-    cfg: ml_collections.ConfigDict
-    workdir: Path
-    eval_only: bool
-
-
-def parse_command_line(argv: list[str]) -> CommandLine:
+def parse_command_line(argv: list[str]) -> argparse.Namespace:
+    """The arguments, with the `cfg` they give and the `workdir` (a Path) resolved."""
     parser = config_lib.ArgumentParser(prog="python -m jdp.train", allow_abbrev=False,
                                        description="Data-parallel training. Override any config field with "
                                                    "--config.SECTION.KEY=VALUE, e.g. --config.train.steps=500.")
@@ -123,27 +116,26 @@ def parse_command_line(argv: list[str]) -> CommandLine:
     overrides = config_lib.parse_overrides(rest)
     config_path = Path(args.config) if args.config else config_lib.DEFAULT_CONFIG
     workdir = Path(args.workdir or Path("runs") / config_path.stem)
-    recorded = None
-    history = workdir / "config_history.jsonl"
-    if args.config is None and not (workdir / "config.json").exists() and history.exists():
+    saved, history, recorded = workdir / "config.json", workdir / "config_history.jsonl", None
+    if args.config is None and saved.exists():  # continue the run in that workdir
+        cfg = config_lib.load_saved_config(saved)
+    elif args.config is None and history.exists():
         raise config_lib.ConfigError(f"{workdir} holds a jdp.train run without its config.json; restore it from the "
                                      f"last line of {history}, or pass --config")
-    if args.config is None and (workdir / "config.json").exists():  # continue the run in that workdir
-        cfg = config_lib.load_saved_config(workdir / "config.json")
     else:
         cfg = config_lib.load_config_file(config_path)
         with contextlib.suppress(config_lib.ConfigError):  # an unreadable record is the resume's to refuse
-            recorded = config_lib.load_saved_config(workdir / "config.json")
+            recorded = config_lib.load_saved_config(saved)
     cfg = config_lib.apply_command_line(cfg, overrides, recorded=recorded)  # the file's settings overrides make wrong
     if args.cpu_devices is not None:
         cfg.parallel.cpu_devices = args.cpu_devices
     config_lib.check_ranges(cfg)  # before any value is used: a negative device count, a NaN timeout
-    return CommandLine(cfg, workdir, args.eval_only)
+    args.cfg, args.workdir = cfg, workdir
+    return args
 
 
 def enable_compilation_cache(cache_dir: str) -> None:
-    """Persistent XLA cache, unless disabled or set by JAX_COMPILATION_CACHE_DIR; one warning for a folder that
-    cannot be made or written (JAX would warn at every program)."""
+    """Persistent XLA cache, unless off or set by JAX_COMPILATION_CACHE_DIR; a bad folder: one warning, not JAX's."""
     if not cache_dir or jax.config.jax_compilation_cache_dir:
         return
     path = Path(os.path.expanduser(cache_dir))
@@ -198,14 +190,16 @@ def _main(argv: list[str] | None) -> int:
         return code if code in (EXIT_NONFINITE, EXIT_PREEMPTED) else _exit_now(code)
     except jax.errors.JaxRuntimeError as e:  # a collective or barrier whose peer is gone
         if not distributed_lib.is_peer_failure(e):
-            return _unexpected()
+            traceback.print_exc()
+            return _exit_now(EXIT_UNEXPECTED)
         print(f"jdp: distributed: process {jax.process_index()} of {jax.process_count()} stopped: another process "
               f"or the coordinator failed ({one_line(e, typed=False)})", file=sys.stderr)
         return _exit_now(EXIT_DISTRIBUTED)
     except Exception as e:  # noqa: BLE001 - a full disk or an I/O error outside the training loop, or a bug
         failure = storage.disk_failure(e)
-        if failure is None:
-            return _unexpected()
+        if failure is None:  # a bug: its traceback
+            traceback.print_exc()
+            return _exit_now(EXIT_UNEXPECTED)
         # Without a path in the error (os.write on a descriptor, say), the workdir is where this run writes.
         where = command.workdir if command is not None else Path.cwd()
         fix = f"{storage.remedy(failure[0])} and rerun"
@@ -215,12 +209,6 @@ def _main(argv: list[str] | None) -> int:
         print(f"jdp: disk: {storage.describe(failure, where)}; {fix}", file=sys.stderr)
         return _exit_now(EXIT_DISK)
     return EXIT_OK
-
-
-def _unexpected() -> int:
-    """One traceback and exit code 1, at once in a multi-process run (`_exit_now`)."""
-    traceback.print_exc()
-    return _exit_now(EXIT_UNEXPECTED)
 
 
 def _exit_now(code: int) -> int:
