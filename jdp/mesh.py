@@ -59,11 +59,6 @@ def device_axes(mesh: Mesh) -> str | tuple[str, ...]:
     return DATA_AXIS if mesh.axis_names == (DATA_AXIS,) else tuple(mesh.axis_names)
 
 
-def shard_count(mesh: Mesh) -> int:
-    """The devices a sharded leaf is split over, along `data`: all, or a hybrid mesh's group."""
-    return mesh.shape[DATA_AXIS]
-
-
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
