@@ -31,24 +31,23 @@ from jdp.sync.base import PER_DEVICE, REPLICATED, SHARDED, spec_on
 Tree = step_lib.Tree
 
 
-# backend -> (train, eval); `step_for(axis_name)` and `eval_for(axis_name)`: the one step over `axis_name`.
+# backend -> the compiled (train, eval) of the one step and its eval, written for the backend's `axis_name`.
 
-def _jit(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
+def _jit(mesh: Mesh, state_specs: Tree, per_device: Tree, train: Callable, evaluate: Callable
          ) -> tuple[Callable, Callable]:
     """One call on the global batch; XLA partitions it and inserts the all-reduce (and a sharded state's gathers)."""
     repl, split = replicated(mesh), data_sharded(mesh)
     state = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs)
-    return (jax.jit(step_for(None), in_shardings=(state, split), out_shardings=(state, repl), donate_argnums=0),
-            jax.jit(eval_for(None), in_shardings=(state, split), out_shardings=repl))
+    return (jax.jit(train, in_shardings=(state, split), out_shardings=(state, repl), donate_argnums=0),
+            jax.jit(evaluate, in_shardings=(state, split), out_shardings=repl))
 
 
-def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
+def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, train: Callable, evaluate: Callable
                ) -> tuple[Callable, Callable]:
     """One call per device on its rows, a per-device leaf without its device axis of one. check_vma=False: with it,
     a replicated parameter's gradient arrives summed over devices, and the step's pmean would leave it N times too
     large."""
     axes = device_axes(mesh)
-    train = step_for(axes)
 
     def step(state: Tree, batch: Tree) -> tuple[Tree, Tree]:
         state = jax.tree.map(lambda x, p: x[0] if p else x, state, per_device)
@@ -59,15 +58,15 @@ def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callab
     batch_in = (None, data_sharded(mesh))  # host rows are split as the step is called (`jdp.split`)
     return (jax.jit(on_each_device(step, out_specs=(state_specs, P())), in_shardings=batch_in,
                     donate_argnums=0),
-            jax.jit(on_each_device(eval_for(axes), out_specs=P()), in_shardings=batch_in))
+            jax.jit(on_each_device(evaluate, out_specs=P()), in_shardings=batch_in))
 
 
-def _pmap(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
+def _pmap(mesh: Mesh, state_specs: Tree, per_device: Tree, train: Callable, evaluate: Callable
           ) -> tuple[Callable, Callable]:
     """The classic pmap over the mesh's devices, the state stacked along a leading device axis."""
     devices = list(mesh.devices.flat)
-    return (jax.pmap(step_for(DATA_AXIS), axis_name=DATA_AXIS, devices=devices, donate_argnums=0),
-            jax.pmap(eval_for(DATA_AXIS), axis_name=DATA_AXIS, devices=devices))
+    return (jax.pmap(train, axis_name=DATA_AXIS, devices=devices, donate_argnums=0),
+            jax.pmap(evaluate, axis_name=DATA_AXIS, devices=devices))
 
 
 BACKENDS: dict[str, Callable] = {"shard_map": _shard_map, "pmap": _pmap, "jit": _jit}  # jdp.options.BACKENDS
@@ -113,29 +112,26 @@ class DataParallel:
         self.logical_shardings = jax.tree.map(logical, layouts, abstract_state,
                                               sync.shard_axes(abstract_state, shards))
 
-        def step_for(axis_name: str | None) -> Callable:
-            groups = options.bn_groups if axis_name is None else 1  # per-device rows need no grouping
-            lanes = mesh.size if axis_name is None and options.fit.grad_accum_steps > 1 else 0
-            opts = dataclasses.replace(options, axis_name=axis_name, bn_groups=groups, accum_lanes=lanes,
-                                       mesh=mesh if axis_name is None else None)
-            step = partial(step_lib.train_step, model=model, loss_fn=loss_fn, tx=tx, sync=sync, schedule=schedule,
-                           options=opts)
+        jit = backend == "jit"  # one call on the global batch (`axis_name=None`), else one per device
+        axis_name, whole_mesh = (None, mesh) if jit else (device_axes(mesh), None)
+        step = partial(step_lib.train_step, model=model, loss_fn=loss_fn, tx=tx, sync=sync, schedule=schedule,
+                       options=dataclasses.replace(
+                           options, axis_name=axis_name, mesh=whole_mesh,
+                           bn_groups=options.bn_groups if jit else 1,  # per-device rows need no grouping
+                           accum_lanes=mesh.size if jit and options.fit.grad_accum_steps > 1 else 0))
 
-            # The scalar metrics as one float32 vector, fetched in one transfer (~75 us a step less of host work);
-            # their names are read while it is traced.
-            def packed(state: Tree, batch: Tree) -> tuple[Tree, jax.Array]:
-                new_state, metrics = step(state, batch)
-                self._metric_names = tuple(metrics)
-                return new_state, jnp.stack([jnp.reshape(v, ()).astype(jnp.float32) for v in metrics.values()])
-            return packed
+        # The scalar metrics as one float32 vector, fetched in one transfer (~75 us a step less of host work); their
+        # names are read while it is traced.
+        def train(state: Tree, batch: Tree) -> tuple[Tree, jax.Array]:
+            new_state, metrics = step(state, batch)
+            self._metric_names = tuple(metrics)
+            return new_state, jnp.stack([jnp.reshape(v, ()).astype(jnp.float32) for v in metrics.values()])
 
-        def eval_for(axis_name: str | None) -> Callable:
-            return partial(step_lib.eval_step, model=model, loss_fn=eval_fn, axis_name=axis_name,
+        evaluate = partial(step_lib.eval_step, model=model, loss_fn=eval_fn, axis_name=axis_name,
                            device_input=options.device_input,
                            params_view=lambda params: sync.params_view(params, axis_name),
-                           layer_view=sync.layer_view(axis_name, mesh if axis_name is None else None))
-
-        self._train, self.eval_step = BACKENDS[backend](mesh, self._state_specs, self.per_device, step_for, eval_for)
+                           layer_view=sync.layer_view(axis_name, whole_mesh))
+        self._train, self.eval_step = BACKENDS[backend](mesh, self._state_specs, self.per_device, train, evaluate)
         # The layout conversions at the step's boundary: pmap's stacked copy, or the strategy's padded slices.
         if backend == "pmap":
             self._to_step_layout = jax.jit(lambda t: jax.tree.map(
