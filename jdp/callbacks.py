@@ -84,18 +84,14 @@ class Every(Callback):
         return step == self.run.steps or bool(self.every and step % self.every == 0)
 
 
-class _Given(Callback):
-    """A user's object with `every` or `due`, `on_step` and `on_end` (and any other hook it has) as a Callback."""
-
-    def __init__(self, given: Any) -> None:
-        self.given, self.every = given, getattr(given, "every", 0)
-        for hook in ("on_start", "before_step", "due", "on_metrics", "on_step", "on_line", "on_end"):
-            if hasattr(given, hook):
-                setattr(self, hook, getattr(given, hook))
-
-
 def as_callback(given: Any) -> Callback:
-    return given if isinstance(given, Callback) else _Given(given)
+    """A user's object with `every` or `due`, `on_step` and `on_end` (and any other hook it has) as a Callback."""
+    if isinstance(given, Callback):
+        return given
+    callback = Callback()
+    vars(callback).update({name: getattr(given, name) for name in ("every", "on_start", "before_step", "due",
+                           "on_metrics", "on_step", "on_line", "on_end") if hasattr(given, name)})
+    return callback
 
 
 class TrainLog(Callback):
@@ -117,7 +113,7 @@ class TrainLog(Callback):
             self.first_step_end = time.time()
             run.clock.start()
         else:
-            run.clock.add(run.batch_size)
+            run.clock.examples += run.batch_size
         self.losses.append(metrics["loss"] if metrics["weight"] > 0 else math.nan)
         # Dropped, fp16-overflowed (gradients non-finite) and weightless steps have no means to report.
         if not metrics["nonfinite"] and not metrics.get("overflow") and metrics["weight"] > 0:

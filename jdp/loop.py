@@ -97,10 +97,9 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
            on_start: Callable[[int], None]) -> tuple[FitResult, Any]:
     t_start = time.perf_counter()
     parallel, source = engine.parallel, engine.source
-    is_main = jax.process_index() == 0
     start, logical, record = _begin(engine, options, steps, workdir, checkpointer, fit_record, on_resume)
     on_start(start)
-    writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=is_main)
+    writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=jax.process_index() == 0)
     run = callbacks_lib.Run(parallel, source, writer, ThroughputClock(), workdir, steps, start, global_batch_size,
                           parallel.to_devices(logical), optional(source, "tokens_per_example"))
     _header(run, engine, options)
@@ -163,8 +162,18 @@ def _begin(engine: Engine, options: FitOptions, steps: int, workdir: Path | None
             on_resume()
         if guard is not None:  # before the restore, which would refuse an optimizer of another state tree without
             guard.check_record()  # naming the change
-        start, logical = _restore_or_init(engine, checkpointer, echo, caution,
-                                          guard.check_checkpoint if guard is not None else None)
+        restored = None if checkpointer is None else checkpointer.restore_latest(
+            engine.abstract_state, per_device=engine.parallel.per_device,
+            check=guard.check_checkpoint if guard is not None else None)
+        start, logical = (0, engine.init_state()) if restored is None else restored[:2]
+        if restored is not None:
+            echo(f"resumed from {checkpointer.directory / str(start)} (data position {restored[2]})")
+            leaves = jax.tree_util.tree_flatten_with_path(logical, is_leaf=lambda x: x is None)[0]
+            if missing := [jax.tree_util.keystr(path) for path, x in leaves if x is None]:
+                caution(f"the per-device state ({', '.join(missing)}) was saved on another device count: it "
+                        "starts afresh")
+                logical = engine.parallel.sync.restart(logical, engine.init_state())
+            logical = logical._replace(halted=logical.halted * 0)  # a halted run may go on (e.g. at a lower lr)
     except BaseException:
         if checkpointer is not None and jax.process_count() == 1:  # a refused rerun in a notebook leaks nothing
             checkpointer.close()
@@ -226,24 +235,6 @@ def _steps(run: callbacks_lib.Run, callbacks: list[callbacks_lib.Callback]) -> N
             logical = None if all(c.reads_devices for c in due) else parallel.to_logical(run.state)
             for callback in due:
                 callback.on_step(step, values, logical)
-
-
-def _restore_or_init(engine: Engine, checkpointer: Checkpointer | None, echo, caution,
-                     check: Callable[[int, dict], None] | None = None) -> tuple[int, Any]:
-    """The latest usable checkpoint (`check`: the resume guard), else a fresh state; logical layout."""
-    if checkpointer is not None:
-        restored = checkpointer.restore_latest(engine.abstract_state, per_device=engine.parallel.per_device,
-                                               check=check)
-        if restored is not None:
-            step, state, position = restored
-            echo(f"resumed from {checkpointer.directory / str(step)} (data position {position})")
-            leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=lambda x: x is None)[0]
-            if missing := [jax.tree_util.keystr(path) for path, x in leaves if x is None]:
-                caution(f"the per-device state ({', '.join(missing)}) was saved on another device count: it "
-                        "starts afresh")
-                state = engine.parallel.sync.restart(state, engine.init_state())
-            return step, state._replace(halted=state.halted * 0)  # a halted run may go on (e.g. at a lower lr)
-    return 0, engine.init_state()
 
 
 def _header(run: callbacks_lib.Run, engine: Engine, options: FitOptions) -> None:

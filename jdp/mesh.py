@@ -23,8 +23,7 @@ ONE_THREAD_PER_DEVICE = "--xla_cpu_multi_thread_eigen=false"
 
 def simulate_cpu_devices(count: int) -> None:
     """Ask XLA:CPU for `count` devices (0: leave JAX alone) before JAX touches one. When they fill the usable cores,
-    each device's ops run on one thread: contending for XLA's shared pool, the GPT's all-reduce waited 17.5 ms for
-    the slower device instead of 2.3 ms (docs/benchmarks.md)."""
+    each device's ops run on one thread: XLA's shared pool made all-reduces wait (docs/benchmarks.md)."""
     if count <= 0:
         return
     if count > MAX_CPU_DEVICES:  # XLA would set them all up in C++, for minutes and gigabytes, deaf to signals
@@ -57,11 +56,6 @@ def make_mesh(num_devices: int = 0, shape: dict[str, int] | None = None) -> Mesh
 def device_axes(mesh: Mesh) -> str | tuple[str, ...]:
     """The axis name of all the mesh's devices: `data` on the 1-D mesh, else the tuple of every axis."""
     return DATA_AXIS if mesh.axis_names == (DATA_AXIS,) else tuple(mesh.axis_names)
-
-
-def shard_count(mesh: Mesh) -> int:
-    """The devices a sharded leaf is split over, along `data`: all, or a hybrid mesh's group."""
-    return mesh.shape[DATA_AXIS]
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

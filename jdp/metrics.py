@@ -31,9 +31,6 @@ class ThroughputClock:
     def start(self) -> None:
         self._started = time.perf_counter()
 
-    def add(self, examples: int) -> None:
-        self.examples += examples
-
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
         """Stopped for the block, then running again if it was."""

@@ -4,6 +4,7 @@ logical, every leaf at its own shape. Compared: docs/performance.md, 'Backends (
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import math
 from collections.abc import Callable, Iterable
@@ -21,7 +22,7 @@ from jdp import digest, hlo
 from jdp import memory as memory_lib
 from jdp import step as step_lib
 from jdp.errors import FitError, one_line
-from jdp.mesh import DATA_AXIS, data_sharded, device_axes, replicated, shard_count, split_whole, to_numpy
+from jdp.mesh import DATA_AXIS, data_sharded, device_axes, replicated, split_whole, to_numpy
 from jdp.modeldef import LossFn, ModelDef
 from jdp.split import shard_batch
 from jdp.sync import Sync
@@ -30,24 +31,23 @@ from jdp.sync.base import PER_DEVICE, REPLICATED, SHARDED, spec_on
 Tree = step_lib.Tree
 
 
-# backend -> (train, eval); `step_for(axis_name)` and `eval_for(axis_name)`: the one step over `axis_name`.
+# backend -> the compiled (train, eval) of the one step and its eval, written for the backend's `axis_name`.
 
-def _jit(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
+def _jit(mesh: Mesh, state_specs: Tree, per_device: Tree, train: Callable, evaluate: Callable
          ) -> tuple[Callable, Callable]:
     """One call on the global batch; XLA partitions it and inserts the all-reduce (and a sharded state's gathers)."""
     repl, split = replicated(mesh), data_sharded(mesh)
     state = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs)
-    return (jax.jit(step_for(None), in_shardings=(state, split), out_shardings=(state, repl), donate_argnums=0),
-            jax.jit(eval_for(None), in_shardings=(state, split), out_shardings=repl))
+    return (jax.jit(train, in_shardings=(state, split), out_shardings=(state, repl), donate_argnums=0),
+            jax.jit(evaluate, in_shardings=(state, split), out_shardings=repl))
 
 
-def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
+def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, train: Callable, evaluate: Callable
                ) -> tuple[Callable, Callable]:
     """One call per device on its rows, a per-device leaf without its device axis of one. check_vma=False: with it,
     a replicated parameter's gradient arrives summed over devices, and the step's pmean would leave it N times too
     large."""
     axes = device_axes(mesh)
-    train = step_for(axes)
 
     def step(state: Tree, batch: Tree) -> tuple[Tree, Tree]:
         state = jax.tree.map(lambda x, p: x[0] if p else x, state, per_device)
@@ -58,15 +58,15 @@ def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callab
     batch_in = (None, data_sharded(mesh))  # host rows are split as the step is called (`jdp.split`)
     return (jax.jit(on_each_device(step, out_specs=(state_specs, P())), in_shardings=batch_in,
                     donate_argnums=0),
-            jax.jit(on_each_device(eval_for(axes), out_specs=P()), in_shardings=batch_in))
+            jax.jit(on_each_device(evaluate, out_specs=P()), in_shardings=batch_in))
 
 
-def _pmap(mesh: Mesh, state_specs: Tree, per_device: Tree, step_for: Callable, eval_for: Callable
+def _pmap(mesh: Mesh, state_specs: Tree, per_device: Tree, train: Callable, evaluate: Callable
           ) -> tuple[Callable, Callable]:
     """The classic pmap over the mesh's devices, the state stacked along a leading device axis."""
     devices = list(mesh.devices.flat)
-    return (jax.pmap(step_for(DATA_AXIS), axis_name=DATA_AXIS, devices=devices, donate_argnums=0),
-            jax.pmap(eval_for(DATA_AXIS), axis_name=DATA_AXIS, devices=devices))
+    return (jax.pmap(train, axis_name=DATA_AXIS, devices=devices, donate_argnums=0),
+            jax.pmap(evaluate, axis_name=DATA_AXIS, devices=devices))
 
 
 BACKENDS: dict[str, Callable] = {"shard_map": _shard_map, "pmap": _pmap, "jit": _jit}  # jdp.options.BACKENDS
@@ -91,7 +91,7 @@ class DataParallel:
         self._eval_derived = options.fit.eval_derived  # more eval metrics from the eval means
         if device_axes(mesh) != DATA_AXIS and backend != "shard_map":
             raise ValueError(f"a mesh of axes {mesh.axis_names} needs shard_map, not {backend}")
-        shards = shard_count(mesh)  # the devices a sharded leaf is split over: all, or one group's
+        shards = mesh.shape[DATA_AXIS]  # the devices a sharded leaf is split over: all, or one group's
         self._layouts = layouts = _checked_layouts(sync, abstract_state, mesh.size)
         self._state_specs = sync.state_specs(abstract_state, shards, device_axes(mesh))
         self.per_device = jax.tree.map(lambda layout: layout == PER_DEVICE, layouts)
@@ -112,21 +112,26 @@ class DataParallel:
         self.logical_shardings = jax.tree.map(logical, layouts, abstract_state,
                                               sync.shard_axes(abstract_state, shards))
 
-        def step_for(axis_name: str | None) -> Callable:
-            groups = options.bn_groups if axis_name is None else 1  # per-device rows need no grouping
-            lanes = mesh.size if axis_name is None and options.fit.grad_accum_steps > 1 else 0
-            opts = dataclasses.replace(options, axis_name=axis_name, bn_groups=groups, accum_lanes=lanes,
-                                       mesh=mesh if axis_name is None else None)
-            return self._packed(partial(step_lib.train_step, model=model, loss_fn=loss_fn, tx=tx, sync=sync,
-                                        schedule=schedule, options=opts))
+        jit = backend == "jit"  # one call on the global batch (`axis_name=None`), else one per device
+        axis_name, whole_mesh = (None, mesh) if jit else (device_axes(mesh), None)
+        step = partial(step_lib.train_step, model=model, loss_fn=loss_fn, tx=tx, sync=sync, schedule=schedule,
+                       options=dataclasses.replace(
+                           options, axis_name=axis_name, mesh=whole_mesh,
+                           bn_groups=options.bn_groups if jit else 1,  # per-device rows need no grouping
+                           accum_lanes=mesh.size if jit and options.fit.grad_accum_steps > 1 else 0))
 
-        def eval_for(axis_name: str | None) -> Callable:
-            return partial(step_lib.eval_step, model=model, loss_fn=eval_fn, axis_name=axis_name,
+        # The scalar metrics as one float32 vector, fetched in one transfer (~75 us a step less of host work); their
+        # names are read while it is traced.
+        def train(state: Tree, batch: Tree) -> tuple[Tree, jax.Array]:
+            new_state, metrics = step(state, batch)
+            self._metric_names = tuple(metrics)
+            return new_state, jnp.stack([jnp.reshape(v, ()).astype(jnp.float32) for v in metrics.values()])
+
+        evaluate = partial(step_lib.eval_step, model=model, loss_fn=eval_fn, axis_name=axis_name,
                            device_input=options.device_input,
                            params_view=lambda params: sync.params_view(params, axis_name),
-                           layer_view=sync.layer_view(axis_name, mesh if axis_name is None else None))
-
-        self._train, self.eval_step = BACKENDS[backend](mesh, self._state_specs, self.per_device, step_for, eval_for)
+                           layer_view=sync.layer_view(axis_name, whole_mesh))
+        self._train, self.eval_step = BACKENDS[backend](mesh, self._state_specs, self.per_device, train, evaluate)
         # The layout conversions at the step's boundary: pmap's stacked copy, or the strategy's padded slices.
         if backend == "pmap":
             self._to_step_layout = jax.jit(lambda t: jax.tree.map(
@@ -147,24 +152,13 @@ class DataParallel:
                                                        mesh=mesh, in_specs=(state_spec,), out_specs=P(),
                                                        check_vma=False))
 
-    def _packed(self, step: Callable) -> Callable:
-        """The step with its scalar metrics as one float32 vector, fetched in one transfer (~75 us a step less of
-        host work); their names are read while it is traced."""
-        def packed(state: Tree, batch: Tree) -> tuple[Tree, jax.Array]:
-            new_state, metrics = step(state, batch)
-            self._metric_names = tuple(metrics)
-            return new_state, jnp.stack([jnp.reshape(v, ()).astype(jnp.float32) for v in metrics.values()])
-        return packed
-
     def to_devices(self, state: Tree) -> Tree:
         """Logical state -> the compiled step's layout (pmap's stacked copy; sharded leaves padded and split)."""
         return self._to_step_layout(state) if self._relayout else state
 
     def step_shapes(self, abstract_state: step_lib.TrainState) -> step_lib.TrainState:
         """The shapes and shardings of the state the compiled step takes (shard_map and jit)."""
-        shapes = jax.eval_shape(self.to_devices, abstract_state)
-        return jax.tree.map(lambda x, spec: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
-            self.mesh, spec)), shapes, self._state_specs)
+        return jax.eval_shape(self._to_step_layout, abstract_state)
 
     def _global(self, tree: Tree) -> Tree:
         """pmap's process-local outputs (in a multi-process run) as the global arrays, split on `data`."""
@@ -190,21 +184,14 @@ class DataParallel:
     def evaluate(self, state: step_lib.TrainState, batches: Iterable[dict[str, np.ndarray]]) -> dict[str, float]:
         """Weighted means of the eval function's outputs over `batches` (this process's rows, with a `mask`; {}
         when there are none)."""
-        totals: dict[str, float] = {}
-        pending = None
-
-        def add(sums: dict) -> None:
-            for k, v in self.fetch(sums).items():
-                totals[k] = totals.get(k, 0.0) + v
-
+        totals, pending = collections.Counter(), []
         for rows in batches:
-            sums = self.eval_step(state, self.shard_batch(rows))
-            if pending is not None:  # one batch late, so the host never queues the whole eval
-                add(pending)
-            pending = sums
-        if pending is None:
+            pending.append(self.eval_step(state, self.shard_batch(rows)))
+            if len(pending) > 1:  # fetched one batch late, so the host never queues the whole eval
+                totals.update(self.fetch(pending.pop(0)))
+        if not pending:
             return {}
-        add(pending)
+        totals.update(self.fetch(pending.pop()))
         weight = totals.pop("weight")
         means = {k: v / weight if weight else math.nan for k, v in totals.items()}
         return means | self._eval_derived(means) if self._eval_derived else means
@@ -219,8 +206,8 @@ class DataParallel:
         `comm_bytes_per_step` and `memory` are read from it."""
         compiled = (lowered if lowered is not None else self.lower_train(state, batch)).compile()
         self._compiled_train, text = compiled, compiled.as_text()
-        hybrid = device_axes(self.mesh) != DATA_AXIS  # a group is `shard_count` consecutive devices along `data`
-        sent = hlo.collectives(text, self.mesh.size, self.sync.every, shard_count(self.mesh) if hybrid else None)
+        hybrid = device_axes(self.mesh) != DATA_AXIS  # a group is consecutive devices along `data`
+        sent = hlo.collectives(text, self.mesh.size, self.sync.every, self.mesh.shape[DATA_AXIS] if hybrid else None)
         self.comm_bytes_per_step = sent.total
         self.comm_cross_group_bytes_per_step = sent.cross_group if hybrid else None
         self.compiled_warning = self.sync.compiled_warning(text, self.mesh.size)

@@ -125,10 +125,9 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
         o, bn_groups=1 if o.bn_sync else n, all_reduce=all_reduce, device_input=optional(source, "device_input"),
         noise_small_batches=("micro_batches" if n == 1 else "devices") if o.log_noise_scale else "")
     parallel = DataParallel(mesh, model_def, loss_fn, optimizer, abstract, step_options, sync)
-    abstract = jax.tree.map(lambda x, sharding: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), abstract,
-                            parallel.logical_shardings)
     init_on_devices = jax.jit(init_state, out_shardings=parallel.logical_shardings)  # laid out as it lives there
-    return Engine(parallel, source, model_def, lambda: init_on_devices(*initial), abstract)
+    return Engine(parallel, source, model_def, lambda: init_on_devices(*initial),
+                  jax.eval_shape(init_on_devices, *initial))  # with those shardings
 
 
 def _check_model_and_optimizer(model: Any, optimizer: Any) -> None:
@@ -193,9 +192,9 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
     compute_dtype = COMPUTE_DTYPES[options.precision]
     names, n, device_input = mesh.axis_names, mesh.size, optional(source, "device_input")
     for name, fn, train, batch in (("loss_fn", loss_fn, True, rows), ("eval_fn", eval_fn, False, eval_rows)):
-        local = {k: jax.ShapeDtypeStruct((v.shape[0] // max(1, n // jax.process_count()), *v.shape[1:]), v.dtype)
-                 for k, v in batch.items()}
-        ones = jax.tree.map(lambda x: jax.ShapeDtypeStruct((1,) * len(names) + x.shape, x.dtype), local)
+        batch_rows = len(next(iter(batch.values()))) // max(1, n // jax.process_count())  # one device's
+        ones = {k: jax.ShapeDtypeStruct((1,) * len(names) + (batch_rows, *v.shape[1:]), v.dtype)
+                for k, v in batch.items()}
         def call(state, batch, fn=fn, train=train):
             params, batch = state.params, device_input(batch)
             if train:  # as the step casts them (eval runs in float32)
@@ -212,7 +211,6 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
             shapes = ", ".join(f"{k!r}: {v.shape[1:]}" for k, v in sorted(batch.items()))
             raise FitError(f"{name}(model, batch) failed on {'a train' if train else 'an eval'} batch of rows "
                            f"{{{shapes}}}: {one_line(e)}") from e
-        batch_rows = next(iter(local.values())).shape[0]
         if not isinstance(outputs, dict) or "loss" not in outputs:
             raise FitError(f"{name} must return a dict with a 'loss' entry (one value per example); it returned "
                            f"{sorted(outputs) if isinstance(outputs, dict) else type(outputs).__name__}")
