@@ -1,6 +1,7 @@
 """Gradient accumulation, mixed precision, compressed all-reduce, sharded optimizer state, local SGD,
 profiling and the benchmark command: each must keep the numbers right."""
 
+import contextlib
 import json
 
 import jax
@@ -249,9 +250,17 @@ def test_throughput_leaves_out_replica_checks_and_fetches_once_per_step(monkeypa
     from jdp.parallel import DataParallel
 
     events = []
-    for name in ("pause", "start"):
-        original = getattr(ThroughputClock, name)
-        monkeypatch.setattr(ThroughputClock, name, lambda self, _o=original, _n=name: events.append(_n) or _o(self))
+    paused = ThroughputClock.paused
+
+    @contextlib.contextmanager
+    def spied(self):  # "pause" inside a block where the clock is stopped; "start" where it runs again after it
+        with paused(self):
+            events.append("pause" if self._started is None else "running")
+            yield
+        if self._started is not None:
+            events.append("start")
+
+    monkeypatch.setattr(ThroughputClock, "paused", spied)
     check = DataParallel.first_differing_leaf
     monkeypatch.setattr(DataParallel, "first_differing_leaf", lambda self, t: events.append("check") or check(self, t))
     fetch = DataParallel.fetch
