@@ -22,7 +22,7 @@ from jdp.options import FitOptions
 from jdp.sync import Sync
 from jdp.sync.base import Reduced, sum_of_squares
 from jdp.sync.zero1 import optimizer_sees_slices
-from jdp.update import all_finite, guard, updates_applied
+from jdp.update import guard, updates_applied
 
 __all__ = ["StepOptions", "TrainState", "eval_step", "micro_batches", "run_loss", "train_step", "weighted_sums"]
 
@@ -77,7 +77,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
         params, opt_state = sync.update(tx, reduced.grads, state, axis)
     empty = reduced.weight <= 0
     metrics = {k: v / reduced.weight for k, v in reduced.sums.items()}
-    grads_finite = all_finite(reduced.grads)
+    grads_finite = jnp.all(jnp.array([jnp.isfinite(g).all() for g in jax.tree.leaves(reduced.grads)]))
     if sync.per_device_update and collective:  # per-device gradients: decide alike
         grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), collective).astype(bool)
     updated = state._replace(step=state.step + 1, params=params, model_state=reduced.model_state,

@@ -10,12 +10,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-Tree = Any
-
-
-def all_finite(tree: Tree) -> jax.Array:
-    return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)] or [jnp.bool_(True)]).all()
-
 
 def updates_applied(state: Any) -> jax.Array:
     """optax's own update count, the argument its schedule sees: skipped updates do not advance it."""
