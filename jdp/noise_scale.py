@@ -4,8 +4,7 @@ give unbiased estimates of the true gradient's squared norm and of the per-examp
 
     |G|^2 ~= (B |G_B|^2 - b |G_b|^2) / (B - b)        tr(S) ~= (|G_b|^2 - |G_B|^2) / (1/b - 1/B)
 
-B_simple = tr(S) / |G|^2 predicts the critical batch size. One step's estimates are noisy (|G|^2 may come out
-negative), so moving averages of the two are kept apart and their ratio reported, as the paper advises.
+B_simple = tr(S) / |G|^2; one step's |G|^2 may come out negative, hence the moving averages (docs/batch_size.md).
 """
 
 from __future__ import annotations

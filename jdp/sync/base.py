@@ -46,7 +46,6 @@ def shard_axis(shape: tuple[int, ...], n: int, first: int = 0) -> int:
 
 
 def padded(x: jax.Array, n: int, axis: int) -> jax.Array:
-    """`x` zero-padded on `axis` to a multiple of `n`."""
     pad = (-x.shape[axis]) % n
     return x if not pad else jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
 
@@ -62,38 +61,32 @@ def path_keys(path: tuple) -> tuple:
 
 
 def sharded_where(tree: Tree) -> Tree:
-    """SHARDED for each leaf with an axis, REPLICATED for scalars."""
     return jax.tree.map(lambda x: SHARDED if is_sharded(x) else REPLICATED, tree)
 
 
 def spec_on(axis: int | None, ndim: int) -> P:
-    """A PartitionSpec splitting `axis` (None: none) on `data`."""
     return P() if axis is None else P(*[DATA_AXIS if a == axis else None for a in range(ndim)])
 
 
 def whole_number(name: str, value: Any, least: int, unit: str = "") -> int:
-    """`value` as an int: ValueError in one line unless it is an integral number (not a bool) of at least `least`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         raise ValueError(f"{name}={value!r} must be an int of at least {least}{unit}")
     return int(value)
 
 
 def real_number(name: str, value: Any) -> float:
-    """`value` as a float: ValueError in one line unless it is a real number (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name}={value!r} must be a number")
     return float(value)
 
 
 def checked_group_size(group_size: Any) -> int | None:
-    """`group_size` (the devices of a group, a node's) as an int, or None; ValueError in one line otherwise."""
     return None if group_size is None else whole_number("group_size", group_size, 1, " (devices in a group), or None "
                                                                                      "for one process's devices")
 
 
 def group_mesh(strategy: Sync, group_size: int | None, num_devices: int) -> dict[str, int]:
-    """The groups x `data` mesh of `num_devices` in groups of `group_size` consecutive devices (None: one process's);
-    FitError in one line where there is none."""
+    """The groups x `data` mesh of `num_devices` in groups of `group_size` consecutive devices (None: one process's)."""
     k = group_size
     if k is None:
         if jax.process_count() == 1:
@@ -153,10 +146,6 @@ def floating(tree: Tree) -> Tree:
 
 def merge_floating(averaged: Tree, tree: Tree) -> Tree:
     return jax.tree.map(lambda a, x: x if a is None else a, averaged, tree, is_leaf=lambda x: x is None)
-
-
-def cast(tree: Tree, dtype: Any) -> Tree:
-    return jax.tree.map(lambda x: x.astype(dtype), tree)
 
 
 def averaged_sums(local: Local, axis_name: str | None, **extra: Tree) -> dict[str, Any]:
@@ -295,8 +284,9 @@ class Sync:
         """Local gradient -> the update's input (`state`: the train state the step began with; its `sync`'s
         successor goes in `Reduced.sync_state`). `collective` False leaves out the collectives (`jdp.bench`), keeping
         the update's layout."""
-        averaged = averaged_sums(local, axis_name if collective else None, grads=cast(local.grads, self.dtype))
-        return self._reduced(cast(averaged["grads"], jnp.float32), local, averaged)
+        grads = optax.tree.cast(local.grads, self.dtype)
+        averaged = averaged_sums(local, axis_name if collective else None, grads=grads)
+        return self._reduced(optax.tree.cast(averaged["grads"], jnp.float32), local, averaged)
 
     @staticmethod
     def _of_mean(grads: Tree, rows: int, weight: jax.Array) -> Tree:

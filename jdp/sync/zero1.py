@@ -24,7 +24,6 @@ from jdp.sync.base import (
     Sync,
     Tree,
     averaged_sums,
-    cast,
     is_sharded,
     padded,
     shard_axis,
@@ -112,7 +111,7 @@ class ZeRO1(Sync):
             axis = shard_axis(g.shape, n)
             return jax.lax.psum_scatter(padded(g, n, axis), axis_name, scatter_dimension=axis, tiled=True) / n
 
-        return cast(jax.tree.map(scatter, cast(grads, self.dtype)), jnp.float32)
+        return optax.tree.cast(jax.tree.map(scatter, optax.tree.cast(grads, self.dtype)), jnp.float32)
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         return self._reduced(self.sliced_mean(local.grads, axis_name), local,

@@ -1,7 +1,6 @@
-"""ZeRO-3, fully sharded data parallelism (Rajbhandari et al. 2020; PyTorch's FSDP): the parameters, gradients and
-optimizer state live as 1/N slices. The forward all-gathers the parameters (`params_view`; a scanned model's layers
-one at a time, `layer_view`), whose transpose reduce-scatters the gradient. Design and bytes: docs/performance.md,
-'Making a model fit: ZeRO-3, scanned layers, activation checkpointing'.
+"""ZeRO-3, fully sharded data parallelism (Rajbhandari et al. 2020; PyTorch's FSDP): the forward all-gathers the
+parameters (a scanned model's layers one at a time), whose transpose reduce-scatters the gradient. Design and bytes:
+docs/performance.md, 'Making a model fit: ZeRO-3, scanned layers, activation checkpointing'.
 """
 
 from __future__ import annotations
