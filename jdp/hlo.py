@@ -102,8 +102,7 @@ def collectives(hlo_text: str, num_devices: int, period: int = 1, group_size: in
         if " conditional(" in line:
             listed = _BRANCHES.search(line)
             named = dict(_TRUE_FALSE.findall(line))
-            branches = ([b.strip().lstrip("%") for b in listed.group(1).split(",")] if listed
-                        else [named["false"], named["true"]])
+            branches = re.findall(r"[\w.\-]+", listed[1]) if listed else [named["false"], named["true"]]
             calls[computation] += ([(branches[0], 0.0), (branches[1], 1 / period)] if len(branches) == 2
                                    else [(b, 1 / period) for b in branches])
         elif body := _WHILE_BODY.search(line):

@@ -1,6 +1,5 @@
 """Layers that make a deep model fit: activation checkpointing (`remat`) and scanned layers (`Stack`), whose layers
-a trainer splitting the parameters gathers one at a time (`viewing`). The policies, and what each saves:
-docs/performance.md, 'Making a model fit: ZeRO-3, scanned layers, activation checkpointing'.
+a trainer splitting the parameters gathers one at a time (`viewing`); docs/performance.md, 'Making a model fit'.
 """
 
 from __future__ import annotations
@@ -43,9 +42,7 @@ def check_remat(remat: str) -> str:
 
 def remat(fn: Callable, policy: str) -> Callable:
     """`fn` under `nnx.remat` with the named policy ("none": `fn` itself)."""
-    if check_remat(policy) == "none":
-        return fn
-    return nnx.remat(fn, policy=REMAT_POLICIES[policy])
+    return fn if check_remat(policy) == "none" else nnx.remat(fn, policy=REMAT_POLICIES[policy])
 
 
 def saved_residual_bytes(fn: Callable, *args: Any) -> int:

@@ -22,7 +22,6 @@ def guard(state: Any, updated: Any, loss_finite: jax.Array, grads_finite: jax.Ar
     """Which state every replica keeps (the flags must be replica-identical): the updated one; the old one when the
     loss or gradient is not finite; the old one a step on when the batch weighed nothing or only fp16's gradients
     overflowed."""
-    metrics = {}
     loss_scale = state.loss_scale
     if o.fit.precision == "fp16":  # the guard sees the loss; gradient overflow only lowers the loss scale
         scale, good, overflows = loss_scale[0], loss_scale[1], loss_scale[2]
@@ -32,9 +31,9 @@ def guard(state: Any, updated: Any, loss_finite: jax.Array, grads_finite: jax.Ar
         loss_scale = jnp.stack([jnp.where(overflow, scale / 2, jnp.where(grow, scale * 2, scale)),
                                 jnp.where(grow, 0, good).astype(scale.dtype), overflows + overflow])
         finite = loss_finite
-        metrics.update(loss_scale=scale, overflow_steps=loss_scale[2], overflow=overflow.astype(jnp.float32))
+        metrics = {"loss_scale": scale, "overflow_steps": loss_scale[2], "overflow": overflow.astype(jnp.float32)}
     else:
-        overflow, finite = jnp.bool_(False), loss_finite & grads_finite
+        overflow, finite, metrics = jnp.bool_(False), loss_finite & grads_finite, {}
     halt = o.fit.on_nonfinite == "halt"
     apply = finite & (state.halted == 0) if halt else finite
     updated = updated._replace(loss_scale=loss_scale)

@@ -1,6 +1,5 @@
-"""Hybrid sharding (HSDP: PyTorch FSDP's HYBRID_SHARD, FSDP2's 2-D mesh): ZeRO-3 (or ZeRO-1, `stage=1`) inside groups
-of k devices on a groups x `data` mesh, and across the groups one mean all-reduce of each device's 1/k gradient
-slice, the loss sums riding in it. Mesh, bytes and what is refused: docs/communication.md, 'Hybrid sharding (HSDP)'.
+"""Hybrid sharding (HSDP, PyTorch FSDP's HYBRID_SHARD): ZeRO-3 or ZeRO-1 inside groups of k devices (the mesh's `data`
+axis), one mean all-reduce of each device's 1/k gradient slice across them (docs/communication.md).
 """
 
 from __future__ import annotations

@@ -31,9 +31,8 @@ class ZeRO3(ZeRO1):
 
     def __init__(self, weight_bits: int = 32, grad_bits: int = 32, block: int = 256) -> None:
         super().__init__()  # the reduce-scatter is the gather's transpose: it sends the parameters' dtype
-        weight_bits, grad_bits = (bits if bits == 32 and not isinstance(bits, bool) else check_block(bits, block)[0]
-                                  for bits in (weight_bits, grad_bits))
-        self.weight_bits, self.grad_bits, self.block = weight_bits, grad_bits, block
+        checked = [bits if bits == 32 else check_block(bits, block)[0] for bits in (weight_bits, grad_bits)]
+        self.weight_bits, self.grad_bits, self.block = *checked, block
 
     @property
     def quantized(self) -> bool:
@@ -72,9 +71,6 @@ class ZeRO3(ZeRO1):
                 f"which {what} never holds; set {view.use('log_noise_scale', False)}")
         require(not self.quantized or options["backend"] == "shard_map", f"{what} quantizes what it gathers and "
                 f"reduce-scatters, which it does itself under shard_map only; use {view.use('backend', 'shard_map')}")
-
-    def optimizer_sees_slices(self, backend: str) -> bool:
-        return backend != "jit"  # under jit the optimizer updates global arrays
 
     def layouts(self, abstract_state: Any) -> Any:
         return super().layouts(abstract_state)._replace(params=sharded_where(abstract_state.params))
