@@ -23,9 +23,8 @@ REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
 }
 
 class LayerView(NamedTuple):
-    """How a trainer has each layer of a `Stack` computed: `params` maps (a layer's Param values as held, their
-    logical shapes) to the values it computes with (gathered across devices); `carry` is applied to the carry
-    entering each layer (a sharding constraint). None: as they are."""
+    """How a trainer has each layer of a `Stack` computed (None: as held): `params` maps (its Param values as held,
+    their logical shapes) to those it computes with (gathered); `carry` maps the carry entering it (a constraint)."""
 
     params: Callable[[list[jax.Array], tuple[tuple[int, ...], ...]], list[jax.Array]] | None = None
     carry: Callable[[jax.Array], jax.Array] | None = None

@@ -16,9 +16,7 @@ EMA_DECAY = 0.95  # per step; ~20 steps of memory. Both averages share it, so th
 
 def estimate(small_sq: float, big_sq: float, b: float, big_b: float) -> tuple[float, float]:
     """(tr(S), |G|^2) from the mean squared norm of the small-batch gradients and the big-batch one."""
-    trace = (small_sq - big_sq) / (1.0 / b - 1.0 / big_b)
-    true_sq = (big_b * big_sq - b * small_sq) / (big_b - b)
-    return trace, true_sq
+    return (small_sq - big_sq) / (1.0 / b - 1.0 / big_b), (big_b * big_sq - b * small_sq) / (big_b - b)
 
 
 class NoiseScale:

@@ -1,6 +1,5 @@
-"""Step 4's guard: which state every replica keeps after the optax update. A non-finite loss or gradient drops
-the update (`on_nonfinite` skip) or freezes the state (halt); fp16's dynamic loss scaling halves the scale on a
-gradient overflow; a batch that weighs nothing makes no update. The decisions are replica-identical."""
+"""Step 4's guard: which state every replica keeps after the optax update (a non-finite loss or gradient, fp16's
+gradient overflow, a batch that weighs nothing), decided alike on every replica."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The sync-strategy interface (step 3). Its methods run in the compiled step on one device's slice (`axis_name`
-"data", or the tuple of a wider mesh's axes), or once on the global batch under jit (`axis_name` None: XLA inserts
-the collectives). Writing a strategy: docs/communication.md, 'A strategy of your own'.
+"""The sync-strategy interface (step 3), run per device (`axis_name` "data", or a wider mesh's tuple of axes) or on
+the global batch under jit (`axis_name` None). Writing a strategy: docs/communication.md, 'A strategy of your own'.
 """
 
 from __future__ import annotations

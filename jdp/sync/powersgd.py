@@ -92,8 +92,7 @@ def needs(what: str, view: Any) -> str:
 
 class PowerSGD(Sync):
     """Every gradient goes whole before `start_step`, and a matrix always if r (n + m) floats do not shrink it by
-    `min_compression_rate` (torch's PowerSGDState `start_powerSGD_iter` and `min_compression_rate`). State:
-    {"q": {name: (layers, m, r)}, replicated, "error": {name: (devices, layers, n, m)}, per device}."""
+    `min_compression_rate` (torch's PowerSGDState `start_powerSGD_iter` and `min_compression_rate`)."""
 
     matrices: dict[str, Matrix] = {}
     seed = 0

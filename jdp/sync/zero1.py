@@ -1,6 +1,5 @@
-"""ZeRO-1, the sharded optimizer ("cross-replica weight-update sharding", Xu et al. 2020): the gradient
-reduce-scattered into 1/N slices, each device updating its slice of the parameters and optimizer state, then the
-parameters all-gathered."""
+"""ZeRO-1, the sharded optimizer ("cross-replica weight-update sharding", Xu et al. 2020): each device updates its
+1/N slice of the parameters and optimizer state from its slice of the reduce-scattered gradient."""
 
 from __future__ import annotations
 
@@ -132,8 +131,7 @@ class Sliceable(optax.GradientTransformation):
     `clip_by_global_norm(max_norm, "data")`): `jdp.fit` skips its slicing probe. `Sliceable(*tx)` vouches for `tx`."""
 
 
-# Whether the step's optimizer sees slices of the leaves (`Sync.optimizer_sees_slices`), read by
-# `clip_by_global_norm`, so one chain clips right under every strategy and backend.
+# `Sync.optimizer_sees_slices` in the step, read by `clip_by_global_norm`: one chain clips right under every strategy.
 _optimizer_sees_slices: ContextVar[bool] = ContextVar("jdp_optimizer_sees_slices", default=True)
 
 
