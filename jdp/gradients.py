@@ -26,9 +26,8 @@ def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
 
 def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef, loss_fn: LossFn, options: Any,
                     params_view: Callable[[Tree], Tree], layer_view: LayerView | None) -> Local:
-    """The gradient of this device's slice (`params_view`, `layer_view`: from the sync strategy). With
-    `options.accum_lanes` (jit with accumulation) the micro-batch loop runs one lane per device, vmapped over a
-    `data` axis laid on the devices, so that XLA all-reduces once, not once per micro-batch."""
+    """The gradient of this device's slice (`params_view`, `layer_view`: the sync strategy's). With `accum_lanes`
+    (jit) the micro-batch loop runs one vmapped lane per device, so that XLA all-reduces once, not per micro-batch."""
     o = options
     dtype = COMPUTE_DTYPES[o.fit.precision]
     scale = state.loss_scale[0] if o.fit.precision == "fp16" else 1.0

@@ -1,7 +1,5 @@
 """What a compiled program sends, read from its HLO text after XLA's passes (`compiled.as_text()`): the operand
-bytes each device hands its collectives per step, in the steady state (docs/communication.md). An all-gather's
-operand is its result / the group's size, a reduce-scatter's its result * the size; a group of one sends none; a while
-loop's body counts its known trip count times (else once).
+bytes each device hands its collectives per step, in the steady state (docs/communication.md).
 """
 
 from __future__ import annotations

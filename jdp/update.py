@@ -18,9 +18,8 @@ def updates_applied(state: Any) -> jax.Array:
 
 def guard(state: Any, updated: Any, loss_finite: jax.Array, grads_finite: jax.Array,
            empty: jax.Array, o: Any) -> tuple[Any, dict[str, jax.Array]]:
-    """Which state every replica keeps (the flags must be replica-identical): the updated one; the old one when the
-    loss or gradient is not finite; the old one a step on when the batch weighed nothing or only fp16's gradients
-    overflowed."""
+    """Which state every replica keeps (the flags must be replica-identical): the updated one; the old one on a
+    non-finite loss or gradient; the old one a step on for a batch weighing nothing or only fp16's gradient overflow."""
     loss_scale = state.loss_scale
     if o.fit.precision == "fp16":  # the guard sees the loss; gradient overflow only lowers the loss scale
         scale, good, overflows = loss_scale[0], loss_scale[1], loss_scale[2]

@@ -232,8 +232,7 @@ class Sync:
         return None
 
     def mesh_shape(self, num_devices: int) -> dict[str, int]:
-        """The mesh the step runs on, axis name -> size, `data` last (sharded leaves split on it); FitError in one line
-        for a device count it cannot use."""
+        """The step's mesh, axis -> size, `data` last (sharded leaves split on it); FitError for unusable counts."""
         return {DATA_AXIS: num_devices}
 
     def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
@@ -258,8 +257,7 @@ class Sync:
                             self.layouts(abstract_state), abstract_state)
 
     def state_specs(self, abstract_state: Any, num_devices: int, devices: Any = DATA_AXIS) -> Any:
-        """The PartitionSpec of each leaf inside the step: a per-device leaf's rows split over `devices`, a sharded
-        leaf on its axis over `data`."""
+        """Each leaf's PartitionSpec in the step: per-device rows over `devices`, a sharded leaf's axis over `data`."""
         # The tree of axes, whose None leaves would not match a tree, goes last.
         return jax.tree.map(lambda layout, x, axis: P(devices) if layout == PER_DEVICE else spec_on(axis, x.ndim),
                             self.layouts(abstract_state), abstract_state, self.shard_axes(abstract_state, num_devices))
@@ -280,9 +278,8 @@ class Sync:
         return None
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
-        """Local gradient -> the update's input (`state`: the train state the step began with; its `sync`'s
-        successor goes in `Reduced.sync_state`). `collective` False leaves out the collectives (`jdp.bench`), keeping
-        the update's layout."""
+        """Local gradient -> the update's input (`state`: the train state the step began with; its `sync`'s successor
+        goes in `Reduced.sync_state`); `collective` False (`jdp.bench`) leaves out the collectives, not the layout."""
         grads = optax.tree.cast(local.grads, self.dtype)
         averaged = averaged_sums(local, axis_name if collective else None, grads=grads)
         return self._reduced(optax.tree.cast(averaged["grads"], jnp.float32), local, averaged)

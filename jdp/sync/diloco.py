@@ -20,8 +20,7 @@ from jdp.sync.zero1 import all_gather_like, local_slice
 
 class DiLoCo(LocalSGD):
     """`outer` "sgd": anchor - outer_lr * g, "nesterov": the paper's outer Nesterov momentum (optax's); `bits` 8 or 4:
-    the outer gradient block-quantized per `block` values; `group_size` k: a learner is a group of k devices (None:
-    one process's). State: {"anchor": the round's starting parameters, "outer": the outer optimizer's state}."""
+    the outer gradient block-quantized per `block` values; `group_size` k: a learner is k devices (None: a process)."""
 
     def __init__(self, every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9, outer: str = "nesterov",
                  bits: int = 32, block: int = 256, group_size: int | None = 1) -> None:

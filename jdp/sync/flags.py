@@ -22,8 +22,7 @@ NAMES = ("allreduce", "zero1", "zero3", "local_sgd", "diloco", "powersgd")
 
 
 def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None]) -> tuple[Sync, str]:
-    """(the strategy `o`'s flags name, how they name it for messages); `require(condition, line)` refuses
-    flags that contradict each other. `view` names the options (`jdp.options.View`)."""
+    """(the strategy the flags in `o` name, how `view` names it); `require(condition, line)` refuses contradictions."""
     n, sync = view, o["sync"]
     if isinstance(sync, Sync):
         params = sync.params()

@@ -71,8 +71,7 @@ def global_norm(tree: Tree, axis_name: str | None = None) -> jax.Array:
 
 
 class ZeRO1(Sync):
-    """The gradient reduce-scattered in `dtype` ("fp32" or "bf16"); each device updates its slice of the parameters
-    and optimizer state, then all-gathers the parameters."""
+    """ZeRO-1, its gradient reduce-scattered in `dtype` ("fp32" or "bf16"), its parameters then all-gathered."""
 
     per_device_update = True
     shards_optimizer = True

@@ -1,6 +1,5 @@
 """ZeRO-3, fully sharded data parallelism (Rajbhandari et al. 2020; PyTorch's FSDP): the forward all-gathers the
-parameters (a scanned model's layers one at a time), whose transpose reduce-scatters the gradient. Design and bytes:
-docs/performance.md, 'Making a model fit: ZeRO-3, scanned layers, activation checkpointing'.
+parameters (a scanned model's layers one at a time), whose transpose reduce-scatters the gradient (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ from jdp.sync.zero1 import ZeRO1, all_gather_like
 
 
 class ZeRO3(ZeRO1):
-    """ZeRO-1's sharded optimizer state plus sharded parameters, gathered for each forward. `weight_bits` and
-    `grad_bits` 8 or 4 block-quantize (per `block` values) the gather and its reduce-scatter, as ZeRO++'s qwZ and
-    qgZ (32: not)."""
+    """ZeRO-1 plus sharded parameters, gathered for each forward; `weight_bits`, `grad_bits` 8 or 4 block-quantize (per
+    `block` values) the gather and its reduce-scatter, as ZeRO++'s qwZ and qgZ (32: not)."""
 
     abstract_params: Tree = None
     per_layer: Tree = None
