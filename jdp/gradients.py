@@ -1,6 +1,5 @@
-"""Step 2, compute: forward and backward on this device's slice of the global batch, plain or accumulated over
-micro-batches. The loss is the slice's weighted sum over its static row count (the weight total is known only after
-the collective, and this keeps gradients near a mean's scale); the sync strategy rescales by the weight total.
+"""Step 2, compute: forward and backward on this device's slice, plain or accumulated over micro-batches, of its
+weighted loss sum / its static row count (the weight total is known only after the collective: the sync rescales).
 """
 
 from __future__ import annotations
@@ -26,11 +25,9 @@ def micro_batches(batch: dict[str, jax.Array], k: int) -> dict[str, jax.Array]:
 
 
 def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef, loss_fn: LossFn, options: Any,
-                    params_view: Callable[[Tree], Tree] = lambda params: params,
-                    layer_view: LayerView | None = None) -> Local:
-    """The gradient of this device's slice (`params_view`, `layer_view`: from the sync strategy). With
-    `options.accum_lanes` (jit with accumulation) the micro-batch loop runs one lane per device, vmapped over a
-    `data` axis laid on the devices, so that XLA all-reduces once, not once per micro-batch."""
+                    params_view: Callable[[Tree], Tree], layer_view: LayerView | None) -> Local:
+    """The gradient of this device's slice (`params_view`, `layer_view`: the sync strategy's). With `accum_lanes`
+    (jit) the micro-batch loop runs one vmapped lane per device, so that XLA all-reduces once, not per micro-batch."""
     o = options
     dtype = COMPUTE_DTYPES[o.fit.precision]
     scale = state.loss_scale[0] if o.fit.precision == "fp16" else 1.0
@@ -91,8 +88,7 @@ def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef,
             in_axes=1, axis_name=DATA_AXIS, spmd_axis_name=DATA_AXIS)(lanes)
         grads, sums, weight = jax.tree.map(lambda a: a.sum(0), (grads, sums, weight))
         model_state = jax.tree.map(lambda s: s.mean(0).astype(s.dtype), model_state)
-        counts = jax.tree.map(lambda c: c[0], counts)
-        micro_sqs = micro_sqs[0]  # per micro-batch noise is asked for on one device only: one lane
+        counts, micro_sqs = jax.tree.map(lambda c: c[0], (counts, micro_sqs))  # micro-batch noise: on one device
     small_sq = (jnp.mean(micro_sqs) if o.noise_small_batches == "micro_batches"
                 else mean_grad_sq(grads, weight) if o.noise_small_batches else None)
     if o.fit.precision == "fp16":

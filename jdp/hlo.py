@@ -1,11 +1,5 @@
 """What a compiled program sends, read from its HLO text after XLA's passes (`compiled.as_text()`): the operand
-bytes each device hands its collectives per step, in the steady state (the rules: docs/communication.md):
-- each is sized within its replica groups: an all-gather's operand is its result / the group's size, a
-  reduce-scatter's its result * the group's size, a ragged-all-to-all's its output buffer; a group of one sends none;
-- a `lax.cond` counts its true branch (the steady state) once every `period` steps, a `lax.switch` every branch
-  1/`period`; a while loop's body its known trip count times (else once).
-A collective is in-group when each replica group (or source-target pair) lies within one block of `group_size`
-consecutive device ids, else cross-group.
+bytes each device hands its collectives per step, in the steady state (docs/communication.md).
 """
 
 from __future__ import annotations
@@ -18,14 +12,11 @@ from collections import defaultdict
 
 import numpy as np
 
-_BITS = {"pred": 8, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "f4e2m1fn": 4, "s8": 8, "u8": 8, "f8e5m2": 8,
-         "f8e4m3": 8, "f8e4m3fn": 8, "f8e4m3b11fnuz": 8, "f8e5m2fnuz": 8, "f8e4m3fnuz": 8, "f8e3m4": 8,
-         "f8e8m0fnu": 8, "bf16": 16, "f16": 16, "s16": 16, "u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64,
-         "s64": 64, "u64": 64, "c64": 64, "c128": 128}
 _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([^\s(]+)\s.*\{\s*$")  # an unindented line opening a computation
 _COLLECTIVE = re.compile(r"=\s+(.+?)\s+(all-reduce|reduce-scatter|all-gather|all-to-all|ragged-all-to-all"
                          r"|collective-permute)(-start)?\(")
-_SHAPE = re.compile(r"\b(" + "|".join(sorted(_BITS, key=len, reverse=True)) + r")\[([\d,]*)\]")
+# An element type (pred, s4, bf16, f8e4m3fn, c64, ...) and its dimensions; its bits: its first number (pred: 8).
+_SHAPE = re.compile(r"\b(pred|bf16|[sufc]\d+(?:e\w+)?)\[([\d,]*)\]")
 _GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
@@ -48,8 +39,8 @@ class CommBytes:
 
 
 def _bytes(shapes: list[tuple[str, str]]) -> int:
-    return sum(math.ceil(_BITS[dtype] * math.prod(int(d) for d in dims.split(",") if d) / 8)
-               for dtype, dims in shapes)
+    return sum(math.ceil(int(re.match(r"\D+(\d*)", dtype)[1] or 8) * math.prod(int(d) for d in dims.split(",") if d)
+                         / 8) for dtype, dims in shapes)
 
 
 def _elements(shape: str) -> list[str]:
@@ -87,7 +78,8 @@ def shape_bytes(text: str) -> int:
 
 def collectives(hlo_text: str, num_devices: int, period: int = 1, group_size: int | None = None) -> CommBytes:
     """The operand bytes per device of the program's collectives per step. `num_devices`: those of a collective
-    without replica groups; `period`: steps between a conditional's runs; `group_size`: None, all cross-group."""
+    without replica groups; `period`: steps between a conditional's runs; `group_size`: a collective is in-group when
+    each replica group (or source-target pair) lies within one block of that many consecutive devices (None: none)."""
     sent: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])  # computation -> in-group, cross-group bytes
     calls: dict[str, list[tuple[str, float]]] = defaultdict(list)  # computation -> (callee, runs per run of it)
     entry = computation = None
@@ -108,8 +100,7 @@ def collectives(hlo_text: str, num_devices: int, period: int = 1, group_size: in
         if " conditional(" in line:
             listed = _BRANCHES.search(line)
             named = dict(_TRUE_FALSE.findall(line))
-            branches = ([b.strip().lstrip("%") for b in listed.group(1).split(",")] if listed
-                        else [named["false"], named["true"]])
+            branches = re.findall(r"[\w.\-]+", listed[1]) if listed else [named["false"], named["true"]]
             calls[computation] += ([(branches[0], 0.0), (branches[1], 1 / period)] if len(branches) == 2
                                    else [(b, 1 / period) for b in branches])
         elif body := _WHILE_BODY.search(line):

@@ -1,6 +1,5 @@
 """Layers that make a deep model fit: activation checkpointing (`remat`) and scanned layers (`Stack`), whose layers
-a trainer splitting the parameters gathers one at a time (`viewing`). The policies, and what each saves:
-docs/performance.md, 'Making a model fit: ZeRO-3, scanned layers, activation checkpointing'.
+a trainer splitting the parameters gathers one at a time (`viewing`); docs/performance.md, 'Making a model fit'.
 """
 
 from __future__ import annotations
@@ -24,9 +23,8 @@ REMAT_POLICIES: dict[str, Callable[..., bool] | None] = {
 }
 
 class LayerView(NamedTuple):
-    """How a trainer has each layer of a `Stack` computed: `params` maps (a layer's Param values as held, their
-    logical shapes) to the values it computes with (gathered across devices); `carry` is applied to the carry
-    entering each layer (a sharding constraint). None: as they are."""
+    """How a trainer has each layer of a `Stack` computed (None: as held): `params` maps (its Param values as held,
+    their logical shapes) to those it computes with (gathered); `carry` maps the carry entering it (a constraint)."""
 
     params: Callable[[list[jax.Array], tuple[tuple[int, ...], ...]], list[jax.Array]] | None = None
     carry: Callable[[jax.Array], jax.Array] | None = None
@@ -43,9 +41,7 @@ def check_remat(remat: str) -> str:
 
 def remat(fn: Callable, policy: str) -> Callable:
     """`fn` under `nnx.remat` with the named policy ("none": `fn` itself)."""
-    if check_remat(policy) == "none":
-        return fn
-    return nnx.remat(fn, policy=REMAT_POLICIES[policy])
+    return fn if check_remat(policy) == "none" else nnx.remat(fn, policy=REMAT_POLICIES[policy])
 
 
 def saved_residual_bytes(fn: Callable, *args: Any) -> int:

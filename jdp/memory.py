@@ -8,9 +8,6 @@ import math
 import jax
 
 MB = 2**20
-# `CompiledMemoryStats` fields -> jdp's names (bytes per device).
-_COMPILED = {"argument_size_in_bytes": "argument_bytes", "output_size_in_bytes": "output_bytes",
-             "temp_size_in_bytes": "temp_bytes", "alias_size_in_bytes": "alias_bytes"}
 
 
 def per_device_bytes(tree) -> int:
@@ -29,18 +26,14 @@ def memory_analysis(compiled) -> dict[str, int]:
     memory = compiled.memory_analysis()
     if memory is None:
         return {}
-    out = {name: int(getattr(memory, field)) for field, name in _COMPILED.items()}
+    # `CompiledMemoryStats`' `X_size_in_bytes` -> `X_bytes`
+    out = {f"{x}_bytes": int(getattr(memory, f"{x}_size_in_bytes")) for x in ("argument", "output", "temp", "alias")}
     out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
     return out
 
 
-def step_memory(state, compiled) -> dict[str, int]:
-    """The state's bytes and the compiled step's (`state_memory`, `memory_analysis`), per device."""
-    return {**state_memory(state), **memory_analysis(compiled)}
-
-
 def summary_fields(memory: dict[str, int]) -> dict[str, int]:
-    """`step_memory`'s figures as metrics.jsonl's summary line names them: `params_bytes_per_device`, ..."""
+    """The memory figures as metrics.jsonl's summary line names them: `params_bytes_per_device`, ..."""
     return {f"{name}_per_device": value for name, value in memory.items()}
 
 
@@ -50,7 +43,7 @@ def mb(n: int) -> str:
 
 
 def describe(memory: dict[str, int]) -> str:
-    """The start-up line of `step_memory`'s figures, in MB (2**20 bytes)."""
+    """The start-up line of the state's and compiled step's figures, in MB (2**20 bytes)."""
     state = (f"memory per device: params {mb(memory['params_bytes'])} MB, grads {mb(memory['grads_bytes'])} MB, "
              f"optimizer state {mb(memory['opt_state_bytes'])} MB")
     if "peak_bytes" not in memory:

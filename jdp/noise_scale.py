@@ -4,8 +4,7 @@ give unbiased estimates of the true gradient's squared norm and of the per-examp
 
     |G|^2 ~= (B |G_B|^2 - b |G_b|^2) / (B - b)        tr(S) ~= (|G_b|^2 - |G_B|^2) / (1/b - 1/B)
 
-B_simple = tr(S) / |G|^2 predicts the critical batch size. One step's estimates are noisy (|G|^2 may come out
-negative), so moving averages of the two are kept apart and their ratio reported, as the paper advises.
+B_simple = tr(S) / |G|^2; one step's |G|^2 may come out negative, hence the moving averages (docs/batch_size.md).
 """
 
 from __future__ import annotations
@@ -17,9 +16,7 @@ EMA_DECAY = 0.95  # per step; ~20 steps of memory. Both averages share it, so th
 
 def estimate(small_sq: float, big_sq: float, b: float, big_b: float) -> tuple[float, float]:
     """(tr(S), |G|^2) from the mean squared norm of the small-batch gradients and the big-batch one."""
-    trace = (small_sq - big_sq) / (1.0 / b - 1.0 / big_b)
-    true_sq = (big_b * big_sq - b * small_sq) / (big_b - b)
-    return trace, true_sq
+    return (small_sq - big_sq) / (1.0 / b - 1.0 / big_b), (big_b * big_sq - b * small_sq) / (big_b - b)
 
 
 class NoiseScale:

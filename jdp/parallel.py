@@ -211,7 +211,7 @@ class DataParallel:
         self.comm_bytes_per_step = sent.total
         self.comm_cross_group_bytes_per_step = sent.cross_group if hybrid else None
         self.compiled_warning = self.sync.compiled_warning(text, self.mesh.size)
-        self.memory = memory_lib.step_memory(state, compiled)
+        self.memory = {**memory_lib.state_memory(state), **memory_lib.memory_analysis(compiled)}
         return compiled
 
     def read_collectives(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> float:

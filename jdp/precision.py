@@ -1,6 +1,5 @@
-"""Mixed precision: the cast to the compute dtype, and what a program's dots and convolutions compute in, judged on
-the program jdp asks for (jaxpr, or HLO before XLA's passes: XLA:CPU upcasts bfloat16 products in its own).
-"""
+"""Mixed precision: the cast to the compute dtype, and what the dots and convolutions of the program jdp asks for
+compute in (jaxpr, or HLO before XLA's passes: XLA:CPU upcasts bfloat16 products in its own)."""
 
 from __future__ import annotations
 
@@ -43,9 +42,7 @@ def jaxpr_matmul_dtypes(jaxpr: Any) -> collections.Counter[str]:
     jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
     counts = collections.Counter(str(v.aval.dtype) for eqn in jaxpr.eqns if eqn.primitive.name in _MATMUL_PRIMITIVES
                                  for v in eqn.outvars)
-    for sub in subjaxprs(jaxpr):
-        counts += jaxpr_matmul_dtypes(sub)
-    return counts
+    return sum((jaxpr_matmul_dtypes(sub) for sub in subjaxprs(jaxpr)), counts)
 
 
 def summary(counts: collections.Counter[str]) -> str:

@@ -1,6 +1,5 @@
-"""The per-device training step, written once: compute (`jdp.gradients`) -> sync (`jdp.sync`) -> update, with its
-guard (`jdp.update`). Pure functions: `jdp.parallel` runs them per device under shard_map or pmap
-(`axis_name="data"`), or once on the global batch under jit (`axis_name=None`).
+"""The training step, written once: compute (`jdp.gradients`) -> sync (`jdp.sync`) -> update and guard (`jdp.update`),
+run per device under shard_map or pmap (`axis_name="data"`), or on the global batch under jit (`axis_name=None`).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from jdp.options import FitOptions
 from jdp.sync import Sync
 from jdp.sync.base import Reduced, sum_of_squares
 from jdp.sync.zero1 import optimizer_sees_slices
-from jdp.update import all_finite, guard, updates_applied
+from jdp.update import guard, updates_applied
 
 __all__ = ["StepOptions", "TrainState", "eval_step", "micro_batches", "run_loss", "train_step", "weighted_sums"]
 
@@ -53,8 +52,7 @@ class StepOptions:
     # jit with grad_accum_steps > 1: the device count, one accumulation lane each (`jdp.gradients`); 0: no lanes.
     accum_lanes: int = 0
     all_reduce: bool = True  # False compiles the step without its collective (jdp.bench's with/without)
-    # For `jdp.noise_scale`, the small batches whose gradients' squared norms are reported beside the global one's:
-    # "devices" (each device's slice), "micro_batches" (each accumulation micro-batch, on one device), "": none.
+    # `jdp.noise_scale`'s small batches: "devices" (each device's slice), "micro_batches" (on one device), "": none.
     noise_small_batches: str = ""
     # The batch the loss sees, made on the device from the one sent (a source's `device_input`).
     device_input: Callable[[dict[str, jax.Array]], dict[str, jax.Array]] = lambda batch: batch
@@ -77,7 +75,7 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
         params, opt_state = sync.update(tx, reduced.grads, state, axis)
     empty = reduced.weight <= 0
     metrics = {k: v / reduced.weight for k, v in reduced.sums.items()}
-    grads_finite = all_finite(reduced.grads)
+    grads_finite = jnp.all(jnp.array([jnp.isfinite(g).all() for g in jax.tree.leaves(reduced.grads)]))
     if sync.per_device_update and collective:  # per-device gradients: decide alike
         grads_finite = jax.lax.pmin(grads_finite.astype(jnp.int32), collective).astype(bool)
     updated = state._replace(step=state.step + 1, params=params, model_state=reduced.model_state,
@@ -140,8 +138,7 @@ def _check_kept(sync: Sync, before: TrainState, after: TrainState, by: str) -> T
 
 def eval_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDef, loss_fn: LossFn,
               axis_name: str | None, device_input: Callable[[dict[str, jax.Array]], dict[str, jax.Array]],
-              params_view: Callable[[Tree], Tree] = lambda params: params,
-              layer_view: LayerView | None = None) -> dict[str, jax.Array]:
+              params_view: Callable[[Tree], Tree], layer_view: LayerView | None) -> dict[str, jax.Array]:
     """Weighted sums of `loss_fn`'s outputs and the weight total over the global batch, padding rows weighing 0."""
     rows = {k: v for k, v in batch.items() if k != "mask"}
     with viewing(layer_view):

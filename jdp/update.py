@@ -1,6 +1,5 @@
-"""Step 4's guard: which state every replica keeps after the optax update. A non-finite loss or gradient drops
-the update (`on_nonfinite` skip) or freezes the state (halt); fp16's dynamic loss scaling halves the scale on a
-gradient overflow; a batch that weighs nothing makes no update. The decisions are replica-identical."""
+"""Step 4's guard: which state every replica keeps after the optax update (a non-finite loss or gradient, fp16's
+gradient overflow, a batch that weighs nothing), decided alike on every replica."""
 
 from __future__ import annotations
 
@@ -9,12 +8,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import optax
-
-Tree = Any
-
-
-def all_finite(tree: Tree) -> jax.Array:
-    return jnp.stack([jnp.isfinite(x).all() for x in jax.tree.leaves(tree)] or [jnp.bool_(True)]).all()
 
 
 def updates_applied(state: Any) -> jax.Array:
@@ -25,10 +18,8 @@ def updates_applied(state: Any) -> jax.Array:
 
 def guard(state: Any, updated: Any, loss_finite: jax.Array, grads_finite: jax.Array,
            empty: jax.Array, o: Any) -> tuple[Any, dict[str, jax.Array]]:
-    """Which state every replica keeps (the flags must be replica-identical): the updated one; the old one when the
-    loss or gradient is not finite; the old one a step on when the batch weighed nothing or only fp16's gradients
-    overflowed."""
-    metrics = {}
+    """Which state every replica keeps (the flags must be replica-identical): the updated one; the old one on a
+    non-finite loss or gradient; the old one a step on for a batch weighing nothing or only fp16's gradient overflow."""
     loss_scale = state.loss_scale
     if o.fit.precision == "fp16":  # the guard sees the loss; gradient overflow only lowers the loss scale
         scale, good, overflows = loss_scale[0], loss_scale[1], loss_scale[2]
@@ -38,9 +29,9 @@ def guard(state: Any, updated: Any, loss_finite: jax.Array, grads_finite: jax.Ar
         loss_scale = jnp.stack([jnp.where(overflow, scale / 2, jnp.where(grow, scale * 2, scale)),
                                 jnp.where(grow, 0, good).astype(scale.dtype), overflows + overflow])
         finite = loss_finite
-        metrics.update(loss_scale=scale, overflow_steps=loss_scale[2], overflow=overflow.astype(jnp.float32))
+        metrics = {"loss_scale": scale, "overflow_steps": loss_scale[2], "overflow": overflow.astype(jnp.float32)}
     else:
-        overflow, finite = jnp.bool_(False), loss_finite & grads_finite
+        overflow, finite, metrics = jnp.bool_(False), loss_finite & grads_finite, {}
     halt = o.fit.on_nonfinite == "halt"
     apply = finite & (state.halted == 0) if halt else finite
     updated = updated._replace(loss_scale=loss_scale)

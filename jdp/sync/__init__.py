@@ -1,6 +1,5 @@
-"""Step 3 of data parallelism, the gradient sync, as strategies behind one interface (`jdp.sync.Sync`), like DDP's
-communication hooks. `fit(sync=...)` takes one of them, a `Sync` subclass of your own, or a name; the older flags map
-onto them in `jdp.sync.flags`. What each sends and keeps, and a strategy of your own: docs/communication.md."""
+"""Step 3, the gradient sync, as strategies behind one interface (`jdp.sync.Sync`), like DDP's communication hooks:
+`fit(sync=...)` takes one, a `Sync` subclass of your own, or a name (flags: `jdp.sync.flags`; docs/communication.md)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""The sync-strategy interface (step 3). Its methods run in the compiled step on one device's slice (`axis_name`
-"data", or the tuple of a wider mesh's axes), or once on the global batch under jit (`axis_name` None: XLA inserts
-the collectives). Writing a strategy: docs/communication.md, 'A strategy of your own'.
+"""The sync-strategy interface (step 3), run per device (`axis_name` "data", or a wider mesh's tuple of axes) or on
+the global batch under jit (`axis_name` None). Writing a strategy: docs/communication.md, 'A strategy of your own'.
 """
 
 from __future__ import annotations
@@ -46,7 +45,6 @@ def shard_axis(shape: tuple[int, ...], n: int, first: int = 0) -> int:
 
 
 def padded(x: jax.Array, n: int, axis: int) -> jax.Array:
-    """`x` zero-padded on `axis` to a multiple of `n`."""
     pad = (-x.shape[axis]) % n
     return x if not pad else jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
 
@@ -62,38 +60,32 @@ def path_keys(path: tuple) -> tuple:
 
 
 def sharded_where(tree: Tree) -> Tree:
-    """SHARDED for each leaf with an axis, REPLICATED for scalars."""
     return jax.tree.map(lambda x: SHARDED if is_sharded(x) else REPLICATED, tree)
 
 
 def spec_on(axis: int | None, ndim: int) -> P:
-    """A PartitionSpec splitting `axis` (None: none) on `data`."""
     return P() if axis is None else P(*[DATA_AXIS if a == axis else None for a in range(ndim)])
 
 
 def whole_number(name: str, value: Any, least: int, unit: str = "") -> int:
-    """`value` as an int: ValueError in one line unless it is an integral number (not a bool) of at least `least`."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < least:
         raise ValueError(f"{name}={value!r} must be an int of at least {least}{unit}")
     return int(value)
 
 
 def real_number(name: str, value: Any) -> float:
-    """`value` as a float: ValueError in one line unless it is a real number (not a bool)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise ValueError(f"{name}={value!r} must be a number")
     return float(value)
 
 
 def checked_group_size(group_size: Any) -> int | None:
-    """`group_size` (the devices of a group, a node's) as an int, or None; ValueError in one line otherwise."""
     return None if group_size is None else whole_number("group_size", group_size, 1, " (devices in a group), or None "
                                                                                      "for one process's devices")
 
 
 def group_mesh(strategy: Sync, group_size: int | None, num_devices: int) -> dict[str, int]:
-    """The groups x `data` mesh of `num_devices` in groups of `group_size` consecutive devices (None: one process's);
-    FitError in one line where there is none."""
+    """The groups x `data` mesh of `num_devices` in groups of `group_size` consecutive devices (None: one process's)."""
     k = group_size
     if k is None:
         if jax.process_count() == 1:
@@ -153,10 +145,6 @@ def floating(tree: Tree) -> Tree:
 
 def merge_floating(averaged: Tree, tree: Tree) -> Tree:
     return jax.tree.map(lambda a, x: x if a is None else a, averaged, tree, is_leaf=lambda x: x is None)
-
-
-def cast(tree: Tree, dtype: Any) -> Tree:
-    return jax.tree.map(lambda x: x.astype(dtype), tree)
 
 
 def averaged_sums(local: Local, axis_name: str | None, **extra: Tree) -> dict[str, Any]:
@@ -244,8 +232,7 @@ class Sync:
         return None
 
     def mesh_shape(self, num_devices: int) -> dict[str, int]:
-        """The mesh the step runs on, axis name -> size, `data` last (sharded leaves split on it); FitError in one line
-        for a device count it cannot use."""
+        """The step's mesh, axis -> size, `data` last (sharded leaves split on it); FitError for unusable counts."""
         return {DATA_AXIS: num_devices}
 
     def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
@@ -270,8 +257,7 @@ class Sync:
                             self.layouts(abstract_state), abstract_state)
 
     def state_specs(self, abstract_state: Any, num_devices: int, devices: Any = DATA_AXIS) -> Any:
-        """The PartitionSpec of each leaf inside the step: a per-device leaf's rows split over `devices`, a sharded
-        leaf on its axis over `data`."""
+        """Each leaf's PartitionSpec in the step: per-device rows over `devices`, a sharded leaf's axis over `data`."""
         # The tree of axes, whose None leaves would not match a tree, goes last.
         return jax.tree.map(lambda layout, x, axis: P(devices) if layout == PER_DEVICE else spec_on(axis, x.ndim),
                             self.layouts(abstract_state), abstract_state, self.shard_axes(abstract_state, num_devices))
@@ -292,11 +278,11 @@ class Sync:
         return None
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
-        """Local gradient -> the update's input (`state`: the train state the step began with; its `sync`'s
-        successor goes in `Reduced.sync_state`). `collective` False leaves out the collectives (`jdp.bench`), keeping
-        the update's layout."""
-        averaged = averaged_sums(local, axis_name if collective else None, grads=cast(local.grads, self.dtype))
-        return self._reduced(cast(averaged["grads"], jnp.float32), local, averaged)
+        """Local gradient -> the update's input (`state`: the train state the step began with; its `sync`'s successor
+        goes in `Reduced.sync_state`); `collective` False (`jdp.bench`) leaves out the collectives, not the layout."""
+        grads = optax.tree.cast(local.grads, self.dtype)
+        averaged = averaged_sums(local, axis_name if collective else None, grads=grads)
+        return self._reduced(optax.tree.cast(averaged["grads"], jnp.float32), local, averaged)
 
     @staticmethod
     def _of_mean(grads: Tree, rows: int, weight: jax.Array) -> Tree:

@@ -1,6 +1,5 @@
-"""DiLoCo (Douillard et al., 2023): each device runs `every` inner steps on its own data; then the outer gradient,
-anchor - mean(parameters after the round), takes an outer optimizer step, and every device goes on from the new
-anchor. Quantized outer gradients, groups of devices and the bytes: docs/communication.md, 'DiLoCo'.
+"""DiLoCo (Douillard et al., 2023): `every` inner steps per device, then an outer optimizer step on the outer
+gradient, anchor - mean(parameters after the round), from which every device goes on (docs/communication.md).
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from jdp.sync.zero1 import all_gather_like, local_slice
 
 class DiLoCo(LocalSGD):
     """`outer` "sgd": anchor - outer_lr * g, "nesterov": the paper's outer Nesterov momentum (optax's); `bits` 8 or 4:
-    the outer gradient block-quantized per `block` values; `group_size` k: a learner is a group of k devices (None:
-    one process's). State: {"anchor": the round's starting parameters, "outer": the outer optimizer's state}."""
+    the outer gradient block-quantized per `block` values; `group_size` k: a learner is k devices (None: a process)."""
 
     def __init__(self, every: int, outer_lr: float = 0.7, outer_momentum: float = 0.9, outer: str = "nesterov",
                  bits: int = 32, block: int = 256, group_size: int | None = 1) -> None:
@@ -38,8 +36,7 @@ class DiLoCo(LocalSGD):
             raise ValueError(f"outer_lr={outer_lr} must be positive and finite, and outer_momentum={outer_momentum} "
                              "in [0, 1)")
         self.outer_name, self.outer_lr, self.outer_momentum = outer, outer_lr, outer_momentum
-        self.outer = (optax.sgd(outer_lr, momentum=outer_momentum, nesterov=True) if outer == "nesterov"
-                      else optax.sgd(outer_lr))
+        self.outer = optax.sgd(outer_lr, outer_momentum if outer == "nesterov" else None, nesterov=True)
 
     def params(self) -> dict[str, Any]:
         # Left out at their defaults: a record without them still matches on resume.

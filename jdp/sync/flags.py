@@ -23,8 +23,7 @@ NAMES = ("allreduce", "zero1", "zero3", "local_sgd", "diloco", "powersgd")
 
 
 def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None]) -> tuple[Sync, str]:
-    """(the strategy `o`'s flags name, how they name it for messages); `require(condition, line)` refuses
-    flags that contradict each other. `view` names the options (`jdp.options.View`)."""
+    """(the strategy the flags in `o` name, how `view` names it); `require(condition, line)` refuses contradictions."""
     n, sync = view, o["sync"]
     if isinstance(sync, Sync):
         params = sync.params()
@@ -40,20 +39,17 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None]) -
     h, dtype = o["sync_every"], o["allreduce_dtype"]
     require(not (o["shard_params"] and o["shard_optimizer"]), f"{n('shard_params')}=True (ZeRO-3) already shards the "
             f"optimizer state; set {n('shard_optimizer')}=False")
-    if o["shard_optimizer"]:
-        require(h == 1, f"{n('shard_optimizer')}=True and {n('sync_every')} > 1 (local SGD) cannot be combined")
+    require(not o["shard_optimizer"] or h == 1, f"{n('shard_optimizer')}=True and {n('sync_every')} > 1 (local SGD) "
+            "cannot be combined")
     zero1 = f"{n('shard_optimizer')}=True" if o["shard_optimizer"] else f"{n('sync')}=zero1" if sync == "zero1" else ""
     zero3 = f"{n('shard_params')}=True" if o["shard_params"] else f"{n('sync')}=zero3" if sync == "zero3" else ""
-    if zero1:
-        require(dtype in ("fp32", "bf16"), f"{zero1} reduce-scatters the gradient in fp32 or bf16, not {dtype}; use "
-                f"{view.use('allreduce_dtype', 'fp32')}")
-    if o["shard_params"]:
-        require(h == 1 and sync == "allreduce",
-                f"{n('shard_params')}=True reduce-scatters each step's gradient, so it cannot be combined with "
-                f"{n('sync_every')} > 1 (local SGD, DiLoCo) or {n('sync')}=powersgd; set {n('shard_params')}=False")
-    if zero3:
-        require(dtype == "fp32", f"{zero3} reduce-scatters the gradient in the parameters' dtype (the gather's "
-                f"transpose); use {view.use('allreduce_dtype', 'fp32')}")
+    require(not zero1 or dtype in ("fp32", "bf16"), f"{zero1} reduce-scatters the gradient in fp32 or bf16, not "
+            f"{dtype}; use {view.use('allreduce_dtype', 'fp32')}")
+    require(not o["shard_params"] or h == 1 and sync == "allreduce",
+            f"{n('shard_params')}=True reduce-scatters each step's gradient, so it cannot be combined with "
+            f"{n('sync_every')} > 1 (local SGD, DiLoCo) or {n('sync')}=powersgd; set {n('shard_params')}=False")
+    require(not zero3 or dtype == "fp32", f"{zero3} reduce-scatters the gradient in the parameters' dtype (the "
+            f"gather's transpose); use {view.use('allreduce_dtype', 'fp32')}")
     diloco = h > 1 and (sync == "diloco" or o["outer_optimizer"] != "none")
     if (k := o["shard_group"]) and not diloco:
         require(h == 1 and sync in ("allreduce", "zero1", "zero3"),

@@ -1,6 +1,5 @@
-"""Hybrid sharding (HSDP: PyTorch FSDP's HYBRID_SHARD, FSDP2's 2-D mesh): ZeRO-3 (or ZeRO-1, `stage=1`) inside groups
-of k devices on a groups x `data` mesh, and across the groups one mean all-reduce of each device's 1/k gradient
-slice, the loss sums riding in it. Mesh, bytes and what is refused: docs/communication.md, 'Hybrid sharding (HSDP)'.
+"""Hybrid sharding (HSDP, PyTorch FSDP's HYBRID_SHARD): ZeRO-3 or ZeRO-1 inside groups of k devices (the mesh's `data`
+axis), one mean all-reduce of each device's 1/k gradient slice across them (docs/communication.md).
 """
 
 from __future__ import annotations
@@ -15,10 +14,6 @@ from jdp.layers import LayerView
 from jdp.sync.base import Local, Reduced, Sync, Tree, all_reduce_mean, averaged_sums, checked_group_size, group_mesh
 from jdp.sync.zero1 import ZeRO1, global_norm
 from jdp.sync.zero3 import ZeRO3
-
-
-def _inner(axis_name: Any) -> str | None:  # `data` of ("groups", "data")
-    return None if axis_name is None else axis_name[-1]
 
 
 class HybridShard(ZeRO3):
@@ -52,10 +47,10 @@ class HybridShard(ZeRO3):
         return (ZeRO3 if self.stage == 3 else ZeRO1).shard_axes(self, abstract_state, num_devices)
 
     def params_view(self, params: Tree, axis_name: Any) -> Tree:
-        return super().params_view(params, _inner(axis_name)) if self.stage == 3 else params
+        return super().params_view(params, axis_name and axis_name[-1]) if self.stage == 3 else params
 
     def layer_view(self, axis_name: Any, mesh: Mesh | None = None) -> LayerView | None:
-        return super().layer_view(_inner(axis_name), mesh) if self.stage == 3 else None
+        return super().layer_view(axis_name and axis_name[-1], mesh) if self.stage == 3 else None
 
     def reduce(self, local: Local, state: Any, axis_name: Any, collective: bool = True) -> Reduced:
         groups, inner = axis_name
@@ -68,7 +63,7 @@ class HybridShard(ZeRO3):
 
     def update(self, tx: optax.GradientTransformation, grads: Tree, state: Any, axis_name: Any
                ) -> tuple[Tree, Any]:
-        return (ZeRO3 if self.stage == 3 else ZeRO1).update(self, tx, grads, state, _inner(axis_name))
+        return (ZeRO3 if self.stage == 3 else ZeRO1).update(self, tx, grads, state, axis_name and axis_name[-1])
 
     def grad_norm(self, grads: Tree, axis_name: Any, collective: bool = True) -> jax.Array:
-        return global_norm(grads, _inner(axis_name))  # the group's slices; every group holds the same ones
+        return global_norm(grads, axis_name and axis_name[-1])  # the group's slices; every group holds the same ones

@@ -54,5 +54,4 @@ class LocalSGD(Sync):
         return state._replace(params=params, opt_state=opt_state)
 
     def grad_norm(self, grads: Tree, axis_name: str | None, collective: bool = True) -> jax.Array:
-        """The mean of the local norms."""
         return all_reduce_mean(jnp.sqrt(sum_of_squares(grads)), axis_name if collective else None)

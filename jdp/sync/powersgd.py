@@ -1,10 +1,6 @@
 """PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019), as PyTorch's DDP hook `powerSGD_hook` runs it: each
-device's gradient matrix plus its error feedback, M (n x m), becomes P Q^T of rank r, one power iteration
-warm-started from the last step's Q (`mean` over the devices):
-
-    M = grad + error;  P = mean(M Q);  P = orthonormal(P);  Q = mean(M^T P);  input = P Q^T;  error = M - P Q^T
-
-Which leaves are matrices, the start step and the rest: docs/communication.md, 'PowerSGD'.
+device's gradient matrix plus its error feedback becomes P Q^T of rank r, one power iteration warm-started from the
+last step's Q. The scheme, which leaves are matrices and the start step: docs/communication.md, 'PowerSGD'.
 """
 
 from __future__ import annotations
@@ -96,8 +92,7 @@ def needs(what: str, view: Any) -> str:
 
 class PowerSGD(Sync):
     """Every gradient goes whole before `start_step`, and a matrix always if r (n + m) floats do not shrink it by
-    `min_compression_rate` (torch's PowerSGDState `start_powerSGD_iter` and `min_compression_rate`). State:
-    {"q": {name: (layers, m, r)}, replicated, "error": {name: (devices, layers, n, m)}, per device}."""
+    `min_compression_rate` (torch's PowerSGDState `start_powerSGD_iter` and `min_compression_rate`)."""
 
     matrices: dict[str, Matrix] = {}
     seed = 0
@@ -125,8 +120,7 @@ class PowerSGD(Sync):
         bound = copy.copy(self)
         params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
         bound.matrices, bound.seed = matrices(model, params, self.rank, self.min_compression_rate), seed
-        if not bound.matrices:
-            # The largest rank at which some parameter is compressed, r (n + m) rate < n m (0: none can be).
+        if not bound.matrices:  # the largest rank at which some parameter is compressed (0: none can be)
             useful = max((math.ceil(n * m / ((n + m) * self.min_compression_rate)) - 1
                           for _, n, m in _candidates(model, params).values()), default=0)
             raise FitError(f"{self!r} compresses none of this model's gradient matrices: at rank {self.rank} each "

@@ -1,6 +1,5 @@
 """The mean all-reduce with int8 or int4 gradients, as ZeRO++'s qgZ (Wang et al. 2023) sends them, and qwZ's
-quantized all-gather of ZeRO-3's weights. The scheme, its error and its bytes: docs/communication.md, 'Quantized
-gradients'.
+quantized all-gather of ZeRO-3's weights (docs/communication.md, 'Quantized gradients').
 """
 
 from __future__ import annotations

@@ -1,8 +1,6 @@
-"""Streaming DiLoCo (Douillard et al. 2025, "Streaming DiLoCo with overlapping communication"): DiLoCo whose leaves
-are cut in order into F fragments of about equal size, fragment f synced at inner steps f H/F + k H with its own
-outer optimizer state (F = 1 is DiLoCo, bit for bit). `TrainState.params` holds the global parameters, the
-strategy's state each device's own. The state, the overlap and what it does not model: docs/communication.md,
-'Streaming DiLoCo'.
+"""Streaming DiLoCo (Douillard et al. 2025): DiLoCo whose leaves are cut in order into F fragments of about equal
+size, fragment f synced at inner steps f H/F + k H with its own outer optimizer state (F = 1 is DiLoCo, bit for bit).
+The state, the overlap and what it does not model: docs/communication.md, 'Streaming DiLoCo'.
 """
 
 from __future__ import annotations

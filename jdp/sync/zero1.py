@@ -1,6 +1,5 @@
-"""ZeRO-1, the sharded optimizer ("cross-replica weight-update sharding", Xu et al. 2020): the gradient
-reduce-scattered into 1/N slices, each device updating its slice of the parameters and optimizer state, then the
-parameters all-gathered."""
+"""ZeRO-1, the sharded optimizer ("cross-replica weight-update sharding", Xu et al. 2020): each device updates its
+1/N slice of the parameters and optimizer state from its slice of the reduce-scattered gradient."""
 
 from __future__ import annotations
 
@@ -24,7 +23,6 @@ from jdp.sync.base import (
     Sync,
     Tree,
     averaged_sums,
-    cast,
     is_sharded,
     padded,
     shard_axis,
@@ -73,8 +71,7 @@ def global_norm(tree: Tree, axis_name: str | None = None) -> jax.Array:
 
 
 class ZeRO1(Sync):
-    """The gradient reduce-scattered in `dtype` ("fp32" or "bf16"); each device updates its slice of the parameters
-    and optimizer state, then all-gathers the parameters."""
+    """ZeRO-1, its gradient reduce-scattered in `dtype` ("fp32" or "bf16"), its parameters then all-gathered."""
 
     per_device_update = True
     shards_optimizer = True
@@ -92,7 +89,7 @@ class ZeRO1(Sync):
         require(options["backend"] == "shard_map", f"{what} needs {view.use('backend', 'shard_map')}")
 
     def optimizer_sees_slices(self, backend: str) -> bool:
-        return True
+        return backend != "jit"  # under jit (ZeRO-3's) the optimizer updates global arrays
 
     def check_optimizer(self, tx: optax.GradientTransformation, abstract_params: Tree, num_devices: int,
                         backend: str, what: str) -> None:
@@ -112,7 +109,7 @@ class ZeRO1(Sync):
             axis = shard_axis(g.shape, n)
             return jax.lax.psum_scatter(padded(g, n, axis), axis_name, scatter_dimension=axis, tiled=True) / n
 
-        return cast(jax.tree.map(scatter, cast(grads, self.dtype)), jnp.float32)
+        return optax.tree.cast(jax.tree.map(scatter, optax.tree.cast(grads, self.dtype)), jnp.float32)
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         return self._reduced(self.sliced_mean(local.grads, axis_name), local,
@@ -133,8 +130,7 @@ class Sliceable(optax.GradientTransformation):
     `clip_by_global_norm(max_norm, "data")`): `jdp.fit` skips its slicing probe. `Sliceable(*tx)` vouches for `tx`."""
 
 
-# Whether the step's optimizer sees slices of the leaves (`Sync.optimizer_sees_slices`), read by
-# `clip_by_global_norm`, so one chain clips right under every strategy and backend.
+# `Sync.optimizer_sees_slices` in the step, read by `clip_by_global_norm`: one chain clips right under every strategy.
 _optimizer_sees_slices: ContextVar[bool] = ContextVar("jdp_optimizer_sees_slices", default=True)
 
 

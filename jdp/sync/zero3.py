@@ -1,7 +1,5 @@
-"""ZeRO-3, fully sharded data parallelism (Rajbhandari et al. 2020; PyTorch's FSDP): the parameters, gradients and
-optimizer state live as 1/N slices. The forward all-gathers the parameters (`params_view`; a scanned model's layers
-one at a time, `layer_view`), whose transpose reduce-scatters the gradient. Design and bytes: docs/performance.md,
-'Making a model fit: ZeRO-3, scanned layers, activation checkpointing'.
+"""ZeRO-3, fully sharded data parallelism (Rajbhandari et al. 2020; PyTorch's FSDP): the forward all-gathers the
+parameters (a scanned model's layers one at a time), whose transpose reduce-scatters the gradient (docs/performance.md).
 """
 
 from __future__ import annotations
@@ -23,18 +21,16 @@ from jdp.sync.zero1 import ZeRO1, all_gather_like
 
 
 class ZeRO3(ZeRO1):
-    """ZeRO-1's sharded optimizer state plus sharded parameters, gathered for each forward. `weight_bits` and
-    `grad_bits` 8 or 4 block-quantize (per `block` values) the gather and its reduce-scatter, as ZeRO++'s qwZ and
-    qgZ (32: not)."""
+    """ZeRO-1 plus sharded parameters, gathered for each forward; `weight_bits`, `grad_bits` 8 or 4 block-quantize (per
+    `block` values) the gather and its reduce-scatter, as ZeRO++'s qwZ and qgZ (32: not)."""
 
     abstract_params: Tree = None
     per_layer: Tree = None
 
     def __init__(self, weight_bits: int = 32, grad_bits: int = 32, block: int = 256) -> None:
         super().__init__()  # the reduce-scatter is the gather's transpose: it sends the parameters' dtype
-        weight_bits, grad_bits = (bits if bits == 32 and not isinstance(bits, bool) else check_block(bits, block)[0]
-                                  for bits in (weight_bits, grad_bits))
-        self.weight_bits, self.grad_bits, self.block = weight_bits, grad_bits, block
+        checked = [bits if bits == 32 else check_block(bits, block)[0] for bits in (weight_bits, grad_bits)]
+        self.weight_bits, self.grad_bits, self.block = *checked, block
 
     @property
     def quantized(self) -> bool:
@@ -73,9 +69,6 @@ class ZeRO3(ZeRO1):
                 f"which {what} never holds; set {view.use('log_noise_scale', False)}")
         require(not self.quantized or options["backend"] == "shard_map", f"{what} quantizes what it gathers and "
                 f"reduce-scatters, which it does itself under shard_map only; use {view.use('backend', 'shard_map')}")
-
-    def optimizer_sees_slices(self, backend: str) -> bool:
-        return backend != "jit"  # under jit the optimizer updates global arrays
 
     def layouts(self, abstract_state: Any) -> Any:
         return super().layouts(abstract_state)._replace(params=sharded_where(abstract_state.params))
