@@ -183,9 +183,6 @@ def slurm_coordinator(env: Mapping[str, str]) -> str | None:
     return f"{first}:{port}" if first and port else None
 
 
-_EVERY_INTERFACE = ("0.0.0.0", "::", "[::]")
-
-
 @dataclass(frozen=True)
 class Listen:
     """Where process 0's coordinator listens, and why (for the start-up line)."""
@@ -200,7 +197,7 @@ def listen_address(job: Job, bind_address: str = "", env: Mapping[str, str] | No
                                                                      env.get("JAX_COORDINATOR_BIND_ADDRESS", ""))):
         if value.strip():
             address = _address(name, value)
-            every = address.rpartition(":")[0] in _EVERY_INTERFACE
+            every = address.rpartition(":")[0] in ("0.0.0.0", "::", "[::]")
             return Listen(address, f"every interface, as {name} asks" if every else f"from {name}")
     coordinator = job.coordinator or slurm_coordinator(env)
     if coordinator is None:
@@ -251,17 +248,13 @@ def _hosts(env: Mapping[str, str]) -> int | None:
     return number("SLURM_STEP_NUM_NODES") or number("SLURM_NNODES")
 
 
-def check_timeouts(init_timeout_s: float, heartbeat_timeout_s: float) -> None:
+def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, bind_address: str = "") -> None:
+    """`jax.distributed.initialize` for `job`, before JAX touches a device. Not all joined within `init_timeout_s`:
+    one line and exit 5 (JAX would abort later, misleadingly). `heartbeat_timeout_s` also bounds the shutdown."""
     for name, value in (("distributed.init_timeout_s", init_timeout_s),
                         ("distributed.heartbeat_timeout_s", heartbeat_timeout_s)):
         if not value > 0:
             raise DistributedUsageError(f"{name}={value} must be positive")
-
-
-def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, bind_address: str = "") -> None:
-    """`jax.distributed.initialize` for `job`, before JAX touches a device. Not all joined within `init_timeout_s`:
-    one line and exit 5 (JAX would abort later, misleadingly). `heartbeat_timeout_s` also bounds the shutdown."""
-    check_timeouts(init_timeout_s, heartbeat_timeout_s)
     if bind_address:
         check_bind_address(bind_address)
     # The SLURM address by JAX's rule, given to JAX too: the address bound and the one connected to are one.

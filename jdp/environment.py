@@ -36,16 +36,9 @@ class BadEnvironment(UsageError):
 def check_environment(env: Mapping[str, str] | None = None) -> None:
     """JAX_NUM_CPU_DEVICES and XLA_FLAGS of `env` (default os.environ), before JAX is imported."""
     env = os.environ if env is None else env
-    check_cpu_device_count(env.get("JAX_NUM_CPU_DEVICES"))
-    check_xla_flags(env.get("XLA_FLAGS", ""), env)
-
-
-def check_cpu_device_count(raw: str | None) -> None:
-    """JAX_NUM_CPU_DEVICES: unset, JAX's -1 (= unset), or 1 to MAX_CPU_DEVICES."""
-    if raw is None:
-        return
+    raw = env.get("JAX_NUM_CPU_DEVICES")  # unset, JAX's -1 (= unset), or 1 to MAX_CPU_DEVICES
     try:
-        count = int(raw.strip())
+        count = -1 if raw is None else int(raw.strip())
     except ValueError:
         count = None
     if count is None or not (count == -1 or 1 <= count <= MAX_CPU_DEVICES):
@@ -53,6 +46,7 @@ def check_cpu_device_count(raw: str | None) -> None:
                 else "is not a device count")
         raise BadEnvironment(f"JAX_NUM_CPU_DEVICES={raw!r} {what}; set it to an integer from 1 to "
                              f"{MAX_CPU_DEVICES}, or unset it")
+    check_xla_flags(env.get("XLA_FLAGS", ""), env)
 
 
 def check_xla_flags(value: str, env: Mapping[str, str] | None = None) -> None:

@@ -290,12 +290,11 @@ def _free(path: Path) -> str:
     return f"{size:.0f} bytes" if unit == "bytes" else f"{size:.1f} {unit}"
 
 
-class QuietDiskFailures(logging.Filter):
-    """Drops the tracebacks orbax's threads and asyncio log for a storage failure: jdp reports it once."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        errors = [record.exc_info[1]] if record.exc_info and record.exc_info[1] is not None else []
-        errors.append(Exception(record.getMessage()))
-        return not any(disk_failure(e) or lost_directory(e) or read_failure(e) for e in errors)
+def quiet_disk_failures(record: logging.LogRecord) -> bool:
+    """A logging filter that drops the tracebacks orbax's threads and asyncio log for a storage failure: jdp reports
+    it once."""
+    if record.levelno < logging.ERROR:
+        return True
+    errors = [record.exc_info[1]] if record.exc_info and record.exc_info[1] is not None else []
+    errors.append(Exception(record.getMessage()))
+    return not any(disk_failure(e) or lost_directory(e) or read_failure(e) for e in errors)
