@@ -102,11 +102,7 @@ def check_bind_address(raw: str) -> str:
 
 
 def _port(name: str, raw: str) -> None:
-    try:
-        port = int(raw)
-    except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:
+    if not (raw.strip().isdecimal() and 1 <= int(raw) <= 65535):
         raise DistributedUsageError(f"{name}={raw!r} is not a port number; use an integer in 1-65535")
 
 
@@ -150,13 +146,10 @@ def resolve(env: Mapping[str, str] | None = None, *, coordinator: str | None = N
         raise DistributedUsageError(f"{given} set but the number of processes is missing; set one of "
                                      "--num_processes / JAX_NUM_PROCESSES / WORLD_SIZE")
     count = _integer(num[0], num[1], 1)
-    if pid is None:
-        if count == 1:
-            return None
+    if pid is None and count > 1:
         raise DistributedUsageError(f"{given} set but this process's id is missing; set one of "
                                     "--process_id / JAX_PROCESS_ID / RANK")
-    rank = _integer(pid[0], pid[1], 0)
-    if rank >= count:
+    if pid is not None and (rank := _integer(pid[0], pid[1], 0)) >= count:
         raise DistributedUsageError(f"{pid[0]}={rank} is not below {num[0]}={count}: process ids run from 0 to "
                                     f"{count - 1}")
     if count == 1:
@@ -300,8 +293,7 @@ def check_same_run(settings: dict, timeout_s: float) -> None:
         return
     mine = json.dumps(settings, sort_keys=True, default=str)
     client.key_value_set(f"jdp/run/{me}", mine)
-    others = range(1, jax.process_count()) if me == 0 else [0]
-    for other in others:
+    for other in range(1, jax.process_count()) if me == 0 else [0]:
         theirs = _within(timeout_s, f"process {other} did not report its settings", client.blocking_key_value_get,
                          f"jdp/run/{other}")
         first, this, index = (json.loads(mine), json.loads(theirs), other) if me == 0 else (

@@ -280,14 +280,13 @@ def _free(path: Path) -> str:
     while not path.exists() and path != path.parent:
         path = path.parent
     try:
-        size, unit = float(shutil.disk_usage(path).free), "bytes"
+        size = float(shutil.disk_usage(path).free)
     except OSError:
         return "unknown space"
-    for larger in ("KiB", "MiB", "GiB", "TiB"):
-        if size < 1024:
-            break
-        size, unit = size / 1024, larger
-    return f"{size:.0f} bytes" if unit == "bytes" else f"{size:.1f} {unit}"
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} bytes" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
 
 
 def quiet_disk_failures(record: logging.LogRecord) -> bool:
