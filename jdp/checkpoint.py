@@ -254,20 +254,17 @@ class Checkpointer:
                      f"where its directory belongs; {'moving it aside' if reject_damaged else 'skipping it'}")
             if reject_damaged:
                 self._reject(not_checkpoints, warn)
-        problems, damaged = [], []
+        problems = {}  # {step: the line} of the damaged (one that no longer fits the model raised CheckpointError)
         for step in reversed(self.steps()):
             state, data, problem = self._restore(step, abstract_state, per_device, check)
             if problem is None:
-                self._reject(damaged, warn)
+                self._reject(list(problems) if reject_damaged else [], warn)
                 return step, state, {k: v for k, v in data.items() if k not in _NOT_POSITION}
-            problem = f"checkpoint {self.directory / str(step)} is unusable: {problem}"
-            problems.append(problem)
-            warn(f"{problem}; trying the previous one")
-            if reject_damaged:  # a checkpoint that no longer fits the model raised CheckpointError: this is damage
-                damaged.append(step)
+            problems[step] = f"checkpoint {self.directory / str(step)} is unusable: {problem}"
+            warn(f"{problems[step]}; trying the previous one")
         if problems:
-            raise CheckpointError(f"no usable checkpoint in {self.directory}: {problems[0]}; restore the files, "
-                                  "or move the directory away to start afresh")
+            raise CheckpointError(f"no usable checkpoint in {self.directory}: {next(iter(problems.values()))}; "
+                                  "restore the files, or move the directory away to start afresh")
         return None
 
     def _restore(self, step: int, abstract_state: Any, per_device: Any,

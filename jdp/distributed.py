@@ -5,6 +5,7 @@ time limits that end in one clear line instead of a hang or an abort.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import itertools
 import json
@@ -74,8 +75,7 @@ def flags_from_argv(argv: list[str]) -> dict[str, object]:
     """The start-up flags of a jdp.train command line, ignoring every other argument."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_arguments(parser)
-    args, _ = parser.parse_known_args(argv)
-    return vars(args)
+    return vars(parser.parse_known_args(argv)[0])
 
 
 def _integer(name: str, raw: object, minimum: int) -> int:
@@ -236,9 +236,7 @@ def _hosts(env: Mapping[str, str]) -> int | None:
         return int(value) if value.isdigit() and int(value) > 0 else None
 
     world, local = number("WORLD_SIZE"), number("LOCAL_WORLD_SIZE")
-    if world and local:
-        return -(-world // local)
-    return number("SLURM_STEP_NUM_NODES") or number("SLURM_NNODES")
+    return -(-world // local) if world and local else number("SLURM_STEP_NUM_NODES") or number("SLURM_NNODES")
 
 
 def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, bind_address: str = "") -> None:
@@ -310,15 +308,13 @@ def leaving(timeout_s: float = 10.0) -> None:
     for the others to say so, then a moment more: JAX aborts a process that outlives its coordinator."""
     client, me = kvstore.client(), jax.process_index()
     deadline = time.monotonic() + timeout_s
-    try:
+    with contextlib.suppress(Exception):  # the store gone, or a peer that does not come: leave as it is
         if me != 0:
             client.key_value_set(f"jdp/leaving/{me}", "yes")
             return
         for other in range(1, jax.process_count()):
             client.blocking_key_value_get(f"jdp/leaving/{other}", max(1, int((deadline - time.monotonic()) * 1000)))
         time.sleep(LEFT_S)
-    except Exception:  # noqa: BLE001 - the store gone, or a peer that does not come: leave as it is
-        pass
 
 
 def differences(a: dict, b: dict) -> list[tuple[str, object, object]]:

@@ -290,8 +290,7 @@ def _free(path: Path) -> str:
 
 
 def quiet_disk_failures(record: logging.LogRecord) -> bool:
-    """A logging filter that drops the tracebacks orbax's threads and asyncio log for a storage failure: jdp reports
-    it once."""
+    """A logging filter: drops the tracebacks orbax's threads and asyncio log for a storage failure (jdp reports it)."""
     if record.levelno < logging.ERROR:
         return True
     errors = [record.exc_info[1]] if record.exc_info and record.exc_info[1] is not None else []
