@@ -40,22 +40,19 @@ READ_RETRY_DELAYS_S = (0.5, 1.0, 2.0)
 
 def check_writable(workdir: str | Path, flag: str = "--workdir") -> None:
     """Refuse, in one line, a workdir that is a file, lies under a file, or cannot be written; writes nothing."""
-    workdir = Path(workdir)
+    workdir = existing = Path(workdir)
     try:
-        workdir.exists()
+        while not existing.exists():
+            # exists() is False for a link that leads nowhere; mkdir would then fail with FileExistsError.
+            if existing.is_symlink():
+                raise UsageError(f"workdir {workdir} {_broken_link(existing, workdir)}; pass another {flag} or fix "
+                                 "the link")
+            existing = existing.parent
     except OSError as e:  # a name past the filesystem's limit (ENAMETOOLONG)
         raise UsageError(f"workdir {workdir} cannot be used ({e.strerror}); pass another {flag}") from None
-    if workdir.exists() and not workdir.is_dir():
-        raise UsageError(f"workdir {workdir} is a file, not a directory; pass another {flag}")
-    existing = workdir
-    while not existing.exists():
-        # exists() is False for a link that leads nowhere; mkdir would then fail with FileExistsError.
-        if existing.is_symlink():
-            raise UsageError(f"workdir {workdir} {_broken_link(existing, workdir)}; pass another {flag} or fix "
-                             "the link")
-        existing = existing.parent
     if not existing.is_dir():
-        raise UsageError(f"workdir {workdir} lies under {existing}, which is a file; pass another {flag}")
+        where = "is a file, not a directory" if existing == workdir else f"lies under {existing}, which is a file"
+        raise UsageError(f"workdir {workdir} {where}; pass another {flag}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"workdir {workdir} cannot be written ({existing} is read-only to this user); pass "
                          f"another {flag} or make it writable")
