@@ -25,7 +25,6 @@ from jdp import digest, errors, storage
 from jdp import distributed as distributed_lib
 from jdp.errors import DiskError, FitError, one_line
 from jdp.faults import kill_if_requested, signal_if_requested
-from jdp.storage import QuietDiskFailures
 from jdp.workdir_lock import LOCK_NAME
 
 # jdp reports saves and a full disk itself: orbax's INFO lines and per-thread tracebacks are dropped.
@@ -50,29 +49,22 @@ def _quiet_orbax(record: logging.LogRecord) -> bool:
 _OPEN: weakref.WeakSet[Checkpointer] = weakref.WeakSet()  # the Checkpointers not closed yet
 _VANISHED: list[Path] = []  # what `Checkpointer.vanished` found gone: quiets what orbax logs after the close too
 for _logger in ("absl", "asyncio"):
-    logging.getLogger(_logger).addFilter(QuietDiskFailures())
+    logging.getLogger(_logger).addFilter(storage.quiet_disk_failures)
     logging.getLogger(_logger).addFilter(_quiet_orbax)
 
 
-class _QuietAbandonedReads:
+def _quiet_abandoned_reads(unraisable: Any, previous: Callable[[Any], None] = sys.unraisablehook) -> None:
     """sys.unraisablehook that drops what orbax leaves behind when it gives up at a failed leaf and closes its event
     loop (tensorstore callbacks finding the loop closed, coroutines closed mid-read); jdp reports the failure once."""
-
-    def __init__(self, previous: Callable[[Any], None]) -> None:
-        self.previous = previous
-
-    def __call__(self, unraisable: Any) -> None:
-        error = unraisable.exc_value
-        late = (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
-                and any(f.name == "call_soon_threadsafe" for f in traceback.extract_tb(unraisable.exc_traceback)))
-        closed = inspect.iscoroutine(unraisable.object) and isinstance(error.__cause__ or error.__context__,
-                                                                        GeneratorExit)
-        if not (late or closed):
-            self.previous(unraisable)
+    error = unraisable.exc_value
+    late = (isinstance(error, RuntimeError) and str(error) == "Event loop is closed"
+            and any(f.name == "call_soon_threadsafe" for f in traceback.extract_tb(unraisable.exc_traceback)))
+    closed = inspect.iscoroutine(unraisable.object) and isinstance(error.__cause__ or error.__context__, GeneratorExit)
+    if not (late or closed):
+        previous(unraisable)
 
 
-if not isinstance(sys.unraisablehook, _QuietAbandonedReads):
-    sys.unraisablehook = _QuietAbandonedReads(sys.unraisablehook)
+sys.unraisablehook = _quiet_abandoned_reads
 
 
 # 2 = TrainState with the model's RNG state. Within format 2, digests and then the data item's checksum were added.
@@ -254,36 +246,26 @@ class Checkpointer:
         count. `check(step, data item)` runs on each intact data item before its arrays are read."""
         warn = warn or (errors.warn if jax.process_index() == 0 else lambda line: None)
         signal_if_requested("restore")
-        if not_checkpoints := self._not_directories():  # orbax skips them, then fails to save those steps
-            for step, problem in not_checkpoints.items():
-                warn(f"checkpoint {self.directory / str(step)} is unusable: {problem.removeprefix('is ')} stands "
+        # Entries named as a step that are not a directory: orbax skips them, then fails to save those steps.
+        found = {int(p.name): storage.not_a_directory(p) for p in self.directory.glob("*") if p.name.isdigit()}
+        if not_checkpoints := sorted(step for step, problem in found.items() if problem):
+            for step in not_checkpoints:
+                warn(f"checkpoint {self.directory / str(step)} is unusable: {found[step].removeprefix('is ')} stands "
                      f"where its directory belongs; {'moving it aside' if reject_damaged else 'skipping it'}")
             if reject_damaged:
-                self._reject(list(not_checkpoints), warn)
-        problems, damaged = [], []
+                self._reject(not_checkpoints, warn)
+        problems = {}  # {step: the line} of the damaged (one that no longer fits the model raised CheckpointError)
         for step in reversed(self.steps()):
             state, data, problem = self._restore(step, abstract_state, per_device, check)
             if problem is None:
-                self._reject(damaged, warn)
+                self._reject(list(problems) if reject_damaged else [], warn)
                 return step, state, {k: v for k, v in data.items() if k not in _NOT_POSITION}
-            problem = f"checkpoint {self.directory / str(step)} is unusable: {problem}"
-            problems.append(problem)
-            warn(f"{problem}; trying the previous one")
-            if reject_damaged:  # a checkpoint that no longer fits the model raised CheckpointError: this is damage
-                damaged.append(step)
+            problems[step] = f"checkpoint {self.directory / str(step)} is unusable: {problem}"
+            warn(f"{problems[step]}; trying the previous one")
         if problems:
-            raise CheckpointError(f"no usable checkpoint in {self.directory}: {problems[0]}; restore the files, "
-                                  "or move the directory away to start afresh")
+            raise CheckpointError(f"no usable checkpoint in {self.directory}: {next(iter(problems.values()))}; "
+                                  "restore the files, or move the directory away to start afresh")
         return None
-
-    def _not_directories(self) -> dict[int, str]:
-        """{step: what it is} of the entries named as a step that are not a directory."""
-        try:
-            entries = [path for path in self.directory.iterdir() if path.name.isdigit()]
-        except OSError:
-            return {}
-        found = {int(path.name): storage.not_a_directory(path) for path in entries}
-        return {step: problem for step, problem in sorted(found.items()) if problem}
 
     def _restore(self, step: int, abstract_state: Any, per_device: Any,
                  check: Callable[[int, dict], None] | None) -> tuple[Any, dict | None, str | None]:
@@ -296,47 +278,36 @@ class Checkpointer:
             check(step, data)
         if problem is None:
             metadata, problem = _read(lambda: ocp.StandardCheckpointHandler().metadata(where / "state"), where)
+        digests = None if problem else data.get("digests")
+        if digests is not None:
+            problem = digest.layout_disagreement(digests, digest.stored_layout(metadata))
         if problem is not None:
             return None, data, problem
-        state, problem = self._restore_arrays(step, data.get("digests"), metadata, abstract_state, per_device)
-        return state, data, problem
-
-    def _restore_arrays(self, step: int, digests: dict | None, metadata: Any, abstract_state: Any,
-                        per_device: Any) -> tuple[Any, str | None]:
-        """(state, None), or (None, what is wrong with checkpoint `step`'s arrays)."""
-        stored = digest.stored_layout(metadata)
-        if digests is not None and (problem := digest.layout_disagreement(digests, stored)):
-            return None, problem
         # Where no digests say what was saved, orbax's metadata does: a config change is told from damage.
-        layout = digests if digests is not None else digest.as_digest_layout(stored, abstract_state)
+        layout = digests if digests is not None else digest.as_digest_layout(digest.stored_layout(metadata),
+                                                                             abstract_state)
         resized = set()
         if per_device is not None:
             abstract_state, resized = _as_saved(abstract_state, per_device, layout)
         # Leaves, dtypes and shapes that differ from the model's are a config change (exit 2), not damage.
         if difference := digest.layout_difference(layout, abstract_state):
             raise CheckpointError(
-                f"checkpoint {self.directory / str(step)} does not fit this model ({difference}); the model or "
+                f"checkpoint {where} does not fit this model ({difference}); the model or "
                 "optimizer settings changed: resume with the settings that wrote it, or use a new workdir")
-        state, problem = _read(lambda: self._restore_state(step, abstract_state, metadata.keys()),
-                               self.directory / str(step))
+        # A field of the state that is empty here and missing on disk (an older TrainState.sync) stays empty.
+        missing = {k: v for k, v in abstract_state._asdict().items() if k not in metadata.keys() and v == {}}
+        target = {k: v for k, v in abstract_state._asdict().items() if k not in missing}
+        state, problem = _read(lambda: type(abstract_state)(**self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(target)))["state"], **missing), where)
         if problem is not None:
-            return None, problem
+            return None, data, problem
         problem = digest.mismatch(digests, state) if digests is not None else None
         held = state.step.addressable_data(0) if hasattr(state.step, "addressable_data") else state.step
         problem = problem or _step_problem(step, int(np.asarray(held)))
         if resized and not problem:
             state = jax.tree_util.tree_map_with_path(lambda path, x: None if jax.tree_util.keystr(path) in resized
                                                      else x, state)
-        return (None if problem else state), problem
-
-    def _restore_state(self, step: int, abstract_state: Any, on_disk: Any) -> Any:
-        """Checkpoint `step`'s state; a field of the state that is empty here and missing on disk (an older
-        TrainState.sync) stays empty."""
-        missing = {k: v for k, v in abstract_state._asdict().items() if k not in on_disk and v == {}}
-        target = {k: v for k, v in abstract_state._asdict().items() if k not in missing}
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(target)))["state"]
-        return type(abstract_state)(**restored, **missing)
+        return (None if problem else state), data, problem
 
     def _reject(self, steps: list[int], warn, timeout_s: float = 120.0) -> None:
         """Moves damaged checkpoints aside (process 0, after every process read them), so those steps are saved anew."""

@@ -27,10 +27,6 @@ def of_leaf(x: np.ndarray) -> list:
     return [x.dtype.name, list(x.shape), hashlib.blake2b(data, digest_size=16).hexdigest()]
 
 
-def _is_split(x: Any) -> bool:
-    return isinstance(x, jax.Array) and not x.sharding.is_fully_replicated
-
-
 def _words(x: Any, xp: Any) -> Any:
     """A leaf's bytes as uint32 words (two per 8-byte element); `xp` is numpy or jax.numpy."""
     x = x.astype(xp.uint8) if x.dtype == xp.bool_ else x  # bitcast takes no booleans
@@ -72,15 +68,15 @@ def pending(tree: Any, host: bool = True) -> Callable[[], dict[str, list] | None
     """Starts a train state's digests (split leaves' word sums, on their devices: every process calls this together),
     returning what completes them on a save thread (hashes of the rest); `host` False: that returns None."""
     leaves = _leaves(tree)
-    split = [(path, x) for path, x in leaves if _is_split(x)]
-    sums = _word_sums([x for _, x in split]) if split else None
+    split = {path: x for path, x in leaves if isinstance(x, jax.Array) and not x.sharding.is_fully_replicated}
+    sums = _word_sums(list(split.values())) if split else None
     if not host:
         return lambda: None
     # On CPU the host arrays are views, which JAX keeps alive: it does not donate a buffer that has a view.
-    whole = {path: to_numpy(x) for path, x in leaves if not _is_split(x)}
+    whole = {path: to_numpy(x) for path, x in leaves if path not in split}
 
     def complete() -> dict[str, list]:
-        words = dict(zip([p for p, _ in split], np.asarray(sums) if split else [], strict=True))
+        words = dict(zip(split, np.asarray(sums) if split else [], strict=True))
         return {path: _of_words(x, words[path]) if path in words else of_leaf(whole[path]) for path, x in leaves}
     return complete
 

@@ -5,6 +5,7 @@ time limits that end in one clear line instead of a hang or an abort.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import itertools
 import json
@@ -74,8 +75,7 @@ def flags_from_argv(argv: list[str]) -> dict[str, object]:
     """The start-up flags of a jdp.train command line, ignoring every other argument."""
     parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     add_arguments(parser)
-    args, _ = parser.parse_known_args(argv)
-    return vars(args)
+    return vars(parser.parse_known_args(argv)[0])
 
 
 def _integer(name: str, raw: object, minimum: int) -> int:
@@ -102,11 +102,7 @@ def check_bind_address(raw: str) -> str:
 
 
 def _port(name: str, raw: str) -> None:
-    try:
-        port = int(raw)
-    except ValueError:
-        port = 0
-    if not 1 <= port <= 65535:
+    if not (raw.strip().isdecimal() and 1 <= int(raw) <= 65535):
         raise DistributedUsageError(f"{name}={raw!r} is not a port number; use an integer in 1-65535")
 
 
@@ -150,13 +146,10 @@ def resolve(env: Mapping[str, str] | None = None, *, coordinator: str | None = N
         raise DistributedUsageError(f"{given} set but the number of processes is missing; set one of "
                                      "--num_processes / JAX_NUM_PROCESSES / WORLD_SIZE")
     count = _integer(num[0], num[1], 1)
-    if pid is None:
-        if count == 1:
-            return None
+    if pid is None and count > 1:
         raise DistributedUsageError(f"{given} set but this process's id is missing; set one of "
                                     "--process_id / JAX_PROCESS_ID / RANK")
-    rank = _integer(pid[0], pid[1], 0)
-    if rank >= count:
+    if pid is not None and (rank := _integer(pid[0], pid[1], 0)) >= count:
         raise DistributedUsageError(f"{pid[0]}={rank} is not below {num[0]}={count}: process ids run from 0 to "
                                     f"{count - 1}")
     if count == 1:
@@ -183,9 +176,6 @@ def slurm_coordinator(env: Mapping[str, str]) -> str | None:
     return f"{first}:{port}" if first and port else None
 
 
-_EVERY_INTERFACE = ("0.0.0.0", "::", "[::]")
-
-
 @dataclass(frozen=True)
 class Listen:
     """Where process 0's coordinator listens, and why (for the start-up line)."""
@@ -200,7 +190,7 @@ def listen_address(job: Job, bind_address: str = "", env: Mapping[str, str] | No
                                                                      env.get("JAX_COORDINATOR_BIND_ADDRESS", ""))):
         if value.strip():
             address = _address(name, value)
-            every = address.rpartition(":")[0] in _EVERY_INTERFACE
+            every = address.rpartition(":")[0] in ("0.0.0.0", "::", "[::]")
             return Listen(address, f"every interface, as {name} asks" if every else f"from {name}")
     coordinator = job.coordinator or slurm_coordinator(env)
     if coordinator is None:
@@ -246,22 +236,16 @@ def _hosts(env: Mapping[str, str]) -> int | None:
         return int(value) if value.isdigit() and int(value) > 0 else None
 
     world, local = number("WORLD_SIZE"), number("LOCAL_WORLD_SIZE")
-    if world and local:
-        return -(-world // local)
-    return number("SLURM_STEP_NUM_NODES") or number("SLURM_NNODES")
-
-
-def check_timeouts(init_timeout_s: float, heartbeat_timeout_s: float) -> None:
-    for name, value in (("distributed.init_timeout_s", init_timeout_s),
-                        ("distributed.heartbeat_timeout_s", heartbeat_timeout_s)):
-        if not value > 0:
-            raise DistributedUsageError(f"{name}={value} must be positive")
+    return -(-world // local) if world and local else number("SLURM_STEP_NUM_NODES") or number("SLURM_NNODES")
 
 
 def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, bind_address: str = "") -> None:
     """`jax.distributed.initialize` for `job`, before JAX touches a device. Not all joined within `init_timeout_s`:
     one line and exit 5 (JAX would abort later, misleadingly). `heartbeat_timeout_s` also bounds the shutdown."""
-    check_timeouts(init_timeout_s, heartbeat_timeout_s)
+    for name, value in (("distributed.init_timeout_s", init_timeout_s),
+                        ("distributed.heartbeat_timeout_s", heartbeat_timeout_s)):
+        if not value > 0:
+            raise DistributedUsageError(f"{name}={value} must be positive")
     if bind_address:
         check_bind_address(bind_address)
     # The SLURM address by JAX's rule, given to JAX too: the address bound and the one connected to are one.
@@ -307,8 +291,7 @@ def check_same_run(settings: dict, timeout_s: float) -> None:
         return
     mine = json.dumps(settings, sort_keys=True, default=str)
     client.key_value_set(f"jdp/run/{me}", mine)
-    others = range(1, jax.process_count()) if me == 0 else [0]
-    for other in others:
+    for other in range(1, jax.process_count()) if me == 0 else [0]:
         theirs = _within(timeout_s, f"process {other} did not report its settings", client.blocking_key_value_get,
                          f"jdp/run/{other}")
         first, this, index = (json.loads(mine), json.loads(theirs), other) if me == 0 else (
@@ -325,15 +308,13 @@ def leaving(timeout_s: float = 10.0) -> None:
     for the others to say so, then a moment more: JAX aborts a process that outlives its coordinator."""
     client, me = kvstore.client(), jax.process_index()
     deadline = time.monotonic() + timeout_s
-    try:
+    with contextlib.suppress(Exception):  # the store gone, or a peer that does not come: leave as it is
         if me != 0:
             client.key_value_set(f"jdp/leaving/{me}", "yes")
             return
         for other in range(1, jax.process_count()):
             client.blocking_key_value_get(f"jdp/leaving/{other}", max(1, int((deadline - time.monotonic()) * 1000)))
         time.sleep(LEFT_S)
-    except Exception:  # noqa: BLE001 - the store gone, or a peer that does not come: leave as it is
-        pass
 
 
 def differences(a: dict, b: dict) -> list[tuple[str, object, object]]:

@@ -36,16 +36,9 @@ class BadEnvironment(UsageError):
 def check_environment(env: Mapping[str, str] | None = None) -> None:
     """JAX_NUM_CPU_DEVICES and XLA_FLAGS of `env` (default os.environ), before JAX is imported."""
     env = os.environ if env is None else env
-    check_cpu_device_count(env.get("JAX_NUM_CPU_DEVICES"))
-    check_xla_flags(env.get("XLA_FLAGS", ""), env)
-
-
-def check_cpu_device_count(raw: str | None) -> None:
-    """JAX_NUM_CPU_DEVICES: unset, JAX's -1 (= unset), or 1 to MAX_CPU_DEVICES."""
-    if raw is None:
-        return
+    raw = env.get("JAX_NUM_CPU_DEVICES")  # unset, JAX's -1 (= unset), or 1 to MAX_CPU_DEVICES
     try:
-        count = int(raw.strip())
+        count = -1 if raw is None else int(raw.strip())
     except ValueError:
         count = None
     if count is None or not (count == -1 or 1 <= count <= MAX_CPU_DEVICES):
@@ -53,23 +46,18 @@ def check_cpu_device_count(raw: str | None) -> None:
                 else "is not a device count")
         raise BadEnvironment(f"JAX_NUM_CPU_DEVICES={raw!r} {what}; set it to an integer from 1 to "
                              f"{MAX_CPU_DEVICES}, or unset it")
-
-
-def check_xla_flags(value: str, env: Mapping[str, str] | None = None) -> None:
-    """XLA_FLAGS tried in a child process; a probe failing for another reason (a timeout) lets the run go on."""
-    if not value.strip() or value in _accepted or all(_JDP_FLAGS.fullmatch(flag) for flag in value.split()):
+    # XLA_FLAGS tried in a child process; a probe failing for another reason (a timeout) lets the run go on.
+    value = env.get("XLA_FLAGS", "")
+    if value in _accepted or all(_JDP_FLAGS.fullmatch(flag) for flag in value.split()):  # unset or blank too
         return
-    env = dict(os.environ if env is None else env, XLA_FLAGS=value)
     try:
-        probe = subprocess.run([sys.executable, "-c", _PROBE], env=env, capture_output=True, text=True,
+        probe = subprocess.run([sys.executable, "-c", _PROBE], env=dict(env), capture_output=True, text=True,
                                timeout=PROBE_TIMEOUT_S, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return
     if probe.returncode == 0:
         _accepted.add(value)
-        return
-    problem = _problem(probe.stderr)
-    if problem is not None:
+    elif (problem := _problem(probe.stderr)) is not None:
         raise BadEnvironment(f"XLA_FLAGS={value!r}: {problem}")
 
 

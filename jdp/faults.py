@@ -13,8 +13,7 @@ def _requested(point: str) -> int | None:
     """STEP of `JDP_KILL_AT=POINT:STEP[@PROCESS]` when it names `point` (and this process), else None."""
     if os.environ.get("JDP_RESTART", "0").strip() not in ("", "0"):  # a restart by jdp.launch: it has fired
         return None
-    spec = os.environ.get("JDP_KILL_AT", "")
-    name, _, rest = spec.partition(":")
+    name, _, rest = os.environ.get("JDP_KILL_AT", "").partition(":")
     step, _, process = rest.partition("@")
     if name != point or not step.lstrip("-").isdigit():
         return None

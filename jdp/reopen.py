@@ -161,7 +161,6 @@ def evaluate_run(workdir: Path) -> tuple[int, dict[str, float]]:
     available = len(jax.devices())
     n = next(k for k in range(min(options["num_devices"] or available, available), 0, -1) if batch % k == 0)
     derived = imports["eval_derived"]
-    metrics = evaluate(model, imported(needed["loss"], "loss"), imported(needed["eval data"], "eval data")(),
-                       global_batch_size=batch, num_devices=n, backend=options["backend"],
-                       derived=None if derived is None else imported(derived, "eval_derived"))
-    return step, metrics
+    return step, evaluate(model, imported(needed["loss"], "loss"), imported(needed["eval data"], "eval data")(),
+                          global_batch_size=batch, num_devices=n, backend=options["backend"],
+                          derived=None if derived is None else imported(derived, "eval_derived"))

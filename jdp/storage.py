@@ -40,22 +40,19 @@ READ_RETRY_DELAYS_S = (0.5, 1.0, 2.0)
 
 def check_writable(workdir: str | Path, flag: str = "--workdir") -> None:
     """Refuse, in one line, a workdir that is a file, lies under a file, or cannot be written; writes nothing."""
-    workdir = Path(workdir)
+    workdir = existing = Path(workdir)
     try:
-        workdir.exists()
+        while not existing.exists():
+            # exists() is False for a link that leads nowhere; mkdir would then fail with FileExistsError.
+            if existing.is_symlink():
+                raise UsageError(f"workdir {workdir} {_broken_link(existing, workdir)}; pass another {flag} or fix "
+                                 "the link")
+            existing = existing.parent
     except OSError as e:  # a name past the filesystem's limit (ENAMETOOLONG)
         raise UsageError(f"workdir {workdir} cannot be used ({e.strerror}); pass another {flag}") from None
-    if workdir.exists() and not workdir.is_dir():
-        raise UsageError(f"workdir {workdir} is a file, not a directory; pass another {flag}")
-    existing = workdir
-    while not existing.exists():
-        # exists() is False for a link that leads nowhere; mkdir would then fail with FileExistsError.
-        if existing.is_symlink():
-            raise UsageError(f"workdir {workdir} {_broken_link(existing, workdir)}; pass another {flag} or fix "
-                             "the link")
-        existing = existing.parent
     if not existing.is_dir():
-        raise UsageError(f"workdir {workdir} lies under {existing}, which is a file; pass another {flag}")
+        where = "is a file, not a directory" if existing == workdir else f"lies under {existing}, which is a file"
+        raise UsageError(f"workdir {workdir} {where}; pass another {flag}")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise UsageError(f"workdir {workdir} cannot be written ({existing} is read-only to this user); pass "
                          f"another {flag} or make it writable")
@@ -280,22 +277,19 @@ def _free(path: Path) -> str:
     while not path.exists() and path != path.parent:
         path = path.parent
     try:
-        size, unit = float(shutil.disk_usage(path).free), "bytes"
+        size = float(shutil.disk_usage(path).free)
     except OSError:
         return "unknown space"
-    for larger in ("KiB", "MiB", "GiB", "TiB"):
-        if size < 1024:
-            break
-        size, unit = size / 1024, larger
-    return f"{size:.0f} bytes" if unit == "bytes" else f"{size:.1f} {unit}"
+    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} bytes" if unit == "bytes" else f"{size:.1f} {unit}"
+        size /= 1024
 
 
-class QuietDiskFailures(logging.Filter):
-    """Drops the tracebacks orbax's threads and asyncio log for a storage failure: jdp reports it once."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno < logging.ERROR:
-            return True
-        errors = [record.exc_info[1]] if record.exc_info and record.exc_info[1] is not None else []
-        errors.append(Exception(record.getMessage()))
-        return not any(disk_failure(e) or lost_directory(e) or read_failure(e) for e in errors)
+def quiet_disk_failures(record: logging.LogRecord) -> bool:
+    """A logging filter: drops the tracebacks orbax's threads and asyncio log for a storage failure (jdp reports it)."""
+    if record.levelno < logging.ERROR:
+        return True
+    errors = [record.exc_info[1]] if record.exc_info and record.exc_info[1] is not None else []
+    errors.append(Exception(record.getMessage()))
+    return not any(disk_failure(e) or lost_directory(e) or read_failure(e) for e in errors)

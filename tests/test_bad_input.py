@@ -311,18 +311,17 @@ def test_orbax_write_failures_are_recognised_and_kept_quiet():
     assert storage.disk_failure(error) == (errno.ENOSPC, "/w/c/6.orbax-checkpoint-tmp/ocdbt.process_0/d/aa2a")
     assert storage.disk_failure(ValueError("shapes differ")) is None
     assert storage.disk_failure(FileNotFoundError(errno.ENOENT, "gone", "x")) is None  # not the disk's fault
-    quiet = storage.QuietDiskFailures()
+    quiet = storage.quiet_disk_failures
 
     def record(message, exc_info=None):
         return logging.LogRecord("absl", logging.ERROR, "f", 1, message, (), exc_info)
 
-    assert not quiet.filter(record("thread failed", (RuntimeError, error, None)))
-    assert not quiet.filter(record(text))
+    assert not quiet(record("thread failed", (RuntimeError, error, None)))
+    assert not quiet(record(text))
     # asyncio's word on a read task orbax gave up on: jdp retries that read, and reports it if it stays unreadable.
     unreadable = PermissionError(errno.EACCES, "Permission denied", "/w/c/12/state/d/aa2a")
-    assert not quiet.filter(record("_GatheringFuture exception was never retrieved", (PermissionError, unreadable,
-                                                                                      None)))
-    assert quiet.filter(record("something else failed"))
+    assert not quiet(record("_GatheringFuture exception was never retrieved", (PermissionError, unreadable, None)))
+    assert quiet(record("something else failed"))
 
 
 # -- 5. skipping non-finite steps has a limit, and the halt says what was not finite --------------------------

@@ -2,6 +2,7 @@
 
 import asyncio
 import errno
+import functools
 import json
 import logging
 import os
@@ -480,7 +481,8 @@ def test_what_an_abandoned_orbax_read_leaves_prints_nothing(monkeypatch):
     reading are closed, and raise an Exception for their GeneratorExit, unraisable too: a traceback each. jdp's hook
     drops those, and passes on any other."""
     seen = []
-    monkeypatch.setattr(sys, "unraisablehook", checkpoint_lib._QuietAbandonedReads(seen.append))
+    monkeypatch.setattr(sys, "unraisablehook", functools.partial(checkpoint_lib._quiet_abandoned_reads,
+                                                                   previous=seen.append))
     loop = asyncio.new_event_loop()
     loop.close()
     promise, future = ts.Promise.new()
