@@ -33,9 +33,11 @@ def exit_now(message: str, code: int) -> None:
 def _exit_if_peer_failed() -> None:
     """A SIGTERM from jdp.launch after another process failed is no preemption: one line and exit 5 at once, so
     that a requeue policy does not take a crash for one. Without that file, nothing happens."""
+    if not (path := os.environ.get(LAUNCH_FAILURE_FILE)):  # unset, or "" for a child with no file
+        return
     try:
-        failure = Path(os.environ[LAUNCH_FAILURE_FILE]).read_text().strip() or "another process failed"
-    except (KeyError, OSError):
+        failure = Path(path).read_text().strip() or "another process failed"
+    except OSError:
         return
     exit_now(f"jdp: distributed: process {os.environ.get('RANK', '?')} stopped because another process failed "
              f"(jdp.launch: {failure}); exiting with code {EXIT_PEER_FAILED}, not {EXIT_PREEMPTED}: this is no "
