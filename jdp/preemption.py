@@ -23,9 +23,11 @@ EXIT_PEER_FAILED = 5  # jdp.cli.train's EXIT_DISTRIBUTED: another process (or th
 LAUNCH_FAILURE_FILE = "JDP_LAUNCH_FAILURE_FILE"
 
 
-def exit_now(message: str, code: int) -> None:
-    """`message` on stderr and exit `code` at once, from any thread (what is printed already flushed)."""
-    sys.stdout.flush()
+def exit_now(message: str, code: int, flush_stdout: bool = False) -> None:
+    """`message` on stderr and exit `code` at once, from any thread. `flush_stdout` where no signal handler runs it
+    (inside one, the main thread may hold stdout's lock, or a stalled reader may block the flush)."""
+    if flush_stdout:
+        sys.stdout.flush()
     print(message, file=sys.stderr, flush=True)
     os._exit(code)
 
@@ -41,7 +43,7 @@ def _exit_if_peer_failed() -> None:
         return
     exit_now(f"jdp: distributed: process {os.environ.get('RANK', '?')} stopped because another process failed "
              f"(jdp.launch: {failure}); exiting with code {EXIT_PEER_FAILED}, not {EXIT_PREEMPTED}: this is no "
-             "preemption (a rerun resumes from the last checkpoint)", EXIT_PEER_FAILED)
+             "preemption (a rerun resumes from the last checkpoint)", EXIT_PEER_FAILED, flush_stdout=True)
 
 
 def _watch_for_peer_failure() -> None:

@@ -15,7 +15,7 @@ from flax import nnx
 
 from jdp import preemption, storage, trainer
 from jdp import record as record_lib
-from jdp.checkpoint import read_arrays
+from jdp.checkpoint import CheckpointError, read_arrays
 from jdp.data.batching import as_dataset
 from jdp.errors import DiskError, FitError, UsageError, one_line
 from jdp.files import write_atomic
@@ -63,7 +63,10 @@ def _restored(workdir: Path, model: nnx.Module | Callable[[], nnx.Module] | None
         model = model()
     if not (workdir / "checkpoints").is_dir():
         raise FitError(f"{workdir / 'checkpoints'} not found; pass the workdir of a run that saved a checkpoint")
-    step, arrays = read_arrays(workdir / "checkpoints", step)  # CheckpointError: a FitError
+    try:
+        step, arrays = read_arrays(workdir / "checkpoints", step)
+    except CheckpointError as e:  # said as any refusal of this call ("jdp: error:"), not as a training resume's
+        raise FitError(str(e)) from None
     params, model_state = state_groups(model)
     for name, have, saved in (("parameters", params, arrays["params"]), ("state", model_state, arrays["model_state"])):
         shapes = jax.tree.map(np.shape, have), jax.tree.map(np.shape, saved)

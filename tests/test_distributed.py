@@ -764,3 +764,10 @@ def test_a_launcher_port_or_grace_out_of_range_is_its_usage_error(flag, value, c
         launch.main(["--nprocs", "2", flag, value, "--", sys.executable, "-c", "pass"])
     assert exited.value.code == 2
     assert "must be in 0..65535 (0: a free one) and --grace_s" in capsys.readouterr().err
+
+
+def test_a_negative_max_restarts_is_named_with_its_value(capsys):
+    with pytest.raises(SystemExit) as exited:
+        launch.main(["--nprocs", "2", "--max_restarts", "-1", "--", sys.executable, "-c", "pass"])
+    assert exited.value.code == 2
+    assert "--max_restarts -1 must not be negative" in capsys.readouterr().err

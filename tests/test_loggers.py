@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import jax.numpy as jnp
@@ -572,3 +573,10 @@ def test_the_docs_tracker_command_runs(tmp_path):
     (wandb_dir,) = (workdir / "wandb").glob("offline-run-*")
     assert wandb_points([wandb_run(wandb_dir)], "loss") == jsonl_points(workdir, "train", "loss")
     print(shlex.join(command))
+
+
+def test_a_package_already_imported_without_a_spec_counts_as_installed(monkeypatch):
+    """A stub module in sys.modules (a test double, a lazily made module) has no __spec__, where find_spec raises."""
+    monkeypatch.setitem(sys.modules, "jdp_stub_tracker", types.ModuleType("jdp_stub_tracker"))
+    monkeypatch.setitem(sys.modules, "jdp_blocked_tracker", None)
+    assert loggers.base.installed("jdp_stub_tracker") and not loggers.base.installed("jdp_blocked_tracker")

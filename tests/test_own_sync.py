@@ -74,6 +74,12 @@ def test_a_built_in_object_runs_as_its_flags(name):
     (dict(sync="local_sgd"), "sync=local_sgd averages every sync_every steps; set sync_every > 1"),
     (dict(sync="zero1", allreduce_dtype="int8"), "sync=zero1 reduce-scatters the gradient in fp32 or bf16, not int8"),
     (dict(sync="zero3", allreduce_dtype="bf16"), "sync=zero3 reduce-scatters the gradient in the parameters' dtype"),
+    # each names a setting the user gave, in the order the rules stand
+    (dict(shard_params=True, sync="zero3", allreduce_dtype="bf16"), "sync=zero3 reduce-scatters the gradient in the "
+                                                                    "parameters' dtype"),
+    (dict(shard_params=True, sync_every=2, allreduce_dtype="bf16"), "cannot be combined with sync_every > 1"),
+    (dict(shard_params=True, allreduce_dtype="bf16"), "shard_params=True reduce-scatters the gradient in the "
+                                                      "parameters' dtype"),
 ])
 def test_strategies_that_cannot_be_are_refused_in_one_line(options, message):
     with pytest.raises(FitError, match=message):

@@ -269,9 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     command = args.command[1:] if args.command[:1] == ["--"] else args.command
     if not command:
         parser.error("no command; e.g. python -m jdp.launch --nprocs 2 -- python -m jdp.train")
-    if args.nprocs < 1 or args.max_restarts < 0 or not 0 <= args.cpu_devices <= MAX_CPU_DEVICES:
-        parser.error(f"--nprocs must be at least 1, --max_restarts at least 0 and --cpu_devices in "
-                     f"0..{MAX_CPU_DEVICES}")
+    if args.nprocs < 1 or not 0 <= args.cpu_devices <= MAX_CPU_DEVICES:
+        parser.error(f"--nprocs must be at least 1 and --cpu_devices in 0..{MAX_CPU_DEVICES}")
+    if args.max_restarts < 0:
+        parser.error(f"--max_restarts {args.max_restarts} must not be negative")
     if not 0 <= args.port <= 65535 or not 0 <= args.grace_s < math.inf:  # a port each child failed on at its start
         parser.error(f"--port {args.port} must be in 0..65535 (0: a free one) and --grace_s {args.grace_s} a "
                      "non-negative number of seconds")

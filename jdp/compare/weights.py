@@ -28,7 +28,7 @@ _WEIGHTS = {nn.Linear: ("linear", "kernel"), nn.Conv1d: ("conv", "kernel"), nn.C
 def _entries(model: nn.Module) -> Iterator[tuple[str, str, str, Any]]:
     """(jdp key, torch key, kind, flatten_from) for every weight of `model`."""
     for name, module in model.named_modules():
-        if (found := _WEIGHTS.get(type(module))) is None:
+        if (found := next((v for t, v in _WEIGHTS.items() if isinstance(module, t)), None)) is None:  # subclasses
             continue
         path, (kind, weight) = name.replace(".", "/"), found
         yield f"params/{path}/{weight}", f"{name}.weight", kind, getattr(module, "jdp_flatten_from", None)

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import queue
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -32,7 +33,9 @@ _IMPORTS = threading.Lock()
 
 def installed(package: str) -> bool:
     """Whether `package` can be imported, without importing it (a tracker's import costs seconds)."""
-    return importlib.util.find_spec(package) is not None  # None where sys.modules holds None
+    if package in sys.modules:  # find_spec raises for a module without a spec (a stub)
+        return sys.modules[package] is not None
+    return importlib.util.find_spec(package) is not None
 
 
 def flatten(record: dict[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -39,6 +39,7 @@ class MLflow(Tracker):
         self.tracking_uri, self.experiment = tracking_uri, experiment
 
     def on_start(self, start: int, workdir: Path | None, record: dict[str, Any] | None) -> None:
+        self.close()  # a first fit's run ends on its own store, before this one's is chosen
         uri = self.tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or (Path.cwd() / "mlruns").as_uri()
         if "://" not in uri and not uri.startswith("file:"):
             uri = Path(uri).absolute().as_uri()  # a plain path is a file store

@@ -45,11 +45,13 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None]) -
     zero3 = f"{n('shard_params')}=True" if o["shard_params"] else f"{n('sync')}=zero3" if sync == "zero3" else ""
     require(not zero1 or dtype in ("fp32", "bf16"), f"{zero1} reduce-scatters the gradient in fp32 or bf16, not "
             f"{dtype}; use {view.use('allreduce_dtype', 'fp32')}")
+    in_param_dtype = ("reduce-scatters the gradient in the parameters' dtype (the gather's transpose); use "
+                      f"{view.use('allreduce_dtype', 'fp32')}")
+    require(sync != "zero3" or dtype == "fp32", f"{n('sync')}=zero3 {in_param_dtype}")
     require(not o["shard_params"] or h == 1 and sync == "allreduce",
             f"{n('shard_params')}=True reduce-scatters each step's gradient, so it cannot be combined with "
             f"{n('sync_every')} > 1 (local SGD, DiLoCo) or {n('sync')}=powersgd; set {n('shard_params')}=False")
-    require(not zero3 or dtype == "fp32", f"{zero3} reduce-scatters the gradient in the parameters' dtype (the "
-            f"gather's transpose); use {view.use('allreduce_dtype', 'fp32')}")
+    require(not o["shard_params"] or dtype == "fp32", f"{n('shard_params')}=True {in_param_dtype}")
     diloco = h > 1 and (sync == "diloco" or o["outer_optimizer"] != "none")
     if (k := o["shard_group"]) and not diloco:
         require(h == 1 and sync in ("allreduce", "zero1", "zero3"),
