@@ -21,12 +21,13 @@ def write_init(cfg, out: Path) -> None:
     """init.npz and lrs.json for `cfg` (uses one device)."""
     from jdp.cli.build import build
     from jdp.cli.optim import learning_rate
-    from jdp.reopen import write_params_file
+    from jdp.params_file import flatten
 
     one = copy.deepcopy(cfg)
     one.parallel.num_devices, one.init_from = 1, ""
     state = build(one).init_state()
-    write_params_file(out / "init.npz", state.params, state.model_state, 0)
+    arrays = {**flatten(state.params, "params"), **flatten(state.model_state, "model_state"), "step": np.int64(0)}
+    np.savez(out / "init.npz", **arrays)  # jdp.export's keys, through the module the compare layer may import
     schedule = learning_rate(cfg.optim, cfg.train.global_batch_size, cfg.train.steps)
     (out / "lrs.json").write_text(json.dumps([float(schedule(t)) for t in range(cfg.train.steps)]))
 
