@@ -65,12 +65,14 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     o, axis = options, options.axis_name
     collective = axis if o.all_reduce else None  # None: jdp.bench's step compiled without its collectives
     stored, state = state, sync.forward_state(state)
-    # 2. compute, 3. sync, 4. update, then the guard chooses the state every replica keeps.
+    # 2. compute: forward and backward on the local slice, in `grad_accum_steps` micro-batches.
     local = local_gradients(state, batch, model=model, loss_fn=loss_fn, options=o,
                             params_view=lambda params: sync.params_view(params, axis),
                             layer_view=sync.layer_view(axis, o.mesh))
+    # 3. all-reduce: the sync strategy turns the local gradient into the update's input.
     reduced = sync.reduce(local, state, axis, collective=o.all_reduce)
     _check_reduced(sync, reduced, state.params, local.small_sq is not None)
+    # 4. update, then the guard chooses the state every replica keeps.
     with optimizer_sees_slices(axis is not None and sync.optimizer_sees_slices(o.fit.backend)):
         params, opt_state = sync.update(tx, reduced.grads, state, axis)
     empty = reduced.weight <= 0
