@@ -5,7 +5,6 @@ time limits that end in one clear line instead of a hang or an abort.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import ipaddress
 import itertools
 import json
@@ -14,7 +13,6 @@ import os
 import re
 import socket
 import threading
-import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,7 +27,6 @@ from jdp.preemption import exit_now
 
 # jax aborts about 4 s after its own initialization_timeout: jdp's watchdog speaks first.
 JAX_TIMEOUT_MARGIN_S = 10
-LEFT_S = 1.0  # from a process's word that it leaves to its exit, at the most: os._exit right after
 _SLURM_VARIABLES = ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID", "SLURM_LOCALID")
 # Words in the errors that a collective or the coordination service raises when a peer has gone.
 _PEER_FAILURE_MARKERS = ("gloo", "nccl", "connection closed", "connection reset", "peer", "unavailable",
@@ -301,20 +298,6 @@ def check_same_run(settings: dict, timeout_s: float) -> None:
             raise DistributedUsageError(f"process {index} was started with other settings than process 0 "
                                         f"({'; '.join(differing[:5])}); start every process with the same "
                                         "config, overrides and --workdir, on as many devices")
-
-
-def leaving(timeout_s: float = 10.0) -> None:
-    """Says this process is leaving. Process 0, whose exit ends the key-value store, first waits up to `timeout_s`
-    for the others to say so, then a moment more: JAX aborts a process that outlives its coordinator."""
-    client, me = kvstore.client(), jax.process_index()
-    deadline = time.monotonic() + timeout_s
-    with contextlib.suppress(Exception):  # the store gone, or a peer that does not come: leave as it is
-        if me != 0:
-            client.key_value_set(f"jdp/leaving/{me}", "yes")
-            return
-        for other in range(1, jax.process_count()):
-            client.blocking_key_value_get(f"jdp/leaving/{other}", max(1, int((deadline - time.monotonic()) * 1000)))
-        time.sleep(LEFT_S)
 
 
 def differences(a: dict, b: dict) -> list[tuple[str, object, object]]:

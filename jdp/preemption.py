@@ -66,11 +66,20 @@ def _watch_for_peer_failure() -> None:
     threading.Thread(target=watch, name="jdp-peer-failure", daemon=True).start()
 
 
+def _leave_the_run() -> None:
+    """In a multi-process run, `jdp.kvstore.leaving`: process 0 outlives the others, whom its exit would abort (134
+    where they were preempted too). jdp.kvstore is imported by then: a signal handler imports nothing."""
+    if (kvstore := sys.modules.get("jdp.kvstore")) is not None:
+        kvstore.leaving()
+
+
 def _exit_at_once(signum: int, frame: FrameType | None) -> None:
     _exit_if_peer_failed()
-    exit_now(f"jdp: preempted: {signal.Signals(signum).name} outside the training steps; exiting with code "
-             f"{EXIT_PREEMPTED} (no step was lost: a rerun resumes from the last checkpoint, or starts over without "
-             "one)", EXIT_PREEMPTED)
+    print(f"jdp: preempted: {signal.Signals(signum).name} outside the training steps; exiting with code "
+          f"{EXIT_PREEMPTED} (no step was lost: a rerun resumes from the last checkpoint, or starts over without one)",
+          file=sys.stderr, flush=True)
+    _leave_the_run()
+    os._exit(EXIT_PREEMPTED)
 
 
 def exit_on_signal() -> None:
@@ -137,6 +146,7 @@ class _PreemptedExits:
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
+        _leave_the_run()
         os._exit(EXIT_PREEMPTED if preempted else EXIT_USAGE)
 
 

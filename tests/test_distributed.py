@@ -614,20 +614,25 @@ def test_a_process_stopped_for_a_peer_failure_says_so_not_preempted(tmp_path, ph
 
 
 SIGNAL_AFTER_JOINING_SCRIPT = """
-import os, sys, time
+import hashlib, os, sys, time
 from pathlib import Path
 import jdp
 from jdp import preemption
 with preemption.ExitOnSignal():  # jdp.train's start-up: the data, the model, a restore, --eval_only
     jdp.initialize()
     Path(sys.argv[1] + os.environ["RANK"]).write_text("joined")
+    deadline = time.monotonic() + 30
+    while os.environ["RANK"] == "1" and time.monotonic() < deadline:  # busy in C: its handler runs up to 1 s late
+        hashlib.pbkdf2_hmac("sha256", b"jdp", b"salt", 3_000_000)
     time.sleep(30)
 """
 
 
 def test_a_sigterm_after_the_processes_joined_and_before_the_steps_exits_75(tmp_path):
     """JAX's preemption notifier, started by jax.distributed.initialize, took SIGTERM from jdp's handler: a
-    preempted job loading its data trained on to the end (or was SIGKILLed at its time limit), never exiting 75."""
+    preempted job loading its data trained on to the end (or was SIGKILLed at its time limit), never exiting 75.
+    And process 0, exiting before a peer busy in C code ran its handler, ended the key-value store under it: JAX
+    aborted the peer (134), and the launcher exited 134, not 75."""
     launcher = subprocess.Popen([sys.executable, "-m", "jdp.launch", "--nprocs", "2", "--grace_s", "10", "--",
                                  sys.executable, "-c", SIGNAL_AFTER_JOINING_SCRIPT, str(tmp_path / "joined")],
                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=clean_env())

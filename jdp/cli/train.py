@@ -15,7 +15,7 @@ import jax
 import ml_collections
 
 from jdp import distributed as distributed_lib
-from jdp import preemption, reopen, storage, trainer, workdir_lock
+from jdp import kvstore, preemption, reopen, storage, trainer, workdir_lock
 from jdp.checkpoint import CheckpointError
 from jdp.cli import config as config_lib
 from jdp.cli.build import build, build_task  # noqa: F401 - build is part of jdp.train's API
@@ -217,7 +217,7 @@ def _exit_now(code: int) -> int:
     if jax.distributed.is_initialized():
         sys.stdout.flush()
         sys.stderr.flush()
-        distributed_lib.leaving()
+        kvstore.leaving()
         os._exit(code)
     return code
 
