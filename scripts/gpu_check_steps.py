@@ -50,12 +50,14 @@ def versions(out: Path) -> None:
 
 def xla_flags(out: Path) -> None:
     """jdp's XLA flags parse on this jax, and an unknown flag aborts the process (so a typo cannot pass unseen)."""
-    from jdp.cli import xla_flags as flags_lib
     from jdp.configs import base
+    from jdp.environment import apply_communication_flags
 
     cfg = base.get_config()
     cfg.parallel.allreduce_combine_threshold_bytes = 25 * 2**20
-    ours = " ".join(f"{k}={v}" for k, v in flags_lib.communication_flags(cfg.parallel).items())
+    os.environ.pop("XLA_FLAGS", None)
+    apply_communication_flags(cfg.parallel)
+    ours = os.environ.pop("XLA_FLAGS")
     probe = [sys.executable, "-c", "import jax; jax.devices(); print('ok')"]
 
     def runs(flags: str) -> bool:
