@@ -109,8 +109,7 @@ def _shown(x: Any) -> str:
 
 
 def _check_reduced(sync: Sync, reduced: Any, params: Tree, noise_scale: bool) -> None:
-    """FitError in one line unless the strategy's `reduce` returned a `Reduced` with, for each parameter, a floating
-    gradient leaf of its rank, and `small_sq` where measured (optax would broadcast or promote without a word)."""
+    """FitError unless `reduce` kept its contract (docs/communication.md): optax would broadcast or promote."""
     if not isinstance(reduced, Reduced):
         raise FitError(f"{sync!r}.reduce returned {type(reduced).__name__}; it returns a jdp.sync.Reduced")
     if noise_scale and reduced.small_sq is None:
@@ -127,8 +126,7 @@ def _check_reduced(sync: Sync, reduced: Any, params: Tree, noise_scale: bool) ->
 
 
 def _check_kept(sync: Sync, before: TrainState, after: TrainState, by: str) -> TrainState:
-    """`after`, or FitError in one line naming the first train-state leaf that the strategy's `by` left of another
-    dtype or shape than `before` (the guard's select would broadcast or promote it silently)."""
+    """`after`, or FitError naming a leaf `by` changed in dtype or shape (the guard's select would hide it)."""
     was, now = _leaves(before), _leaves(after)
     for path in [*was, *(now.keys() - was.keys())]:
         if _shown(was.get(path)) != _shown(now.get(path)):

@@ -155,8 +155,7 @@ def averaged_sums(local: Local, axis_name: str | None, **extra: Tree) -> dict[st
 
 
 def _plain(value: Any) -> Any:
-    """A strategy parameter JSON has no type for, as its record holds it: arrays as numbers, functions and classes
-    by import path, a partial with its arguments, else `str`, unless that is the default one holding an address."""
+    """A strategy parameter JSON has no type for, as its record holds it (`str` unless that holds an address)."""
     if isinstance(value, type):  # a class's `str` names it alike in every process (np.float32 has a `tolist`)
         return str(value)
     if hasattr(value, "tolist"):

@@ -37,8 +37,7 @@ class LocalSGD(Sync):
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
         require(options["backend"] in ("shard_map", "pmap"),
-                f"{what} keeps each device's own parameters between syncs; use {view.use('backend', 'shard_map')} "
-                "or pmap")
+                f"{what} keeps each device's own parameters; use {view.use('backend', 'shard_map')} or pmap")
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         """The gradient stays local, scaled by the local weight; the sums are still all-reduced for the metrics."""

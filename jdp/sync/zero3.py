@@ -31,10 +31,7 @@ class ZeRO3(ZeRO1):
         super().__init__()  # the reduce-scatter is the gather's transpose: it sends the parameters' dtype
         checked = [bits if bits == 32 else check_block(bits, block)[0] for bits in (weight_bits, grad_bits)]
         self.weight_bits, self.grad_bits, self.block = *checked, block
-
-    @property
-    def quantized(self) -> bool:
-        return (self.weight_bits, self.grad_bits) != (32, 32)
+        self.quantized = checked != [32, 32]
 
     def params(self) -> dict[str, Any]:
         return {"weight_bits": self.weight_bits, "grad_bits": self.grad_bits, "block": self.block} if (
