@@ -84,9 +84,9 @@ def checked_group_size(group_size: Any) -> int | None:
                                                                                      "for one process's devices")
 
 
-def group_mesh(strategy: Sync, group_size: int | None, num_devices: int) -> dict[str, int]:
-    """The groups x `data` mesh of `num_devices` in groups of `group_size` consecutive devices (None: one process's)."""
-    k = group_size
+def group_mesh(strategy: Any, num_devices: int) -> dict[str, int]:
+    """The groups x `data` mesh, a group `strategy.group_size` consecutive devices (None: one process's)."""
+    k = strategy.group_size
     if k is None:
         if jax.process_count() == 1:
             raise FitError(f"{strategy!r} groups one process's devices by default, and this run is one process: "

@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import optax
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -114,6 +113,4 @@ class ZeRO3(ZeRO1):
         n = jax.lax.psum(1, axis_name)
         return jax.tree.map(lambda g: g / n if is_sharded(g) else jax.lax.pmean(g, axis_name), grads)
 
-    def update(self, tx: optax.GradientTransformation, grads: Tree, state: Any, axis_name: str | None
-               ) -> tuple[Tree, Any]:
-        return Sync.update(self, tx, grads, state, axis_name)  # on the slices; the next forward gathers them
+    update = Sync.update  # on the slices; the next forward gathers them
