@@ -1,5 +1,4 @@
-"""Step 4's guard: which state every replica keeps after the optax update (a non-finite loss or gradient, fp16's
-gradient overflow, a batch that weighs nothing), decided alike on every replica."""
+"""Step 4's guard: which state every replica keeps after the optax update, decided alike on every replica."""
 
 from __future__ import annotations
 
