@@ -49,8 +49,6 @@ def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef,
         sums, weight = weighted_sums(outputs)
         return sums["loss"] / rows * scale, (sums, weight, new_model_state, counts)
 
-    grad_fn = jax.value_and_grad(loss, has_aux=True)
-
     def mean_grad_sq(grads: Tree, weight: jax.Array) -> jax.Array:
         """|gradient of the weighted mean|^2 from d(weighted sum)/rows (float32, loss scale removed)."""
         return sum_of_squares(grads) * (rows / scale / jnp.where(weight > 0, weight, 1.0)) ** 2
@@ -59,8 +57,8 @@ def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef,
         """The micro-batches one after another: the sums, the state after the last, each one's |gradient|^2."""
         model_state, counts, total, micro_sqs = state.model_state, state.rng_state["counts"], None, []
         for index in range(k):
-            (_, (sums, weight, model_state, counts)), grads = grad_fn(state.params, model_state, counts, micros,
-                                                                      index, folds, groups)
+            (_, (sums, weight, model_state, counts)), grads = jax.value_and_grad(loss, has_aux=True)(
+                state.params, model_state, counts, micros, index, folds, groups)
             micro_sqs.append(mean_grad_sq(grads, weight) if o.noise_small_batches == "micro_batches" else 0.0)
             total = (grads, sums, weight) if total is None else jax.tree.map(jnp.add, total, (grads, sums, weight))
         return (total[0], model_state, counts, total[1], total[2]), jnp.stack(micro_sqs)
