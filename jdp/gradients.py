@@ -37,9 +37,9 @@ def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef,
     if o.accum_lanes and layer_view is not None:  # the lanes' vmap lays the rows on the devices already: JAX refuses
         layer_view = layer_view._replace(carry=None)  # a sharding constraint on its spmd axis inside it
 
-    def loss(params: Tree, model_state: Tree, counts: Tree, micro: dict[str, jax.Array], index: jax.Array | int,
+    def loss(params: Tree, model_state: Tree, counts: Tree, micros: dict[str, jax.Array], index: int,
              folds: tuple[jax.Array, ...], groups: int):
-        micro = o.device_input(micro)
+        micro = o.device_input(jax.tree.map(lambda a: a[index], micros))
         micro = {key: v if key in o.fit.keep_fp32 else cast_floating(v, dtype) for key, v in micro.items()}
         with viewing(layer_view):
             outputs, new_model_state, counts = run_loss(
@@ -49,35 +49,21 @@ def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef,
         sums, weight = weighted_sums(outputs)
         return sums["loss"] / rows * scale, (sums, weight, new_model_state, counts)
 
-    grad_fn = jax.value_and_grad(loss, has_aux=True)
-
     def mean_grad_sq(grads: Tree, weight: jax.Array) -> jax.Array:
         """|gradient of the weighted mean|^2 from d(weighted sum)/rows (float32, loss scale removed)."""
         return sum_of_squares(grads) * (rows / scale / jnp.where(weight > 0, weight, 1.0)) ** 2
 
     def accumulate_all(micros: dict[str, jax.Array], folds: tuple[jax.Array, ...], groups: int):
         """The micro-batches one after another: the sums, the state after the last, each one's |gradient|^2."""
-        def accumulate(carry, indexed):
-            grads_sum, model_state, counts, sums_sum, weight_sum = carry
-            index, micro = indexed
-            (_, (sums, weight, model_state, counts)), grads = grad_fn(state.params, model_state, counts, micro,
-                                                                      index, folds, groups)
-            micro_sq = mean_grad_sq(grads, weight) if o.noise_small_batches == "micro_batches" else jnp.float32(0)
-            return (jax.tree.map(jnp.add, grads_sum, grads), model_state, counts,
-                    jax.tree.map(jnp.add, sums_sum, sums), weight_sum + weight), micro_sq
+        model_state, counts, total, micro_sqs = state.model_state, state.rng_state["counts"], None, []
+        for index in range(k):
+            (_, (sums, weight, model_state, counts)), grads = jax.value_and_grad(loss, has_aux=True)(
+                state.params, model_state, counts, micros, index, folds, groups)
+            micro_sqs.append(mean_grad_sq(grads, weight) if o.noise_small_batches == "micro_batches" else 0.0)
+            total = (grads, sums, weight) if total is None else jax.tree.map(jnp.add, total, (grads, sums, weight))
+        return (total[0], model_state, counts, total[1], total[2]), jnp.stack(micro_sqs)
 
-        first = jax.tree.map(lambda a: a[0], micros)
-        sums_shape = jax.eval_shape(lambda: grad_fn(state.params, state.model_state, counts, first, 0, folds,
-                                                    groups)[0][1][0])
-        zeros = jax.tree.map(jnp.zeros_like, (state.params, sums_shape))
-        return jax.lax.scan(accumulate, (zeros[0], state.model_state, counts, zeros[1], jnp.float32(0)),
-                            (jnp.arange(k), micros), unroll=True)
-
-    counts = state.rng_state["counts"]
-    if k == 1:
-        (_, (sums, weight, model_state, counts)), grads = grad_fn(state.params, state.model_state, counts, batch,
-                                                                  0, folds, o.bn_groups)
-    elif not o.accum_lanes:
+    if not o.accum_lanes:
         (grads, model_state, counts, sums, weight), micro_sqs = accumulate_all(micro_batches(batch, k), folds,
                                                                                 o.bn_groups)
     else:

@@ -117,8 +117,3 @@ def collectives(hlo_text: str, num_devices: int, period: int = 1, group_size: in
     if entry is None:
         raise ValueError("no ENTRY computation in this HLO text")
     return CommBytes(*total(entry))
-
-
-def collective_bytes(hlo_text: str, num_devices: int, period: int = 1) -> float:
-    """The operand bytes per device of the program's collectives per step (`collectives(...).total`)."""
-    return collectives(hlo_text, num_devices, period).total

@@ -26,7 +26,6 @@ def memory_analysis(compiled) -> dict[str, int]:
     memory = compiled.memory_analysis()
     if memory is None:
         return {}
-    # `CompiledMemoryStats`' `X_size_in_bytes` -> `X_bytes`
     out = {f"{x}_bytes": int(getattr(memory, f"{x}_size_in_bytes")) for x in ("argument", "output", "temp", "alias")}
     out["peak_bytes"] = out["argument_bytes"] + out["output_bytes"] + out["temp_bytes"] - out["alias_bytes"]
     return out

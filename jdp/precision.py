@@ -18,8 +18,7 @@ _HLO_MATMUL = re.compile(r"=\s*(\w+)\[[^\]]*\](?:\{[^}]*\})?\s+(?:convolution|do
 
 
 def slower_than_fp32(precision: str, platform: str) -> str | None:
-    """Why `precision` makes the step no faster than float32 on `platform`'s devices, or None. Measured on XLA:CPU
-    (docs/benchmarks.md, "jdp against nanoGPT itself"); on GPUs and TPUs bf16 and fp16 run on the matrix units."""
+    """Why `precision` makes the step no faster than float32 on `platform`'s devices (XLA:CPU's), or None."""
     if platform != "cpu" or precision == "fp32":
         return None
     return (f"precision={precision} runs no faster than fp32 on CPU devices: XLA:CPU's {precision} matmuls are "

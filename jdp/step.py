@@ -1,6 +1,4 @@
-"""The training step, written once: compute (`jdp.gradients`) -> sync (`jdp.sync`) -> update and guard (`jdp.update`),
-run per device under shard_map or pmap (`axis_name="data"`), or on the global batch under jit (`axis_name=None`).
-"""
+"""The training step, written once: compute (`jdp.gradients`) -> sync (`jdp.sync`) -> update, guard (`jdp.update`)."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ from jdp.options import FitOptions
 from jdp.sync import Sync
 from jdp.sync.base import Reduced, sum_of_squares
 from jdp.sync.zero1 import optimizer_sees_slices
-from jdp.update import guard, updates_applied
+from jdp.update import guard
 
 __all__ = ["StepOptions", "TrainState", "eval_step", "micro_batches", "run_loss", "train_step", "weighted_sums"]
 
@@ -95,8 +93,9 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     if o.fit.log_grad_norm:  # the norm the update sees, before clipping
         metrics["grad_norm"] = sync.grad_norm(reduced.grads, axis, collective=o.all_reduce)
     metrics.update(guard_metrics)
-    if schedule is not None:
-        metrics["lr"] = schedule(updates_applied(state))
+    if schedule is not None:  # at optax's own update count, which skipped updates do not advance
+        schedules = optax.tree_utils.tree_get_all_with_path(state.opt_state, "ScaleByScheduleState")
+        metrics["lr"] = schedule(schedules[0][1].count if schedules else state.step)
     return new_state, metrics
 
 
@@ -109,8 +108,7 @@ def _shown(x: Any) -> str:
 
 
 def _check_reduced(sync: Sync, reduced: Any, params: Tree, noise_scale: bool) -> None:
-    """FitError in one line unless the strategy's `reduce` returned a `Reduced` with, for each parameter, a floating
-    gradient leaf of its rank, and `small_sq` where measured (optax would broadcast or promote without a word)."""
+    """FitError unless `reduce` kept its contract (docs/communication.md): optax would broadcast or promote."""
     if not isinstance(reduced, Reduced):
         raise FitError(f"{sync!r}.reduce returned {type(reduced).__name__}; it returns a jdp.sync.Reduced")
     if noise_scale and reduced.small_sq is None:
@@ -127,8 +125,7 @@ def _check_reduced(sync: Sync, reduced: Any, params: Tree, noise_scale: bool) ->
 
 
 def _check_kept(sync: Sync, before: TrainState, after: TrainState, by: str) -> TrainState:
-    """`after`, or FitError in one line naming the first train-state leaf that the strategy's `by` left of another
-    dtype or shape than `before` (the guard's select would broadcast or promote it silently)."""
+    """`after`, or FitError naming a leaf `by` changed in dtype or shape (the guard's select would hide it)."""
     was, now = _leaves(before), _leaves(after)
     for path in [*was, *(now.keys() - was.keys())]:
         if _shown(was.get(path)) != _shown(now.get(path)):

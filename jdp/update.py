@@ -1,5 +1,4 @@
-"""Step 4's guard: which state every replica keeps after the optax update (a non-finite loss or gradient, fp16's
-gradient overflow, a batch that weighs nothing), decided alike on every replica."""
+"""Step 4's guard: which state every replica keeps after the optax update, decided alike on every replica."""
 
 from __future__ import annotations
 
@@ -7,13 +6,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
-
-
-def updates_applied(state: Any) -> jax.Array:
-    """optax's own update count, the argument its schedule sees: skipped updates do not advance it."""
-    schedules = optax.tree_utils.tree_get_all_with_path(state.opt_state, "ScaleByScheduleState")
-    return schedules[0][1].count if schedules else state.step
 
 
 def guard(state: Any, updated: Any, loss_finite: jax.Array, grads_finite: jax.Array,

@@ -65,7 +65,7 @@ def _independent(backend: str) -> tuple[dict[str, int], float]:
                "argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
                "temp": stats.temp_size_in_bytes, "alias": stats.alias_size_in_bytes}
     figures["peak"] = figures["argument"] + figures["output"] + figures["temp"] - figures["alias"]
-    return {f"{k}_bytes": v for k, v in figures.items()}, hlo.collective_bytes(compiled.as_text(), 8, 1)
+    return {f"{k}_bytes": v for k, v in figures.items()}, hlo.collectives(compiled.as_text(), 8, 1).total
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

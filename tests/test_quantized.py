@@ -97,7 +97,7 @@ def test_the_compiled_program_sends_integers_and_the_hand_count(bits, integer, c
         rf"{integer}\[[\d,]*\][^\n]* all-gather", text)
     values = 8 * 256
     expected = values * bits / 8 + 8 * 4 + values / 8 * bits / 8 + 4 + 3 * 4
-    assert hlo.collective_bytes(text, 8) == expected
+    assert hlo.collectives(text, 8).total == expected
 
 
 def test_error_feedback_trains_and_resumes_bitwise(tmp_path):

@@ -280,7 +280,7 @@ def test_zero3_gathers_each_layer_inside_the_forward_and_backward_loops(backend)
 def test_zero3_counts_the_per_layer_gathers_once_per_layer():
     """comm_bytes_per_step grows by the same bytes for every added layer (the while bodies count their trip count
     times), and each layer sends at least its weight matrices' shards twice (forward and backward gathers)."""
-    sent = {layers: hlo.collective_bytes(compiled(layers, "none", shard_params=True)[0], 8) for layers in (2, 3, 4)}
+    sent = {layers: hlo.collectives(compiled(layers, "none", shard_params=True)[0], 8).total for layers in (2, 3, 4)}
     per_layer = sent[3] - sent[2]
     assert sent[4] - sent[3] == pytest.approx(per_layer, rel=1e-6)
     matrices = 12 * 64 * 64 * 4  # qkv, proj, fc, proj of one block, float32

@@ -23,8 +23,7 @@ __all__ = ["NAMES", "AllReduce", "DiLoCo", "HybridShard", "Local", "LocalSGD", "
 
 
 def for_inference(options: Any) -> Any:
-    """`fit`'s options (checked) with the strategy that restores the run's checkpoints on any device count
-    (`Sync.for_inference`) given as an object, every strategy flag at its default."""
+    """`fit`'s options (checked) with `Sync.for_inference`'s strategy as an object, every strategy flag at default."""
     from jdp.options import DEFAULTS
 
     return dataclasses.replace(options, sync=strategy(options)[0].for_inference(),

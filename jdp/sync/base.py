@@ -84,9 +84,9 @@ def checked_group_size(group_size: Any) -> int | None:
                                                                                      "for one process's devices")
 
 
-def group_mesh(strategy: Sync, group_size: int | None, num_devices: int) -> dict[str, int]:
-    """The groups x `data` mesh of `num_devices` in groups of `group_size` consecutive devices (None: one process's)."""
-    k = group_size
+def group_mesh(strategy: Any, num_devices: int) -> dict[str, int]:
+    """The groups x `data` mesh, a group `strategy.group_size` consecutive devices (None: one process's)."""
+    k = strategy.group_size
     if k is None:
         if jax.process_count() == 1:
             raise FitError(f"{strategy!r} groups one process's devices by default, and this run is one process: "
@@ -155,8 +155,7 @@ def averaged_sums(local: Local, axis_name: str | None, **extra: Tree) -> dict[st
 
 
 def _plain(value: Any) -> Any:
-    """A strategy parameter JSON has no type for, as its record holds it: arrays as numbers, functions and classes
-    by import path, a partial with its arguments, else `str`, unless that is the default one holding an address."""
+    """A strategy parameter JSON has no type for, as its record holds it (`str` unless that holds an address)."""
     if isinstance(value, type):  # a class's `str` names it alike in every process (np.float32 has a `tolist`)
         return str(value)
     if hasattr(value, "tolist"):

@@ -26,9 +26,7 @@ class DiLoCo(LocalSGD):
                  bits: int = 32, block: int = 256, group_size: int | None = 1) -> None:
         super().__init__(every)
         self.group_size = checked_group_size(group_size)
-        if bits != 32:
-            bits, block = check_block(bits, block)
-        self.bits, self.block = bits, block
+        self.bits, self.block = (bits, block) if bits == 32 else check_block(bits, block)
         if outer not in ("nesterov", "sgd"):
             raise ValueError(f"outer={outer!r} is not one of nesterov, sgd")
         outer_lr, outer_momentum = real_number("outer_lr", outer_lr), real_number("outer_momentum", outer_momentum)
@@ -46,8 +44,7 @@ class DiLoCo(LocalSGD):
                 "outer": self.outer_name, **quantized, **grouped}
 
     def mesh_shape(self, num_devices: int) -> dict[str, int]:
-        return super().mesh_shape(num_devices) if self.group_size == 1 else group_mesh(self, self.group_size,
-                                                                                       num_devices)
+        return super().mesh_shape(num_devices) if self.group_size == 1 else group_mesh(self, num_devices)
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
         super().check(options, view, what, require)

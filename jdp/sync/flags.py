@@ -79,13 +79,10 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None]) -
             return (DiLoCo(h, o["outer_lr"], o["outer_momentum"], outer, bits, group_size=k or 1),
                     f"{n('sync_every')}={h}" + (f", {n('shard_group')}={k}" if k else ""))
         return LocalSGD(h), f"{n('sync_every')}={h}"
-    if zero3:
-        return ZeRO3(), zero3
-    if zero1:
-        return ZeRO1(dtype), zero1
-    if dtype in ("int8", "int4"):
-        return QuantizedAllReduce(int(dtype[3:])), f"{n('allreduce_dtype')}={dtype}"
-    return AllReduce(dtype), f"{n('allreduce_dtype')}={dtype}"
+    if zero3 or zero1:
+        return ZeRO3() if zero3 else ZeRO1(dtype), zero3 or zero1
+    quantized = dtype in ("int8", "int4")
+    return QuantizedAllReduce(int(dtype[3:])) if quantized else AllReduce(dtype), f"{n('allreduce_dtype')}={dtype}"
 
 
 def from_config(path: str, kwargs: dict[str, Any]) -> Sync | str:

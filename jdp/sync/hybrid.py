@@ -32,8 +32,7 @@ class HybridShard(ZeRO3):
     def for_inference(self) -> Sync:
         return ZeRO3() if self.stage == 3 else ZeRO1()  # the same logical state, on any device count
 
-    def mesh_shape(self, num_devices: int) -> dict[str, int]:
-        return group_mesh(self, self.group_size, num_devices)
+    mesh_shape = group_mesh
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
         require(options["backend"] == "shard_map", f"{what} (hybrid sharding) runs on a two-axis mesh under "

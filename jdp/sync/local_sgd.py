@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from jdp.sync.base import (
     Local,
@@ -17,14 +16,12 @@ from jdp.sync.base import (
     averaged_sums,
     floating,
     merge_floating,
-    sum_of_squares,
     whole_number,
 )
 
 
 class LocalSGD(Sync):
-    """`LocalSGD(every=H)`: H local steps per device, then the average. shard_map or pmap; evals, checkpoints and
-    replica checks at sync points."""
+    """`LocalSGD(every=H)`: H local steps per device, then the average; evals, checkpoints, replica checks there."""
 
     per_device_update = True
 
@@ -37,8 +34,7 @@ class LocalSGD(Sync):
 
     def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
         require(options["backend"] in ("shard_map", "pmap"),
-                f"{what} keeps each device's own parameters between syncs; use {view.use('backend', 'shard_map')} "
-                "or pmap")
+                f"{what} keeps each device's own parameters; use {view.use('backend', 'shard_map')} or pmap")
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         """The gradient stays local, scaled by the local weight; the sums are still all-reduced for the metrics."""
@@ -54,4 +50,4 @@ class LocalSGD(Sync):
         return state._replace(params=params, opt_state=opt_state)
 
     def grad_norm(self, grads: Tree, axis_name: str | None, collective: bool = True) -> jax.Array:
-        return all_reduce_mean(jnp.sqrt(sum_of_squares(grads)), axis_name if collective else None)
+        return all_reduce_mean(super().grad_norm(grads, axis_name), axis_name if collective else None)

@@ -9,10 +9,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from jdp.errors import FitError
-from jdp.sync.base import PER_DEVICE, Sync, Tree, real_number, whole_number
+from jdp.sync.base import PER_DEVICE, Tree, real_number, whole_number
 from jdp.sync.diloco import DiLoCo
 
 
@@ -50,23 +49,14 @@ class StreamingDiLoCo(DiLoCo):
         overlap = {"overlap": self.overlap, "local_weight": self.local_weight} if self.overlap else {}
         return {**super().params(), "fragments": self.fragments, **overlap}
 
-    def bind(self, model: Any, seed: int) -> Sync:
-        params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-        sizes = [x.size for x in jax.tree.leaves(params)]
-        if not all(fragments_of(params, self.fragments)):
+    def init_state(self, params: Tree, num_devices: int) -> Tree:
+        leaves, fragments = jax.tree.leaves(params), fragments_of(params, self.fragments)
+        if not all(fragments):
+            sizes = [x.size for x in leaves]
             raise FitError(f"{self!r}: this model's {len(sizes)} parameter leaves ({sum(sizes):,} values, the "
                            f"largest {max(sizes):,}) leave a fragment with none of them to sync; use fewer fragments")
-        return super().bind(model, seed)
-
-    def check(self, options: dict[str, Any], view: Any, what: str, require: Any) -> None:
-        require(options["backend"] in ("shard_map", "pmap"),
-                f"{what} keeps each device's own parameters; use {view.use('backend', 'shard_map')} or pmap")
-
-    def init_state(self, params: Tree, num_devices: int) -> Tree:
-        leaves = jax.tree.leaves(params)
         return {"local": jax.tree.map(lambda p: jnp.broadcast_to(p, (num_devices, *p.shape)), params),
-                "outer": tuple(self.outer.init([leaves[i] for i in fragment])
-                               for fragment in fragments_of(params, self.fragments))}
+                "outer": tuple(self.outer.init([leaves[i] for i in fragment]) for fragment in fragments)}
 
     def layouts(self, abstract_state: Any) -> Any:
         layouts = super().layouts(abstract_state)  # the outer states replicated, each device's parameters its own
@@ -98,7 +88,6 @@ class StreamingDiLoCo(DiLoCo):
         ended, sent = (done - 1, began) if tau else (done, local_leaves)  # the steps done when `sent` was
         for f, fragment in enumerate(fragments_of(state.params, self.fragments)):
             end = f * (self.every // self.fragments)  # fragment f's rounds end at steps end + k H
-            # DiLoCo's outer step: one fragment is DiLoCo bit for bit
             anchor, outers[f] = jax.lax.cond((ended % self.every == end) & (ended > 0),
                                              lambda *carry: self.outer_step(*carry, axis_name),
                                              lambda anchor, _, outer: (anchor, outer),

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from contextvars import ContextVar
 from typing import Any
@@ -132,10 +133,7 @@ class Sliceable(optax.GradientTransformation):
 
 # `Sync.optimizer_sees_slices` in the step, read by `clip_by_global_norm`: one chain clips right under every strategy.
 _optimizer_sees_slices: ContextVar[bool] = ContextVar("jdp_optimizer_sees_slices", default=True)
-
-
-def optimizer_sees_slices(sliced: bool) -> Any:
-    return context(_optimizer_sees_slices, sliced)
+optimizer_sees_slices = functools.partial(context, _optimizer_sees_slices)  # (sliced) -> a context and a decorator
 
 
 def clip_by_global_norm(max_norm: float, axis_name: str | None = None) -> optax.GradientTransformation:

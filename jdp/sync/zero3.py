@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
-import optax
 from flax import nnx
 from jax.sharding import Mesh
 
@@ -31,10 +30,7 @@ class ZeRO3(ZeRO1):
         super().__init__()  # the reduce-scatter is the gather's transpose: it sends the parameters' dtype
         checked = [bits if bits == 32 else check_block(bits, block)[0] for bits in (weight_bits, grad_bits)]
         self.weight_bits, self.grad_bits, self.block = *checked, block
-
-    @property
-    def quantized(self) -> bool:
-        return (self.weight_bits, self.grad_bits) != (32, 32)
+        self.quantized = checked != [32, 32]
 
     def params(self) -> dict[str, Any]:
         return {"weight_bits": self.weight_bits, "grad_bits": self.grad_bits, "block": self.block} if (
@@ -117,6 +113,4 @@ class ZeRO3(ZeRO1):
         n = jax.lax.psum(1, axis_name)
         return jax.tree.map(lambda g: g / n if is_sharded(g) else jax.lax.pmean(g, axis_name), grads)
 
-    def update(self, tx: optax.GradientTransformation, grads: Tree, state: Any, axis_name: str | None
-               ) -> tuple[Tree, Any]:
-        return Sync.update(self, tx, grads, state, axis_name)  # on the slices; the next forward gathers them
+    update = Sync.update  # on the slices; the next forward gathers them
