@@ -15,6 +15,7 @@ from flax import nnx
 
 from jdp.checkpoint import CheckpointError
 from jdp.cli.config import ArgumentParser, ConfigError
+from jdp.cli.resume import restore_for_inference
 from jdp.data.text import VOCAB_FILE, Vocabulary
 from jdp.errors import DiskError, UsageError
 
@@ -86,8 +87,6 @@ def sample_text(model: nnx.Module, vocab: Vocabulary, prompt: str, num_tokens: i
 def sample_workdir(workdir: Path, prompt: str, num_tokens: int, *, temperature: float, top_k: int,
                    seed: int) -> str:
     """A sample from the latest checkpoint of a `python -m jdp.train` run of a language model."""
-    from jdp.cli.resume import restore_for_inference
-
     vocab_path = workdir / VOCAB_FILE
     if not (workdir / "config.json").exists() and (workdir / "run.json").exists():
         raise ConfigError(f"{workdir} is a jdp.fit run; python -m jdp.sample samples the language-model runs of "
