@@ -113,10 +113,9 @@ def describe_data(source: Any, factory: Any = None) -> dict[str, Any]:
 
 
 def describe_optimizer(tx: optax.GradientTransformation, abstract_params: Any) -> dict[str, list[float]]:
-    """A fingerprint of what `tx` does: its updates of fixed probe parameters (the model's tree, leaves at most 3
-    wide) by random then zero gradients (weight decay alone), twice in a row (momentum shows), at each step count of
-    `PROBE_COUNTS`, each kept as its L1 norm and a fixed random projection (`same_fingerprint`). On a `data` axis of
-    one, for optimizers that reduce over devices."""
+    """A fingerprint of what `tx` does: its updates of probe parameters (the model's tree, leaves at most 3 wide) by
+    random then zero gradients (weight decay alone), twice (momentum shows), at each of `PROBE_COUNTS`, as (L1 norm,
+    random projection) pairs; on a `data` axis of one, for optimizers that reduce over devices."""
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda x: rng.standard_normal([min(d, 3) for d in x.shape]).astype(np.float32),
                           abstract_params)
