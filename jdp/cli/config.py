@@ -139,7 +139,7 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
                           "ml_collections.ConfigDict (start from jdp.configs.base.get_config())")
     _fold_model_settings(cfg, f"config file {path}")
     check_fields(cfg, f"config file {path}")
-    if "code_dir" in cfg and not cfg.code_dir:
+    if not cfg.code_dir:
         cfg.code_dir = str(path.parent.absolute())
     return cfg
 
