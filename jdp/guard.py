@@ -56,7 +56,6 @@ class Guard:
     def __init__(self, fit_record: dict[str, Any], workdir: Path, allow_change: bool,
                  warn: Callable[[str], None]) -> None:
         self.fit_record, self.workdir, self.allow_change, self.warn = fit_record, workdir, allow_change, warn
-        self.fingerprint = fingerprint(fit_record)
         self.record_steps: int | None = None  # run.json's steps, where it holds a usable record
         self.unreadable: str | None = None  # why run.json cannot be read
         self.warned = False  # a change allowed has been said
@@ -94,7 +93,7 @@ class Guard:
 
     def _compare(self, step: int, saved: Any) -> dict[str, Any]:
         where = self.workdir / "checkpoints" / str(step)
-        changed = fingerprint_changes(saved, self.fingerprint)
+        changed = fingerprint_changes(saved, fingerprint(self.fit_record))
         if changed is None:
             if self.unreadable:  # nothing left to check the resume against
                 return {"refuse": self.unreadable}

@@ -194,13 +194,11 @@ def check(values: dict[str, Any], view: View = FIT_NAMES, error: type[Exception]
     for period in ("every", "agrees_every"):  # what the loop and the checkpoints count in
         steps = getattr(strategy, period)
         require(type(steps) is int and steps >= 1, f"{what}.{period}={steps!r} must be an int of at least 1 (steps)")
-    # The replica check's default is rounded up to a multiple of the period where it runs (jdp.callbacks).
-    periodic = ("checkpoint_every", "eval_every") + (
-        ("check_replicas_every",) if o["check_replicas_every"] != DEFAULTS["check_replicas_every"] else ())
-    for name in periodic:
-        require(o[name] % strategy.agrees_every == 0, f"{n(name)}={o[name]} is not a multiple of the sync period "
-                f"{strategy.agrees_every} ({what}): a checkpoint, an eval or a replica check needs a state where the "
-                "replicas agree; use a multiple")
+    # A default passes: 0, or the replica check's, rounded up to a multiple of the period where it runs (jdp.callbacks).
+    for name in ("checkpoint_every", "eval_every", "check_replicas_every"):
+        require(o[name] % strategy.agrees_every == 0 or o[name] == DEFAULTS[name], f"{n(name)}={o[name]} is not a "
+                f"multiple of the sync period {strategy.agrees_every} ({what}): a checkpoint, an eval or a replica "
+                "check needs a state where the replicas agree; use a multiple")
     strategy.check(o, view, what, require)
     noise = f"{n('log_noise_scale')} compares each device's gradient with the all-reduced one, which"
     require(not o["log_noise_scale"] or o["backend"] != "jit", f"{noise} jit does not have (no per-device "

@@ -25,11 +25,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from jdp import sync
 from jdp.data.batching import optional
 from jdp.errors import FitError, one_line
 from jdp.files import write_atomic
 from jdp.mesh import DATA_AXIS
-from jdp.options import BY_NAME
+from jdp.options import DEFAULTS
 
 RECORD_FILE = "run.json"
 FORMAT = 1  # of the `fit` section; a run.json without one (written before it) is not guarded
@@ -112,10 +113,9 @@ def describe_data(source: Any, factory: Any = None) -> dict[str, Any]:
 
 
 def describe_optimizer(tx: optax.GradientTransformation, abstract_params: Any) -> dict[str, list[float]]:
-    """A fingerprint of what `tx` does: its updates of fixed probe parameters (the model's tree, leaves at most 3
-    wide) by random then zero gradients (weight decay alone), twice in a row (momentum shows), at each step count of
-    `PROBE_COUNTS`, each kept as its L1 norm and a fixed random projection (`same_fingerprint`). On a `data` axis of
-    one, for optimizers that reduce over devices."""
+    """A fingerprint of what `tx` does: its updates of probe parameters (the model's tree, leaves at most 3 wide) by
+    random then zero gradients (weight decay alone), twice (momentum shows), at each of `PROBE_COUNTS`, as (L1 norm,
+    random projection) pairs; on a `data` axis of one, for optimizers that reduce over devices."""
     rng = np.random.default_rng(0)
     params = jax.tree.map(lambda x: rng.standard_normal([min(d, 3) for d in x.shape]).astype(np.float32),
                           abstract_params)
@@ -206,17 +206,10 @@ def guarded(fit_record: dict[str, Any], with_settings: bool = True) -> dict[str,
             _BY_NAME[1]: {k: data[k] for k in ("keys", "shapes", "dtypes", "length", "sample_hash")},
             "global_batch_size": fit_record["global_batch_size"],
             # A record written before records held the strategy's: the strategy its options name by flags.
-            "sync strategy": fit_record.get("strategy") or _strategy(types.SimpleNamespace(
-                **{name: fit_record["options"].get(name, option.default) for name, option in BY_NAME.items()})),
+            "sync strategy": fit_record.get("strategy") or sync.strategy(types.SimpleNamespace(
+                **{name: fit_record["options"].get(name, default) for name, default in DEFAULTS.items()}))[0].record(),
             # An option newer than the record's jdp had its default there.
-            **{key: fit_record["options"].get(key, BY_NAME[key].default) for key in GUARDED_OPTIONS}}
-
-
-def _strategy(options: Any) -> dict[str, Any]:
-    """The record of the sync strategy `options` (fit's, or an object with their names) name."""
-    from jdp import sync
-
-    return sync.strategy(options)[0].record()
+            **{key: fit_record["options"].get(key, DEFAULTS[key]) for key in GUARDED_OPTIONS}}
 
 
 def changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
@@ -264,7 +257,7 @@ def fit_record(*, model: Any, loss_fn: Callable, optimizer: optax.GradientTransf
     train_factory, eval_factory = data_factories
     return {"format": FORMAT, "steps": steps, "global_batch_size": global_batch_size,
             "settings": json.loads(json.dumps(dict(settings), default=list)) if settings else None,
-            "options": options_record(options), "strategy": _strategy(options),
+            "options": options_record(options), "strategy": sync.strategy(options)[0].record(),
             "model": describe_model(model, abstract_params),
             "loss_fn": _name(loss_fn),
             "imports": {"loss_fn": import_path(loss_fn), "eval_fn": import_path(options.eval_fn),

@@ -7,10 +7,10 @@ import ast
 import contextlib
 import difflib
 import functools
-import importlib.util
 import json
 import operator
 import re
+import runpy
 import sys
 import traceback
 from collections.abc import Callable, Iterable
@@ -130,18 +130,16 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
         raise ConfigError(f"config file {path} is empty; it must define get_config() returning an "
                           "ml_collections.ConfigDict (start from jdp.configs.base.get_config())")
     _importable(str(path.parent.absolute()))
-    spec = importlib.util.spec_from_file_location(f"jdp_config_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    _run_user_code(lambda: spec.loader.exec_module(module), path)
-    if not hasattr(module, "get_config"):
+    module = _run_user_code(lambda: runpy.run_path(str(path), run_name=f"jdp_config_{path.stem}"), path)
+    if "get_config" not in module:
         raise ConfigError(f"config file {path} defines no get_config(); it must return an ml_collections.ConfigDict")
-    cfg = _run_user_code(module.get_config, path, "get_config()")
+    cfg = _run_user_code(module["get_config"], path, "get_config()")
     if not isinstance(cfg, ml_collections.ConfigDict):
         raise ConfigError(f"config file {path}: get_config() returned a {type(cfg).__name__}; it must return an "
                           "ml_collections.ConfigDict (start from jdp.configs.base.get_config())")
     _fold_model_settings(cfg, f"config file {path}")
     check_fields(cfg, f"config file {path}")
-    if "code_dir" in cfg and not cfg.code_dir:
+    if not cfg.code_dir:
         cfg.code_dir = str(path.parent.absolute())
     return cfg
 

@@ -107,7 +107,7 @@ class Launcher:
                  grace_s: float = 5.0, max_restarts: int = 0, workdir: Path | None = None,
                  out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> None:
         self.command, self.nprocs, self.grace_s = command, nprocs, grace_s
-        self.cpu_devices, self.port, self._fixed_port = cpu_devices, port or free_port(), bool(port)
+        self.cpu_devices, self._given_port = cpu_devices, port
         self.max_restarts, self.workdir = max_restarts, workdir or workdir_of(command)
         self.out, self.err = out, err
         self.children: list[subprocess.Popen] = []
@@ -134,8 +134,7 @@ class Launcher:
         """Starts every child, or says why the command cannot run, returning 127 (not found) or 126 (not executable)."""
         # `failure`: (rank, exit code) of the failure that stops the group; `_kill_at`: when a second signal's SIGKILL
         self.children, self._pumps, self._kill_at, self.failure = [], [], None, None
-        if self.attempt and not self._fixed_port:
-            self.port = free_port()  # the last group's coordinator port may linger
+        self.port = self._given_port or free_port()  # each group a fresh one: the last group's may linger
         for rank in range(self.nprocs):
             env = child_env(dict(os.environ), rank=rank, nprocs=self.nprocs, port=self.port,
                             cpu_devices=self.cpu_devices, restart=self.attempt, failure_file=self._failure_file())

@@ -85,11 +85,8 @@ def _built_on_its_vocabulary(cfg: ml_collections.ConfigDict, workdir: Path) -> E
 def restore_for_inference(workdir: Path, *, reads_data: bool = True) -> tuple[int, Engine, TrainState]:
     """A run's latest checkpoint, with its config, on this machine's devices. Without `reads_data` (a sample, an
     export), a language model whose text has moved or changed is rebuilt from the workdir's vocabulary alone."""
-    saved = workdir / "config.json"
-    if not saved.exists():
-        raise config_lib.ConfigError(f"{saved} not found; pass the --workdir of a jdp.train run")
-    cfg = config_lib.load_saved_config(saved, fix="restore it (config_history.jsonl holds each run segment's "
-                                                   "config): the run is rebuilt from it")
+    cfg = config_lib.load_saved_config(workdir / "config.json", fix="restore it (config_history.jsonl holds each "
+                                       "run segment's config): the run is rebuilt from it")
     cfg.parallel.num_devices = inference_devices(cfg)  # the state is replicated: any count restores it
     try:
         engine = build(cfg, workdir=workdir, inference=True)

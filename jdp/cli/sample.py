@@ -15,12 +15,14 @@ from flax import nnx
 
 from jdp.checkpoint import CheckpointError
 from jdp.cli.config import ArgumentParser, ConfigError
+from jdp.cli.resume import restore_for_inference
 from jdp.data.text import VOCAB_FILE, Vocabulary
 from jdp.errors import DiskError, UsageError
 
 EXIT_OK, EXIT_USAGE, EXIT_DISK = 0, 2, 6
 
 
+@jax.jit
 def _pick(logits_V: jax.Array, key: jax.Array, temperature: jax.Array, top_k: jax.Array,
           vocab_size: jax.Array) -> jax.Array:
     """A token drawn from softmax(logits / temperature) over the `top_k` largest logits of the first `vocab_size`
@@ -47,7 +49,6 @@ class Sampler:
             return logits[0, last], cache
 
         self._window_logits, self._decode = jax.jit(window_logits), jax.jit(decode, donate_argnums=3)
-        self._pick = jax.jit(_pick)
 
     def generate(self, prompt: Sequence[int], num_tokens: int, *, temperature: float = 1.0, top_k: int = 0,
                  seed: int = 0, use_cache: bool = True) -> list[int]:
@@ -70,8 +71,8 @@ class Sampler:
                     logits = self._window_logits(self._state, window, len(context))
             vocab_size = min(self.vocab_size or logits.shape[0], logits.shape[0])
             k = jnp.int32(min(top_k, vocab_size) if top_k > 0 else vocab_size)
-            tokens.append(int(self._pick(logits, jax.random.fold_in(key, i), jnp.float32(temperature), k,
-                                         jnp.int32(vocab_size))))
+            tokens.append(int(_pick(logits, jax.random.fold_in(key, i), jnp.float32(temperature), k,
+                                    jnp.int32(vocab_size))))
         return tokens[len(prompt):]
 
 
@@ -86,8 +87,6 @@ def sample_text(model: nnx.Module, vocab: Vocabulary, prompt: str, num_tokens: i
 def sample_workdir(workdir: Path, prompt: str, num_tokens: int, *, temperature: float, top_k: int,
                    seed: int) -> str:
     """A sample from the latest checkpoint of a `python -m jdp.train` run of a language model."""
-    from jdp.cli.resume import restore_for_inference
-
     vocab_path = workdir / VOCAB_FILE
     if not (workdir / "config.json").exists() and (workdir / "run.json").exists():
         raise ConfigError(f"{workdir} is a jdp.fit run; python -m jdp.sample samples the language-model runs of "
@@ -120,12 +119,9 @@ def main(argv: list[str] | None = None) -> int:
             raise ConfigError("--tokens must be at least 1, --top_k at least 0 and --seed in [0, 4294967295]")
         text = sample_workdir(Path(args.workdir), args.prompt, args.tokens, temperature=args.temperature,
                               top_k=args.top_k, seed=args.seed)
-    except (UsageError, CheckpointError) as e:
-        print(f"jdp: error: {e}", file=sys.stderr)
-        return EXIT_USAGE
-    except DiskError as e:  # a checkpoint that cannot be read for a reason other than its content
-        print(f"jdp: disk: {e}", file=sys.stderr)
-        return EXIT_DISK
+    except (UsageError, CheckpointError, DiskError) as e:  # DiskError: a checkpoint unreadable but for its content
+        print(f"jdp: {'disk' if isinstance(e, DiskError) else 'error'}: {e}", file=sys.stderr)
+        return EXIT_DISK if isinstance(e, DiskError) else EXIT_USAGE
     print(text)
     return EXIT_OK
 

@@ -32,6 +32,12 @@ from jdp.trainer import FitResult
 EXIT_OK, EXIT_UNEXPECTED, EXIT_USAGE, EXIT_NONFINITE, EXIT_REPLICAS_DIFFER, EXIT_DISTRIBUTED, EXIT_DISK = (
     0, 1, 2, 3, 4, 5, 6)
 EXIT_PREEMPTED = preemption.EXIT_PREEMPTED
+_FAILURES = ((distributed_lib.DistributedUsageError, EXIT_USAGE, "distributed"),
+             (config_lib.ConfigError, EXIT_USAGE, "config error"), (CheckpointError, EXIT_USAGE, "checkpoint"),
+             (UsageError, EXIT_USAGE, "error"),
+             (NonFiniteLossError, EXIT_NONFINITE, "halted"), (ReplicaMismatchError, EXIT_REPLICAS_DIFFER, "halted"),
+             (distributed_lib.DistributedFailure, EXIT_DISTRIBUTED, "distributed"), (DiskError, EXIT_DISK, "disk"),
+             (Preempted, EXIT_PREEMPTED, "preempted"))
 
 
 def run(cfg: ml_collections.ConfigDict, workdir: str | Path) -> FitResult:
@@ -152,63 +158,50 @@ def enable_compilation_cache(cache_dir: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     with preemption.ExitOnSignal(), console_may_close():  # the first already in force as python -m jdp.train
-        return _main(argv)
-
-
-def _main(argv: list[str] | None) -> int:
-    failures = [(distributed_lib.DistributedUsageError, EXIT_USAGE, "distributed"),
-                (config_lib.ConfigError, EXIT_USAGE, "config error"), (CheckpointError, EXIT_USAGE, "checkpoint"),
-                (UsageError, EXIT_USAGE, "error"),
-                (NonFiniteLossError, EXIT_NONFINITE, "halted"), (ReplicaMismatchError, EXIT_REPLICAS_DIFFER, "halted"),
-                (distributed_lib.DistributedFailure, EXIT_DISTRIBUTED, "distributed"), (DiskError, EXIT_DISK, "disk"),
-                (Preempted, EXIT_PREEMPTED, "preempted")]
-    argv = sys.argv[1:] if argv is None else argv
-    command = None
-    try:
-        check_environment()  # python -m jdp.train checked it before importing JAX; before any backend starts here
-        command = parse_command_line(argv)
-        cfg = command.cfg
-        job = distributed_lib.resolve(**distributed_lib.flags_from_argv(argv))  # checked before anything waits
-        apply_communication_flags(cfg.parallel)  # before JAX initialises its backends
-        simulate_cpu_devices(cfg.parallel.cpu_devices)  # before initialize, which fixes the device count
-        if job is not None:
-            distributed_lib.initialize(job, init_timeout_s=cfg.distributed.init_timeout_s,
-                                       heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s,
-                                       bind_address=cfg.distributed.bind_address)
-            distributed_lib.check_same_run(distributed_lib.run_settings(cfg.to_dict(), command.workdir),
-                                           timeout_s=cfg.distributed.init_timeout_s)
-        enable_compilation_cache(cfg.compile_cache_dir)
-        if command.eval_only:
-            evaluate_checkpoint(command.workdir)
-        else:
-            run(cfg, command.workdir)
-    except tuple(error for error, _, _ in failures) as e:
-        code, label = next((code, label) for error, code, label in failures if isinstance(e, error))
-        print(f"jdp: {label}: {e}", file=sys.stderr)
-        # A halt and a preemption are agreed by every process, whose normal exits meet in JAX's shutdown barrier;
-        # any other error may be this process's alone, its peers blocked in a collective with it.
-        return code if code in (EXIT_NONFINITE, EXIT_PREEMPTED) else _exit_now(code)
-    except jax.errors.JaxRuntimeError as e:  # a collective or barrier whose peer is gone
-        if not distributed_lib.is_peer_failure(e):
-            traceback.print_exc()
-            return _exit_now(EXIT_UNEXPECTED)
-        print(f"jdp: distributed: process {jax.process_index()} of {jax.process_count()} stopped: another process "
-              f"or the coordinator failed ({one_line(e, typed=False)})", file=sys.stderr)
-        return _exit_now(EXIT_DISTRIBUTED)
-    except Exception as e:  # noqa: BLE001 - a full disk or an I/O error outside the training loop, or a bug
-        failure = storage.disk_failure(e)
-        if failure is None:  # a bug: its traceback
-            traceback.print_exc()
-            return _exit_now(EXIT_UNEXPECTED)
-        # Without a path in the error (os.write on a descriptor, say), the workdir is where this run writes.
-        where = command.workdir if command is not None else Path.cwd()
-        fix = f"{storage.remedy(failure[0])} and rerun"
-        if command is not None and command.eval_only and failure[0] == errno.EROFS:
-            fix = ("--eval_only appends its eval line to the workdir's metrics.jsonl: make the filesystem writable, "
-                   "or rerun on a copy of the workdir")
-        print(f"jdp: disk: {storage.describe(failure, where)}; {fix}", file=sys.stderr)
-        return _exit_now(EXIT_DISK)
-    return EXIT_OK
+        argv = sys.argv[1:] if argv is None else argv
+        command = None
+        try:
+            check_environment()  # python -m jdp.train checked it before importing JAX; before any backend starts here
+            command = parse_command_line(argv)
+            cfg = command.cfg
+            job = distributed_lib.resolve(**distributed_lib.flags_from_argv(argv))  # checked before anything waits
+            apply_communication_flags(cfg.parallel)  # before JAX initialises its backends
+            simulate_cpu_devices(cfg.parallel.cpu_devices)  # before initialize, which fixes the device count
+            if job is not None:
+                distributed_lib.initialize(job, init_timeout_s=cfg.distributed.init_timeout_s,
+                                           heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s,
+                                           bind_address=cfg.distributed.bind_address)
+                distributed_lib.check_same_run(distributed_lib.run_settings(cfg.to_dict(), command.workdir),
+                                               timeout_s=cfg.distributed.init_timeout_s)
+            enable_compilation_cache(cfg.compile_cache_dir)
+            if command.eval_only:
+                evaluate_checkpoint(command.workdir)
+            else:
+                run(cfg, command.workdir)
+        except tuple(error for error, _, _ in _FAILURES) as e:
+            code, label = next((code, label) for error, code, label in _FAILURES if isinstance(e, error))
+            print(f"jdp: {label}: {e}", file=sys.stderr)
+            # A halt and a preemption are agreed by every process, whose normal exits meet in JAX's shutdown barrier;
+            # any other error may be this process's alone, its peers blocked in a collective with it.
+            return code if code in (EXIT_NONFINITE, EXIT_PREEMPTED) else _exit_now(code)
+        except Exception as e:  # noqa: BLE001 - a peer gone, a full disk or I/O error outside the training, a bug
+            if isinstance(e, jax.errors.JaxRuntimeError) and distributed_lib.is_peer_failure(e):  # in a collective
+                print(f"jdp: distributed: process {jax.process_index()} of {jax.process_count()} stopped: another "
+                      f"process or the coordinator failed ({one_line(e, typed=False)})", file=sys.stderr)
+                return _exit_now(EXIT_DISTRIBUTED)
+            failure = storage.disk_failure(e)
+            if failure is None:  # a bug: its traceback
+                traceback.print_exc()
+                return _exit_now(EXIT_UNEXPECTED)
+            # Without a path in the error (os.write on a descriptor, say), the workdir is where this run writes.
+            where = command.workdir if command is not None else Path.cwd()
+            fix = f"{storage.remedy(failure[0])} and rerun"
+            if command is not None and command.eval_only and failure[0] == errno.EROFS:
+                fix = ("--eval_only appends its eval line to the workdir's metrics.jsonl: make the filesystem "
+                       "writable, or rerun on a copy of the workdir")
+            print(f"jdp: disk: {storage.describe(failure, where)}; {fix}", file=sys.stderr)
+            return _exit_now(EXIT_DISK)
+        return EXIT_OK
 
 
 def _exit_now(code: int) -> int:
