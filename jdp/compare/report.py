@@ -46,14 +46,6 @@ class Parity:
                 f"{self.first_step:.1e} (tolerance {t.step1:.0e}): {'PASS' if self.passed else 'FAIL'}")
 
 
-@dataclasses.dataclass
-class Speed:
-    name: str
-    rows: list[dict]  # per run kind, medians over repeats
-    runs: list[dict]  # every run
-    meta: dict
-
-
 def machine_info() -> dict:
     """CPU model, cores, memory and library versions of this machine (read without importing torch or jax)."""
     from importlib.metadata import distributions
@@ -133,8 +125,9 @@ def plot_parity(p: Parity, path: Path) -> None:
     plt.close(fig)
 
 
-def write_speed(s: Speed, workdir: Path) -> None:
-    m = s.meta
+def write_speed(s: dict, workdir: Path) -> None:
+    """speed.md, .json and .png of `s`: its name, rows (per run kind, medians), runs (every run) and meta."""
+    m = s["meta"]
     info = machine_info()
     tokens = m.get("tokens_per_example", 0)  # language models: tokens/s beside examples/s
     threads = m.get("torch_threads", 1)  # the DDP ranks' torch threads on a CPU (reports before the option: 1)
@@ -146,7 +139,7 @@ def write_speed(s: Speed, workdir: Path) -> None:
         *(f"| {row['run']} | {row['examples_per_sec']:,.0f} | "
           + (f"{row['tokens_per_sec']:,.0f} | " if tokens else "") + f"{row['ratio_vs_ddp']:.2f}x | "
           f"{row['step_time_ms']:.1f} | {row['time_to_first_step_s']:.1f} | "
-          f"{row['peak_rss_mib_per_worker']:,.0f} | {row['peak_rss_mib_total']:,.0f} |" for row in s.rows)]
+          f"{row['peak_rss_mib_per_worker']:,.0f} | {row['peak_rss_mib_total']:,.0f} |" for row in s["rows"])]
     notes = [
         "- examples/s: steady state, leaving out the first step (jdp: the summary line's `examples_per_sec`; "
         "DDP: rank 0's wall time from the end of step 1 to the end of the last step). Step time = global "
@@ -162,7 +155,7 @@ def write_speed(s: Speed, workdir: Path) -> None:
         f"- per-run figures: speed.json. Command: `{m['command']}`",
     ]
     paragraphs = [  # separated by blank lines
-        f"# Speed: jdp vs PyTorch DDP, {s.name}",
+        f"# Speed: jdp vs PyTorch DDP, {s['name']}",
         f"{m['model']}, global batch {m['global_batch_size']}, {m['steps']} steps per run, {m['repeats']} "
         f"interleaved repeats (medians shown); float32 on {m['device']}. DDP: {m['workers']} rank(s)"
         f"{threads_each}; jdp: one process, {m.get('jdp_devices', m['workers'])} device(s).",
@@ -175,21 +168,21 @@ def write_speed(s: Speed, workdir: Path) -> None:
         "![throughput](speed.png)",
     ]
     (workdir / "speed.md").write_text("\n\n".join(paragraphs) + "\n")
-    (workdir / "speed.json").write_text(json.dumps({**dataclasses.asdict(s), "machine": info}, indent=1))
+    (workdir / "speed.json").write_text(json.dumps({**s, "machine": info}, indent=1))
     plot_speed(s, workdir / "speed.png")
 
 
-def plot_speed(s: Speed, path: Path) -> None:
-    names = [row["run"] for row in s.rows]
+def plot_speed(s: dict, path: Path) -> None:
+    names = [row["run"] for row in s["rows"]]
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), layout="tight")
     colors = ["#444444" if n == "ddp" else "#1f77b4" for n in names]
-    left.bar(names, [row["examples_per_sec"] for row in s.rows], color=colors, alpha=0.8)
+    left.bar(names, [row["examples_per_sec"] for row in s["rows"]], color=colors, alpha=0.8)
     for i, name in enumerate(names):
-        runs = [r["examples_per_sec"] for r in s.runs if r["run"] == name]
+        runs = [r["examples_per_sec"] for r in s["runs"] if r["run"] == name]
         left.plot([i] * len(runs), runs, "k.", ms=5)
     left.set(ylabel="examples / s (steady state)",
-             title=f"{s.name}: {s.meta['workers']} workers, batch {s.meta['global_batch_size']}")
-    right.bar(names, [row["time_to_first_step_s"] for row in s.rows], color=colors, alpha=0.8)
+             title=f"{s['name']}: {s['meta']['workers']} workers, batch {s['meta']['global_batch_size']}")
+    right.bar(names, [row["time_to_first_step_s"] for row in s["rows"]], color=colors, alpha=0.8)
     right.set(ylabel="time to first step (s)", title="start-up + compile")
     fig.savefig(path, dpi=110)
     plt.close(fig)

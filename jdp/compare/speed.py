@@ -14,7 +14,7 @@ from pathlib import Path
 from jdp.cli import config as config_lib
 from jdp.compare import procs
 from jdp.compare.parity import both_sides, run_ddp
-from jdp.compare.report import Speed, write_speed
+from jdp.compare.report import write_speed
 from jdp.data.text import is_text
 from jdp.metrics import read_metrics
 from jdp.parallel import BACKENDS
@@ -53,7 +53,7 @@ def _run_ddp(cfg, run_dir: Path, workdir: Path, workers: int, timeout_s: float, 
 def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = None, repeats: int = 3,
           backends: tuple[str, ...] = tuple(BACKENDS), timeout_s: float = 600, compile_cache: bool = False,
           device: str = "cpu", command: str = "", torch_compile: bool = False, torch_threads: int = 1,
-          jdp_devices: int | None = None) -> Speed:
+          jdp_devices: int | None = None) -> dict:
     """Runs everything into `workdir`; writes speed.md, speed.json and speed.png. On cuda with bf16 the twin runs
     under autocast; on a CPU jdp simulates `jdp_devices` devices (default `workers`) in its one process."""
     if unknown := set(backends) - set(BACKENDS):
@@ -109,13 +109,13 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
             "repeats": repeats, "global_batch_size": batch, "tokens_per_example": tokens, "device": device,
             "compile_cache": compile_cache, "precision": cfg.precision, "torch_compile": torch_compile,
             "command": command}
-    result = Speed(name, rows, [{k: v for k, v in r.items() if k != "losses"} | {"final_loss": r["losses"][-1]}
-                                for r in runs], meta)
+    result = {"name": name, "rows": rows, "runs": [{k: v for k, v in r.items() if k != "losses"}
+                                                   | {"final_loss": r["losses"][-1]} for r in runs], "meta": meta}
     write_speed(result, workdir)
     return result
 
 
-def report_workdir(workdir: Path) -> None:
-    """Writes the report of the speed.json a run left in `workdir` again."""
-    stored = json.loads((Path(workdir) / "speed.json").read_text())
-    write_speed(Speed(stored["name"], stored["rows"], stored["runs"], stored["meta"]), Path(workdir))
+def report_workdir(workdir: Path) -> dict:
+    """Writes the report of the speed.json a run left in `workdir` again; returns it."""
+    write_speed(stored := json.loads((Path(workdir) / "speed.json").read_text()), Path(workdir))
+    return stored

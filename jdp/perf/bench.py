@@ -247,10 +247,10 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(RuntimeError):  # called from Python after JAX started: the devices are fixed
             simulate_cpu_devices(cfg.parallel.cpu_devices or max(args.devices))  # a CPU-only machine's
         enable_compilation_cache(cfg.compile_cache_dir)
-        if args.compile_only and cfg.parallel.backend == "pmap":
-            raise config_lib.ConfigError("--compile_only compiles the shard_map or jit step; use "
-                                         "--config.parallel.backend=shard_map")
         if args.compile_only:  # by default every remat setting of a model that takes one (the GPT, the ResNet)
+            if cfg.parallel.backend == "pmap":
+                raise config_lib.ConfigError("--compile_only compiles the shard_map or jit step; use "
+                                             "--config.parallel.backend=shard_map")
             remats = REMAT_POLICIES if "remat" in settings(cfg.model.name, cfg.model.kwargs.to_dict()) else ("",)
             rows = [{**compiled_memory(cfg, n, sharding, remat), "remat": remat or "-"}
                     for n in args.devices for sharding in SHARDINGS
