@@ -1,10 +1,8 @@
-"""The PyTorch DDP side: `python -m jdp.compare.ddp SPEC.json` spawns `workers` ranks (gloo over loopback on CPU,
-NCCL with one GPU per rank on CUDA), each training the config's twin under DDP on the rows of each global batch
-jdp's device `rank` gets, BatchNorm running statistics averaged after each step as jdp's step averages them.
-
-SPEC (`parity.run_ddp`): config (a jdp config.json), workers, steps, init (.npz), lrs (per step), out, mode
-("parity" adds the all-reduced loss, gradient norm, eval and final weights; "speed"), launch_time, device, threads,
-timeout_s, compile (torch.compile), autocast (bf16, nanoGPT's GPU recipe). Rank 0 writes OUT/ddp_result.json.
+"""The PyTorch DDP side: `python -m jdp.compare.ddp SPEC.json` (written by `parity.run_ddp`) spawns `workers` ranks
+(gloo over loopback on CPU, NCCL with one GPU per rank on CUDA), each training the config's twin under DDP on the
+rows of each global batch jdp's device `rank` gets, BatchNorm running statistics averaged after each step as jdp's
+step averages them. Rank 0 writes OUT/ddp_result.json; mode "parity" adds the all-reduced loss, gradient norm, eval
+and final weights.
 """
 
 from __future__ import annotations
@@ -80,7 +78,6 @@ def _evaluate(model: torch.nn.Module, cfg, device: torch.device) -> tuple[float,
             loss_sum += float((_cross_entropy(logits, y, reduction="none") * mask.flatten()).sum())
             correct += float(((logits.argmax(-1) == y).float() * mask).sum())
             count += float(mask.sum())
-    model.train()
     return loss_sum / count, correct / count
 
 
@@ -158,8 +155,7 @@ def train(rank: int, spec: dict) -> dict:
         if clip > 0:
             _clip_like_optax(grads, clip)
         optimizer.step()
-        with torch.no_grad():
-            torch_models.average_bn_buffers(bn_stats, world)
+        torch_models.average_bn_buffers(bn_stats, world)
         loss = loss.detach()
         if parity:
             dist.all_reduce(loss)
@@ -173,19 +169,15 @@ def train(rank: int, spec: dict) -> dict:
         torch.cuda.synchronize(device)
     t_end = time.time()
 
-    result = {"losses": [float(loss) for loss in losses], "grad_norms": grad_norms, "world": world,
-              "backend": dist.get_backend(),
+    result = {"losses": [float(loss) for loss in losses], "grad_norms": grad_norms, "backend": dist.get_backend(),
               "time_to_first_step_s": t_first - spec["launch_time"],
               "examples_per_sec": batch_size * (steps - 1) / (t_end - t_first) if steps > 1 else float("nan"),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "comm_bytes_per_step": comm_bytes}
     if parity and rank == 0:
         result["eval_loss"], result["eval_accuracy"] = _evaluate(model, cfg, device)
         np.savez(Path(spec["out"]) / "ddp_final.npz", **weights.torch_to_flat(model.state_dict(), model))
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    if device.type == "cuda":
-        result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, rss_kib)
+    dist.all_gather_object(gathered, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
     result["peak_rss_mib_per_worker"] = [r / 1024 for r in gathered]
     return result
 

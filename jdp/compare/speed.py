@@ -33,7 +33,7 @@ def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: 
     return {"examples_per_sec": summary["examples_per_sec"], "compile_time_s": summary["compile_time_s"],
             "time_to_first_step_s": summary["first_step_end_unix"] - finished.launch_time,
             "peak_rss_mib_per_worker": finished.peak_rss_mib, "peak_rss_mib_total": finished.peak_rss_mib,
-            "losses": [r["loss"] for r in lines if r["split"] == "train"], "wall_s": finished.seconds}
+            "final_loss": [r["loss"] for r in lines if r["split"] == "train"][-1], "wall_s": finished.seconds}
 
 
 def _run_ddp(cfg, run_dir: Path, workdir: Path, workers: int, timeout_s: float, device: str,
@@ -47,7 +47,7 @@ def _run_ddp(cfg, run_dir: Path, workdir: Path, workers: int, timeout_s: float, 
     return {"examples_per_sec": result["examples_per_sec"],
             "time_to_first_step_s": result["time_to_first_step_s"],
             "peak_rss_mib_per_worker": max(rss), "peak_rss_mib_total": sum(rss) + finished.peak_rss_mib,
-            "losses": result["losses"], "wall_s": finished.seconds, "torch_threads": result["threads"]}
+            "final_loss": result["losses"][-1], "wall_s": finished.seconds, "torch_threads": result["threads"]}
 
 
 def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = None, repeats: int = 3,
@@ -109,8 +109,7 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
             "repeats": repeats, "global_batch_size": batch, "tokens_per_example": tokens, "device": device,
             "compile_cache": compile_cache, "precision": cfg.precision, "torch_compile": torch_compile,
             "command": command}
-    result = {"name": name, "rows": rows, "runs": [{k: v for k, v in r.items() if k != "losses"}
-                                                   | {"final_loss": r["losses"][-1]} for r in runs], "meta": meta}
+    result = {"name": name, "rows": rows, "runs": runs, "meta": meta}
     write_speed(result, workdir)
     return result
 
