@@ -114,7 +114,7 @@ def train(rank: int, spec: dict) -> dict:
     from jdp.data import build_source
 
     cfg = config_lib.load_saved_config(Path(spec["config"]))
-    world, steps, parity = spec["workers"], spec["steps"], spec["mode"] == "parity"
+    world, steps, parity = spec["workers"], cfg.train.steps, spec["mode"] == "parity"
     device = torch.device(f"cuda:{rank}" if spec["device"] == "cuda" else "cpu")
     batch_size = cfg.train.global_batch_size
     source = build_source(cfg.data, seed=cfg.seed, global_batch_size=batch_size,
@@ -126,7 +126,7 @@ def train(rank: int, spec: dict) -> dict:
         model.load_state_dict(weights.flat_to_torch(dict(init), model), strict=True)
     model.to(device)
     compiled = torch.compile(model) if spec.get("compile") else model  # the same parameters
-    autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bool(spec.get("autocast")))
+    autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
     with warnings.catch_warnings():  # broadcast_buffers=True: rank 0's BatchNorm statistics on every rank at each step
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)  # torch 2.13 on
         ddp = DDP(compiled, device_ids=[rank] if device.type == "cuda" else None, broadcast_buffers=False)

@@ -114,7 +114,7 @@ def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance
     jdp_run = procs.run(["-m", "jdp.compare.jdp_side", "parity", str(workdir / "config.json"), str(workdir)],
                         "the jdp side", log=workdir / "logs" / "jdp.log", timeout_s=timeout_s)
     ddp_run = run_ddp(workdir, workdir, workdir / "logs" / "ddp.log", "the DDP side", timeout_s, mode="parity",
-                      workers=workers, steps=steps, device=device, threads=1)
+                      workers=workers, device=device, threads=1)
     (workdir / "sides.json").write_text(json.dumps({"name": name, "workers": workers, "device": device,
                                                     "jdp_seconds": jdp_run.seconds, "ddp_seconds": ddp_run.seconds}))
     return report_workdir(workdir, tolerance)

@@ -50,16 +50,14 @@ def machine_info() -> dict:
     """CPU model, cores, memory and library versions of this machine (read without importing torch or jax)."""
     from importlib.metadata import distributions
 
-    def proc(path: str, key: str) -> str:  # the value on the first line of a /proc file that starts with `key`
-        with contextlib.suppress(OSError), open(path) as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), "")
-        return ""
-
+    cpu = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     versions = {package: next((d.version for d in distributions(name=package)), "not installed")
                 for package in ("jax", "flax", "optax", "torch")}
-    return {"cpu": proc("/proc/cpuinfo", "model name") or platform.processor() or "unknown CPU",
+    return {"cpu": cpu or platform.processor() or "unknown CPU",
             "cores": len(os.sched_getaffinity(0)),
-            "memory_gib": round(int(proc("/proc/meminfo", "MemTotal").split(" ")[0] or 0) / 2**20, 1),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "python": platform.python_version(), "os": f"{platform.system()} {platform.release()}", **versions}
 
 

@@ -40,8 +40,7 @@ def _run_ddp(cfg, run_dir: Path, workdir: Path, workers: int, timeout_s: float, 
              torch_compile: bool = False, threads: int = 1) -> dict:
     config_lib.save_config(cfg, run_dir / "config.json")
     finished = run_ddp(run_dir, workdir, run_dir / "log.txt", "DDP", timeout_s, mode="speed", workers=workers,
-                       steps=cfg.train.steps, device=device, threads=threads, compile=torch_compile,
-                       autocast=cfg.precision == "bf16")
+                       device=device, threads=threads, compile=torch_compile)
     result = json.loads((run_dir / "ddp_result.json").read_text())
     rss = result["peak_rss_mib_per_worker"]
     return {"examples_per_sec": result["examples_per_sec"],
