@@ -67,7 +67,7 @@ def _evaluate(model: torch.nn.Module, cfg, device: torch.device) -> tuple[float,
     from jdp.data import build_source
 
     source = build_source(cfg.data, seed=cfg.seed, global_batch_size=cfg.train.global_batch_size,
-                          eval_batch_size=cfg.train.eval_batch_size or cfg.train.global_batch_size)
+                          eval_batch_size=cfg.train.eval_batch_size)  # 0: the global batch size, as in jdp
     model.eval()
     loss_sum = correct = count = 0.0
     with torch.no_grad():
@@ -118,8 +118,7 @@ def train(rank: int, spec: dict) -> dict:
     device = torch.device(f"cuda:{rank}" if spec["device"] == "cuda" else "cpu")
     batch_size = cfg.train.global_batch_size
     source = build_source(cfg.data, seed=cfg.seed, global_batch_size=batch_size,
-                          eval_batch_size=cfg.train.eval_batch_size or batch_size, process_index=rank,
-                          process_count=world)
+                          eval_batch_size=cfg.train.eval_batch_size, process_index=rank, process_count=world)
     model = torch_models.build_twin(cfg.model, source.input_shape, cfg.data.num_classes or source.num_classes,
                                     sync_bn=cfg.model.bn_sync and world > 1)
     with np.load(spec["init"]) as init:

@@ -13,8 +13,7 @@ import numpy as np
 
 
 def write_init(cfg, out: Path) -> None:
-    """OUT/init.npz (jdp.export key names) and OUT/lrs.json (every step's learning rate, for the DDP side), built
-    on one device."""
+    """OUT/init.npz (jdp.export's keys) and OUT/lrs.json (each step's learning rate, for the DDP side) on one device."""
     from jdp.cli.build import build
     from jdp.cli.optim import learning_rate
     from jdp.params_file import flatten

@@ -19,15 +19,14 @@ from jdp.data.text import is_text
 from jdp.metrics import read_metrics
 from jdp.parallel import BACKENDS
 
-_CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
-
 
 def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: bool) -> dict:
     cfg = copy.deepcopy(cfg)
     cfg.parallel.backend = backend
     config_lib.save_config(cfg, run_dir / "config.json")  # `--workdir` without `--config` trains this config
+    cache_env = () if compile_cache else ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
     finished = procs.run(["-m", "jdp.train", "--workdir", str(run_dir)], f"jdp ({backend})", log=run_dir / "log.txt",
-                         timeout_s=timeout_s, env=procs.child_env(drop=() if compile_cache else _CACHE_ENV))
+                         timeout_s=timeout_s, env=procs.child_env(drop=cache_env))
     lines = read_metrics(run_dir)
     summary = next(r for r in lines if r["split"] == "summary")
     return {"examples_per_sec": summary["examples_per_sec"], "compile_time_s": summary["compile_time_s"],
