@@ -23,7 +23,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from jdp.cli import config as config_lib
 from jdp.compare import torch_models, weights
+from jdp.data import build_source
 from jdp.sync.base import DDPTwin
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adamw")
@@ -64,8 +66,6 @@ def _cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean
 
 def _evaluate(model: torch.nn.Module, cfg, device: torch.device) -> tuple[float, float]:
     """Loss and accuracy over the whole eval split, as jdp's evaluate (padded rows masked)."""
-    from jdp.data import build_source
-
     source = build_source(cfg.data, seed=cfg.seed, global_batch_size=cfg.train.global_batch_size,
                           eval_batch_size=cfg.train.eval_batch_size)  # 0: the global batch size, as in jdp
     model.eval()
@@ -83,8 +83,6 @@ def _evaluate(model: torch.nn.Module, cfg, device: torch.device) -> tuple[float,
 
 def ddp_twin(cfg) -> DDPTwin:
     """How DDP computes what the config's sync strategy computes; ValueError in one line where it cannot."""
-    from jdp.cli import config as config_lib
-
     strategy = config_lib.sync_strategy(config_lib.fit_values(cfg))[0]
     twin = strategy.ddp_twin()
     if twin is None:
@@ -110,9 +108,6 @@ def _low_rank(ddp: DDP, settings: dict, seed: int) -> float:
 
 
 def train(rank: int, spec: dict) -> dict:
-    from jdp.cli import config as config_lib
-    from jdp.data import build_source
-
     cfg = config_lib.load_saved_config(Path(spec["config"]))
     world, steps, parity = spec["workers"], cfg.train.steps, spec["mode"] == "parity"
     device = torch.device(f"cuda:{rank}" if spec["device"] == "cuda" else "cpu")

@@ -112,10 +112,9 @@ def plot_parity(p: Parity, path: Path) -> None:
     top.plot(steps, [r["loss_ddp"] for r in p.steps], label="PyTorch DDP", lw=1, ls="--", color="k")
     top.set(ylabel="train loss", title=f"{p.name}: {p.meta['workers']} workers, {p.meta['optimizer']}")
     top.legend()
-    floor = 1e-10  # identical values plot at the floor
     for key, what, bound, color in (("loss_rel", "loss", p.tolerance.loss, "C0"),
-                                    ("grad_rel", "gradient norm", p.tolerance.grad_norm, "C1")):
-        bottom.semilogy(steps, [max(r[key], floor) for r in p.steps], ".-", color=color, label=what)
+                                    ("grad_rel", "gradient norm", p.tolerance.grad_norm, "C1")):  # 0 drawn at 1e-10
+        bottom.semilogy(steps, [max(r[key], 1e-10) for r in p.steps], ".-", color=color, label=what)
         bottom.axhline(bound, color=color, lw=1, ls=":", label=f"{what} tolerance {bound:.0e}")
     bottom.set(ylabel="|jdp - DDP| / |jdp|", xlabel="step")
     bottom.legend(fontsize=8)
