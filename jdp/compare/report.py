@@ -1,4 +1,4 @@
-"""Markdown tables, JSON/CSV and PNG plots (matplotlib, Agg) for the parity and speed commands."""
+"""Markdown tables, JSON/CSV and PNG plots (matplotlib) for the parity and speed commands."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ import os
 import platform
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; no display needed
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # files only: no pyplot, no display
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +104,8 @@ def write_parity(p: Parity, workdir: Path) -> None:
 
 def plot_parity(p: Parity, path: Path) -> None:
     steps = [r["step"] for r in p.steps]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2), layout="tight")
+    fig = Figure(figsize=(7, 6), layout="tight")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     top.plot(steps, [r["loss_jdp"] for r in p.steps], label=f"jdp ({p.meta['jdp_backend']})", lw=2.5, alpha=0.6)
     top.plot(steps, [r["loss_ddp"] for r in p.steps], label="PyTorch DDP", lw=1, ls="--", color="k")
     top.set(ylabel="train loss", title=f"{p.name}: {p.meta['workers']} workers, {p.meta['optimizer']}")
@@ -119,7 +117,6 @@ def plot_parity(p: Parity, path: Path) -> None:
     bottom.set(ylabel="|jdp - DDP| / |jdp|", xlabel="step")
     bottom.legend(fontsize=8)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
 def write_speed(s: dict, workdir: Path) -> None:
@@ -171,7 +168,8 @@ def write_speed(s: dict, workdir: Path) -> None:
 
 def plot_speed(s: dict, path: Path) -> None:
     names = [row["run"] for row in s["rows"]]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), layout="tight")
+    fig = Figure(figsize=(10, 4), layout="tight")
+    left, right = fig.subplots(1, 2)
     colors = ["#444444" if n == "ddp" else "#1f77b4" for n in names]
     left.bar(names, [row["examples_per_sec"] for row in s["rows"]], color=colors, alpha=0.8)
     for i, name in enumerate(names):
@@ -182,4 +180,3 @@ def plot_speed(s: dict, path: Path) -> None:
     right.bar(names, [row["time_to_first_step_s"] for row in s["rows"]], color=colors, alpha=0.8)
     right.set(ylabel="time to first step (s)", title="start-up + compile")
     fig.savefig(path, dpi=110)
-    plt.close(fig)
