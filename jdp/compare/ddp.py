@@ -133,6 +133,11 @@ def train(rank: int, spec: dict) -> dict:
     lrs, clip = spec["lrs"], cfg.optim.grad_clip_norm
     losses, grad_norms = [], []
 
+    def now() -> float:  # once the device's queued work is done
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.time()
+
     for step in range(steps):
         rows = source.train_batch(step)
         x = torch_models.prepare_input(model, rows["x"]).to(device, non_blocking=True)
@@ -156,16 +161,11 @@ def train(rank: int, spec: dict) -> dict:
             loss /= world
         losses.append(loss)  # rank-local in speed mode; read after the loop, so no step waits on it
         if step == 0:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t_first = time.time()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t_end = time.time()
+            t_first = now()
 
-    result = {"losses": [float(loss) for loss in losses], "grad_norms": grad_norms, "backend": dist.get_backend(),
+    result = {"examples_per_sec": batch_size * (steps - 1) / (now() - t_first) if steps > 1 else float("nan"),
+              "losses": [float(loss) for loss in losses], "grad_norms": grad_norms, "backend": dist.get_backend(),
               "time_to_first_step_s": t_first - spec["launch_time"],
-              "examples_per_sec": batch_size * (steps - 1) / (t_end - t_first) if steps > 1 else float("nan"),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "comm_bytes_per_step": comm_bytes}
     if parity and rank == 0:
         result["eval_loss"], result["eval_accuracy"] = _evaluate(model, cfg, device)
