@@ -71,37 +71,29 @@ def main(argv: list[str] | None = None) -> int:
         cfg = config_lib.apply_overrides(config_lib.load_config_file(path), overrides)
         config_lib.check_ranges(cfg)  # here, in one line, rather than in a side's traceback
         name = path.stem
-        command = "python -m jdp.compare " + " ".join(shlex.quote(a) for a in argv)
+        workdir = args.workdir or Path("runs") / f"compare-{name}{'-speed' if args.command == 'speed' else ''}"
         if args.command == "parity":
             from jdp.compare.parity import parity, report_workdir
 
-            workdir = args.workdir or Path("runs") / f"compare-{name}"
             chosen = {"loss": args.tolerance, "grad_norm": args.grad_tolerance, "step1": args.step1_tolerance}
             tolerance = {k: v for k, v in chosen.items() if v is not None}
-            if args.report_only:
-                result = report_workdir(workdir, tolerance)
-            else:
-                result = parity(cfg, name=name, workers=args.workers, steps=args.steps, workdir=workdir,
-                                tolerance=tolerance, timeout_s=args.timeout, device=args.device)
+            result = report_workdir(workdir, tolerance) if args.report_only else parity(
+                cfg, name=name, workers=args.workers, steps=args.steps, workdir=workdir, tolerance=tolerance,
+                timeout_s=args.timeout, device=args.device)
             print(f"report: {workdir / 'parity.md'}")
             print(result.last_line())
             return EXIT_OK if result.passed else EXIT_OUTSIDE_TOLERANCE
         from jdp.compare import speed as speed_lib
 
-        workdir = args.workdir or Path("runs") / f"compare-{name}-speed"
-        if args.report_only:
-            speed_lib.report_workdir(workdir)
-            print(f"report: {workdir / 'speed.md'}")
-            return EXIT_OK
-        result = speed_lib.speed(cfg, name=name, workers=args.workers, workdir=workdir, steps=args.steps,
-                                 repeats=args.repeats, backends=args.backends, timeout_s=args.timeout,
-                                 compile_cache=args.compile_cache, device=args.device, command=command,
-                                 torch_compile=args.torch_compile, torch_threads=args.torch_threads,
-                                 jdp_devices=args.jdp_devices)
+        result = speed_lib.report_workdir(workdir) if args.report_only else speed_lib.speed(
+            cfg, name=name, workers=args.workers, workdir=workdir, steps=args.steps, repeats=args.repeats,
+            backends=args.backends, timeout_s=args.timeout, compile_cache=args.compile_cache, device=args.device,
+            command="python -m jdp.compare " + shlex.join(argv), torch_compile=args.torch_compile,
+            torch_threads=args.torch_threads, jdp_devices=args.jdp_devices)
         print(f"report: {workdir / 'speed.md'}")
-        ddp = next(r for r in result.rows if r["run"] == "ddp")
+        ddp = next(r for r in result["rows"] if r["run"] == "ddp")
         print("; ".join(f"{r['run']} {r['examples_per_sec']:,.0f} ex/s ({r['ratio_vs_ddp']:.2f}x)"
-                        for r in result.rows if r is not ddp) + f"; ddp {ddp['examples_per_sec']:,.0f} ex/s")
+                        for r in result["rows"] if r is not ddp) + f"; ddp {ddp['examples_per_sec']:,.0f} ex/s")
         return EXIT_OK
     except (config_lib.ConfigError, ValueError, SideFailed) as e:
         print(f"jdp.compare: {e}", file=sys.stderr)

@@ -1,10 +1,8 @@
-"""The PyTorch DDP side: `python -m jdp.compare.ddp SPEC.json` spawns `workers` ranks (gloo over loopback on CPU,
-NCCL with one GPU per rank on CUDA), each training the config's twin under DDP on the rows of each global batch
-jdp's device `rank` gets, BatchNorm running statistics averaged after each step as jdp's step averages them.
-
-SPEC (`parity.run_ddp`): config (a jdp config.json), workers, steps, init (.npz), lrs (per step), out, mode
-("parity" adds the all-reduced loss, gradient norm, eval and final weights; "speed"), launch_time, device, threads,
-timeout_s, compile (torch.compile), autocast (bf16, nanoGPT's GPU recipe). Rank 0 writes OUT/ddp_result.json.
+"""The PyTorch DDP side: `python -m jdp.compare.ddp SPEC.json` (written by `parity.run_ddp`) spawns `workers` ranks
+(gloo over loopback on CPU, NCCL with one GPU per rank on CUDA), each training the config's twin under DDP on the
+rows of each global batch jdp's device `rank` gets, BatchNorm running statistics averaged after each step as jdp's
+step averages them. Rank 0 writes OUT/ddp_result.json; mode "parity" adds the all-reduced loss, gradient norm, eval
+and final weights.
 """
 
 from __future__ import annotations
@@ -25,7 +23,9 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from jdp.cli import config as config_lib
 from jdp.compare import torch_models, weights
+from jdp.data import build_source
 from jdp.sync.base import DDPTwin
 
 OPTIMIZERS = ("sgd", "momentum", "nesterov", "adamw")
@@ -66,10 +66,8 @@ def _cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean
 
 def _evaluate(model: torch.nn.Module, cfg, device: torch.device) -> tuple[float, float]:
     """Loss and accuracy over the whole eval split, as jdp's evaluate (padded rows masked)."""
-    from jdp.data import build_source
-
     source = build_source(cfg.data, seed=cfg.seed, global_batch_size=cfg.train.global_batch_size,
-                          eval_batch_size=cfg.train.eval_batch_size or cfg.train.global_batch_size)
+                          eval_batch_size=cfg.train.eval_batch_size)  # 0: the global batch size, as in jdp
     model.eval()
     loss_sum = correct = count = 0.0
     with torch.no_grad():
@@ -80,14 +78,11 @@ def _evaluate(model: torch.nn.Module, cfg, device: torch.device) -> tuple[float,
             loss_sum += float((_cross_entropy(logits, y, reduction="none") * mask.flatten()).sum())
             correct += float(((logits.argmax(-1) == y).float() * mask).sum())
             count += float(mask.sum())
-    model.train()
     return loss_sum / count, correct / count
 
 
 def ddp_twin(cfg) -> DDPTwin:
     """How DDP computes what the config's sync strategy computes; ValueError in one line where it cannot."""
-    from jdp.cli import config as config_lib
-
     strategy = config_lib.sync_strategy(config_lib.fit_values(cfg))[0]
     twin = strategy.ddp_twin()
     if twin is None:
@@ -113,23 +108,19 @@ def _low_rank(ddp: DDP, settings: dict, seed: int) -> float:
 
 
 def train(rank: int, spec: dict) -> dict:
-    from jdp.cli import config as config_lib
-    from jdp.data import build_source
-
     cfg = config_lib.load_saved_config(Path(spec["config"]))
-    world, steps, parity = spec["workers"], spec["steps"], spec["mode"] == "parity"
+    world, steps, parity = spec["workers"], cfg.train.steps, spec["mode"] == "parity"
     device = torch.device(f"cuda:{rank}" if spec["device"] == "cuda" else "cpu")
     batch_size = cfg.train.global_batch_size
     source = build_source(cfg.data, seed=cfg.seed, global_batch_size=batch_size,
-                          eval_batch_size=cfg.train.eval_batch_size or batch_size, process_index=rank,
-                          process_count=world)
+                          eval_batch_size=cfg.train.eval_batch_size, process_index=rank, process_count=world)
     model = torch_models.build_twin(cfg.model, source.input_shape, cfg.data.num_classes or source.num_classes,
                                     sync_bn=cfg.model.bn_sync and world > 1)
     with np.load(spec["init"]) as init:
         model.load_state_dict(weights.flat_to_torch(dict(init), model), strict=True)
     model.to(device)
     compiled = torch.compile(model) if spec.get("compile") else model  # the same parameters
-    autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=bool(spec.get("autocast")))
+    autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
     with warnings.catch_warnings():  # broadcast_buffers=True: rank 0's BatchNorm statistics on every rank at each step
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)  # torch 2.13 on
         ddp = DDP(compiled, device_ids=[rank] if device.type == "cuda" else None, broadcast_buffers=False)
@@ -141,6 +132,11 @@ def train(rank: int, spec: dict) -> dict:
         b for m in model.modules() if isinstance(m, torch_models.BatchNorm) for b in (m.running_mean, m.running_var)]
     lrs, clip = spec["lrs"], cfg.optim.grad_clip_norm
     losses, grad_norms = [], []
+
+    def now() -> float:  # once the device's queued work is done
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.time()
 
     for step in range(steps):
         rows = source.train_batch(step)
@@ -158,34 +154,24 @@ def train(rank: int, spec: dict) -> dict:
         if clip > 0:
             _clip_like_optax(grads, clip)
         optimizer.step()
-        with torch.no_grad():
-            torch_models.average_bn_buffers(bn_stats, world)
+        torch_models.average_bn_buffers(bn_stats, world)
         loss = loss.detach()
         if parity:
             dist.all_reduce(loss)
             loss /= world
         losses.append(loss)  # rank-local in speed mode; read after the loop, so no step waits on it
         if step == 0:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t_first = time.time()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    t_end = time.time()
+            t_first = now()
 
-    result = {"losses": [float(loss) for loss in losses], "grad_norms": grad_norms, "world": world,
-              "backend": dist.get_backend(),
+    result = {"examples_per_sec": batch_size * (steps - 1) / (now() - t_first) if steps > 1 else float("nan"),
+              "losses": [float(loss) for loss in losses], "grad_norms": grad_norms, "backend": dist.get_backend(),
               "time_to_first_step_s": t_first - spec["launch_time"],
-              "examples_per_sec": batch_size * (steps - 1) / (t_end - t_first) if steps > 1 else float("nan"),
               "torch": torch.__version__, "threads": torch.get_num_threads(), "comm_bytes_per_step": comm_bytes}
     if parity and rank == 0:
         result["eval_loss"], result["eval_accuracy"] = _evaluate(model, cfg, device)
         np.savez(Path(spec["out"]) / "ddp_final.npz", **weights.torch_to_flat(model.state_dict(), model))
-    rss_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
-    if device.type == "cuda":
-        result["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, rss_kib)
+    dist.all_gather_object(gathered, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)  # KiB on Linux
     result["peak_rss_mib_per_worker"] = [r / 1024 for r in gathered]
     return result
 

@@ -1,10 +1,5 @@
-"""The jdp side of a comparison, in its own process for its own simulated device count.
-
-    python -m jdp.compare.jdp_side init CFG.json DIR
-        DIR/init.npz (jdp.export key names) and DIR/lrs.json (every step's learning rate, for the DDP side)
-    python -m jdp.compare.jdp_side parity CFG.json DIR
-        init, then `jdp.train.run` from init.npz on the config's parallel.cpu_devices: DIR/jdp_result.json
-        (per-step losses and gradient norms before clipping) and DIR/jdp_final.npz
+"""The jdp side of a comparison, in its own process for its own simulated device count:
+`python -m jdp.compare.jdp_side init|parity CFG.json DIR` (`write_init`, `parity`).
 """
 
 from __future__ import annotations
@@ -18,7 +13,7 @@ import numpy as np
 
 
 def write_init(cfg, out: Path) -> None:
-    """init.npz and lrs.json for `cfg` (uses one device)."""
+    """OUT/init.npz (jdp.export's keys) and OUT/lrs.json (each step's learning rate, for the DDP side) on one device."""
     from jdp.cli.build import build
     from jdp.cli.optim import learning_rate
     from jdp.params_file import flatten
@@ -33,8 +28,8 @@ def write_init(cfg, out: Path) -> None:
 
 
 def parity(cfg, out: Path) -> None:
-    import jax
-
+    """`write_init`, then `jdp.train.run` from init.npz: OUT/jdp_result.json (per-step losses and gradient norms
+    before clipping) and OUT/jdp_final.npz."""
     from jdp.cli.train import enable_compilation_cache, run
     from jdp.mesh import simulate_cpu_devices
     from jdp.metrics import read_metrics
@@ -55,11 +50,8 @@ def parity(cfg, out: Path) -> None:
                            "(is train.log_every 1, and was no step skipped?)")
     np.savez(out / "jdp_final.npz", **flatten(result.params, "params"), **flatten(result.model_state, "model_state"))
     (out / "jdp_result.json").write_text(json.dumps({
-        "losses": losses, "grad_norms": [r["grad_norm"] for r in train], "lrs": [r["lr"] for r in train],
-        "eval_loss": result.eval_loss,
-        "eval_accuracy": result.eval_accuracy, "examples_per_sec": summary["examples_per_sec"],
-        "comm_bytes_per_step": summary.get("comm_bytes_per_step"),
-        "devices": len(jax.devices()), "backend": cfg.parallel.backend}))
+        "losses": losses, "grad_norms": [r["grad_norm"] for r in train], "eval_loss": result.eval_loss,
+        "eval_accuracy": result.eval_accuracy, "comm_bytes_per_step": summary.get("comm_bytes_per_step")}))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,23 +24,11 @@ from jdp.data.text import is_text
 # docs/compare_example/README.md). Step 1 and plain-SGD losses are round-off (the deep BatchNorm ResNet's step-1 norm
 # ~3e-5: float32 vs float64 in either framework); a ReLU switched on one side only moves gradient norms ~1e-4, and
 # momentum carries it on. Under Adam and in a BatchNorm ResNet two correct float32 implementations drift apart.
-TOLERANCES = {"sgd": Tolerance(1e-6, 1e-3, 1e-5), "momentum": Tolerance(1e-3, 1e-2, 1e-5),
-              "adamw": Tolerance(1e-2, 5e-2, 1e-5), "resnet": Tolerance(0.5, 1.0, 1e-4)}
-
-
-# Low-rank compression: each side draws its own Q's and bases, so only the steps before the start agree to
+# Under low-rank compression each side draws its own Q's and bases, so only the steps before the start agree to
 # round-off; after it the bound is on the loss curves' distance (docs/compare.md).
-_LOW_RANK = Tolerance(0.05, 1.0, 1e-5)
-
-
-def default_tolerance(cfg) -> Tolerance:
-    from jdp.compare.ddp import ddp_twin
-
-    if ddp_twin(cfg).hook == "powerSGD_hook":
-        return _LOW_RANK
-    if cfg.model.name.startswith("resnet"):
-        return TOLERANCES["resnet"]
-    return TOLERANCES[{"nesterov": "momentum"}.get(cfg.optim.name, cfg.optim.name)]
+TOLERANCES = {"sgd": Tolerance(1e-6, 1e-3, 1e-5), "momentum": Tolerance(1e-3, 1e-2, 1e-5),
+              "adamw": Tolerance(1e-2, 5e-2, 1e-5), "resnet": Tolerance(0.5, 1.0, 1e-4),
+              "powersgd": Tolerance(0.05, 1.0, 1e-5)}
 
 
 def check_supported(cfg, workers: int, *, bf16: bool = False) -> None:
@@ -109,8 +97,8 @@ def compare(name: str, jdp: dict, ddp: dict, jdp_final: dict, ddp_final: dict, t
 
 def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance: dict | None = None,
            timeout_s: float = 900, device: str = "cpu") -> Parity:
-    """Runs both sides into `workdir` and reports there (`report_workdir`: `tolerance`'s fields override
-    `default_tolerance`'s)."""
+    """Runs both sides into `workdir` and reports there (`report_workdir`: `tolerance`'s fields override the
+    config's entry of `TOLERANCES`)."""
     cfg = both_sides(cfg, workers=workers, steps=steps, device=device)  # every loss logged, eval only at the end
     if cfg.model.kwargs.get("dropout", 0.0):
         raise ValueError(f"model.dropout={cfg.model.kwargs.dropout}: the two sides draw different dropout "
@@ -126,7 +114,7 @@ def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance
     jdp_run = procs.run(["-m", "jdp.compare.jdp_side", "parity", str(workdir / "config.json"), str(workdir)],
                         "the jdp side", log=workdir / "logs" / "jdp.log", timeout_s=timeout_s)
     ddp_run = run_ddp(workdir, workdir, workdir / "logs" / "ddp.log", "the DDP side", timeout_s, mode="parity",
-                      workers=workers, steps=steps, device=device, threads=1)
+                      workers=workers, device=device, threads=1)
     (workdir / "sides.json").write_text(json.dumps({"name": name, "workers": workers, "device": device,
                                                     "jdp_seconds": jdp_run.seconds, "ddp_seconds": ddp_run.seconds}))
     return report_workdir(workdir, tolerance)
@@ -142,15 +130,19 @@ def run_ddp(out: Path, init: Path, log: Path, what: str, timeout_s: float, **spe
 
 def report_workdir(workdir: Path, tolerance: dict | None = None) -> Parity:
     """Compares the results a parity run left in `workdir` and writes its report (`--report_only`); `tolerance`:
-    Tolerance fields that override `default_tolerance`'s."""
+    Tolerance fields that override the config's entry of `TOLERANCES`."""
+    from jdp.compare.ddp import ddp_twin
+    from jdp.compare.weights import unstacked  # torch: imported only where parity is reported
+
     workdir = Path(workdir)
     cfg = config_lib.load_saved_config(workdir / "config.json")
     sides = json.loads((workdir / "sides.json").read_text())
-    tolerance = dataclasses.replace(default_tolerance(cfg), **(tolerance or {}))
+    hook = ddp_twin(cfg).hook
+    family = ("powersgd" if hook == "powerSGD_hook" else "resnet" if cfg.model.name.startswith("resnet")
+              else {"nesterov": "momentum"}.get(cfg.optim.name, cfg.optim.name))
+    tolerance = dataclasses.replace(TOLERANCES[family], **(tolerance or {}))
     jdp = json.loads((workdir / "jdp_result.json").read_text())
     ddp = json.loads((workdir / "ddp_result.json").read_text())
-    from jdp.compare.ddp import ddp_twin
-    from jdp.compare.weights import unstacked  # torch: imported only where parity is reported
 
     with np.load(workdir / "jdp_final.npz") as a, np.load(workdir / "ddp_final.npz") as b:
         jdp_final, ddp_final = unstacked(dict(a)), dict(b)  # a scanned model's layers named as the twin's
@@ -158,7 +150,7 @@ def report_workdir(workdir: Path, tolerance: dict | None = None) -> Parity:
             "workers": sides["workers"], "steps": cfg.train.steps, "global_batch_size": cfg.train.global_batch_size,
             "bn_sync": cfg.model.bn_sync, "jdp_backend": cfg.parallel.backend, "ddp_backend": ddp["backend"],
             "device": sides["device"], "jdp_seconds": sides["jdp_seconds"], "ddp_seconds": sides["ddp_seconds"],
-            "torch": ddp["torch"], "hook": ddp_twin(cfg).hook,
+            "torch": ddp["torch"], "hook": hook,
             "comm_bytes_jdp": jdp.get("comm_bytes_per_step"), "comm_bytes_ddp": ddp.get("comm_bytes_per_step")}
     result = compare(sides["name"], jdp, ddp, jdp_final, ddp_final, tolerance, meta)
     write_parity(result, workdir)

@@ -55,6 +55,5 @@ def run(args: list[str], what: str, *, log: Path, timeout_s: float, env: dict[st
     lines = log.read_text(errors="replace").splitlines()
     if proc.returncode == 2 and lines and lines[-1].startswith("jdp: error: "):  # jdp_side's refusal
         raise ValueError(f"{what} refused the config: {lines[-1].removeprefix('jdp: error: ')}")
-    tail = "\n".join(lines[-25:])
     why = f"ran past its time limit ({seconds:.0f} s)" if proc.returncode == 124 else f"exited {proc.returncode}"
-    raise SideFailed(f"{what} {why}; log {log}:\n{tail}")
+    raise SideFailed(f"{what} {why}; log {log}:\n" + "\n".join(lines[-25:]))

@@ -1,4 +1,4 @@
-"""Markdown tables, JSON/CSV and PNG plots (matplotlib, Agg) for the parity and speed commands."""
+"""Markdown tables, JSON/CSV and PNG plots (matplotlib) for the parity and speed commands."""
 
 from __future__ import annotations
 
@@ -9,10 +9,7 @@ import os
 import platform
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")  # files only; no display needed
-import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.figure import Figure  # files only: no pyplot, no display
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,28 +43,18 @@ class Parity:
                 f"{self.first_step:.1e} (tolerance {t.step1:.0e}): {'PASS' if self.passed else 'FAIL'}")
 
 
-@dataclasses.dataclass
-class Speed:
-    name: str
-    rows: list[dict]  # per run kind, medians over repeats
-    runs: list[dict]  # every run
-    meta: dict
-
-
 def machine_info() -> dict:
     """CPU model, cores, memory and library versions of this machine (read without importing torch or jax)."""
     from importlib.metadata import distributions
 
-    def proc(path: str, key: str) -> str:  # the value on the first line of a /proc file that starts with `key`
-        with contextlib.suppress(OSError), open(path) as f:
-            return next((line.split(":", 1)[1].strip() for line in f if line.startswith(key)), "")
-        return ""
-
+    cpu = ""
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
     versions = {package: next((d.version for d in distributions(name=package)), "not installed")
                 for package in ("jax", "flax", "optax", "torch")}
-    return {"cpu": proc("/proc/cpuinfo", "model name") or platform.processor() or "unknown CPU",
+    return {"cpu": cpu or platform.processor() or "unknown CPU",
             "cores": len(os.sched_getaffinity(0)),
-            "memory_gib": round(int(proc("/proc/meminfo", "MemTotal").split(" ")[0] or 0) / 2**20, 1),
+            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
             "python": platform.python_version(), "os": f"{platform.system()} {platform.release()}", **versions}
 
 
@@ -117,24 +104,24 @@ def write_parity(p: Parity, workdir: Path) -> None:
 
 def plot_parity(p: Parity, path: Path) -> None:
     steps = [r["step"] for r in p.steps]
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(7, 6), sharex=True, height_ratios=(3, 2), layout="tight")
+    fig = Figure(figsize=(7, 6), layout="tight")
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     top.plot(steps, [r["loss_jdp"] for r in p.steps], label=f"jdp ({p.meta['jdp_backend']})", lw=2.5, alpha=0.6)
     top.plot(steps, [r["loss_ddp"] for r in p.steps], label="PyTorch DDP", lw=1, ls="--", color="k")
     top.set(ylabel="train loss", title=f"{p.name}: {p.meta['workers']} workers, {p.meta['optimizer']}")
     top.legend()
-    floor = 1e-10  # identical values plot at the floor
     for key, what, bound, color in (("loss_rel", "loss", p.tolerance.loss, "C0"),
-                                    ("grad_rel", "gradient norm", p.tolerance.grad_norm, "C1")):
-        bottom.semilogy(steps, [max(r[key], floor) for r in p.steps], ".-", color=color, label=what)
+                                    ("grad_rel", "gradient norm", p.tolerance.grad_norm, "C1")):  # 0 drawn at 1e-10
+        bottom.semilogy(steps, [max(r[key], 1e-10) for r in p.steps], ".-", color=color, label=what)
         bottom.axhline(bound, color=color, lw=1, ls=":", label=f"{what} tolerance {bound:.0e}")
     bottom.set(ylabel="|jdp - DDP| / |jdp|", xlabel="step")
     bottom.legend(fontsize=8)
     fig.savefig(path, dpi=110)
-    plt.close(fig)
 
 
-def write_speed(s: Speed, workdir: Path) -> None:
-    m = s.meta
+def write_speed(s: dict, workdir: Path) -> None:
+    """speed.md, .json and .png of `s`: its name, rows (per run kind, medians), runs (every run) and meta."""
+    m = s["meta"]
     info = machine_info()
     tokens = m.get("tokens_per_example", 0)  # language models: tokens/s beside examples/s
     threads = m.get("torch_threads", 1)  # the DDP ranks' torch threads on a CPU (reports before the option: 1)
@@ -146,7 +133,7 @@ def write_speed(s: Speed, workdir: Path) -> None:
         *(f"| {row['run']} | {row['examples_per_sec']:,.0f} | "
           + (f"{row['tokens_per_sec']:,.0f} | " if tokens else "") + f"{row['ratio_vs_ddp']:.2f}x | "
           f"{row['step_time_ms']:.1f} | {row['time_to_first_step_s']:.1f} | "
-          f"{row['peak_rss_mib_per_worker']:,.0f} | {row['peak_rss_mib_total']:,.0f} |" for row in s.rows)]
+          f"{row['peak_rss_mib_per_worker']:,.0f} | {row['peak_rss_mib_total']:,.0f} |" for row in s["rows"])]
     notes = [
         "- examples/s: steady state, leaving out the first step (jdp: the summary line's `examples_per_sec`; "
         "DDP: rank 0's wall time from the end of step 1 to the end of the last step). Step time = global "
@@ -162,7 +149,7 @@ def write_speed(s: Speed, workdir: Path) -> None:
         f"- per-run figures: speed.json. Command: `{m['command']}`",
     ]
     paragraphs = [  # separated by blank lines
-        f"# Speed: jdp vs PyTorch DDP, {s.name}",
+        f"# Speed: jdp vs PyTorch DDP, {s['name']}",
         f"{m['model']}, global batch {m['global_batch_size']}, {m['steps']} steps per run, {m['repeats']} "
         f"interleaved repeats (medians shown); float32 on {m['device']}. DDP: {m['workers']} rank(s)"
         f"{threads_each}; jdp: one process, {m.get('jdp_devices', m['workers'])} device(s).",
@@ -175,21 +162,21 @@ def write_speed(s: Speed, workdir: Path) -> None:
         "![throughput](speed.png)",
     ]
     (workdir / "speed.md").write_text("\n\n".join(paragraphs) + "\n")
-    (workdir / "speed.json").write_text(json.dumps({**dataclasses.asdict(s), "machine": info}, indent=1))
+    (workdir / "speed.json").write_text(json.dumps({**s, "machine": info}, indent=1))
     plot_speed(s, workdir / "speed.png")
 
 
-def plot_speed(s: Speed, path: Path) -> None:
-    names = [row["run"] for row in s.rows]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4), layout="tight")
+def plot_speed(s: dict, path: Path) -> None:
+    names = [row["run"] for row in s["rows"]]
+    fig = Figure(figsize=(10, 4), layout="tight")
+    left, right = fig.subplots(1, 2)
     colors = ["#444444" if n == "ddp" else "#1f77b4" for n in names]
-    left.bar(names, [row["examples_per_sec"] for row in s.rows], color=colors, alpha=0.8)
+    left.bar(names, [row["examples_per_sec"] for row in s["rows"]], color=colors, alpha=0.8)
     for i, name in enumerate(names):
-        runs = [r["examples_per_sec"] for r in s.runs if r["run"] == name]
+        runs = [r["examples_per_sec"] for r in s["runs"] if r["run"] == name]
         left.plot([i] * len(runs), runs, "k.", ms=5)
     left.set(ylabel="examples / s (steady state)",
-             title=f"{s.name}: {s.meta['workers']} workers, batch {s.meta['global_batch_size']}")
-    right.bar(names, [row["time_to_first_step_s"] for row in s.rows], color=colors, alpha=0.8)
+             title=f"{s['name']}: {s['meta']['workers']} workers, batch {s['meta']['global_batch_size']}")
+    right.bar(names, [row["time_to_first_step_s"] for row in s["rows"]], color=colors, alpha=0.8)
     right.set(ylabel="time to first step (s)", title="start-up + compile")
     fig.savefig(path, dpi=110)
-    plt.close(fig)

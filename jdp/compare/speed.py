@@ -14,46 +14,44 @@ from pathlib import Path
 from jdp.cli import config as config_lib
 from jdp.compare import procs
 from jdp.compare.parity import both_sides, run_ddp
-from jdp.compare.report import Speed, write_speed
+from jdp.compare.report import write_speed
 from jdp.data.text import is_text
 from jdp.metrics import read_metrics
 from jdp.parallel import BACKENDS
-
-_CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
 
 
 def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: bool) -> dict:
     cfg = copy.deepcopy(cfg)
     cfg.parallel.backend = backend
     config_lib.save_config(cfg, run_dir / "config.json")  # `--workdir` without `--config` trains this config
+    cache_env = () if compile_cache else ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
     finished = procs.run(["-m", "jdp.train", "--workdir", str(run_dir)], f"jdp ({backend})", log=run_dir / "log.txt",
-                         timeout_s=timeout_s, env=procs.child_env(drop=() if compile_cache else _CACHE_ENV))
+                         timeout_s=timeout_s, env=procs.child_env(drop=cache_env))
     lines = read_metrics(run_dir)
     summary = next(r for r in lines if r["split"] == "summary")
     return {"examples_per_sec": summary["examples_per_sec"], "compile_time_s": summary["compile_time_s"],
             "time_to_first_step_s": summary["first_step_end_unix"] - finished.launch_time,
             "peak_rss_mib_per_worker": finished.peak_rss_mib, "peak_rss_mib_total": finished.peak_rss_mib,
-            "losses": [r["loss"] for r in lines if r["split"] == "train"], "wall_s": finished.seconds}
+            "final_loss": [r["loss"] for r in lines if r["split"] == "train"][-1], "wall_s": finished.seconds}
 
 
 def _run_ddp(cfg, run_dir: Path, workdir: Path, workers: int, timeout_s: float, device: str,
              torch_compile: bool = False, threads: int = 1) -> dict:
     config_lib.save_config(cfg, run_dir / "config.json")
     finished = run_ddp(run_dir, workdir, run_dir / "log.txt", "DDP", timeout_s, mode="speed", workers=workers,
-                       steps=cfg.train.steps, device=device, threads=threads, compile=torch_compile,
-                       autocast=cfg.precision == "bf16")
+                       device=device, threads=threads, compile=torch_compile)
     result = json.loads((run_dir / "ddp_result.json").read_text())
     rss = result["peak_rss_mib_per_worker"]
     return {"examples_per_sec": result["examples_per_sec"],
             "time_to_first_step_s": result["time_to_first_step_s"],
             "peak_rss_mib_per_worker": max(rss), "peak_rss_mib_total": sum(rss) + finished.peak_rss_mib,
-            "losses": result["losses"], "wall_s": finished.seconds, "torch_threads": result["threads"]}
+            "final_loss": result["losses"][-1], "wall_s": finished.seconds, "torch_threads": result["threads"]}
 
 
 def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = None, repeats: int = 3,
           backends: tuple[str, ...] = tuple(BACKENDS), timeout_s: float = 600, compile_cache: bool = False,
           device: str = "cpu", command: str = "", torch_compile: bool = False, torch_threads: int = 1,
-          jdp_devices: int | None = None) -> Speed:
+          jdp_devices: int | None = None) -> dict:
     """Runs everything into `workdir`; writes speed.md, speed.json and speed.png. On cuda with bf16 the twin runs
     under autocast; on a CPU jdp simulates `jdp_devices` devices (default `workers`) in its one process."""
     if unknown := set(backends) - set(BACKENDS):
@@ -109,13 +107,12 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
             "repeats": repeats, "global_batch_size": batch, "tokens_per_example": tokens, "device": device,
             "compile_cache": compile_cache, "precision": cfg.precision, "torch_compile": torch_compile,
             "command": command}
-    result = Speed(name, rows, [{k: v for k, v in r.items() if k != "losses"} | {"final_loss": r["losses"][-1]}
-                                for r in runs], meta)
+    result = {"name": name, "rows": rows, "runs": runs, "meta": meta}
     write_speed(result, workdir)
     return result
 
 
-def report_workdir(workdir: Path) -> None:
-    """Writes the report of the speed.json a run left in `workdir` again."""
-    stored = json.loads((Path(workdir) / "speed.json").read_text())
-    write_speed(Speed(stored["name"], stored["rows"], stored["runs"], stored["meta"]), Path(workdir))
+def report_workdir(workdir: Path) -> dict:
+    """Writes the report of the speed.json a run left in `workdir` again; returns it."""
+    write_speed(stored := json.loads((Path(workdir) / "speed.json").read_text()), Path(workdir))
+    return stored

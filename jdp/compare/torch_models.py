@@ -73,7 +73,6 @@ def average_bn_buffers(buffers: list[torch.Tensor], world: int) -> None:
 
 
 def _dense(layers: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
-    """Linear layers with ReLU between them."""
     *hidden, head = layers
     for layer in hidden:
         x = F.relu(layer(x))

@@ -130,14 +130,12 @@ def to_markdown(cfg, rows: list[dict]) -> str:
                  *(two_places(r.get(k, 0), 2**-20) for k in ("params_bytes", "grads_bytes", "opt_state_bytes",
                                                             "temp_bytes"))]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
-    matmuls = rows[0].get("matmul_dtypes")
-    if matmuls:
+    if matmuls := rows[0].get("matmul_dtypes"):
         lines += ["", f"precision {cfg.precision}: the compiled train step has "
                   f"{precision.summary(collections.Counter(matmuls))} (as jdp lowers it, before XLA's passes)"]
     if any("tokens_per_sec" in r for r in rows):
         lines += ["", "tokens/s: " + ", ".join(f"{r['devices']} devices {r['tokens_per_sec']:,.0f}" for r in rows)]
-    gpt = next((r for r in rows if "model_flops_per_token" in r), None)
-    if gpt:
+    if gpt := next((r for r in rows if "model_flops_per_token" in r), None):
         xla = gpt.get("xla_flops_per_token")
         counted = f"; XLA's cost analysis counts {xla:,.0f}" if xla else ""
         lines += ["", f"FLOPs per token (6N + 12 x layers x block x width, N = {int(gpt['model_params_n']):,}): "
@@ -247,10 +245,10 @@ def main(argv: list[str] | None = None) -> int:
         with contextlib.suppress(RuntimeError):  # called from Python after JAX started: the devices are fixed
             simulate_cpu_devices(cfg.parallel.cpu_devices or max(args.devices))  # a CPU-only machine's
         enable_compilation_cache(cfg.compile_cache_dir)
-        if args.compile_only and cfg.parallel.backend == "pmap":
-            raise config_lib.ConfigError("--compile_only compiles the shard_map or jit step; use "
-                                         "--config.parallel.backend=shard_map")
         if args.compile_only:  # by default every remat setting of a model that takes one (the GPT, the ResNet)
+            if cfg.parallel.backend == "pmap":
+                raise config_lib.ConfigError("--compile_only compiles the shard_map or jit step; use "
+                                             "--config.parallel.backend=shard_map")
             remats = REMAT_POLICIES if "remat" in settings(cfg.model.name, cfg.model.kwargs.to_dict()) else ("",)
             rows = [{**compiled_memory(cfg, n, sharding, remat), "remat": remat or "-"}
                     for n in args.devices for sharding in SHARDINGS

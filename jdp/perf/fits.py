@@ -1,7 +1,6 @@
 """`python -m jdp.bench --fits --memory_gb G --devices N`: which GPT shapes fit in G GB a device under each of
 STRATEGIES: XLA's compiled peak, activations included, of each step compiled from shapes in a capped child process
-(docs/performance.md, "Making a model fit"). Shapes past GPT-2 medium are compiled scanned, as an unrolled compile
-grows with depth.
+(docs/performance.md, "Making a model fit").
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ def measure_one(shape: str, strategy: str, devices: int) -> dict:
         simulate_cpu_devices(devices)
     sharding, remat, scanned = STRATEGIES[strategy]
     layers, heads, width = SHAPES[shape] if shape in SHAPES else map(int, shape.split("x"))  # or "LxHxW": 2x2x16
-    large = shape not in ("GPT-2 small", "GPT-2 medium")  # unrolled up to GPT-2 medium; "LxHxW" shapes scanned
+    large = shape not in ("GPT-2 small", "GPT-2 medium")  # an unrolled compile grows with depth: "LxHxW" scanned
     cfg = config_lib.load_config_file(gpt2_small.__file__)
     cfg.model.kwargs.update(num_layers=layers, num_heads=heads, embed_dim=width, remat=remat,
                             scan_layers=scanned or large)

@@ -83,7 +83,6 @@ class Variant:
         out = {"matmul_dtypes": dict(precision.hlo_matmul_dtypes(self._lowered.as_text(dialect="hlo"))),
                **memory_analysis(self._step)}
         cost = self._step.cost_analysis()
-        cost = cost[0] if isinstance(cost, list) else cost  # one entry per device program on some versions
         if cost and "flops" in cost:
             out["flops"] = float(cost["flops"])
         return out

@@ -9,11 +9,11 @@ import argparse
 import sys
 from pathlib import Path
 
-import jax
 from flax import nnx
 
 from jdp.cli import build as build_lib
 from jdp.cli import config as config_lib
+from jdp.models import count_params
 from jdp.perf import measure, scaling, validation
 
 
@@ -46,7 +46,7 @@ def gradient_bytes(cfg, input_shape: tuple[int, ...] | None = None, num_classes:
     else:
         build_lib.check_names(cfg)
         make_model = build_lib.model_maker(cfg, input_shape, num_classes)
-    params = sum(leaf.size for leaf in jax.tree.leaves(nnx.state(build_lib.abstract_model(make_model), nnx.Param)))
+    params = count_params(nnx.state(build_lib.abstract_model(make_model), nnx.Param))
     return params, params * scaling.ALLREDUCE_BYTES[config_lib.sync_strategy(config_lib.fit_values(cfg))[0].dtype_name]
 
 

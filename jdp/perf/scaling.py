@@ -76,11 +76,6 @@ def hierarchical_allreduce_s(nbytes: float, n: int, topo: Topology) -> float:
     return in_node_half + across + in_node_half  # all-gather costs what the reduce-scatter did
 
 
-def step_s(compute_s: float, allreduce_s: float, overlap: float) -> float:
-    """A step: compute, plus the part of the all-reduce not hidden behind `overlap` x compute (the backward)."""
-    return compute_s + max(allreduce_s - overlap * compute_s, 0.0)
-
-
 def predict(grad_bytes: float, one_device_step_s: float, batch: int, devices: list[int], topo: Topology,
             scaling: str = "strong") -> list[dict]:
     """One row per device count. `one_device_step_s` is one device's step on `batch` examples; `strong` keeps
@@ -99,8 +94,8 @@ def predict(grad_bytes: float, one_device_step_s: float, batch: int, devices: li
                "threshold_batch": comm / per_example,
                # above this many gradient bytes (at this per-device batch) the all-reduce takes longer
                "threshold_bytes": max(compute - latency, 0.0) / per_byte if n > 1 else float("inf")}
-        for name, overlap in (("", 0.0), ("_overlap", BACKWARD_SHARE)):
-            row["step_s" + name] = step_s(compute, comm, overlap)
+        for name, overlap in (("", 0.0), ("_overlap", BACKWARD_SHARE)):  # overlap x compute hides the all-reduce
+            row["step_s" + name] = compute + max(comm - overlap * compute, 0.0)
             row["efficiency" + name] = compute / row["step_s" + name]
         rows.append(row)
     return rows
