@@ -123,13 +123,11 @@ def decode(value: bytes | np.ndarray, channels: int, k: int = 1) -> np.ndarray:
         return np.frombuffer(im.tobytes(), np.uint8).reshape(height, width, len(mode))
 
 
-JPEG_REDUCTIONS = (8, 4, 2)  # libjpeg's DCT scaling: decode at 1/8, 1/4 or 1/2 of the stored size
-
-
 def reduction(box: tuple[float, float, float, float], size: int) -> int:
-    """The largest JPEG scale-down k (1 = none) after which the crop of `box` to size x size still only shrinks."""
+    """The largest JPEG scale-down k (1 = none; libjpeg's DCT scaling: 8, 4 or 2) after which the crop of `box` to
+    size x size still only shrinks."""
     shorter = min(box[2] - box[0], box[3] - box[1])
-    return next((k for k in JPEG_REDUCTIONS if shorter / k >= size), 1)
+    return next((k for k in (8, 4, 2) if shorter / k >= size), 1)
 
 
 def decode_crop(value: bytes | np.ndarray, channels: int,
