@@ -9,7 +9,6 @@ import logging
 import math
 import os
 import resource
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -198,16 +197,26 @@ class TfdsSource(RowOrder):
         self._threads = num_threads or min(os.cpu_count() or 1, 16)
         self._workers = ThreadPoolExecutor(self._threads, thread_name_prefix="jdp-tfds")
 
-    def _read(self, source: _Records, rows: np.ndarray, transform: Callable[[bytes | np.ndarray, int], np.ndarray]
+    def _read(self, source: _Records, rows: np.ndarray, params: augment.BatchParams | None = None
               ) -> tuple[np.ndarray, np.ndarray]:
-        """(pixels uint8, labels int32) of `rows`, row i decoded by `transform(image, i)`, a chunk per worker thread."""
+        """(pixels uint8, labels int32) of `rows`, a chunk per worker thread: small images as stored, large ones
+        cropped to the input size (row i randomly by `params[i]`, else at the centre)."""
         n = len(rows)
         pixels = np.empty((n, *self.input_shape), np.uint8)
         labels = np.empty(n, np.int32)
 
+        def decoded(image: bytes | np.ndarray, i: int) -> np.ndarray:
+            if self._small:
+                return augment.decode(image, self._channels)
+            if params is None:
+                return augment.decode_crop(image, self._channels, augment.center_box, self.input_shape[0], False)
+            return augment.decode_crop(image, self._channels,
+                                       functools.partial(augment.random_resized_box, uniforms=params.uniforms[i]),
+                                       self.input_shape[0], bool(params.flips[i]))
+
         def task(lo: int, hi: int) -> None:
             for i, (image, label) in zip(range(lo, hi), source.__getitems__(rows[lo:hi]), strict=True):
-                pixels[i] = transform(image, i)
+                pixels[i] = decoded(image, i)
                 labels[i] = label
 
         tasks = max(1, min(self._threads, n // MIN_ROWS_PER_TASK))
@@ -223,40 +232,26 @@ class TfdsSource(RowOrder):
                             "info), or use a labelled split (imagenet2012's test split has none)")
         return pixels, labels
 
-    def _read_small(self, source: _Records, cache: tuple | None, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Small images as stored: decoded once, then served from `cache` if there is one."""
+    def _read_cached(self, source: _Records, cache: tuple | None, rows: np.ndarray,
+                     params: augment.BatchParams | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """`_read`, small images decoded once and then served from `cache` if there is one."""
         if cache is None:
-            return self._read(source, rows, self._as_stored)
+            return self._read(source, rows, params)
         pixels, labels, filled = cache
         missing = np.unique(rows[~filled[rows]])
         if len(missing):  # written once the workers are done, rows before their flags
-            pixels[missing], labels[missing] = self._read(source, missing, self._as_stored)
+            pixels[missing], labels[missing] = self._read(source, missing)
             filled[missing] = True
         return pixels[rows], labels[rows]
-
-    def _as_stored(self, image: bytes | np.ndarray, i: int) -> np.ndarray:
-        return augment.decode(image, self._channels)
-
-    def _center_crop(self, image: bytes | np.ndarray, i: int) -> np.ndarray:
-        return augment.decode_crop(image, self._channels, augment.center_box, self.input_shape[0], False)
 
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of the train batch at `step`: {'x': uint8 (B/P, H, W, C), 'y'}, plus 'crop' and 'flip'
         for augmented small images."""
-        rows = self.train_rows(step)
         params = (augment.batch_params(self._seed, step, self.global_batch_size, self.train_block)
                   if self._augment else None)
-        if self._small:
-            pixels, labels = self._read_small(self._train, self._train_cache, rows)
-            crop = {} if params is None else {"crop": params.offsets.astype(np.int32), "flip": params.flips}
-            return {"x": pixels, "y": labels, **crop}
-
-        def random_crop(image: bytes | np.ndarray, i: int) -> np.ndarray:
-            return augment.decode_crop(image, self._channels,
-                                       functools.partial(augment.random_resized_box, uniforms=params.uniforms[i]),
-                                       self.input_shape[0], bool(params.flips[i]))
-
-        pixels, labels = self._read(self._train, rows, self._center_crop if params is None else random_crop)
+        pixels, labels = self._read_cached(self._train, self._train_cache, self.train_rows(step), params)
+        if self._small and params is not None:
+            return {"x": pixels, "y": labels, "crop": params.offsets.astype(np.int32), "flip": params.flips}
         return {"x": pixels, "y": labels}
 
     def _eval_rows(self, ids: np.ndarray, real: np.ndarray) -> dict[str, np.ndarray]:
@@ -264,8 +259,7 @@ class TfdsSource(RowOrder):
         pixels = np.zeros((len(ids), *self.input_shape), np.uint8)
         labels = np.zeros(len(ids), np.int32)
         if n:
-            pixels[:n], labels[:n] = (self._read_small(self._eval, self._eval_cache, ids[:n]) if self._small
-                                      else self._read(self._eval, ids[:n], self._center_crop))
+            pixels[:n], labels[:n] = self._read_cached(self._eval, self._eval_cache, ids[:n])
         return {"x": pixels, "y": labels}
 
     def close(self) -> None:

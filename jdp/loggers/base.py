@@ -67,13 +67,11 @@ class Tracker(Callback):
         if not isinstance(close_timeout_s, (int, float)) or not close_timeout_s >= 0:
             raise UsageError(f"close_timeout_s={close_timeout_s!r} must be a number of seconds, at least 0")
         self.close_timeout_s = close_timeout_s
-        self.active = False
         self._thread: threading.Thread | None = None
 
     def on_start(self, start: int, workdir: Path | None, record: dict[str, Any] | None) -> None:
         self.close()  # a logger passed to a second fit: the first one's run ends first
-        self.active = jax.process_index() == 0
-        if not self.active:
+        if jax.process_index() != 0:
             return
         self.workdir, self.start, self.record = workdir, start, record
         self._state_file = workdir / "trackers" / f"{self.name}.json" if workdir is not None else None
@@ -96,7 +94,7 @@ class Tracker(Callback):
         atexit.register(self.close)
 
     def on_line(self, line: dict[str, Any]) -> None:
-        if not self.active:
+        if self._thread is None:
             return
         self._raise_write_failure()
         split = line.get("split")
