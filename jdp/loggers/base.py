@@ -178,13 +178,12 @@ class Tracker(Callback):
         self._save_state()
         self._guard(self._log, split, step, line)
 
-    def _missing(self, logged: dict[str, int]) -> list[tuple[str, int, dict[str, Any]]]:
+    def _missing(self, logged: dict[str, int]) -> Iterator[tuple[str, int, dict[str, Any]]]:
         """metrics.jsonl's train and eval lines up to the start step that the tracked run lacks (lost to a SIGKILL)."""
-        if self.workdir is None or not self._jsonl_size:
-            return []
+        if not self._jsonl_size:  # no workdir, or no lines before this start
+            return
         with open(self.workdir / "metrics.jsonl", "rb") as f:
             text = f.read(self._jsonl_size).decode(errors="replace")
-        missing = []
         for row in text.splitlines():
             try:
                 line = json.loads(row)
@@ -192,8 +191,7 @@ class Tracker(Callback):
                 continue
             split, step = line.get("split"), line.get("step")
             if split in ("train", "eval") and isinstance(step, int) and logged.get(split, -1) < step <= self.start:
-                missing.append((split, step, line))
-        return missing
+                yield split, step, line
 
     def _guard(self, fn: Any, *args: Any) -> Any:
         try:
