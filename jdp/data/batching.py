@@ -60,7 +60,6 @@ class RowOrder:
             lambda epoch: np.random.default_rng([seed, epoch]).permutation(num_train))
 
     def train_rows(self, step: int) -> np.ndarray:
-        """This process's rows of the global train batch at `step`."""
         epoch, index = divmod(step, self.steps_per_epoch)
         start = index * self.global_batch_size
         return self._permutation(epoch)[start : start + self.global_batch_size][self.train_block]
@@ -212,7 +211,6 @@ class Batcher(RowOrder):
         return self._train.rows(np.unique(np.linspace(0, len(self._train) - 1, k).round().astype(np.int64)))
 
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
-        """This process's rows of the global train batch at `step`."""
         return self._same_shapes("train", self._train.rows(self.train_rows(step)))
 
     def _eval_rows(self, ids: np.ndarray, real: np.ndarray) -> dict[str, np.ndarray]:
