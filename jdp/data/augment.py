@@ -122,8 +122,7 @@ def decode(value: bytes | np.ndarray, channels: int, k: int = 1) -> np.ndarray:
 
 
 def reduction(box: tuple[float, float, float, float], size: int) -> int:
-    """The largest JPEG scale-down k (1 = none; libjpeg's DCT scaling: 8, 4 or 2) after which the crop of `box` to
-    size x size still only shrinks."""
+    """The largest libjpeg scale-down k (8, 4 or 2; else 1) after which `box`'s crop to size x size only shrinks."""
     shorter = min(box[2] - box[0], box[3] - box[1])
     return next((k for k in (8, 4, 2) if shorter / k >= size), 1)
 

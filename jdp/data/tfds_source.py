@@ -100,17 +100,20 @@ class _Records:
         else:  # tfrecord, checked by open_builder
             self._source = TfrecordRecords(info.splits[split].file_instructions)
         image, label = info.features[image_key], info.features[label_key]
-        self._fast = (isinstance(image, tfds.features.Image) and image.np_dtype == np.uint8
-                      and isinstance(label, tfds.features.ClassLabel) and "/" not in image_key + label_key)
-        if self._fast:
+        if (isinstance(image, tfds.features.Image) and image.np_dtype == np.uint8
+                and isinstance(label, tfds.features.ClassLabel) and "/" not in image_key + label_key):
             from tensorflow_datasets.proto import tf_example_pb2
 
-            self._parse = tf_example_pb2.Example.FromString
+            def pair(record: bytes) -> tuple[Any, int]:
+                feature = tf_example_pb2.Example.FromString(record).features.feature
+                return feature[image_key].bytes_list.value[0], feature[label_key].int64_list.value[0]
         else:
             decoders = {image_key: tfds.decode.SkipDecoding()} if isinstance(image, tfds.features.Image) else None
-            self._decode = functools.partial(info.features.deserialize_example_np, decoders=decoders)
-        self._image_key, self._label_key = image_key, label_key
-        self.split = split
+
+            def pair(record: bytes) -> tuple[Any, int]:
+                example = info.features.deserialize_example_np(record, decoders=decoders)
+                return example[image_key], example[label_key]
+        self._pair, self.split = pair, split
 
     def __len__(self) -> int:
         return len(self._source)
@@ -122,11 +125,7 @@ class _Records:
     def __getitems__(self, rows: np.ndarray) -> list[tuple[Any, int]]:
         """The (image, label) pairs at `rows`, read one by one: ~4x cheaper on CIFAR than the data source's
         `__getitems__`, which starts a thread pool per call (the parallelism is our worker threads')."""
-        records = [self._source[int(r)] for r in rows]
-        if not self._fast:
-            return [(d[self._image_key], d[self._label_key]) for d in map(self._decode, records)]
-        features = (self._parse(record).features.feature for record in records)
-        return [(f[self._image_key].bytes_list.value[0], f[self._label_key].int64_list.value[0]) for f in features]
+        return [self._pair(self._source[int(r)]) for r in rows]
 
 
 class TfdsSource(RowOrder):
