@@ -148,13 +148,11 @@ def resize_box(image: np.ndarray, box: tuple[float, float, float, float], size: 
     """The `box` of `image` resized (bilinear, antialiased) to size x size, mirrored if `flip`."""
     from PIL import Image
 
-    squeeze = image.shape[-1] == 1
-    im = Image.fromarray(image[..., 0] if squeeze else image)
+    im = Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
     im = im.resize((size, size), Image.Resampling.BILINEAR, box=box)
     if flip:
         im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    out = np.asarray(im)
-    return out[..., None] if squeeze else out
+    return np.asarray(im).reshape(size, size, -1)
 
 
 def pad_crop_flip(x_BxHxWxC: jax.Array, offsets_Bx2: jax.Array, flips_B: jax.Array) -> jax.Array:

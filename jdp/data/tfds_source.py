@@ -198,8 +198,7 @@ class TfdsSource(RowOrder):
 
     def _read(self, source: _Records, rows: np.ndarray, params: augment.BatchParams | None = None
               ) -> tuple[np.ndarray, np.ndarray]:
-        """(pixels uint8, labels int32) of `rows`, a chunk per worker thread: small images as stored, large ones
-        cropped to the input size (row i randomly by `params[i]`, else at the centre)."""
+        """(pixels uint8, labels int32) of `rows`, a chunk per thread; large images cropped by `params` or centred."""
         n = len(rows)
         pixels = np.empty((n, *self.input_shape), np.uint8)
         labels = np.empty(n, np.int32)
