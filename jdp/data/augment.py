@@ -117,19 +117,14 @@ def decode(value: bytes | np.ndarray, channels: int, k: int = 1) -> np.ndarray:
             im.draft(mode, (math.ceil(im.size[0] / k), math.ceil(im.size[1] / k)))
         if im.mode != mode:
             im = im.convert(mode)
-        im.load()
-        width, height = im.size
-        # tobytes + frombuffer: ~25% cheaper than np.asarray(im) on small images
-        return np.frombuffer(im.tobytes(), np.uint8).reshape(height, width, len(mode))
-
-
-JPEG_REDUCTIONS = (8, 4, 2)  # libjpeg's DCT scaling: decode at 1/8, 1/4 or 1/2 of the stored size
+        # tobytes (which loads the image) + frombuffer: ~25% cheaper than np.asarray(im) on small images
+        return np.frombuffer(im.tobytes(), np.uint8).reshape(im.height, im.width, len(mode))
 
 
 def reduction(box: tuple[float, float, float, float], size: int) -> int:
-    """The largest JPEG scale-down k (1 = none) after which the crop of `box` to size x size still only shrinks."""
+    """The largest libjpeg scale-down k (8, 4 or 2; else 1) after which `box`'s crop to size x size only shrinks."""
     shorter = min(box[2] - box[0], box[3] - box[1])
-    return next((k for k in JPEG_REDUCTIONS if shorter / k >= size), 1)
+    return next((k for k in (8, 4, 2) if shorter / k >= size), 1)
 
 
 def decode_crop(value: bytes | np.ndarray, channels: int,
@@ -153,13 +148,11 @@ def resize_box(image: np.ndarray, box: tuple[float, float, float, float], size: 
     """The `box` of `image` resized (bilinear, antialiased) to size x size, mirrored if `flip`."""
     from PIL import Image
 
-    squeeze = image.shape[-1] == 1
-    im = Image.fromarray(image[..., 0] if squeeze else image)
+    im = Image.fromarray(image[..., 0] if image.shape[-1] == 1 else image)
     im = im.resize((size, size), Image.Resampling.BILINEAR, box=box)
     if flip:
         im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    out = np.asarray(im)
-    return out[..., None] if squeeze else out
+    return np.asarray(im).reshape(size, size, -1)
 
 
 def pad_crop_flip(x_BxHxWxC: jax.Array, offsets_Bx2: jax.Array, flips_B: jax.Array) -> jax.Array:
@@ -182,9 +175,7 @@ class ImageInput:
 
     def __call__(self, batch: dict[str, jax.Array]) -> dict[str, jax.Array]:
         rows = {k: v for k, v in batch.items() if k not in ("crop", "flip")}
-        x = batch["x"]
-        if "crop" in batch:
-            x = pad_crop_flip(x, batch["crop"], batch["flip"])
+        x = pad_crop_flip(batch["x"], batch["crop"], batch["flip"]) if "crop" in batch else batch["x"]
         std = jnp.asarray(self.std, jnp.float32)
         rows["x"] = x.astype(jnp.float32) * (1 / (255 * std)) - jnp.asarray(self.mean, jnp.float32) / std
         return rows

@@ -47,8 +47,6 @@ class RowOrder:
                  process_index: int, process_count: int, train_split: str = "the train split") -> None:
         if not 0 <= process_index < process_count:
             raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
-        if seed < 0:
-            raise ValueError(f"seed must be >= 0, got {seed}")
         self.train_block = process_block(global_batch_size, process_index, process_count, "global batch size")
         self._eval_block = process_block(eval_batch_size, process_index, process_count, "eval batch size")
         self.num_train, self.num_eval = num_train, num_eval
@@ -62,9 +60,6 @@ class RowOrder:
             lambda epoch: np.random.default_rng([seed, epoch]).permutation(num_train))
 
     def train_rows(self, step: int) -> np.ndarray:
-        """This process's rows of the global train batch at `step`."""
-        if step < 0:
-            raise ValueError(f"step must be >= 0, got {step}")
         epoch, index = divmod(step, self.steps_per_epoch)
         start = index * self.global_batch_size
         return self._permutation(epoch)[start : start + self.global_batch_size][self.train_block]
@@ -111,24 +106,6 @@ class ArrayDataset:
         return {k: self.arrays[k][ids] for k in self.keys}
 
 
-def _is_rows(got: Any) -> bool:
-    return isinstance(got, Sequence) and not isinstance(got, (str, bytes))
-
-
-def _describe(got: Any, keys: tuple[str, ...]) -> str:
-    """What a dataset returned for a batch of rows, in a few words (one line), for a DataError."""
-    if isinstance(got, Mapping):
-        return "a dict of " + ", ".join(f"{k!r}: {getattr(v, 'shape', type(v).__name__)}" for k, v in got.items())
-    if not _is_rows(got):
-        return f"a {type(got).__name__}"
-    bad = next((i for i, row in enumerate(got) if not (isinstance(row, Mapping) and set(keys) <= row.keys())), None)
-    if bad is None:
-        return f"a {type(got).__name__} of {len(got)} rows"
-    row = got[bad]
-    item = f"a dict with keys {list(row)}" if isinstance(row, Mapping) else f"a {type(row).__name__}"
-    return f"a {type(got).__name__} of {len(got)} whose item {bad} is {item}"
-
-
 class RandomAccessDataset:
     """Any object with `__len__` and `__getitem__(i)` returning a dict of arrays (e.g. `grain.MapDataset`); its
     `__getitems__(ids)`, if any, reads a batch: a list of row dicts, or a dict of arrays of leading length len(ids)."""
@@ -148,17 +125,27 @@ class RandomAccessDataset:
         return len(self._data)
 
     def rows(self, ids: np.ndarray) -> dict[str, np.ndarray]:
-        ids, n = [int(i) for i in ids], len(ids)
+        ids, n, keys = [int(i) for i in ids], len(ids), list(self.keys)
         batched = hasattr(self._data, "__getitems__")
         got = self._data.__getitems__(ids) if batched else [self._data[i] for i in ids]
+        kind = type(got).__name__
         if isinstance(got, Mapping):  # a dict of arrays stacked along a leading axis of len(ids)
-            arrays = {k: np.asarray(got[k]) for k in self.keys if k in got}
-            if len(arrays) == len(self.keys) and all(a.ndim and len(a) == n for a in arrays.values()):
+            arrays = {k: np.asarray(got[k]) for k in keys if k in got}
+            if len(arrays) == len(keys) and all(a.ndim and len(a) == n for a in arrays.values()):
                 return arrays
-        elif _is_rows(got) and len(got) == n and all(isinstance(row, Mapping) and set(self.keys) <= row.keys()
-                                                     for row in got):  # a list of row dicts
-            return {k: self._stacked(k, [np.asarray(row[k]) for row in got], ids) for k in self.keys}
-        keys, returned = list(self.keys), _describe(got, self.keys)
+            returned = "a dict of " + ", ".join(f"{k!r}: {getattr(v, 'shape', type(v).__name__)}"
+                                                for k, v in got.items())
+        elif not isinstance(got, Sequence) or isinstance(got, str | bytes):
+            returned = f"a {kind}"
+        elif (bad := next((i for i, row in enumerate(got)
+                           if not (isinstance(row, Mapping) and set(keys) <= row.keys())), None)) is not None:
+            row = got[bad]
+            item = f"a dict with keys {list(row)}" if isinstance(row, Mapping) else f"a {type(row).__name__}"
+            returned = f"a {kind} of {len(got)} whose item {bad} is {item}"
+        elif len(got) != n:
+            returned = f"a {kind} of {len(got)} rows"
+        else:  # a list of row dicts
+            return {k: self._stacked(k, [np.asarray(row[k]) for row in got], ids) for k in keys}
         if not batched:
             raise DataError(f"{self._what}'s __getitem__ over {n} ids gave {returned}; every row must be a dict with "
                             f"keys {keys}")
@@ -224,7 +211,6 @@ class Batcher(RowOrder):
         return self._train.rows(np.unique(np.linspace(0, len(self._train) - 1, k).round().astype(np.int64)))
 
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
-        """This process's rows of the global train batch at `step`."""
         return self._same_shapes("train", self._train.rows(self.train_rows(step)))
 
     def _eval_rows(self, ids: np.ndarray, real: np.ndarray) -> dict[str, np.ndarray]:

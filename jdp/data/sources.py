@@ -35,15 +35,15 @@ def _mnist1d() -> tuple[Split, Split]:
         buffer = io.BytesIO()
         np.savez(buffer, **d)
         write_atomically(path, buffer.getvalue())
-    return _shared(d["x"].astype(np.float32), d["y"].astype(np.int32), d["x_test"].astype(np.float32),
-                   d["y_test"].astype(np.int32))
+    return _shared(**d)
 
 
 def _shared(x: np.ndarray, y: np.ndarray, x_test: np.ndarray, y_test: np.ndarray) -> tuple[Split, Split]:
-    """Cached splits, shared by every caller in the process: an accidental write fails loudly."""
-    for a in (x, y, x_test, y_test):
-        a.setflags(write=False)
-    return {"x": x, "y": y}, {"x": x_test, "y": y_test}
+    """Cached splits, x float32 and y int32, shared by every caller in the process: an accidental write fails loudly."""
+    splits = tuple({"x": a.astype(np.float32), "y": b.astype(np.int32)} for a, b in ((x, y), (x_test, y_test)))
+    for array in (array for split in splits for array in split.values()):
+        array.setflags(write=False)
+    return splits
 
 
 def _generate_mnist1d() -> dict[str, np.ndarray]:
@@ -66,9 +66,8 @@ def _digits() -> tuple[Split, Split]:
     from sklearn.model_selection import train_test_split
 
     digits = load_digits()
-    x = (digits.images / 16.0).astype(np.float32)[..., None]
-    y = digits.target.astype(np.int32)
-    x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.2, random_state=0, stratify=y)
+    x_train, x_test, y_train, y_test = train_test_split(digits.images[..., None] / 16.0, digits.target,
+                                                        test_size=0.2, random_state=0, stratify=digits.target)
     return _shared(x_train, y_train, x_test, y_test)
 
 

@@ -127,13 +127,12 @@ class Vocabulary:
         if self.tokenizer == "bytes":
             return np.frombuffer(raw, np.uint8).astype(np.int32)
         codepoints = _codepoints(raw, what)
-        ids = np.minimum(np.searchsorted(self._codepoints, codepoints), max(self.size - 1, 0))
-        unknown = self._codepoints[ids] != codepoints if self.size else np.ones(len(codepoints), bool)
+        unknown = ~np.isin(codepoints, self._codepoints)
         if unknown.any():
             char = chr(int(codepoints[np.argmax(unknown)]))
             raise DataError(f"{what} has the character {char!r}, which is not in the vocabulary of "
                             f"{self.size} characters")
-        return ids.astype(np.int32)
+        return np.searchsorted(self._codepoints, codepoints).astype(np.int32)
 
     def decode(self, ids: np.ndarray | list[int]) -> str:
         if self.tokenizer == "bytes":

@@ -9,7 +9,6 @@ import logging
 import math
 import os
 import resource
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,17 +100,20 @@ class _Records:
         else:  # tfrecord, checked by open_builder
             self._source = TfrecordRecords(info.splits[split].file_instructions)
         image, label = info.features[image_key], info.features[label_key]
-        self._fast = (isinstance(image, tfds.features.Image) and image.np_dtype == np.uint8
-                      and isinstance(label, tfds.features.ClassLabel) and "/" not in image_key + label_key)
-        if self._fast:
+        if (isinstance(image, tfds.features.Image) and image.np_dtype == np.uint8
+                and isinstance(label, tfds.features.ClassLabel) and "/" not in image_key + label_key):
             from tensorflow_datasets.proto import tf_example_pb2
 
-            self._parse = tf_example_pb2.Example.FromString
+            def pair(record: bytes) -> tuple[Any, int]:
+                feature = tf_example_pb2.Example.FromString(record).features.feature
+                return feature[image_key].bytes_list.value[0], feature[label_key].int64_list.value[0]
         else:
             decoders = {image_key: tfds.decode.SkipDecoding()} if isinstance(image, tfds.features.Image) else None
-            self._decode = functools.partial(info.features.deserialize_example_np, decoders=decoders)
-        self._image_key, self._label_key = image_key, label_key
-        self.split = split
+
+            def pair(record: bytes) -> tuple[Any, int]:
+                example = info.features.deserialize_example_np(record, decoders=decoders)
+                return example[image_key], example[label_key]
+        self._pair, self.split = pair, split
 
     def __len__(self) -> int:
         return len(self._source)
@@ -123,11 +125,7 @@ class _Records:
     def __getitems__(self, rows: np.ndarray) -> list[tuple[Any, int]]:
         """The (image, label) pairs at `rows`, read one by one: ~4x cheaper on CIFAR than the data source's
         `__getitems__`, which starts a thread pool per call (the parallelism is our worker threads')."""
-        records = [self._source[int(r)] for r in rows]
-        if not self._fast:
-            return [(d[self._image_key], d[self._label_key]) for d in map(self._decode, records)]
-        features = (self._parse(record).features.feature for record in records)
-        return [(f[self._image_key].bytes_list.value[0], f[self._label_key].int64_list.value[0]) for f in features]
+        return [self._pair(self._source[int(r)]) for r in rows]
 
 
 class TfdsSource(RowOrder):
@@ -198,16 +196,25 @@ class TfdsSource(RowOrder):
         self._threads = num_threads or min(os.cpu_count() or 1, 16)
         self._workers = ThreadPoolExecutor(self._threads, thread_name_prefix="jdp-tfds")
 
-    def _read(self, source: _Records, rows: np.ndarray, transform: Callable[[bytes | np.ndarray, int], np.ndarray]
+    def _read(self, source: _Records, rows: np.ndarray, params: augment.BatchParams | None = None
               ) -> tuple[np.ndarray, np.ndarray]:
-        """(pixels uint8, labels int32) of `rows`, row i decoded by `transform(image, i)`, a chunk per worker thread."""
+        """(pixels uint8, labels int32) of `rows`, a chunk per thread; large images cropped by `params` or centred."""
         n = len(rows)
         pixels = np.empty((n, *self.input_shape), np.uint8)
         labels = np.empty(n, np.int32)
 
+        def decoded(image: bytes | np.ndarray, i: int) -> np.ndarray:
+            if self._small:
+                return augment.decode(image, self._channels)
+            if params is None:
+                return augment.decode_crop(image, self._channels, augment.center_box, self.input_shape[0], False)
+            return augment.decode_crop(image, self._channels,
+                                       functools.partial(augment.random_resized_box, uniforms=params.uniforms[i]),
+                                       self.input_shape[0], bool(params.flips[i]))
+
         def task(lo: int, hi: int) -> None:
             for i, (image, label) in zip(range(lo, hi), source.__getitems__(rows[lo:hi]), strict=True):
-                pixels[i] = transform(image, i)
+                pixels[i] = decoded(image, i)
                 labels[i] = label
 
         tasks = max(1, min(self._threads, n // MIN_ROWS_PER_TASK))
@@ -223,40 +230,26 @@ class TfdsSource(RowOrder):
                             "info), or use a labelled split (imagenet2012's test split has none)")
         return pixels, labels
 
-    def _read_small(self, source: _Records, cache: tuple | None, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Small images as stored: decoded once, then served from `cache` if there is one."""
+    def _read_cached(self, source: _Records, cache: tuple | None, rows: np.ndarray,
+                     params: augment.BatchParams | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """`_read`, small images decoded once and then served from `cache` if there is one."""
         if cache is None:
-            return self._read(source, rows, self._as_stored)
+            return self._read(source, rows, params)
         pixels, labels, filled = cache
         missing = np.unique(rows[~filled[rows]])
         if len(missing):  # written once the workers are done, rows before their flags
-            pixels[missing], labels[missing] = self._read(source, missing, self._as_stored)
+            pixels[missing], labels[missing] = self._read(source, missing)
             filled[missing] = True
         return pixels[rows], labels[rows]
-
-    def _as_stored(self, image: bytes | np.ndarray, i: int) -> np.ndarray:
-        return augment.decode(image, self._channels)
-
-    def _center_crop(self, image: bytes | np.ndarray, i: int) -> np.ndarray:
-        return augment.decode_crop(image, self._channels, augment.center_box, self.input_shape[0], False)
 
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of the train batch at `step`: {'x': uint8 (B/P, H, W, C), 'y'}, plus 'crop' and 'flip'
         for augmented small images."""
-        rows = self.train_rows(step)
         params = (augment.batch_params(self._seed, step, self.global_batch_size, self.train_block)
                   if self._augment else None)
-        if self._small:
-            pixels, labels = self._read_small(self._train, self._train_cache, rows)
-            crop = {} if params is None else {"crop": params.offsets.astype(np.int32), "flip": params.flips}
-            return {"x": pixels, "y": labels, **crop}
-
-        def random_crop(image: bytes | np.ndarray, i: int) -> np.ndarray:
-            return augment.decode_crop(image, self._channels,
-                                       functools.partial(augment.random_resized_box, uniforms=params.uniforms[i]),
-                                       self.input_shape[0], bool(params.flips[i]))
-
-        pixels, labels = self._read(self._train, rows, self._center_crop if params is None else random_crop)
+        pixels, labels = self._read_cached(self._train, self._train_cache, self.train_rows(step), params)
+        if self._small and params is not None:
+            return {"x": pixels, "y": labels, "crop": params.offsets.astype(np.int32), "flip": params.flips}
         return {"x": pixels, "y": labels}
 
     def _eval_rows(self, ids: np.ndarray, real: np.ndarray) -> dict[str, np.ndarray]:
@@ -264,8 +257,7 @@ class TfdsSource(RowOrder):
         pixels = np.zeros((len(ids), *self.input_shape), np.uint8)
         labels = np.zeros(len(ids), np.int32)
         if n:
-            pixels[:n], labels[:n] = (self._read_small(self._eval, self._eval_cache, ids[:n]) if self._small
-                                      else self._read(self._eval, ids[:n], self._center_crop))
+            pixels[:n], labels[:n] = self._read_cached(self._eval, self._eval_cache, ids[:n])
         return {"x": pixels, "y": labels}
 
     def close(self) -> None:

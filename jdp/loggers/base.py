@@ -67,13 +67,11 @@ class Tracker(Callback):
         if not isinstance(close_timeout_s, (int, float)) or not close_timeout_s >= 0:
             raise UsageError(f"close_timeout_s={close_timeout_s!r} must be a number of seconds, at least 0")
         self.close_timeout_s = close_timeout_s
-        self.active = False
         self._thread: threading.Thread | None = None
 
     def on_start(self, start: int, workdir: Path | None, record: dict[str, Any] | None) -> None:
         self.close()  # a logger passed to a second fit: the first one's run ends first
-        self.active = jax.process_index() == 0
-        if not self.active:
+        if jax.process_index() != 0:
             return
         self.workdir, self.start, self.record = workdir, start, record
         self._state_file = workdir / "trackers" / f"{self.name}.json" if workdir is not None else None
@@ -96,7 +94,7 @@ class Tracker(Callback):
         atexit.register(self.close)
 
     def on_line(self, line: dict[str, Any]) -> None:
-        if not self.active:
+        if self._thread is None:
             return
         self._raise_write_failure()
         split = line.get("split")
@@ -180,13 +178,12 @@ class Tracker(Callback):
         self._save_state()
         self._guard(self._log, split, step, line)
 
-    def _missing(self, logged: dict[str, int]) -> list[tuple[str, int, dict[str, Any]]]:
+    def _missing(self, logged: dict[str, int]) -> Iterator[tuple[str, int, dict[str, Any]]]:
         """metrics.jsonl's train and eval lines up to the start step that the tracked run lacks (lost to a SIGKILL)."""
-        if self.workdir is None or not self._jsonl_size:
-            return []
+        if not self._jsonl_size:  # no workdir, or no lines before this start
+            return
         with open(self.workdir / "metrics.jsonl", "rb") as f:
             text = f.read(self._jsonl_size).decode(errors="replace")
-        missing = []
         for row in text.splitlines():
             try:
                 line = json.loads(row)
@@ -194,8 +191,7 @@ class Tracker(Callback):
                 continue
             split, step = line.get("split"), line.get("step")
             if split in ("train", "eval") and isinstance(step, int) and logged.get(split, -1) < step <= self.start:
-                missing.append((split, step, line))
-        return missing
+                yield split, step, line
 
     def _guard(self, fn: Any, *args: Any) -> Any:
         try:

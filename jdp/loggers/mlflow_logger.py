@@ -72,27 +72,29 @@ class MLflow(Tracker):
         return marks
 
     def _open(self, run_id: str | None) -> str:
+        from mlflow.entities import Param
+
         params = {key[:MAX_KEY]: str(value)[:MAX_VALUE] for key, value in flatten(self.params()).items()}
         stored = self._stored_run(run_id)
-        if stored is not None:
+        if stored is None:
+            name = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
+            experiment_id = "0" if not name else self._experiment_id(name)
+            tags = {"jdp.workdir": str(self.workdir)} if self.workdir is not None else {}
+            run_id = self.client.create_run(experiment_id, run_name=self.workdir.name if self.workdir else None,
+                                            tags=tags).info.run_id
+            logged, prefix = {}, ""
+        else:
             logged = stored.data.params
-            self.run_id = run_id
             self.client.update_run(run_id, status="RUNNING")
             # Params cannot change: a second resume from the same step gets a prefix of its own.
             prefix, n = f"resume_{self.start}", 1
             while any(key.startswith(f"{prefix}.") for key in logged):
                 n += 1
                 prefix = f"resume_{self.start}_{n}"
-            self._log_params({key if key not in logged else f"{prefix}.{key}"[:MAX_KEY]: value
-                              for key, value in params.items() if logged.get(key) != value})
-            return run_id
-        name = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
-        experiment_id = "0" if not name else self._experiment_id(name)
-        tags = {"jdp.workdir": str(self.workdir)} if self.workdir is not None else {}
-        run = self.client.create_run(experiment_id, run_name=self.workdir.name if self.workdir else None, tags=tags)
-        self.run_id = run.info.run_id
-        self._log_params(params)
-        return self.run_id
+        self.run_id = run_id
+        self.client.log_batch(run_id, params=[Param(f"{prefix}.{key}"[:MAX_KEY] if key in logged else key, value)
+                                              for key, value in params.items() if logged.get(key) != value])
+        return run_id
 
     def _experiment_id(self, name: str) -> str:
         from mlflow.exceptions import MlflowException
@@ -105,20 +107,13 @@ class MLflow(Tracker):
         except MlflowException:  # created meanwhile by another run
             return self.client.get_experiment_by_name(name).experiment_id
 
-    def _log_params(self, params: dict[str, str]) -> None:
-        from mlflow.entities import Param
-
-        if params:
-            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in params.items()])
-
     def _log(self, split: str, step: int, line: dict[str, Any]) -> None:
         from mlflow.entities import Metric
 
         prefix = {"train": "", "eval": "eval_", "summary": "summary/"}[split]
         stamp = int(time.time() * 1000)
-        metrics = [Metric(key, value, stamp, step) for key, value in numbers(line, prefix).items()]
-        if metrics:
-            self.client.log_batch(self.run_id, metrics=metrics)
+        self.client.log_batch(self.run_id, metrics=[Metric(key, value, stamp, step)
+                                                    for key, value in numbers(line, prefix).items()])
 
     def _close(self, ok: bool) -> None:
         self.client.set_terminated(self.run_id, "FINISHED" if ok else "KILLED")

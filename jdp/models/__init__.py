@@ -1,6 +1,7 @@
 """Model families and their registry: `model.name` (a built-in name or `package.module:Name`) called with
 `model.kwargs`, `rngs=nnx.Rngs(seed)`, and `input_shape=` and `num_classes=` where its signature names them."""
 
+import functools
 import inspect
 import math
 from collections.abc import Callable, Sequence
@@ -67,28 +68,26 @@ def cnn2d(*, input_shape: tuple[int, ...], num_classes: int, channels: Sequence[
     return CNN2D(image_shape(input_shape), channels, dense_sizes, num_classes, rngs=rngs)
 
 
-def _resnet(name: str) -> Callable[..., ResNet]:
-    def build(*, input_shape: tuple[int, ...], num_classes: int, width: int = 64, stage_sizes: Sequence[int] = (),
-              stem: str = "auto", bn_momentum: float = 0.9, remat: str = "none", rngs: nnx.Rngs) -> ResNet:
-        """`stage_sizes` () = the standard stages of the depth; `stem` auto = cifar for images of <= 64 px;
-        `remat` ("none", "full", "dots") checkpoints each residual block (`jdp.layers.remat`)."""
-        h, _, c = image_shape(input_shape)
-        if isinstance(width, bool) or not isinstance(width, int) or width <= 0:
-            raise ValueError(f"model.kwargs.width={width!r} must be a positive int; set e.g. "
-                             "--config.model.kwargs.width=64")
-        stage_sizes = _sizes("stage_sizes", stage_sizes, (2, 2, 2, 2))
-        if not 0 <= bn_momentum <= 1:
-            raise ValueError(f"model.kwargs.bn_momentum={bn_momentum} must be in [0, 1]; e.g. 0.9")
-        block, standard_stages = ARCHS[name]
-        stem = stem if stem != "auto" else ("cifar" if h <= 64 else "imagenet")
-        return ResNet(tuple(stage_sizes) or standard_stages, block, width, stem, c, num_classes,
-                      bn_momentum=bn_momentum, remat=remat, rngs=rngs)
-
-    return build
+def _resnet(name: str, *, input_shape: tuple[int, ...], num_classes: int, width: int = 64,
+            stage_sizes: Sequence[int] = (), stem: str = "auto", bn_momentum: float = 0.9, remat: str = "none",
+            rngs: nnx.Rngs) -> ResNet:
+    """`stage_sizes` () = the standard stages of the depth; `stem` auto = cifar for images of <= 64 px;
+    `remat` ("none", "full", "dots") checkpoints each residual block (`jdp.layers.remat`)."""
+    h, _, c = image_shape(input_shape)
+    if isinstance(width, bool) or not isinstance(width, int) or width <= 0:
+        raise ValueError(f"model.kwargs.width={width!r} must be a positive int; set e.g. "
+                         "--config.model.kwargs.width=64")
+    stage_sizes = _sizes("stage_sizes", stage_sizes, (2, 2, 2, 2))
+    if not 0 <= bn_momentum <= 1:
+        raise ValueError(f"model.kwargs.bn_momentum={bn_momentum} must be in [0, 1]; e.g. 0.9")
+    block, standard_stages = ARCHS[name]
+    stem = stem if stem != "auto" else ("cifar" if h <= 64 else "imagenet")
+    return ResNet(tuple(stage_sizes) or standard_stages, block, width, stem, c, num_classes,
+                  bn_momentum=bn_momentum, remat=remat, rngs=rngs)
 
 
 for _name in ARCHS:
-    MODELS.register(_name)(_resnet(_name))
+    MODELS.register(_name)(functools.partial(_resnet, _name))
 
 
 @MODELS.register("gpt")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -14,6 +15,7 @@ from flax import nnx
 
 from jdp.layers import Stack, check_remat, remat
 
+Linear = Callable[..., nnx.Linear]  # nnx.Linear(in, out, kernel_init=...) with the block's bias, dtype and rngs
 # Per block: keys and values, (B, block_size, heads, head_dim); scanned blocks: one pair, stacked (layers, B, ...).
 Cache = list[tuple[jax.Array, jax.Array]] | tuple[jax.Array, jax.Array]
 
@@ -32,15 +34,13 @@ def _attention(q: jax.Array, k: jax.Array, v: jax.Array, **kwargs: Any) -> jax.A
 
 
 class CausalSelfAttention(nnx.Module):
-    def __init__(self, embed_dim: int, num_heads: int, dropout: float, bias: bool, residual_std: float,
-                 dtype: jnp.dtype | None, rngs: nnx.Rngs):
+    def __init__(self, embed_dim: int, num_heads: int, dropout: float, linear: Linear, residual_std: float,
+                 rngs: nnx.Rngs):
         if embed_dim % num_heads:
             raise ValueError(f"gpt: embed_dim {embed_dim} is not divisible by num_heads {num_heads}")
         self.num_heads = num_heads
-        normal = nnx.initializers.normal(0.02)
-        self.qkv = nnx.Linear(embed_dim, 3 * embed_dim, use_bias=bias, kernel_init=normal, dtype=dtype, rngs=rngs)
-        self.proj = nnx.Linear(embed_dim, embed_dim, use_bias=bias, kernel_init=nnx.initializers.normal(residual_std),
-                               dtype=dtype, rngs=rngs)
+        self.qkv = linear(embed_dim, 3 * embed_dim, kernel_init=nnx.initializers.normal(0.02))
+        self.proj = linear(embed_dim, embed_dim, kernel_init=nnx.initializers.normal(residual_std))
         self.attn_dropout = nnx.Dropout(dropout, rngs=rngs)
         self.resid_dropout = nnx.Dropout(dropout, rngs=rngs)
 
@@ -78,12 +78,9 @@ def gelu(x: jax.Array) -> jax.Array:
 
 
 class MLP(nnx.Module):
-    def __init__(self, embed_dim: int, dropout: float, bias: bool, residual_std: float, dtype: jnp.dtype | None,
-                 rngs: nnx.Rngs):
-        self.fc = nnx.Linear(embed_dim, 4 * embed_dim, use_bias=bias, kernel_init=nnx.initializers.normal(0.02),
-                             dtype=dtype, rngs=rngs)
-        self.proj = nnx.Linear(4 * embed_dim, embed_dim, use_bias=bias,
-                               kernel_init=nnx.initializers.normal(residual_std), dtype=dtype, rngs=rngs)
+    def __init__(self, embed_dim: int, dropout: float, linear: Linear, residual_std: float, rngs: nnx.Rngs):
+        self.fc = linear(embed_dim, 4 * embed_dim, kernel_init=nnx.initializers.normal(0.02))
+        self.proj = linear(4 * embed_dim, embed_dim, kernel_init=nnx.initializers.normal(residual_std))
         self.dropout = nnx.Dropout(dropout, rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -95,10 +92,11 @@ class Block(nnx.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, dropout: float, bias: bool, residual_std: float,
                  dtype: jnp.dtype | None, rngs: nnx.Rngs):
+        linear = functools.partial(nnx.Linear, use_bias=bias, dtype=dtype, rngs=rngs)
         self.ln1 = nnx.LayerNorm(embed_dim, epsilon=1e-5, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.attn = CausalSelfAttention(embed_dim, num_heads, dropout, bias, residual_std, dtype, rngs)
+        self.attn = CausalSelfAttention(embed_dim, num_heads, dropout, linear, residual_std, rngs)
         self.ln2 = nnx.LayerNorm(embed_dim, epsilon=1e-5, use_bias=bias, dtype=dtype, rngs=rngs)
-        self.mlp = MLP(embed_dim, dropout, bias, residual_std, dtype, rngs)
+        self.mlp = MLP(embed_dim, dropout, linear, residual_std, rngs)
 
     def __call__(self, x: jax.Array, cache: tuple[jax.Array, jax.Array] | None = None,
                  start: jax.Array | int = 0) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:

@@ -1,5 +1,3 @@
-"""Multi-layer perceptron."""
-
 from collections.abc import Sequence
 from itertools import pairwise
 

@@ -45,41 +45,29 @@ class _Shortcut(nnx.Module):
         return x if self.proj is None else self.bn(self.proj(x))
 
 
-class BasicBlock(nnx.Module):
-    expansion = 1
+class Block(nnx.Module):
+    """A basic (3x3, 3x3 convs) or bottleneck (1x1, 3x3 with the stride: v1.5, 1x1 to 4x the filters) residual block:
+    `conv1` / `bn1`, ... with ReLU between them, added to the shortcut, then ReLU."""
 
-    def __init__(self, c_in: int, filters: int, stride: int, layers: SimpleNamespace):
-        self.conv1, self.bn1 = layers.conv(c_in, filters, 3, stride), layers.bn(filters)
-        self.conv2, self.bn2 = layers.conv(filters, filters, 3), layers.bn(filters)
-        self.shortcut = _Shortcut(c_in, filters, stride, layers)
+    def __init__(self, c_in: int, filters: int, stride: int, layers: SimpleNamespace, bottleneck: bool):
+        convs = ([(filters, 1, 1), (filters, 3, stride), (4 * filters, 1, 1)] if bottleneck
+                 else [(filters, 3, stride), (filters, 3, 1)])
+        self.depth, self.c_out = len(convs), c_in
+        for i, (c_out, k, s) in enumerate(convs, 1):
+            setattr(self, f"conv{i}", layers.conv(self.c_out, c_out, k, s))
+            setattr(self, f"bn{i}", layers.bn(c_out))
+            self.c_out = c_out
+        self.shortcut = _Shortcut(c_in, self.c_out, stride, layers)
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = nnx.relu(self.bn1(self.conv1(x)))
-        y = self.bn2(self.conv2(y))
+        y = x
+        for i in range(1, self.depth + 1):
+            y = getattr(self, f"bn{i}")(getattr(self, f"conv{i}")(y))
+            y = nnx.relu(y) if i < self.depth else y
         return nnx.relu(y + self.shortcut(x))
 
 
-class BottleneckBlock(nnx.Module):
-    expansion = 4
-
-    def __init__(self, c_in: int, filters: int, stride: int, layers: SimpleNamespace):
-        c_out = filters * self.expansion
-        self.conv1, self.bn1 = layers.conv(c_in, filters, 1), layers.bn(filters)
-        self.conv2, self.bn2 = layers.conv(filters, filters, 3, stride), layers.bn(filters)
-        self.conv3, self.bn3 = layers.conv(filters, c_out, 1), layers.bn(c_out)
-        self.shortcut = _Shortcut(c_in, c_out, stride, layers)
-
-    def __call__(self, x: jax.Array) -> jax.Array:
-        y = nnx.relu(self.bn1(self.conv1(x)))
-        y = nnx.relu(self.bn2(self.conv2(y)))
-        y = self.bn3(self.conv3(y))
-        return nnx.relu(y + self.shortcut(x))
-
-
-BLOCKS: dict[str, type[BasicBlock] | type[BottleneckBlock]] = {
-    "basic": BasicBlock,
-    "bottleneck": BottleneckBlock,
-}
+BLOCKS = ("basic", "bottleneck")
 STEMS = ("cifar", "imagenet")
 
 
@@ -103,7 +91,7 @@ class ResNet(nnx.Module):
         rngs: nnx.Rngs,
     ):
         if block not in BLOCKS:
-            raise ValueError(f"unknown ResNet block {block!r}; choose from {tuple(BLOCKS)}")
+            raise ValueError(f"unknown ResNet block {block!r}; choose from {BLOCKS}")
         if stem not in STEMS:
             raise ValueError(f"unknown ResNet stem {stem!r}; choose from {STEMS}")
         layers = SimpleNamespace(conv=functools.partial(_conv, dtype=dtype, rngs=rngs), bn=functools.partial(
@@ -113,12 +101,11 @@ class ResNet(nnx.Module):
         k, stride = (7, 2) if self.imagenet_stem else (3, 1)
         self.stem_conv = layers.conv(in_channels, width, k, stride)
         self.stem_bn = layers.bn(width)
-        block_cls = BLOCKS[block]
         blocks, c = [], width
         for i, n in enumerate(stage_sizes):
             for j in range(n):
-                blocks.append(block_cls(c, width * 2**i, 2 if i > 0 and j == 0 else 1, layers))
-                c = width * 2**i * block_cls.expansion
+                blocks.append(Block(c, width * 2**i, 2 if i > 0 and j == 0 else 1, layers, block == "bottleneck"))
+                c = blocks[-1].c_out
         self.blocks = nnx.List(blocks)
         self.head = nnx.Linear(c, num_classes, dtype=dtype, rngs=rngs)
 
