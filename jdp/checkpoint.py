@@ -102,10 +102,9 @@ def _int_keys(tree: Any) -> Any:
 def read_arrays(directory: Path, step: int | None = None) -> tuple[int, dict[str, Any]]:
     """The latest (or `step`'s) checkpoint in `directory` as numpy arrays, read-only."""
     directory = directory.absolute()
-    reader = ocp.CheckpointManager(directory, item_handlers={"state": ocp.PyTreeCheckpointHandler(),
-                                                             "data": _DataHandler()},
-                                   options=ocp.CheckpointManagerOptions(create=False))
-    try:
+    with ocp.CheckpointManager(directory, item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                                                         "data": _DataHandler()},
+                               options=ocp.CheckpointManagerOptions(create=False)) as reader:
         steps = sorted(reader.all_steps())
         if not steps or (step is not None and step not in steps):
             raise CheckpointError(f"no checkpoint {'' if step is None else f'of step {step} '}in {directory}"
@@ -116,8 +115,6 @@ def read_arrays(directory: Path, step: int | None = None) -> tuple[int, dict[str
             as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
             restored, problem = _read(lambda: reader.restore(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeRestore(restore_args=as_numpy), data=_Data())), directory / str(step))
-    finally:
-        reader.close()
     problem = problem or _data_problem(directory, step, restored["data"])
     if problem is None:
         arrays = _int_keys(jax.tree.map(np.asarray, dict(restored["state"])))
@@ -284,8 +281,7 @@ class Checkpointer:
         if problem is not None:
             return None, data, problem
         # Where no digests say what was saved, orbax's metadata does: a config change is told from damage.
-        layout = digests if digests is not None else digest.as_digest_layout(digest.stored_layout(metadata),
-                                                                             abstract_state)
+        layout = digests if digests is not None else digest.stored_layout(metadata, abstract_state)
         resized = set()
         if per_device is not None:
             abstract_state, resized = _as_saved(abstract_state, per_device, layout)

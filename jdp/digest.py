@@ -135,9 +135,11 @@ def _plain(path: str) -> str:
     return "/".join(next(g for g in m.groups() if g is not None) for m in _KEY.finditer(path))
 
 
-def stored_layout(metadata: Any) -> dict[str, list]:
-    """{plain path: [dtype, shape]} of the arrays orbax's metadata of a saved tree describes."""
-    return {_plain(path): [np.dtype(leaf.dtype).name, list(leaf.shape)]
+def stored_layout(metadata: Any, abstract: Any = None) -> dict[str, list]:
+    """{plain path: [dtype, shape]} of the arrays orbax's metadata of a saved tree describes; keyed as digests are
+    where `abstract` has the path (for a checkpoint without digests)."""
+    paths = {_plain(path): path for path, _ in _leaves(abstract)}
+    return {paths.get(_plain(path), _plain(path)): [np.dtype(leaf.dtype).name, list(leaf.shape)]
             for path, leaf in _leaves(metadata) if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
 
 
@@ -155,9 +157,3 @@ def layout_disagreement(digests: dict[str, list], stored: dict[str, list]) -> st
             return (f"its digests give {path} as {mine[0]}{tuple(mine[1])}, its arrays as {theirs[0]}"
                     f"{tuple(theirs[1])} (damaged bytes)")
     return None
-
-
-def as_digest_layout(stored: dict[str, list], abstract: Any) -> dict[str, list]:
-    """`stored_layout` keyed as digests are (`abstract`'s paths, else as stored), for a checkpoint without digests."""
-    paths = {_plain(path): path for path, _ in _leaves(abstract)}
-    return {paths.get(path, path): layout for path, layout in stored.items()}
