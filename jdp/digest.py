@@ -130,14 +130,12 @@ _KEY = re.compile(r"""\.(\w+)|\[(-?\d+)\]|\['((?:[^'\\]|\\.)*)'\]|\["((?:[^"\\]|
 
 
 def _plain(path: str) -> str:
-    """A leaf's path as its keys joined by "/": `.opt_state[0].mu['w']` and `['opt_state'][0]['mu']['w']` are both
-    `opt_state/0/mu/w`."""
+    """A leaf's path as its keys joined by "/": `.opt_state[0].mu['w']` and `['opt_state'][0]['mu']['w']` alike."""
     return "/".join(next(g for g in m.groups() if g is not None) for m in _KEY.finditer(path))
 
 
 def stored_layout(metadata: Any, abstract: Any = None) -> dict[str, list]:
-    """{plain path: [dtype, shape]} of the arrays orbax's metadata of a saved tree describes; keyed as digests are
-    where `abstract` has the path (for a checkpoint without digests)."""
+    """{path: [dtype, shape]} of the arrays orbax's metadata describes; a path as `abstract` has it, else plain."""
     paths = {_plain(path): path for path, _ in _leaves(abstract)}
     return {paths.get(_plain(path), _plain(path)): [np.dtype(leaf.dtype).name, list(leaf.shape)]
             for path, leaf in _leaves(metadata) if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
