@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jdp import digest, errors, storage
 from jdp import distributed as distributed_lib
 from jdp.errors import DiskError, FitError, one_line
-from jdp.faults import kill_if_requested, signal_if_requested
+from jdp.faults import inject
 from jdp.workdir_lock import LOCK_NAME
 
 # jdp reports saves and a full disk itself: orbax's INFO lines and per-thread tracebacks are dropped.
@@ -228,7 +228,7 @@ class Checkpointer:
 
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                          data=_Data(with_digests)), force=True)
-        kill_if_requested("save", step)
+        inject("save", step)
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
@@ -242,7 +242,7 @@ class Checkpointer:
         `per_device` (bools like the state): leaves saved one row per device, None when saved on another device
         count. `check(step, data item)` runs on each intact data item before its arrays are read."""
         warn = warn or (errors.warn if jax.process_index() == 0 else lambda line: None)
-        signal_if_requested("restore")
+        inject("restore")
         # Entries named as a step that are not a directory: orbax skips them, then fails to save those steps.
         found = {int(p.name): storage.not_a_directory(p) for p in self.directory.glob("*") if p.name.isdigit()}
         if not_checkpoints := sorted(step for step, problem in found.items() if problem):

@@ -110,20 +110,16 @@ def mismatch(digests: dict[str, list], tree: Any) -> str | None:
     return None
 
 
-def _checksum(item: dict) -> str:
-    """BLAKE2b of `item` without its checksum, as canonical JSON (any writer's spacing and key order alike)."""
-    text = json.dumps({k: v for k, v in item.items() if k != "checksum"}, sort_keys=True, separators=(",", ":"))
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-
-
 def sealed(item: dict) -> dict:
-    """`item` (JSON-able) with its checksum under "checksum"."""
-    return {**item, "checksum": _checksum(item)}
+    """`item` (JSON-able) with its checksum under "checksum": BLAKE2b of the rest as canonical JSON (any writer's
+    spacing and key order alike)."""
+    text = json.dumps({k: v for k, v in item.items() if k != "checksum"}, sort_keys=True, separators=(",", ":"))
+    return {**item, "checksum": hashlib.blake2b(text.encode(), digest_size=16).hexdigest()}
 
 
 def seal_broken(item: dict) -> bool:
-    """Whether `item` carries a checksum that does not match it."""
-    return "checksum" in item and item["checksum"] != _checksum(item)
+    """Whether `item` carries a checksum that does not match it (sealing it anew changes it)."""
+    return "checksum" in item and sealed(item) != item
 
 
 _KEY = re.compile(r"""\.(\w+)|\[(-?\d+)\]|\['((?:[^'\\]|\\.)*)'\]|\["((?:[^"\\]|\\.)*)"\]""")
