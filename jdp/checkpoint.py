@@ -295,11 +295,10 @@ class Checkpointer:
         target = {k: v for k, v in abstract_state._asdict().items() if k not in missing}
         state, problem = _read(lambda: type(abstract_state)(**self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target)))["state"], **missing), where)
-        if problem is not None:
-            return None, data, problem
-        problem = digest.mismatch(digests, state) if digests is not None else None
-        held = state.step.addressable_data(0) if hasattr(state.step, "addressable_data") else state.step
-        problem = problem or _step_problem(step, int(np.asarray(held)))
+        if problem is None:
+            held = state.step.addressable_data(0) if hasattr(state.step, "addressable_data") else state.step
+            problem = ((digest.mismatch(digests, state) if digests is not None else None)
+                       or _step_problem(step, int(np.asarray(held))))
         if resized and not problem:
             state = jax.tree_util.tree_map_with_path(lambda path, x: None if jax.tree_util.keystr(path) in resized
                                                      else x, state)

@@ -99,9 +99,8 @@ def mismatch(digests: dict[str, list], tree: Any) -> str | None:
     """A line naming the first leaf of `tree` whose digest differs from `digests`, or None; a collective."""
     leaves, digests = _leaves(tree), {_plain(path): value for path, value in digests.items()}
     counted = [(path, x) for path, x in leaves if str(digests.get(_plain(path), [None] * 3)[2]).startswith(WORDS)]
-    on_devices = [(path, x) for path, x in counted if isinstance(x, jax.Array)]
-    sums = np.asarray(_word_sums([x for _, x in on_devices])) if on_devices else []
-    words = dict(zip([p for p, _ in on_devices], sums, strict=True))
+    on_devices = {path: x for path, x in counted if isinstance(x, jax.Array)}
+    words = dict(zip(on_devices, np.asarray(_word_sums(list(on_devices.values()))) if on_devices else [], strict=True))
     words |= {path: _sums_on_host(x) for path, x in counted if not isinstance(x, jax.Array)}
     for path, leaf in leaves:
         got = _of_words(leaf, words[path]) if path in words else of_leaf(to_numpy(leaf))
