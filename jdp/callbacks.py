@@ -332,9 +332,8 @@ class KillAfterStep(Callback):
         return step == self.step
 
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
-        faults.kill_if_requested("step", step, before=self.checkpoints.checkpointer.wait if self.checkpoints else
-                                 lambda: None)
-        faults.raise_if_requested(step)
+        faults.inject("step", step, before=self.checkpoints.checkpointer.wait if self.checkpoints else lambda: None)
+        faults.inject("raise", step)
 
 
 def builtin(run: Run, options: Any, checkpoints: Checkpoints | None, preemption: PreemptionRequest,

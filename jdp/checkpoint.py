@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from jdp import digest, errors, storage
 from jdp import distributed as distributed_lib
 from jdp.errors import DiskError, FitError, one_line
-from jdp.faults import kill_if_requested, signal_if_requested
+from jdp.faults import inject
 from jdp.workdir_lock import LOCK_NAME
 
 # jdp reports saves and a full disk itself: orbax's INFO lines and per-thread tracebacks are dropped.
@@ -102,10 +102,9 @@ def _int_keys(tree: Any) -> Any:
 def read_arrays(directory: Path, step: int | None = None) -> tuple[int, dict[str, Any]]:
     """The latest (or `step`'s) checkpoint in `directory` as numpy arrays, read-only."""
     directory = directory.absolute()
-    reader = ocp.CheckpointManager(directory, item_handlers={"state": ocp.PyTreeCheckpointHandler(),
-                                                             "data": _DataHandler()},
-                                   options=ocp.CheckpointManagerOptions(create=False))
-    try:
+    with ocp.CheckpointManager(directory, item_handlers={"state": ocp.PyTreeCheckpointHandler(),
+                                                         "data": _DataHandler()},
+                               options=ocp.CheckpointManagerOptions(create=False)) as reader:
         steps = sorted(reader.all_steps())
         if not steps or (step is not None and step not in steps):
             raise CheckpointError(f"no checkpoint {'' if step is None else f'of step {step} '}in {directory}"
@@ -116,8 +115,6 @@ def read_arrays(directory: Path, step: int | None = None) -> tuple[int, dict[str
             as_numpy = jax.tree.map(lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
             restored, problem = _read(lambda: reader.restore(step, args=ocp.args.Composite(
                 state=ocp.args.PyTreeRestore(restore_args=as_numpy), data=_Data())), directory / str(step))
-    finally:
-        reader.close()
     problem = problem or _data_problem(directory, step, restored["data"])
     if problem is None:
         arrays = _int_keys(jax.tree.map(np.asarray, dict(restored["state"])))
@@ -231,7 +228,7 @@ class Checkpointer:
 
         self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
                                                          data=_Data(with_digests)), force=True)
-        kill_if_requested("save", step)
+        inject("save", step)
 
     def wait(self) -> None:
         self._manager.wait_until_finished()
@@ -245,7 +242,7 @@ class Checkpointer:
         `per_device` (bools like the state): leaves saved one row per device, None when saved on another device
         count. `check(step, data item)` runs on each intact data item before its arrays are read."""
         warn = warn or (errors.warn if jax.process_index() == 0 else lambda line: None)
-        signal_if_requested("restore")
+        inject("restore")
         # Entries named as a step that are not a directory: orbax skips them, then fails to save those steps.
         found = {int(p.name): storage.not_a_directory(p) for p in self.directory.glob("*") if p.name.isdigit()}
         if not_checkpoints := sorted(step for step, problem in found.items() if problem):
@@ -284,8 +281,7 @@ class Checkpointer:
         if problem is not None:
             return None, data, problem
         # Where no digests say what was saved, orbax's metadata does: a config change is told from damage.
-        layout = digests if digests is not None else digest.as_digest_layout(digest.stored_layout(metadata),
-                                                                             abstract_state)
+        layout = digests if digests is not None else digest.stored_layout(metadata, abstract_state)
         resized = set()
         if per_device is not None:
             abstract_state, resized = _as_saved(abstract_state, per_device, layout)
@@ -299,11 +295,10 @@ class Checkpointer:
         target = {k: v for k, v in abstract_state._asdict().items() if k not in missing}
         state, problem = _read(lambda: type(abstract_state)(**self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(target)))["state"], **missing), where)
-        if problem is not None:
-            return None, data, problem
-        problem = digest.mismatch(digests, state) if digests is not None else None
-        held = state.step.addressable_data(0) if hasattr(state.step, "addressable_data") else state.step
-        problem = problem or _step_problem(step, int(np.asarray(held)))
+        if problem is None:
+            held = state.step.addressable_data(0) if hasattr(state.step, "addressable_data") else state.step
+            problem = ((digest.mismatch(digests, state) if digests is not None else None)
+                       or _step_problem(step, int(np.asarray(held))))
         if resized and not problem:
             state = jax.tree_util.tree_map_with_path(lambda path, x: None if jax.tree_util.keystr(path) in resized
                                                      else x, state)

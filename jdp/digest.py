@@ -99,9 +99,8 @@ def mismatch(digests: dict[str, list], tree: Any) -> str | None:
     """A line naming the first leaf of `tree` whose digest differs from `digests`, or None; a collective."""
     leaves, digests = _leaves(tree), {_plain(path): value for path, value in digests.items()}
     counted = [(path, x) for path, x in leaves if str(digests.get(_plain(path), [None] * 3)[2]).startswith(WORDS)]
-    on_devices = [(path, x) for path, x in counted if isinstance(x, jax.Array)]
-    sums = np.asarray(_word_sums([x for _, x in on_devices])) if on_devices else []
-    words = dict(zip([p for p, _ in on_devices], sums, strict=True))
+    on_devices = {path: x for path, x in counted if isinstance(x, jax.Array)}
+    words = dict(zip(on_devices, np.asarray(_word_sums(list(on_devices.values()))) if on_devices else [], strict=True))
     words |= {path: _sums_on_host(x) for path, x in counted if not isinstance(x, jax.Array)}
     for path, leaf in leaves:
         got = _of_words(leaf, words[path]) if path in words else of_leaf(to_numpy(leaf))
@@ -110,34 +109,30 @@ def mismatch(digests: dict[str, list], tree: Any) -> str | None:
     return None
 
 
-def _checksum(item: dict) -> str:
-    """BLAKE2b of `item` without its checksum, as canonical JSON (any writer's spacing and key order alike)."""
-    text = json.dumps({k: v for k, v in item.items() if k != "checksum"}, sort_keys=True, separators=(",", ":"))
-    return hashlib.blake2b(text.encode(), digest_size=16).hexdigest()
-
-
 def sealed(item: dict) -> dict:
-    """`item` (JSON-able) with its checksum under "checksum"."""
-    return {**item, "checksum": _checksum(item)}
+    """`item` (JSON-able) with its checksum under "checksum": BLAKE2b of the rest as canonical JSON (any writer's
+    spacing and key order alike)."""
+    text = json.dumps({k: v for k, v in item.items() if k != "checksum"}, sort_keys=True, separators=(",", ":"))
+    return {**item, "checksum": hashlib.blake2b(text.encode(), digest_size=16).hexdigest()}
 
 
 def seal_broken(item: dict) -> bool:
-    """Whether `item` carries a checksum that does not match it."""
-    return "checksum" in item and item["checksum"] != _checksum(item)
+    """Whether `item` carries a checksum that does not match it (sealing it anew changes it)."""
+    return "checksum" in item and sealed(item) != item
 
 
 _KEY = re.compile(r"""\.(\w+)|\[(-?\d+)\]|\['((?:[^'\\]|\\.)*)'\]|\["((?:[^"\\]|\\.)*)"\]""")
 
 
 def _plain(path: str) -> str:
-    """A leaf's path as its keys joined by "/": `.opt_state[0].mu['w']` and `['opt_state'][0]['mu']['w']` are both
-    `opt_state/0/mu/w`."""
+    """A leaf's path as its keys joined by "/": `.opt_state[0].mu['w']` and `['opt_state'][0]['mu']['w']` alike."""
     return "/".join(next(g for g in m.groups() if g is not None) for m in _KEY.finditer(path))
 
 
-def stored_layout(metadata: Any) -> dict[str, list]:
-    """{plain path: [dtype, shape]} of the arrays orbax's metadata of a saved tree describes."""
-    return {_plain(path): [np.dtype(leaf.dtype).name, list(leaf.shape)]
+def stored_layout(metadata: Any, abstract: Any = None) -> dict[str, list]:
+    """{path: [dtype, shape]} of the arrays orbax's metadata describes; a path as `abstract` has it, else plain."""
+    paths = {_plain(path): path for path, _ in _leaves(abstract)}
+    return {paths.get(_plain(path), _plain(path)): [np.dtype(leaf.dtype).name, list(leaf.shape)]
             for path, leaf in _leaves(metadata) if hasattr(leaf, "shape") and hasattr(leaf, "dtype")}
 
 
@@ -155,9 +150,3 @@ def layout_disagreement(digests: dict[str, list], stored: dict[str, list]) -> st
             return (f"its digests give {path} as {mine[0]}{tuple(mine[1])}, its arrays as {theirs[0]}"
                     f"{tuple(theirs[1])} (damaged bytes)")
     return None
-
-
-def as_digest_layout(stored: dict[str, list], abstract: Any) -> dict[str, list]:
-    """`stored_layout` keyed as digests are (`abstract`'s paths, else as stored), for a checkpoint without digests."""
-    paths = {_plain(path): path for path, _ in _leaves(abstract)}
-    return {paths.get(path, path): layout for path, layout in stored.items()}

@@ -275,8 +275,6 @@ def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, b
                                  f"{fix}") from None
     finally:
         watchdog.cancel()
-    if jax.process_count() != job.num_processes:
-        raise DistributedFailure(f"JAX sees {jax.process_count()} processes ({job.describe()})")
     if job.process_id == 0:
         print(f"jdp: distributed: all {job.num_processes} processes joined ({job.describe()})", flush=True)
 
@@ -291,9 +289,9 @@ def check_same_run(settings: dict, timeout_s: float) -> None:
     for other in range(1, jax.process_count()) if me == 0 else [0]:
         theirs = _within(timeout_s, f"process {other} did not report its settings", client.blocking_key_value_get,
                          f"jdp/run/{other}")
-        first, this, index = (json.loads(mine), json.loads(theirs), other) if me == 0 else (
-            json.loads(theirs), json.loads(mine), me)
-        differing = [f"{k}: {a!r} on process 0, {b!r} on process {index}" for k, a, b in differences(first, this)]
+        index, pair = (other, (mine, theirs)) if me == 0 else (me, (theirs, mine))
+        differing = [f"{k}: {a!r} on process 0, {b!r} on process {index}"
+                     for k, a, b in differences(*map(json.loads, pair))]
         if differing:
             raise DistributedUsageError(f"process {index} was started with other settings than process 0 "
                                         f"({'; '.join(differing[:5])}); start every process with the same "

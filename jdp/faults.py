@@ -25,21 +25,16 @@ def _requested(point: str) -> int | None:
     return int(step)
 
 
-def kill_if_requested(point: str, step: int, before: Callable[[], None] = lambda: None) -> None:
-    if _requested(point) == step:
-        before()
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-def raise_if_requested(step: int) -> None:
-    if _requested("raise") == step:
+def inject(point: str, step: int | None = None, before: Callable[[], None] = lambda: None) -> None:
+    """The fault `JDP_KILL_AT` asks for at `point` after `step` (`restore`: any): SIGKILL after `before()` (`save`,
+    `step`), an exception (`raise`), or SIGTERM as a scheduler would send it (`restore`)."""
+    requested = _requested(point)
+    if requested is None or step not in (None, requested):
+        return
+    if point == "raise":
         raise RuntimeError(f"JDP_KILL_AT=raise:{step}: a fault injected after step {step}")
-
-
-def signal_if_requested(point: str) -> None:
-    """SIGTERM to this process at `point` (`restore`), as a scheduler would send it."""
-    if _requested(point) is not None:
-        os.kill(os.getpid(), signal.SIGTERM)
+    before()
+    os.kill(os.getpid(), signal.SIGTERM if point == "restore" else signal.SIGKILL)
 
 
 def requested_step() -> int | None:

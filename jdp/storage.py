@@ -143,23 +143,22 @@ _ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax's temporary directory of a save in
 
 def lost_directory(error: BaseException, workdir: Path | None = None) -> tuple[Path, str | None] | None:
     """(what is gone, the path written or None) if `error` or its cause is an ENOENT write into something deleted or
-    moved meanwhile: with `workdir`, the workdir or the highest missing directory in it; without (what orbax's
-    threads log), a path whose directory is missing or in orbax's temporary directory."""
+    moved meanwhile: with `workdir` (absolute), the workdir or the highest missing directory in it; without (what
+    orbax's threads log), a path whose directory is missing or in orbax's temporary directory."""
     for cause in _chain(error, unreported=True):
-        path = _enoent_path(cause)
-        if path is not None:
-            if workdir is not None and not Path(workdir).is_dir():
-                return Path(workdir), path or None
-            inside = workdir is not None and path and Path(path).absolute().is_relative_to(Path(workdir).absolute())
-            if inside and not Path(path).exists():  # the highest missing directory below the workdir
-                gone = Path(path).absolute()
-                while gone.parent != Path(workdir).absolute() and not gone.parent.exists():
-                    gone = gone.parent
-                return gone, path
-            # orbax names some files of its temporary directory relative to it ('commit_success.txt')
-            if workdir is None and path and (_ORBAX_TMP in path or not Path(path).is_absolute()
-                                             or not Path(path).parent.exists()):
-                return Path(path), path
+        if (path := _enoent_path(cause)) is None:
+            continue
+        if workdir is not None and not workdir.is_dir():
+            return workdir, path or None
+        gone = Path(path).absolute()
+        if workdir is not None and path and gone.is_relative_to(workdir) and not gone.exists():
+            while gone.parent != workdir and not gone.parent.exists():  # the highest missing directory below it
+                gone = gone.parent
+            return gone, path
+        # orbax names some files of its temporary directory relative to it ('commit_success.txt')
+        if workdir is None and path and (_ORBAX_TMP in path or not Path(path).is_absolute()
+                                         or not Path(path).parent.exists()):
+            return Path(path), path
     return None
 
 
