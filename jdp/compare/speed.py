@@ -17,7 +17,7 @@ from jdp.compare.parity import both_sides, run_ddp
 from jdp.compare.report import Speed, write_speed
 from jdp.data.text import is_text
 from jdp.metrics import read_metrics
-from jdp.parallel import BACKENDS
+from jdp.options import BACKENDS
 
 _CACHE_ENV = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
 
