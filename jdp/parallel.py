@@ -1,6 +1,5 @@
-"""Runs the one step of `jdp.step` under the chosen backend: shard_map and pmap once per device (`axis_name`
-"data", or a strategy's mesh axes), jit once on the global batch (`axis_name=None`); outside the step the state is
-logical, every leaf at its own shape. Compared: docs/performance.md, 'Backends (`parallel.backend`)'."""
+"""The one step of `jdp.step` under a backend: shard_map and pmap once per device, jit once on the global batch;
+outside the step the state is logical, every leaf at its own shape (docs/performance.md, 'Backends')."""
 
 from __future__ import annotations
 
@@ -114,14 +113,12 @@ class DataParallel:
             devices = list(mesh.devices.flat)
             self._train = jax.pmap(train, axis_name=DATA_AXIS, devices=devices, donate_argnums=0)
             self.eval_step = jax.pmap(evaluate, axis_name=DATA_AXIS, devices=devices)
-        # The layout conversions at the step's boundary: pmap's stacked copy, or the strategy's padded slices.
-        if backend == "pmap":
             self._to_step_layout = jax.jit(lambda t: jax.tree.map(
                 lambda x, p: x if p else jnp.broadcast_to(x, (mesh.size, *x.shape)), t, self.per_device),
                 out_shardings=data_sharded(mesh))
             self._to_logical = jax.jit(lambda t: jax.tree.map(lambda x, p: x if p else x[0], t, self.per_device),
                                        out_shardings=self.logical_shardings)
-        else:
+        if backend != "pmap":  # the layout conversions at the step's boundary: the strategy's padded slices
             self._to_step_layout = jax.jit(lambda t: sync.to_step_layout(t, shards), out_shardings=step_shardings)
             self._to_logical = jax.jit(lambda t: sync.to_logical(t, abstract_state),
                                        out_shardings=self.logical_shardings)
@@ -237,8 +234,7 @@ def _differing_leaves(tree: Tree, axis_name: str | tuple[str, ...] = DATA_AXIS) 
 
 
 def _checked_layouts(sync: Sync, abstract_state: Any, num_devices: int) -> Any:
-    """`sync.layouts(abstract_state)`, or FitError where it is not one layout a leaf, or a per-device leaf has no
-    row per device."""
+    """`sync.layouts(abstract_state)`, checked (FitError): a known layout a leaf, a row per device if per-device."""
     layouts = sync.layouts(abstract_state)
     try:
         kinds = jax.tree.structure(abstract_state).flatten_up_to(layouts)
