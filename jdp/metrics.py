@@ -233,8 +233,7 @@ def _parse(path: Path) -> list[tuple[str, dict | None]]:
 
 
 def _truncate_after(path: Path, step: int) -> list[dict]:
-    """Drops the train and eval lines past `step` and the summary lines after them, rewriting the file atomically
-    if it changed; returns the records kept."""
+    """Drops the train and eval lines past `step` and the summaries after them (atomically); the records kept."""
     text = path.read_text(errors="surrogateescape")
     kept, beyond = [], False
     for line, record in _parse(path):

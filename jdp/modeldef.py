@@ -74,8 +74,7 @@ class ModelDef:
 
     @classmethod
     def of(cls, model: nnx.Module, bn_axis: str | None, seed: int = 0) -> ModelDef:
-        """The graphs of `model` (concrete or abstract), its BatchNorms on `bn_axis`; FitError for a parameter no
-        gradient reaches."""
+        """The graphs of `model` (concrete or abstract), BatchNorms on `bn_axis`; FitError for a non-float parameter."""
         for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]:
             if not jnp.issubdtype(leaf.dtype, jnp.inexact):
                 raise FitError(f"model parameter {jax.tree_util.keystr(path, simple=True, separator='.')} is "
@@ -125,8 +124,7 @@ class ModelDef:
         return nnx.to_pure_dict(rest), nnx.to_pure_dict(counts)
 
     def load_into(self, model: nnx.Module, params: Tree, model_state: Tree, rng_state: Tree) -> None:
-        """Write trained state back into the caller's model (as writable copies: a train call updates some in
-        place)."""
+        """Writes the state into the caller's model, as writable copies (a train call updates some in place)."""
         keys = self._keys(jax.tree.map(jnp.asarray, rng_state["keys"]), ())
         replace_state(model, params, jax.tree.map(np.array, model_state), keys,
                       jax.tree.map(np.array, rng_state["counts"]))

@@ -250,9 +250,8 @@ def fit(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
 def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
         optimizer: optax.GradientTransformation, steps: int, global_batch_size: int, options: FitOptions,
         on_start: Callable[[int], None] = lambda start: None, settings: dict[str, Any] | None = None) -> FitResult:
-    """`fit` with its options gathered (what `python -m jdp.train` calls). `on_start(step)`: before anything is
-    written to the workdir. `settings`: the caller's settings that define the run, recorded in run.json and guarded
-    like fit's own."""
+    """`fit` with its options gathered (`python -m jdp.train`'s). `on_start(step)`: before anything is written to
+    the workdir; `settings`: the caller's that define the run, recorded in run.json and guarded like fit's own."""
     _check_joined()
     strategy, what = sync_lib.strategy(options)  # a periodic strategy's replicas agree only at sync points
     for name, count in (("steps", steps), ("global_batch_size", global_batch_size)):
