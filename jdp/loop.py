@@ -30,7 +30,6 @@ from jdp.preemption import PreemptionRequest
 from jdp.step import TrainState
 
 RESULTS_TIMEOUT_S = 120.0  # process 0 reads metrics.jsonl while the others wait for its answer
-STOPPED_TOGETHER = (NonFiniteLossError, Preempted, ReplicaMismatchError)  # every process raises these at one step
 
 
 @dataclasses.dataclass
@@ -129,9 +128,9 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
             checkpoints.save(halted, logical)
         raise
     except BaseException as e:
-        if jax.process_count() > 1 and not isinstance(e, STOPPED_TOGETHER):
-            # Only this process failed: the checkpointer's closing barrier would meet the others' step collective
-            # out of order and abort them; the launcher stops them.
+        if jax.process_count() > 1 and not isinstance(e, (NonFiniteLossError, Preempted, ReplicaMismatchError)):
+            # Only this process failed (every process raises those at one step): the checkpointer's closing barrier
+            # would meet the others' step collective out of order and abort them; the launcher stops them.
             checkpointer = None
         raise
     finally:

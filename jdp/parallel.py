@@ -215,9 +215,10 @@ class DataParallel:
         row = np.reshape(np.asarray(outputs.addressable_data(0)), (-1, len(self._metric_names)))[0]
         return dict(zip(self._metric_names, row.tolist(), strict=True))
 
-    def replicated(self, state: step_lib.TrainState) -> step_lib.TrainState:
-        """`state` without its per-device and sharded leaves (None), which have no replicas to compare."""
-        return jax.tree.map(lambda x, layout: x if layout == REPLICATED else None, state, self._layouts)
+    def replicated(self, state: step_lib.TrainState) -> dict[str, Tree]:
+        """What replicas compare: `state`'s params, model state, RNG state and sync state, replicated leaves only."""
+        kept = jax.tree.map(lambda x, layout: x if layout == REPLICATED else None, state, self._layouts)
+        return {name: getattr(kept, name) for name in ("params", "model_state", "rng_state", "sync")}
 
     def first_differing_leaf(self, tree: Tree) -> str | None:
         """The path of the first leaf whose copies differ across devices (bit checksums), or None."""
