@@ -206,10 +206,8 @@ class ReplicaCheck(Every):
     reads_devices = True  # `run.state`, not the logical state
 
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
-        copies = self.run.parallel.replicated(self.run.state)  # each device's own copy of the replicated leaves
         with self.run.clock.paused():  # the first check also compiles the checksum program
-            leaf = self.run.parallel.first_differing_leaf({"params": copies.params, "model_state": copies.model_state,
-                                                           "rng_state": copies.rng_state, "sync": copies.sync})
+            leaf = self.run.parallel.first_differing_leaf(self.run.parallel.replicated(self.run.state))
         if leaf is not None:
             raise ReplicaMismatchError(f"replicas differ at step {step}: first differing parameter {leaf}")
 

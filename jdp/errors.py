@@ -14,10 +14,8 @@ def warn(line: str) -> None:
 
 def one_line(error: BaseException, *, typed: bool = True) -> str:
     """`Type: first line of the message`, at most 400 characters (without `typed`: the line, else the type)."""
-    lines = str(error).strip().splitlines()
-    if not typed:
-        return (lines[0] if lines else type(error).__name__)[:400]
-    return f"{type(error).__name__}: {lines[0] if lines else ''}"[:400]
+    line = next(iter(str(error).strip().splitlines()), "")
+    return (f"{type(error).__name__}: {line}" if typed else line or type(error).__name__)[:400]
 
 
 class UsageError(ValueError):

@@ -30,7 +30,6 @@ from jdp.preemption import PreemptionRequest
 from jdp.step import TrainState
 
 RESULTS_TIMEOUT_S = 120.0  # process 0 reads metrics.jsonl while the others wait for its answer
-STOPPED_TOGETHER = (NonFiniteLossError, Preempted, ReplicaMismatchError)  # every process raises these at one step
 
 
 @dataclasses.dataclass
@@ -63,14 +62,12 @@ class FitResult:
         return self.eval_metrics.get("accuracy", math.nan)
 
 
-def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int, fit_record: dict | None = None,
-          on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None
-          ) -> tuple[FitResult, Any]:
-    """Runs `engine` to `steps` under the workdir's lock (`jdp.trainer.run` says what the hooks get); a full disk
+def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int, fit_record: dict | None,
+          on_start: Callable[[int], None]) -> tuple[FitResult, Any]:
+    """Runs `engine` to `steps` under the workdir's lock (`jdp.trainer.run` says what `on_start` gets); a full disk
     raises `DiskError`. Returns the result and the final logical state (numpy)."""
-    hooks = on_resume or (lambda: None), on_start or (lambda start: None)
     if options.workdir is None:
-        return _train(engine, options, steps, global_batch_size, None, None, fit_record, *hooks)
+        return _train(engine, options, steps, global_batch_size, None, None, fit_record, on_start)
     workdir = Path(options.workdir)
     with workdir_lock.held(workdir):
         checkpointer = None
@@ -78,26 +75,23 @@ def train(engine: Engine, options: FitOptions, steps: int, global_batch_size: in
             checkpointer = Checkpointer(workdir / "checkpoints", keep=options.keep_checkpoints,
                                         every_steps=options.checkpoint_every,
                                         fingerprint=guard_lib.fingerprint(fit_record) if fit_record else None)
-            return _train(engine, options, steps, global_batch_size, workdir, checkpointer, fit_record, *hooks)
+            return _train(engine, options, steps, global_batch_size, workdir, checkpointer, fit_record, on_start)
         except Exception as e:
-            failure = storage.disk_failure(e)
+            if failure := storage.disk_failure(e):
+                last = checkpointer.steps()[-1] if checkpointer is not None and checkpointer.steps() else None
+                raise storage.disk_error(failure, workdir, last) from None
             # Else: the workdir, or something in it, deleted or moved meanwhile?
-            lost = None if failure else storage.lost_workdir(
-                e, workdir.absolute(), checkpointer.vanished if checkpointer is not None else lambda: None)
-            if lost is not None:
+            if lost := storage.lost_workdir(e, workdir.absolute(), getattr(checkpointer, "vanished", lambda: None)):
                 raise storage.lost_error(lost, workdir.absolute()) from None
-            if failure is None:
-                raise
-            last = checkpointer.steps()[-1] if checkpointer is not None and checkpointer.steps() else None
-            raise storage.disk_error(failure, workdir, last) from None
+            raise
 
 
 def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: int, workdir: Path | None,
-           checkpointer: Checkpointer | None, fit_record: dict | None, on_resume: Callable[[], None],
-           on_start: Callable[[int], None]) -> tuple[FitResult, Any]:
+           checkpointer: Checkpointer | None, fit_record: dict | None, on_start: Callable[[int], None]
+           ) -> tuple[FitResult, Any]:
     t_start = time.perf_counter()
     parallel, source = engine.parallel, engine.source
-    start, logical, record = _begin(engine, options, steps, workdir, checkpointer, fit_record, on_resume)
+    start, logical, record = _begin(engine, options, steps, workdir, checkpointer, fit_record)
     on_start(start)
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=jax.process_index() == 0)
     run = callbacks_lib.Run(parallel, source, writer, ThroughputClock(), workdir, steps, start, global_batch_size,
@@ -134,9 +128,9 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
             checkpoints.save(halted, logical)
         raise
     except BaseException as e:
-        if jax.process_count() > 1 and not isinstance(e, STOPPED_TOGETHER):
-            # Only this process failed: the checkpointer's closing barrier would meet the others' step collective
-            # out of order and abort them; the launcher stops them.
+        if jax.process_count() > 1 and not isinstance(e, (NonFiniteLossError, Preempted, ReplicaMismatchError)):
+            # Only this process failed (every process raises those at one step): the checkpointer's closing barrier
+            # would meet the others' step collective out of order and abort them; the launcher stops them.
             checkpointer = None
         raise
     finally:
@@ -151,15 +145,12 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
 
 
 def _begin(engine: Engine, options: FitOptions, steps: int, workdir: Path | None, checkpointer: Checkpointer | None,
-           fit_record: dict | None, on_resume: Callable[[], None]) -> tuple[int, Any, dict | None]:
+           fit_record: dict | None) -> tuple[int, Any, dict | None]:
     """(start step, logical state, the record as written to run.json or None): restored and guarded, or fresh."""
     echo, caution = (print, warn) if jax.process_index() == 0 else (lambda _: None,) * 2  # all would say the same
-    resuming = checkpointer is not None and bool(checkpointer.steps())
-    guard = (guard_lib.Guard(fit_record, workdir, options.allow_config_change, caution) if fit_record and resuming
-             else None)
+    guard = (guard_lib.Guard(fit_record, workdir, options.allow_config_change, caution)
+             if fit_record and checkpointer is not None and checkpointer.steps() else None)  # a resume to check
     try:
-        if resuming:
-            on_resume()
         if guard is not None:  # before the restore, which would refuse an optimizer of another state tree without
             guard.check_record()  # naming the change
         restored = None if checkpointer is None else checkpointer.restore_latest(

@@ -16,12 +16,10 @@ Tree = Any
 def weighted_sums(outputs: dict[str, jax.Array], mask_B: jax.Array | None = None
                   ) -> tuple[dict[str, jax.Array], jax.Array]:
     """Each key's weighted sum (float32) and the weight total; `mask_B` zeroes padding rows."""
-    outputs = dict(outputs)
-    weight = outputs.pop("weight", None)
-    weight = jnp.ones(outputs["loss"].shape, jnp.float32) if weight is None else weight.astype(jnp.float32)
+    weight = (outputs["weight"] if "weight" in outputs else jnp.ones(outputs["loss"].shape)).astype(jnp.float32)
     if mask_B is not None:
         weight = weight * mask_B.reshape(mask_B.shape + (1,) * (weight.ndim - 1))
-    return {k: jnp.sum(v.astype(jnp.float32) * weight) for k, v in outputs.items()}, jnp.sum(weight)
+    return {k: jnp.sum(v.astype(jnp.float32) * weight) for k, v in outputs.items() if k != "weight"}, jnp.sum(weight)
 
 
 def run_loss(model: ModelDef, loss_fn: LossFn, params: Tree, model_state: Tree, rng_state: Tree,

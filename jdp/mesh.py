@@ -8,7 +8,7 @@ import os
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jdp.environment import MAX_CPU_DEVICES, add_xla_flags
@@ -46,11 +46,10 @@ def mesh_devices(num_devices: int = 0) -> list[jax.Device]:
 
 
 def make_mesh(num_devices: int = 0, shape: dict[str, int] | None = None) -> Mesh:
-    """The 1-D `data` mesh over `mesh_devices(num_devices)`, or the same devices reshaped to `shape` (a sync
-    strategy's `mesh_shape`)."""
+    """The 1-D `data` mesh over `mesh_devices(num_devices)`, or those devices in a strategy's `mesh_shape`."""
     devices = np.array(mesh_devices(num_devices))
     shape = shape or {DATA_AXIS: devices.size}
-    return Mesh(devices.reshape(tuple(shape.values())), tuple(shape), axis_types=(AxisType.Auto,) * len(shape))
+    return Mesh(devices.reshape(tuple(shape.values())), tuple(shape))  # axes of type Auto
 
 
 def device_axes(mesh: Mesh) -> str | tuple[str, ...]:
@@ -85,8 +84,7 @@ def split_whole(mesh: Mesh, shape: tuple[int, ...]) -> NamedSharding:
     if axes:
         return NamedSharding(mesh, P(*[DATA_AXIS if i == axes[0] else None for i in range(len(shape))]))
     factors = _prime_factors(mesh.size)
-    view = Mesh(mesh.devices.reshape(factors), tuple(f"{DATA_AXIS}{k}" for k in range(len(factors))),
-                axis_types=(AxisType.Auto,) * len(factors))
+    view = Mesh(mesh.devices.reshape(factors), tuple(f"{DATA_AXIS}{k}" for k in range(len(factors))))
     left, names = list(shape), [[] for _ in shape]
     for name, factor in zip(view.axis_names, factors, strict=True):
         fits = [i for i, size in enumerate(left) if size % factor == 0]

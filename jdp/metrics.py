@@ -61,12 +61,13 @@ class MetricsWriter:
 
     def __init__(self, workdir: Path | None, *, total_steps: int, start_step: int = 0, resume: bool = True,
                  enabled: bool = True) -> None:
-        self.enabled = enabled
         self.listeners: list = []  # functions of each line written (process 0)
         self.eval_steps: set[int] = set()  # steps with an eval line in the file (process 0)
         self.summary_written = False  # a summary follows the last train line (process 0)
         self.nonfinite_evals: list[int] = []  # steps of the eval lines whose loss was not finite (null; process 0)
-        if not enabled:
+        if not enabled:  # every method a no-op
+            for name in ("train", "eval", "summary", "echo", "warn", "close"):
+                setattr(self, name, lambda *_, **__: None)
             return
         self._start = time.time()
         self._step = start_step  # of the latest train or eval line: a summary's TensorBoard step
@@ -110,8 +111,6 @@ class MetricsWriter:
 
     def train(self, step: int, metrics: dict[str, float]) -> None:
         """A train line: `metrics` holds `loss`, the loss function's other outputs and jdp's own fields."""
-        if not self.enabled:
-            return
         self._write({"step": step, "split": "train", **metrics})
         rate = metrics["examples_per_sec"]
         text = f"loss {metrics['loss']:.4f}" + (f"  acc {metrics['accuracy']:.3f}" if "accuracy" in metrics else "")
@@ -123,8 +122,6 @@ class MetricsWriter:
             print(f"step {step}: {text}", flush=True)
 
     def eval(self, step: int, metrics: dict[str, float]) -> None:
-        if not self.enabled:
-            return
         if not math.isfinite(metrics.get("loss", 0.0)) and step not in self.nonfinite_evals:
             self.nonfinite_evals.append(step)
         self._write({"step": step, "split": "eval", **metrics})
@@ -132,21 +129,15 @@ class MetricsWriter:
 
     def summary(self, **fields: float) -> None:
         """The summary line; `nonfinite_eval_steps` lists the evals whose loss was not finite, if any was."""
-        if self.enabled:
-            flagged = {"nonfinite_eval_steps": sorted(self.nonfinite_evals)} if self.nonfinite_evals else {}
-            self._write({"split": "summary", **fields, **flagged})
+        flagged = {"nonfinite_eval_steps": sorted(self.nonfinite_evals)} if self.nonfinite_evals else {}
+        self._write({"split": "summary", **fields, **flagged})
 
     def echo(self, line: str) -> None:
-        if self.enabled:
-            (self._bar.write if self._bar is not None else print)(line)
+        (self._bar.write if self._bar is not None else print)(line)
 
-    def warn(self, line: str) -> None:
-        if self.enabled:
-            warn(line)
+    warn = staticmethod(warn)  # jdp.errors.warn
 
     def close(self) -> None:
-        if not self.enabled:
-            return
         if self._bar is not None:
             self._bar.close()
         # Each closed once, the file even if closing the event file fails (a full disk).
@@ -242,8 +233,7 @@ def _parse(path: Path) -> list[tuple[str, dict | None]]:
 
 
 def _truncate_after(path: Path, step: int) -> list[dict]:
-    """Drops the train and eval lines past `step` and the summary lines after them, rewriting the file atomically
-    if it changed; returns the records kept."""
+    """Drops the train and eval lines past `step` and the summaries after them (atomically); the records kept."""
     text = path.read_text(errors="surrogateescape")
     kept, beyond = [], False
     for line, record in _parse(path):

@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jdp.errors import FitError
+
 Tree = Any
 LossFn = Callable[..., dict[str, jax.Array]]  # (model, batch) or (model, batch, rngs) -> per-example outputs
 # split order: params, keys, counts, sown values (dropped), the rest
@@ -23,26 +25,19 @@ _GROUPS = (nnx.Param, nnx.RngKey, nnx.RngCount, nnx.Intermediate, ...)
 _MODE_ATTRIBUTES = ("deterministic", "use_running_average")  # what `Module.train()` / `.eval()` set
 
 
-def _rngs_parameter(loss_fn: Callable) -> str | None:
-    """How `loss_fn` takes an `nnx.Rngs`: "keyword" (`rngs=`), "positional" (third), or None (not at all)."""
+def call_loss(loss_fn: LossFn, module: nnx.Module, batch: dict[str, jax.Array], key: jax.Array) -> dict:
+    """`loss_fn(module, batch)`, with an `nnx.Rngs` of `key` when it takes one as `rngs=` or third (made inside the
+    differentiated function, as NNX requires)."""
     try:
         parameters = list(inspect.signature(loss_fn).parameters.values())
     except (TypeError, ValueError):  # a builtin or C callable: the two-argument form
-        return None
-    if any(p.name == "rngs" and p.kind != p.VAR_POSITIONAL for p in parameters):
-        return "keyword"
-    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
-    return "positional" if len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in positional) else None
-
-
-def call_loss(loss_fn: LossFn, module: nnx.Module, batch: dict[str, jax.Array], key: jax.Array) -> dict:
-    """`loss_fn(module, batch)`, with an `nnx.Rngs` of `key` when it takes one (made inside the differentiated
-    function, as NNX requires)."""
-    how = _rngs_parameter(loss_fn)
-    if how is None:
         return loss_fn(module, batch)
-    rngs = nnx.Rngs(default=key)
-    return loss_fn(module, batch, rngs=rngs) if how == "keyword" else loss_fn(module, batch, rngs)
+    if any(p.name == "rngs" and p.kind != p.VAR_POSITIONAL for p in parameters):
+        return loss_fn(module, batch, rngs=nnx.Rngs(default=key))
+    positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)]
+    if len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in positional):
+        return loss_fn(module, batch, nnx.Rngs(default=key))
+    return loss_fn(module, batch)
 
 
 def fold_in(key: jax.Array, value: jax.Array | int) -> jax.Array:
@@ -62,7 +57,7 @@ def _key_impl(key: Any) -> Any:
     if isinstance(key, jax.ShapeDtypeStruct):
         default = jax.random.key(0)
         if key.dtype != default.dtype:
-            raise ValueError(f"an RNG stream of the model uses {key.dtype}, not JAX's default PRNG; pass the model "
+            raise FitError(f"an RNG stream of the model uses {key.dtype}, not JAX's default PRNG; pass the model "
                              "as an instance rather than a function")
         return jax.random.key_impl(default)
     return jax.random.key_impl(key)
@@ -79,11 +74,10 @@ class ModelDef:
 
     @classmethod
     def of(cls, model: nnx.Module, bn_axis: str | None, seed: int = 0) -> ModelDef:
-        """The graphs of `model` (concrete or abstract), its BatchNorms on `bn_axis`; ValueError for a parameter no
-        gradient reaches."""
+        """The graphs of `model` (concrete or abstract), BatchNorms on `bn_axis`; FitError for a non-float parameter."""
         for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(nnx.state(model, nnx.Param)))[0]:
             if not jnp.issubdtype(leaf.dtype, jnp.inexact):
-                raise ValueError(f"model parameter {jax.tree_util.keystr(path, simple=True, separator='.')} is "
+                raise FitError(f"model parameter {jax.tree_util.keystr(path, simple=True, separator='.')} is "
                                  f"{leaf.dtype}, and parameters are trained by their gradient, which needs a float "
                                  "dtype; hold it as an nnx.Variable (model state) or a plain attribute")
         nnx.pop(model, nnx.Intermediate)
@@ -130,8 +124,7 @@ class ModelDef:
         return nnx.to_pure_dict(rest), nnx.to_pure_dict(counts)
 
     def load_into(self, model: nnx.Module, params: Tree, model_state: Tree, rng_state: Tree) -> None:
-        """Write trained state back into the caller's model (as writable copies: a train call updates some in
-        place)."""
+        """Writes the state into the caller's model, as writable copies (a train call updates some in place)."""
         keys = self._keys(jax.tree.map(jnp.asarray, rng_state["keys"]), ())
         replace_state(model, params, jax.tree.map(np.array, model_state), keys,
                       jax.tree.map(np.array, rng_state["counts"]))

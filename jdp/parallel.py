@@ -1,13 +1,12 @@
-"""Runs the one step of `jdp.step` under the chosen backend: shard_map and pmap once per device (`axis_name`
-"data", or a strategy's mesh axes), jit once on the global batch (`axis_name=None`); outside the step the state is
-logical, every leaf at its own shape. Compared: docs/performance.md, 'Backends (`parallel.backend`)'."""
+"""The one step of `jdp.step` under a backend: shard_map and pmap once per device, jit once on the global batch;
+outside the step the state is logical, every leaf at its own shape (docs/performance.md, 'Backends')."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from functools import partial
 from typing import Any
 
@@ -29,47 +28,6 @@ from jdp.sync import Sync
 from jdp.sync.base import PER_DEVICE, REPLICATED, SHARDED, spec_on
 
 Tree = step_lib.Tree
-
-
-# backend -> the compiled (train, eval) of the one step and its eval, written for the backend's `axis_name`.
-
-def _jit(mesh: Mesh, state_specs: Tree, per_device: Tree, train: Callable, evaluate: Callable
-         ) -> tuple[Callable, Callable]:
-    """One call on the global batch; XLA partitions it and inserts the all-reduce (and a sharded state's gathers)."""
-    repl, split = replicated(mesh), data_sharded(mesh)
-    state = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs)
-    return (jax.jit(train, in_shardings=(state, split), out_shardings=(state, repl), donate_argnums=0),
-            jax.jit(evaluate, in_shardings=(state, split), out_shardings=repl))
-
-
-def _shard_map(mesh: Mesh, state_specs: Tree, per_device: Tree, train: Callable, evaluate: Callable
-               ) -> tuple[Callable, Callable]:
-    """One call per device on its rows, a per-device leaf without its device axis of one. check_vma=False: with it,
-    a replicated parameter's gradient arrives summed over devices, and the step's pmean would leave it N times too
-    large."""
-    axes = device_axes(mesh)
-
-    def step(state: Tree, batch: Tree) -> tuple[Tree, Tree]:
-        state = jax.tree.map(lambda x, p: x[0] if p else x, state, per_device)
-        new_state, metrics = train(state, batch)
-        return jax.tree.map(lambda x, p: x[None] if p else x, new_state, per_device), metrics
-
-    on_each_device = partial(jax.shard_map, mesh=mesh, in_specs=(state_specs, P(axes)), check_vma=False)
-    batch_in = (None, data_sharded(mesh))  # host rows are split as the step is called (`jdp.split`)
-    return (jax.jit(on_each_device(step, out_specs=(state_specs, P())), in_shardings=batch_in,
-                    donate_argnums=0),
-            jax.jit(on_each_device(evaluate, out_specs=P()), in_shardings=batch_in))
-
-
-def _pmap(mesh: Mesh, state_specs: Tree, per_device: Tree, train: Callable, evaluate: Callable
-          ) -> tuple[Callable, Callable]:
-    """The classic pmap over the mesh's devices, the state stacked along a leading device axis."""
-    devices = list(mesh.devices.flat)
-    return (jax.pmap(train, axis_name=DATA_AXIS, devices=devices, donate_argnums=0),
-            jax.pmap(evaluate, axis_name=DATA_AXIS, devices=devices))
-
-
-BACKENDS: dict[str, Callable] = {"shard_map": _shard_map, "pmap": _pmap, "jit": _jit}  # jdp.options.BACKENDS
 
 
 class DataParallel:
@@ -131,18 +89,37 @@ class DataParallel:
                            device_input=options.device_input,
                            params_view=lambda params: sync.params_view(params, axis_name),
                            layer_view=sync.layer_view(axis_name, whole_mesh))
-        self._train, self.eval_step = BACKENDS[backend](mesh, self._state_specs, self.per_device, train, evaluate)
-        # The layout conversions at the step's boundary: pmap's stacked copy, or the strategy's padded slices.
-        if backend == "pmap":
+        step_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self._state_specs)
+        if jit:  # XLA partitions the one call and inserts the all-reduce (and a sharded state's gathers)
+            inputs = (step_shardings, data_sharded(mesh))
+            self._train = jax.jit(train, in_shardings=inputs, out_shardings=(step_shardings, replicated(mesh)),
+                                  donate_argnums=0)
+            self.eval_step = jax.jit(evaluate, in_shardings=inputs, out_shardings=replicated(mesh))
+        elif backend == "shard_map":
+            # A per-device leaf goes in without its device axis of one. check_vma=False: with it, a replicated
+            # parameter's gradient arrives summed over devices, and the step's pmean would leave it N times too large.
+            def per_device_train(state: Tree, batch: Tree) -> tuple[Tree, Tree]:
+                state = jax.tree.map(lambda x, p: x[0] if p else x, state, self.per_device)
+                new_state, metrics = train(state, batch)
+                return jax.tree.map(lambda x, p: x[None] if p else x, new_state, self.per_device), metrics
+
+            on_each_device = partial(jax.shard_map, mesh=mesh, in_specs=(self._state_specs, P(axis_name)),
+                                     check_vma=False)
+            inputs = (None, data_sharded(mesh))  # host rows are split as the step is called (`jdp.split`)
+            self._train = jax.jit(on_each_device(per_device_train, out_specs=(self._state_specs, P())),
+                                  in_shardings=inputs, donate_argnums=0)
+            self.eval_step = jax.jit(on_each_device(evaluate, out_specs=P()), in_shardings=inputs)
+        else:  # the classic pmap over the mesh's devices, the state stacked along a leading device axis
+            devices = list(mesh.devices.flat)
+            self._train = jax.pmap(train, axis_name=DATA_AXIS, devices=devices, donate_argnums=0)
+            self.eval_step = jax.pmap(evaluate, axis_name=DATA_AXIS, devices=devices)
             self._to_step_layout = jax.jit(lambda t: jax.tree.map(
                 lambda x, p: x if p else jnp.broadcast_to(x, (mesh.size, *x.shape)), t, self.per_device),
                 out_shardings=data_sharded(mesh))
             self._to_logical = jax.jit(lambda t: jax.tree.map(lambda x, p: x if p else x[0], t, self.per_device),
                                        out_shardings=self.logical_shardings)
-        else:
-            self._to_step_layout = jax.jit(lambda t: sync.to_step_layout(t, shards),
-                                           out_shardings=jax.tree.map(lambda spec: NamedSharding(mesh, spec),
-                                                                      self._state_specs))
+        if backend != "pmap":  # the layout conversions at the step's boundary: the strategy's padded slices
+            self._to_step_layout = jax.jit(lambda t: sync.to_step_layout(t, shards), out_shardings=step_shardings)
             self._to_logical = jax.jit(lambda t: sync.to_logical(t, abstract_state),
                                        out_shardings=self.logical_shardings)
         self._relayout = backend == "pmap" or any(spec != P() for spec in jax.tree.leaves(self._state_specs))
@@ -238,9 +215,10 @@ class DataParallel:
         row = np.reshape(np.asarray(outputs.addressable_data(0)), (-1, len(self._metric_names)))[0]
         return dict(zip(self._metric_names, row.tolist(), strict=True))
 
-    def replicated(self, state: step_lib.TrainState) -> step_lib.TrainState:
-        """`state` without its per-device and sharded leaves (None), which have no replicas to compare."""
-        return jax.tree.map(lambda x, layout: x if layout == REPLICATED else None, state, self._layouts)
+    def replicated(self, state: step_lib.TrainState) -> dict[str, Tree]:
+        """What replicas compare: `state`'s params, model state, RNG state and sync state, replicated leaves only."""
+        kept = jax.tree.map(lambda x, layout: x if layout == REPLICATED else None, state, self._layouts)
+        return {name: getattr(kept, name) for name in ("params", "model_state", "rng_state", "sync")}
 
     def first_differing_leaf(self, tree: Tree) -> str | None:
         """The path of the first leaf whose copies differ across devices (bit checksums), or None."""
@@ -257,8 +235,7 @@ def _differing_leaves(tree: Tree, axis_name: str | tuple[str, ...] = DATA_AXIS) 
 
 
 def _checked_layouts(sync: Sync, abstract_state: Any, num_devices: int) -> Any:
-    """`sync.layouts(abstract_state)`, or FitError where it is not one layout a leaf, or a per-device leaf has no
-    row per device."""
+    """`sync.layouts(abstract_state)`, checked (FitError): a known layout a leaf, a row per device if per-device."""
     layouts = sync.layouts(abstract_state)
     try:
         kinds = jax.tree.structure(abstract_state).flatten_up_to(layouts)

@@ -103,10 +103,7 @@ def prepare(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train
     bn_axis = device_axes(mesh) if o.bn_sync and (o.backend != "jit" or o.grad_accum_steps > 1) else None
     make = model if callable(model) and not isinstance(model, nnx.Module) else None
     module = _abstract_model(make) if make else model
-    try:
-        model_def = ModelDef.of(module, bn_axis, o.seed)
-    except ValueError as e:
-        raise FitError(str(e)) from None
+    model_def = ModelDef.of(module, bn_axis, o.seed)
     sync = sync.bind(module, o.seed)
     # A module's state goes in as host copies (an argument, not constants), never aliased by the devices' buffers.
     initial = () if make else (jax.tree.map(np.asarray, ModelDef.split(model, o.seed)),)
@@ -252,11 +249,9 @@ def fit(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
 @metrics.console_may_close()
 def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_data: Any, *,
         optimizer: optax.GradientTransformation, steps: int, global_batch_size: int, options: FitOptions,
-        on_resume: Callable[[], None] | None = None, on_start: Callable[[int], None] | None = None,
-        settings: dict[str, Any] | None = None) -> FitResult:
-    """`fit` with its options gathered (what `python -m jdp.train` calls). `on_resume()`: before the resume check,
-    when there are checkpoints; `on_start(step)`: before anything is written to the workdir. `settings`: the
-    caller's settings that define the run, recorded in run.json and guarded like fit's own."""
+        on_start: Callable[[int], None] = lambda start: None, settings: dict[str, Any] | None = None) -> FitResult:
+    """`fit` with its options gathered (`python -m jdp.train`'s). `on_start(step)`: before anything is written to
+    the workdir; `settings`: the caller's that define the run, recorded in run.json and guarded like fit's own."""
     _check_joined()
     strategy, what = sync_lib.strategy(options)  # a periodic strategy's replicas agree only at sync points
     for name, count in (("steps", steps), ("global_batch_size", global_batch_size)):
@@ -282,7 +277,7 @@ def run(model: nnx.Module | Callable[[], nnx.Module], loss_fn: LossFn, train_dat
             options=options,
             data_factories=tuple(d if is_factory(d) else None for d in (train_data, options.eval_data)),
             settings=settings)
-        result, final = loop.train(engine, options, steps, global_batch_size, fit_record, on_resume, on_start)
+        result, final = loop.train(engine, options, steps, global_batch_size, fit_record, on_start)
     finally:
         engine.source.close()
     if isinstance(model, nnx.Module):

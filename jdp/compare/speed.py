@@ -17,7 +17,7 @@ from jdp.compare.parity import both_sides, run_ddp
 from jdp.compare.report import write_speed
 from jdp.data.text import is_text
 from jdp.metrics import read_metrics
-from jdp.parallel import BACKENDS
+from jdp.options import BACKENDS
 
 
 def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: bool) -> dict:
