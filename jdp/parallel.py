@@ -6,7 +6,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
 
@@ -28,6 +28,31 @@ from jdp.sync import Sync
 from jdp.sync.base import PER_DEVICE, REPLICATED, SHARDED, spec_on
 
 Tree = step_lib.Tree
+
+
+def _logical_shardings(mesh: Mesh, layouts: Tree, abstract_state: Tree, shard_axes: Tree) -> Tree:
+    """Where each leaf of the logical state lives. A sharded leaf is split on the step's own axis when that needs
+    no padding, else as evenly as its axes allow (`jdp.mesh.split_whole`)."""
+    shards = mesh.shape[DATA_AXIS]
+
+    def logical(layout: str, x: Any, axis: int | None) -> NamedSharding:
+        if layout != SHARDED:
+            return {REPLICATED: replicated(mesh), PER_DEVICE: data_sharded(mesh)}[layout]
+        if axis is not None and x.shape[axis] % shards == 0:
+            return NamedSharding(mesh, spec_on(axis, x.ndim))
+        return split_whole(mesh, x.shape)
+
+    return jax.tree.map(logical, layouts, abstract_state, shard_axes)
+
+
+def _without_device_axis(train: Callable, per_device: Tree) -> Callable:
+    """shard_map's train step: a per-device leaf goes in without its device axis of one, and comes out with it."""
+    def step(state: Tree, batch: Tree) -> tuple[Tree, Tree]:
+        state = jax.tree.map(lambda x, p: x[0] if p else x, state, per_device)
+        new_state, metrics = train(state, batch)
+        return jax.tree.map(lambda x, p: x[None] if p else x, new_state, per_device), metrics
+
+    return step
 
 
 class DataParallel:
@@ -58,18 +83,8 @@ class DataParallel:
                            "'shard_map' or 'pmap', not jit")
         if backend == "pmap" and SHARDED in jax.tree.leaves(layouts):
             raise FitError(f"{sync!r} keeps sharded state, which needs backend 'shard_map' or 'jit', not pmap")
-        # A sharded leaf of the logical state is split on the step's own axis when that needs no padding, else as
-        # evenly as its axes allow (`jdp.mesh.split_whole`).
-        def logical(layout: str, x: Any, axis: int | None) -> NamedSharding:
-            if layout != SHARDED:
-                return {REPLICATED: replicated(mesh), PER_DEVICE: data_sharded(mesh)}[layout]
-            if axis is not None and x.shape[axis] % shards == 0:
-                return NamedSharding(mesh, spec_on(axis, x.ndim))
-            return split_whole(mesh, x.shape)
-
-        self.logical_shardings = jax.tree.map(logical, layouts, abstract_state,
-                                              sync.shard_axes(abstract_state, shards))
-
+        self.logical_shardings = _logical_shardings(mesh, layouts, abstract_state,
+                                                    sync.shard_axes(abstract_state, shards))
         jit = backend == "jit"  # one call on the global batch (`axis_name=None`), else one per device
         axis_name, whole_mesh = (None, mesh) if jit else (device_axes(mesh), None)
         step = partial(step_lib.train_step, model=model, loss_fn=loss_fn, tx=tx, sync=sync, schedule=schedule,
@@ -95,19 +110,14 @@ class DataParallel:
             self._train = jax.jit(train, in_shardings=inputs, out_shardings=(step_shardings, replicated(mesh)),
                                   donate_argnums=0)
             self.eval_step = jax.jit(evaluate, in_shardings=inputs, out_shardings=replicated(mesh))
-        elif backend == "shard_map":
-            # A per-device leaf goes in without its device axis of one. check_vma=False: with it, a replicated
-            # parameter's gradient arrives summed over devices, and the step's pmean would leave it N times too large.
-            def per_device_train(state: Tree, batch: Tree) -> tuple[Tree, Tree]:
-                state = jax.tree.map(lambda x, p: x[0] if p else x, state, self.per_device)
-                new_state, metrics = train(state, batch)
-                return jax.tree.map(lambda x, p: x[None] if p else x, new_state, self.per_device), metrics
-
+        elif backend == "shard_map":  # check_vma=False: with it, a replicated parameter's gradient arrives summed
+            # over devices, and the step's pmean would leave it N times too large.
             on_each_device = partial(jax.shard_map, mesh=mesh, in_specs=(self._state_specs, P(axis_name)),
                                      check_vma=False)
             inputs = (None, data_sharded(mesh))  # host rows are split as the step is called (`jdp.split`)
-            self._train = jax.jit(on_each_device(per_device_train, out_specs=(self._state_specs, P())),
-                                  in_shardings=inputs, donate_argnums=0)
+            self._train = jax.jit(on_each_device(_without_device_axis(train, self.per_device),
+                                                 out_specs=(self._state_specs, P())), in_shardings=inputs,
+                                  donate_argnums=0)
             self.eval_step = jax.jit(on_each_device(evaluate, out_specs=P()), in_shardings=inputs)
         else:  # the classic pmap over the mesh's devices, the state stacked along a leading device axis
             devices = list(mesh.devices.flat)

@@ -19,7 +19,7 @@ from jdp.options import FitOptions
 from jdp.sync import Sync
 from jdp.sync.base import Reduced, sum_of_squares
 from jdp.sync.zero1 import optimizer_sees_slices
-from jdp.update import guard
+from jdp.update import guard, updates_applied
 
 __all__ = ["StepOptions", "TrainState", "eval_step", "micro_batches", "run_loss", "train_step", "weighted_sums"]
 
@@ -93,9 +93,8 @@ def train_step(state: TrainState, batch: dict[str, jax.Array], *, model: ModelDe
     if o.fit.log_grad_norm:  # the norm the update sees, before clipping
         metrics["grad_norm"] = sync.grad_norm(reduced.grads, axis, collective=o.all_reduce)
     metrics.update(guard_metrics)
-    if schedule is not None:  # at optax's own update count, which skipped updates do not advance
-        schedules = optax.tree_utils.tree_get_all_with_path(state.opt_state, "ScaleByScheduleState")
-        metrics["lr"] = schedule(schedules[0][1].count if schedules else state.step)
+    if schedule is not None:
+        metrics["lr"] = schedule(updates_applied(state))
     return new_state, metrics
 
 

@@ -6,6 +6,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import optax
+
+
+def updates_applied(state: Any) -> jax.Array:
+    """optax's own update count, the argument its schedule sees: skipped updates do not advance it."""
+    schedules = optax.tree_utils.tree_get_all_with_path(state.opt_state, "ScaleByScheduleState")
+    return schedules[0][1].count if schedules else state.step
 
 
 def guard(state: Any, updated: Any, loss_finite: jax.Array, grads_finite: jax.Array,
