@@ -46,7 +46,7 @@ COMPARE_USES = {
     "jdp.metrics": "read_metrics: each run's metrics.jsonl, the per-step losses and gradient norms compared",
     "jdp.params_file": "flatten: the initial weights and the twin's weights in jdp.export's key names",
     "jdp.mesh": "simulate_cpu_devices: the jdp side's device count in its own process",
-    "jdp.parallel": "BACKENDS: the backends `speed` times",
+    "jdp.options": "BACKENDS: the backends `speed` times",
     "jdp.data": "build_source: the DDP workers read the same batches through jdp's numpy-only data code",
     "jdp.data.text": "is_text: whether a config's data is a language model's",
     "jdp.models": "settings, ARCHS, image_shape: the jdp model's settings, ResNet table and image shape, for its "
