@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import io
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -62,9 +63,8 @@ def context(var: contextvars.ContextVar, value: Any) -> Iterator[None]:
         var.reset(token)
 
 
-def viewing(view: LayerView | None) -> Any:
-    """Every `Stack` traced inside computes each layer with `view` of its parameters (None: as held)."""
-    return context(_layer_view, view)
+# (view) -> a context in which every `Stack` traced computes each layer with `view` of its parameters (None: as held)
+viewing = functools.partial(context, _layer_view)
 
 
 class Stack(nnx.Module):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import optax
 from jax.flatten_util import ravel_pytree
 
-from jdp.sync.base import PER_DEVICE, Local, Reduced, Tree, all_reduce_mean, checked_group_size, group_mesh, real_number
+from jdp.sync.base import PER_DEVICE, Tree, all_reduce_mean, checked_group_size, group_mesh, real_number
 from jdp.sync.local_sgd import LocalSGD
 from jdp.sync.quantized import check_block, quantized_mean
 from jdp.sync.zero1 import all_gather_like, local_slice
@@ -50,14 +50,6 @@ class DiLoCo(LocalSGD):
         super().check(options, view, what, require)
         require(self.group_size == 1 or options["backend"] == "shard_map", f"{what} (DiLoCo across groups) runs on "
                 f"a two-axis mesh under shard_map only; use {view.use('backend', 'shard_map')}")
-
-    def reduce(self, local: Local, state: Any, axis_name: Any, collective: bool = True) -> Reduced:
-        """Local SGD's, but on a groups x `data` mesh the gradient is the group's mean."""
-        reduced = super().reduce(local, state, axis_name, collective)
-        if not isinstance(axis_name, tuple):  # every device is its own replica
-            return reduced
-        group = all_reduce_mean({"grads": local.grads, "weight": local.weight}, axis_name[-1] if collective else None)
-        return reduced._replace(grads=self._of_mean(group["grads"], local.rows, group["weight"]))
 
     def init_state(self, params: Tree, num_devices: int) -> Tree:
         return {"anchor": params, "outer": self.outer.init(params)}

@@ -37,9 +37,13 @@ class LocalSGD(Sync):
                 f"{what} keeps each device's own parameters; use {view.use('backend', 'shard_map')} or pmap")
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
-        """The gradient stays local, scaled by the local weight; the sums are still all-reduced for the metrics."""
+        """The gradient stays the learner's own (a device's; on DiLoCo's groups x `data` mesh, its group's mean),
+        scaled by the learner's weight; the sums are still all-reduced for the metrics."""
+        own = {"grads": local.grads, "weight": local.weight}
+        if isinstance(axis_name, tuple):
+            own = all_reduce_mean(own, axis_name[-1] if collective else None)
         averaged = averaged_sums(local, axis_name if collective else None)
-        return Reduced(self._of_mean(local.grads, local.rows, local.weight), averaged["sums"], averaged["weight"],
+        return Reduced(self._of_mean(own["grads"], local.rows, own["weight"]), averaged["sums"], averaged["weight"],
                        merge_floating(averaged["model_state"], local.model_state), None)
 
     def after_update(self, state: Any, previous: Any, axis_name: str | None) -> Any:
