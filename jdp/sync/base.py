@@ -184,6 +184,7 @@ class Sync:
     dtype_name, dtype = "fp32", jnp.float32  # what the gradient's collective sends (`__init__` sets them)
     noise_scale = False  # True: `reduce` returns the small batches' `small_sq` (`log_noise_scale`), via `averaged_sums`
     shards_optimizer = False  # the optimizer updates slices of the leaves (the CLI refuses LAMB and LARS)
+    per_device_state: tuple[str, ...] = ()  # keys of the strategy's own state (a dict) kept a row per device
 
     def __init__(self, dtype: str = "fp32") -> None:
         if dtype not in ALLREDUCE_DTYPES:
@@ -248,7 +249,10 @@ class Sync:
 
     def layouts(self, abstract_state: Any) -> Any:
         """REPLICATED, PER_DEVICE or SHARDED for each leaf of the logical train state."""
-        return jax.tree.map(lambda _: REPLICATED, abstract_state)
+        layouts = jax.tree.map(lambda _: REPLICATED, abstract_state)
+        own = {k: jax.tree.map(lambda _: PER_DEVICE, abstract_state.sync[k]) for k in self.per_device_state
+               if k in abstract_state.sync}
+        return layouts._replace(sync={**layouts.sync, **own}) if own else layouts
 
     def shard_axes(self, abstract_state: Any, num_devices: int) -> Any:
         """The axis each sharded leaf splits on inside the step (`shard_axis`); None for the other leaves."""

@@ -16,7 +16,6 @@ from flax import nnx
 
 from jdp.errors import FitError
 from jdp.sync.base import (
-    PER_DEVICE,
     DDPTwin,
     Local,
     Reduced,
@@ -95,6 +94,7 @@ class PowerSGD(Sync):
     `min_compression_rate` (torch's PowerSGDState `start_powerSGD_iter` and `min_compression_rate`)."""
 
     matrices: dict[str, Matrix] = {}
+    per_device_state = ("error",)
     seed = 0
 
     def __init__(self, rank: int = 4, start_step: int = 10, min_compression_rate: float = 1) -> None:
@@ -137,11 +137,6 @@ class PowerSGD(Sync):
                       for key, (name, a) in zip(keys, self.matrices.items(), strict=False)},
                 "error": {name: jnp.zeros((num_devices, a.layers, a.n, a.m), jnp.float32)
                           for name, a in self.matrices.items()}}
-
-    def layouts(self, abstract_state: Any) -> Any:
-        layouts = super().layouts(abstract_state)
-        return layouts._replace(sync={**layouts.sync, "error": jax.tree.map(lambda _: PER_DEVICE,
-                                                                             abstract_state.sync["error"])})
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         def whole(local: Local, state: Any) -> Reduced:

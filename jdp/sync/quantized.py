@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.flatten_util import ravel_pytree
 
-from jdp.sync.base import PER_DEVICE, Local, Reduced, Sync, Tree, averaged_sums
+from jdp.sync.base import Local, Reduced, Sync, Tree, averaged_sums
 
 LARGEST = {8: 127, 4: 7}  # the largest integer a value is quantized to, symmetric around 0
 
@@ -97,6 +97,7 @@ class QuantizedAllReduce(Sync):
     `error_feedback`: each device adds what its quantization lost to its next gradient (per-device state)."""
 
     noise_scale = True  # each device holds its whole gradient, and the mean it decodes
+    per_device_state = ("error",)  # the error feedback, where kept
 
     def __init__(self, bits: int = 8, block: int = 256, error_feedback: bool = False) -> None:
         super().__init__()
@@ -117,9 +118,6 @@ class QuantizedAllReduce(Sync):
         if not self.error_feedback:
             return {}
         return {"error": jax.tree.map(lambda p: jnp.zeros((num_devices, *p.shape), jnp.float32), params)}
-
-    def layouts(self, abstract_state: Any) -> Any:  # the error feedback, where kept, per device
-        return super().layouts(abstract_state)._replace(sync=jax.tree.map(lambda _: PER_DEVICE, abstract_state.sync))
 
     def reduce(self, local: Local, state: Any, axis_name: str | None, collective: bool = True) -> Reduced:
         grads = jax.tree.map(jnp.add, local.grads, state.sync["error"]) if self.error_feedback else local.grads

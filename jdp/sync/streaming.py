@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jdp.errors import FitError
-from jdp.sync.base import PER_DEVICE, Tree, real_number, whole_number
+from jdp.sync.base import Tree, real_number, whole_number
 from jdp.sync.diloco import DiLoCo
 
 
@@ -44,6 +44,7 @@ class StreamingDiLoCo(DiLoCo):
         self.fragments, self.overlap, self.local_weight = fragments, overlap, local_weight
 
     agrees_every = 1  # each step's state is whole: a signal or a halt saves at once
+    per_device_state = ("local",)  # each device's parameters its own; the outer states replicated
 
     def params(self) -> dict[str, Any]:
         overlap = {"overlap": self.overlap, "local_weight": self.local_weight} if self.overlap else {}
@@ -57,11 +58,6 @@ class StreamingDiLoCo(DiLoCo):
                            f"largest {max(sizes):,}) leave a fragment with none of them to sync; use fewer fragments")
         return {"local": jax.tree.map(lambda p: jnp.broadcast_to(p, (num_devices, *p.shape)), params),
                 "outer": tuple(self.outer.init([leaves[i] for i in fragment]) for fragment in fragments)}
-
-    def layouts(self, abstract_state: Any) -> Any:
-        layouts = super().layouts(abstract_state)  # the outer states replicated, each device's parameters its own
-        return layouts._replace(sync={**layouts.sync, "local": jax.tree.map(lambda _: PER_DEVICE,
-                                                                            abstract_state.sync["local"])})
 
     def restart(self, restored: Any, fresh: Any) -> Any:
         state = super().restart(restored, fresh)  # each device's parameters restart from the global ones
