@@ -59,10 +59,6 @@ def path_keys(path: tuple) -> tuple:
     return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
 
 
-def sharded_where(tree: Tree) -> Tree:
-    return jax.tree.map(lambda x: SHARDED if is_sharded(x) else REPLICATED, tree)
-
-
 def spec_on(axis: int | None, ndim: int) -> P:
     return P() if axis is None else P(*[DATA_AXIS if a == axis else None for a in range(ndim)])
 
@@ -176,14 +172,11 @@ class Sync:
 
     per_device_update = False  # True: each device updates from its own gradient (the guard then decides alike)
     every = 1  # steps between two runs of a periodic sync's collectives (local SGD, DiLoCo)
-
-    @property
-    def agrees_every(self) -> int:
-        """Steps between two states a checkpoint can hold whole, where a signal or a halt saves."""
-        return self.every
+    agrees_every = property(lambda self: self.every)  # steps between states a checkpoint can hold whole
     dtype_name, dtype = "fp32", jnp.float32  # what the gradient's collective sends (`__init__` sets them)
     noise_scale = False  # True: `reduce` returns the small batches' `small_sq` (`log_noise_scale`), via `averaged_sums`
     shards_optimizer = False  # the optimizer updates slices of the leaves (the CLI refuses LAMB and LARS)
+    shards_params = False  # the parameters are sharded too (ZeRO-3)
     per_device_state: tuple[str, ...] = ()  # keys of the strategy's own state (a dict) kept a row per device
 
     def __init__(self, dtype: str = "fp32") -> None:
@@ -250,6 +243,9 @@ class Sync:
     def layouts(self, abstract_state: Any) -> Any:
         """REPLICATED, PER_DEVICE or SHARDED for each leaf of the logical train state."""
         layouts = jax.tree.map(lambda _: REPLICATED, abstract_state)
+        sharded = [f for f, on in (("opt_state", self.shards_optimizer), ("params", self.shards_params)) if on]
+        layouts = layouts._replace(**{f: jax.tree.map(lambda x: SHARDED if is_sharded(x) else REPLICATED,
+                                                      getattr(abstract_state, f)) for f in sharded})
         own = {k: jax.tree.map(lambda _: PER_DEVICE, abstract_state.sync[k]) for k in self.per_device_state
                if k in abstract_state.sync}
         return layouts._replace(sync={**layouts.sync, **own}) if own else layouts

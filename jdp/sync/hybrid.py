@@ -25,6 +25,7 @@ class HybridShard(ZeRO3):
         if isinstance(stage, bool) or stage not in (1, 3):
             raise ValueError(f"stage={stage!r} is not one of 1, 3 (ZeRO-1 or ZeRO-3 in a group)")
         self.group_size, self.stage = checked_group_size(group_size), int(stage)
+        self.shards_params = self.stage == 3
 
     def params(self) -> dict[str, Any]:
         return {"group_size": self.group_size, "stage": self.stage}
@@ -38,9 +39,6 @@ class HybridShard(ZeRO3):
         require(options["backend"] == "shard_map", f"{what} (hybrid sharding) runs on a two-axis mesh under "
                 f"shard_map only (jit and pmap are refused); use {view.use('backend', 'shard_map')}")
         super().check(options, view, what, require)  # ZeRO-3's: no noise scale
-
-    def layouts(self, abstract_state: Any) -> Any:
-        return (ZeRO3 if self.stage == 3 else ZeRO1).layouts(self, abstract_state)
 
     def shard_axes(self, abstract_state: Any, num_devices: int) -> Any:
         return (ZeRO3 if self.stage == 3 else ZeRO1).shard_axes(self, abstract_state, num_devices)

@@ -27,7 +27,6 @@ from jdp.sync.base import (
     is_sharded,
     padded,
     shard_axis,
-    sharded_where,
     sum_of_squares,
     unpadded,
 )
@@ -96,9 +95,6 @@ class ZeRO1(Sync):
                         backend: str, what: str) -> None:
         check_sliceable(tx, abstract_params, self.mesh_shape(num_devices)[DATA_AXIS], what,
                         self.optimizer_sees_slices(backend))
-
-    def layouts(self, abstract_state: Any) -> Any:
-        return super().layouts(abstract_state)._replace(opt_state=sharded_where(abstract_state.opt_state))
 
     def sliced_mean(self, grads: Tree, axis_name: str | None) -> Tree:
         """This device's slice of each leaf's cross-device mean gradient (of a scalar: all of it), float32."""

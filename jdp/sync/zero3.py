@@ -14,7 +14,7 @@ from jax.sharding import Mesh
 
 from jdp.layers import LayerView, Stack
 from jdp.mesh import data_sharded
-from jdp.sync.base import DDPTwin, Sync, Tree, is_sharded, path_keys, shard_axis, sharded_where, unpadded
+from jdp.sync.base import DDPTwin, Sync, Tree, is_sharded, path_keys, shard_axis, unpadded
 from jdp.sync.quantized import check_block, quantized_all_gather
 from jdp.sync.zero1 import ZeRO1, all_gather_like
 
@@ -23,6 +23,7 @@ class ZeRO3(ZeRO1):
     """ZeRO-1 plus sharded parameters, gathered for each forward; `weight_bits`, `grad_bits` 8 or 4 block-quantize (per
     `block` values) the gather and its reduce-scatter, as ZeRO++'s qwZ and qgZ (32: not)."""
 
+    shards_params = True
     abstract_params: Tree = None
     per_layer: Tree = None
 
@@ -65,9 +66,6 @@ class ZeRO3(ZeRO1):
                 f"which {what} never holds; set {view.use('log_noise_scale', False)}")
         require(not self.quantized or options["backend"] == "shard_map", f"{what} quantizes what it gathers and "
                 f"reduce-scatters, which it does itself under shard_map only; use {view.use('backend', 'shard_map')}")
-
-    def layouts(self, abstract_state: Any) -> Any:
-        return super().layouts(abstract_state)._replace(params=sharded_where(abstract_state.params))
 
     def _param_axes(self, n: int) -> Tree:
         return jax.tree.map(lambda x, layer: shard_axis(x.shape, n, 1 if layer else 0) if is_sharded(x) else None,
