@@ -38,8 +38,7 @@ def is_sharded(leaf: Any) -> bool:
 
 
 def shard_axis(shape: tuple[int, ...], n: int, first: int = 0) -> int:
-    """The axis a sharded leaf of `shape` splits on over `n` devices: the longest from `first` on that `n` divides,
-    else the longest (zero-padded to a multiple of `n`)."""
+    """The axis a leaf of `shape` splits on: the longest (from `first`) that `n` devices divide, else the longest."""
     axes = range(first, len(shape))
     return max([a for a in axes if shape[a] % n == 0] or axes, key=lambda a: (shape[a], -a))
 
