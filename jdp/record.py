@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib
 import importlib.metadata
 import json
 import os
+import pkgutil
 import platform
 import subprocess
 import sys
@@ -58,17 +58,15 @@ def import_path(obj: Any) -> dict[str, Any] | None:
     if not module or not name or module == "__main__" or "<" in name:
         return None
     try:
-        found = functools.reduce(getattr, name.split("."), importlib.import_module(module))
-    except (ImportError, AttributeError):
+        found = pkgutil.resolve_name(f"{module}:{name}")
+    except (ImportError, AttributeError, ValueError):  # ValueError: a name pkgutil does not parse
         return None
     return {"path": f"{module}:{name}", "kwargs": kwargs} if found is obj else None
 
 
 def load(described: Mapping[str, Any]) -> Callable[[], Any]:
     """The zero-argument factory an `import_path` describes."""
-    module, name = described["path"].split(":")
-    obj = functools.reduce(getattr, name.split("."), importlib.import_module(module))
-    return functools.partial(obj, **described["kwargs"])
+    return functools.partial(pkgutil.resolve_name(described["path"]), **described["kwargs"])
 
 
 def _name(obj: Any) -> str | None:

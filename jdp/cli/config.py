@@ -129,7 +129,7 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
     if path.stat().st_size == 0:
         raise ConfigError(f"config file {path} is empty; it must define get_config() returning an "
                           "ml_collections.ConfigDict (start from jdp.configs.base.get_config())")
-    _importable(str(path.parent.absolute()))
+    _importable(folder := str(path.parent.absolute()))
     module = _run_user_code(lambda: runpy.run_path(str(path), run_name=f"jdp_config_{path.stem}"), path)
     if "get_config" not in module:
         raise ConfigError(f"config file {path} defines no get_config(); it must return an ml_collections.ConfigDict")
@@ -139,8 +139,7 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
                           "ml_collections.ConfigDict (start from jdp.configs.base.get_config())")
     _fold_model_settings(cfg, f"config file {path}")
     check_fields(cfg, f"config file {path}")
-    if not cfg.code_dir:
-        cfg.code_dir = str(path.parent.absolute())
+    cfg.code_dir = cfg.code_dir or folder
     return cfg
 
 
