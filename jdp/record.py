@@ -34,8 +34,7 @@ from jdp.options import DEFAULTS
 
 RECORD_FILE = "run.json"
 FORMAT = 1  # of the `fit` section; a run.json without one (written before it) is not guarded
-# The options that change the numerics or the data order (beside the model, loss, optimizer, data and batch).
-# The sync strategy is guarded by its own record (`jdp.sync.Sync.record`: its class and parameters).
+# The other options that change the numerics or the data order; the sync strategy is guarded by its own record.
 GUARDED_OPTIONS = ("seed", "precision", "loss_scale", "loss_scale_growth_interval", "keep_fp32", "bn_sync",
                    "grad_accum_steps")
 # Optimizer-state step counts probed: the first update shows the optimizer, the later ones its schedule (which

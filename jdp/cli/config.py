@@ -268,19 +268,15 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
             raise ConfigError(f"--config.{spelled[key]}={overrides[spelled[key]]} and --config.{given}={raw} are "
                               "the same setting; keep one")
         spelled[key] = given
-        if f"{key}." in OPEN_SECTIONS:  # the whole section as one dict: --config.parallel.sync_kwargs='{"k": 4}'
-            value = _literal(raw)
-            _require(isinstance(value, dict) and all(isinstance(k, str) for k in value),
-                     f"--config.{key} takes a dict of settings, e.g. '{{\"rank\": 4}}', not {raw!r}; or give "
-                     f"each as --config.{key}.NAME=VALUE")
-            node, leaf = _parent(cfg, key)
-            node[leaf] = ml_collections.ConfigDict(value)
-            continue
-        is_open = key.startswith(OPEN_SECTIONS) and key.count(".") == 2
-        if key not in known and not is_open:
+        whole = f"{key}." in OPEN_SECTIONS  # the section as one dict: --config.parallel.sync_kwargs='{"k": 4}'
+        if key not in known and not whole and not (key.startswith(OPEN_SECTIONS) and key.count(".") == 2):
             raise ConfigError(f"unknown config key --config.{key}; {_hint(key, known, '--config.')}")
         node, leaf = _parent(cfg, key)
-        node[leaf] = _parse_value(key, raw, node[leaf]) if leaf in node else _literal(raw)
+        value = _parse_value(key, raw, node[leaf]) if leaf in node and not whole else _literal(raw)
+        _require(not whole or isinstance(value, dict) and all(isinstance(k, str) for k in value),
+                 f"--config.{key} takes a dict of settings, e.g. '{{\"rank\": 4}}', not {raw!r}; or give "
+                 f"each as --config.{key}.NAME=VALUE")
+        node[leaf] = ml_collections.ConfigDict(value) if whole else value
     return cfg
 
 
