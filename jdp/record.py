@@ -85,8 +85,7 @@ def hashed(value: Any) -> str:
 
 def describe_model(model: Any, abstract_params: Any) -> dict[str, Any]:
     """The model's factory import path (if importable), class (or factory name), parameter count and shapes."""
-    shapes = {jax.tree_util.keystr(path): list(leaf.shape)
-              for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+    shapes = {jax.tree_util.keystr(path): list(leaf.shape) for path, leaf in jax.tree.leaves_with_path(abstract_params)}
     is_module = isinstance(model, nnx.Module)
     return {"factory": None if is_module else import_path(model), "class": _name(type(model) if is_module else model),
             "parameters": int(sum(np.prod(shape) for shape in shapes.values())), "shapes": shapes}
