@@ -49,16 +49,13 @@ def import_path(obj: Any) -> dict[str, Any] | None:
         if obj.args:
             return None
         kwargs, obj = dict(obj.keywords), obj.func
-        try:
-            json.dumps(kwargs)
-        except (TypeError, ValueError):
-            return None
     module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if not module or not name or module == "__main__" or "<" in name:
         return None
     try:
+        json.dumps(kwargs)
         found = pkgutil.resolve_name(f"{module}:{name}")
-    except (ImportError, AttributeError, ValueError):  # ValueError: a name pkgutil does not parse
+    except (TypeError, ValueError, ImportError, AttributeError):  # kwargs not JSON, or a name that does not import
         return None
     return {"path": f"{module}:{name}", "kwargs": kwargs} if found is obj else None
 
