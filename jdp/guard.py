@@ -14,8 +14,7 @@ from jdp import distributed as distributed_lib
 from jdp import record as record_lib
 from jdp.errors import FitError
 
-VERSION = 2  # of the fingerprint: one of another version is not compared, but for version 1 (whose hash of the
-# caller's settings held the sync flags, now guarded by the strategy's record): all of it but that hash
+VERSION = 2  # of the fingerprint; one of version 1 (its settings' hash held the sync flags) is compared but that hash
 RESULTS_TIMEOUT_S = 120.0  # process 0 reads run.json and compares; the others wait for its answer
 _FIT_PARTS = "model, loss, data, global batch, sync strategy or guarded options" + record_lib.BY_HASH
 _SETTINGS = "the config's guarded keys" + record_lib.BY_HASH  # trainer.run's `settings` (the CLI's)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import importlib
 import importlib.metadata
 import json
 import os
+import pkgutil
 import platform
 import subprocess
 import sys
@@ -34,8 +34,7 @@ from jdp.options import DEFAULTS
 
 RECORD_FILE = "run.json"
 FORMAT = 1  # of the `fit` section; a run.json without one (written before it) is not guarded
-# The options that change the numerics or the data order (beside the model, loss, optimizer, data and batch).
-# The sync strategy is guarded by its own record (`jdp.sync.Sync.record`: its class and parameters).
+# The other options that change the numerics or the data order; the sync strategy is guarded by its own record.
 GUARDED_OPTIONS = ("seed", "precision", "loss_scale", "loss_scale_growth_interval", "keep_fp32", "bn_sync",
                    "grad_accum_steps")
 # Optimizer-state step counts probed: the first update shows the optimizer, the later ones its schedule (which
@@ -50,25 +49,20 @@ def import_path(obj: Any) -> dict[str, Any] | None:
         if obj.args:
             return None
         kwargs, obj = dict(obj.keywords), obj.func
-        try:
-            json.dumps(kwargs)
-        except (TypeError, ValueError):
-            return None
     module, name = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
     if not module or not name or module == "__main__" or "<" in name:
         return None
     try:
-        found = functools.reduce(getattr, name.split("."), importlib.import_module(module))
-    except (ImportError, AttributeError):
+        json.dumps(kwargs)
+        found = pkgutil.resolve_name(f"{module}:{name}")
+    except (TypeError, ValueError, ImportError, AttributeError):  # kwargs not JSON, or a name that does not import
         return None
     return {"path": f"{module}:{name}", "kwargs": kwargs} if found is obj else None
 
 
 def load(described: Mapping[str, Any]) -> Callable[[], Any]:
     """The zero-argument factory an `import_path` describes."""
-    module, name = described["path"].split(":")
-    obj = functools.reduce(getattr, name.split("."), importlib.import_module(module))
-    return functools.partial(obj, **described["kwargs"])
+    return functools.partial(pkgutil.resolve_name(described["path"]), **described["kwargs"])
 
 
 def _name(obj: Any) -> str | None:
@@ -88,8 +82,7 @@ def hashed(value: Any) -> str:
 
 def describe_model(model: Any, abstract_params: Any) -> dict[str, Any]:
     """The model's factory import path (if importable), class (or factory name), parameter count and shapes."""
-    shapes = {jax.tree_util.keystr(path): list(leaf.shape)
-              for path, leaf in jax.tree_util.tree_flatten_with_path(abstract_params)[0]}
+    shapes = {jax.tree_util.keystr(path): list(leaf.shape) for path, leaf in jax.tree.leaves_with_path(abstract_params)}
     is_module = isinstance(model, nnx.Module)
     return {"factory": None if is_module else import_path(model), "class": _name(type(model) if is_module else model),
             "parameters": int(sum(np.prod(shape) for shape in shapes.values())), "shapes": shapes}

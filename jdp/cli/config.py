@@ -129,7 +129,7 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
     if path.stat().st_size == 0:
         raise ConfigError(f"config file {path} is empty; it must define get_config() returning an "
                           "ml_collections.ConfigDict (start from jdp.configs.base.get_config())")
-    _importable(str(path.parent.absolute()))
+    _importable(folder := str(path.parent.absolute()))
     module = _run_user_code(lambda: runpy.run_path(str(path), run_name=f"jdp_config_{path.stem}"), path)
     if "get_config" not in module:
         raise ConfigError(f"config file {path} defines no get_config(); it must return an ml_collections.ConfigDict")
@@ -139,8 +139,7 @@ def load_config_file(path: str | Path) -> ml_collections.ConfigDict:
                           "ml_collections.ConfigDict (start from jdp.configs.base.get_config())")
     _fold_model_settings(cfg, f"config file {path}")
     check_fields(cfg, f"config file {path}")
-    if not cfg.code_dir:
-        cfg.code_dir = str(path.parent.absolute())
+    cfg.code_dir = cfg.code_dir or folder
     return cfg
 
 
@@ -269,19 +268,15 @@ def apply_overrides(cfg: ml_collections.ConfigDict, overrides: dict[str, str]) -
             raise ConfigError(f"--config.{spelled[key]}={overrides[spelled[key]]} and --config.{given}={raw} are "
                               "the same setting; keep one")
         spelled[key] = given
-        if f"{key}." in OPEN_SECTIONS:  # the whole section as one dict: --config.parallel.sync_kwargs='{"k": 4}'
-            value = _literal(raw)
-            _require(isinstance(value, dict) and all(isinstance(k, str) for k in value),
-                     f"--config.{key} takes a dict of settings, e.g. '{{\"rank\": 4}}', not {raw!r}; or give "
-                     f"each as --config.{key}.NAME=VALUE")
-            node, leaf = _parent(cfg, key)
-            node[leaf] = ml_collections.ConfigDict(value)
-            continue
-        is_open = key.startswith(OPEN_SECTIONS) and key.count(".") == 2
-        if key not in known and not is_open:
+        whole = f"{key}." in OPEN_SECTIONS  # the section as one dict: --config.parallel.sync_kwargs='{"k": 4}'
+        if key not in known and not whole and not (key.startswith(OPEN_SECTIONS) and key.count(".") == 2):
             raise ConfigError(f"unknown config key --config.{key}; {_hint(key, known, '--config.')}")
         node, leaf = _parent(cfg, key)
-        node[leaf] = _parse_value(key, raw, node[leaf]) if leaf in node else _literal(raw)
+        value = _parse_value(key, raw, node[leaf]) if leaf in node and not whole else _literal(raw)
+        _require(not whole or isinstance(value, dict) and all(isinstance(k, str) for k in value),
+                 f"--config.{key} takes a dict of settings, e.g. '{{\"rank\": 4}}', not {raw!r}; or give "
+                 f"each as --config.{key}.NAME=VALUE")
+        node[leaf] = ml_collections.ConfigDict(value) if whole else value
     return cfg
 
 

@@ -104,12 +104,10 @@ def first_failure(returncodes: list[int | None], expected: tuple[int | None, ...
 
 class Launcher:
     def __init__(self, command: list[str], nprocs: int, *, cpu_devices: int = 0, port: int = 0,
-                 grace_s: float = 5.0, max_restarts: int = 0, workdir: Path | None = None,
-                 out: IO[str] = sys.stdout, err: IO[str] = sys.stderr) -> None:
+                 grace_s: float = 5.0, max_restarts: int = 0, workdir: Path | None = None) -> None:
         self.command, self.nprocs, self.grace_s = command, nprocs, grace_s
         self.cpu_devices, self._given_port = cpu_devices, port
         self.max_restarts, self.workdir = max_restarts, workdir or workdir_of(command)
-        self.out, self.err = out, err
         self.children: list[subprocess.Popen] = []
         self._write_lock = threading.Lock()
         self._signals: list[int] = []
@@ -118,7 +116,7 @@ class Launcher:
 
     def say(self, line: str) -> None:
         with self._write_lock:
-            print(f"[launch] {line}", file=self.err, flush=True)
+            print(f"[launch] {line}", file=sys.stderr, flush=True)
 
     def _pump(self, rank: int, stream: IO[bytes], sink: IO[str]) -> None:
         for raw in iter(stream.readline, b""):
@@ -128,7 +126,7 @@ class Launcher:
         stream.close()
 
     def _failure_file(self) -> str:
-        return os.path.join(self._dir, f"failure-{self.attempt}") if self._dir else ""
+        return os.path.join(self._dir, f"failure-{self.attempt}")
 
     def start(self) -> int | None:
         """Starts every child, or says why the command cannot run, returning 127 (not found) or 126 (not executable)."""
@@ -151,7 +149,7 @@ class Launcher:
                     "make it executable, or run it through its interpreter (-- python script.py)"))
                 return EXIT_NOT_FOUND if missing else EXIT_CANNOT_EXECUTE
         for rank, child in enumerate(self.children):
-            for stream, sink in ((child.stdout, self.out), (child.stderr, self.err)):
+            for stream, sink in ((child.stdout, sys.stdout), (child.stderr, sys.stderr)):
                 self._pumps.append(threading.Thread(target=self._pump, args=(rank, stream, sink), daemon=True))
                 self._pumps[-1].start()
         pids = ", ".join(f"rank {rank} pid {child.pid}" for rank, child in enumerate(self.children))
@@ -195,9 +193,8 @@ class Launcher:
                     rank, code = self.failure = failed[0], exit_code(failed[1])
                     self.say(f"rank {rank} exited with code {code}; stopping the others")
                     # Before the others get their SIGTERM: a jdp child then exits 5 (a peer failed), not 75.
-                    if path := self._failure_file():
-                        with contextlib.suppress(OSError):
-                            write_atomic(Path(path), f"rank {rank} exited with code {code}\n")
+                    with contextlib.suppress(OSError):
+                        write_atomic(Path(self._failure_file()), f"rank {rank} exited with code {code}\n")
                     self.stop_all()
                     self.say("exit codes: " + ", ".join(f"rank {r} {exit_code(c.returncode)}"
                                                         for r, c in enumerate(self.children)))
@@ -208,8 +205,7 @@ class Launcher:
                     self._signal_all(signal.SIGKILL)
                 time.sleep(0.05)
         finally:
-            if any(child.poll() is None for child in self.children):  # e.g. KeyboardInterrupt in the launcher
-                self.stop_all()
+            self.stop_all()  # any child left running, e.g. after a KeyboardInterrupt in the launcher
             deadline = time.monotonic() + 2.0  # let the output threads pass on what the children wrote last
             for pump in self._pumps:
                 pump.join(timeout=max(0.0, deadline - time.monotonic()))
@@ -277,5 +273,5 @@ def main(argv: list[str] | None = None) -> int:
                      "non-negative number of seconds")
     with console_may_close():  # a pump that died at a closed pipe (| head) would leave its child blocked for ever
         return Launcher(command, args.nprocs, cpu_devices=args.cpu_devices, port=args.port, grace_s=args.grace_s,
-                        max_restarts=args.max_restarts, workdir=args.workdir, out=sys.stdout, err=sys.stderr).run()
+                        max_restarts=args.max_restarts, workdir=args.workdir).run()
 

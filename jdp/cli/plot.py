@@ -6,15 +6,12 @@ import argparse
 import sys
 from pathlib import Path
 
-import matplotlib
+from matplotlib.backend_bases import FigureCanvasBase
+from matplotlib.figure import Figure  # not pyplot: no display, no backend to choose
 
-matplotlib.use("Agg")  # files only; no display needed
-import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.backend_bases import FigureCanvasBase  # noqa: E402
-
-from jdp.errors import UsageError  # noqa: E402
-from jdp.metrics import read_metrics  # noqa: E402
-from jdp.storage import check_output_file  # noqa: E402
+from jdp.errors import UsageError
+from jdp.metrics import read_metrics
+from jdp.storage import check_output_file
 
 
 def plot_runs(run_dirs: list[Path], out: Path) -> None:
@@ -30,7 +27,8 @@ def plot_runs(run_dirs: list[Path], out: Path) -> None:
                          "directories that have trained at least one logged step")
     keys = ["loss", *sorted({k for _, records in runs for r in records if r.get("split") == "eval" for k in r}
                             - {"step", "split", "wall_time", "loss"})]
-    fig, (axes,) = plt.subplots(1, len(keys), figsize=(5.5 * len(keys), 4), squeeze=False)
+    fig = Figure(figsize=(5.5 * len(keys), 4), layout="tight")
+    (axes,) = fig.subplots(1, len(keys), squeeze=False)
     for i, (run_dir, records) in enumerate(runs):
         for split, style in (("train", "-"), ("eval", "o--")):
             rows = [r for r in records if r.get("split") == split]
@@ -44,9 +42,7 @@ def plot_runs(run_dirs: list[Path], out: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize="small")
     axes[0].set_yscale("log")
-    fig.tight_layout()
     fig.savefig(out, dpi=120)
-    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
