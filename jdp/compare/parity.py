@@ -97,8 +97,7 @@ def compare(name: str, jdp: dict, ddp: dict, jdp_final: dict, ddp_final: dict, t
 
 def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance: dict | None = None,
            timeout_s: float = 900, device: str = "cpu") -> Parity:
-    """Runs both sides into `workdir` and reports there (`report_workdir`: `tolerance`'s fields override the
-    config's entry of `TOLERANCES`)."""
+    """Runs both sides into `workdir` and reports there (`report_workdir`, which takes `tolerance`)."""
     cfg = both_sides(cfg, workers=workers, steps=steps, device=device)  # every loss logged, eval only at the end
     if cfg.model.kwargs.get("dropout", 0.0):
         raise ValueError(f"model.dropout={cfg.model.kwargs.dropout}: the two sides draw different dropout "
