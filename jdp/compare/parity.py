@@ -5,7 +5,6 @@ each a subprocess, trained from the same init.npz on the same batches and compar
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -57,7 +56,7 @@ def check_supported(cfg, workers: int, *, bf16: bool = False) -> None:
 
 def both_sides(cfg, *, workers: int, steps: int, device: str, bf16: bool = False):
     """A copy of `cfg` both sides can train: `steps` steps on `workers`, no checkpoint, no closing sample."""
-    cfg = copy.deepcopy(cfg)
+    cfg = cfg.copy_and_resolve_references()
     check_supported(cfg, workers, bf16=bf16)
     cfg.train.steps = steps
     cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, steps - 1)
