@@ -54,8 +54,7 @@ def _clip_like_optax(grads: list[torch.Tensor], max_norm: float) -> None:
 
 
 def _cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Per example or per token (logits (B, T, V)), flattened: the mean is over every entry of the rank's rows, as
-    jdp's weighted mean is over every entry of the global batch."""
+    """Per example or per token (logits (B, T, V)): a mean over every entry of the rank's rows, as jdp's."""
     return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
 
 
