@@ -188,7 +188,6 @@ def _results_folder(out: Path) -> Path:
 
 
 def _write(out: Path, name: str, data, table: str, *warnings: str) -> int:
-    """Writes OUT/NAME.json and OUT/NAME.md; prints the table, then `warnings`; the exit code."""
     (out / f"{name}.json").write_text(json.dumps(data, indent=2, default=list))
     (out / f"{name}.md").write_text(table)
     print(table, flush=True)
