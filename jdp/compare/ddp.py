@@ -1,8 +1,7 @@
 """The PyTorch DDP side: `python -m jdp.compare.ddp SPEC.json` (written by `parity.run_ddp`) spawns `workers` ranks
 (gloo over loopback on CPU, NCCL with one GPU per rank on CUDA), each training the config's twin under DDP on the
-rows of each global batch jdp's device `rank` gets, BatchNorm running statistics averaged after each step as jdp's
-step averages them. Rank 0 writes OUT/ddp_result.json; mode "parity" adds the all-reduced loss, gradient norm, eval
-and final weights.
+rows jdp's device `rank` gets. Rank 0 writes OUT/ddp_result.json; mode "parity" adds the all-reduced loss, gradient
+norm, eval and final weights.
 """
 
 from __future__ import annotations
@@ -45,22 +44,17 @@ def make_optimizer(optim_cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=0.0, betas=(optim_cfg.momentum, optim_cfg.get("b2", 0.999)), eps=1e-8)
 
 
-def _global_norm(grads: list[torch.Tensor]) -> torch.Tensor:
-    return torch.sqrt(sum(torch.sum(g * g) for g in grads))
-
-
 def _clip_like_optax(grads: list[torch.Tensor], max_norm: float) -> None:
     """optax.clip_by_global_norm: unchanged below max_norm, else g / norm * max_norm (torch's
     clip_grad_norm_ would scale by max_norm / (norm + 1e-6))."""
-    norm = _global_norm(grads)
+    norm = torch.nn.utils.get_total_norm(grads)
     if not bool(norm < max_norm):
         for g in grads:
             g.div_(norm).mul_(max_norm)
 
 
 def _cross_entropy(logits: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Per example or per token (logits (B, T, V)), flattened: the mean is over every entry of the rank's rows, as
-    jdp's weighted mean is over every entry of the global batch."""
+    """Per example or per token (logits (B, T, V)): a mean over every entry of the rank's rows, as jdp's."""
     return F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction=reduction)
 
 
@@ -150,7 +144,7 @@ def train(rank: int, spec: dict) -> dict:
         loss.backward()  # DDP all-reduces (averages) the gradients here
         grads = [p.grad for p in params]
         if parity:
-            grad_norms.append(float(_global_norm(grads)))
+            grad_norms.append(float(torch.nn.utils.get_total_norm(grads)))
         if clip > 0:
             _clip_like_optax(grads, clip)
         optimizer.step()

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ def write_init(cfg, out: Path) -> None:
     from jdp.cli.optim import learning_rate
     from jdp.params_file import flatten
 
-    one = copy.deepcopy(cfg)
+    one = cfg.copy_and_resolve_references()
     one.parallel.num_devices, one.init_from = 1, ""
     state = build(one).init_state()
     arrays = {**flatten(state.params, "params"), **flatten(state.model_state, "model_state"), "step": np.int64(0)}

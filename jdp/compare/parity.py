@@ -5,7 +5,6 @@ each a subprocess, trained from the same init.npz on the same batches and compar
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import math
@@ -57,7 +56,7 @@ def check_supported(cfg, workers: int, *, bf16: bool = False) -> None:
 
 def both_sides(cfg, *, workers: int, steps: int, device: str, bf16: bool = False):
     """A copy of `cfg` both sides can train: `steps` steps on `workers`, no checkpoint, no closing sample."""
-    cfg = copy.deepcopy(cfg)
+    cfg = cfg.copy_and_resolve_references()
     check_supported(cfg, workers, bf16=bf16)
     cfg.train.steps = steps
     cfg.optim.warmup_steps = min(cfg.optim.warmup_steps, steps - 1)
@@ -97,8 +96,7 @@ def compare(name: str, jdp: dict, ddp: dict, jdp_final: dict, ddp_final: dict, t
 
 def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance: dict | None = None,
            timeout_s: float = 900, device: str = "cpu") -> Parity:
-    """Runs both sides into `workdir` and reports there (`report_workdir`: `tolerance`'s fields override the
-    config's entry of `TOLERANCES`)."""
+    """Runs both sides into `workdir` and reports there (`report_workdir`, which takes `tolerance`)."""
     cfg = both_sides(cfg, workers=workers, steps=steps, device=device)  # every loss logged, eval only at the end
     if cfg.model.kwargs.get("dropout", 0.0):
         raise ValueError(f"model.dropout={cfg.model.kwargs.dropout}: the two sides draw different dropout "

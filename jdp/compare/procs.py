@@ -33,9 +33,9 @@ def child_env(drop: tuple[str, ...] = ()) -> dict[str, str]:
 
 
 def run(args: list[str], what: str, *, log: Path, timeout_s: float, env: dict[str, str] | None = None) -> Finished:
-    """`python -m ...` in its own session with stdout+stderr to `log`; the whole process group is killed at
-    `timeout_s`. Peak memory from os.wait4, so it is this child's alone. ValueError when the child (`what`) refused
-    its config in jdp's one line, else SideFailed when it failed."""
+    """`python -m ...` in its own session with stdout+stderr to `log`, stopped at `timeout_s`. Peak memory from
+    os.wait4, so it is this child's alone. ValueError when the child (`what`) refused its config in jdp's one line,
+    else SideFailed when it failed."""
     log.parent.mkdir(parents=True, exist_ok=True)
     with open(log, "w") as out:
         launch, t0 = time.time(), time.monotonic()
@@ -44,9 +44,8 @@ def run(args: list[str], what: str, *, log: Path, timeout_s: float, env: dict[st
         while not (waited := os.wait4(proc.pid, os.WNOHANG))[0] and time.monotonic() < t0 + timeout_s:
             time.sleep(0.05)
     timed_out = not waited[0]
-    # The whole group: at the time limit the child too, else the leftovers of its own children (spawned DDP workers).
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(proc.pid, signal.SIGKILL)  # the child at the time limit, and its own children's leftovers
     _, status, usage = os.wait4(proc.pid, 0) if timed_out else waited
     proc.returncode = 124 if timed_out else os.waitstatus_to_exitcode(status)  # reaped: Popen need not wait
     seconds = time.monotonic() - t0

@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -21,7 +20,7 @@ from jdp.options import BACKENDS
 
 
 def _run_jdp(cfg, backend: str, run_dir: Path, timeout_s: float, compile_cache: bool) -> dict:
-    cfg = copy.deepcopy(cfg)
+    cfg = cfg.copy_and_resolve_references()
     cfg.parallel.backend = backend
     config_lib.save_config(cfg, run_dir / "config.json")  # `--workdir` without `--config` trains this config
     cache_env = () if compile_cache else ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS")
@@ -90,14 +89,13 @@ def speed(cfg, *, name: str, workers: int, workdir: Path, steps: int | None = No
 
     batch = cfg.train.global_batch_size
     tokens = cfg.data.block_size if is_text(cfg.data.name) else 0  # a language model's tokens per example
-    ddp_rate = statistics.median([r["examples_per_sec"] for r in runs if r["run"] == "ddp"])
+    rate = {kind: statistics.median([r["examples_per_sec"] for r in runs if r["run"] == kind]) for kind in plan}
     rows = []
     for kind in plan:
         mine = [r for r in runs if r["run"] == kind]
-        rate = statistics.median([r["examples_per_sec"] for r in mine])
-        rows.append({"run": kind, "examples_per_sec": rate, "ratio_vs_ddp": rate / ddp_rate,
-                     **({"tokens_per_sec": rate * tokens} if tokens else {}),
-                     "step_time_ms": 1000 * batch / rate,
+        rows.append({"run": kind, "examples_per_sec": rate[kind], "ratio_vs_ddp": rate[kind] / rate["ddp"],
+                     **({"tokens_per_sec": rate[kind] * tokens} if tokens else {}),
+                     "step_time_ms": 1000 * batch / rate[kind],
                      **{key: statistics.median([r[key] for r in mine])
                         for key in ("time_to_first_step_s", "peak_rss_mib_per_worker", "peak_rss_mib_total")}})
     loads = [load for r in runs for load in r["load_avg_1min"]]

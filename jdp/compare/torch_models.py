@@ -137,8 +137,7 @@ def _conv(c_in: int, c_out: int, k: int, stride: int = 1) -> nn.Conv2d:
 
 
 class Block(nn.Module):
-    """jdp.models' BasicBlock (3x3, 3x3 convs) or BottleneckBlock (1x1, 3x3 with the stride: v1.5, 1x1 to 4x the
-    filters): `conv1` / `bn1`, ... with ReLU between them, added to the shortcut, then ReLU."""
+    """jdp.models.resnet.Block, basic or bottleneck: `conv1` / `bn1`, ... (its table of convs) and `shortcut`."""
 
     def __init__(self, c_in: int, filters: int, stride: int, bn: Callable[[int], BatchNorm], bottleneck: bool):
         super().__init__()
@@ -160,15 +159,11 @@ class Block(nn.Module):
         return F.relu(y + self.shortcut(x))
 
 
-def max_pool_same(x: torch.Tensor, k: int, s: int) -> torch.Tensor:
-    """Flax `max_pool(x, (k, k), (s, s), padding="SAME")`: -inf padding, the smaller half before (torch's
-    MaxPool2d(k, s, padding=k // 2) windows start one row earlier)."""
-    pads = []
-    for size in reversed(x.shape[2:]):  # F.pad lists the last axis first
-        out = math.ceil(size / s)
-        total = max((out - 1) * s + k - size, 0)
-        pads += [total // 2, total - total // 2]
-    return F.max_pool2d(F.pad(x, pads, value=float("-inf")), k, s)
+def max_pool_same(x: torch.Tensor) -> torch.Tensor:
+    """Flax `max_pool(x, (3, 3), (2, 2), padding="SAME")`: -inf padding, one row after each axis and one before an odd
+    one (torch's MaxPool2d(3, 2, padding=1) pads one before an even one too: its windows start a row earlier)."""
+    pads = [p for size in reversed(x.shape[2:]) for p in (size % 2, 1)]  # F.pad lists the last axis first
+    return F.max_pool2d(F.pad(x, pads, value=float("-inf")), 3, 2)
 
 
 class ResNet(nn.Module):
@@ -194,7 +189,7 @@ class ResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = F.relu(self.stem_bn(self.stem_conv(x)))
         if self.imagenet_stem:
-            x = max_pool_same(x, 3, 2)
+            x = max_pool_same(x)
         for block in self.blocks:
             x = block(x)
         return self.head(x.mean((2, 3)))
@@ -254,10 +249,9 @@ class GPT(nn.Module):
 
 
 def build_twin(model_cfg, input_shape: Sequence[int], num_classes: int, *, sync_bn: bool = False) -> nn.Module:
-    """The twin of the model a config's `model` section names; `sync_bn`: BatchNorm over the global batch."""
+    """The twin of the model a config's `model` section names (one of MODEL_NAMES: `parity.check_supported`);
+    `sync_bn`: BatchNorm over the global batch."""
     name = model_cfg.name
-    if name not in MODEL_NAMES:
-        raise ValueError(f"the PyTorch twin has no model {name!r}; it has {', '.join(MODEL_NAMES)}")
     s = settings(name, model_cfg.kwargs.to_dict())
     if name == "mlp":
         return MLP(math.prod(input_shape), s["hidden_sizes"], num_classes)

@@ -25,6 +25,7 @@ from jdp.cli import config as config_lib
 from jdp.cli.train import enable_compilation_cache
 from jdp.errors import UsageError, warn
 from jdp.layers import REMAT_POLICIES
+from jdp.memory import mb
 from jdp.mesh import simulate_cpu_devices
 from jdp.models import settings
 from jdp.models.gpt import flops_per_token, non_embedding_params
@@ -152,9 +153,6 @@ def to_markdown(cfg, rows: list[dict]) -> str:
 
 def memory_markdown(cfg, rows: list[dict]) -> str:
     """The `--compile_only` table: per-device memory of each sharding of the state, side by side."""
-    def mb(x: float) -> str:
-        return f"{x / 2**20:,.1f}"
-
     platform = jax.devices()[0].platform
     compiler = f"XLA:{platform.upper()}'s" if platform == "cpu" else "XLA's"
     scanned = " scanned" if settings(cfg.model.name, cfg.model.kwargs.to_dict()).get("scan_layers") else ""
@@ -190,7 +188,6 @@ def _results_folder(out: Path) -> Path:
 
 
 def _write(out: Path, name: str, data, table: str, *warnings: str) -> int:
-    """Writes OUT/NAME.json and OUT/NAME.md; prints the table, then `warnings`; the exit code."""
     (out / f"{name}.json").write_text(json.dumps(data, indent=2, default=list))
     (out / f"{name}.md").write_text(table)
     print(table, flush=True)

@@ -1,6 +1,5 @@
-"""`python -m jdp.bench --fits --memory_gb G --devices N`: which GPT shapes fit in G GB a device under each of
-STRATEGIES: XLA's compiled peak, activations included, of each step compiled from shapes in a capped child process
-(docs/performance.md, "Making a model fit").
+"""`python -m jdp.bench --fits --memory_gb G --devices N` (docs/performance.md, "Making a model fit"): which GPT
+shapes fit in G GB a device under each of STRATEGIES, by XLA's peak of a step compiled in a capped child process.
 """
 
 from __future__ import annotations

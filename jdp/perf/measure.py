@@ -1,5 +1,4 @@
-"""One configuration's data-parallel step, built through jdp's task building, compiled once and timed: what
-`python -m jdp.bench` measures, and `--predict` takes as one device's step time."""
+"""A config's data-parallel step, compiled once and timed: what `python -m jdp.bench` (and `--predict`) measures."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def compiled_memory(cfg, num_devices: int, sharding: str, remat: str = "") -> di
 
 
 class Variant:
-    """One configuration's step (device count, with or without its collective): built, put on the devices and
-    compiled once, then timed as often as asked (the state carries on from one timing to the next)."""
+    """A config's step (device count, with or without its collective), compiled once and timed as often as asked."""
 
     def __init__(self, cfg, num_devices: int, collective: bool = True) -> None:
         cfg = cfg.copy_and_resolve_references()

@@ -90,9 +90,8 @@ def predict(grad_bytes: float, one_device_step_s: float, batch: int, devices: li
         per_byte = hierarchical_allreduce_s(1.0, n, topo) - latency
         row = {"devices": n, "nodes": max(n // topo.per_node, 1), "per_device_batch": per_device,
                "compute_s": compute, "allreduce_s": comm,
-               # below this per-device batch the all-reduce takes longer than the compute
+               # the per-device batch below which, and the gradient bytes above which, the all-reduce outlasts compute
                "threshold_batch": comm / per_example,
-               # above this many gradient bytes (at this per-device batch) the all-reduce takes longer
                "threshold_bytes": max(compute - latency, 0.0) / per_byte if n > 1 else float("inf")}
         for name, overlap in (("", 0.0), ("_overlap", BACKWARD_SHARE)):  # overlap x compute hides the all-reduce
             row["step_s" + name] = compute + max(comm - overlap * compute, 0.0)

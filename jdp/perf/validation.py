@@ -12,11 +12,12 @@ from jdp.perf.scaling import BACKWARD_SHARE, INTER_LINKS, INTRA_LINKS, Topology,
 # Keras Applications table; gradients are all-reduced in float32 in every case (AMP keeps float32 parameters).
 RESNET50, RESNET101, INCEPTION_V3, VGG16 = 25.6e6, 44.7e6, 23.9e6, 138.4e6
 
-# One P100's images/s, tf_cnn_benchmarks at batch 64 (TensorFlow's published benchmarks, DGX-1, May 2017).
-# ResNet-101 is not in that table: interpolated between ResNet-50 and ResNet-152 by GFLOPs (He et al. 2016).
-P100_TF = {"InceptionV3": 142.0, "VGG16": 154.0}
+# (model, parameters, one P100's images/s), tf_cnn_benchmarks at batch 64 (TensorFlow's published benchmarks, DGX-1,
+# May 2017). ResNet-101 is not in that table: interpolated between ResNet-50 and ResNet-152 by GFLOPs (He et al. 2016).
 _T50, _T152 = 1 / 219, 1 / 91.8
-P100_TF["ResNet-101"] = 1 / (_T50 + (7.6 - 3.8) / (11.3 - 3.8) * (_T152 - _T50))
+P100_TF = (("Inception V3", INCEPTION_V3, 142.0),
+           ("ResNet-101", RESNET101, 1 / (_T50 + (7.6 - 3.8) / (11.3 - 3.8) * (_T152 - _T50))),
+           ("VGG-16", VGG16, 154.0))
 
 # Goyal et al. 2017 (arXiv:1706.02677): the baseline, 90 ImageNet epochs on 8 GPUs in 29 hours, per GPU.
 GOYAL_IMAGES_PER_S = 90 * 1_281_167 / (29 * 3600) / 8
@@ -39,10 +40,8 @@ class Published:
 
 def _horovod(source: str, gpus: int, efficiencies: tuple[float, float, float]) -> list[Published]:
     # Batch 64 per GPU: the docs' tf_cnn_benchmarks command. The servers' GPU interconnect is not stated: PCIe 3.
-    models = (("Inception V3", INCEPTION_V3, P100_TF["InceptionV3"]), ("ResNet-101", RESNET101, P100_TF["ResNet-101"]),
-              ("VGG-16", VGG16, P100_TF["VGG16"]))
     return [Published(f"Horovod {name}", source, params, 64, rate, gpus, 1, 4, "pcie3", "net-25g", eff)
-            for (name, params, rate), eff in zip(models, efficiencies, strict=True)]
+            for (name, params, rate), eff in zip(P100_TF, efficiencies, strict=True)]
 
 
 CASES = [
