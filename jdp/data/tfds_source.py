@@ -196,9 +196,17 @@ class TfdsSource(RowOrder):
         self._threads = num_threads or min(os.cpu_count() or 1, 16)
         self._workers = ThreadPoolExecutor(self._threads, thread_name_prefix="jdp-tfds")
 
-    def _read(self, source: _Records, rows: np.ndarray, params: augment.BatchParams | None = None
-              ) -> tuple[np.ndarray, np.ndarray]:
-        """(pixels uint8, labels int32) of `rows`, a chunk per thread; large images cropped by `params` or centred."""
+    def _read(self, source: _Records, rows: np.ndarray, params: augment.BatchParams | None = None,
+              cache: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(pixels uint8, labels int32) of `rows`, a chunk per thread; large images cropped by `params` or centred,
+        small ones decoded once into `cache` (if any) and then served from it."""
+        if cache is not None:
+            pixels, labels, filled = cache
+            missing = np.unique(rows[~filled[rows]])
+            if len(missing):  # written once the workers are done, rows before their flags
+                pixels[missing], labels[missing] = self._read(source, missing)
+                filled[missing] = True
+            return pixels[rows], labels[rows]
         n = len(rows)
         pixels = np.empty((n, *self.input_shape), np.uint8)
         labels = np.empty(n, np.int32)
@@ -230,24 +238,12 @@ class TfdsSource(RowOrder):
                             "info), or use a labelled split (imagenet2012's test split has none)")
         return pixels, labels
 
-    def _read_cached(self, source: _Records, cache: tuple | None, rows: np.ndarray,
-                     params: augment.BatchParams | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """`_read`, small images decoded once and then served from `cache` if there is one."""
-        if cache is None:
-            return self._read(source, rows, params)
-        pixels, labels, filled = cache
-        missing = np.unique(rows[~filled[rows]])
-        if len(missing):  # written once the workers are done, rows before their flags
-            pixels[missing], labels[missing] = self._read(source, missing)
-            filled[missing] = True
-        return pixels[rows], labels[rows]
-
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of the train batch at `step`: {'x': uint8 (B/P, H, W, C), 'y'}, plus 'crop' and 'flip'
         for augmented small images."""
         params = (augment.batch_params(self._seed, step, self.global_batch_size, self.train_block)
                   if self._augment else None)
-        pixels, labels = self._read_cached(self._train, self._train_cache, self.train_rows(step), params)
+        pixels, labels = self._read(self._train, self.train_rows(step), params, self._train_cache)
         if self._small and params is not None:
             return {"x": pixels, "y": labels, "crop": params.offsets.astype(np.int32), "flip": params.flips}
         return {"x": pixels, "y": labels}
@@ -257,7 +253,7 @@ class TfdsSource(RowOrder):
         pixels = np.zeros((len(ids), *self.input_shape), np.uint8)
         labels = np.zeros(len(ids), np.int32)
         if n:
-            pixels[:n], labels[:n] = self._read_cached(self._eval, self._eval_cache, ids[:n])
+            pixels[:n], labels[:n] = self._read(self._eval, ids[:n], cache=self._eval_cache)
         return {"x": pixels, "y": labels}
 
     def close(self) -> None:

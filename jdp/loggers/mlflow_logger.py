@@ -3,6 +3,7 @@ client: a local `file:` store or a tracking server; `sqlite:` stores need the fu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -99,13 +100,10 @@ class MLflow(Tracker):
     def _experiment_id(self, name: str) -> str:
         from mlflow.exceptions import MlflowException
 
-        found = self.client.get_experiment_by_name(name)
-        if found is not None:
-            return found.experiment_id
-        try:
-            return self.client.create_experiment(name)
-        except MlflowException:  # created meanwhile by another run
-            return self.client.get_experiment_by_name(name).experiment_id
+        if self.client.get_experiment_by_name(name) is None:
+            with contextlib.suppress(MlflowException):  # created meanwhile by another run: found below
+                self.client.create_experiment(name)
+        return self.client.get_experiment_by_name(name).experiment_id
 
     def _log(self, split: str, step: int, line: dict[str, Any]) -> None:
         from mlflow.entities import Metric
