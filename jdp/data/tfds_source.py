@@ -214,11 +214,10 @@ class TfdsSource(RowOrder):
         def decoded(image: bytes | np.ndarray, i: int) -> np.ndarray:
             if self._small:
                 return augment.decode(image, self._channels)
-            if params is None:
-                return augment.decode_crop(image, self._channels, augment.center_box, self.input_shape[0], False)
-            return augment.decode_crop(image, self._channels,
-                                       functools.partial(augment.random_resized_box, uniforms=params.uniforms[i]),
-                                       self.input_shape[0], bool(params.flips[i]))
+            box = (augment.center_box if params is None
+                   else functools.partial(augment.random_resized_box, uniforms=params.uniforms[i]))
+            return augment.decode_crop(image, self._channels, box, self.input_shape[0],
+                                       params is not None and bool(params.flips[i]))
 
         def task(lo: int, hi: int) -> None:
             for i, (image, label) in zip(range(lo, hi), source.__getitems__(rows[lo:hi]), strict=True):
@@ -231,11 +230,10 @@ class TfdsSource(RowOrder):
             task(0, n)
         else:
             list(self._workers.map(task, bounds[:-1], bounds[1:]))  # waits for every task, raises the first error
-        if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
-            bad = labels[(labels < 0) | (labels >= self.num_classes)][0]
-            raise DataError(f"split {source.split!r} of {self.name} has label {bad}, outside [0, {self.num_classes}) "
-                            f"for {self.num_classes} classes; raise data.num_classes above {bad} (0 = from the dataset "
-                            "info), or use a labelled split (imagenet2012's test split has none)")
+        if len(bad := labels[(labels < 0) | (labels >= self.num_classes)]):
+            raise DataError(f"split {source.split!r} of {self.name} has label {bad[0]}, outside [0, {self.num_classes})"
+                            f" for {self.num_classes} classes; raise data.num_classes above {bad[0]} (0 = from the "
+                            "dataset info), or use a labelled split (imagenet2012's test split has none)")
         return pixels, labels
 
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
