@@ -250,8 +250,7 @@ class TfdsSource(RowOrder):
         n = int(real.sum())  # real rows come first: padding (zeros) is only ever at the end of the split
         pixels = np.zeros((len(ids), *self.input_shape), np.uint8)
         labels = np.zeros(len(ids), np.int32)
-        if n:
-            pixels[:n], labels[:n] = self._read(self._eval, ids[:n], cache=self._eval_cache)
+        pixels[:n], labels[:n] = self._read(self._eval, ids[:n], cache=self._eval_cache)
         return {"x": pixels, "y": labels}
 
     def close(self) -> None:
