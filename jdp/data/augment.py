@@ -31,8 +31,7 @@ _AUGMENT_STREAM = 0x617567  # "aug": keeps these draws apart from the (seed, epo
 
 def channel_stats(dataset: str, channels: int) -> tuple[np.ndarray, np.ndarray]:
     """(mean, std) per channel for a tfds name such as `cifar10`, `imagenet2012/subset:5.0.0`."""
-    base = dataset.split("/")[0].split(":")[0]
-    mean, std = next((stats for prefix, stats in _CHANNEL_STATS if base.startswith(prefix) and channels == 3),
+    mean, std = next((stats for prefix, stats in _CHANNEL_STATS if dataset.startswith(prefix) and channels == 3),
                      ((0.5,) * channels, (0.5,) * channels))
     return np.asarray(mean, np.float32), np.asarray(std, np.float32)
 

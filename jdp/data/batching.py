@@ -34,7 +34,6 @@ SOURCE_OPTIONAL = {"num_eval": 0, "tokens_per_example": 0, "device_input": lambd
 
 
 def optional(source: Source, name: str) -> Any:
-    """An optional attribute of a Source (`SOURCE_OPTIONAL`), or its default."""
     return getattr(source, name, SOURCE_OPTIONAL[name])
 
 
@@ -47,6 +46,8 @@ class RowOrder:
                  process_index: int, process_count: int, train_split: str = "the train split") -> None:
         if not 0 <= process_index < process_count:
             raise ValueError(f"process_index {process_index} is not in [0, {process_count})")
+        if seed < 0:
+            raise ValueError(f"seed must be >= 0, got {seed}")
         self.train_block = process_block(global_batch_size, process_index, process_count, "global batch size")
         self._eval_block = process_block(eval_batch_size, process_index, process_count, "eval batch size")
         self.num_train, self.num_eval = num_train, num_eval
@@ -60,6 +61,8 @@ class RowOrder:
             lambda epoch: np.random.default_rng([seed, epoch]).permutation(num_train))
 
     def train_rows(self, step: int) -> np.ndarray:
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
         epoch, index = divmod(step, self.steps_per_epoch)
         start = index * self.global_batch_size
         return self._permutation(epoch)[start : start + self.global_batch_size][self.train_block]
@@ -218,7 +221,6 @@ class Batcher(RowOrder):
         return self._same_shapes("eval", self._eval.rows(np.where(real, ids, 0)))
 
     def _same_shapes(self, split: str, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """`batch`, refused where a key's rows change shape from the first batch's (the compiled step's)."""
         first = self._shapes.setdefault(split, {k: v.shape[1:] for k, v in batch.items()})
         if changed := next((k for k, v in batch.items() if v.shape[1:] != first[k]), None):
             raise DataError(f"the {split} data's rows of {changed!r} have shape {batch[changed].shape[1:]} in this "

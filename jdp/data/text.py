@@ -113,9 +113,7 @@ class Vocabulary:
 
     @classmethod
     def of_text(cls, tokenizer: str, raw: bytes, what: str = "the text") -> Vocabulary:
-        if tokenizer == "bytes":
-            return cls("bytes")
-        return cls("chars", [chr(c) for c in np.unique(_codepoints(raw, what))])
+        return cls(tokenizer, [chr(c) for c in np.unique(_codepoints(raw, what))] if tokenizer == "chars" else None)
 
     @property
     def size(self) -> int:

@@ -196,9 +196,17 @@ class TfdsSource(RowOrder):
         self._threads = num_threads or min(os.cpu_count() or 1, 16)
         self._workers = ThreadPoolExecutor(self._threads, thread_name_prefix="jdp-tfds")
 
-    def _read(self, source: _Records, rows: np.ndarray, params: augment.BatchParams | None = None
-              ) -> tuple[np.ndarray, np.ndarray]:
-        """(pixels uint8, labels int32) of `rows`, a chunk per thread; large images cropped by `params` or centred."""
+    def _read(self, source: _Records, rows: np.ndarray, params: augment.BatchParams | None = None,
+              cache: tuple | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(pixels uint8, labels int32) of `rows`, a chunk per thread; large images cropped by `params` or centred,
+        small ones decoded once into `cache` (if any) and then served from it."""
+        if cache is not None:
+            pixels, labels, filled = cache
+            missing = np.unique(rows[~filled[rows]])
+            if len(missing):  # written once the workers are done, rows before their flags
+                pixels[missing], labels[missing] = self._read(source, missing)
+                filled[missing] = True
+            return pixels[rows], labels[rows]
         n = len(rows)
         pixels = np.empty((n, *self.input_shape), np.uint8)
         labels = np.empty(n, np.int32)
@@ -206,11 +214,10 @@ class TfdsSource(RowOrder):
         def decoded(image: bytes | np.ndarray, i: int) -> np.ndarray:
             if self._small:
                 return augment.decode(image, self._channels)
-            if params is None:
-                return augment.decode_crop(image, self._channels, augment.center_box, self.input_shape[0], False)
-            return augment.decode_crop(image, self._channels,
-                                       functools.partial(augment.random_resized_box, uniforms=params.uniforms[i]),
-                                       self.input_shape[0], bool(params.flips[i]))
+            box = (augment.center_box if params is None
+                   else functools.partial(augment.random_resized_box, uniforms=params.uniforms[i]))
+            return augment.decode_crop(image, self._channels, box, self.input_shape[0],
+                                       params is not None and bool(params.flips[i]))
 
         def task(lo: int, hi: int) -> None:
             for i, (image, label) in zip(range(lo, hi), source.__getitems__(rows[lo:hi]), strict=True):
@@ -223,31 +230,18 @@ class TfdsSource(RowOrder):
             task(0, n)
         else:
             list(self._workers.map(task, bounds[:-1], bounds[1:]))  # waits for every task, raises the first error
-        if len(labels) and (labels.min() < 0 or labels.max() >= self.num_classes):
-            bad = labels[(labels < 0) | (labels >= self.num_classes)][0]
-            raise DataError(f"split {source.split!r} of {self.name} has label {bad}, outside [0, {self.num_classes}) "
-                            f"for {self.num_classes} classes; raise data.num_classes above {bad} (0 = from the dataset "
-                            "info), or use a labelled split (imagenet2012's test split has none)")
+        if len(bad := labels[(labels < 0) | (labels >= self.num_classes)]):
+            raise DataError(f"split {source.split!r} of {self.name} has label {bad[0]}, outside [0, {self.num_classes})"
+                            f" for {self.num_classes} classes; raise data.num_classes above {bad[0]} (0 = from the "
+                            "dataset info), or use a labelled split (imagenet2012's test split has none)")
         return pixels, labels
-
-    def _read_cached(self, source: _Records, cache: tuple | None, rows: np.ndarray,
-                     params: augment.BatchParams | None = None) -> tuple[np.ndarray, np.ndarray]:
-        """`_read`, small images decoded once and then served from `cache` if there is one."""
-        if cache is None:
-            return self._read(source, rows, params)
-        pixels, labels, filled = cache
-        missing = np.unique(rows[~filled[rows]])
-        if len(missing):  # written once the workers are done, rows before their flags
-            pixels[missing], labels[missing] = self._read(source, missing)
-            filled[missing] = True
-        return pixels[rows], labels[rows]
 
     def train_batch(self, step: int) -> dict[str, np.ndarray]:
         """This process's rows of the train batch at `step`: {'x': uint8 (B/P, H, W, C), 'y'}, plus 'crop' and 'flip'
         for augmented small images."""
         params = (augment.batch_params(self._seed, step, self.global_batch_size, self.train_block)
                   if self._augment else None)
-        pixels, labels = self._read_cached(self._train, self._train_cache, self.train_rows(step), params)
+        pixels, labels = self._read(self._train, self.train_rows(step), params, self._train_cache)
         if self._small and params is not None:
             return {"x": pixels, "y": labels, "crop": params.offsets.astype(np.int32), "flip": params.flips}
         return {"x": pixels, "y": labels}
@@ -256,8 +250,7 @@ class TfdsSource(RowOrder):
         n = int(real.sum())  # real rows come first: padding (zeros) is only ever at the end of the split
         pixels = np.zeros((len(ids), *self.input_shape), np.uint8)
         labels = np.zeros(len(ids), np.int32)
-        if n:
-            pixels[:n], labels[:n] = self._read_cached(self._eval, self._eval_cache, ids[:n])
+        pixels[:n], labels[:n] = self._read(self._eval, ids[:n], cache=self._eval_cache)
         return {"x": pixels, "y": labels}
 
     def close(self) -> None:

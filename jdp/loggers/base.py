@@ -54,7 +54,7 @@ def numbers(line: dict[str, Any], prefix: str = "") -> dict[str, float]:
 
 class Tracker(Callback):
     """A logger of metrics.jsonl's lines to an experiment tracker, as a `jdp.Callback`: the training thread queues
-    them and returns; a worker thread sends them (subclasses' `_open`, `_log` and `_close`)."""
+    them and returns; a worker thread sends them (subclasses' `_open`, `_log(split, step, line)` and `_close(ok)`)."""
 
     name = ""  # jdp.loggers.LOGGERS's name; the state file's and the extra's name
     package = ""  # what the tracker's client imports as
@@ -227,12 +227,6 @@ class Tracker(Callback):
 
     def _open(self, run_id: str | None) -> str:
         """Opens the tracked run `run_id` (None: a new one) and records its settings; returns its id."""
-        raise NotImplementedError
-
-    def _log(self, split: str, step: int, line: dict[str, Any]) -> None:
-        raise NotImplementedError
-
-    def _close(self, ok: bool) -> None:
         raise NotImplementedError
 
 

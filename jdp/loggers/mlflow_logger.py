@@ -3,6 +3,7 @@ client: a local `file:` store or a tracking server; `sqlite:` stores need the fu
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
@@ -73,12 +74,16 @@ class MLflow(Tracker):
 
     def _open(self, run_id: str | None) -> str:
         from mlflow.entities import Param
+        from mlflow.exceptions import MlflowException
 
         params = {key[:MAX_KEY]: str(value)[:MAX_VALUE] for key, value in flatten(self.params()).items()}
         stored = self._stored_run(run_id)
         if stored is None:
             name = self.experiment or os.environ.get("MLFLOW_EXPERIMENT_NAME")
-            experiment_id = "0" if not name else self._experiment_id(name)
+            if name and self.client.get_experiment_by_name(name) is None:
+                with contextlib.suppress(MlflowException):  # created meanwhile by another run: found below
+                    self.client.create_experiment(name)
+            experiment_id = self.client.get_experiment_by_name(name).experiment_id if name else "0"
             tags = {"jdp.workdir": str(self.workdir)} if self.workdir is not None else {}
             run_id = self.client.create_run(experiment_id, run_name=self.workdir.name if self.workdir else None,
                                             tags=tags).info.run_id
@@ -95,17 +100,6 @@ class MLflow(Tracker):
         self.client.log_batch(run_id, params=[Param(f"{prefix}.{key}"[:MAX_KEY] if key in logged else key, value)
                                               for key, value in params.items() if logged.get(key) != value])
         return run_id
-
-    def _experiment_id(self, name: str) -> str:
-        from mlflow.exceptions import MlflowException
-
-        found = self.client.get_experiment_by_name(name)
-        if found is not None:
-            return found.experiment_id
-        try:
-            return self.client.create_experiment(name)
-        except MlflowException:  # created meanwhile by another run
-            return self.client.get_experiment_by_name(name).experiment_id
 
     def _log(self, split: str, step: int, line: dict[str, Any]) -> None:
         from mlflow.entities import Metric

@@ -55,9 +55,17 @@ class WandB(Tracker):
         return self.run.id
 
     def _logged(self) -> dict[str, int]:
-        # What the run's files (`run-ID.wandb`) hold: W&B buffers, so a SIGKILL loses steps handed to it.
-        files = self.state.get("files")
-        return logged_steps([Path(f) for f in files]) if files else super()._logged()
+        # The last steps with train and eval (`eval_<key>`) metrics in the run's files (`run-ID.wandb`), not the last
+        # sent: W&B buffers, so a SIGKILL loses steps handed to it.
+        if not (files := self.state.get("files")):
+            return super()._logged()
+        last = {"train": -1, "eval": -1}
+        for record in (record for path in map(Path, files) if path.is_file() for record in read_records(path)):
+            if record.WhichOneof("record_type") == "history":
+                for split in {"eval" if k.startswith("eval_") else "train" for k in items(record.history.item)
+                              if not k.startswith("_")}:
+                    last[split] = max(last[split], record.history.step.num)
+        return last
 
     def _log(self, split: str, step: int, line: dict[str, Any]) -> None:
         if split == "summary":
@@ -102,14 +110,3 @@ def read_records(path: Path) -> Iterator[Any]:
 def items(updates: Any) -> dict[str, Any]:
     """A history row's, a config's or a summary's items as {key: value}."""
     return {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in updates}
-
-
-def logged_steps(paths: list[Path]) -> dict[str, int]:
-    """The last step with train metrics and the last with eval metrics (`eval_<key>`) in the run files `paths`."""
-    last = {"train": -1, "eval": -1}
-    for record in (record for path in paths if Path(path).is_file() for record in read_records(path)):
-        if record.WhichOneof("record_type") == "history":
-            for split in {"eval" if k.startswith("eval_") else "train" for k in items(record.history.item)
-                          if not k.startswith("_")}:
-                last[split] = max(last[split], record.history.step.num)
-    return last

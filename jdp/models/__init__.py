@@ -71,8 +71,7 @@ def cnn2d(*, input_shape: tuple[int, ...], num_classes: int, channels: Sequence[
 def _resnet(name: str, *, input_shape: tuple[int, ...], num_classes: int, width: int = 64,
             stage_sizes: Sequence[int] = (), stem: str = "auto", bn_momentum: float = 0.9, remat: str = "none",
             rngs: nnx.Rngs) -> ResNet:
-    """`stage_sizes` () = the standard stages of the depth; `stem` auto = cifar for images of <= 64 px;
-    `remat` ("none", "full", "dots") checkpoints each residual block (`jdp.layers.remat`)."""
+    """`stage_sizes` () = the depth's standard stages; `stem` auto = cifar for images of <= 64 px (`ResNet`)."""
     h, _, c = image_shape(input_shape)
     if isinstance(width, bool) or not isinstance(width, int) or width <= 0:
         raise ValueError(f"model.kwargs.width={width!r} must be a positive int; set e.g. "
@@ -94,8 +93,7 @@ for _name in ARCHS:
 def gpt(*, input_shape: tuple[int, ...], num_classes: int, num_layers: int = 6, num_heads: int = 6,
         embed_dim: int = 384, dropout: float = 0.0, bias: bool = True, dtype: Any = None, remat: str = "none",
         scan_layers: bool = False, rngs: nnx.Rngs) -> GPT:
-    """A GPT over token windows of `input_shape` (block_size,) and a vocabulary of `num_classes` tokens; `remat`
-    ("none", "full", "dots") checkpoints each block, `scan_layers` stacks and scans them (`jdp.layers`)."""
+    """A GPT over token windows of `input_shape` (block_size,) and a vocabulary of `num_classes` tokens (`GPT`)."""
     if len(input_shape) != 1:
         raise ValueError(f"gpt needs token windows of shape (block_size,), got {input_shape}; use a text source")
     return GPT(num_classes, input_shape[0], num_layers=num_layers, num_heads=num_heads, embed_dim=embed_dim,
