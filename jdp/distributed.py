@@ -279,11 +279,14 @@ def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, b
         print(f"jdp: distributed: all {job.num_processes} processes joined ({job.describe()})", flush=True)
 
 
-def check_same_run(settings: dict, timeout_s: float) -> None:
-    """Refuses (exit 2), on every process, `settings` that differ from process 0's."""
+def check_same_run(cfg_dict: dict, workdir: Path, timeout_s: float) -> None:
+    """Refuses (exit 2), on every process, a config (but the per-host compile cache), workdir or device count that
+    differs from process 0's."""
     client, me = kvstore.client(), jax.process_index()
     if client is None:
         return
+    settings = {"config": {k: v for k, v in cfg_dict.items() if k != "compile_cache_dir"},
+                "workdir": str(Path(workdir).absolute()), "local_devices": jax.local_device_count()}
     mine = json.dumps(settings, sort_keys=True, default=str)
     client.key_value_set(f"jdp/run/{me}", mine)
     for other in range(1, jax.process_count()) if me == 0 else [0]:
@@ -334,12 +337,6 @@ def _within(timeout_s: float, failure: str, wait: Callable[[str, int], Any], key
         return wait(key, int(timeout_s * 1000))
     except Exception as e:  # noqa: BLE001 - the peer went away between joining and here
         raise DistributedFailure(f"{failure} within {timeout_s:g} s: {one_line(e, typed=False)}") from None
-
-
-def run_settings(cfg_dict: dict, workdir: Path) -> dict:
-    """What must be the same in every process: the config (but the per-host compile cache), workdir, device count."""
-    return {"config": {k: v for k, v in cfg_dict.items() if k != "compile_cache_dir"},
-            "workdir": str(Path(workdir).absolute()), "local_devices": jax.local_device_count()}
 
 
 class StopAgreement:
