@@ -245,12 +245,11 @@ class Checkpointer:
         inject("restore")
         # Entries named as a step that are not a directory: orbax skips them, then fails to save those steps.
         found = {int(p.name): storage.not_a_directory(p) for p in self.directory.glob("*") if p.name.isdigit()}
-        if not_checkpoints := sorted(step for step, problem in found.items() if problem):
-            for step in not_checkpoints:
-                warn(f"checkpoint {self.directory / str(step)} is unusable: {found[step].removeprefix('is ')} stands "
-                     f"where its directory belongs; {'moving it aside' if reject_damaged else 'skipping it'}")
-            if reject_damaged:
-                self._reject(not_checkpoints, warn)
+        not_checkpoints = sorted(step for step, problem in found.items() if problem)
+        for step in not_checkpoints:
+            warn(f"checkpoint {self.directory / str(step)} is unusable: {found[step].removeprefix('is ')} stands "
+                 f"where its directory belongs; {'moving it aside' if reject_damaged else 'skipping it'}")
+        self._reject(not_checkpoints if reject_damaged else [], warn)
         problems = {}  # {step: the line} of the damaged (one that no longer fits the model raised CheckpointError)
         for step in reversed(self.steps()):
             state, data, problem = self._restore(step, abstract_state, per_device, check)

@@ -348,15 +348,13 @@ class StopAgreement:
 
     def __init__(self) -> None:
         self._client = kvstore.client()
-        self._proposed = False
         self.stop_at: int | None = None
 
     def should_stop(self, step: int, requested: bool) -> bool:
         """Call once per step on every process; `requested`: this process has seen a signal."""
         if self._client is None:
             return requested
-        if requested and not self._proposed:
-            self._proposed = True
+        if requested and self.stop_at is None:  # once known, the agreed step holds: nothing to propose
             try:
                 self._client.key_value_set(self.KEY + "step", str(step + self.LOOKAHEAD_STEPS))
             except Exception as e:  # noqa: BLE001 - ALREADY_EXISTS: another process proposed first, its step holds
