@@ -99,8 +99,7 @@ def mismatch(digests: dict[str, list], tree: Any) -> str | None:
 
 
 def sealed(item: dict) -> dict:
-    """`item` (JSON-able) with its checksum under "checksum": BLAKE2b of the rest as canonical JSON (any writer's
-    spacing and key order alike)."""
+    """`item` with "checksum": BLAKE2b of the rest as canonical JSON (any writer's spacing and key order alike)."""
     text = json.dumps({k: v for k, v in item.items() if k != "checksum"}, sort_keys=True, separators=(",", ":"))
     return {**item, "checksum": hashlib.blake2b(text.encode(), digest_size=16).hexdigest()}
 

@@ -280,8 +280,7 @@ def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, b
 
 
 def check_same_run(cfg_dict: dict, workdir: Path, timeout_s: float) -> None:
-    """Refuses (exit 2), on every process, a config (but the per-host compile cache), workdir or device count that
-    differs from process 0's."""
+    """Refuses (exit 2) on all processes a config (but compile_cache_dir), workdir, device count unlike process 0's."""
     client, me = kvstore.client(), jax.process_index()
     if client is None:
         return
