@@ -205,8 +205,7 @@ class Checkpointer:
         return sorted(step for step in self._manager.all_steps() if (self.directory / str(step)).is_dir())
 
     def vanished(self) -> Path | None:
-        """The workdir, its checkpoints directory or its lock file, if deleted or moved since the run began, else
-        None (orbax would make a new directory and go on saving there)."""
+        """The workdir, checkpoints dir or lock file if deleted or moved since the start (orbax remakes it), or None."""
         gone = next((path for path, then in self._identity.items() if then is not None and _identity(path) != then),
                     None)
         if gone is not None and not _VANISHED:

@@ -33,8 +33,7 @@ def exit_now(message: str, code: int, flush_stdout: bool = False) -> None:
 
 
 def _exit_if_peer_failed() -> None:
-    """A SIGTERM from jdp.launch after another process failed is no preemption: one line and exit 5 at once, so
-    that a requeue policy does not take a crash for one. Without that file, nothing happens."""
+    """A SIGTERM from jdp.launch after another process failed is no preemption: one line and exit 5 (no requeue)."""
     if not (path := os.environ.get(LAUNCH_FAILURE_FILE)):  # unset, or "" for a child with no file
         return
     try:
