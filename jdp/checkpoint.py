@@ -205,8 +205,7 @@ class Checkpointer:
         return sorted(step for step in self._manager.all_steps() if (self.directory / str(step)).is_dir())
 
     def vanished(self) -> Path | None:
-        """The workdir, its checkpoints directory or its lock file, if deleted or moved since the run began, else
-        None (orbax would make a new directory and go on saving there)."""
+        """The workdir, checkpoints dir or lock file if deleted or moved since the start (orbax remakes it), or None."""
         gone = next((path for path, then in self._identity.items() if then is not None and _identity(path) != then),
                     None)
         if gone is not None and not _VANISHED:
@@ -245,12 +244,11 @@ class Checkpointer:
         inject("restore")
         # Entries named as a step that are not a directory: orbax skips them, then fails to save those steps.
         found = {int(p.name): storage.not_a_directory(p) for p in self.directory.glob("*") if p.name.isdigit()}
-        if not_checkpoints := sorted(step for step, problem in found.items() if problem):
-            for step in not_checkpoints:
-                warn(f"checkpoint {self.directory / str(step)} is unusable: {found[step].removeprefix('is ')} stands "
-                     f"where its directory belongs; {'moving it aside' if reject_damaged else 'skipping it'}")
-            if reject_damaged:
-                self._reject(not_checkpoints, warn)
+        not_checkpoints = sorted(step for step, problem in found.items() if problem)
+        for step in not_checkpoints:
+            warn(f"checkpoint {self.directory / str(step)} is unusable: {found[step].removeprefix('is ')} stands "
+                 f"where its directory belongs; {'moving it aside' if reject_damaged else 'skipping it'}")
+        self._reject(not_checkpoints if reject_damaged else [], warn)
         problems = {}  # {step: the line} of the damaged (one that no longer fits the model raised CheckpointError)
         for step in reversed(self.steps()):
             state, data, problem = self._restore(step, abstract_state, per_device, check)

@@ -279,11 +279,13 @@ def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, b
         print(f"jdp: distributed: all {job.num_processes} processes joined ({job.describe()})", flush=True)
 
 
-def check_same_run(settings: dict, timeout_s: float) -> None:
-    """Refuses (exit 2), on every process, `settings` that differ from process 0's."""
+def check_same_run(cfg_dict: dict, workdir: Path, timeout_s: float) -> None:
+    """Refuses (exit 2) on all processes a config (but compile_cache_dir), workdir, device count unlike process 0's."""
     client, me = kvstore.client(), jax.process_index()
     if client is None:
         return
+    settings = {"config": {k: v for k, v in cfg_dict.items() if k != "compile_cache_dir"},
+                "workdir": str(Path(workdir).absolute()), "local_devices": jax.local_device_count()}
     mine = json.dumps(settings, sort_keys=True, default=str)
     client.key_value_set(f"jdp/run/{me}", mine)
     for other in range(1, jax.process_count()) if me == 0 else [0]:
@@ -336,12 +338,6 @@ def _within(timeout_s: float, failure: str, wait: Callable[[str, int], Any], key
         raise DistributedFailure(f"{failure} within {timeout_s:g} s: {one_line(e, typed=False)}") from None
 
 
-def run_settings(cfg_dict: dict, workdir: Path) -> dict:
-    """What must be the same in every process: the config (but the per-host compile cache), workdir, device count."""
-    return {"config": {k: v for k, v in cfg_dict.items() if k != "compile_cache_dir"},
-            "workdir": str(Path(workdir).absolute()), "local_devices": jax.local_device_count()}
-
-
 class StopAgreement:
     """The step at which every process stops after a SIGTERM or SIGINT reached any of them (alone: at once). The
     first to see one proposes `step + LOOKAHEAD_STEPS`; processes run at most two steps apart, so all learn it."""
@@ -351,15 +347,13 @@ class StopAgreement:
 
     def __init__(self) -> None:
         self._client = kvstore.client()
-        self._proposed = False
         self.stop_at: int | None = None
 
     def should_stop(self, step: int, requested: bool) -> bool:
         """Call once per step on every process; `requested`: this process has seen a signal."""
         if self._client is None:
             return requested
-        if requested and not self._proposed:
-            self._proposed = True
+        if requested and self.stop_at is None:  # once known, the agreed step holds: nothing to propose
             try:
                 self._client.key_value_set(self.KEY + "step", str(step + self.LOOKAHEAD_STEPS))
             except Exception as e:  # noqa: BLE001 - ALREADY_EXISTS: another process proposed first, its step holds

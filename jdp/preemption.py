@@ -33,8 +33,7 @@ def exit_now(message: str, code: int, flush_stdout: bool = False) -> None:
 
 
 def _exit_if_peer_failed() -> None:
-    """A SIGTERM from jdp.launch after another process failed is no preemption: one line and exit 5 at once, so
-    that a requeue policy does not take a crash for one. Without that file, nothing happens."""
+    """A SIGTERM from jdp.launch after another process failed is no preemption: one line and exit 5 (no requeue)."""
     if not (path := os.environ.get(LAUNCH_FAILURE_FILE)):  # unset, or "" for a child with no file
         return
     try:
@@ -67,8 +66,7 @@ def _watch_for_peer_failure() -> None:
 
 
 def _leave_the_run() -> None:
-    """In a multi-process run, `jdp.kvstore.leaving`: process 0 outlives the others, whom its exit would abort (134
-    where they were preempted too). jdp.kvstore is imported by then: a signal handler imports nothing."""
+    """`jdp.kvstore.leaving` where a multi-process run imported it (a signal handler imports nothing)."""
     if (kvstore := sys.modules.get("jdp.kvstore")) is not None:
         kvstore.leaving()
 
@@ -130,8 +128,7 @@ def interactive() -> bool:
 
 
 class _PreemptedExits:
-    """`sys.excepthook`: in a script, an uncaught `Preempted` is one line and exit 75, an uncaught `jdp.UsageError`
-    one line and exit 2, as in `python -m jdp.train`; anything else goes to the previous hook."""
+    """`sys.excepthook`: an uncaught `Preempted` or `jdp.UsageError` is one line and exit 75 or 2, as in the CLI."""
 
     def __init__(self, previous: Callable[[type[BaseException], BaseException, TracebackType | None], object]) -> None:
         self.previous = previous

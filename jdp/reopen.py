@@ -144,8 +144,7 @@ def write_params_file(path: Path, params: Any, model_state: Any, step: int) -> N
 
 
 def evaluate_run(workdir: Path) -> tuple[int, dict[str, float]]:
-    """A `jdp.fit` run's latest checkpoint evaluated as `fit` evaluates it (`python -m jdp.train --eval_only`), from
-    the importable model, loss and eval data its record names."""
+    """`python -m jdp.train --eval_only` of a `jdp.fit` run: the model, loss and eval data its record names."""
     fit_record = record_lib.read(workdir)
     if fit_record is None:
         raise FitError(f"{workdir} holds neither config.json nor a jdp.fit record ({record_lib.RECORD_FILE}); pass "

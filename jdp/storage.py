@@ -142,9 +142,8 @@ _ORBAX_TMP = ".orbax-checkpoint-tmp"  # orbax's temporary directory of a save in
 
 
 def lost_directory(error: BaseException, workdir: Path | None = None) -> tuple[Path, str | None] | None:
-    """(what is gone, the path written or None) if `error` or its cause is an ENOENT write into something deleted or
-    moved meanwhile: with `workdir` (absolute), the workdir or the highest missing directory in it; without (what
-    orbax's threads log), a path whose directory is missing or in orbax's temporary directory."""
+    """(what is gone, the path written or None) for an ENOENT write in `error`'s chain: with `workdir` (absolute), it or
+    its highest missing directory; without (orbax's threads' logs), a path in a missing or orbax's temporary one."""
     for cause in _chain(error, unreported=True):
         if (path := _enoent_path(cause)) is None:
             continue

@@ -171,8 +171,7 @@ def main(argv: list[str] | None = None) -> int:
                 distributed_lib.initialize(job, init_timeout_s=cfg.distributed.init_timeout_s,
                                            heartbeat_timeout_s=cfg.distributed.heartbeat_timeout_s,
                                            bind_address=cfg.distributed.bind_address)
-                distributed_lib.check_same_run(distributed_lib.run_settings(cfg.to_dict(), command.workdir),
-                                               timeout_s=cfg.distributed.init_timeout_s)
+                distributed_lib.check_same_run(cfg.to_dict(), command.workdir, timeout_s=cfg.distributed.init_timeout_s)
             enable_compilation_cache(cfg.compile_cache_dir)
             if command.eval_only:
                 evaluate_checkpoint(command.workdir)
