@@ -27,10 +27,12 @@ def of_leaf(x: np.ndarray) -> list:
     return [x.dtype.name, list(x.shape), hashlib.blake2b(data, digest_size=16).hexdigest()]
 
 
-def _words(x: jax.Array) -> jax.Array:
-    """A leaf's bytes as uint32 words (two per 8-byte element)."""
-    x = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x  # bitcast takes no booleans
+def _words(x: Any, xp: Any) -> Any:
+    """A leaf's bytes as uint32 words (two per 8-byte element); `xp` is numpy or jax.numpy."""
+    x = x.astype(xp.uint8) if x.dtype == xp.bool_ else x  # bitcast takes no booleans
     size = x.dtype.itemsize
+    if xp is np:
+        return np.ascontiguousarray(x).view(f"uint{min(size, 4) * 8}").astype(np.uint32)
     if size >= 4:  # an 8-byte element becomes a trailing axis of two words
         return jax.lax.bitcast_convert_type(x, jnp.uint32)
     return jax.lax.bitcast_convert_type(x, jnp.dtype(f"uint{size * 8}")).astype(jnp.uint32)
@@ -39,7 +41,7 @@ def _words(x: jax.Array) -> jax.Array:
 def sums_on_device(x: jax.Array) -> jax.Array:
     """[sum of words, sum of words x (row-major position + 1)], wrapping, where `x`'s parts are (positions from iotas
     in `x`'s own shape: nothing is reshaped across devices)."""
-    words = _words(x)
+    words = _words(x, jnp)
     position = jnp.zeros(words.shape, jnp.uint32)
     stride = 1
     for axis in reversed(range(words.ndim)):
@@ -49,6 +51,13 @@ def sums_on_device(x: jax.Array) -> jax.Array:
 
 
 _word_sums = jax.jit(lambda leaves: jnp.stack([sums_on_device(x) for x in leaves]).reshape(-1, 2))
+
+
+def _sums_on_host(x: np.ndarray) -> np.ndarray:
+    """`sums_on_device` of a numpy array, on the host."""
+    words = _words(np.asarray(x), np).reshape(-1)
+    position = np.arange(1, words.size + 1, dtype=np.uint64).astype(np.uint32)
+    return np.array([words.sum(dtype=np.uint32), (words * position).sum(dtype=np.uint32)], np.uint32)
 
 
 def _of_words(x: Any, sums: np.ndarray) -> list:
@@ -89,8 +98,10 @@ def layout_difference(digests: dict[str, list], abstract: Any) -> str | None:
 def mismatch(digests: dict[str, list], tree: Any) -> str | None:
     """A line naming the first leaf of `tree` whose digest differs from `digests`, or None; a collective."""
     leaves, digests = _leaves(tree), {_plain(path): value for path, value in digests.items()}
-    counted = {path: x for path, x in leaves if str(digests.get(_plain(path), [None] * 3)[2]).startswith(WORDS)}
-    words = dict(zip(counted, np.asarray(_word_sums(list(counted.values()))) if counted else [], strict=True))
+    counted = [(path, x) for path, x in leaves if str(digests.get(_plain(path), [None] * 3)[2]).startswith(WORDS)]
+    on_devices = {path: x for path, x in counted if isinstance(x, jax.Array)}
+    words = dict(zip(on_devices, np.asarray(_word_sums(list(on_devices.values()))) if on_devices else [], strict=True))
+    words |= {path: _sums_on_host(x) for path, x in counted if not isinstance(x, jax.Array)}
     for path, leaf in leaves:
         got = _of_words(leaf, words[path]) if path in words else of_leaf(to_numpy(leaf))
         if got != digests.get(_plain(path)):
