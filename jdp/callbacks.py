@@ -222,8 +222,8 @@ class Checkpoints(Every):
         self.stalls: list[float] = []  # the blocking time of each save made during training
         self.final_call_s: float | None = None  # the final save's: nothing trains behind it, so not a stall
 
-    def save(self, step: int, state: Any) -> None:
-        """`state`: the logical train state after `step`."""
+    def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
+        """Saves `state`, the logical train state after `step` (also on a halt or a signal: `metrics` unused)."""
         with self.run.clock.paused():
             t = time.perf_counter()
             # The data position is informative: a source reads any step directly.
@@ -233,9 +233,6 @@ class Checkpoints(Every):
             self.final_call_s = elapsed
         else:
             self.stalls.append(elapsed)
-
-    def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
-        self.save(step, state)
 
     def finish_final(self) -> float:
         """Waits for the final save's commit; returns that save's blocking time (0 without a final save)."""
@@ -314,7 +311,7 @@ class StopOnSignal(Callback):
         cause = self.preemption.signal_name or "a signal to another process"
         if self.checkpoints is None:
             raise Preempted(f"{cause} at step {step}; no workdir, so no checkpoint was written")
-        self.checkpoints.save(step, state)
+        self.checkpoints.on_step(step, metrics, state)
         self.checkpoints.checkpointer.wait()
         raise Preempted(f"{cause} at step {step}: checkpoint written to "
                         f"{self.checkpoints.checkpointer.directory / str(step)}; rerun the same command to resume")

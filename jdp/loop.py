@@ -124,7 +124,7 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
         logical = parallel.to_logical(run.state)
         halted = int(logical.step.addressable_data(0))
         if checkpoints is not None and halted % parallel.sync.agrees_every == 0:
-            checkpoints.save(halted, logical)
+            checkpoints.on_step(halted, {}, logical)
         raise
     except BaseException as e:
         if jax.process_count() > 1 and not isinstance(e, (NonFiniteLossError, Preempted, ReplicaMismatchError)):
