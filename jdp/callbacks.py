@@ -39,6 +39,7 @@ class Run:
     start: int  # the step the run started (or resumed) from
     batch_size: int
     state: Any  # the train state after the latest step, in the compiled step's layout
+    options: Any  # jdp.FitOptions
     tokens_per_example: int = 0  # a language model's tokens per example (0: not counted in tokens)
 
 
@@ -97,8 +98,8 @@ def as_callback(given: Any) -> Callback:
 class TrainLog(Callback):
     """Per-step losses, the clock (from the first step's end), the noise scale; train lines of means every `every`."""
 
-    def __init__(self, run: Run, every: int, precision: str) -> None:
-        self.run, self.log_every, self.precision = run, every, precision
+    def __init__(self, run: Run) -> None:
+        self.run = run
         self.noise_scale: NoiseScale | None = None
         self.losses: list[float] = []
         self.window: dict[str, float] = {}
@@ -122,7 +123,7 @@ class TrainLog(Callback):
                 self.noise_scale.update(metrics)
             self.window.update({k: self.window.get(k, 0.0) + v for k, v in metrics.items() if k not in _AS_REPORTED})
             self.window_steps += 1
-        if (step % self.log_every == 0 or step == run.steps) and self.window_steps:
+        if (step % run.options.log_every == 0 or step == run.steps) and self.window_steps:
             line = {k: v / self.window_steps for k, v in self.window.items()}
             # Fewer than log_every: the first line after a resume, the last one, or steps left out above.
             line["window_steps"] = self.window_steps
@@ -136,7 +137,7 @@ class TrainLog(Callback):
             line["comm_bytes_per_step"] = run.parallel.comm_bytes_per_step
             if run.parallel.comm_cross_group_bytes_per_step is not None:  # a hybrid mesh: what crosses its groups
                 line["comm_cross_group_bytes_per_step"] = run.parallel.comm_cross_group_bytes_per_step
-            if self.precision == "fp16":  # loss-scale overflows skip an update but are not failures
+            if run.options.precision == "fp16":  # loss-scale overflows skip an update but are not failures
                 line.update(loss_scale=metrics["loss_scale"], overflow_steps=int(metrics["overflow_steps"]))
             run.writer.train(step, line)
             self.window, self.window_steps = {}, 0
@@ -152,9 +153,8 @@ class NonFiniteGuard(Callback):
 
     WINDOW = 100
 
-    def __init__(self, run: Run, policy: str, max_skipped_fraction: float, sync_period: int, precision: str) -> None:
-        self.run, self.policy, self.max_skipped_fraction = run, policy, max_skipped_fraction
-        self.sync_period, self.precision = sync_period, precision  # the sync strategy's `agrees_every`
+    def __init__(self, run: Run) -> None:
+        self.run = run
         self.recent: collections.deque[bool] = collections.deque(maxlen=self.WINDOW)
         self.warned = False
 
@@ -163,20 +163,21 @@ class NonFiniteGuard(Callback):
         self.recent.append(bad)
         if not bad:
             return
-        if self.policy == "halt":
-            saved = ("the state from before it is saved" if (step - 1) % self.sync_period == 0 else
+        options, period = self.run.options, self.run.parallel.sync.agrees_every
+        if options.on_nonfinite == "halt":
+            saved = ("the state from before it is saved" if (step - 1) % period == 0 else
                      f"the last checkpoint stays the latest (local SGD saves only at sync points, every "
-                     f"{self.sync_period} steps)")
+                     f"{period} steps)")
             raise NonFiniteLossError(
                 f"non-finite {self._cause(step, metrics)} at step {step}; {saved}; rerun to resume, skipping such "
                 "steps (on_nonfinite='skip'; --config.train.on_nonfinite=skip), or with a lower learning rate or "
                 f"clipped gradients ({FIXES}) and allow_config_change=True "
                 "(--config.checkpoint.allow_config_change=True)")
         skipped = sum(self.recent)
-        if skipped > self.max_skipped_fraction * self.WINDOW:
+        if skipped > options.max_skipped_fraction * self.WINDOW:
             raise NonFiniteLossError(
                 f"{skipped} of the last {len(self.recent)} steps were skipped as non-finite, more than "
-                f"max_skipped_fraction={self.max_skipped_fraction:g} of {self.WINDOW} "
+                f"max_skipped_fraction={options.max_skipped_fraction:g} of {self.WINDOW} "
                 f"(--config.train.max_skipped_fraction); the latest, step {step}, had non-finite "
                 f"{self._cause(step, metrics)}; the state is saved; fix the data, lower the learning rate or clip "
                 f"gradients ({FIXES})")
@@ -195,7 +196,7 @@ class NonFiniteGuard(Callback):
         if not math.isfinite(loss):
             # Loss scaling rescues gradients, not the forward pass: a float16 overflow there is not retried.
             fp16 = ("; under precision=fp16 the forward pass overflowed float16; precision=bf16 has float32's range"
-                    if self.precision == "fp16" else "")
+                    if self.run.options.precision == "fp16" else "")
             return f"loss ({loss}) from finite inputs{fp16}"
         return f"gradients (the loss, {loss:.4g}, was finite)"
 
@@ -221,8 +222,8 @@ class Checkpoints(Every):
         self.stalls: list[float] = []  # the blocking time of each save made during training
         self.final_call_s: float | None = None  # the final save's: nothing trains behind it, so not a stall
 
-    def save(self, step: int, state: Any) -> None:
-        """`state`: the logical train state after `step`."""
+    def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
+        """Saves `state`, the logical train state after `step` (also on a halt or a signal: `metrics` unused)."""
         with self.run.clock.paused():
             t = time.perf_counter()
             # The data position is informative: a source reads any step directly.
@@ -232,9 +233,6 @@ class Checkpoints(Every):
             self.final_call_s = elapsed
         else:
             self.stalls.append(elapsed)
-
-    def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
-        self.save(step, state)
 
     def finish_final(self) -> float:
         """Waits for the final save's commit; returns that save's blocking time (0 without a final save)."""
@@ -300,21 +298,20 @@ class StopOnSignal(Callback):
     """SIGTERM or SIGINT to any process: every process stops at the same step (a sync point), checkpoints there and
     raises Preempted."""
 
-    def __init__(self, run: Run, preemption: PreemptionRequest, checkpoints: Checkpoints | None,
-                 sync_period: int) -> None:
-        self.run, self.preemption, self.checkpoints, self.sync_period = run, preemption, checkpoints, sync_period
+    def __init__(self, run: Run, preemption: PreemptionRequest, checkpoints: Checkpoints | None) -> None:
+        self.run, self.preemption, self.checkpoints = run, preemption, checkpoints
         self.agreement = distributed_lib.StopAgreement()
         self.agreed = False
 
     def due(self, step: int) -> bool:
         self.agreed |= self.agreement.should_stop(step, self.preemption.signal_name is not None)
-        return self.agreed and step % self.sync_period == 0
+        return self.agreed and step % self.run.parallel.sync.agrees_every == 0
 
     def on_step(self, step: int, metrics: dict[str, float], state: Any) -> None:
         cause = self.preemption.signal_name or "a signal to another process"
         if self.checkpoints is None:
             raise Preempted(f"{cause} at step {step}; no workdir, so no checkpoint was written")
-        self.checkpoints.save(step, state)
+        self.checkpoints.on_step(step, metrics, state)
         self.checkpoints.checkpointer.wait()
         raise Preempted(f"{cause} at step {step}: checkpoint written to "
                         f"{self.checkpoints.checkpointer.directory / str(step)}; rerun the same command to resume")
@@ -334,13 +331,11 @@ class KillAfterStep(Callback):
         faults.inject("raise", step)
 
 
-def builtin(run: Run, options: Any, checkpoints: Checkpoints | None, preemption: PreemptionRequest,
-            log: TrainLog, evaluation: Evaluation) -> list[Callback]:
+def builtin(run: Run, checkpoints: Checkpoints | None, preemption: PreemptionRequest, log: TrainLog,
+            evaluation: Evaluation) -> list[Callback]:
     """jdp's own callbacks, in the order they run."""
-    kill_at = faults.requested_step()
-    every = run.parallel.sync.agrees_every
-    return [log, NonFiniteGuard(run, options.on_nonfinite, options.max_skipped_fraction, every, options.precision),
-            StopOnSignal(run, preemption, checkpoints, every),
+    kill_at, options, every = faults.requested_step(), run.options, run.parallel.sync.agrees_every
+    return [log, NonFiniteGuard(run), StopOnSignal(run, preemption, checkpoints),
             # Replicas agree every `every` steps: the default period rounds up to a multiple (others are refused).
             ReplicaCheck(run, -(-options.check_replicas_every // every) * every),
             *([checkpoints] if checkpoints else []),

@@ -95,13 +95,13 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
     on_start(start)
     writer = MetricsWriter(workdir, total_steps=steps, start_step=start, enabled=jax.process_index() == 0)
     run = callbacks_lib.Run(parallel, source, writer, ThroughputClock(), workdir, steps, start, global_batch_size,
-                          parallel.to_devices(logical), optional(source, "tokens_per_example"))
+                          parallel.to_devices(logical), options, optional(source, "tokens_per_example"))
     _header(run, engine, options)
     callbacks = [callbacks_lib.as_callback(c) for c in options.callbacks]
     writer.listeners = [c.on_line for c in callbacks]  # called by process 0 alone, which writes the lines
     for callback in callbacks:
         callback.on_start(start, workdir, record)
-    log = callbacks_lib.TrainLog(run, options.log_every, options.precision)
+    log = callbacks_lib.TrainLog(run)
     evaluation = callbacks_lib.Evaluation(run, options.eval_every)
     checkpoints = callbacks_lib.Checkpoints(run, checkpointer) if checkpointer is not None else None
     eval_missing, summary_missing = _missing_results(run, options.eval_every)
@@ -110,8 +110,7 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
             if eval_missing:  # the run was stopped between saving the checkpoint at `start` and its eval line
                 evaluation.on_step(start, {}, run.state)
             with PreemptionRequest() as preemption:
-                _steps(run, [*callbacks_lib.builtin(run, options, checkpoints, preemption, log, evaluation),
-                             *callbacks])
+                _steps(run, [*callbacks_lib.builtin(run, checkpoints, preemption, log, evaluation), *callbacks])
             _summary(run, log, evaluation, checkpoints, time.perf_counter() - t_start)
         else:
             writer.echo(f"nothing to do: {workdir} is at step {start}, steps is {steps}")
@@ -125,7 +124,7 @@ def _train(engine: Engine, options: FitOptions, steps: int, global_batch_size: i
         logical = parallel.to_logical(run.state)
         halted = int(logical.step.addressable_data(0))
         if checkpoints is not None and halted % parallel.sync.agrees_every == 0:
-            checkpoints.save(halted, logical)
+            checkpoints.on_step(halted, {}, logical)
         raise
     except BaseException as e:
         if jax.process_count() > 1 and not isinstance(e, (NonFiniteLossError, Preempted, ReplicaMismatchError)):

@@ -3,14 +3,10 @@ key, `"loss"` among them, and optionally a `"weight"` of the same shape; jdp ave
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 import jax.numpy as jnp
 
-from jdp.modeldef import LossFn, ModelDef, call_loss
-
-Tree = Any
+from jdp.modeldef import LossFn, ModelDef, Tree, call_loss
 
 
 def weighted_sums(outputs: dict[str, jax.Array], mask_B: jax.Array | None = None

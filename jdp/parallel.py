@@ -72,17 +72,10 @@ class DataParallel:
         backend, eval_fn, schedule = options.fit.backend, options.fit.eval_fn or loss_fn, options.fit.schedule
         self.backend, self.mesh, self.sync = backend, mesh, sync
         self._eval_derived = options.fit.eval_derived  # more eval metrics from the eval means
-        if device_axes(mesh) != DATA_AXIS and backend != "shard_map":
-            raise ValueError(f"a mesh of axes {mesh.axis_names} needs shard_map, not {backend}")
         shards = mesh.shape[DATA_AXIS]  # the devices a sharded leaf is split over: all, or one group's
-        self._layouts = layouts = _checked_layouts(sync, abstract_state, mesh.size)
+        self._layouts = layouts = _checked_layouts(sync, abstract_state, mesh, backend)
         self._state_specs = sync.state_specs(abstract_state, shards, device_axes(mesh))
         self.per_device = jax.tree.map(lambda layout: layout == PER_DEVICE, layouts)
-        if backend == "jit" and any(jax.tree.leaves(self.per_device)):
-            raise FitError(f"{sync!r} keeps per-device state, which needs a per-device step; use backend "
-                           "'shard_map' or 'pmap', not jit")
-        if backend == "pmap" and SHARDED in jax.tree.leaves(layouts):
-            raise FitError(f"{sync!r} keeps sharded state, which needs backend 'shard_map' or 'jit', not pmap")
         self.logical_shardings = _logical_shardings(mesh, layouts, abstract_state,
                                                     sync.shard_axes(abstract_state, shards))
         jit = backend == "jit"  # one call on the global batch (`axis_name=None`), else one per device
@@ -244,8 +237,11 @@ def _differing_leaves(tree: Tree, axis_name: str | tuple[str, ...] = DATA_AXIS) 
     return (jax.lax.pmax(sums, axis_name) != jax.lax.pmin(sums, axis_name)).any(-1)
 
 
-def _checked_layouts(sync: Sync, abstract_state: Any, num_devices: int) -> Any:
-    """`sync.layouts(abstract_state)`, checked (FitError): a known layout a leaf, a row per device if per-device."""
+def _checked_layouts(sync: Sync, abstract_state: Any, mesh: Mesh, backend: str) -> Any:
+    """`sync.layouts(abstract_state)`, checked (FitError): a known layout a leaf, a row per device if per-device,
+    and a backend that can run them on `mesh`."""
+    if device_axes(mesh) != DATA_AXIS and backend != "shard_map":
+        raise ValueError(f"a mesh of axes {mesh.axis_names} needs shard_map, not {backend}")
     layouts = sync.layouts(abstract_state)
     try:
         kinds = jax.tree.structure(abstract_state).flatten_up_to(layouts)
@@ -256,7 +252,12 @@ def _checked_layouts(sync: Sync, abstract_state: Any, num_devices: int) -> Any:
         where = f"{sync!r}.layouts gives the train state's {jax.tree_util.keystr(path)}"
         if layout not in (REPLICATED, PER_DEVICE, SHARDED):
             raise FitError(f"{where} the layout {layout!r}; give {REPLICATED!r}, {PER_DEVICE!r} or {SHARDED!r}")
-        if layout == PER_DEVICE and x.shape[:1] != (num_devices,):
+        if layout == PER_DEVICE and x.shape[:1] != (mesh.size,):
             raise FitError(f"{where} a row per device, but its init_state made it of shape {x.shape}: a "
-                           f"per-device leaf's first axis is the {num_devices} devices")
+                           f"per-device leaf's first axis is the {mesh.size} devices")
+    if backend == "jit" and PER_DEVICE in kinds:
+        raise FitError(f"{sync!r} keeps per-device state, which needs a per-device step; use backend 'shard_map' or "
+                       "'pmap', not jit")
+    if backend == "pmap" and SHARDED in kinds:
+        raise FitError(f"{sync!r} keeps sharded state, which needs backend 'shard_map' or 'jit', not pmap")
     return layouts

@@ -187,23 +187,19 @@ def _check_loss(model_def: ModelDef, loss_fn: LossFn, eval_fn: LossFn, abstract:
     first_eval = next(iter(source.eval_batches()), None) if optional(source, "num_eval") else None
     eval_rows = {k: v for k, v in first_eval.items() if k != "mask"} if first_eval else rows
     compute_dtype = COMPUTE_DTYPES[options.precision]
-    names, n, device_input = mesh.axis_names, mesh.size, optional(source, "device_input")
+    n, device_input = mesh.size, optional(source, "device_input")
+    axis_env = [(axis, 1) for axis in mesh.axis_names]  # each of one device here, for synced BatchNorm's reductions
     for name, fn, train, batch in (("loss_fn", loss_fn, True, rows), ("eval_fn", eval_fn, False, eval_rows)):
         batch_rows = len(next(iter(batch.values()))) // max(1, n // jax.process_count())  # one device's
-        ones = {k: jax.ShapeDtypeStruct((1,) * len(names) + (batch_rows, *v.shape[1:]), v.dtype)
-                for k, v in batch.items()}
+        one_device = {k: jax.ShapeDtypeStruct((batch_rows, *v.shape[1:]), v.dtype) for k, v in batch.items()}
         def call(state, batch, fn=fn, train=train):
             params, batch = state.params, device_input(batch)
             if train:  # as the step casts them (eval runs in float32)
                 params = cast_floating(params, compute_dtype)
                 batch = {k: v if k in options.keep_fp32 else cast_floating(v, compute_dtype) for k, v in batch.items()}
             return run_loss(model_def, fn, params, state.model_state, state.rng_state, batch, train=train)[0]
-        try:  # vmapped over an axis of one for each mesh axis, which synced BatchNorm reduces over
-            per_device = call
-            for axis in names:
-                per_device = jax.vmap(per_device, in_axes=(None, 0), axis_name=axis)
-            jaxpr, outputs = jax.make_jaxpr(per_device, return_shape=True)(abstract, ones)
-            outputs = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[len(names):], x.dtype), outputs)
+        try:
+            jaxpr, outputs = jax.make_jaxpr(call, axis_env=axis_env, return_shape=True)(abstract, one_device)
         except Exception as e:  # noqa: BLE001 - the user's code failed on the batch: say where, in one line
             shapes = ", ".join(f"{k!r}: {v.shape[1:]}" for k, v in sorted(batch.items()))
             raise FitError(f"{name}(model, batch) failed on {'a train' if train else 'an eval'} batch of rows "
