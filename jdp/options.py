@@ -159,6 +159,11 @@ class View:
     def use(self, name: str, value: Any) -> str:
         return f"--config.{BY_NAME[name].key}={value}" if self.config else f"{name}={value!r}"
 
+    @staticmethod
+    def default(name: str) -> Any:
+        """The option's default (jdp.sync.flags cannot import jdp.options, which imports it)."""
+        return DEFAULTS[name]
+
 
 FIT_NAMES, CONFIG_NAMES = View(), View(config=True)
 _KINDS = {int: (numbers.Integral, "an int"), float: (numbers.Real, "a number"), bool: (bool, "True or False"),

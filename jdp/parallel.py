@@ -194,12 +194,6 @@ class DataParallel:
         self.memory = {**memory_lib.state_memory(state), **memory_lib.memory_analysis(compiled)}
         return compiled
 
-    def read_collectives(self, state: step_lib.TrainState, batch: dict[str, jax.Array]) -> float:
-        """`comm_bytes_per_step` (`jdp.hlo`), compiling the train step if not yet."""
-        if self._compiled_train is None:
-            self.compile_train(state, batch)
-        return self.comm_bytes_per_step
-
     def to_host(self, tree: Tree) -> Tree:
         """A logical tree as numpy (`jdp.mesh.to_numpy`; all processes call it together); of a train state's
         per-device leaf, the rows of this process's devices."""

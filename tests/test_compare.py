@@ -10,7 +10,7 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
-from flax import nnx
+from flax import nnx, traverse_util
 
 if os.environ.get("CI"):
     import torch  # noqa: F401 - in CI a missing torch (the `compare` extra) fails these tests, never skips them
@@ -45,6 +45,20 @@ CASES = {
 }
 
 
+def jdp_to_torch(params, model_state, model):
+    """jdp's pure dicts -> a state_dict for the twin `model`."""
+    return weights.flat_to_torch({**params_file.flatten(params, "params"),
+                                  **params_file.flatten(model_state, "model_state")}, model)
+
+
+def torch_to_jdp(state_dict, model):
+    """A twin's state_dict -> (params, model_state) pure dicts shaped like jdp's (as nnx.to_pure_dict's)."""
+    flat = weights.torch_to_flat(state_dict, model)
+    return tuple(traverse_util.unflatten_dict({tuple(int(p) if p.isdigit() else p for p in key.split("/")[1:]): value
+                                               for key, value in flat.items() if key.startswith(prefix + "/")})
+                 for prefix in ("params", "model_state"))
+
+
 @functools.cache
 def _built(name):
     cfg = CASES[name].copy_and_resolve_references()
@@ -74,8 +88,8 @@ def _twin(b):
 def test_weights_round_trip_exactly(name):
     b, params, model_state = _jdp_state(name)
     twin = _twin(b)
-    twin.load_state_dict(weights.jdp_to_torch(params, model_state, twin), strict=True)
-    back_params, back_state = weights.torch_to_jdp(twin.state_dict(), twin)
+    twin.load_state_dict(jdp_to_torch(params, model_state, twin), strict=True)
+    back_params, back_state = torch_to_jdp(twin.state_dict(), twin)
     abstract = b.abstract_state
     assert jax.tree.structure(back_params) == jax.tree.structure(abstract.params)
     assert jax.tree.structure(back_state) == jax.tree.structure(abstract.model_state)
@@ -91,7 +105,7 @@ def test_weights_round_trip_exactly(name):
     original = {k: (torch.rand(v.shape, generator=generator) if v.is_floating_point() else v + 7)
                 for k, v in twin.state_dict().items()}
     twin.load_state_dict(original)
-    again = weights.jdp_to_torch(*weights.torch_to_jdp(twin.state_dict(), twin), twin)
+    again = jdp_to_torch(*torch_to_jdp(twin.state_dict(), twin), twin)
     assert again.keys() == original.keys()
     assert all(torch.equal(again[k], original[k]) for k in original)
 
@@ -102,7 +116,7 @@ def test_twin_computes_what_jdp_computes(name):
     a train-mode forward (momentum and biased variance conventions)."""
     b, params, model_state = _jdp_state(name)
     twin = _twin(b)
-    twin.load_state_dict(weights.jdp_to_torch(params, model_state, twin))
+    twin.load_state_dict(jdp_to_torch(params, model_state, twin))
     x = b.source.train_batch(0)["x"][:8]
     for train in (False, True):
         logits, new_state = logits_and_state(b.model, params, model_state, x, train=train, rng_state=b.rng_state)
@@ -110,7 +124,7 @@ def test_twin_computes_what_jdp_computes(name):
         with torch.no_grad():
             twin_logits = twin(torch_models.prepare_input(twin, x)).numpy()
         np.testing.assert_allclose(twin_logits, np.asarray(logits), rtol=1e-4, atol=1e-5 * np.abs(twin_logits).max())
-        _, twin_state = weights.torch_to_jdp(twin.state_dict(), twin)
+        _, twin_state = torch_to_jdp(twin.state_dict(), twin)
         for want, got in zip(jax.tree.leaves(new_state), jax.tree.leaves(twin_state), strict=True):
             np.testing.assert_allclose(got, np.asarray(want), rtol=1e-5, atol=1e-6)
 
@@ -133,7 +147,7 @@ def test_resnet_gradients_agree_in_float64():
 
         grads = params_file.flatten(jax.grad(loss)(as64(params)), "params")
     twin = _twin(b)
-    twin.load_state_dict(weights.jdp_to_torch(params, model_state, twin))
+    twin.load_state_dict(jdp_to_torch(params, model_state, twin))
     twin.double()
     half = len(rows["y"]) // 2
     for rows_slice in (slice(0, half), slice(half, None)):  # DDP: each rank's mean loss, gradients averaged
@@ -151,7 +165,7 @@ def test_weights_name_what_does_not_fit():
     twin = _twin(b)
     del params["layers"][1]["bias"]
     with pytest.raises(ValueError, match="params/layers/1/bias"):
-        weights.jdp_to_torch(params, model_state, twin)
+        jdp_to_torch(params, model_state, twin)
 
 
 # MNIST-1D-shaped synthetic data: the same inputs as MNIST-1D without generating it in every process.
@@ -243,14 +257,14 @@ def test_optimizers_follow_optax(optim):
     extra = {"params": params} if "params" in inspect.signature(optim_lib.build_optimizer).parameters else {}
     tx, schedule = optim_lib.build_optimizer(cfg.optim, cfg.train.global_batch_size, cfg.train.steps, **extra)
     twin = _twin(_built("mlp")[0])
-    twin.load_state_dict(weights.jdp_to_torch(params, model_state, twin))
+    twin.load_state_dict(jdp_to_torch(params, model_state, twin))
     optimizer = ddp.make_optimizer(cfg.optim, twin)
     opt_state, rng = tx.init(params), np.random.default_rng(0)
     for step_index in range(5):
         grads = jax.tree.map(lambda p: rng.standard_normal(p.shape).astype(np.float32) * 0.1, params)
         updates, opt_state = tx.update(grads, opt_state, params)
         params = jax.tree.map(np.asarray, optax.apply_updates(params, updates))
-        torch_grads = weights.jdp_to_torch(grads, {}, twin)
+        torch_grads = jdp_to_torch(grads, {}, twin)
         for name, p in twin.named_parameters():
             p.grad = torch_grads[name].clone()
         if cfg.optim.grad_clip_norm:
@@ -258,7 +272,7 @@ def test_optimizers_follow_optax(optim):
         for group in optimizer.param_groups:
             group["lr"] = float(schedule(step_index))
         optimizer.step()
-        twin_params, _ = weights.torch_to_jdp(twin.state_dict(), twin)
+        twin_params, _ = torch_to_jdp(twin.state_dict(), twin)
         for want, got in zip(jax.tree.leaves(params), jax.tree.leaves(twin_params), strict=True):
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
 
@@ -359,7 +373,7 @@ def test_the_twin_of_a_scanned_gpt_loads_its_stacked_weights():
     params, model_state = jax.tree.map(np.asarray, (state.params, state.model_state))
     assert params["blocks"]["layers"]["attn"]["qkv"]["kernel"].shape[0] == 2
     twin = torch_models.build_twin(cfg.model, b.source.input_shape, b.source.num_classes)
-    twin.load_state_dict(weights.jdp_to_torch(params, model_state, twin), strict=True)
+    twin.load_state_dict(jdp_to_torch(params, model_state, twin), strict=True)
     x = b.source.train_batch(0)["x"][:8]
     logits, _ = logits_and_state(b.model, params, model_state, x, train=False,
                                  rng_state=jax.tree.map(np.asarray, state.rng_state))

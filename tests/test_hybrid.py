@@ -67,7 +67,7 @@ def _compiled_bytes(strategy):
                      global_batch_size=32, options=FitOptions(num_devices=8, sync=strategy))
     parallel = engine.parallel
     state = parallel.to_devices(engine.init_state())
-    parallel.read_collectives(state, parallel.shard_batch(engine.source.train_batch(0)))
+    parallel.compile_train(state, parallel.shard_batch(engine.source.train_batch(0)))
     return engine, parallel
 
 

@@ -125,7 +125,8 @@ def test_its_bytes_are_read_from_the_compiled_program_and_match_the_hand_count()
     engine = prepare(lambda: Regressor(nnx.Rngs(0)), mse, regression_data(), optimizer=optax.sgd(0.1),
                      global_batch_size=32, options=FitOptions(num_devices=4, sync=SignEF()))
     state = engine.parallel.to_devices(engine.init_state())
-    sent = engine.parallel.read_collectives(state, engine.parallel.shard_batch(engine.source.train_batch(0)))
+    engine.parallel.compile_train(state, engine.parallel.shard_batch(engine.source.train_batch(0)))
+    sent = engine.parallel.comm_bytes_per_step
     leaves = jax.tree.leaves(engine.abstract_state.params)
     sums = 3 * 4  # the loss's and the abs_err's weighted sums, and the weight total, float32
     assert sent == sum(math.ceil(leaf.size / 8) + 4 for leaf in leaves) + sums

@@ -99,7 +99,8 @@ def test_it_sends_dilocos_bytes_spread_over_the_round():
         engine = prepare(lambda: Net(nnx.Rngs(0)), mse, _data(), optimizer=optax.sgd(0.1), global_batch_size=BATCH,
                          options=FitOptions(num_devices=N, sync=sync, eval_every=0))
         state = engine.parallel.to_devices(engine.init_state())
-        return engine.parallel.read_collectives(state, engine.parallel.shard_batch(engine.source.train_batch(0)))
+        engine.parallel.compile_train(state, engine.parallel.shard_batch(engine.source.train_batch(0)))
+        return engine.parallel.comm_bytes_per_step
 
     assert sent(StreamingDiLoCo(every=4, fragments=2)) == pytest.approx(sent(DiLoCo(every=4)))
 

@@ -1,4 +1,4 @@
-"""`comm_bytes_per_step` (`DataParallel.read_collectives`, `jdp.hlo`): the operand bytes each device hands the
+"""`comm_bytes_per_step` (`DataParallel.compile_train`, `jdp.hlo`): the operand bytes each device hands the
 collectives of the compiled (partitioned) train step, against each strategy's count written out here by hand.
 
 The model has no scalar parameter, so the program's rank-0 collective operands are the step's few sums (loss
@@ -41,8 +41,8 @@ def _compiled(n: int, optimizer: optax.GradientTransformation, **options) -> tup
     parallel = engine.parallel
     state, batch = parallel.to_devices(engine.init_state()), parallel.shard_batch(engine.source.train_batch(0))
     state, _ = parallel.train_step(state, batch)
-    sent = parallel.read_collectives(state, batch)
-    assert parallel.comm_bytes_per_step == sent
+    parallel.compile_train(state, batch)
+    sent = parallel.comm_bytes_per_step
     assert all(leaf.ndim > 0 for leaf in jax.tree.leaves(engine.abstract_state.params))  # scalars = the sums
     lowered = parallel.lower_train(state, batch)
     return sent, lowered.compile().as_text(), lowered.as_text(dialect="hlo"), engine.abstract_state

@@ -11,11 +11,9 @@ from typing import Any
 
 import numpy as np
 import torch
-from flax import traverse_util
 from torch import nn
 
 from jdp.compare.torch_models import BatchNorm
-from jdp.params_file import flatten
 
 Flat = dict[str, np.ndarray]
 
@@ -79,15 +77,3 @@ def torch_to_flat(state_dict: dict[str, torch.Tensor], model: nn.Module) -> Flat
     return {jdp_key: np.ascontiguousarray(_convert(kind, state_dict[key].detach().cpu().numpy(), flatten_from, False))
             for jdp_key, key, kind, flatten_from in _entries(model)}
 
-
-def jdp_to_torch(params: dict, model_state: dict, model: nn.Module) -> dict[str, torch.Tensor]:
-    """jdp's pure dicts -> a state_dict for the twin `model`."""
-    return flat_to_torch({**flatten(params, "params"), **flatten(model_state, "model_state")}, model)
-
-
-def torch_to_jdp(state_dict: dict[str, torch.Tensor], model: nn.Module) -> tuple[dict, dict]:
-    """A twin's state_dict -> (params, model_state) pure dicts shaped like jdp's (as nnx.to_pure_dict's)."""
-    flat = torch_to_flat(state_dict, model)
-    return tuple(traverse_util.unflatten_dict({tuple(int(p) if p.isdigit() else p for p in key.split("/")[1:]): value
-                                               for key, value in flat.items() if key.startswith(prefix + "/")})
-                 for prefix in ("params", "model_state"))

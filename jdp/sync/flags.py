@@ -7,7 +7,6 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from jdp.options import DEFAULTS
 from jdp.sync.base import AllReduce, Sync
 from jdp.sync.diloco import DiLoCo
 from jdp.sync.hybrid import HybridShard
@@ -29,7 +28,7 @@ def chosen(o: dict[str, Any], view: Any, require: Callable[[bool, str], None]) -
         params = sync.params()
         require(isinstance(params, dict), f"{type(sync).__name__}.params() returned {params!r}; return a dict of "
                 "the parameters that define its numerics, by keyword")
-        changed = [flag for flag in FLAGS if o[flag] != DEFAULTS[flag]]
+        changed = [flag for flag in FLAGS if o[flag] != view.default(flag)]
         require(not changed, f"{n('sync')}={sync!r} is a strategy object, and {n(changed[0])}={o[changed[0]]!r} is a "
                 f"strategy setting: give it to the object, or leave {n(changed[0])} at its default" if changed
                 else "")
