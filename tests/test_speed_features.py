@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jdp import memory
 from jdp.cli.config import ConfigError
 from jdp.cli.train import build, run
-from jdp.perf import bench, measure
+from jdp.perf import bench
 from tests.helpers import max_abs_diff, records, small_config
 
 
@@ -46,7 +47,7 @@ def test_sharded_optimizer_memory_and_restore_on_other_device_counts(tmp_path):
     sections = {"optim": {"name": "adamw", "lr": 0.01}, "parallel": {"shard_optimizer": True}}
     b = build(small_config("mlp", num_devices=8, **sections))
     state = b.parallel.to_devices(b.init_state())
-    per_device = measure.per_device_bytes(state.opt_state)
+    per_device = memory.per_device_bytes(state.opt_state)
     whole = sum(x.nbytes for x in jax.tree.leaves(b.parallel.to_host(b.parallel.to_logical(state).opt_state)))
     assert per_device <= 1.1 * whole / 8
 

@@ -12,7 +12,6 @@ from jdp import precision
 from jdp.cli.build import build
 from jdp.cli.config import with_default_sync
 from jdp.memory import memory_analysis, state_memory
-from jdp.memory import per_device_bytes as per_device_bytes  # re-exported: where the bench's figures come from
 
 # The state's sharding on the devices, as `python -m jdp.bench --compile_only` compares them: sync strategy names.
 SHARDINGS = {"plain": "allreduce", "zero1": "zero1", "zero3": "zero3"}
