@@ -43,10 +43,10 @@ def __getattr__(name: str) -> object:
 
 def initialize(*, coordinator: str | None = None, num_processes: int | None = None, process_id: int | None = None,
                init_timeout_s: float = 120.0, heartbeat_timeout_s: float = 60.0, bind_address: str = "") -> None:
-    """Join a multi-process run (`jax.distributed`) from these arguments or the environment (JAX_*, torchrun's,
-    SLURM), before any other JAX work; alone, nothing happens. `bind_address` (HOST:PORT): where process 0's
-    coordinator listens ("0.0.0.0:PORT" or "[::]:PORT": every interface); "" = JAX_COORDINATOR_BIND_ADDRESS, else
-    the address the processes connect to (docs/cluster.md, "What the coordinator exposes")."""
+    """Join a multi-process run (`jax.distributed`) from these arguments or the environment (JAX_*, torchrun's
+    MASTER_ADDR/RANK/WORLD_SIZE, SLURM) before any other JAX work (JAX cannot join after); alone, nothing happens.
+    `bind_address` (HOST:PORT): where process 0's coordinator listens ("0.0.0.0:PORT" or "[::]:PORT": every
+    interface); "" = JAX_COORDINATOR_BIND_ADDRESS, else the address the processes connect to (docs/cluster.md)."""
     from jdp import distributed
 
     job = distributed.resolve(coordinator=coordinator, num_processes=num_processes, process_id=process_id)

@@ -254,7 +254,7 @@ def initialize(job: Job, *, init_timeout_s: float, heartbeat_timeout_s: float, b
     message = (f"jdp: distributed: not all {job.num_processes} processes joined within {init_timeout_s:g} s "
                f"({job.describe()}{bound}); start every process with the same coordinator and process count, check "
                "that the coordinator is reachable from every host, or raise distributed.init_timeout_s")
-    watchdog = threading.Timer(init_timeout_s, exit_now, args=(message, 5, True))
+    watchdog = threading.Timer(init_timeout_s, exit_now, args=(message, 5), kwargs={"flush_stdout": True})
     watchdog.daemon = True
     watchdog.start()
     # JAX's preemption notifier would take SIGTERM from jdp's handler; jdp agrees on its own stop step.

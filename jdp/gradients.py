@@ -37,9 +37,9 @@ def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef,
     if o.accum_lanes and layer_view is not None:  # the lanes' vmap lays the rows on the devices already: JAX refuses
         layer_view = layer_view._replace(carry=None)  # a sharding constraint on its spmd axis inside it
 
-    def loss(params: Tree, model_state: Tree, counts: Tree, micros: dict[str, jax.Array], index: int,
+    def loss(params: Tree, model_state: Tree, counts: Tree, micro: dict[str, jax.Array], index: jax.Array | int,
              folds: tuple[jax.Array, ...], groups: int):
-        micro = o.device_input(jax.tree.map(lambda a: a[index], micros))
+        micro = o.device_input(micro)
         micro = {key: v if key in o.fit.keep_fp32 else cast_floating(v, dtype) for key, v in micro.items()}
         with viewing(layer_view):
             outputs, new_model_state, counts = run_loss(
@@ -49,19 +49,29 @@ def local_gradients(state: Any, batch: dict[str, jax.Array], *, model: ModelDef,
         sums, weight = weighted_sums(outputs)
         return sums["loss"] / rows * scale, (sums, weight, new_model_state, counts)
 
+    grad_fn = jax.value_and_grad(loss, has_aux=True)
+
     def mean_grad_sq(grads: Tree, weight: jax.Array) -> jax.Array:
         """|gradient of the weighted mean|^2 from d(weighted sum)/rows (float32, loss scale removed)."""
         return sum_of_squares(grads) * (rows / scale / jnp.where(weight > 0, weight, 1.0)) ** 2
 
     def accumulate_all(micros: dict[str, jax.Array], folds: tuple[jax.Array, ...], groups: int):
-        """The micro-batches one after another: the sums, the state after the last, each one's |gradient|^2."""
-        model_state, counts, total, micro_sqs = state.model_state, state.rng_state["counts"], None, []
-        for index in range(k):
-            (_, (sums, weight, model_state, counts)), grads = jax.value_and_grad(loss, has_aux=True)(
-                state.params, model_state, counts, micros, index, folds, groups)
-            micro_sqs.append(mean_grad_sq(grads, weight) if o.noise_small_batches == "micro_batches" else 0.0)
-            total = (grads, sums, weight) if total is None else jax.tree.map(jnp.add, total, (grads, sums, weight))
-        return (total[0], model_state, counts, total[1], total[2]), jnp.stack(micro_sqs)
+        """The micro-batches one after another: the sums, the state after the last, each one's |gradient|^2. The
+        first is traced alone and the rest once, in an unrolled scan (a Python loop would trace each)."""
+        def one(model_state: Tree, counts: Tree, index: jax.Array | int):
+            (_, (sums, weight, model_state, counts)), grads = grad_fn(
+                state.params, model_state, counts, jax.tree.map(lambda a: a[index], micros), index, folds, groups)
+            micro_sq = mean_grad_sq(grads, weight) if o.noise_small_batches == "micro_batches" else jnp.float32(0)
+            return (grads, sums, weight), model_state, counts, micro_sq
+
+        def accumulate(carry, index):
+            added, model_state, counts, micro_sq = one(*carry[1:], index)
+            return (jax.tree.map(jnp.add, carry[0], added), model_state, counts), micro_sq
+
+        total, model_state, counts, first_sq = one(state.model_state, state.rng_state["counts"], 0)
+        (total, model_state, counts), micro_sqs = jax.lax.scan(accumulate, (total, model_state, counts),
+                                                               jnp.arange(1, k), unroll=True)
+        return (total[0], model_state, counts, total[1], total[2]), jnp.concatenate([first_sq[None], micro_sqs])
 
     if not o.accum_lanes:
         (grads, model_state, counts, sums, weight), micro_sqs = accumulate_all(micro_batches(batch, k), folds,

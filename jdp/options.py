@@ -161,7 +161,7 @@ class View:
 
     @staticmethod
     def default(name: str) -> Any:
-        """The option's default (jdp.sync.flags cannot import jdp.options, which imports it)."""
+        """The option's default (jdp.sync.flags, which jdp.options imports in `check`, does not import it back)."""
         return DEFAULTS[name]
 
 

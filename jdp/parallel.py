@@ -98,6 +98,9 @@ class DataParallel:
                            params_view=lambda params: sync.params_view(params, axis_name),
                            layer_view=sync.layer_view(axis_name, whole_mesh))
         step_shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), self._state_specs)
+        # The layout conversions at the step's boundary: the strategy's padded slices (pmap's stacked copy below).
+        self._to_step_layout = jax.jit(lambda t: sync.to_step_layout(t, shards), out_shardings=step_shardings)
+        self._to_logical = jax.jit(lambda t: sync.to_logical(t, abstract_state), out_shardings=self.logical_shardings)
         if jit:  # XLA partitions the one call and inserts the all-reduce (and a sharded state's gathers)
             inputs = (step_shardings, data_sharded(mesh))
             self._train = jax.jit(train, in_shardings=inputs, out_shardings=(step_shardings, replicated(mesh)),
@@ -120,10 +123,6 @@ class DataParallel:
                 lambda x, p: x if p else jnp.broadcast_to(x, (mesh.size, *x.shape)), t, self.per_device),
                 out_shardings=data_sharded(mesh))
             self._to_logical = jax.jit(lambda t: jax.tree.map(lambda x, p: x if p else x[0], t, self.per_device),
-                                       out_shardings=self.logical_shardings)
-        if backend != "pmap":  # the layout conversions at the step's boundary: the strategy's padded slices
-            self._to_step_layout = jax.jit(lambda t: sync.to_step_layout(t, shards), out_shardings=step_shardings)
-            self._to_logical = jax.jit(lambda t: sync.to_logical(t, abstract_state),
                                        out_shardings=self.logical_shardings)
         self._relayout = backend == "pmap" or any(spec != P() for spec in jax.tree.leaves(self._state_specs))
         # Each device checksums the bits of its own copy; pmax != pmin flags a leaf that differs.

@@ -23,17 +23,21 @@ EXIT_PEER_FAILED = 5  # jdp.cli.train's EXIT_DISTRIBUTED: another process (or th
 LAUNCH_FAILURE_FILE = "JDP_LAUNCH_FAILURE_FILE"
 
 
-def exit_now(message: str, code: int, flush_stdout: bool = False) -> None:
+def exit_now(message: str, code: int, flush_stdout: bool = False, leave: bool = False) -> None:
     """`message` on stderr and exit `code` at once, from any thread. `flush_stdout` where no signal handler runs it
-    (inside one, the main thread may hold stdout's lock, or a stalled reader may block the flush)."""
+    (inside one, the main thread may hold stdout's lock, or a stalled reader may block the flush). `leave`: first
+    `jdp.kvstore.leaving`, where a multi-process run imported it (a signal handler imports nothing)."""
     if flush_stdout:
         sys.stdout.flush()
     print(message, file=sys.stderr, flush=True)
+    if leave and (kvstore := sys.modules.get("jdp.kvstore")) is not None:
+        kvstore.leaving()
     os._exit(code)
 
 
-def _exit_if_peer_failed() -> None:
-    """A SIGTERM from jdp.launch after another process failed is no preemption: one line and exit 5 (no requeue)."""
+def _exit_if_peer_failed(flush_stdout: bool = False) -> None:
+    """A SIGTERM from jdp.launch after another process failed is no preemption: one line and exit 5 (no requeue).
+    `flush_stdout` from the watching thread only (see `exit_now`)."""
     if not (path := os.environ.get(LAUNCH_FAILURE_FILE)):  # unset, or "" for a child with no file
         return
     try:
@@ -42,7 +46,7 @@ def _exit_if_peer_failed() -> None:
         return
     exit_now(f"jdp: distributed: process {os.environ.get('RANK', '?')} stopped because another process failed "
              f"(jdp.launch: {failure}); exiting with code {EXIT_PEER_FAILED}, not {EXIT_PREEMPTED}: this is no "
-             "preemption (a rerun resumes from the last checkpoint)", EXIT_PEER_FAILED, flush_stdout=True)
+             "preemption (a rerun resumes from the last checkpoint)", EXIT_PEER_FAILED, flush_stdout)
 
 
 def _watch_for_peer_failure() -> None:
@@ -60,24 +64,16 @@ def _watch_for_peer_failure() -> None:
 
     def watch() -> None:
         while os.read(read, 1):
-            _exit_if_peer_failed()
+            _exit_if_peer_failed(flush_stdout=True)
 
     threading.Thread(target=watch, name="jdp-peer-failure", daemon=True).start()
 
 
-def _leave_the_run() -> None:
-    """`jdp.kvstore.leaving` where a multi-process run imported it (a signal handler imports nothing)."""
-    if (kvstore := sys.modules.get("jdp.kvstore")) is not None:
-        kvstore.leaving()
-
-
 def _exit_at_once(signum: int, frame: FrameType | None) -> None:
     _exit_if_peer_failed()
-    print(f"jdp: preempted: {signal.Signals(signum).name} outside the training steps; exiting with code "
-          f"{EXIT_PREEMPTED} (no step was lost: a rerun resumes from the last checkpoint, or starts over without one)",
-          file=sys.stderr, flush=True)
-    _leave_the_run()
-    os._exit(EXIT_PREEMPTED)
+    exit_now(f"jdp: preempted: {signal.Signals(signum).name} outside the training steps; exiting with code "
+             f"{EXIT_PREEMPTED} (no step was lost: a rerun resumes from the last checkpoint, or starts over without "
+             "one)", EXIT_PREEMPTED, leave=True)
 
 
 def exit_on_signal() -> None:
@@ -143,7 +139,6 @@ class _PreemptedExits:
         atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
-        _leave_the_run()
         os._exit(EXIT_PREEMPTED if preempted else EXIT_USAGE)
 
 

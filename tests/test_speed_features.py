@@ -254,9 +254,9 @@ def test_throughput_leaves_out_replica_checks_and_fetches_once_per_step(monkeypa
     paused = ThroughputClock.paused
 
     @contextlib.contextmanager
-    def spied(self):  # "pause" inside a block where the clock is stopped; "start" where it runs again after it
+    def spied(self):  # "pause" as the clock stops; "start" where it runs again after the block
         with paused(self):
-            events.append("pause" if self._started is None else "running")
+            events.append("pause")
             yield
         if self._started is not None:
             events.append("start")

@@ -17,9 +17,9 @@ def learning_rate(cfg: ml_collections.ConfigDict, global_batch_size: int, total_
     peak = cfg.lr * global_batch_size / 256 if cfg.scale_lr_by_batch else cfg.lr
     warmup = cfg.warmup_steps
     decay_steps = total_steps - warmup
-    after = {"cosine": optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr / peak),
-             "linear": optax.linear_schedule(peak, cfg.min_lr, decay_steps),
-             "constant": optax.constant_schedule(peak)}[cfg.schedule]
+    after = {"cosine": lambda: optax.cosine_decay_schedule(peak, decay_steps, alpha=cfg.min_lr / peak),
+             "linear": lambda: optax.linear_schedule(peak, cfg.min_lr, decay_steps),
+             "constant": lambda: optax.constant_schedule(peak)}[cfg.schedule]()  # only the chosen one is built
     if warmup == 0:
         return after
     return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), after], [warmup])

@@ -115,7 +115,7 @@ def train(rank: int, spec: dict) -> dict:
     model.to(device)
     compiled = torch.compile(model) if spec.get("compile") else model  # the same parameters
     autocast = torch.autocast(device_type=device.type, dtype=torch.bfloat16, enabled=cfg.precision == "bf16")
-    with warnings.catch_warnings():  # broadcast_buffers=True: rank 0's BatchNorm statistics on every rank at each step
+    with warnings.catch_warnings():  # broadcast_buffers=False: with True, rank 0's BatchNorm statistics overwrite all
         warnings.filterwarnings("ignore", message=".*broadcast_buffers.*", category=FutureWarning)  # torch 2.13 on
         ddp = DDP(compiled, device_ids=[rank] if device.type == "cuda" else None, broadcast_buffers=False)
     twin = ddp_twin(cfg)

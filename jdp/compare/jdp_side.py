@@ -21,7 +21,7 @@ def write_init(cfg, out: Path) -> None:
     one.parallel.num_devices, one.init_from = 1, ""
     state = build(one).init_state()
     arrays = {**flatten(state.params, "params"), **flatten(state.model_state, "model_state"), "step": np.int64(0)}
-    np.savez(out / "init.npz", **arrays)  # jdp.export's keys, through the module the compare layer may import
+    np.savez(out / "init.npz", **arrays)
     schedule = learning_rate(cfg.optim, cfg.train.global_batch_size, cfg.train.steps)
     (out / "lrs.json").write_text(json.dumps([float(schedule(t)) for t in range(cfg.train.steps)]))
 

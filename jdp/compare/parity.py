@@ -119,7 +119,8 @@ def parity(cfg, *, name: str, workers: int, steps: int, workdir: Path, tolerance
 
 
 def run_ddp(out: Path, init: Path, log: Path, what: str, timeout_s: float, **spec) -> procs.Finished:
-    """The DDP side (`jdp.compare.ddp`: the `spec` keys) on OUT/config.json, from the jdp side's files in `init`."""
+    """The DDP side (`jdp.compare.ddp`) on OUT/config.json, from the jdp side's files in `init`; `spec`: its mode,
+    workers, threads, device and compile, beside the paths, lrs and deadline this adds."""
     spec |= {"config": str(out / "config.json"), "out": str(out), "init": str(init / "init.npz"),
              "lrs": json.loads((init / "lrs.json").read_text()), "timeout_s": timeout_s, "launch_time": time.time()}
     (out / "ddp_spec.json").write_text(json.dumps(spec))

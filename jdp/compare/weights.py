@@ -1,7 +1,6 @@
-"""Weights both ways between jdp (pure dicts of params / model_state, or flat `jdp.export` names such as
-`params/layers/0/kernel`) and a `jdp.compare.torch_models` twin's state_dict. Each conversion is a transpose or a
-permutation (`_WEIGHTS`), so both round trips are exact; torch's `num_batches_tracked` stays the twin's own.
-"""
+"""Weights both ways between jdp's flat `jdp.export` names (`params/layers/0/kernel`) and a
+`jdp.compare.torch_models` twin's state_dict: each conversion a transpose or a permutation (`_WEIGHTS`), both round
+trips exact; torch's `num_batches_tracked` stays the twin's own."""
 
 from __future__ import annotations
 

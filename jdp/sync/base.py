@@ -174,7 +174,7 @@ class Sync:
     agrees_every = property(lambda self: self.every)  # steps between states a checkpoint can hold whole
     dtype_name, dtype = "fp32", jnp.float32  # what the gradient's collective sends (`__init__` sets them)
     noise_scale = False  # True: `reduce` returns the small batches' `small_sq` (`log_noise_scale`), via `averaged_sums`
-    shards_optimizer = False  # the optimizer updates slices of the leaves (the CLI refuses LAMB and LARS)
+    shards_optimizer = False  # the optimizer updates slices, its state sharded (`layouts`; the CLI refuses LAMB, LARS)
     shards_params = False  # the parameters are sharded too (ZeRO-3)
     per_device_state: tuple[str, ...] = ()  # keys of the strategy's own state (a dict) kept a row per device
 
